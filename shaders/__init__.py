@@ -1,0 +1,1 @@
+"""GLSL compute shaders of vkengine (sources only; vkengine.shaders compiles them)."""

@@ -1,0 +1,29 @@
+// Shared by every kernel: subgroup extensions, the workgroup-size specialization
+// constant and the "work items per workgroup" convention.
+//
+// Kernels assign whole work items (a matrix row, an attention head, a norm row)
+// to subgroups and reduce with subgroup operations only: no shared memory and no
+// barrier(), which keeps them fast on lavapipe (where barrier() is very slow) and
+// correct whatever subgroup size the driver picks (8 on lavapipe, 32 on NVIDIA,
+// 32 or 64 on AMD, 8-32 on Intel). A workgroup takes ITEMS_PER_WG items; its
+// subgroups take them in turn.
+#extension GL_KHR_shader_subgroup_basic : require
+#extension GL_KHR_shader_subgroup_arithmetic : require
+#extension GL_EXT_control_flow_attributes : require
+
+layout(local_size_x_id = 0, local_size_y = 1, local_size_z = 1) in;
+layout(constant_id = 1) const uint ITEMS_PER_WG = 4;
+
+// Grids larger than maxComputeWorkGroupCount[0] (65535 on lavapipe) are folded
+// into two dimensions by the host; this undoes the fold.
+uint workgroup_linear() {
+    return gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x;
+}
+
+// First and one-past-last work item of this workgroup.
+uvec2 workgroup_items(uint n_items) {
+    uint first = workgroup_linear() * ITEMS_PER_WG;
+    return uvec2(first, min(first + ITEMS_PER_WG, n_items));
+}
+
+float silu(float x) { return x / (1.0 + exp(-x)); }

@@ -1,0 +1,33 @@
+#version 450
+// Embedding lookup: y[r][:] = dequant(W[ids[r]][:]), ids read from the params
+// buffer. One invocation per (row, unit).
+#include "common.glsl"
+
+layout(binding = 0) readonly buffer Wq { uint wq[]; };
+layout(binding = 1) writeonly buffer Act { float act[]; };
+layout(binding = 2) readonly buffer Params { uint params[]; };
+
+layout(push_constant) uniform P {
+    uint w_off, w_off2;
+    uint K, n_rows;
+    uint ids_off;           // uint index into params
+    uint y_off, y_stride;
+} p;
+
+#include "quant.glsl"
+
+void main() {
+    uint units = units_per_row(p.K);
+    uint i = workgroup_linear() * gl_WorkGroupSize.x + gl_LocalInvocationID.x;
+    if (i >= p.n_rows * units) return;
+    uint r = i / units;
+    uint u = i % units;
+    uint id = params[p.ids_off + r];
+    vec4 v[UNIT_GROUPS];
+    uint xo[UNIT_GROUPS];
+    unit_load(p.w_off, p.w_off2, id, u, p.K, v, xo);
+    uint yb = p.y_off + r * p.y_stride;
+    [[unroll]] for (uint g = 0; g < UNIT_GROUPS; g++) {
+        [[unroll]] for (uint k = 0; k < 4; k++) act[yb + xo[g] + k] = v[g][k];
+    }
+}

@@ -1,0 +1,29 @@
+"""The one table of shader variants: name -> (source file, preprocessor defines).
+
+vkengine.shaders compiles every entry with glslc into a cache keyed by a hash of
+the sources and defines. Kernel wrappers (vkengine/kernels.py) refer to entries
+by name; workgroup size and items per workgroup are specialization constants
+set at pipeline creation, not variants.
+"""
+
+# Weight storage types understood by quant.glsl, by GGUF type name (lower case).
+WEIGHT_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
+
+# Columns of x that one workgroup multiplies against each dequantized weight unit
+# in the batched matmul variant.
+MATMUL_COLS = 8
+
+
+def _table() -> dict[str, tuple[str, dict[str, int]]]:
+    t: dict[str, tuple[str, dict[str, int]]] = {}
+    for wt in WEIGHT_TYPES:
+        d = {f"WT_{wt.upper()}": 1}
+        t[f"mul_mv_{wt}"] = ("mul_mv.comp", {**d, "NCOLS": 1})
+        t[f"mul_mm_{wt}"] = ("mul_mv.comp", {**d, "NCOLS": MATMUL_COLS})
+        t[f"get_rows_{wt}"] = ("get_rows.comp", d)
+    for op in ("rms_norm", "rope_kv", "attention", "swiglu", "add", "softmax", "argmax"):
+        t[op] = (f"{op}.comp", {})
+    return t
+
+
+VARIANTS = _table()

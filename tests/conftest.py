@@ -1,0 +1,80 @@
+"""Shared fixtures. The Vulkan device is created once per session; a test that
+needs Vulkan fails (never skips) when there is no device: CI must run them."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from vkengine.device import Device
+from vkengine.kernels import Kernels, Region
+
+POISON = np.uint32(0x7FC00000)   # a quiet NaN: unwritten outputs fail comparisons
+
+
+@pytest.fixture(scope="session")
+def device():
+    idx = os.environ.get("VKENGINE_DEVICE")
+    dev = Device(int(idx) if idx else None)
+    yield dev
+    dev.close()
+
+
+@pytest.fixture(scope="session")
+def kernels(device):
+    return Kernels(device)
+
+
+@pytest.fixture
+def rng(request):
+    # fresh inputs each run, but reproducible from the printed seed on failure
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed={seed}")
+    return np.random.default_rng(seed)
+
+
+class Workspace:
+    """An activation buffer (device-local, poisoned), a params buffer (host) and
+    a weight buffer, with helpers to place arrays and read them back."""
+
+    def __init__(self, device, act_words=4 << 20, weight_words=1 << 20, params_words=1 << 14):
+        self.device = device
+        self.act = device.buffer(act_words * 4, "device", "test-act")
+        self.weights = device.buffer(weight_words * 4, "device", "test-weights")
+        self.params = device.buffer(params_words * 4, "host", "test-params")
+        self._act_next = 0
+        self._w_next = 0
+        device.upload(self.act, np.full(act_words, POISON, np.uint32))
+        self.params.array()[:] = POISON
+
+    def close(self):
+        for b in (self.act, self.weights, self.params):
+            self.device.free(b)
+
+    def _take(self, attr, words):
+        off = getattr(self, attr)
+        setattr(self, attr, off + (words + 3) // 4 * 4)
+        return off
+
+    def act_region(self, words, data=None) -> Region:
+        r = Region(self.act, self._take("_act_next", words), words)
+        if data is not None:
+            self.device.upload(self.act, np.ascontiguousarray(data).reshape(-1).view(np.uint32), r.off * 4)
+        return r
+
+    def weight_region(self, data) -> Region:
+        a = np.ascontiguousarray(data).reshape(-1).view(np.uint32)
+        r = Region(self.weights, self._take("_w_next", a.size), a.size)
+        self.device.upload(self.weights, a, r.off * 4)
+        return r
+
+    def read(self, r: Region, dtype=np.float32) -> np.ndarray:
+        return self.device.download(r.buf, r.off * 4, r.words * 4, np.uint8).view(dtype)
+
+
+@pytest.fixture
+def ws(device):
+    w = Workspace(device)
+    yield w
+    w.close()

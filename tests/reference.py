@@ -1,0 +1,55 @@
+"""numpy reference implementations of the kernels (float64 where it matters)."""
+from __future__ import annotations
+
+import numpy as np
+
+from vkengine.rope import rope_table
+
+
+def rms_norm(x, w, eps):
+    x = x.astype(np.float64)
+    return (x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w).astype(np.float32)
+
+
+def rope(x, pos, n_rot, base, neox, freq_scale=1.0):
+    """x (rows, heads, hd) at positions pos (rows,): rotated copy (float64 math
+    with the same float32 cos/sin table as the device)."""
+    tab = rope_table(int(pos.max()) + 1, n_rot, base, freq_scale).astype(np.float64)
+    c = tab[pos, :, 0][:, None, :]
+    s = tab[pos, :, 1][:, None, :]
+    out = x.astype(np.float64).copy()
+    if neox:
+        h = n_rot // 2
+        a, b = x[..., :h].astype(np.float64), x[..., h:n_rot].astype(np.float64)
+        out[..., :h] = a * c - b * s
+        out[..., h:n_rot] = b * c + a * s
+    else:
+        a, b = x[..., 0:n_rot:2].astype(np.float64), x[..., 1:n_rot:2].astype(np.float64)
+        out[..., 0:n_rot:2] = a * c - b * s
+        out[..., 1:n_rot:2] = a * s + b * c
+    return out.astype(np.float32)
+
+
+def attention(q, k, v, scale):
+    """q (hq, hd) against k, v (t, hkv, hd): grouped-query softmax attention."""
+    hq, hkv = q.shape[0], k.shape[1]
+    g = hq // hkv
+    out = np.zeros_like(q, dtype=np.float64)
+    for h in range(hq):
+        kk = k[:, h // g, :].astype(np.float64)
+        vv = v[:, h // g, :].astype(np.float64)
+        s = kk @ q[h].astype(np.float64) * scale
+        p = np.exp(s - s.max())
+        out[h] = (p / p.sum()) @ vv
+    return out.astype(np.float32)
+
+
+def silu(x):
+    x = x.astype(np.float64)
+    return x / (1 + np.exp(-x))
+
+
+def softmax(x, axis=-1):
+    x = x.astype(np.float64)
+    e = np.exp(x - x.max(axis, keepdims=True))
+    return (e / e.sum(axis, keepdims=True)).astype(np.float32)

@@ -1,0 +1,325 @@
+"""Every kernel against a numpy reference: fresh random inputs, poisoned outputs
+(unwritten elements are NaN and fail), sizes that are not multiples of the
+workgroup or subgroup. Runs on whatever Vulkan device is present (lavapipe in
+CI, the H200 through tests/gpu/run_on_gpu.sh)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from shaders.variants import WEIGHT_TYPES
+from vkengine.kernels import Region
+
+from . import reference as ref
+from .quant_util import K_QUANTS, random_quantized, upload_matrix
+
+
+def _cols(wt: str) -> int:
+    return 512 if wt in K_QUANTS else 96
+
+
+def _close(got, want, rtol=1e-4, atol_scale=1e-5):
+    """float32 accumulation in a different order than the float64 reference."""
+    atol = atol_scale * max(1.0, float(np.abs(want).max()))
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
+
+
+# -- readback, transfers, ordering ------------------------------------------------
+
+def test_readback_host_buffer_is_a_correct_view(device):
+    b = device.buffer(4 * 1000, "host", "t")
+    a = b.array()
+    assert a.strides == (4,) and a.shape == (1000,)
+    a[:] = np.arange(1000, dtype=np.uint32)
+    assert (b.array() == np.arange(1000)).all()
+    device.free(b)
+
+
+@pytest.mark.parametrize("nbytes", [4, 1000, 4099 * 4, 3 << 20])
+def test_upload_download_roundtrip(device, rng, nbytes):
+    b = device.buffer(nbytes + 64, "device", "t")
+    data = rng.integers(0, 2**32, nbytes // 4, dtype=np.uint32)
+    device.upload(b, data, 16)
+    got = device.download(b, 16, data.size * 4, np.uint32)
+    assert (got == data).all()
+    device.free(b)
+
+
+def test_upload_spans_staging_chunks(device, rng):
+    n = device._staging.nbytes // 4 * 2 + 123
+    b = device.buffer(n * 4, "device", "t")
+    data = rng.integers(0, 2**32, n, dtype=np.uint32)
+    device.upload(b, data)
+    assert (device.download(b, 0, n * 4, np.uint32) == data).all()
+    device.free(b)
+
+
+def test_dependent_dispatch_chain_is_ordered(device, kernels, ws, rng):
+    """200 dispatches, each reading what the previous one wrote (ping-pong
+    a <- b + c, b <- a + c over 1M floats): exact only if every dependency is
+    ordered. The program must have recorded a barrier between each pair."""
+    n = 1 << 20
+    a = ws.act_region(n, np.zeros(n, np.float32))
+    b = ws.act_region(n, np.zeros(n, np.float32))
+    c = ws.act_region(n, np.ones(n, np.float32))
+    prog = device.program()
+    for i in range(100):
+        kernels.add(prog, b, n, c, n, a, n, n, 1)
+        kernels.add(prog, a, n, c, n, b, n, n, 1)
+    assert prog.n_barriers == 199
+    prog.run()
+    assert (ws.read(b) == 200).all()
+    prog.run()   # replay continues from the buffers' state
+    assert (ws.read(b) == 400).all()
+
+
+def test_independent_dispatches_get_no_barrier(device, kernels, ws):
+    n = 1000
+    x = ws.act_region(n, np.ones(n, np.float32))
+    outs = [ws.act_region(n) for _ in range(4)]
+    prog = device.program()
+    for o in outs:
+        kernels.add(prog, x, n, x, n, o, n, n, 1)
+    assert prog.n_barriers == 0
+    kernels.add(prog, outs[0], n, outs[1], n, x, n, n, 1)   # reads outs: RAW, and writes x: WAR
+    assert prog.n_barriers == 1
+    prog.run()
+    assert (ws.read(x) == 4).all()
+
+
+def test_timestamps(device, kernels, ws):
+    n = 4096
+    x = ws.act_region(n, np.ones(n, np.float32))
+    y = ws.act_region(n)
+    prog = device.program(timestamps=True)
+    kernels.add(prog, x, n, x, n, y, n, n, 1, label="add")
+    prog.run()
+    t = dict(prog.timings())
+    assert t["add"] >= 0
+
+
+# -- matmul -------------------------------------------------------------------
+
+@pytest.mark.parametrize("wt", WEIGHT_TYPES)
+@pytest.mark.parametrize("n", [1, 3, 8, 13])
+def test_mul_mat(device, kernels, ws, rng, wt, n):
+    M, K = 37, _cols(wt)
+    raw, w = random_quantized(wt, M, K, rng)
+    mat = upload_matrix(ws, wt, raw, M, K)
+    x = rng.standard_normal((n, K)).astype(np.float32)
+    xs, ys = K + 4, M + 3                  # padded strides
+    xr = ws.act_region(n * xs, np.pad(x, ((0, 0), (0, 4))))
+    yr = ws.act_region(n * ys)
+    prog = device.program()
+    kernels.mul_mat(prog, mat, xr, xs, yr, ys, n)
+    prog.run()
+    got = ws.read(yr).reshape(n, ys)[:, :M]
+    want = x.astype(np.float64) @ w.T.astype(np.float64)
+    _close(got, want, atol_scale=1e-5 * np.sqrt(K))
+    assert np.isnan(ws.read(yr).reshape(n, ys)[:, M:]).all(), "wrote outside its rows"
+
+
+@pytest.mark.parametrize("wt", ["q4_0", "q8_0", "f16"])
+def test_mul_mat_accumulate(device, kernels, ws, rng, wt):
+    M, K, n = 70, 64, 5
+    raw, w = random_quantized(wt, M, K, rng)
+    mat = upload_matrix(ws, wt, raw, M, K)
+    x = rng.standard_normal((n, K)).astype(np.float32)
+    y0 = rng.standard_normal((n, M)).astype(np.float32)
+    xr = ws.act_region(n * K, x)
+    yr = ws.act_region(n * M, y0)
+    prog = device.program()
+    kernels.mul_mat(prog, mat, xr, K, yr, M, n, accumulate=True)
+    prog.run()
+    _close(ws.read(yr).reshape(n, M), y0 + x.astype(np.float64) @ w.T, atol_scale=1e-4)
+
+
+def test_mul_mat_many_rows_folds_grid(device, kernels, ws, rng):
+    """More row groups than maxComputeWorkGroupCount[0] allows in one dimension."""
+    M = device.info.max_workgroup_count[0] * kernels.items + 17
+    if M > 600_000:
+        pytest.skip("device grid too large to overflow cheaply")   # not on lavapipe/H200
+    K = 32
+    raw, w = random_quantized("q4_0", M, K, rng)
+    ws2 = type(ws)(device, act_words=M + 64, weight_words=M * K // 4 + M + 64)
+    try:
+        mat = upload_matrix(ws2, "q4_0", raw, M, K)
+        x = rng.standard_normal((1, K)).astype(np.float32)
+        xr = ws2.act_region(K, x)
+        yr = ws2.act_region(M)
+        prog = device.program()
+        kernels.mul_mat(prog, mat, xr, K, yr, M, 1)
+        prog.run()
+        _close(ws2.read(yr), (x.astype(np.float64) @ w.T)[0], atol_scale=1e-4)
+    finally:
+        ws2.close()
+
+
+# -- embedding ----------------------------------------------------------------
+
+@pytest.mark.parametrize("wt", WEIGHT_TYPES)
+def test_get_rows(device, kernels, ws, rng, wt):
+    V, K, n = 50, _cols(wt), 7
+    raw, w = random_quantized(wt, V, K, rng)
+    mat = upload_matrix(ws, wt, raw, V, K)
+    ids = rng.integers(0, V, n).astype(np.uint32)
+    ws.params.array()[10:10 + n] = ids
+    ys = K + 8
+    yr = ws.act_region(n * ys)
+    prog = device.program()
+    kernels.get_rows(prog, mat, ws.params, 10, yr, ys, n)
+    prog.run()
+    got = ws.read(yr).reshape(n, ys)
+    np.testing.assert_array_equal(got[:, :K], w[ids])
+    assert np.isnan(got[:, K:]).all()
+
+
+# -- norms, elementwise ---------------------------------------------------------
+
+def test_rms_norm(device, kernels, ws, rng):
+    rows, n, eps = 11, 576, 1e-5
+    x = (rng.standard_normal((rows, n)) * 3).astype(np.float32)
+    w = rng.standard_normal(n).astype(np.float32)
+    wr = ws.weight_region(w)
+    xr = ws.act_region(rows * n, x)
+    yr = ws.act_region(rows * n)
+    prog = device.program()
+    kernels.rms_norm(prog, wr, xr, n, yr, n, n, rows, eps, ws.params)
+    prog.run()
+    _close(ws.read(yr).reshape(rows, n), ref.rms_norm(x, w, eps))
+
+
+def test_rms_norm_gathers_rows(device, kernels, ws, rng):
+    rows, n, eps = 9, 100, 1e-6
+    x = rng.standard_normal((rows, n)).astype(np.float32)
+    w = rng.standard_normal(n).astype(np.float32)
+    pick = np.array([8, 0, 5], np.uint32)
+    ws.params.array()[100:103] = pick
+    wr = ws.weight_region(w)
+    xr = ws.act_region(rows * n, x)
+    yr = ws.act_region(3 * n)
+    prog = device.program()
+    kernels.rms_norm(prog, wr, xr, n, yr, n, n, 3, eps, ws.params, map_off=100)
+    prog.run()
+    _close(ws.read(yr).reshape(3, n), ref.rms_norm(x[pick], w, eps))
+
+
+def test_swiglu(device, kernels, ws, rng):
+    rows, F = 5, 1537
+    gu = rng.standard_normal((rows, 2 * F)).astype(np.float32) * 4
+    gr = ws.act_region(rows * 2 * F, gu)
+    yr = ws.act_region(rows * F)
+    prog = device.program()
+    kernels.swiglu(prog, gr, 2 * F, yr, F, F, rows)
+    prog.run()
+    _close(ws.read(yr).reshape(rows, F), ref.silu(gu[:, :F]) * gu[:, F:])
+
+
+def test_add(device, kernels, ws, rng):
+    rows, n = 3, 999
+    a = rng.standard_normal((rows, n)).astype(np.float32)
+    b = rng.standard_normal((rows, n)).astype(np.float32)
+    ar, br, yr = ws.act_region(rows * n, a), ws.act_region(rows * n, b), ws.act_region(rows * n)
+    prog = device.program()
+    kernels.add(prog, ar, n, br, n, yr, n, n, rows)
+    prog.run()
+    np.testing.assert_array_equal(ws.read(yr).reshape(rows, n), a + b)
+
+
+def test_softmax(device, kernels, ws, rng):
+    rows, n = 6, 4099
+    x = rng.standard_normal((rows, n)).astype(np.float32) * 5
+    xr, yr = ws.act_region(rows * n, x), ws.act_region(rows * n)
+    prog = device.program()
+    kernels.softmax(prog, xr, n, yr, n, n, rows, scale=0.7)
+    prog.run()
+    _close(ws.read(yr).reshape(rows, n), ref.softmax(x * 0.7), rtol=1e-4, atol_scale=1e-7)
+
+
+def test_argmax(device, kernels, ws, rng):
+    rows, n = 7, 49157
+    x = rng.standard_normal((rows, n)).astype(np.float32)
+    x[2, 100] = x[2, 40000] = 50.0       # tie: lowest index wins, as numpy
+    x[5, :] = -3.0                       # all equal
+    xr = ws.act_region(rows * n, x)
+    prog = device.program()
+    kernels.argmax(prog, xr, n, n, rows, ws.params, 200)
+    prog.run()
+    np.testing.assert_array_equal(ws.params.array()[200:200 + rows], x.argmax(1))
+
+
+# -- RoPE + KV cache, attention ----------------------------------------------------
+
+def _kv_setup(ws, n_slots, ctx, n_kv, hd):
+    slot_stride = ctx * n_kv * hd // 2
+    k = ws.act_region(n_slots * slot_stride)
+    v = ws.act_region(n_slots * slot_stride)
+    return k, v, slot_stride
+
+
+def _read_cache(ws, r, n_slots, ctx, n_kv, hd):
+    return ws.read(r, np.uint32).view(np.float16).astype(np.float32).reshape(n_slots, ctx, n_kv, hd)
+
+
+@pytest.mark.parametrize("neox", [False, True])
+@pytest.mark.parametrize("n_rot_frac", [1, 2])
+def test_rope_kv(device, kernels, ws, rng, neox, n_rot_frac):
+    rows, n_head, n_kv, hd, ctx, n_slots = 5, 6, 2, 64, 40, 3
+    n_rot = hd // n_rot_frac
+    base = 10000.0
+    from vkengine.rope import rope_table
+    table = ws.weight_region(rope_table(ctx, n_rot, base))
+    width = (n_head + 2 * n_kv) * hd
+    qkv = rng.standard_normal((rows, width)).astype(np.float32)
+    pos = rng.integers(0, ctx, rows).astype(np.uint32)
+    slots = rng.permutation(np.repeat(np.arange(n_slots), 2))[:rows].astype(np.uint32)
+    pos[slots == slots[0]] = np.arange((slots == slots[0]).sum()) + 3   # distinct (slot, pos)
+    ws.params.array()[0:rows] = pos
+    ws.params.array()[50:50 + rows] = slots
+    qr = ws.act_region(rows * width, qkv)
+    qo = ws.act_region(rows * n_head * hd)
+    kc, vc, ss = _kv_setup(ws, n_slots, ctx, n_kv, hd)
+    prog = device.program()
+    kernels.rope_kv(prog, table, qr, width, qo, n_head * hd, rows, n_head, n_kv, hd, n_rot, neox,
+                    kc, vc, ss, ws.params, 0, 50)
+    prog.run()
+    q = qkv[:, : n_head * hd].reshape(rows, n_head, hd)
+    k = qkv[:, n_head * hd: (n_head + n_kv) * hd].reshape(rows, n_kv, hd)
+    v = qkv[:, (n_head + n_kv) * hd:].reshape(rows, n_kv, hd)
+    _close(ws.read(qo).reshape(rows, n_head, hd), ref.rope(q, pos, n_rot, base, neox), atol_scale=1e-6)
+    kcache = _read_cache(ws, kc, n_slots, ctx, n_kv, hd)
+    vcache = _read_cache(ws, vc, n_slots, ctx, n_kv, hd)
+    kref = ref.rope(k, pos, n_rot, base, neox).astype(np.float16).astype(np.float32)
+    for r in range(rows):
+        np.testing.assert_allclose(kcache[slots[r], pos[r]], kref[r], rtol=1e-3, atol=1e-3)
+        np.testing.assert_array_equal(vcache[slots[r], pos[r]], v[r].astype(np.float16).astype(np.float32))
+
+
+@pytest.mark.parametrize("hd,n_head,n_kv", [(64, 9, 3), (128, 4, 4), (32, 8, 1)])
+def test_attention_mixed_batch(device, kernels, ws, rng, hd, n_head, n_kv):
+    """A prefill chunk of one slot (causal) and decode rows of two others in one
+    dispatch, against numpy on the same f16 cache contents."""
+    n_slots, ctx = 3, 70
+    kc, vc, ss = _kv_setup(ws, n_slots, ctx, n_kv, hd)
+    kvals = rng.standard_normal((n_slots, ctx, n_kv, hd)).astype(np.float16)
+    vvals = rng.standard_normal((n_slots, ctx, n_kv, hd)).astype(np.float16)
+    ws.device.upload(kc.buf, kvals.view(np.uint32), kc.off * 4)
+    ws.device.upload(vc.buf, vvals.view(np.uint32), vc.off * 4)
+    slots = np.array([0, 0, 0, 0, 0, 2, 1], np.uint32)
+    pos = np.array([0, 1, 2, 3, 4, 69, 33], np.uint32)
+    rows = len(slots)
+    ws.params.array()[0:rows] = pos
+    ws.params.array()[20:20 + rows] = slots
+    q = rng.standard_normal((rows, n_head, hd)).astype(np.float32)
+    qr = ws.act_region(rows * n_head * hd, q)
+    orr = ws.act_region(rows * n_head * hd)
+    scale = 1 / np.sqrt(hd)
+    prog = device.program()
+    kernels.attention(prog, qr, n_head * hd, orr, n_head * hd, rows, n_head, n_kv, hd, kc, vc, ss,
+                      ws.params, 0, 20, scale)
+    prog.run()
+    got = ws.read(orr).reshape(rows, n_head, hd)
+    for r in range(rows):
+        s, p = slots[r], pos[r]
+        want = ref.attention(q[r], kvals[s, :p + 1].astype(np.float32), vvals[s, :p + 1].astype(np.float32), scale)
+        _close(got[r], want, atol_scale=1e-5)

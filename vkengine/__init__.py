@@ -1,0 +1,2 @@
+"""vkengine: LLM inference on Vulkan through Kompute."""
+__version__ = "0.1.0"

@@ -1,0 +1,90 @@
+"""Packing many arrays into few device buffers.
+
+A pipeline (kp Algorithm) is bound to fixed buffers, so the engine keeps all
+weights in a handful of large buffers and addresses tensors by word offsets in
+push constants: one pipeline per (shader, buffer) instead of one per tensor.
+Sizes are planned first (from the model file's header), then each buffer is
+allocated at its exact size, never above the device's storage-buffer range.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .device import Buffer, Device
+from .errors import VkEngineError
+from .kernels import Region
+
+ALIGN_WORDS = 4   # 16-byte alignment of every array (vec4 reads)
+
+
+def _aligned(words: int) -> int:
+    return (words + ALIGN_WORDS - 1) // ALIGN_WORDS * ALIGN_WORDS
+
+
+@dataclass
+class ArenaPlan:
+    """Groups of arrays that must share a buffer, placed into buffers of at most
+    `limit_words` words."""
+    limit_words: int
+    groups: list[list[int]] = field(default_factory=list)     # sizes (words) per group
+    placement: list[tuple[int, list[int]]] = field(default_factory=list)  # (buffer index, offsets)
+    buffer_words: list[int] = field(default_factory=list)
+
+    def add(self, sizes: list[int], what: str = "array") -> int:
+        """Reserve a group of arrays (placed in one buffer); returns its id."""
+        total = sum(_aligned(s) for s in sizes)
+        if total > self.limit_words:
+            raise VkEngineError(
+                f"{what} needs {total * 4 / 2**20:.1f} MiB in one buffer, more than this device's "
+                f"storage-buffer limit ({self.limit_words * 4 / 2**20:.0f} MiB)")
+        if not self.buffer_words or self.buffer_words[-1] + total > self.limit_words:
+            self.buffer_words.append(0)
+        b = len(self.buffer_words) - 1
+        offsets = []
+        for s in sizes:
+            offsets.append(self.buffer_words[b])
+            self.buffer_words[b] += _aligned(s)
+        self.groups.append(sizes)
+        self.placement.append((b, offsets))
+        return len(self.groups) - 1
+
+
+class Arena:
+    """Buffers allocated from an ArenaPlan; `regions(group)` gives the group's
+    Regions, `write(region, array)` uploads into one."""
+
+    def __init__(self, device: Device, plan: ArenaPlan, kind: str = "device", name: str = "arena"):
+        self.device = device
+        self.plan = plan
+        self.buffers: list[Buffer] = [
+            device.buffer(max(w, ALIGN_WORDS) * 4, kind, f"{name}{i}") for i, w in enumerate(plan.buffer_words)]
+
+    def regions(self, group: int) -> list[Region]:
+        b, offsets = self.plan.placement[group]
+        return [Region(self.buffers[b], off, size) for off, size in zip(offsets, self.plan.groups[group])]
+
+    def write(self, region: Region, array: np.ndarray) -> None:
+        a = np.ascontiguousarray(array).reshape(-1).view(np.uint32)
+        if a.size > region.words:
+            raise ValueError(f"{a.size} words do not fit a region of {region.words}")
+        self.device.upload(region.buf, a, region.off * 4)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers)
+
+
+def packed_words(type_name: str, rows: int, cols: int) -> tuple[int, int]:
+    """(value words, scale words) of a matrix in quant.glsl's layout."""
+    from .quant import block_shape
+    n, b = block_shape(type_name)
+    blocks = rows * cols // n
+    if type_name in ("f32", "f16", "bf16", "q4_k", "q5_k"):
+        return blocks * b // 4, 0
+    if type_name == "q6_k":
+        return blocks * 53, 0
+    if type_name in ("q4_1", "q5_1"):
+        return blocks * (b - 4) // 4, blocks
+    return blocks * (b - 2) // 4, (blocks + 1) // 2

@@ -1,0 +1,383 @@
+"""The device boundary: the only module that imports kp (Kompute).
+
+What lives here: picking a Vulkan device, buffers (device-local and
+host-visible), uploads and downloads, a pipeline cache, and `Program`, a
+recorded command sequence that is replayed as a whole (one submit per decode
+step) with the barriers that its data dependencies need.
+
+kp 0.9.0 is built from its sdist with patches/kp (see patches/kp/README.md):
+they add OpDispatch (push constants as raw bytes and a workgroup count per
+dispatch, so one pipeline serves every dispatch of a shader), OpBarrier (the
+compute-to-compute barriers upstream kp never records), OpCopyRegion, device
+feature enablement and `list_devices_info`. Upstream kp is refused with a clear
+message.
+"""
+from __future__ import annotations
+
+import itertools
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from .errors import VkEngineError
+
+# Vulkan flag bits used in barriers (vulkan_core.h)
+_STAGE_COMPUTE = 0x00000800
+_STAGE_TRANSFER = 0x00001000
+_STAGE_HOST = 0x00004000
+_ACCESS_SHADER_READ = 0x00000020
+_ACCESS_SHADER_WRITE = 0x00000040
+_ACCESS_TRANSFER_READ = 0x00000800
+_ACCESS_TRANSFER_WRITE = 0x00001000
+_ACCESS_HOST_READ = 0x00002000
+
+_GPU_STAGES = _STAGE_COMPUTE | _STAGE_TRANSFER
+_GPU_WRITES = _ACCESS_SHADER_WRITE | _ACCESS_TRANSFER_WRITE
+_GPU_ACCESS = _ACCESS_SHADER_READ | _ACCESS_SHADER_WRITE | _ACCESS_TRANSFER_READ | _ACCESS_TRANSFER_WRITE
+
+_TYPE_RANK = {"discrete": 0, "integrated": 1, "virtual": 2, "cpu": 3, "other": 4}
+
+
+def _import_kp():
+    try:
+        import kp  # noqa: PLC0415 - the one place kp is imported
+    except ImportError as e:
+        msg = str(e)
+        if "libvulkan" in msg:
+            raise VkEngineError(
+                "the Vulkan loader (libvulkan.so.1) is not installed: install your GPU's Vulkan driver "
+                "and the loader (Debian/Ubuntu: apt-get install libvulkan1 mesa-vulkan-drivers), "
+                "or run scripts/setup.sh") from e
+        raise VkEngineError(
+            f"Kompute (kp) is not importable ({msg}): run scripts/setup.sh, which builds kp 0.9.0 "
+            "with vkengine's patches") from e
+    if not hasattr(kp, "VKENGINE_PATCHES"):
+        raise VkEngineError(
+            "the installed kp is upstream Kompute without vkengine's patches (no barriers between "
+            "dependent dispatches): run scripts/setup.sh to build the patched kp")
+    return kp
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    index: int
+    name: str
+    type: str                     # discrete | integrated | virtual | cpu | other
+    api_version: str
+    driver_name: str
+    driver_info: str
+    vendor_id: int
+    subgroup_size: int
+    max_storage_buffer_range: int
+    max_push_constants_size: int
+    max_shared_memory: int
+    max_workgroup_invocations: int
+    max_workgroup_count: tuple[int, int, int]
+    timestamp_period_ns: float
+    device_local_bytes: int
+    extensions: tuple[str, ...] = ()
+
+    @classmethod
+    def from_kp(cls, index: int, d: dict) -> "DeviceInfo":
+        return cls(
+            index=index, name=d["name"], type=d["type"], api_version=d["api_version"],
+            driver_name=d["driver_name"], driver_info=d["driver_info"], vendor_id=d["vendor_id"],
+            subgroup_size=d["subgroup_size"], max_storage_buffer_range=d["max_storage_buffer_range"],
+            max_push_constants_size=d["max_push_constants_size"], max_shared_memory=d["max_shared_memory"],
+            max_workgroup_invocations=d["max_workgroup_invocations"],
+            max_workgroup_count=tuple(d["max_workgroup_count"]),
+            timestamp_period_ns=d["timestamp_period_ns"], device_local_bytes=d["device_local_bytes"],
+            extensions=tuple(d["extensions"]))
+
+    @property
+    def subgroups_fixed(self) -> bool:
+        """True where every compute subgroup has the reported size (NVIDIA: 32;
+        lavapipe: 8). Elsewhere (AMD wave32/64, Intel SIMD8-32) kernels must not
+        assume it, and the host sizes work per workgroup conservatively."""
+        return self.vendor_id == 0x10DE or self.driver_name == "llvmpipe"
+
+
+def list_devices() -> list[DeviceInfo]:
+    kp = _import_kp()
+    try:
+        infos = kp.list_devices_info()
+    except Exception as e:  # vk::SystemError from instance creation
+        raise VkEngineError(f"Vulkan could not be initialised ({e}): is a Vulkan driver (ICD) installed?") from e
+    return [DeviceInfo.from_kp(i, d) for i, d in enumerate(infos)]
+
+
+def pick_device(devices: Sequence[DeviceInfo], requested: int | None = None) -> DeviceInfo:
+    """The requested index, else the best by type (discrete GPU first, CPU last)."""
+    if not devices:
+        raise VkEngineError(
+            "no Vulkan device found: install a Vulkan driver (for a CPU-only machine, Mesa's lavapipe: "
+            "apt-get install mesa-vulkan-drivers)")
+    if requested is not None:
+        if not 0 <= requested < len(devices):
+            names = ", ".join(f"{d.index}: {d.name}" for d in devices)
+            raise VkEngineError(f"device {requested} does not exist; devices are {names}")
+        return devices[requested]
+    return min(devices, key=lambda d: (_TYPE_RANK.get(d.type, 9), d.index))
+
+
+@dataclass(eq=False)
+class Buffer:
+    """A Vulkan buffer. kind "device": device-local (uploads go through a staging
+    buffer); kind "host": host-visible and coherent, mapped (`array()` is a live
+    numpy view, written before a submit and read after one)."""
+    tensor: Any
+    nbytes: int
+    kind: str
+    name: str
+    id: int
+
+    def array(self, dtype=np.uint32) -> np.ndarray:
+        if self.kind != "host":
+            raise ValueError(f"buffer {self.name} is device-local: use Device.download")
+        return self.tensor.data().view(np.uint8)[: self.nbytes].view(dtype)
+
+
+@dataclass
+class _Op:
+    kind: str                      # dispatch | barrier | copy
+    args: tuple
+    label: str = ""
+
+
+class Program:
+    """A command sequence recorded once and replayed (`run`).
+
+    Each dispatch or copy declares the byte ranges it reads and writes; a barrier
+    is recorded only when an operation touches a range that an earlier one, since
+    the last barrier, wrote (read-after-write, write-after-write) or read
+    (write-after-read). A program starts with a barrier against earlier
+    submissions and ends with one that makes device writes visible to the host.
+    """
+
+    def __init__(self, device: "Device", timestamps: bool = False):
+        self.device = device
+        self.ops: list[_Op] = [_Op("barrier", (_GPU_STAGES, _GPU_STAGES, _GPU_WRITES, _GPU_ACCESS), "start")]
+        self._reads: list[tuple[int, int, int]] = []
+        self._writes: list[tuple[int, int, int]] = []
+        self._timestamps = timestamps
+        self._seq = None
+        self.n_barriers = 0
+
+    @staticmethod
+    def _overlaps(ranges, buf_id, a, b) -> bool:
+        return any(i == buf_id and a < e and s < b for i, s, e in ranges)
+
+    def _hazard(self, reads, writes) -> bool:
+        for buf, a, b in reads:
+            if self._overlaps(self._writes, buf.id, a, b):
+                return True
+        for buf, a, b in writes:
+            if self._overlaps(self._writes, buf.id, a, b) or self._overlaps(self._reads, buf.id, a, b):
+                return True
+        return False
+
+    def _track(self, reads, writes) -> None:
+        if self._seq is not None:
+            raise RuntimeError("program already recorded")
+        if self._hazard(reads, writes):
+            self.barrier()
+        self._reads.extend((buf.id, a, b) for buf, a, b in reads)
+        self._writes.extend((buf.id, a, b) for buf, a, b in writes)
+
+    def barrier(self, label: str = "") -> None:
+        self.ops.append(_Op("barrier", (_GPU_STAGES, _GPU_STAGES, _GPU_WRITES, _GPU_ACCESS), label))
+        self._reads.clear()
+        self._writes.clear()
+        self.n_barriers += 1
+
+    def dispatch(self, algorithm, push: bytes, groups: tuple[int, int, int],
+                 reads: Iterable[tuple[Buffer, int, int]] = (), writes: Iterable[tuple[Buffer, int, int]] = (),
+                 label: str = "") -> None:
+        """Record one dispatch; reads/writes are (buffer, first byte, end byte)."""
+        if any(g <= 0 for g in groups):
+            return
+        reads, writes = list(reads), list(writes)
+        self._track(reads, writes)
+        self.ops.append(_Op("dispatch", (algorithm, push, groups), label))
+
+    def copy(self, src: Buffer, dst: Buffer, src_off: int, dst_off: int, size: int, label: str = "copy") -> None:
+        if size <= 0:
+            return
+        self._track([(src, src_off, src_off + size)], [(dst, dst_off, dst_off + size)])
+        self.ops.append(_Op("copy", (src, dst, src_off, dst_off, size), label))
+
+    def _record(self):
+        kp = self.device._kp
+        self.ops.append(_Op("barrier", (_GPU_STAGES, _STAGE_HOST, _GPU_WRITES, _ACCESS_HOST_READ), "to host"))
+        n = len(self.ops)
+        seq = self.device._mgr.sequence(0, n if self._timestamps else 0)
+        for op in self.ops:
+            if op.kind == "dispatch":
+                alg, push, groups = op.args
+                seq.record(kp.OpDispatch(alg, push, list(groups)))
+            elif op.kind == "barrier":
+                seq.record(kp.OpBarrier(*op.args))
+            else:
+                src, dst, so, do, size = op.args
+                seq.record(kp.OpCopyRegion(src.tensor, dst.tensor, so, do, size))
+        self._seq = seq
+
+    @property
+    def n_dispatches(self) -> int:
+        return sum(op.kind == "dispatch" for op in self.ops)
+
+    def run(self) -> None:
+        """Submit the program and wait for it (records it on first use)."""
+        if self._seq is None:
+            self._record()
+        self._seq.eval()
+
+    def timings(self) -> list[tuple[str, float]]:
+        """(label, microseconds) of every operation in the last run."""
+        if not self._timestamps or self._seq is None:
+            raise RuntimeError("program was not created with timestamps=True or has not run")
+        ts = self._seq.get_timestamps()
+        period = self.device.info.timestamp_period_ns
+        return [(op.label or op.kind, (ts[i + 1] - ts[i]) * period / 1000.0) for i, op in enumerate(self.ops)]
+
+
+class Device:
+    """One Vulkan device through kp: buffers, transfers, pipelines, programs."""
+
+    def __init__(self, index: int | None = None, staging_bytes: int = 32 << 20):
+        self._kp = _import_kp()
+        devices = list_devices()
+        self.info = pick_device(devices, index)
+        try:
+            self._mgr = self._kp.Manager(self.info.index)
+        except Exception as e:
+            raise VkEngineError(f"could not create a Vulkan device on {self.info.name}: {e}") from e
+        self.features = tuple(self._mgr.enabled_features())
+        self._ids = itertools.count(1)
+        self._algorithms: dict[tuple, Any] = {}
+        self._buffers: list[Buffer] = []
+        self._staging = self.buffer(staging_bytes, "host", "staging")
+        self._readback: Buffer | None = None
+        # Largest single buffer: the device's storage-buffer range, capped so
+        # kp's 32-bit sizes cannot overflow.
+        self.max_buffer_bytes = min(self.info.max_storage_buffer_range, 1 << 31) & ~0xFFFF
+
+    # -- buffers -----------------------------------------------------------
+    def buffer(self, nbytes: int, kind: str = "device", name: str = "") -> Buffer:
+        if kind not in ("device", "host"):
+            raise ValueError(f"buffer kind {kind!r}")
+        nbytes = max(16, (int(nbytes) + 15) & ~15)
+        if nbytes > min(self.info.max_storage_buffer_range, 0xFFFFFFFF):
+            raise VkEngineError(
+                f"buffer {name or '?'} of {nbytes} bytes exceeds the device's storage-buffer range "
+                f"({self.info.max_storage_buffer_range} bytes)")
+        kp = self._kp
+        ttype = kp.TensorTypes.storage if kind == "device" else kp.TensorTypes.host
+        try:
+            # np.zeros is calloc: a large storage tensor touches no host pages here
+            t = self._mgr.tensor_t(np.zeros(nbytes // 4, np.uint32), ttype)
+        except Exception as e:
+            raise VkEngineError(
+                f"out of device memory allocating {nbytes / 2**20:.1f} MiB for {name or 'a buffer'} "
+                f"on {self.info.name}: {e}") from e
+        b = Buffer(t, nbytes, kind, name, next(self._ids))
+        self._buffers.append(b)
+        return b
+
+    def free(self, buf: Buffer) -> None:
+        self._algorithms = {k: v for k, v in self._algorithms.items() if buf.id not in k[1]}
+        if buf in self._buffers:
+            self._buffers.remove(buf)
+        buf.tensor.destroy()
+
+    @property
+    def allocated_bytes(self) -> dict[str, int]:
+        out = {"device": 0, "host": 0}
+        for b in self._buffers:
+            out[b.kind] += b.nbytes
+        return out
+
+    def upload(self, buf: Buffer, data: np.ndarray | bytes, offset: int = 0) -> None:
+        """Write bytes at a byte offset (host buffers directly, device buffers
+        through the staging buffer in chunks)."""
+        raw = np.frombuffer(data, np.uint8) if isinstance(data, (bytes, bytearray, memoryview)) \
+            else np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        if offset < 0 or offset + raw.size > buf.nbytes:
+            raise ValueError(f"upload of {raw.size} bytes at {offset} overflows {buf.name} ({buf.nbytes} bytes)")
+        if buf.kind == "host":
+            buf.array(np.uint8)[offset:offset + raw.size] = raw
+            return
+        st = self._staging.array(np.uint8)
+        step = self._staging.nbytes
+        for i in range(0, raw.size, step):
+            chunk = raw[i:i + step]
+            n = chunk.size
+            st[:n] = chunk
+            pad = (-n) % 4
+            if pad:  # vkCmdCopyBuffer sizes are whole bytes, but keep words whole
+                st[n:n + pad] = 0
+            p = Program(self)
+            p.copy(self._staging, buf, 0, offset + i, n)
+            p.run()
+
+    def download(self, buf: Buffer, offset: int = 0, nbytes: int | None = None, dtype=np.uint8) -> np.ndarray:
+        """Copy of bytes [offset, offset + nbytes) of a buffer, as `dtype`."""
+        nbytes = buf.nbytes - offset if nbytes is None else nbytes
+        if offset < 0 or offset + nbytes > buf.nbytes:
+            raise ValueError(f"download of {nbytes} bytes at {offset} overflows {buf.name}")
+        if buf.kind == "host":
+            return buf.array(np.uint8)[offset:offset + nbytes].copy().view(dtype)
+        rb = self.readback_buffer(nbytes)
+        p = Program(self)
+        p.copy(buf, rb, offset, 0, nbytes)
+        p.run()
+        return rb.array(np.uint8)[:nbytes].copy().view(dtype)
+
+    def readback_buffer(self, nbytes: int) -> Buffer:
+        if self._readback is None or self._readback.nbytes < nbytes:
+            if self._readback is not None:
+                self.free(self._readback)
+            self._readback = self.buffer(max(nbytes, 1 << 20), "host", "readback")
+        return self._readback
+
+    # -- pipelines ---------------------------------------------------------
+    def algorithm(self, name: str, spirv: bytes, buffers: Sequence[Buffer], spec: Sequence[int], push_size: int):
+        """A pipeline + descriptor set for shader `name` bound to `buffers`
+        (binding i = buffers[i]), cached. Spec constants are 32-bit integers,
+        passed as raw bytes (kp 0.9.0 types them by the array's dtype)."""
+        key = (name, tuple(b.id for b in buffers), tuple(spec), push_size)
+        alg = self._algorithms.get(key)
+        if alg is None:
+            spec_arr = np.frombuffer(struct.pack(f"<{len(spec)}I", *spec), np.float32) if spec \
+                else np.zeros(0, np.float32)
+            push_arr = np.zeros(push_size // 4, np.float32)
+            try:
+                alg = self._mgr.algorithm([b.tensor for b in buffers], spirv, [1, 1, 1], spec_arr, push_arr)
+            except Exception as e:
+                raise VkEngineError(f"pipeline creation failed for {name} on {self.info.name}: {e}") from e
+            self._algorithms[key] = alg
+        return alg
+
+    @property
+    def n_pipelines(self) -> int:
+        return len(self._algorithms)
+
+    def program(self, timestamps: bool = False) -> Program:
+        return Program(self, timestamps)
+
+    def close(self) -> None:
+        self._algorithms.clear()
+        for b in list(self._buffers):
+            b.tensor.destroy()
+        self._buffers.clear()
+        if self._mgr is not None:
+            self._mgr.destroy()
+            self._mgr = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,147 @@
+"""The engine: one model's weights, KV cache and scratch on one device, and
+`step`, one forward pass over a batch of (token, slot, position) rows.
+
+A step is recorded once per shape (rows, output rows, what is read back) and
+replayed: per-token values (token ids, positions, slots, output rows) live in the
+host-visible params buffer and are written just before the submit. Prefill
+chunks, decode steps and mixed batches of several sequences are all steps.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from .device import Device
+from .errors import VkEngineError
+from .graph import Graph, ParamsLayout, Scratch
+from .kernels import Kernels
+from .model import Model
+from .state import KVCache
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    n_slots: int = 1          # sequences whose KV cache is resident on the device
+    n_ctx: int | None = None  # positions per slot (default: min(training context, 4096))
+    max_batch: int = 256      # token rows per step (prefill chunk size)
+    max_out: int = 16         # rows whose logits one step can produce
+    program_cache: int = 64   # recorded steps kept (LRU)
+
+
+class Engine:
+    def __init__(self, model: Model, device: Device, cfg: EngineConfig = EngineConfig()):
+        self.model, self.device, self.cfg = model, device, cfg
+        a = model.args
+        self.args = a
+        self.n_ctx = int(cfg.n_ctx or min(a.n_ctx_train, 4096))
+        if self.n_ctx <= 0 or cfg.n_slots <= 0:
+            raise VkEngineError("context length and slot count must be positive")
+        self.kernels = Kernels(device)
+        self.arch = model.arch
+        widths = self.arch.scratch_widths(a)
+        self.max_out = max(1, cfg.max_out)
+        # fit the scratch buffer within the device's buffer limit
+        max_rows = max(1, cfg.max_batch)
+        while Scratch.words_needed(widths, max_rows, self.max_out) * 4 > device.max_buffer_bytes and max_rows > 1:
+            max_rows //= 2
+        if Scratch.words_needed(widths, max_rows, self.max_out) * 4 > device.max_buffer_bytes:
+            raise VkEngineError(f"activations of {model.name} do not fit one buffer on {device.info.name}")
+        self.max_batch = max_rows
+        self.weights = self.arch.load_weights(model.file, a, device, self.n_ctx)
+        self.kv = KVCache(device, a.n_layer, cfg.n_slots, self.n_ctx, a.n_kv_heads, a.head_dim)
+        words = Scratch.words_needed(widths, max_rows, self.max_out)
+        self.scratch = Scratch(device.buffer(words * 4, "device", "scratch"), widths, max_rows, self.max_out)
+        self.layout = ParamsLayout(max_rows, self.max_out)
+        self.params = device.buffer(self.layout.words * 4, "host", "params")
+        self.logits_host = device.buffer(self.max_out * a.n_vocab * 4, "host", "logits")
+        self._programs: OrderedDict[tuple, object] = OrderedDict()
+
+    @property
+    def n_slots(self) -> int:
+        return self.cfg.n_slots
+
+    @property
+    def n_vocab(self) -> int:
+        return self.args.n_vocab
+
+    def _program(self, n: int, n_out: int, readback: str):
+        key = (n, n_out, readback)
+        prog = self._programs.get(key)
+        if prog is not None:
+            self._programs.move_to_end(key)
+            return prog
+        prog = self.device.program()
+        g = Graph(self.kernels, prog, self.scratch, self.params, self.layout, self.kv, n, n_out,
+                  self.weights.rope, self.args.rms_eps)
+        self.arch.forward(g, self.args, self.weights)
+        if n_out and readback == "argmax":
+            g.argmax("out_logits")
+        elif n_out and readback == "logits":
+            r = self.scratch.region("out_logits")
+            stride = self.scratch.stride("out_logits")
+            V = self.args.n_vocab
+            for i in range(n_out):   # rows are stride apart on the device, packed on the host
+                prog.copy(r.buf, self.logits_host, (r.off + i * stride) * 4, i * V * 4, V * 4, "logits")
+        self._programs[key] = prog
+        if len(self._programs) > self.cfg.program_cache:
+            self._programs.popitem(last=False)
+        return prog
+
+    def step(self, tokens, positions, slots, out_rows=(), readback: str = "argmax") -> np.ndarray | None:
+        """Run tokens[i] at positions[i] in slots[i]; return, for each index in
+        out_rows, the greedy token (readback="argmax") or the logits row
+        (readback="logits"); readback="none" returns None."""
+        n, n_out = len(tokens), len(out_rows)
+        if not 0 < n <= self.max_batch:
+            raise VkEngineError(f"a step takes 1..{self.max_batch} tokens, got {n}")
+        if n_out > self.max_out:
+            raise VkEngineError(f"a step produces at most {self.max_out} logit rows, asked for {n_out}")
+        if len(positions) != n or len(slots) != n:
+            raise ValueError("tokens, positions and slots differ in length")
+        tok = np.asarray(tokens, np.int64)
+        pos = np.asarray(positions, np.int64)
+        slt = np.asarray(slots, np.int64)
+        if tok.min() < 0 or tok.max() >= self.n_vocab:
+            raise VkEngineError(f"token id out of range 0..{self.n_vocab - 1}")
+        if pos.min() < 0 or pos.max() >= self.n_ctx:
+            raise VkEngineError(f"position {int(pos.max())} is beyond the context length {self.n_ctx}")
+        if slt.min() < 0 or slt.max() >= self.n_slots:
+            raise VkEngineError(f"slot out of range 0..{self.n_slots - 1}")
+        outs = np.asarray(out_rows, np.int64)
+        if n_out and (outs.min() < 0 or outs.max() >= n):
+            raise ValueError("output row out of range")
+        pl, prm = self.layout, self.params.array()
+        prm[pl.tokens:pl.tokens + n] = tok
+        prm[pl.positions:pl.positions + n] = pos
+        prm[pl.slots:pl.slots + n] = slt
+        prm[pl.out_rows:pl.out_rows + n_out] = outs
+        mode = readback if n_out else "none"
+        self._program(n, n_out, mode).run()
+        if mode == "argmax":
+            return prm[pl.argmax:pl.argmax + n_out].astype(np.int64)
+        if mode == "logits":
+            V = self.n_vocab
+            return self.logits_host.array(np.float32)[: n_out * V].reshape(n_out, V).copy()
+        return None
+
+    def prefill(self, tokens, slot: int, start: int = 0, readback: str = "argmax"):
+        """Run a prompt through a slot in chunks of max_batch; returns the last
+        token's readback."""
+        tokens = list(tokens)
+        if not tokens:
+            raise VkEngineError("empty prompt")
+        if start + len(tokens) > self.n_ctx:
+            raise VkEngineError(f"prompt of {len(tokens)} tokens (from position {start}) does not fit the "
+                                f"context length {self.n_ctx}")
+        out = None
+        for c in range(0, len(tokens), self.max_batch):
+            chunk = tokens[c:c + self.max_batch]
+            last = c + len(chunk) == len(tokens)
+            out = self.step(chunk, range(start + c, start + c + len(chunk)), [slot] * len(chunk),
+                            [len(chunk) - 1] if last else (), readback if last else "none")
+        return out[0] if out is not None else None
+
+    def close(self) -> None:
+        self._programs.clear()

@@ -1,0 +1,119 @@
+"""Named ops over the engine's buffers, recorded into one Program.
+
+A model's forward function (vkengine/models/<arch>.py) is written against this
+class: `g.rms_norm("x", w, "h")`, `g.matmul(w, "h", "qkv")`, ... Activations are
+named scratch arrays of shape (rows, width); rows are the batch's tokens (or, for
+the `out_*` arrays, the rows whose logits are wanted). The Graph knows where the
+params buffer keeps token ids, positions, slots and output rows; models know
+nothing of buffers, offsets or kp.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .device import Buffer, Program
+from .kernels import Kernels, Matrix, Region
+from .state import KVCache
+
+
+@dataclass(frozen=True)
+class ParamsLayout:
+    """Word offsets in the host-visible params buffer (written before each run)."""
+    max_rows: int
+    max_out: int
+
+    @property
+    def tokens(self) -> int: return 0
+    @property
+    def positions(self) -> int: return self.max_rows
+    @property
+    def slots(self) -> int: return 2 * self.max_rows
+    @property
+    def out_rows(self) -> int: return 3 * self.max_rows
+    @property
+    def argmax(self) -> int: return 3 * self.max_rows + self.max_out
+    @property
+    def words(self) -> int: return 3 * self.max_rows + 2 * self.max_out
+
+
+class Scratch:
+    """Activation arrays in one device buffer: each `name` of width w holds
+    `max_rows` rows of stride w rounded up to 4 floats (16-byte aligned rows for
+    vec4 reads); names starting with `out_` hold `max_out` rows."""
+
+    def __init__(self, buf: Buffer | None, widths: dict[str, int], max_rows: int, max_out: int):
+        self.widths = dict(widths)
+        self.strides = {k: (w + 3) // 4 * 4 for k, w in widths.items()}
+        self.offsets: dict[str, int] = {}
+        off = 0
+        for k, s in self.strides.items():
+            self.offsets[k] = off
+            off += s * (max_out if k.startswith("out_") else max_rows)
+        self.words = off
+        self.buf = buf
+
+    @staticmethod
+    def words_needed(widths: dict[str, int], max_rows: int, max_out: int) -> int:
+        return Scratch(None, widths, max_rows, max_out).words
+
+    def region(self, name: str, col: int = 0) -> Region:
+        return Region(self.buf, self.offsets[name] + col, self.strides[name])
+
+    def stride(self, name: str) -> int:
+        return self.strides[name]
+
+
+class Graph:
+    def __init__(self, kernels: Kernels, prog: Program, scratch: Scratch, params: Buffer, layout: ParamsLayout,
+                 kv: KVCache, n_rows: int, n_out: int, rope_table: Region, eps: float):
+        self.k, self.p, self.s = kernels, prog, scratch
+        self.params, self.pl, self.kv = params, layout, kv
+        self.n, self.n_out = n_rows, n_out
+        self.rope_table = rope_table
+        self.eps = eps
+
+    def _rows(self, name: str) -> int:
+        return self.n_out if name.startswith("out_") else self.n
+
+    # -- ops ---------------------------------------------------------------
+    def embed(self, w: Matrix, out: str) -> None:
+        """out[r] = w[token r]"""
+        self.k.get_rows(self.p, w, self.params, self.pl.tokens, self.s.region(out), self.s.stride(out), self.n)
+
+    def rms_norm(self, x: str, w: Region, out: str, gather: bool = False) -> None:
+        """out[r] = rms_norm(x[r]) * w; gather=True takes x's rows from the
+        batch's output-row list (out has n_out rows)."""
+        rows = self.n_out if gather else self._rows(out)
+        self.k.rms_norm(self.p, w, self.s.region(x), self.s.stride(x), self.s.region(out), self.s.stride(out),
+                        self.s.widths[x], rows, self.eps, self.params,
+                        self.pl.out_rows if gather else None)
+
+    def matmul(self, w: Matrix, x: str, out: str, accumulate: bool = False, col: int = 0) -> None:
+        """out[r][col : col + w.rows] (+)= w @ x[r]"""
+        self.k.mul_mat(self.p, w, self.s.region(x), self.s.stride(x), self.s.region(out, col), self.s.stride(out),
+                       self._rows(x), accumulate, label=f"mul_mat {out}")
+
+    def rope_kv(self, layer: int, qkv: str, q_out: str, n_head: int, n_kv: int, head_dim: int, n_rot: int,
+                neox: bool) -> None:
+        """RoPE on q and k of qkv; k, v stored in the cache at each row's (slot, position)."""
+        self.k.rope_kv(self.p, self.rope_table, self.s.region(qkv), self.s.stride(qkv), self.s.region(q_out),
+                       self.s.stride(q_out), self.n, n_head, n_kv, head_dim, n_rot, neox,
+                       self.kv.k(layer), self.kv.v(layer), self.kv.slot_stride, self.params,
+                       self.pl.positions, self.pl.slots)
+
+    def attention(self, layer: int, q: str, out: str, n_head: int, n_kv: int, head_dim: int, scale: float) -> None:
+        self.k.attention(self.p, self.s.region(q), self.s.stride(q), self.s.region(out), self.s.stride(out),
+                         self.n, n_head, n_kv, head_dim, self.kv.k(layer), self.kv.v(layer), self.kv.slot_stride,
+                         self.params, self.pl.positions, self.pl.slots, scale)
+
+    def swiglu(self, gu: str, out: str) -> None:
+        self.k.swiglu(self.p, self.s.region(gu), self.s.stride(gu), self.s.region(out), self.s.stride(out),
+                      self.s.widths[out], self._rows(out))
+
+    def add(self, a: str, b: str, out: str) -> None:
+        self.k.add(self.p, self.s.region(a), self.s.stride(a), self.s.region(b), self.s.stride(b),
+                   self.s.region(out), self.s.stride(out), self.s.widths[out], self._rows(out))
+
+    def argmax(self, logits: str) -> None:
+        self.k.argmax(self.p, self.s.region(logits), self.s.stride(logits), self.s.widths[logits], self.n_out,
+                      self.params, self.pl.argmax)

@@ -1,0 +1,209 @@
+"""One Python function per shader: picks the variant, packs the push-constant
+struct (the field order of the shader's `P` block), sizes the grid and declares
+what the dispatch reads and writes so that Program records only the barriers
+that are needed.
+
+Conventions: every offset and stride is in 32-bit words of its buffer.
+Activations, the params buffer and the KV cache are float/uint arrays; weights
+are in weight buffers in the layouts of shaders/quant.glsl.
+"""
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from shaders.variants import MATMUL_COLS
+
+from . import shaders
+from .device import Buffer, Device, Program
+from .errors import VkEngineError
+
+NO_MAP = 0xFFFFFFFF
+ATTN_MAX_WORDS_PER_LANE = 16   # MAXW in attention.comp
+
+
+@dataclass(frozen=True)
+class Region:
+    """`words` 32-bit words of `buf` starting at word `off`."""
+    buf: Buffer
+    off: int
+    words: int
+
+    def at(self, off: int, words: int) -> "Region":
+        return Region(self.buf, self.off + off, words)
+
+    @property
+    def range(self) -> tuple[Buffer, int, int]:
+        return (self.buf, self.off * 4, (self.off + self.words) * 4)
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """A weight matrix (rows x cols) on the device in one of quant.glsl's layouts:
+    `data` holds the values (or quant blocks), `scales` the per-block scales of
+    the repacked types (None otherwise); both lie in the same buffer."""
+    type: str
+    rows: int
+    cols: int
+    data: Region
+    scales: Region | None = None
+
+    @property
+    def regions(self) -> list[tuple[Buffer, int, int]]:
+        r = [self.data.range]
+        if self.scales is not None:
+            r.append(self.scales.range)
+        return r
+
+
+def _rows_range(r: Region, n_rows: int, stride: int, width: int) -> tuple[Buffer, int, int]:
+    """Byte range touched by n_rows rows of `width` words, `stride` apart."""
+    if n_rows <= 0:
+        return (r.buf, r.off * 4, r.off * 4)
+    return (r.buf, r.off * 4, (r.off + (n_rows - 1) * stride + width) * 4)
+
+
+class Kernels:
+    """Kernel launcher for one device."""
+
+    def __init__(self, device: Device, items_per_wg: int = 4, elementwise_wg: int = 64,
+                 spirv_cache: Path | None = None):
+        self.device = device
+        self.sg = device.info.subgroup_size
+        self.items = items_per_wg
+        self.wg = self.sg * items_per_wg
+        self.ew_wg = max(elementwise_wg, self.sg)
+        self.max_x = device.info.max_workgroup_count[0]
+        self._spirv_cache = spirv_cache
+
+    # -- helpers -----------------------------------------------------------
+    def _alg(self, name: str, buffers: list[Buffer], push: bytes, wg: int, items: int | None = None):
+        spv = shaders.spirv(name, self._spirv_cache)
+        return self.device.algorithm(name, spv, buffers, (wg, items or self.items), len(push))
+
+    def _grid(self, n_groups: int, z: int = 1) -> tuple[int, int, int]:
+        if n_groups <= self.max_x:
+            return (n_groups, 1, z)
+        return (self.max_x, math.ceil(n_groups / self.max_x), z)
+
+    @staticmethod
+    def _same_buffer(*regions: Region) -> Buffer:
+        b = regions[0].buf
+        if any(r.buf is not b for r in regions):
+            raise ValueError("these operands must live in the same activation buffer")
+        return b
+
+    # -- ops ---------------------------------------------------------------
+    def mul_mat(self, prog: Program, w: Matrix, x: Region, x_stride: int, y: Region, y_stride: int,
+                n: int, accumulate: bool = False, label: str = "") -> None:
+        """y[c][:M] (+)= W @ x[c][:K] for c < n (x rows K floats, y rows M floats)."""
+        act = self._same_buffer(x, y)
+        if x.off % 4 or x_stride % 4 or w.cols % 8:
+            raise ValueError("mul_mat needs 16-byte aligned x rows and K a multiple of 8")
+        variant = f"mul_mv_{w.type}" if n == 1 else f"mul_mm_{w.type}"
+        ncols = 1 if n == 1 else MATMUL_COLS
+        push = struct.pack("<10I", w.data.off, w.scales.off if w.scales else 0, w.cols, w.rows, n,
+                           x.off, x_stride, y.off, y_stride, int(accumulate))
+        alg = self._alg(variant, [w.data.buf, act], push, self.wg)
+        yr = _rows_range(y, n, y_stride, w.rows)
+        reads = w.regions + [_rows_range(x, n, x_stride, w.cols)] + ([yr] if accumulate else [])
+        prog.dispatch(alg, push, self._grid(math.ceil(w.rows / self.items), math.ceil(n / ncols)),
+                      reads, [yr], label or variant)
+
+    def get_rows(self, prog: Program, w: Matrix, params: Buffer, ids_off: int, y: Region, y_stride: int,
+                 n: int, label: str = "get_rows") -> None:
+        """y[r][:] = W[params[ids_off + r]][:] (dequantized) for r < n."""
+        push = struct.pack("<7I", w.data.off, w.scales.off if w.scales else 0, w.cols, n, ids_off, y.off, y_stride)
+        alg = self._alg(f"get_rows_{w.type}", [w.data.buf, y.buf, params], push, self.ew_wg, 1)
+        unit = 16 if w.type == "q6_k" else 8
+        total = n * (w.cols // unit)
+        prog.dispatch(alg, push, self._grid(math.ceil(total / self.ew_wg)),
+                      w.regions + [(params, ids_off * 4, (ids_off + n) * 4)],
+                      [_rows_range(y, n, y_stride, w.cols)], label)
+
+    def rms_norm(self, prog: Program, weight: Region, x: Region, x_stride: int, y: Region, y_stride: int,
+                 n: int, rows: int, eps: float, params: Buffer, map_off: int | None = None,
+                 label: str = "rms_norm") -> None:
+        """y[r] = x[src] / rms(x[src]) * weight, src = r or params[map_off + r]."""
+        act = self._same_buffer(x, y)
+        push = struct.pack("<8If", x.off, x_stride, y.off, y_stride, weight.off, n, rows,
+                           NO_MAP if map_off is None else map_off, eps)
+        alg = self._alg("rms_norm", [weight.buf, act, params], push, self.wg)
+        if map_off is None:
+            xr = _rows_range(x, rows, x_stride, n)
+            reads = [weight.range, xr]
+        else:  # gathered rows: any row of x may be read
+            reads = [weight.range, x.range, (params, map_off * 4, (map_off + rows) * 4)]
+        prog.dispatch(alg, push, self._grid(math.ceil(rows / self.items)), reads,
+                      [_rows_range(y, rows, y_stride, n)], label)
+
+    def rope_kv(self, prog: Program, table: Region, qkv: Region, qkv_stride: int, q_out: Region, q_stride: int,
+                n_rows: int, n_head: int, n_kv: int, head_dim: int, n_rot: int, neox: bool,
+                k_cache: Region, v_cache: Region, slot_stride: int, params: Buffer, pos_off: int, slot_off: int,
+                label: str = "rope_kv") -> None:
+        """RoPE on q and k of each row, k and v written (f16) into the cache at
+        (params[slot_off + r], params[pos_off + r]); rotated q to q_out."""
+        act = self._same_buffer(qkv, q_out)
+        kv = self._same_buffer(k_cache, v_cache)
+        push = struct.pack("<16I", qkv.off, qkv_stride, q_out.off, q_stride, n_rows, n_head, n_kv, head_dim,
+                           n_rot, int(neox), table.off, k_cache.off, v_cache.off, slot_stride, pos_off, slot_off)
+        alg = self._alg("rope_kv", [table.buf, act, params, kv], push, self.ew_wg, 1)
+        per_row = (n_head + 2 * n_kv) * head_dim // 2
+        width = (n_head + 2 * n_kv) * head_dim
+        reads = [table.range, _rows_range(qkv, n_rows, qkv_stride, width),
+                 (params, min(pos_off, slot_off) * 4, (max(pos_off, slot_off) + n_rows) * 4)]
+        writes = [_rows_range(q_out, n_rows, q_stride, n_head * head_dim), k_cache.range, v_cache.range]
+        prog.dispatch(alg, push, self._grid(math.ceil(n_rows * per_row / self.ew_wg)), reads, writes, label)
+
+    def attention(self, prog: Program, q: Region, q_stride: int, o: Region, o_stride: int, n_rows: int,
+                  n_head: int, n_kv: int, head_dim: int, k_cache: Region, v_cache: Region, slot_stride: int,
+                  params: Buffer, pos_off: int, slot_off: int, scale: float, label: str = "attention") -> None:
+        """o[r][h] = softmax(q[r][h] . K[slot][0..pos]) V[slot][0..pos]."""
+        if head_dim // 2 > ATTN_MAX_WORDS_PER_LANE * self.sg or n_head % n_kv:
+            raise VkEngineError(f"attention with head_dim {head_dim}, {n_head} heads / {n_kv} kv heads "
+                                f"is not supported on subgroups of {self.sg}")
+        act = self._same_buffer(q, o)
+        kv = self._same_buffer(k_cache, v_cache)
+        push = struct.pack("<13If", q.off, q_stride, o.off, o_stride, n_rows, n_head, n_kv, head_dim,
+                           k_cache.off, v_cache.off, slot_stride, pos_off, slot_off, scale)
+        alg = self._alg("attention", [act, params, kv], push, self.wg)
+        reads = [_rows_range(q, n_rows, q_stride, n_head * head_dim), k_cache.range, v_cache.range,
+                 (params, min(pos_off, slot_off) * 4, (max(pos_off, slot_off) + n_rows) * 4)]
+        prog.dispatch(alg, push, self._grid(math.ceil(n_rows * n_head / self.items)), reads,
+                      [_rows_range(o, n_rows, o_stride, n_head * head_dim)], label)
+
+    def swiglu(self, prog: Program, gu: Region, gu_stride: int, y: Region, y_stride: int, F: int, rows: int,
+               label: str = "swiglu") -> None:
+        """y[r][i] = silu(gu[r][i]) * gu[r][F + i]."""
+        act = self._same_buffer(gu, y)
+        push = struct.pack("<6I", gu.off, gu_stride, y.off, y_stride, F, rows)
+        alg = self._alg("swiglu", [act], push, self.ew_wg, 1)
+        prog.dispatch(alg, push, self._grid(math.ceil(rows * F / self.ew_wg)),
+                      [_rows_range(gu, rows, gu_stride, 2 * F)], [_rows_range(y, rows, y_stride, F)], label)
+
+    def add(self, prog: Program, a: Region, a_stride: int, b: Region, b_stride: int, y: Region, y_stride: int,
+            n: int, rows: int, label: str = "add") -> None:
+        act = self._same_buffer(a, b, y)
+        push = struct.pack("<8I", a.off, a_stride, b.off, b_stride, y.off, y_stride, n, rows)
+        alg = self._alg("add", [act], push, self.ew_wg, 1)
+        prog.dispatch(alg, push, self._grid(math.ceil(rows * n / self.ew_wg)),
+                      [_rows_range(a, rows, a_stride, n), _rows_range(b, rows, b_stride, n)],
+                      [_rows_range(y, rows, y_stride, n)], label)
+
+    def softmax(self, prog: Program, x: Region, x_stride: int, y: Region, y_stride: int, n: int, rows: int,
+                scale: float = 1.0, label: str = "softmax") -> None:
+        act = self._same_buffer(x, y)
+        push = struct.pack("<6If", x.off, x_stride, y.off, y_stride, n, rows, scale)
+        alg = self._alg("softmax", [act], push, self.wg)
+        prog.dispatch(alg, push, self._grid(math.ceil(rows / self.items)),
+                      [_rows_range(x, rows, x_stride, n)], [_rows_range(y, rows, y_stride, n)], label)
+
+    def argmax(self, prog: Program, x: Region, x_stride: int, n: int, rows: int, params: Buffer, out_off: int,
+               label: str = "argmax") -> None:
+        """params[out_off + r] = argmax(x[r][:n])."""
+        push = struct.pack("<5I", x.off, x_stride, n, rows, out_off)
+        alg = self._alg("argmax", [x.buf, params], push, self.wg)
+        prog.dispatch(alg, push, self._grid(math.ceil(rows / self.items)),
+                      [_rows_range(x, rows, x_stride, n)], [(params, out_off * 4, (out_off + rows) * 4)], label)

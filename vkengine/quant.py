@@ -1,0 +1,108 @@
+"""GGML weight types: sizes, and repacking GGUF blocks into the device layouts of
+shaders/quant.glsl.
+
+GGUF blocks of the simple quant types are not 4-byte aligned (Q4_0: 18 bytes,
+Q8_0: 34) and storage buffers are 32-bit here, so their quants and scales are
+split into two arrays (both still quantized: the same bytes, reordered). K-quant
+blocks are kept as they are (Q6_K padded from 210 to 212 bytes).
+"""
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from .errors import VkEngineError
+
+# GGML type -> device type name (shaders/variants.py WEIGHT_TYPES)
+SUPPORTED = {
+    GGMLQuantizationType.F32: "f32",
+    GGMLQuantizationType.F16: "f16",
+    GGMLQuantizationType.BF16: "bf16",
+    GGMLQuantizationType.Q8_0: "q8_0",
+    GGMLQuantizationType.Q4_0: "q4_0",
+    GGMLQuantizationType.Q4_1: "q4_1",
+    GGMLQuantizationType.Q5_0: "q5_0",
+    GGMLQuantizationType.Q5_1: "q5_1",
+    GGMLQuantizationType.Q4_K: "q4_k",
+    GGMLQuantizationType.Q5_K: "q5_k",
+    GGMLQuantizationType.Q6_K: "q6_k",
+}
+BY_NAME = {v: k for k, v in SUPPORTED.items()}
+
+# (value bytes offset, value bytes end, scale bytes end) inside a GGUF block of
+# the repacked types: scales are bytes [0, s), values [s, block)
+_SPLIT = {"q8_0": 2, "q4_0": 2, "q4_1": 4, "q5_0": 2, "q5_1": 4}
+
+
+def type_name(qtype: int) -> str:
+    try:
+        return SUPPORTED[GGMLQuantizationType(qtype)]
+    except (KeyError, ValueError):
+        try:
+            name = GGMLQuantizationType(qtype).name
+        except ValueError:
+            name = f"#{qtype}"
+        supported = ", ".join(t.name for t in SUPPORTED)
+        raise VkEngineError(f"tensor type {name} is not supported (supported: {supported})") from None
+
+
+def block_shape(name: str) -> tuple[int, int]:
+    """(values per block, bytes per block) in GGUF."""
+    return GGML_QUANT_SIZES[BY_NAME[name]]
+
+
+def row_bytes(name: str, cols: int) -> int:
+    n, b = block_shape(name)
+    return cols // n * b
+
+
+def check_shape(name: str, rows: int, cols: int, what: str = "tensor") -> None:
+    n, _ = block_shape(name)
+    unit = 16 if name == "q6_k" else 8
+    if cols % n or cols % unit:
+        raise VkEngineError(f"{what}: {cols} columns are not a multiple of the {name} block ({max(n, unit)})")
+
+
+def _halves_to_words(h: np.ndarray) -> np.ndarray:
+    """uint16 array -> uint32 words, two halves a word (little-endian), padded."""
+    h = np.ascontiguousarray(h.reshape(-1))
+    if h.size % 2:
+        h = np.concatenate([h, np.zeros(1, np.uint16)])
+    return h.view(np.uint32)
+
+
+def repack(name: str, raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """GGUF bytes of a (rows, cols) tensor -> (value words, scale words or None)."""
+    check_shape(name, rows, cols)
+    raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+    expected = rows * row_bytes(name, cols)
+    if raw.size != expected:
+        raise VkEngineError(f"{name} tensor of {rows}x{cols} should hold {expected} bytes, it holds {raw.size}")
+    if name in ("f32", "f16", "bf16", "q4_k", "q5_k"):
+        return raw.view(np.uint32), None
+    n, b = block_shape(name)
+    blocks = raw.reshape(-1, b)
+    if name == "q6_k":
+        padded = np.zeros((blocks.shape[0], 212), np.uint8)
+        padded[:, :210] = blocks
+        return padded.reshape(-1).view(np.uint32), None
+    s = _SPLIT[name]
+    values = np.ascontiguousarray(blocks[:, s:]).reshape(-1).view(np.uint32)
+    scale_bytes = np.ascontiguousarray(blocks[:, :s])
+    if s == 2:
+        scales = _halves_to_words(scale_bytes.view(np.uint16))
+    else:
+        scales = scale_bytes.reshape(-1).view(np.uint32)
+    return values, scales
+
+
+def dequantize(name: str, raw: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    """float32 (rows, cols) from GGUF bytes (reference for tests and loaders)."""
+    from gguf import quants
+    t = BY_NAME[name]
+    if name == "f32":
+        return np.frombuffer(np.ascontiguousarray(raw).tobytes(), np.float32).reshape(rows, cols).copy()
+    if name == "f16":
+        return np.frombuffer(np.ascontiguousarray(raw).tobytes(), np.float16).astype(np.float32).reshape(rows, cols)
+    data = np.ascontiguousarray(raw).reshape(rows, row_bytes(name, cols)).view(np.uint8)
+    return quants.dequantize(data, t).astype(np.float32).reshape(rows, cols)

@@ -1,0 +1,182 @@
+"""Tokenizer from GGUF metadata (BPE vocab, merges, pre-tokenizer type, special
+tokens) built with the `tokenizers` library, so that it splits text exactly as
+llama.cpp does on the same file; the chat template rendered with jinja2;
+a streaming detokenizer that never emits half a UTF-8 character."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+from .errors import VkEngineError
+
+# llama.cpp's pre-tokenizer regexes by `tokenizer.ggml.pre` (src/llama-vocab.cpp).
+# Each entry is a list of regexes applied in turn (isolating matches), then the
+# GPT-2 byte-level mapping.
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZERS: dict[str, list[str]] = {
+    "default": [_GPT2],
+    "gpt2": [_GPT2],
+    "smollm": [r"\p{N}", _GPT2],
+    "llama3": [_LLAMA3],
+    "llama-bpe": [_LLAMA3],
+    "qwen2": [_QWEN2],
+    "qwen35": [_QWEN2],
+}
+
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+
+
+@dataclass
+class Tokenizer:
+    hf: object                       # tokenizers.Tokenizer
+    bos_id: int | None
+    eos_id: int | None
+    add_bos: bool
+    eot_ids: frozenset[int] = frozenset()   # tokens that end a turn (EOS, <|im_end|>, ...)
+    chat_template: str | None = None
+    special_ids: frozenset[int] = frozenset()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special: bool = True) -> list[int]:
+        ids = self.hf.encode(text, add_special_tokens=False).ids
+        if add_special and self.add_bos and self.bos_id is not None:
+            ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special)
+
+    def token_text(self, i: int) -> str:
+        return self.hf.id_to_token(i) or ""
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise VkEngineError("this model has no chat template (tokenizer.chat_template); use a raw prompt")
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(msg):
+            raise VkEngineError(f"chat template: {msg}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        try:
+            tmpl = env.from_string(self.chat_template)
+            return tmpl.render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.token_text(self.bos_id) if self.bos_id is not None else "",
+                eos_token=self.token_text(self.eos_id) if self.eos_id is not None else "")
+        except TemplateError as e:
+            raise VkEngineError(f"chat template failed to render: {e}") from e
+
+    def stream(self) -> "StreamDecoder":
+        return StreamDecoder(self)
+
+
+class StreamDecoder:
+    """Incremental detokenization: feed ids, get the text that became final
+    (a multi-byte character split across tokens is held back until complete)."""
+
+    def __init__(self, tok: Tokenizer, skip_special: bool = False):
+        self.tok = tok
+        self.ids: list[int] = []
+        self.emitted = 0          # characters of decode(ids) already returned
+        self.skip_special = skip_special
+
+    def feed(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.tok.decode(self.ids, self.skip_special)
+        if text.endswith("\ufffd"):
+            return ""             # incomplete UTF-8 sequence: wait for more bytes
+        out = text[self.emitted:]
+        self.emitted = len(text)
+        return out
+
+    def flush(self) -> str:
+        text = self.tok.decode(self.ids, self.skip_special)
+        out = text[self.emitted:]
+        self.emitted = len(text)
+        return out
+
+
+def from_gguf(meta) -> Tokenizer:
+    """`meta(key, default)` reads GGUF metadata."""
+    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    kind = meta("tokenizer.ggml.model", None)
+    if kind != "gpt2":
+        raise VkEngineError(f"tokenizer model {kind!r} is not supported (supported: gpt2 byte-level BPE)")
+    tokens = list(meta("tokenizer.ggml.tokens"))
+    merges_raw = list(meta("tokenizer.ggml.merges"))
+    types = list(meta("tokenizer.ggml.token_type", [1] * len(tokens)))
+    pre = meta("tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZERS:
+        raise VkEngineError(f"pre-tokenizer {pre!r} is not supported (supported: {', '.join(sorted(PRE_TOKENIZERS))})")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = [tuple(m.split(" ", 1)) for m in merges_raw]
+    bpe = models.BPE(vocab=vocab, merges=merges, ignore_merges=False)
+    hf = HFTokenizer(bpe)
+    hf.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_TOKENIZERS[pre]]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    hf.decoder = decoders.ByteLevel()
+    specials = [AddedToken(tokens[i], special=True, normalized=False)
+                for i, t in enumerate(types) if t == TOKEN_TYPE_CONTROL]
+    user = [AddedToken(tokens[i], special=False, normalized=False)
+            for i, t in enumerate(types) if t == TOKEN_TYPE_USER_DEFINED]
+    if specials:
+        hf.add_special_tokens(specials)
+    if user:
+        hf.add_tokens(user)
+    bos = meta("tokenizer.ggml.bos_token_id", None)
+    eos = meta("tokenizer.ggml.eos_token_id", None)
+    eot = meta("tokenizer.ggml.eot_token_id", None)
+    eot_ids = {int(x) for x in (eos, eot) if x is not None}
+    for name in ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>"):
+        if name in vocab and types[vocab[name]] == TOKEN_TYPE_CONTROL:
+            eot_ids.add(vocab[name])
+    return Tokenizer(
+        hf=hf, bos_id=None if bos is None else int(bos), eos_id=None if eos is None else int(eos),
+        add_bos=bool(meta("tokenizer.ggml.add_bos_token", False)), eot_ids=frozenset(eot_ids),
+        chat_template=meta("tokenizer.chat_template", None),
+        special_ids=frozenset(i for i, t in enumerate(types) if t == TOKEN_TYPE_CONTROL))
+
+
+def from_hf_folder(folder: Path) -> Tokenizer:
+    """tokenizer.json (+ tokenizer_config.json for BOS/EOS and the chat template)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    tj = folder / "tokenizer.json"
+    if not tj.is_file():
+        raise VkEngineError(f"{folder} has no tokenizer.json")
+    hf = HFTokenizer.from_file(str(tj))
+    cfg = {}
+    if (folder / "tokenizer_config.json").is_file():
+        cfg = json.loads((folder / "tokenizer_config.json").read_text())
+
+    def tid(key):
+        v = cfg.get(key)
+        if isinstance(v, dict):
+            v = v.get("content")
+        return hf.token_to_id(v) if v else None
+
+    bos, eos = tid("bos_token"), tid("eos_token")
+    eot = {x for x in (eos,) if x is not None}
+    for name in ("<|im_end|>", "<|eot_id|>"):
+        i = hf.token_to_id(name)
+        if i is not None:
+            eot.add(i)
+    specials = frozenset(i for t, i in hf.get_vocab(with_added_tokens=True).items()
+                         if t in {a.content for a in hf.get_added_tokens_decoder().values() if a.special})
+    return Tokenizer(hf=hf, bos_id=bos, eos_id=eos, add_bos=bool(cfg.get("add_bos_token", False)),
+                     eot_ids=frozenset(eot), chat_template=cfg.get("chat_template"), special_ids=specials)
