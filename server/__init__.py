@@ -1,0 +1,1 @@
+"""HTTP server: llama-server and OpenAI compatible routes over the engine."""

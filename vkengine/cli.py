@@ -1,0 +1,189 @@
+"""`vkengine` command line: devices, build-shaders, generate, bench, synth, serve.
+
+Configuration enters here (flags, VKENGINE_DEVICE) and is passed down; user
+errors (VkEngineError) print one line without a traceback and exit with 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from .errors import VkEngineError
+
+
+def _device_index(args) -> int | None:
+    if getattr(args, "device", None) is not None:
+        return args.device
+    env = os.environ.get("VKENGINE_DEVICE")
+    if env:
+        try:
+            return int(env)
+        except ValueError:
+            raise VkEngineError(f"VKENGINE_DEVICE={env!r} is not a device index") from None
+    return None
+
+
+def _open(args, n_slots: int = 1, max_batch: int | None = None):
+    from .device import Device
+    from .engine import Engine, EngineConfig
+    from .model import load_model
+    model = load_model(args.model)
+    dev = Device(_device_index(args))
+    cfg = EngineConfig(n_slots=n_slots, n_ctx=args.ctx, max_batch=max_batch or args.batch)
+    return model, dev, Engine(model, dev, cfg)
+
+
+def cmd_devices(args) -> int:
+    from .device import list_devices, pick_device
+    devs = list_devices()
+    chosen = pick_device(devs, _device_index(args)).index if devs else None
+    if args.brief:
+        for d in devs:
+            print(f"{d.index}{'*' if d.index == chosen else ' '} {d.name} ({d.type}, {d.driver_name})")
+        return 0
+    if args.json:
+        print(json.dumps([{**d.__dict__, "extensions": len(d.extensions)} for d in devs], indent=1))
+        return 0
+    for d in devs:
+        mark = "  <- selected" if d.index == chosen else ""
+        print(f"[{d.index}] {d.name}{mark}")
+        print(f"    type {d.type}, Vulkan {d.api_version}, driver {d.driver_name} ({d.driver_info})")
+        print(f"    subgroup size {d.subgroup_size}, max storage buffer {d.max_storage_buffer_range / 2**20:.0f} MiB, "
+              f"shared memory {d.max_shared_memory // 1024} KiB, workgroup <= {d.max_workgroup_invocations}")
+        print(f"    device-local memory {d.device_local_bytes / 2**30:.1f} GiB, push constants {d.max_push_constants_size} B, "
+              f"timestamps {d.timestamp_period_ns:g} ns/tick")
+    return 0
+
+
+def cmd_build_shaders(args) -> int:
+    from . import shaders
+    t = time.perf_counter()
+    files = shaders.build_all()
+    print(f"{len(files)} shader variants in {shaders.default_cache_dir()} ({time.perf_counter() - t:.1f} s)")
+    return 0
+
+
+def _sampling(args):
+    from .sampling import SamplingParams
+    return SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          repeat_penalty=args.repeat_penalty, seed=args.seed).validate()
+
+
+def cmd_generate(args) -> int:
+    from .generate import GenStats, generate
+    model, dev, eng = _open(args)
+    tok = model.tokenizer
+    text = args.prompt
+    if args.chat:
+        text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    ids = tok.encode(text)
+    st = GenStats()
+    if not args.chat:
+        sys.stdout.write(args.prompt)
+    for step in generate(eng, ids, args.n_predict, _sampling(args), args.stop, ignore_eos=args.ignore_eos,
+                         stats=st):
+        sys.stdout.write(step.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    print(f"[{dev.info.name}] prompt {st.prompt_tokens} tokens, {st.prefill_tps:.1f} tok/s prefill; "
+          f"generated {st.generated} tokens, {st.decode_tps:.1f} tok/s decode", file=sys.stderr)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench import run_bench
+    model, dev, eng = _open(args, max_batch=max(args.n_prompt, 1))
+    r = run_bench(eng, args.n_prompt, args.n_gen, args.reps)
+    if args.json:
+        print(json.dumps(r, indent=1))
+    else:
+        print(f"{model.name} on {dev.info.name}: pp{args.n_prompt} {r['pp_tps']:.1f} tok/s, "
+              f"tg{args.n_gen} {r['tg_tps']:.1f} tok/s")
+    return 0
+
+
+def cmd_synth(args) -> int:
+    from .synth import synth_main
+    return synth_main(args)
+
+
+def cmd_serve(args) -> int:
+    from server.main import serve_main
+    return serve_main(args)
+
+
+def _common(p, model=True):
+    if model:
+        p.add_argument("--model", "-m", default=None,
+                       help="GGUF file or Hugging Face folder (default: embedded SmolLM2-135M-Instruct Q4_1)")
+        p.add_argument("--ctx", type=int, default=None, help="context length per sequence (default min(train, 4096))")
+        p.add_argument("--batch", type=int, default=256, help="tokens per prefill step")
+    p.add_argument("--device", type=int, default=None, help="Vulkan device index (see `vkengine devices`); "
+                   "VKENGINE_DEVICE also works")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="vkengine", description="LLM inference on Vulkan through Kompute")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("devices", help="list Vulkan devices")
+    _common(p, model=False)
+    p.add_argument("--brief", action="store_true")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_devices)
+
+    p = sub.add_parser("build-shaders", help="compile every shader variant to SPIR-V (cached)")
+    p.set_defaults(fn=cmd_build_shaders)
+
+    p = sub.add_parser("generate", help="generate text from a prompt, streamed to the terminal")
+    _common(p)
+    p.add_argument("prompt")
+    p.add_argument("-n", "--n-predict", type=int, default=64)
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    p.add_argument("--temp", type=float, default=0.0, help="temperature (0: greedy)")
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.set_defaults(fn=cmd_generate)
+
+    p = sub.add_parser("bench", help="prefill (pp) and decode (tg) speed")
+    _common(p)
+    p.add_argument("-p", "--n-prompt", type=int, default=512)
+    p.add_argument("-n", "--n-gen", type=int, default=128)
+    p.add_argument("-r", "--reps", type=int, default=3)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_bench)
+
+    p = sub.add_parser("synth", help="write a deterministic random-weight model (GGUF and safetensors)")
+    from .synth import add_synth_args
+    add_synth_args(p)
+    p.set_defaults(fn=cmd_synth)
+
+    p = sub.add_parser("serve", help="HTTP server (llama-server and OpenAI compatible)")
+    _common(p)
+    from server.options import add_serve_args
+    add_serve_args(p)
+    p.set_defaults(fn=cmd_serve)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args) or 0
+    except VkEngineError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""Token sampling on the host from one logits row (numpy), in llama.cpp's
+default order: repetition penalty, top-k, top-p, min-p, temperature, draw.
+Greedy decoding (temperature <= 0, no penalty) never reaches here: the argmax
+runs on the device and one word is read back."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import VkEngineError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    seed: int | None = None
+
+    def validate(self) -> "SamplingParams":
+        if not (self.temperature >= 0 and np.isfinite(self.temperature)):
+            raise VkEngineError("temperature must be a finite number >= 0")
+        if self.top_k < 0:
+            raise VkEngineError("top_k must be >= 0 (0 disables it)")
+        if not 0 < self.top_p <= 1:
+            raise VkEngineError("top_p must be in (0, 1]")
+        if not 0 <= self.min_p < 1:
+            raise VkEngineError("min_p must be in [0, 1)")
+        if not (self.repeat_penalty > 0 and np.isfinite(self.repeat_penalty)):
+            raise VkEngineError("repeat_penalty must be > 0")
+        if self.repeat_last_n < 0:
+            raise VkEngineError("repeat_last_n must be >= 0")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    @property
+    def needs_logits(self) -> bool:
+        return not self.greedy or self.repeat_penalty != 1.0
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams):
+        self.p = params.validate()
+        self.rng = np.random.default_rng(params.seed)
+
+    def penalize(self, logits: np.ndarray, history: list[int]) -> np.ndarray:
+        """llama.cpp's repetition penalty: positive logits divided, negative multiplied."""
+        if self.p.repeat_penalty == 1.0 or not history or self.p.repeat_last_n == 0:
+            return logits
+        logits = logits.copy()
+        ids = np.unique(np.asarray(history[-self.p.repeat_last_n:], np.int64))
+        v = logits[ids]
+        logits[ids] = np.where(v > 0, v / self.p.repeat_penalty, v * self.p.repeat_penalty)
+        return logits
+
+    def __call__(self, logits: np.ndarray, history: list[int]) -> int:
+        logits = self.penalize(np.asarray(logits, np.float32), history)
+        if self.p.greedy:
+            return int(np.argmax(logits))
+        idx = np.argsort(-logits, kind="stable")
+        if self.p.top_k > 0:
+            idx = idx[: self.p.top_k]
+        lg = logits[idx].astype(np.float64)
+        probs = np.exp(lg - lg[0])
+        probs /= probs.sum()
+        if self.p.top_p < 1.0:
+            keep = int(np.searchsorted(np.cumsum(probs), self.p.top_p) + 1)
+            idx, lg, probs = idx[:keep], lg[:keep], probs[:keep]
+        if self.p.min_p > 0.0:
+            keep = probs >= self.p.min_p * probs[0]
+            idx, lg = idx[keep], lg[keep]
+        lg = lg / self.p.temperature
+        probs = np.exp(lg - lg.max())
+        probs /= probs.sum()
+        return int(idx[self.rng.choice(len(idx), p=probs)])
