@@ -1,0 +1,56 @@
+"""numpy reference forward pass of the llama graph (tests only).
+
+Written independently of the engine's graph code: weights dequantized with the
+`gguf` package, full causal attention over the whole sequence. K and V are
+rounded to f16 as the engine's KV cache stores them, so logits can be compared
+tightly; everything else is float32/float64 on the host.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from vkengine.gguf_file import ModelFile
+from vkengine.rope import rope_table
+
+from . import reference as ref
+
+
+class RefLlama:
+    def __init__(self, mf: ModelFile, args):
+        self.a = args
+        self.mf = mf
+        self.w: dict[str, np.ndarray] = {}
+
+    def W(self, name: str) -> np.ndarray:
+        if name not in self.w:
+            self.w[name] = self.mf.tensor(name).as_f32().astype(np.float32)
+        return self.w[name]
+
+    def logits(self, tokens: list[int]) -> np.ndarray:
+        """(len(tokens), n_vocab) logits of a sequence starting at position 0."""
+        a = self.a
+        n = len(tokens)
+        hd, H, Hkv = a.head_dim, a.n_head, a.n_head_kv
+        emb = self.W("token_embd.weight")
+        x = emb[np.asarray(tokens)].astype(np.float64)
+        pos = np.arange(n)
+        for i in range(a.n_layer):
+            p = f"blk.{i}."
+            h = ref.rms_norm(x, self.W(p + "attn_norm.weight"), a.rms_eps).astype(np.float32)
+            q = (h @ self.W(p + "attn_q.weight").T).reshape(n, H, hd)
+            k = (h @ self.W(p + "attn_k.weight").T).reshape(n, Hkv, hd)
+            v = (h @ self.W(p + "attn_v.weight").T).reshape(n, Hkv, hd)
+            q = ref.rope(q, pos, a.n_rot, a.rope_base, a.rope_neox, a.rope_freq_scale)
+            k = ref.rope(k, pos, a.n_rot, a.rope_base, a.rope_neox, a.rope_freq_scale)
+            k16 = k.astype(np.float16).astype(np.float32)
+            v16 = v.astype(np.float16).astype(np.float32)
+            att = np.stack([ref.attention(q[t], k16[: t + 1], v16[: t + 1], 1.0 / np.sqrt(hd)) for t in range(n)])
+            x = x + att.reshape(n, H * hd).astype(np.float64) @ self.W(p + "attn_output.weight").T.astype(np.float64)
+            h = ref.rms_norm(x, self.W(p + "ffn_norm.weight"), a.rms_eps).astype(np.float32)
+            g = h @ self.W(p + "ffn_gate.weight").T
+            u = h @ self.W(p + "ffn_up.weight").T
+            f = (ref.silu(g) * u).astype(np.float32)
+            x = x + f.astype(np.float64) @ self.W(p + "ffn_down.weight").T.astype(np.float64)
+        h = ref.rms_norm(x, self.W("output_norm.weight"), a.rms_eps)
+        out = self.W("output.weight") if self.mf.has("output.weight") else emb
+        return (h @ out.T.astype(np.float64)).astype(np.float32)
