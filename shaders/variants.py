@@ -21,7 +21,7 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
         t[f"mul_mv_{wt}"] = ("mul_mv.comp", {**d, "NCOLS": 1})
         t[f"mul_mm_{wt}"] = ("mul_mv.comp", {**d, "NCOLS": MATMUL_COLS})
         t[f"get_rows_{wt}"] = ("get_rows.comp", d)
-    for op in ("rms_norm", "rope_kv", "attention", "swiglu", "add", "softmax", "argmax"):
+    for op in ("rms_norm", "rope_kv", "attention", "swiglu", "add", "softmax", "argmax", "copy"):
         t[op] = (f"{op}.comp", {})
     return t
 

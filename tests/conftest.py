@@ -3,6 +3,7 @@ needs Vulkan fails (never skips) when there is no device: CI must run them."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +20,14 @@ def device():
     dev = Device(int(idx) if idx else None)
     yield dev
     dev.close()
+
+
+@pytest.fixture(scope="session")
+def tokenizer_source():
+    """GGUF to copy the tokenizer from when synthesizing models: the embedded
+    SmolLM2 by default; a tokenizer-only GGUF on machines without it (GPU runs)."""
+    p = os.environ.get("VKENGINE_TOKENIZER_GGUF")
+    return Path(p) if p else None
 
 
 @pytest.fixture(scope="session")

@@ -323,3 +323,19 @@ def test_attention_mixed_batch(device, kernels, ws, rng, hd, n_head, n_kv):
         s, p = slots[r], pos[r]
         want = ref.attention(q[r], kvals[s, :p + 1].astype(np.float32), vvals[s, :p + 1].astype(np.float32), scale)
         _close(got[r], want, atol_scale=1e-5)
+
+
+def test_copy(device, kernels, rng):
+    n = 4 * 100003
+    a = device.buffer(n * 4 + 64, "device", "src")
+    b = device.buffer(n * 4 + 64, "device", "dst")
+    data = rng.integers(0, 2**32, n, dtype=np.uint32)
+    device.upload(a, data, 16)
+    device.upload(b, np.full(n + 16, 7, np.uint32))
+    prog = device.program()
+    kernels.copy(prog, Region(a, 4, n), Region(b, 8, n))
+    prog.run()
+    got = device.download(b, 0, (n + 16) * 4, np.uint32)
+    assert (got[8:8 + n] == data).all() and (got[:8] == 7).all() and (got[8 + n:] == 7).all()
+    device.free(a)
+    device.free(b)

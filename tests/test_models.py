@@ -19,11 +19,12 @@ PROMPT = "The quick brown fox jumps over the lazy dog. 1234567, and then"
 
 
 @pytest.fixture(scope="module")
-def tiny_models(tmp_path_factory):
+def tiny_models(tmp_path_factory, tokenizer_source):
     """Synthetic llama models (GGUF + HF copy) in three weight types."""
     out = tmp_path_factory.mktemp("synth")
     cfg = SynthConfig(n_embd=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=160, n_ctx=256)
-    return {q: synth_llama(cfg, q, seed=7, out_dir=out, name="tiny", workers=1) for q in ("q8_0", "q4_1", "f16")}
+    return {q: synth_llama(cfg, q, seed=7, out_dir=out, name="tiny", workers=1,
+                          tokenizer_from=tokenizer_source) for q in ("q8_0", "q4_1", "f16")}
 
 
 def _engine(device, path, **kw):

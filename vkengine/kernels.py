@@ -207,3 +207,13 @@ class Kernels:
         alg = self._alg("argmax", [x.buf, params], push, self.wg)
         prog.dispatch(alg, push, self._grid(math.ceil(rows / self.items)),
                       [_rows_range(x, rows, x_stride, n)], [(params, out_off * 4, (out_off + rows) * 4)], label)
+
+    def copy(self, prog: Program, src: Region, dst: Region, label: str = "copy") -> None:
+        """dst = src (word counts a multiple of 4, 16-byte aligned), by a shader."""
+        if src.off % 4 or dst.off % 4 or src.words % 4 or dst.words < src.words:
+            raise ValueError("copy needs 16-byte aligned regions of whole vec4s")
+        n = src.words // 4
+        push = struct.pack("<3I", src.off // 4, dst.off // 4, n)
+        wg = max(self.ew_wg, 256)
+        alg = self._alg("copy", [src.buf, dst.buf], push, wg, 1)
+        prog.dispatch(alg, push, self._grid(math.ceil(n / (wg * 4))), [src.range], [dst.range], label)

@@ -141,16 +141,44 @@ def _make_tensor(job):
     return name, raw, quant, hf
 
 
-def _tokenizer_meta():
-    """Tokenizer fields of the embedded SmolLM2 GGUF."""
+TOKENIZER_KEYS = [
+    "tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
+    "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
+    "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id",
+    "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_space_prefix", "tokenizer.chat_template"]
+
+
+def _tokenizer_meta(source: Path | None = None):
+    """Tokenizer fields of a GGUF (default: the embedded SmolLM2)."""
     from .gguf_file import GGUFFile
     from .model import default_model_path
-    src = GGUFFile(default_model_path())
-    keys = ["tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
-            "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
-            "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id",
-            "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_space_prefix", "tokenizer.chat_template"]
-    return {k: src.meta(k) for k in keys if src.meta(k, None) is not None}
+    src = GGUFFile(source or default_model_path())
+    return {k: src.meta(k) for k in TOKENIZER_KEYS if src.meta(k, None) is not None}
+
+
+def _add_meta(w, meta: dict) -> None:
+    for k, v in meta.items():
+        if isinstance(v, list):
+            w.add_array(k, v)
+        elif isinstance(v, bool):
+            w.add_bool(k, v)
+        elif isinstance(v, int):
+            w.add_uint32(k, v)
+        else:
+            w.add_string(k, v)
+
+
+def write_tokenizer_gguf(path: Path, source: Path | None = None) -> Path:
+    """A GGUF holding only the tokenizer (about 2 MB): lets `synth` run where the
+    embedded model cannot be carried (the GPU machine)."""
+    import gguf
+    w = gguf.GGUFWriter(str(path), "llama")
+    _add_meta(w, _tokenizer_meta(source))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
 
 
 HF_NAME_OF = {
@@ -177,7 +205,8 @@ def _hf_name(gguf_name: str) -> str:
 
 
 def synth_llama(c: SynthConfig, quant: str, seed: int, out_dir: Path, name: str = "synth",
-                formats=("gguf", "hf"), workers: int | None = None) -> dict[str, Path]:
+                formats=("gguf", "hf"), workers: int | None = None,
+                tokenizer_from: Path | None = None) -> dict[str, Path]:
     """Write the model; returns {"gguf": file, "hf": folder} for what was written."""
     import gguf
     from gguf import GGMLQuantizationType as T
@@ -187,7 +216,7 @@ def synth_llama(c: SynthConfig, quant: str, seed: int, out_dir: Path, name: str 
         raise VkEngineError(f"synth quant {quant!r} is not supported (choose from {', '.join(QUANTS)})")
     if c.n_embd % c.n_head or c.n_head % c.n_head_kv or c.head_dim % 2:
         raise VkEngineError("n_embd must divide into n_head heads of even size, and n_head by n_head_kv")
-    tmeta = _tokenizer_meta()
+    tmeta = _tokenizer_meta(tokenizer_from)
     n_vocab = len(tmeta["tokenizer.ggml.tokens"])
     out_dir.mkdir(parents=True, exist_ok=True)
     want_hf = "hf" in formats
@@ -224,15 +253,7 @@ def synth_llama(c: SynthConfig, quant: str, seed: int, out_dir: Path, name: str 
                          "bf16": 32}[quant])
         w.add_string("vkengine.synth.seed", str(seed))
         w.add_string("vkengine.synth.config", json.dumps(asdict(c)))
-        for k, v in tmeta.items():
-            if isinstance(v, list):
-                w.add_array(k, v)
-            elif isinstance(v, bool):
-                w.add_bool(k, v)
-            elif isinstance(v, int):
-                w.add_uint32(k, v)
-            else:
-                w.add_string(k, v)
+        _add_meta(w, tmeta)
         for n, s, _ in plan:
             _, raw, t, _ = results[n]
             qt = BY_NAME[t]
@@ -288,6 +309,8 @@ def add_synth_args(p) -> None:
     p.add_argument("--name", default=None, help="file name stem (default: <arch>-<shape>)")
     p.add_argument("--formats", default="gguf,hf", help="gguf, hf or both (comma separated)")
     p.add_argument("--workers", type=int, default=None)
+    p.add_argument("--tokenizer-from", default=None,
+                   help="GGUF whose tokenizer to copy (default: the embedded SmolLM2)")
 
 
 def synth_main(args) -> int:
@@ -297,7 +320,8 @@ def synth_main(args) -> int:
     if bad or not formats:
         raise VkEngineError(f"--formats takes gguf and/or hf, got {args.formats!r}")
     name = args.name or f"{args.arch}-{args.shape if not args.config else 'custom'}"
-    out = synth_llama(c, args.quant, args.seed, Path(args.out), name, formats, args.workers)
+    tok = Path(args.tokenizer_from) if args.tokenizer_from else None
+    out = synth_llama(c, args.quant, args.seed, Path(args.out), name, formats, args.workers, tok)
     for k, v in out.items():
         print(f"{k}: {v}")
     return 0

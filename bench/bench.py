@@ -1,0 +1,176 @@
+"""Ours vs llama.cpp on the same GGUF files, in one run.
+
+    python bench/bench.py --models 135m:q4_1,1b:q8_0,1b:q4_0,8b:q4_0 \
+        --llama-bench PATH/llama-bench --out docs/bench
+
+For each model: `vkengine synth` writes it (GGUF, deterministic seed) unless it
+exists; our engine runs pp512 and tg128 (median of --reps); llama-bench runs the
+same file with all layers on the GPU. The device's copy bandwidth is measured
+first with a vec4 copy shader (GPU timestamps). Writes
+<out>/<date>-<device>.json and regenerates <out>/README.md.
+
+Decode streams every weight once per token, so tg tok/s x weight bytes is the
+achieved weight bandwidth; it is reported as a fraction of the copy bandwidth
+(read + write bytes of the copy, the device's practical ceiling).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SHAPE_ALIASES = {"135m": "smollm2-135m", "1b": "1b", "8b": "8b", "tiny": "tiny", "small": "small"}
+
+
+def copy_bandwidth(dev, kernels, reps: int = 10) -> dict:
+    """Read+write GB/s of a device-to-device vec4 copy (median over reps)."""
+    from vkengine.kernels import Region
+    nbytes = min(1 << 30, dev.max_buffer_bytes) // 4096 * 4096
+    a = dev.buffer(nbytes, "device", "bw-src")
+    b = dev.buffer(nbytes, "device", "bw-dst")
+    words = nbytes // 4
+    prog = dev.program(timestamps=True)
+    kernels.copy(prog, Region(a, 0, words), Region(b, 0, words), label="copy")
+    times = []
+    for _ in range(reps + 1):
+        prog.run()
+        times.append(dict(prog.timings())["copy"])
+    dev.free(a)
+    dev.free(b)
+    us = statistics.median(times[1:])
+    return {"bytes": nbytes, "us": us, "gbps": 2 * nbytes / (us * 1e-6) / 1e9}
+
+
+def gguf_weight_bytes(path: Path) -> int:
+    from gguf import GGUFReader
+    r = GGUFReader(str(path), "r")
+    return int(sum(int(t.n_bytes) for t in r.tensors))
+
+
+def run_llama_bench(exe: str, model: Path, n_prompt: int, n_gen: int, reps: int) -> dict:
+    cmd = [exe, "-m", str(model), "-p", str(n_prompt), "-n", str(n_gen), "-r", str(reps), "-ngl", "99", "-o", "json"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if r.returncode != 0:
+        return {"error": (r.stderr or r.stdout)[-2000:], "cmd": " ".join(cmd)}
+    rows = json.loads(r.stdout[r.stdout.index("["):])
+    out = {"cmd": " ".join(cmd), "build_commit": rows[0].get("build_commit"), "backends": rows[0].get("backends"),
+           "gpu_info": rows[0].get("gpu_info")}
+    for row in rows:
+        if row.get("n_prompt") and not row.get("n_gen"):
+            out["pp_tps"], out["pp_std"] = row["avg_ts"], row.get("stddev_ts")
+        elif row.get("n_gen") and not row.get("n_prompt"):
+            out["tg_tps"], out["tg_std"] = row["avg_ts"], row.get("stddev_ts")
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="135m:q4_1,1b:q8_0,1b:q4_0,8b:q4_0")
+    ap.add_argument("--model-dir", default=os.environ.get("VKENGINE_BENCH_MODELS", "/tmp/vkengine-bench-models"))
+    ap.add_argument("--llama-bench", default=None, help="llama-bench binary (skipped when absent)")
+    ap.add_argument("--llama-label", default="llama.cpp", help="how to name the peer in the table")
+    ap.add_argument("-p", "--n-prompt", type=int, default=512)
+    ap.add_argument("-n", "--n-gen", type=int, default=128)
+    ap.add_argument("-r", "--reps", type=int, default=3)
+    ap.add_argument("--device", type=int, default=None)
+    ap.add_argument("--out", default=str(ROOT / "docs" / "bench"))
+    ap.add_argument("--note", default="")
+    ap.add_argument("--tokenizer-from", default=None, help="tokenizer GGUF for synth (default: embedded SmolLM2)")
+    args = ap.parse_args(argv)
+
+    from vkengine.bench import run_bench
+    from vkengine.device import Device
+    from vkengine.engine import Engine, EngineConfig
+    from vkengine.kernels import Kernels
+    from vkengine.model import load_model
+    from vkengine.synth import config_for, synth_llama
+
+    dev = Device(args.device)
+    kn = Kernels(dev)
+    bw = copy_bandwidth(dev, kn)
+    print(f"device {dev.info.name}: copy bandwidth {bw['gbps']:.0f} GB/s (read+write)", flush=True)
+    results = []
+    for spec in args.models.split(","):
+        shape, quant = spec.split(":")
+        shape = SHAPE_ALIASES.get(shape, shape)
+        mdir = Path(args.model_dir)
+        path = mdir / f"llama-{shape}-{quant}.gguf"
+        if not path.exists():
+            synth_llama(config_for(shape, None), quant, 0, mdir, f"llama-{shape}", formats=("gguf",),
+                        tokenizer_from=Path(args.tokenizer_from) if args.tokenizer_from else None)
+        wbytes = gguf_weight_bytes(path)
+        m = load_model(path)
+        eng = Engine(m, dev, EngineConfig(n_slots=1, n_ctx=args.n_prompt + args.n_gen + 8,
+                                          max_batch=args.n_prompt, max_out=1))
+        ours = run_bench(eng, args.n_prompt, args.n_gen, args.reps)
+        del eng
+        peer = run_llama_bench(args.llama_bench, path, args.n_prompt, args.n_gen, args.reps) \
+            if args.llama_bench else {}
+        row = {"model": path.name, "shape": shape, "quant": quant, "weight_bytes": wbytes,
+               "ours": {"pp_tps": ours["pp_tps"], "tg_tps": ours["tg_tps"]}, "llama": peer,
+               "tg_weight_gbps": wbytes * ours["tg_tps"] / 1e9}
+        row["tg_frac_copy_bw"] = row["tg_weight_gbps"] / bw["gbps"]
+        if peer.get("tg_tps"):
+            row["tg_ratio"] = ours["tg_tps"] / peer["tg_tps"]
+            row["pp_ratio"] = ours["pp_tps"] / peer["pp_tps"]
+        results.append(row)
+        print(json.dumps(row), flush=True)
+
+    date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
+    dev_slug = re.sub(r"[^a-z0-9]+", "-", dev.info.name.lower()).strip("-")[:40]
+    doc = {"date": date, "device": dev.info.name, "driver": f"{dev.info.driver_name} {dev.info.driver_info}",
+           "features": list(dev.features), "copy_bandwidth": bw, "n_prompt": args.n_prompt, "n_gen": args.n_gen,
+           "reps": args.reps, "peer": args.llama_label, "note": args.note, "results": results}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{date}-{dev_slug}.json").write_text(json.dumps(doc, indent=1))
+    render_readme(out)
+    print(table(doc))
+    return 0
+
+
+def table(doc: dict) -> str:
+    lines = [f"**{doc['date']}, {doc['device']}** ({doc['driver']}); copy bandwidth "
+             f"{doc['copy_bandwidth']['gbps']:.0f} GB/s; peer: {doc.get('peer', 'llama.cpp')}",
+             "", "| model | weights | pp ours | pp peer | pp ratio | tg ours | tg peer | tg ratio | tg GB/s | of copy bw |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in doc["results"]:
+        lp = r.get("llama") or {}
+        f = lambda v, d=1: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
+        lines.append(
+            f"| {r['model']} | {r['weight_bytes'] / 2**30:.2f} GiB | {f(r['ours']['pp_tps'])} | {f(lp.get('pp_tps'))} | "
+            f"{f(r.get('pp_ratio'), 2)} | {f(r['ours']['tg_tps'])} | {f(lp.get('tg_tps'))} | {f(r.get('tg_ratio'), 2)} | "
+            f"{r['tg_weight_gbps']:.0f} | {100 * r['tg_frac_copy_bw']:.0f}% |")
+    if doc.get("note"):
+        lines += ["", doc["note"]]
+    return "\n".join(lines)
+
+
+def render_readme(folder: Path) -> None:
+    docs = []
+    for f in sorted(folder.glob("*.json")):
+        try:
+            docs.append(json.loads(f.read_text()))
+        except json.JSONDecodeError:
+            continue
+    body = ["# Benchmarks: vkengine vs llama.cpp on the same GGUF files", "",
+            "Generated by `bench/bench.py` (newest first). pp = prompt processing of 512 tokens, tg = 128 tokens "
+            "generated one at a time, both from an empty context, tok/s. `tg GB/s` = weight bytes x tg tok/s; "
+            "`of copy bw` = that over the device's measured copy bandwidth (read + write). See notes.md for the "
+            "optimization log.", ""]
+    for d in reversed(docs):
+        body += [table(d), ""]
+    (folder / "README.md").write_text("\n".join(body))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Run on the GPU machine (NVIDIA H200, no package registry) through the device
+# tool, from the repository root:
+#
+#   here:   tests/gpu/prepare.sh            # fills .vk/ and .spv/ (ignored by git)
+#   there:  tests/gpu/run_on_gpu.sh [tests] [llama] [bench] [serve-bench]
+#           (carry: .vk .spv; results under $OUT)
+#
+# Stages:
+#   tests   kernel + model tests through Vulkan on the GPU (junit XML + log)
+#   llama   build llama.cpp 11434 with Vulkan (Debian 13 glslc: int-dot and
+#           cooperative-matrix shaders on) unless .vk/llama-vulkan.tar.xz has it
+#   bench   bench/bench.py: ours vs llama-bench on synthetic models
+# Everything the GPU machine lacks travels in .vk/: the Vulkan loader, libfmt,
+# the patched kp wheel for its Python 3.12, gguf, a tokenizer-only GGUF, the
+# trimmed llama.cpp source and Debian 13 shader-compiler packages.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/vkengine-gpu-out}
+mkdir -p "$OUT"
+stages=${*:-tests}
+
+for f in .vk/*.deb; do dpkg -x "$f" /; done
+ldconfig
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .vk/*.whl >/dev/null 2>&1 || {
+  echo "wheel install failed"; exit 1; }
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 VKENGINE_SPIRV_CACHE=$PWD/.spv
+export VKENGINE_TOKENIZER_GGUF=$PWD/.vk/smollm2-tokenizer.gguf
+if ! python3 -c 'import kp; assert kp.list_devices_info()' >/dev/null 2>&1; then
+  export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+fi
+python3 -m vkengine.cli devices | tee "$OUT/devices.txt"
+
+build_llama() {
+  if [ -x /tmp/llb/bin/llama-bench ]; then return 0; fi
+  if [ -f .vk/llama-vulkan.tar.xz ]; then
+    mkdir -p /tmp/llb/bin && tar xJf .vk/llama-vulkan.tar.xz -C /tmp/llb/bin && return 0
+  fi
+  local t0=$SECONDS
+  mkdir -p /opt/trixie && for f in .vk/trixie/*.deb; do dpkg -x "$f" /opt/trixie; done
+  tar xzf .vk/llama.cpp.tar.gz -C /tmp
+  export LD_LIBRARY_PATH=/opt/trixie/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+  cmake -S /tmp/llama.cpp -B /tmp/llb -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_VULKAN=ON -DGGML_NATIVE=OFF \
+    -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF \
+    -DVulkan_GLSLC_EXECUTABLE=/opt/trixie/usr/bin/glslc -DVulkan_INCLUDE_DIR=/opt/trixie/usr/include \
+    -DVulkan_LIBRARY=/usr/lib/x86_64-linux-gnu/libvulkan.so.1 \
+    -DSPIRV-Headers_DIR=/opt/trixie/usr/share/cmake/SPIRV-Headers > "$OUT/llama-cmake.log" 2>&1 \
+    || { tail -30 "$OUT/llama-cmake.log"; return 1; }
+  cmake --build /tmp/llb --target llama-bench llama-server -j "$(nproc)" > "$OUT/llama-build.log" 2>&1 \
+    || { tail -30 "$OUT/llama-build.log"; return 1; }
+  strip /tmp/llb/bin/llama-bench /tmp/llb/bin/llama-server
+  tar cJf "$OUT/llama-vulkan.tar.xz" -C /tmp/llb/bin llama-bench llama-server
+  echo "llama.cpp Vulkan build: $((SECONDS - t0)) s, $(du -h "$OUT/llama-vulkan.tar.xz" | cut -f1) packed"
+}
+
+for s in $stages; do
+  case $s in
+    tests)
+      python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_models.py -k "not smollm" \
+        --junitxml="$OUT/gpu-tests.xml" 2>&1 | tee "$OUT/gpu-tests.log" | tail -15
+      ;;
+    llama)
+      build_llama
+      ;;
+    bench)
+      build_llama && lb=/tmp/llb/bin/llama-bench || lb=""
+      python3 bench/bench.py --out "$OUT/bench" --tokenizer-from "$VKENGINE_TOKENIZER_GGUF" \
+        ${BENCH_MODELS:+--models $BENCH_MODELS} ${lb:+--llama-bench $lb} \
+        --llama-label "llama.cpp 11434 Vulkan (int dot + coopmat)" 2>&1 | tee "$OUT/bench.log" | tail -20
+      ;;
+    *) echo "unknown stage $s"; exit 2 ;;
+  esac
+done
