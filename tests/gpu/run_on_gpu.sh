@@ -11,7 +11,8 @@
 #   llama   build llama.cpp 11434 with Vulkan (Debian 13 glslc: int-dot and
 #           cooperative-matrix shaders on) unless .vk/llama-vulkan.tar.xz has it
 #   bench   bench/bench.py: ours vs llama-bench on synthetic models
-# Everything the GPU machine lacks travels in .vk/: the Vulkan loader, libfmt,
+# Everything the GPU machine lacks travels in .vk/: the Vulkan loader and the
+# GL vendor-neutral libraries that NVIDIA's Vulkan ICD (libGLX_nvidia) needs, libfmt,
 # the patched kp wheel for its Python 3.12, gguf, a tokenizer-only GGUF, the
 # trimmed llama.cpp source and Debian 13 shader-compiler packages.
 set -uo pipefail
@@ -33,8 +34,8 @@ python3 -m vkengine.cli devices | tee "$OUT/devices.txt"
 
 build_llama() {
   if [ -x /tmp/llb/bin/llama-bench ]; then return 0; fi
-  if [ -f .vk/llama-vulkan.tar.xz ]; then
-    mkdir -p /tmp/llb/bin && tar xJf .vk/llama-vulkan.tar.xz -C /tmp/llb/bin && return 0
+  if ls .vk/llama-vulkan.tar.xz.part* >/dev/null 2>&1; then
+    mkdir -p /tmp/llb/bin && cat .vk/llama-vulkan.tar.xz.part* | tar xJf - -C /tmp/llb/bin && return 0
   fi
   local t0=$SECONDS
   mkdir -p /opt/trixie && for f in .vk/trixie/*.deb; do dpkg -x "$f" /opt/trixie; done
@@ -49,8 +50,9 @@ build_llama() {
   cmake --build /tmp/llb --target llama-bench llama-server -j "$(nproc)" > "$OUT/llama-build.log" 2>&1 \
     || { tail -30 "$OUT/llama-build.log"; return 1; }
   strip /tmp/llb/bin/llama-bench /tmp/llb/bin/llama-server
-  tar cJf "$OUT/llama-vulkan.tar.xz" -C /tmp/llb/bin llama-bench llama-server
-  echo "llama.cpp Vulkan build: $((SECONDS - t0)) s, $(du -h "$OUT/llama-vulkan.tar.xz" | cut -f1) packed"
+  # parts of at most 15 MB come back through $OUT; prepare.sh keeps them in .vk/
+  tar cJf - -C /tmp/llb/bin llama-bench llama-server | split -b 15m -d - "$OUT/llama-vulkan.tar.xz.part"
+  echo "llama.cpp Vulkan build: $((SECONDS - t0)) s"
 }
 
 for s in $stages; do
