@@ -5,6 +5,10 @@
 // provides, for a row-major matrix of K columns starting at word offset `woff`
 // (with per-block scales at `woff2` for the repacked types):
 //   UNIT_VALUES / UNIT_GROUPS   values per unit, as UNIT_GROUPS runs of 4
+//                               (a unit is 16 bytes of quants where the layout
+//                               allows, read as one uvec4: wide loads keep more
+//                               bytes in flight per lane; shaders/variants.py
+//                               UNIT_VALUES mirrors these numbers)
 //   units_per_row(K)
 //   unit_load(woff, woff2, row, u, K, v, xo): the unit's values v[g] (vec4) and
 //       the column of each run's first value xo[g]
@@ -20,6 +24,11 @@
 //   Q4_K  GGUF's 144-byte block (36 words)
 //   Q5_K  GGUF's 176-byte block (44 words)
 //   Q6_K  GGUF's 210-byte block padded to 212 (53 words)
+
+#ifndef WQ_BINDING
+#define WQ_BINDING 0
+#endif
+layout(binding = WQ_BINDING) readonly buffer Wq4 { uvec4 wq4[]; };
 
 float half_at(uint base, uint i) {
     vec2 h = unpackHalf2x16(wq[base + (i >> 1)]);
@@ -40,16 +49,23 @@ vec4 bits4(uint bits, uint first) {
 }
 vec2 bf16x2(uint w) { return vec2(uintBitsToFloat(w << 16), uintBitsToFloat(w & 0xffff0000u)); }
 uint byte_at(uint base, uint i) { return (wq[base + (i >> 2)] >> (8u * (i & 3u))) & 255u; }
+// 6-bit scale and min of sub-block `is` (get_scale_min_k4 in ggml-quants.c)
+vec2 scale_min_k4(uint sb, uint is) {
+    if (is < 4u) {
+        return vec2(byte_at(sb, is) & 63u, byte_at(sb, is + 4u) & 63u);
+    }
+    uint a = byte_at(sb, is + 4u);
+    return vec2((a & 15u) | ((byte_at(sb, is - 4u) >> 6) << 4),
+                (a >> 4) | ((byte_at(sb, is) >> 6) << 4));
+}
 
 #if defined(WT_F32)
-#define UNIT_VALUES 8
-#define UNIT_GROUPS 2
-uint units_per_row(uint K) { return K / 8u; }
+#define UNIT_VALUES 4
+#define UNIT_GROUPS 1
+uint units_per_row(uint K) { return K / 4u; }
 void unit_load(uint woff, uint woff2, uint row, uint u, uint K, out vec4 v[UNIT_GROUPS], out uint xo[UNIT_GROUPS]) {
-    uint b = woff + row * K + u * 8u;
-    v[0] = vec4(uintBitsToFloat(wq[b]), uintBitsToFloat(wq[b + 1u]), uintBitsToFloat(wq[b + 2u]), uintBitsToFloat(wq[b + 3u]));
-    v[1] = vec4(uintBitsToFloat(wq[b + 4u]), uintBitsToFloat(wq[b + 5u]), uintBitsToFloat(wq[b + 6u]), uintBitsToFloat(wq[b + 7u]));
-    xo[0] = u * 8u; xo[1] = u * 8u + 4u;
+    v[0] = uintBitsToFloat(wq4[(woff + row * K) / 4u + u]);
+    xo[0] = u * 4u;
 }
 #elif defined(WT_F16) || defined(WT_BF16)
 #define UNIT_VALUES 8
@@ -61,43 +77,46 @@ void unit_load(uint woff, uint woff2, uint row, uint u, uint K, out vec4 v[UNIT_
 #endif
 uint units_per_row(uint K) { return K / 8u; }
 void unit_load(uint woff, uint woff2, uint row, uint u, uint K, out vec4 v[UNIT_GROUPS], out uint xo[UNIT_GROUPS]) {
-    uint b = woff + row * (K / 2u) + u * 4u;
-    v[0] = vec4(UNPACK2(wq[b]), UNPACK2(wq[b + 1u]));
-    v[1] = vec4(UNPACK2(wq[b + 2u]), UNPACK2(wq[b + 3u]));
+    uvec4 w = wq4[(woff + row * (K / 2u)) / 4u + u];
+    v[0] = vec4(UNPACK2(w.x), UNPACK2(w.y));
+    v[1] = vec4(UNPACK2(w.z), UNPACK2(w.w));
     xo[0] = u * 8u; xo[1] = u * 8u + 4u;
 }
 #elif defined(WT_Q8_0)
-#define UNIT_VALUES 8
-#define UNIT_GROUPS 2
-uint units_per_row(uint K) { return K / 8u; }
+#define UNIT_VALUES 16
+#define UNIT_GROUPS 4
+uint units_per_row(uint K) { return K / 16u; }
 void unit_load(uint woff, uint woff2, uint row, uint u, uint K, out vec4 v[UNIT_GROUPS], out uint xo[UNIT_GROUPS]) {
-    uint blk = row * (K / 32u) + (u >> 2);
-    uint r = u & 3u;
-    uint b = woff + blk * 8u + r * 2u;
+    uint blk = row * (K / 32u) + (u >> 1);
+    uvec4 w = wq4[woff / 4u + blk * 2u + (u & 1u)];
     float d = half_at(woff2, blk);
-    v[0] = sbytes4(wq[b]) * d;
-    v[1] = sbytes4(wq[b + 1u]) * d;
-    xo[0] = u * 8u; xo[1] = u * 8u + 4u;
+    v[0] = sbytes4(w.x) * d;
+    v[1] = sbytes4(w.y) * d;
+    v[2] = sbytes4(w.z) * d;
+    v[3] = sbytes4(w.w) * d;
+    uint c = u * 16u;
+    xo[0] = c; xo[1] = c + 4u; xo[2] = c + 8u; xo[3] = c + 12u;
 }
 #elif defined(WT_Q4_0) || defined(WT_Q4_1)
-#define UNIT_VALUES 8
-#define UNIT_GROUPS 2
-uint units_per_row(uint K) { return K / 8u; }
+#define UNIT_VALUES 32
+#define UNIT_GROUPS 8
+uint units_per_row(uint K) { return K / 32u; }
 void unit_load(uint woff, uint woff2, uint row, uint u, uint K, out vec4 v[UNIT_GROUPS], out uint xo[UNIT_GROUPS]) {
-    uint blk = row * (K / 32u) + (u >> 2);
-    uint r = u & 3u;
-    uint w = wq[woff + blk * 4u + r];
+    uint blk = row * (K / 32u) + u;
+    uvec4 w = wq4[woff / 4u + blk];
 #if defined(WT_Q4_0)
     float d = half_at(woff2, blk);
-    v[0] = (nib_lo(w) - 8.0) * d;
-    v[1] = (nib_hi(w) - 8.0) * d;
+    float m = -8.0 * d;
 #else
     vec2 dm = unpackHalf2x16(wq[woff2 + blk]);
-    v[0] = nib_lo(w) * dm.x + dm.y;
-    v[1] = nib_hi(w) * dm.x + dm.y;
+    float d = dm.x, m = dm.y;
 #endif
-    uint c = (u >> 2) * 32u + r * 4u;
-    xo[0] = c; xo[1] = c + 16u;
+    v[0] = nib_lo(w.x) * d + m; v[1] = nib_lo(w.y) * d + m;
+    v[2] = nib_lo(w.z) * d + m; v[3] = nib_lo(w.w) * d + m;
+    v[4] = nib_hi(w.x) * d + m; v[5] = nib_hi(w.y) * d + m;
+    v[6] = nib_hi(w.z) * d + m; v[7] = nib_hi(w.w) * d + m;
+    uint c = u * 32u;
+    [[unroll]] for (uint g = 0; g < 8u; g++) xo[g] = c + 4u * g;
 }
 #elif defined(WT_Q5_0) || defined(WT_Q5_1)
 #define UNIT_VALUES 8
@@ -122,30 +141,37 @@ void unit_load(uint woff, uint woff2, uint row, uint u, uint K, out vec4 v[UNIT_
     uint c = (u >> 2) * 32u + r * 4u;
     xo[0] = c; xo[1] = c + 16u;
 }
-#elif defined(WT_Q4_K) || defined(WT_Q5_K)
+#elif defined(WT_Q4_K)
+#define UNIT_VALUES 32
+#define UNIT_GROUPS 8
+uint units_per_row(uint K) { return K / 32u; }
+void unit_load(uint woff, uint woff2, uint row, uint u, uint K, out vec4 v[UNIT_GROUPS], out uint xo[UNIT_GROUPS]) {
+    uint blk = row * (K / 256u) + (u >> 3);
+    uint r = u & 7u;              // 16-byte chunk of the block's qs
+    uint base = woff + blk * 36u;
+    vec2 dm = unpackHalf2x16(wq[base]);
+    uint j = r >> 1;              // which 64-value group
+    vec2 s0 = scale_min_k4(base + 1u, 2u * j);
+    vec2 s1 = scale_min_k4(base + 1u, 2u * j + 1u);
+    uvec4 q = wq4[(base + 4u) / 4u + r];
+    float d0 = dm.x * s0.x, m0 = dm.y * s0.y, d1 = dm.x * s1.x, m1 = dm.y * s1.y;
+    v[0] = nib_lo(q.x) * d0 - m0; v[1] = nib_lo(q.y) * d0 - m0;
+    v[2] = nib_lo(q.z) * d0 - m0; v[3] = nib_lo(q.w) * d0 - m0;
+    v[4] = nib_hi(q.x) * d1 - m1; v[5] = nib_hi(q.y) * d1 - m1;
+    v[6] = nib_hi(q.z) * d1 - m1; v[7] = nib_hi(q.w) * d1 - m1;
+    uint c = (u >> 3) * 256u + j * 64u + (r & 1u) * 16u;
+    [[unroll]] for (uint g = 0; g < 4u; g++) { xo[g] = c + 4u * g; xo[4u + g] = c + 32u + 4u * g; }
+}
+#elif defined(WT_Q5_K)
 #define UNIT_VALUES 8
 #define UNIT_GROUPS 2
-#if defined(WT_Q4_K)
-#define KBLOCK_WORDS 36u
-#define KQS 4u
-#else
-#define KBLOCK_WORDS 44u
 #define KQS 12u
-#endif
 uint units_per_row(uint K) { return K / 8u; }
-// 6-bit scale and min of sub-block `is` (get_scale_min_k4 in ggml-quants.c)
-vec2 scale_min_k4(uint sb, uint is) {
-    if (is < 4u) {
-        return vec2(byte_at(sb, is) & 63u, byte_at(sb, is + 4u) & 63u);
-    }
-    uint a = byte_at(sb, is + 4u);
-    return vec2((a & 15u) | ((byte_at(sb, is - 4u) >> 6) << 4),
-                (a >> 4) | ((byte_at(sb, is) >> 6) << 4));
-}
+
 void unit_load(uint woff, uint woff2, uint row, uint u, uint K, out vec4 v[UNIT_GROUPS], out uint xo[UNIT_GROUPS]) {
     uint blk = row * (K / 256u) + (u >> 5);
     uint w = u & 31u;
-    uint base = woff + blk * KBLOCK_WORDS;
+    uint base = woff + blk * 44u;
     vec2 dm = unpackHalf2x16(wq[base]);
     uint j = w >> 3;              // which 64-value group
     uint l0 = (w & 7u) * 4u;      // first of 4 consecutive values inside it
@@ -154,11 +180,9 @@ void unit_load(uint woff, uint woff2, uint row, uint u, uint K, out vec4 v[UNIT_
     uint q = wq[base + KQS + w];
     vec4 lo = nib_lo(q);
     vec4 hi = nib_hi(q);
-#if defined(WT_Q5_K)
     uint qh = wq[base + 4u + (w & 7u)];  // qh[l0 .. l0+3]
     lo += vec4((qh >> (2u * j)) & 1u, (qh >> (8u + 2u * j)) & 1u, (qh >> (16u + 2u * j)) & 1u, (qh >> (24u + 2u * j)) & 1u) * 16.0;
     hi += vec4((qh >> (2u * j + 1u)) & 1u, (qh >> (9u + 2u * j)) & 1u, (qh >> (17u + 2u * j)) & 1u, (qh >> (25u + 2u * j)) & 1u) * 16.0;
-#endif
     v[0] = lo * (dm.x * s0.x) - dm.y * s0.y;
     v[1] = hi * (dm.x * s1.x) - dm.y * s1.y;
     uint c = (u >> 5) * 256u + j * 64u + l0;

@@ -96,6 +96,14 @@ def cmd_generate(args) -> int:
 def cmd_bench(args) -> int:
     from .bench import run_bench
     model, dev, eng = _open(args, max_batch=max(args.n_prompt, 1))
+    if args.profile:
+        for title, n, start in (("decode step (1 row at position 128)", 1, 128),
+                                (f"prefill step ({args.n_prompt} rows)", args.n_prompt, 0)):
+            rows = eng.profile(n, 1, start_pos=start)
+            total = sum(us for _, us, _ in rows)
+            print(f"{title}: {total:.0f} us GPU time")
+            for label, us, count in rows[:14]:
+                print(f"  {us:9.1f} us {100 * us / total:5.1f}%  x{count:<4d} {label}")
     r = run_bench(eng, args.n_prompt, args.n_gen, args.reps)
     if args.json:
         print(json.dumps(r, indent=1))
@@ -159,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--n-gen", type=int, default=128)
     p.add_argument("-r", "--reps", type=int, default=3)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--profile", action="store_true", help="GPU time per op of a decode and a prefill step")
     p.set_defaults(fn=cmd_bench)
 
     p = sub.add_parser("synth", help="write a deterministic random-weight model (GGUF and safetensors)")

@@ -3,7 +3,9 @@
 
 A step is recorded once per shape (rows, output rows, what is read back) and
 replayed: per-token values (token ids, positions, slots, output rows) live in the
-host-visible params buffer and are written just before the submit. Prefill
+host-visible params buffer and are written just before the submit; each step
+starts by copying them to a device-local twin, because kernels reading host
+memory across PCIe in every workgroup is slow on discrete GPUs. Prefill
 chunks, decode steps and mixed batches of several sequences are all steps.
 """
 from __future__ import annotations
@@ -55,6 +57,7 @@ class Engine:
         self.scratch = Scratch(device.buffer(words * 4, "device", "scratch"), widths, max_rows, self.max_out)
         self.layout = ParamsLayout(max_rows, self.max_out)
         self.params = device.buffer(self.layout.words * 4, "host", "params")
+        self.params_dev = device.buffer(self.layout.words * 4, "device", "params-dev")
         self.logits_host = device.buffer(self.max_out * a.n_vocab * 4, "host", "logits")
         self._programs: OrderedDict[tuple, object] = OrderedDict()
 
@@ -72,22 +75,53 @@ class Engine:
         if prog is not None:
             self._programs.move_to_end(key)
             return prog
-        prog = self.device.program()
-        g = Graph(self.kernels, prog, self.scratch, self.params, self.layout, self.kv, n, n_out,
+        prog = self._record(n, n_out, readback)
+        self._programs[key] = prog
+        if len(self._programs) > self.cfg.program_cache:
+            self._programs.popitem(last=False)
+        return prog
+
+    def _record(self, n: int, n_out: int, readback: str, timestamps: bool = False):
+        pl = self.layout
+        prog = self.device.program(timestamps)
+        prog.copy(self.params, self.params_dev, 0, 0, pl.argmax * 4, "params")
+        g = Graph(self.kernels, prog, self.scratch, self.params_dev, pl, self.kv, n, n_out,
                   self.weights.rope, self.args.rms_eps)
         self.arch.forward(g, self.args, self.weights)
         if n_out and readback == "argmax":
             g.argmax("out_logits")
+            prog.copy(self.params_dev, self.params, pl.argmax * 4, pl.argmax * 4, n_out * 4, "argmax")
         elif n_out and readback == "logits":
             r = self.scratch.region("out_logits")
             stride = self.scratch.stride("out_logits")
             V = self.args.n_vocab
             for i in range(n_out):   # rows are stride apart on the device, packed on the host
                 prog.copy(r.buf, self.logits_host, (r.off + i * stride) * 4, i * V * 4, V * 4, "logits")
-        self._programs[key] = prog
-        if len(self._programs) > self.cfg.program_cache:
-            self._programs.popitem(last=False)
         return prog
+
+    def profile(self, n: int, n_out: int = 1, runs: int = 5, start_pos: int = 0) -> list[tuple[str, float, int]]:
+        """GPU time per op kind of one step of n rows (slot 0, positions from
+        start_pos): [(label, microseconds per step, count)], slowest first."""
+        pl, prm = self.layout, self.params.array()
+        prm[pl.tokens:pl.tokens + n] = np.arange(n) % self.n_vocab
+        prm[pl.positions:pl.positions + n] = np.arange(start_pos, start_pos + n)
+        prm[pl.slots:pl.slots + n] = 0
+        prm[pl.out_rows:pl.out_rows + n_out] = np.arange(n - n_out, n)
+        prog = self._record(n, n_out, "argmax" if n_out else "none", timestamps=True)
+        totals: dict[str, list[float]] = {}
+        for i in range(runs + 1):
+            prog.run()
+            if i == 0:
+                continue   # warm-up
+            step: dict[str, float] = {}
+            counts: dict[str, int] = {}
+            for label, us in prog.timings():
+                step[label] = step.get(label, 0.0) + us
+                counts[label] = counts.get(label, 0) + 1
+            for k, v in step.items():
+                totals.setdefault(k, []).append(v)
+        rows = [(k, float(np.median(v)), counts[k]) for k, v in totals.items()]
+        return sorted(rows, key=lambda r: -r[1])
 
     def step(self, tokens, positions, slots, out_rows=(), readback: str = "argmax") -> np.ndarray | None:
         """Run tokens[i] at positions[i] in slots[i]; return, for each index in

@@ -91,7 +91,7 @@ class Graph:
     def matmul(self, w: Matrix, x: str, out: str, accumulate: bool = False, col: int = 0) -> None:
         """out[r][col : col + w.rows] (+)= w @ x[r]"""
         self.k.mul_mat(self.p, w, self.s.region(x), self.s.stride(x), self.s.region(out, col), self.s.stride(out),
-                       self._rows(x), accumulate, label=f"mul_mat {out}")
+                       self._rows(x), accumulate, label=f"mul_mat {out}<-{x}")
 
     def rope_kv(self, layer: int, qkv: str, q_out: str, n_head: int, n_kv: int, head_dim: int, n_rot: int,
                 neox: bool) -> None:

@@ -14,7 +14,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from shaders.variants import MATMUL_COLS
+from shaders.variants import MATMUL_COLS, UNIT_VALUES
 
 from . import shaders
 from .device import Buffer, Device, Program
@@ -117,8 +117,7 @@ class Kernels:
         """y[r][:] = W[params[ids_off + r]][:] (dequantized) for r < n."""
         push = struct.pack("<7I", w.data.off, w.scales.off if w.scales else 0, w.cols, n, ids_off, y.off, y_stride)
         alg = self._alg(f"get_rows_{w.type}", [w.data.buf, y.buf, params], push, self.ew_wg, 1)
-        unit = 16 if w.type == "q6_k" else 8
-        total = n * (w.cols // unit)
+        total = n * (w.cols // UNIT_VALUES[w.type])
         prog.dispatch(alg, push, self._grid(math.ceil(total / self.ew_wg)),
                       w.regions + [(params, ids_off * 4, (ids_off + n) * 4)],
                       [_rows_range(y, n, y_stride, w.cols)], label)

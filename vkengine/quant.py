@@ -57,8 +57,9 @@ def row_bytes(name: str, cols: int) -> int:
 
 
 def check_shape(name: str, rows: int, cols: int, what: str = "tensor") -> None:
+    from shaders.variants import UNIT_VALUES
     n, _ = block_shape(name)
-    unit = 16 if name == "q6_k" else 8
+    unit = UNIT_VALUES[name]
     if cols % n or cols % unit:
         raise VkEngineError(f"{what}: {cols} columns are not a multiple of the {name} block ({max(n, unit)})")
 
