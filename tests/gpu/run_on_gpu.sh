@@ -10,6 +10,7 @@
 #   tests   kernel + model tests through Vulkan on the GPU (junit XML + log)
 #   llama   build llama.cpp 11434 with Vulkan (Debian 13 glslc: int-dot and
 #           cooperative-matrix shaders on) unless .vk/llama-vulkan.tar.xz has it
+#   profile GPU time per op (vkengine bench --profile) on PROFILE_MODELS
 #   bench   bench/bench.py: ours vs llama-bench on synthetic models
 # Everything the GPU machine lacks travels in .vk/: the Vulkan loader and the
 # GL vendor-neutral libraries that NVIDIA's Vulkan ICD (libGLX_nvidia) needs, libfmt,
@@ -63,6 +64,15 @@ for s in $stages; do
       ;;
     llama)
       build_llama
+      ;;
+    profile)
+      # GPU time per op of a decode and a prefill step on each PROFILE_MODELS model
+      for spec in ${PROFILE_MODELS:-1b:q8_0}; do
+        shape=${spec%%:*}; q=${spec##*:}; f=/tmp/vkengine-bench-models/llama-$shape-$q.gguf
+        [ -f "$f" ] || python3 -m vkengine.cli synth --shape "$shape" --quant "$q" --out /tmp/vkengine-bench-models \
+          --name "llama-$shape" --formats gguf --tokenizer-from "$VKENGINE_TOKENIZER_GGUF" >/dev/null
+        python3 -m vkengine.cli bench -m "$f" -p 512 -n 32 -r 1 --profile 2>&1 | tee -a "$OUT/profile.log"
+      done
       ;;
     bench)
       build_llama && lb=/tmp/llb/bin/llama-bench || lb=""
