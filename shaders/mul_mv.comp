@@ -28,23 +28,26 @@ void main() {
     for (uint row = rows.x + gl_SubgroupID; row < rows.y; row += gl_NumSubgroups) {
         float acc[NCOLS];
         [[unroll]] for (uint c = 0; c < NCOLS; c++) acc[c] = 0.0;
-        // UNROLL units per lane per iteration, all loaded before any is used,
-        // so that each lane has several wide loads in flight
+        // UNROLL units per lane per iteration: every load is issued before the
+        // first unit is decoded, so each lane has several wide loads in flight
         uint step = gl_SubgroupSize * UNROLL;
         for (uint u0 = gl_SubgroupInvocationID; u0 < units; u0 += step) {
-            vec4 v[UNROLL][UNIT_GROUPS];
-            uint xo[UNROLL][UNIT_GROUPS];
+            Raw raw[UNROLL];
             [[unroll]] for (uint k = 0; k < UNROLL; k++) {
                 uint u = u0 + k * gl_SubgroupSize;
-                if (u < units) unit_load(p.w_off, p.w_off2, row, u, p.K, v[k], xo[k]);
+                if (u < units) raw[k] = unit_fetch(p.w_off, p.w_off2, row, u, p.K);
             }
             [[unroll]] for (uint k = 0; k < UNROLL; k++) {
-                if (u0 + k * gl_SubgroupSize < units) {
+                uint u = u0 + k * gl_SubgroupSize;
+                if (u < units) {
+                    vec4 v[UNIT_GROUPS];
+                    uint xo[UNIT_GROUPS];
+                    unit_decode(raw[k], u, v, xo);
                     [[unroll]] for (uint c = 0; c < NCOLS; c++) {
                         if (c < ncols) {
                             uint xb = (p.x_off + (col0 + c) * p.x_stride) >> 2;
                             [[unroll]] for (uint g = 0; g < UNIT_GROUPS; g++) {
-                                acc[c] += dot(v[k][g], act4[xb + (xo[k][g] >> 2)]);
+                                acc[c] += dot(v[g], act4[xb + (xo[g] >> 2)]);
                             }
                         }
                     }

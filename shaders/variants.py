@@ -18,15 +18,20 @@ UNIT_VALUES = {"f32": 4, "f16": 8, "bf16": 8, "q8_0": 16, "q4_0": 32, "q4_1": 32
 # in the batched matmul variant.
 MATMUL_COLS = 8
 
+# Invocation tile (weight rows, tokens) of the shared-memory matmul (mul_mt):
+# a workgroup of 16 x 16 invocations computes (16 TM) x (16 TN) outputs.
+TILE = (8, 8)
+
 
 def _table() -> dict[str, tuple[str, dict[str, int]]]:
     t: dict[str, tuple[str, dict[str, int]]] = {}
     for wt in WEIGHT_TYPES:
         d = {f"WT_{wt.upper()}": 1}
-        t[f"mul_mv_{wt}"] = ("mul_mv.comp", {**d, "NCOLS": 1, "UNROLL": 2})
-        t[f"mul_mm_{wt}"] = ("mul_mv.comp", {**d, "NCOLS": MATMUL_COLS, "UNROLL": 1})
+        t[f"mul_mv_{wt}"] = ("mul_mv.comp", {**d, "NCOLS": 1, "UNROLL": 4})
+        t[f"mul_mm_{wt}"] = ("mul_mv.comp", {**d, "NCOLS": MATMUL_COLS, "UNROLL": 2})
+        t[f"mul_mt_{wt}"] = ("mul_mt.comp", {**d, "TM": TILE[0], "TN": TILE[1]})
         t[f"get_rows_{wt}"] = ("get_rows.comp", d)
-    for op in ("rms_norm", "rope_kv", "attention", "swiglu", "add", "softmax", "argmax", "copy"):
+    for op in ("rms_norm", "rope_kv", "attention", "swiglu", "add", "softmax", "argmax_part", "argmax", "copy"):
         t[op] = (f"{op}.comp", {})
     return t
 

@@ -100,10 +100,28 @@ def test_timestamps(device, kernels, ws):
 
 # -- matmul -------------------------------------------------------------------
 
+@pytest.fixture(scope="module")
+def tiled_kernels(device):
+    """Kernels that use the shared-memory tiled matmul for every batch size
+    (by default only GPUs use it, from 64 tokens)."""
+    from vkengine.kernels import Kernels
+    return Kernels(device, tiled_from=2)
+
+
 @pytest.mark.parametrize("wt", WEIGHT_TYPES)
 @pytest.mark.parametrize("n", [1, 3, 8, 13])
 def test_mul_mat(device, kernels, ws, rng, wt, n):
     M, K = 37, _cols(wt)
+    _check_mul_mat(device, kernels, ws, rng, wt, n, M, K)
+
+
+@pytest.mark.parametrize("wt", WEIGHT_TYPES)
+@pytest.mark.parametrize("n,M", [(3, 37), (130, 131)])
+def test_mul_mat_tiled(device, tiled_kernels, ws, rng, wt, n, M):
+    _check_mul_mat(device, tiled_kernels, ws, rng, wt, n, M, 512 if wt in K_QUANTS else 96)
+
+
+def _check_mul_mat(device, kernels, ws, rng, wt, n, M, K):
     raw, w = random_quantized(wt, M, K, rng)
     mat = upload_matrix(ws, wt, raw, M, K)
     x = rng.standard_normal((n, K)).astype(np.float32)
@@ -134,25 +152,28 @@ def test_mul_mat_accumulate(device, kernels, ws, rng, wt):
     _close(ws.read(yr).reshape(n, M), y0 + x.astype(np.float64) @ w.T, atol_scale=1e-4)
 
 
-def test_mul_mat_many_rows_folds_grid(device, kernels, ws, rng):
-    """More row groups than maxComputeWorkGroupCount[0] allows in one dimension."""
-    M = device.info.max_workgroup_count[0] * kernels.items + 17
-    if M > 600_000:
-        pytest.skip("device grid too large to overflow cheaply")   # not on lavapipe/H200
-    K = 32
+def test_grids_fold_into_two_dimensions(device, ws, rng):
+    """Grids beyond maxComputeWorkGroupCount[0] are folded into (x, y); a tiny
+    limit forces the fold here for a matmul, an elementwise op and argmax."""
+    from vkengine.kernels import Kernels
+    kn = Kernels(device)
+    kn.max_x = 3
+    M, K = 70, 32
     raw, w = random_quantized("q4_0", M, K, rng)
-    ws2 = type(ws)(device, act_words=M + 64, weight_words=M * K // 4 + M + 64)
-    try:
-        mat = upload_matrix(ws2, "q4_0", raw, M, K)
-        x = rng.standard_normal((1, K)).astype(np.float32)
-        xr = ws2.act_region(K, x)
-        yr = ws2.act_region(M)
-        prog = device.program()
-        kernels.mul_mat(prog, mat, xr, K, yr, M, 1)
-        prog.run()
-        _close(ws2.read(yr), (x.astype(np.float64) @ w.T)[0], atol_scale=1e-4)
-    finally:
-        ws2.close()
+    mat = upload_matrix(ws, "q4_0", raw, M, K)
+    x = rng.standard_normal((1, K)).astype(np.float32)
+    xr, yr = ws.act_region(K, x), ws.act_region(M)
+    a = rng.standard_normal(1000).astype(np.float32)
+    ar, br = ws.act_region(1000, a), ws.act_region(1000)
+    tmp = ws.act_region(kn.argmax_tmp_words(1000, 1))
+    prog = device.program()
+    kn.mul_mat(prog, mat, xr, K, yr, M, 1)
+    kn.add(prog, ar, 1000, ar, 1000, br, 1000, 1000, 1)
+    kn.argmax(prog, ar, 1000, 1000, 1, ws.params, 300, tmp)
+    prog.run()
+    _close(ws.read(yr), (x.astype(np.float64) @ w.T)[0], atol_scale=1e-4)
+    np.testing.assert_array_equal(ws.read(br), 2 * a)
+    assert ws.params.array()[300] == a.argmax()
 
 
 # -- embedding ----------------------------------------------------------------
@@ -190,7 +211,7 @@ def test_rms_norm(device, kernels, ws, rng):
 
 
 def test_rms_norm_gathers_rows(device, kernels, ws, rng):
-    rows, n, eps = 9, 100, 1e-6
+    rows, n, eps = 9, 100, 1e-6  # n not a multiple of the subgroup
     x = rng.standard_normal((rows, n)).astype(np.float32)
     w = rng.standard_normal(n).astype(np.float32)
     pick = np.array([8, 0, 5], np.uint32)
@@ -238,14 +259,17 @@ def test_softmax(device, kernels, ws, rng):
 
 def test_argmax(device, kernels, ws, rng):
     rows, n = 7, 49157
-    x = rng.standard_normal((rows, n)).astype(np.float32)
+    x = np.zeros((rows, n + 3), np.float32)
+    x[:, :n] = rng.standard_normal((rows, n))
+    x[:, n:] = 1e9                       # beyond n: must be ignored
     x[2, 100] = x[2, 40000] = 50.0       # tie: lowest index wins, as numpy
     x[5, :] = -3.0                       # all equal
-    xr = ws.act_region(rows * n, x)
+    xr = ws.act_region(rows * (n + 3), x)   # n odd: a scalar tail after the vec4s
+    tmp = ws.act_region(kernels.argmax_tmp_words(n, rows))
     prog = device.program()
-    kernels.argmax(prog, xr, n, n, rows, ws.params, 200)
+    kernels.argmax(prog, xr, n + 3, n, rows, ws.params, 200, tmp)
     prog.run()
-    np.testing.assert_array_equal(ws.params.array()[200:200 + rows], x.argmax(1))
+    np.testing.assert_array_equal(ws.params.array()[200:200 + rows], x[:, :n].argmax(1))
 
 
 # -- RoPE + KV cache, attention ----------------------------------------------------

@@ -42,7 +42,8 @@ class Engine:
             raise VkEngineError("context length and slot count must be positive")
         self.kernels = Kernels(device)
         self.arch = model.arch
-        widths = self.arch.scratch_widths(a)
+        widths = dict(self.arch.scratch_widths(a))
+        widths["out_argmax"] = Kernels.argmax_tmp_words(a.n_vocab, 1)   # per output row
         self.max_out = max(1, cfg.max_out)
         # fit the scratch buffer within the device's buffer limit
         max_rows = max(1, cfg.max_batch)

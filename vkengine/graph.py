@@ -114,6 +114,8 @@ class Graph:
         self.k.add(self.p, self.s.region(a), self.s.stride(a), self.s.region(b), self.s.stride(b),
                    self.s.region(out), self.s.stride(out), self.s.widths[out], self._rows(out))
 
-    def argmax(self, logits: str) -> None:
+    def argmax(self, logits: str, tmp: str = "out_argmax") -> None:
+        """greedy token of each output row, into the params buffer"""
         self.k.argmax(self.p, self.s.region(logits), self.s.stride(logits), self.s.widths[logits], self.n_out,
-                      self.params, self.pl.argmax)
+                      self.params, self.pl.argmax, Region(self.s.buf, self.s.offsets[tmp],
+                                                          self.s.stride(tmp) * self.n_out))

@@ -14,14 +14,13 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from shaders.variants import MATMUL_COLS, UNIT_VALUES
+from shaders.variants import MATMUL_COLS, TILE, UNIT_VALUES
 
 from . import shaders
 from .device import Buffer, Device, Program
 from .errors import VkEngineError
 
 NO_MAP = 0xFFFFFFFF
-ATTN_MAX_WORDS_PER_LANE = 16   # MAXW in attention.comp
 
 
 @dataclass(frozen=True)
@@ -69,7 +68,12 @@ class Kernels:
     """Kernel launcher for one device."""
 
     def __init__(self, device: Device, items_per_wg: int = 4, elementwise_wg: int = 64,
-                 spirv_cache: Path | None = None):
+                 spirv_cache: Path | None = None, tiled_from: int | None = -1):
+        """tiled_from: batch size (tokens) from which matmuls use the shared-memory
+        tiled kernel; None never (default on CPU devices such as lavapipe, where
+        barrier() is slow), -1 picks the default (64 on GPUs). Below it, batches
+        use the multi-column matvec, whose per-token arithmetic does not depend
+        on the batch: decode rows give the same results batched or alone."""
         self.device = device
         self.sg = device.info.subgroup_size
         self.items = items_per_wg
@@ -77,6 +81,9 @@ class Kernels:
         self.ew_wg = max(elementwise_wg, self.sg)
         self.max_x = device.info.max_workgroup_count[0]
         self._spirv_cache = spirv_cache
+        if tiled_from == -1:
+            tiled_from = None if device.info.type == "cpu" else 64
+        self.tiled_from = tiled_from
 
     # -- helpers -----------------------------------------------------------
     def _alg(self, name: str, buffers: list[Buffer], push: bytes, wg: int, items: int | None = None):
@@ -102,15 +109,21 @@ class Kernels:
         act = self._same_buffer(x, y)
         if x.off % 4 or x_stride % 4 or w.cols % 8:
             raise ValueError("mul_mat needs 16-byte aligned x rows and K a multiple of 8")
-        variant = f"mul_mv_{w.type}" if n == 1 else f"mul_mm_{w.type}"
-        ncols = 1 if n == 1 else MATMUL_COLS
         push = struct.pack("<10I", w.data.off, w.scales.off if w.scales else 0, w.cols, w.rows, n,
                            x.off, x_stride, y.off, y_stride, int(accumulate))
-        alg = self._alg(variant, [w.data.buf, act], push, self.wg)
         yr = _rows_range(y, n, y_stride, w.rows)
         reads = w.regions + [_rows_range(x, n, x_stride, w.cols)] + ([yr] if accumulate else [])
-        prog.dispatch(alg, push, self._grid(math.ceil(w.rows / self.items), math.ceil(n / ncols)),
-                      reads, [yr], label or variant)
+        if self.tiled_from is not None and n >= self.tiled_from and w.cols % 32 == 0:
+            variant = f"mul_mt_{w.type}"
+            spv = shaders.spirv(variant, self._spirv_cache)
+            alg = self.device.algorithm(variant, spv, [w.data.buf, act], (), len(push))
+            groups = (math.ceil(w.rows / (16 * TILE[0])), math.ceil(n / (16 * TILE[1])), 1)
+        else:
+            variant = f"mul_mv_{w.type}" if n == 1 else f"mul_mm_{w.type}"
+            ncols = 1 if n == 1 else MATMUL_COLS
+            alg = self._alg(variant, [w.data.buf, act], push, self.wg)
+            groups = self._grid(math.ceil(w.rows / self.items), math.ceil(n / ncols))
+        prog.dispatch(alg, push, groups, reads, [yr], label or variant)
 
     def get_rows(self, prog: Program, w: Matrix, params: Buffer, ids_off: int, y: Region, y_stride: int,
                  n: int, label: str = "get_rows") -> None:
@@ -127,6 +140,8 @@ class Kernels:
                  label: str = "rms_norm") -> None:
         """y[r] = x[src] / rms(x[src]) * weight, src = r or params[map_off + r]."""
         act = self._same_buffer(x, y)
+        if n % 4 or x.off % 4 or y.off % 4 or x_stride % 4 or y_stride % 4 or weight.off % 4:
+            raise ValueError("rms_norm needs rows of a multiple of 4 floats, 16-byte aligned")
         push = struct.pack("<8If", x.off, x_stride, y.off, y_stride, weight.off, n, rows,
                            NO_MAP if map_off is None else map_off, eps)
         alg = self._alg("rms_norm", [weight.buf, act, params], push, self.wg)
@@ -160,14 +175,18 @@ class Kernels:
                   n_head: int, n_kv: int, head_dim: int, k_cache: Region, v_cache: Region, slot_stride: int,
                   params: Buffer, pos_off: int, slot_off: int, scale: float, label: str = "attention") -> None:
         """o[r][h] = softmax(q[r][h] . K[slot][0..pos]) V[slot][0..pos]."""
-        if head_dim // 2 > ATTN_MAX_WORDS_PER_LANE * self.sg or n_head % n_kv:
-            raise VkEngineError(f"attention with head_dim {head_dim}, {n_head} heads / {n_kv} kv heads "
-                                f"is not supported on subgroups of {self.sg}")
+        if head_dim % 8 or n_head % n_kv or q.off % 4 or q_stride % 4 or k_cache.off % 4 or v_cache.off % 4:
+            raise VkEngineError(f"attention needs head_dim a multiple of 8 ({head_dim}), n_head a multiple of "
+                                f"n_kv ({n_head}/{n_kv}) and 16-byte aligned q rows and caches")
         act = self._same_buffer(q, o)
         kv = self._same_buffer(k_cache, v_cache)
         push = struct.pack("<13If", q.off, q_stride, o.off, o_stride, n_rows, n_head, n_kv, head_dim,
                            k_cache.off, v_cache.off, slot_stride, pos_off, slot_off, scale)
-        alg = self._alg("attention", [act, params, kv], push, self.wg)
+        # V words per lane; sized for the smallest subgroup the device may use
+        sg = self.sg if self.device.info.subgroups_fixed else min(self.sg, 8)
+        wpl = -(-(head_dim // 2) // sg)
+        spv = shaders.spirv("attention", self._spirv_cache)
+        alg = self.device.algorithm("attention", spv, [act, params, kv], (self.wg, self.items, wpl), len(push))
         reads = [_rows_range(q, n_rows, q_stride, n_head * head_dim), k_cache.range, v_cache.range,
                  (params, min(pos_off, slot_off) * 4, (max(pos_off, slot_off) + n_rows) * 4)]
         prog.dispatch(alg, push, self._grid(math.ceil(n_rows * n_head / self.items)), reads,
@@ -199,13 +218,29 @@ class Kernels:
         prog.dispatch(alg, push, self._grid(math.ceil(rows / self.items)),
                       [_rows_range(x, rows, x_stride, n)], [_rows_range(y, rows, y_stride, n)], label)
 
+    ARGMAX_CHUNK = 2048
+
+    @classmethod
+    def argmax_tmp_words(cls, n: int, rows: int) -> int:
+        return 2 * rows * -(-n // cls.ARGMAX_CHUNK)
+
     def argmax(self, prog: Program, x: Region, x_stride: int, n: int, rows: int, params: Buffer, out_off: int,
-               label: str = "argmax") -> None:
-        """params[out_off + r] = argmax(x[r][:n])."""
-        push = struct.pack("<5I", x.off, x_stride, n, rows, out_off)
-        alg = self._alg("argmax", [x.buf, params], push, self.wg)
-        prog.dispatch(alg, push, self._grid(math.ceil(rows / self.items)),
-                      [_rows_range(x, rows, x_stride, n)], [(params, out_off * 4, (out_off + rows) * 4)], label)
+               tmp: Region, label: str = "argmax") -> None:
+        """params[out_off + r] = argmax(x[r][:n]): per-slice winners into tmp
+        (argmax_tmp_words), then one reduction per row."""
+        act = self._same_buffer(x, tmp)
+        if x.off % 4 or x_stride % 4 or tmp.words < self.argmax_tmp_words(n, rows):
+            raise ValueError("argmax needs 16-byte aligned rows and a large enough tmp region")
+        n_chunks = -(-n // self.ARGMAX_CHUNK)
+        push = struct.pack("<6I", x.off, x_stride, n, rows, tmp.off, self.ARGMAX_CHUNK)
+        alg = self._alg("argmax_part", [act], push, self.wg)
+        tmp_range = (tmp.buf, tmp.off * 4, (tmp.off + self.argmax_tmp_words(n, rows)) * 4)
+        prog.dispatch(alg, push, self._grid(math.ceil(rows * n_chunks / self.items)),
+                      [_rows_range(x, rows, x_stride, n)], [tmp_range], label)
+        push = struct.pack("<4I", tmp.off, n_chunks, rows, out_off)
+        alg = self._alg("argmax", [act, params], push, self.wg)
+        prog.dispatch(alg, push, self._grid(math.ceil(rows / self.items)), [tmp_range],
+                      [(params, out_off * 4, (out_off + rows) * 4)], label)
 
     def copy(self, prog: Program, src: Region, dst: Region, label: str = "copy") -> None:
         """dst = src (word counts a multiple of 4, 16-byte aligned), by a shader."""

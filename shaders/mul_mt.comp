@@ -1,0 +1,100 @@
+#version 450
+// Tiled matmul for prefill on GPUs: y[c][row] (+)= sum_k W[row][k] * x[c][k].
+// A 256-invocation workgroup computes a BM x BN tile (weight rows x tokens),
+// each invocation TM x TN of it. Per BK = 32 slice of K the workgroup
+// dequantizes its BM weight rows into shared memory (each weight read from
+// memory once per tile instead of once per token) and copies BN token rows, then
+// every invocation does TM x TN x BK multiply-adds from shared memory.
+// Uses barrier(), which lavapipe runs slowly: Kernels picks it on GPUs only.
+#extension GL_EXT_control_flow_attributes : require
+
+layout(local_size_x = 256, local_size_y = 1, local_size_z = 1) in;
+
+layout(binding = 0) readonly buffer Wq { uint wq[]; };
+layout(binding = 1) buffer Act { float act[]; };
+layout(binding = 1) readonly buffer Act4 { vec4 act4[]; };
+
+layout(push_constant) uniform P {
+    uint w_off, w_off2;
+    uint K, M, N;
+    uint x_off, x_stride;   // multiples of 4
+    uint y_off, y_stride;
+    uint accumulate;
+} p;
+
+#include "quant.glsl"
+
+#define BM (16 * TM)
+#define BN (16 * TN)
+#define BK 32
+shared vec4 Ws[BK][BM / 4];   // Ws[k][r / 4][r % 4] = W[row0 + r][k0 + k]
+shared vec4 Xs[BK][BN / 4];   // Xs[k][c / 4][c % 4] = x[col0 + c][k0 + k]
+
+void main() {
+    uint tid = gl_LocalInvocationID.x;
+    uint row0 = gl_WorkGroupID.x * BM;
+    uint col0 = gl_WorkGroupID.y * BN;
+    uint tx = tid % 16u, ty = tid / 16u;
+    // The units whose values fall in a BK slice: those of the slice's UNIT_SPAN
+    // group (K-quant units interleave within 64 or 128 columns). Units spanning
+    // more than the slice are decoded once per slice they touch; the waste is
+    // small next to the BN tokens each decoded weight is used for.
+    const uint UPS = UNIT_SPAN / UNIT_VALUES;
+    vec4 acc[TN][TM / 4];
+    [[unroll]] for (uint j = 0; j < TN; j++)
+        [[unroll]] for (uint i = 0; i < TM / 4; i++) acc[j][i] = vec4(0.0);
+
+    for (uint k0 = 0u; k0 < p.K; k0 += BK) {
+        uint ubase = (k0 / UNIT_SPAN) * UPS;
+        for (uint i = tid; i < BM * UPS; i += 256u) {
+            uint r = i / UPS;
+            uint u = ubase + i % UPS;
+            uint row = row0 + r;
+            Raw raw = Raw(uvec4(0u), uvec4(0u));   // rows past M decode to zeros
+            if (row < p.M) raw = unit_fetch(p.w_off, p.w_off2, row, u, p.K);
+            vec4 v[UNIT_GROUPS];
+            uint xo[UNIT_GROUPS];
+            unit_decode(raw, u, v, xo);
+            [[unroll]] for (uint g = 0; g < UNIT_GROUPS; g++) {
+                uint kk = xo[g] - k0;   // wraps to a large value below the slice
+                if (kk < BK) {
+                    [[unroll]] for (uint e = 0; e < 4u; e++) Ws[kk + e][r >> 2][r & 3u] = v[g][e];
+                }
+            }
+        }
+        for (uint i = tid; i < BN * BK / 4u; i += 256u) {
+            uint c = i / (BK / 4u);
+            uint k4 = i % (BK / 4u);
+            uint col = col0 + c;
+            vec4 xv = col < p.N ? act4[(p.x_off + col * p.x_stride + k0) / 4u + k4] : vec4(0.0);
+            [[unroll]] for (uint e = 0; e < 4u; e++) Xs[k4 * 4u + e][c >> 2][c & 3u] = xv[e];
+        }
+        barrier();
+        [[unroll]] for (uint k = 0; k < BK; k++) {
+            vec4 a[TM / 4];
+            [[unroll]] for (uint i = 0; i < TM / 4; i++) a[i] = Ws[k][ty * (TM / 4) + i];
+            [[unroll]] for (uint jb = 0; jb < TN / 4; jb++) {
+                vec4 b = Xs[k][tx * (TN / 4) + jb];
+                [[unroll]] for (uint i = 0; i < TM / 4; i++) {
+                    acc[jb * 4u + 0u][i] += a[i] * b.x;
+                    acc[jb * 4u + 1u][i] += a[i] * b.y;
+                    acc[jb * 4u + 2u][i] += a[i] * b.z;
+                    acc[jb * 4u + 3u][i] += a[i] * b.w;
+                }
+            }
+        }
+        barrier();
+    }
+    [[unroll]] for (uint j = 0; j < TN; j++) {
+        uint col = col0 + tx * TN + j;
+        if (col >= p.N) continue;
+        [[unroll]] for (uint i = 0; i < TM; i++) {
+            uint row = row0 + ty * TM + i;
+            if (row < p.M) {
+                uint yi = p.y_off + col * p.y_stride + row;
+                float s = acc[j][i / 4u][i % 4u];
+                act[yi] = p.accumulate != 0u ? act[yi] + s : s;
+            }
+        }
+    }
+}
