@@ -15,11 +15,12 @@
 #include "common.glsl"
 #extension GL_KHR_shader_subgroup_shuffle : require
 
-layout(binding = 0) buffer Act { float act[]; };
-layout(binding = 0) readonly buffer Act4 { vec4 act4[]; };
-layout(binding = 1) readonly buffer Params { uint params[]; };
-layout(binding = 2) readonly buffer Kv { uint kv[]; };
-layout(binding = 2) readonly buffer Kv4 { uvec4 kv4[]; };
+// q and the output: the same activation buffer bound twice (q readonly)
+layout(binding = 0) writeonly restrict buffer Out { float act[]; };
+layout(binding = 1) readonly restrict buffer Q4 { vec4 act4[]; };
+layout(binding = 2) readonly buffer Params { uint params[]; };
+layout(binding = 3) readonly restrict buffer Kv { uint kv[]; };
+layout(binding = 3) readonly restrict buffer Kv4 { uvec4 kv4[]; };
 
 // words (f16 pairs) of a V row that one lane owns: ceil(head_dim / 2 / subgroup)
 layout(constant_id = 2) const uint WPL = 1;
@@ -30,21 +31,34 @@ layout(push_constant) uniform P {
     uint k_off, v_off, slot_stride;
     uint pos_off, slot_off;
     float scale;
+    // split-K (flash-decoding): 0 = one pass over all positions, writing the
+    // output. Else each (row, head) is cut into n_parts slices of `chunk`
+    // positions, each slice writes (max, sum, unnormalized output) to
+    // part_off + ((row * n_head + head) * n_parts + part) * (head_dim + 2),
+    // and attention_merge.comp combines them.
+    uint chunk, n_parts, part_off;
 } p;
 
+#define VB 8u   // V rows loaded ahead of their use
+
 void main() {
-    uvec2 items = workgroup_items(p.n_rows * p.n_head);
+    uint split = p.chunk == 0u ? 1u : p.n_parts;
+    uvec2 items = workgroup_items(p.n_rows * p.n_head * split);
     uint hd2 = p.head_dim / 2u;
     uint hd8 = p.head_dim / 8u;
     uint lane = gl_SubgroupInvocationID;
     uint S = gl_SubgroupSize;
     uint row_words = p.n_kv * hd2;
     for (uint item = items.x + gl_SubgroupID; item < items.y; item += gl_NumSubgroups) {
-        uint r = item / p.n_head;
-        uint h = item % p.n_head;
+        uint part = item % split;
+        uint rh = item / split;
+        uint r = rh / p.n_head;
+        uint h = rh % p.n_head;
         uint kvh = h / (p.n_head / p.n_kv);
         uint pos = params[p.pos_off + r];
         uint slot = params[p.slot_off + r];
+        uint first = p.chunk == 0u ? 0u : part * p.chunk;
+        uint last = p.chunk == 0u ? pos : min(pos, first + p.chunk - 1u);
         uint qb4 = (p.q_off + r * p.q_stride + h * p.head_dim) / 4u;
         uint kb = p.k_off + slot * p.slot_stride + kvh * hd2;
         uint vb = p.v_off + slot * p.slot_stride + kvh * hd2;
@@ -52,10 +66,10 @@ void main() {
         [[unroll]] for (uint i = 0; i < WPL; i++) acc[i] = vec2(0.0);
         float m = -1.0 / 0.0;
         float l = 0.0;
-        for (uint t0 = 0u; t0 <= pos; t0 += S) {
+        for (uint t0 = first; t0 <= last && first <= pos; t0 += S) {
             uint t = t0 + lane;
             float s = -1.0 / 0.0;
-            if (t <= pos) {
+            if (t <= last) {
                 uint k4 = (kb + t * row_words) / 4u;
                 float d = 0.0;
                 for (uint i = 0u; i < hd8; i++) {
@@ -67,26 +81,46 @@ void main() {
             }
             float m_new = max(m, subgroupMax(s));
             float corr = exp(m - m_new);
-            float e = t <= pos ? exp(s - m_new) : 0.0;
+            float e = t <= last ? exp(s - m_new) : 0.0;
             l = l * corr + subgroupAdd(e);
             [[unroll]] for (uint i = 0; i < WPL; i++) acc[i] *= corr;
-            uint n_valid = min(S, pos + 1u - t0);
-            for (uint j = 0u; j < n_valid; j++) {
-                float ej = subgroupShuffle(e, j);
-                uint vrow = vb + (t0 + j) * row_words;
-                [[unroll]] for (uint i = 0; i < WPL; i++) {
-                    uint w = lane + i * S;
-                    if (w < hd2) acc[i] += ej * unpackHalf2x16(kv[vrow + w]);
+            uint n_valid = min(S, last + 1u - t0);
+            for (uint j0 = 0u; j0 < n_valid; j0 += VB) {
+                uint vw[VB][WPL];
+                [[unroll]] for (uint jj = 0; jj < VB; jj++) {
+                    uint vrow = vb + (t0 + j0 + jj) * row_words;
+                    [[unroll]] for (uint i = 0; i < WPL; i++) {
+                        uint w = lane + i * S;
+                        vw[jj][i] = (j0 + jj < n_valid && w < hd2) ? kv[vrow + w] : 0u;
+                    }
+                }
+                [[unroll]] for (uint jj = 0; jj < VB; jj++) {
+                    float ej = subgroupShuffle(e, min(j0 + jj, S - 1u));
+                    if (j0 + jj < n_valid) {
+                        [[unroll]] for (uint i = 0; i < WPL; i++) acc[i] += ej * unpackHalf2x16(vw[jj][i]);
+                    }
                 }
             }
             m = m_new;
         }
-        uint ob = p.o_off + r * p.o_stride + h * p.head_dim;
-        [[unroll]] for (uint i = 0; i < WPL; i++) {
-            uint w = lane + i * S;
-            if (w < hd2) {
-                act[ob + 2u * w] = acc[i].x / l;
-                act[ob + 2u * w + 1u] = acc[i].y / l;
+        if (p.chunk == 0u) {
+            uint ob = p.o_off + r * p.o_stride + h * p.head_dim;
+            [[unroll]] for (uint i = 0; i < WPL; i++) {
+                uint w = lane + i * S;
+                if (w < hd2) {
+                    act[ob + 2u * w] = acc[i].x / l;
+                    act[ob + 2u * w + 1u] = acc[i].y / l;
+                }
+            }
+        } else {
+            uint pb = p.part_off + item * (p.head_dim + 2u);
+            if (subgroupElect()) { act[pb] = m; act[pb + 1u] = l; }
+            [[unroll]] for (uint i = 0; i < WPL; i++) {
+                uint w = lane + i * S;
+                if (w < hd2) {
+                    act[pb + 2u + 2u * w] = acc[i].x;
+                    act[pb + 3u + 2u * w] = acc[i].y;
+                }
             }
         }
     }

@@ -10,9 +10,10 @@
 
 layout(local_size_x = 256, local_size_y = 1, local_size_z = 1) in;
 
-layout(binding = 0) readonly buffer Wq { uint wq[]; };
-layout(binding = 1) buffer Act { float act[]; };
-layout(binding = 1) readonly buffer Act4 { vec4 act4[]; };
+// x and y: the same activation buffer bound twice (x readonly), see mul_mv.comp
+layout(binding = 0) readonly restrict buffer Wq { uint wq[]; };
+layout(binding = 1) readonly restrict buffer X4 { vec4 act4[]; };
+layout(binding = 2) buffer Y { float act[]; };
 
 layout(push_constant) uniform P {
     uint w_off, w_off2;

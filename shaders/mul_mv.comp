@@ -1,14 +1,18 @@
 #version 450
 // y[c][row] (+)= sum_k W[row][k] * x[c][k] for columns c < N.
-// One subgroup per weight row; its lanes walk the row's units (8 or 16 values),
-// dequantize each unit once and use it for NCOLS columns of x (NCOLS = 1: the
-// decode matvec; NCOLS = 8: batched prefill / batched decode).
+// RPS weight rows per subgroup; its lanes walk the rows' units (8 or 16
+// values), dequantize each unit once and use it for NCOLS columns of x
+// (NCOLS = 1, RPS = 2: the decode matvec; NCOLS = 8, RPS = 1: small batches).
 // grid: (row groups folded into x/y, ceil(N / NCOLS) in z)
 #include "common.glsl"
 
-layout(binding = 0) readonly buffer Wq { uint wq[]; };
-layout(binding = 1) buffer Act { float act[]; };
-layout(binding = 1) readonly buffer Act4 { vec4 act4[]; };
+// x and y live in the same activation buffer, bound twice: x through a
+// readonly restrict binding (so GPUs may read it through their non-coherent
+// cache: every lane re-reads x), y through a writable one. Their regions never
+// overlap.
+layout(binding = 0) readonly restrict buffer Wq { uint wq[]; };
+layout(binding = 1) readonly restrict buffer X4 { vec4 act4[]; };
+layout(binding = 2) buffer Y { float act[]; };
 
 layout(push_constant) uniform P {
     uint w_off, w_off2;     // weight words / scale words
@@ -25,40 +29,49 @@ void main() {
     uint col0 = gl_WorkGroupID.z * NCOLS;
     uint ncols = min(uint(NCOLS), p.N - col0);
     uint units = units_per_row(p.K);
-    for (uint row = rows.x + gl_SubgroupID; row < rows.y; row += gl_NumSubgroups) {
-        float acc[NCOLS];
-        [[unroll]] for (uint c = 0; c < NCOLS; c++) acc[c] = 0.0;
-        // UNROLL units per lane per iteration: every load is issued before the
-        // first unit is decoded, so each lane has several wide loads in flight
-        uint step = gl_SubgroupSize * UNROLL;
-        for (uint u0 = gl_SubgroupInvocationID; u0 < units; u0 += step) {
-            Raw raw[UNROLL];
+    uint S = gl_SubgroupSize;
+    // a subgroup takes RPS consecutive rows; every x vec4 it loads serves them all
+    for (uint row0 = rows.x + gl_SubgroupID * RPS; row0 < rows.y; row0 += gl_NumSubgroups * RPS) {
+        float acc[RPS][NCOLS];
+        [[unroll]] for (uint rr = 0; rr < RPS; rr++)
+            [[unroll]] for (uint c = 0; c < NCOLS; c++) acc[rr][c] = 0.0;
+        // UNROLL units per lane per iteration: all their loads are issued
+        // before the first is decoded, so each lane keeps several in flight
+        for (uint u0 = gl_SubgroupInvocationID; u0 < units; u0 += S * UNROLL) {
+            Raw raw[UNROLL][RPS];
             [[unroll]] for (uint k = 0; k < UNROLL; k++) {
-                uint u = u0 + k * gl_SubgroupSize;
-                if (u < units) raw[k] = unit_fetch(p.w_off, p.w_off2, row, u, p.K);
+                uint u = u0 + k * S;
+                [[unroll]] for (uint rr = 0; rr < RPS; rr++) {
+                    if (u < units && row0 + rr < rows.y) raw[k][rr] = unit_fetch(p.w_off, p.w_off2, row0 + rr, u, p.K);
+                }
             }
             [[unroll]] for (uint k = 0; k < UNROLL; k++) {
-                uint u = u0 + k * gl_SubgroupSize;
-                if (u < units) {
+                uint u = u0 + k * S;
+                if (u >= units) continue;
+                [[unroll]] for (uint c = 0; c < NCOLS; c++) {
+                    if (c >= ncols) continue;
+                    uint xb = (p.x_off + (col0 + c) * p.x_stride) >> 2;
                     vec4 v[UNIT_GROUPS];
                     uint xo[UNIT_GROUPS];
-                    unit_decode(raw[k], u, v, xo);
-                    [[unroll]] for (uint c = 0; c < NCOLS; c++) {
-                        if (c < ncols) {
-                            uint xb = (p.x_off + (col0 + c) * p.x_stride) >> 2;
-                            [[unroll]] for (uint g = 0; g < UNIT_GROUPS; g++) {
-                                acc[c] += dot(v[g], act4[xb + (xo[g] >> 2)]);
-                            }
-                        }
+                    unit_decode(raw[k][0], u, v, xo);
+                    vec4 xv[UNIT_GROUPS];
+                    [[unroll]] for (uint g = 0; g < UNIT_GROUPS; g++) xv[g] = act4[xb + (xo[g] >> 2)];
+                    [[unroll]] for (uint g = 0; g < UNIT_GROUPS; g++) acc[0][c] += dot(v[g], xv[g]);
+                    [[unroll]] for (uint rr = 1; rr < RPS; rr++) {
+                        unit_decode(raw[k][rr], u, v, xo);
+                        [[unroll]] for (uint g = 0; g < UNIT_GROUPS; g++) acc[rr][c] += dot(v[g], xv[g]);
                     }
                 }
             }
         }
-        [[unroll]] for (uint c = 0; c < NCOLS; c++) {
-            float s = subgroupAdd(acc[c]);
-            if (c < ncols && subgroupElect()) {
-                uint yi = p.y_off + (col0 + c) * p.y_stride + row;
-                act[yi] = p.accumulate != 0u ? act[yi] + s : s;
+        [[unroll]] for (uint rr = 0; rr < RPS; rr++) {
+            [[unroll]] for (uint c = 0; c < NCOLS; c++) {
+                float s = subgroupAdd(acc[rr][c]);
+                uint row = row0 + rr;
+                if (c < ncols && row < rows.y && subgroupElect()) {
+                    uint yi = p.y_off + (col0 + c) * p.y_stride + row;
+                    act[yi] = p.accumulate != 0u ? act[yi] + s : s;
+                }
             }
         }
     }

@@ -4,9 +4,13 @@
 // The including shader declares `wq` (binding WQ_BINDING, default 0) and defines
 // exactly one WT_<type>. A matrix is row-major with K columns, its values at word
 // offset `woff` and, for the repacked types, per-block scales at `woff2`. Work is
-// cut into units of UNIT_VALUES values (16 bytes of quants where the layout
-// allows, read as one uvec4: wide loads keep more bytes in flight per lane;
-// shaders/variants.py UNIT_VALUES mirrors these numbers). Each type provides:
+// cut into units of UNIT_VALUES values (shaders/variants.py UNIT_VALUES mirrors
+// these numbers). Units are small (4 to 8 bytes of quants, 8 values; 16 for
+// Q6_K) so that consecutive lanes read consecutive weights AND consecutive
+// activations: a lane whose unit spans 32 columns would read x 128 bytes away
+// from its neighbour, and every x load would touch 32 cache lines (measured on
+// the H200: Q4_0 matvec at a tenth of Q8_0's bandwidth with 32-value units).
+// Each type provides:
 //   UNIT_SPAN   the columns of a unit lie within one aligned span of this many
 //               (32 = contiguous; K-quants interleave: 64 for Q4_K/Q5_K, 128 for Q6_K)
 //   units_per_row(K)
@@ -33,6 +37,7 @@
 #define WQ_BINDING 0
 #endif
 layout(binding = WQ_BINDING) readonly buffer Wq4 { uvec4 wq4[]; };
+layout(binding = WQ_BINDING) readonly buffer Wq2 { uvec2 wq2[]; };
 
 struct Raw {
     uvec4 q;   // quants
@@ -97,32 +102,32 @@ void unit_decode(Raw r, uint u, out vec4 v[UNIT_GROUPS], out uint xo[UNIT_GROUPS
     xo[0] = u * 8u; xo[1] = u * 8u + 4u;
 }
 #elif defined(WT_Q8_0)
-#define UNIT_VALUES 16
-#define UNIT_GROUPS 4
+#define UNIT_VALUES 8
+#define UNIT_GROUPS 2
 #define UNIT_SPAN 32
-uint units_per_row(uint K) { return K / 16u; }
+uint units_per_row(uint K) { return K / 8u; }
 Raw unit_fetch(uint woff, uint woff2, uint row, uint u, uint K) {
-    uint blk = row * (K / 32u) + (u >> 1);
-    return Raw(wq4[woff / 4u + blk * 2u + (u & 1u)], uvec4(wq[woff2 + (blk >> 1)], blk, 0u, 0u));
+    uint blk = row * (K / 32u) + (u >> 2);
+    uvec2 w = wq2[woff / 2u + blk * 4u + (u & 3u)];
+    return Raw(uvec4(w, 0u, 0u), uvec4(wq[woff2 + (blk >> 1)], blk, 0u, 0u));
 }
 void unit_decode(Raw r, uint u, out vec4 v[UNIT_GROUPS], out uint xo[UNIT_GROUPS]) {
     float d = half_sel(r.e.x, r.e.y);
-    v[0] = sbytes4(r.q.x) * d; v[1] = sbytes4(r.q.y) * d;
-    v[2] = sbytes4(r.q.z) * d; v[3] = sbytes4(r.q.w) * d;
-    uint c = u * 16u;
-    xo[0] = c; xo[1] = c + 4u; xo[2] = c + 8u; xo[3] = c + 12u;
+    v[0] = sbytes4(r.q.x) * d;
+    v[1] = sbytes4(r.q.y) * d;
+    xo[0] = u * 8u; xo[1] = u * 8u + 4u;
 }
 #elif defined(WT_Q4_0) || defined(WT_Q4_1)
-#define UNIT_VALUES 32
-#define UNIT_GROUPS 8
+#define UNIT_VALUES 8
+#define UNIT_GROUPS 2
 #define UNIT_SPAN 32
-uint units_per_row(uint K) { return K / 32u; }
+uint units_per_row(uint K) { return K / 8u; }
 Raw unit_fetch(uint woff, uint woff2, uint row, uint u, uint K) {
-    uint blk = row * (K / 32u) + u;
+    uint blk = row * (K / 32u) + (u >> 2);
 #if defined(WT_Q4_0)
-    return Raw(wq4[woff / 4u + blk], uvec4(wq[woff2 + (blk >> 1)], blk, 0u, 0u));
+    return Raw(uvec4(wq[woff + blk * 4u + (u & 3u)], 0u, 0u, 0u), uvec4(wq[woff2 + (blk >> 1)], blk, 0u, 0u));
 #else
-    return Raw(wq4[woff / 4u + blk], uvec4(wq[woff2 + blk], 0u, 0u, 0u));
+    return Raw(uvec4(wq[woff + blk * 4u + (u & 3u)], 0u, 0u, 0u), uvec4(wq[woff2 + blk], 0u, 0u, 0u));
 #endif
 }
 void unit_decode(Raw r, uint u, out vec4 v[UNIT_GROUPS], out uint xo[UNIT_GROUPS]) {
@@ -133,12 +138,10 @@ void unit_decode(Raw r, uint u, out vec4 v[UNIT_GROUPS], out uint xo[UNIT_GROUPS
     vec2 dm = unpackHalf2x16(r.e.x);
     float d = dm.x, m = dm.y;
 #endif
-    v[0] = nib_lo(r.q.x) * d + m; v[1] = nib_lo(r.q.y) * d + m;
-    v[2] = nib_lo(r.q.z) * d + m; v[3] = nib_lo(r.q.w) * d + m;
-    v[4] = nib_hi(r.q.x) * d + m; v[5] = nib_hi(r.q.y) * d + m;
-    v[6] = nib_hi(r.q.z) * d + m; v[7] = nib_hi(r.q.w) * d + m;
-    uint c = u * 32u;
-    [[unroll]] for (uint g = 0; g < 8u; g++) xo[g] = c + 4u * g;
+    v[0] = nib_lo(r.q.x) * d + m;
+    v[1] = nib_hi(r.q.x) * d + m;
+    uint c = (u >> 2) * 32u + (u & 3u) * 4u;
+    xo[0] = c; xo[1] = c + 16u;
 }
 #elif defined(WT_Q5_0) || defined(WT_Q5_1)
 #define UNIT_VALUES 8
@@ -172,28 +175,26 @@ void unit_decode(Raw r, uint u, out vec4 v[UNIT_GROUPS], out uint xo[UNIT_GROUPS
     xo[0] = c; xo[1] = c + 16u;
 }
 #elif defined(WT_Q4_K)
-#define UNIT_VALUES 32
-#define UNIT_GROUPS 8
+#define UNIT_VALUES 8
+#define UNIT_GROUPS 2
 #define UNIT_SPAN 64
-uint units_per_row(uint K) { return K / 32u; }
+uint units_per_row(uint K) { return K / 8u; }
 Raw unit_fetch(uint woff, uint woff2, uint row, uint u, uint K) {
-    uint blk = row * (K / 256u) + (u >> 3);
+    uint blk = row * (K / 256u) + (u >> 5);
     uint base = woff + blk * 36u;
-    return Raw(wq4[(base + 4u) / 4u + (u & 7u)], wq4[base / 4u]);   // qs chunk; d|dmin + 12 scale bytes
+    return Raw(uvec4(wq[base + 4u + (u & 31u)], 0u, 0u, 0u), wq4[base / 4u]);  // qs word; d|dmin + scales
 }
 void unit_decode(Raw r, uint u, out vec4 v[UNIT_GROUPS], out uint xo[UNIT_GROUPS]) {
-    uint c16 = u & 7u;            // 16-byte chunk of the block's 128 qs bytes
-    uint j = c16 >> 1;            // which 64-value group
+    uint w = u & 31u;
+    uint j = w >> 3;              // which 64-value group
+    uint l0 = (w & 7u) * 4u;      // first of 4 consecutive values inside it
     vec2 dm = unpackHalf2x16(r.e.x);
     vec2 s0 = scale_min_k4(r.e.yzw, 2u * j);
     vec2 s1 = scale_min_k4(r.e.yzw, 2u * j + 1u);
-    float d0 = dm.x * s0.x, m0 = dm.y * s0.y, d1 = dm.x * s1.x, m1 = dm.y * s1.y;
-    v[0] = nib_lo(r.q.x) * d0 - m0; v[1] = nib_lo(r.q.y) * d0 - m0;
-    v[2] = nib_lo(r.q.z) * d0 - m0; v[3] = nib_lo(r.q.w) * d0 - m0;
-    v[4] = nib_hi(r.q.x) * d1 - m1; v[5] = nib_hi(r.q.y) * d1 - m1;
-    v[6] = nib_hi(r.q.z) * d1 - m1; v[7] = nib_hi(r.q.w) * d1 - m1;
-    uint c = (u >> 3) * 256u + j * 64u + (c16 & 1u) * 16u;
-    [[unroll]] for (uint g = 0; g < 4u; g++) { xo[g] = c + 4u * g; xo[4u + g] = c + 32u + 4u * g; }
+    v[0] = nib_lo(r.q.x) * (dm.x * s0.x) - dm.y * s0.y;
+    v[1] = nib_hi(r.q.x) * (dm.x * s1.x) - dm.y * s1.y;
+    uint c = (u >> 5) * 256u + j * 64u + l0;
+    xo[0] = c; xo[1] = c + 32u;
 }
 #elif defined(WT_Q5_K)
 #define UNIT_VALUES 8

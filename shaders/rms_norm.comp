@@ -7,9 +7,11 @@
 // multiples of 4.
 #include "common.glsl"
 
-layout(binding = 0) readonly buffer Wq { vec4 wf4[]; };
-layout(binding = 1) buffer Act4 { vec4 act4[]; };
-layout(binding = 2) readonly buffer Params { uint params[]; };
+// x and y: the same activation buffer bound twice (x readonly, y written)
+layout(binding = 0) readonly restrict buffer Wq { vec4 wf4[]; };
+layout(binding = 1) readonly restrict buffer X4 { vec4 x4[]; };
+layout(binding = 2) writeonly restrict buffer Y4 { vec4 y4[]; };
+layout(binding = 3) readonly buffer Params { uint params[]; };
 
 layout(push_constant) uniform P {
     uint x_off, x_stride, y_off, y_stride;
@@ -34,7 +36,7 @@ void main() {
             vec4 v[UNR];
             [[unroll]] for (uint k = 0; k < UNR; k++) {
                 uint i = i0 + k * S;
-                v[k] = i < n4 ? act4[xb + i] : vec4(0.0);
+                v[k] = i < n4 ? x4[xb + i] : vec4(0.0);
             }
             [[unroll]] for (uint k = 0; k < UNR; k++) ss += dot(v[k], v[k]);
         }
@@ -46,11 +48,11 @@ void main() {
             vec4 w[UNR];
             [[unroll]] for (uint k = 0; k < UNR; k++) {
                 uint i = i0 + k * S;
-                if (i < n4) { v[k] = act4[xb + i]; w[k] = wf4[wb + i]; }
+                if (i < n4) { v[k] = x4[xb + i]; w[k] = wf4[wb + i]; }
             }
             [[unroll]] for (uint k = 0; k < UNR; k++) {
                 uint i = i0 + k * S;
-                if (i < n4) act4[yb + i] = v[k] * scale * w[k];
+                if (i < n4) y4[yb + i] = v[k] * scale * w[k];
             }
         }
     }

@@ -9,10 +9,12 @@ set at pipeline creation, not variants.
 # Weight storage types understood by quant.glsl, by GGUF type name (lower case).
 WEIGHT_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k")
 
-# Values per unit of work (one lane, one iteration) of each type in quant.glsl:
-# 16 bytes of quants where the layout allows.
-UNIT_VALUES = {"f32": 4, "f16": 8, "bf16": 8, "q8_0": 16, "q4_0": 32, "q4_1": 32, "q5_0": 8, "q5_1": 8,
-               "q4_k": 32, "q5_k": 8, "q6_k": 16}
+# Values per unit of work (one lane, one iteration) of each type in quant.glsl.
+UNIT_VALUES = {"f32": 4, "f16": 8, "bf16": 8, "q8_0": 8, "q4_0": 8, "q4_1": 8, "q5_0": 8, "q5_1": 8,
+               "q4_k": 8, "q5_k": 8, "q6_k": 16}
+
+# Weight rows per subgroup in the decode matvec: each x load serves them all.
+MV_ROWS = 2
 
 # Columns of x that one workgroup multiplies against each dequantized weight unit
 # in the batched matmul variant.
@@ -27,11 +29,11 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
     t: dict[str, tuple[str, dict[str, int]]] = {}
     for wt in WEIGHT_TYPES:
         d = {f"WT_{wt.upper()}": 1}
-        t[f"mul_mv_{wt}"] = ("mul_mv.comp", {**d, "NCOLS": 1, "UNROLL": 4})
-        t[f"mul_mm_{wt}"] = ("mul_mv.comp", {**d, "NCOLS": MATMUL_COLS, "UNROLL": 2})
+        t[f"mul_mv_{wt}"] = ("mul_mv.comp", {**d, "NCOLS": 1, "UNROLL": 4, "RPS": MV_ROWS})
+        t[f"mul_mm_{wt}"] = ("mul_mv.comp", {**d, "NCOLS": MATMUL_COLS, "UNROLL": 2, "RPS": 1})
         t[f"mul_mt_{wt}"] = ("mul_mt.comp", {**d, "TM": TILE[0], "TN": TILE[1]})
         t[f"get_rows_{wt}"] = ("get_rows.comp", d)
-    for op in ("rms_norm", "rope_kv", "attention", "swiglu", "add", "softmax", "argmax_part", "argmax", "copy"):
+    for op in ("rms_norm", "rope_kv", "attention", "attention_merge", "swiglu", "add", "softmax", "argmax_part", "argmax", "copy"):
         t[op] = (f"{op}.comp", {})
     return t
 

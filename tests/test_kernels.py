@@ -319,8 +319,9 @@ def test_rope_kv(device, kernels, ws, rng, neox, n_rot_frac):
         np.testing.assert_array_equal(vcache[slots[r], pos[r]], v[r].astype(np.float16).astype(np.float32))
 
 
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("hd,n_head,n_kv", [(64, 9, 3), (128, 4, 4), (32, 8, 1)])
-def test_attention_mixed_batch(device, kernels, ws, rng, hd, n_head, n_kv):
+def test_attention_mixed_batch(device, kernels, ws, rng, hd, n_head, n_kv, split):
     """A prefill chunk of one slot (causal) and decode rows of two others in one
     dispatch, against numpy on the same f16 cache contents."""
     n_slots, ctx = 3, 70
@@ -338,9 +339,10 @@ def test_attention_mixed_batch(device, kernels, ws, rng, hd, n_head, n_kv):
     qr = ws.act_region(rows * n_head * hd, q)
     orr = ws.act_region(rows * n_head * hd)
     scale = 1 / np.sqrt(hd)
+    tmp = ws.act_region(kernels.attention_tmp_words(rows, n_head, hd, ctx)) if split else None
     prog = device.program()
     kernels.attention(prog, qr, n_head * hd, orr, n_head * hd, rows, n_head, n_kv, hd, kc, vc, ss,
-                      ws.params, 0, 20, scale)
+                      ws.params, 0, 20, scale, tmp, ctx)
     prog.run()
     got = ws.read(orr).reshape(rows, n_head, hd)
     for r in range(rows):

@@ -44,6 +44,8 @@ class Engine:
         self.arch = model.arch
         widths = dict(self.arch.scratch_widths(a))
         widths["out_argmax"] = Kernels.argmax_tmp_words(a.n_vocab, 1)   # per output row
+        if device.info.type != "cpu":   # split-K decode attention (Graph.attention)
+            widths["out_attn_split"] = Kernels.attention_tmp_words(1, a.n_head, a.head_dim, self.n_ctx)
         self.max_out = max(1, cfg.max_out)
         # fit the scratch buffer within the device's buffer limit
         max_rows = max(1, cfg.max_batch)

@@ -51,6 +51,7 @@ class Scratch:
             off += s * (max_out if k.startswith("out_") else max_rows)
         self.words = off
         self.buf = buf
+        self.max_rows, self.max_out = max_rows, max_out
 
     @staticmethod
     def words_needed(widths: dict[str, int], max_rows: int, max_out: int) -> int:
@@ -102,9 +103,17 @@ class Graph:
                        self.pl.positions, self.pl.slots)
 
     def attention(self, layer: int, q: str, out: str, n_head: int, n_kv: int, head_dim: int, scale: float) -> None:
+        """Causal attention of each row over its slot's cache. Steps of few rows
+        (decode) split the positions across subgroups when the scratch has room
+        (`out_attn_split`, sized for max_out rows) and the device profits."""
+        split = None
+        if self.k.split_attention and "out_attn_split" in self.s.widths and self.n <= self.s.max_out:
+            need = self.k.attention_tmp_words(self.n, n_head, head_dim, self.kv.ctx)
+            if need <= self.s.strides["out_attn_split"] * self.s.max_out:
+                split = Region(self.s.buf, self.s.offsets["out_attn_split"], need)
         self.k.attention(self.p, self.s.region(q), self.s.stride(q), self.s.region(out), self.s.stride(out),
                          self.n, n_head, n_kv, head_dim, self.kv.k(layer), self.kv.v(layer), self.kv.slot_stride,
-                         self.params, self.pl.positions, self.pl.slots, scale)
+                         self.params, self.pl.positions, self.pl.slots, scale, split, self.kv.ctx)
 
     def swiglu(self, gu: str, out: str) -> None:
         self.k.swiglu(self.p, self.s.region(gu), self.s.stride(gu), self.s.region(out), self.s.stride(out),

@@ -14,7 +14,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from shaders.variants import MATMUL_COLS, TILE, UNIT_VALUES
+from shaders.variants import MATMUL_COLS, MV_ROWS, TILE, UNIT_VALUES
 
 from . import shaders
 from .device import Buffer, Device, Program
@@ -84,6 +84,9 @@ class Kernels:
         if tiled_from == -1:
             tiled_from = None if device.info.type == "cpu" else 64
         self.tiled_from = tiled_from
+        # split-K attention pays off where many subgroups run at once (GPUs);
+        # lavapipe runs a handful, and each extra dispatch costs it more
+        self.split_attention = device.info.type != "cpu"
 
     # -- helpers -----------------------------------------------------------
     def _alg(self, name: str, buffers: list[Buffer], push: bytes, wg: int, items: int | None = None):
@@ -116,13 +119,14 @@ class Kernels:
         if self.tiled_from is not None and n >= self.tiled_from and w.cols % 32 == 0:
             variant = f"mul_mt_{w.type}"
             spv = shaders.spirv(variant, self._spirv_cache)
-            alg = self.device.algorithm(variant, spv, [w.data.buf, act], (), len(push))
+            alg = self.device.algorithm(variant, spv, [w.data.buf, act, act], (), len(push))
             groups = (math.ceil(w.rows / (16 * TILE[0])), math.ceil(n / (16 * TILE[1])), 1)
         else:
             variant = f"mul_mv_{w.type}" if n == 1 else f"mul_mm_{w.type}"
             ncols = 1 if n == 1 else MATMUL_COLS
-            alg = self._alg(variant, [w.data.buf, act], push, self.wg)
-            groups = self._grid(math.ceil(w.rows / self.items), math.ceil(n / ncols))
+            rows_per_wg = self.items * (MV_ROWS if n == 1 else 1)
+            alg = self._alg(variant, [w.data.buf, act, act], push, self.wg, rows_per_wg)
+            groups = self._grid(math.ceil(w.rows / rows_per_wg), math.ceil(n / ncols))
         prog.dispatch(alg, push, groups, reads, [yr], label or variant)
 
     def get_rows(self, prog: Program, w: Matrix, params: Buffer, ids_off: int, y: Region, y_stride: int,
@@ -144,7 +148,7 @@ class Kernels:
             raise ValueError("rms_norm needs rows of a multiple of 4 floats, 16-byte aligned")
         push = struct.pack("<8If", x.off, x_stride, y.off, y_stride, weight.off, n, rows,
                            NO_MAP if map_off is None else map_off, eps)
-        alg = self._alg("rms_norm", [weight.buf, act, params], push, self.wg)
+        alg = self._alg("rms_norm", [weight.buf, act, act, params], push, self.wg)
         if map_off is None:
             xr = _rows_range(x, rows, x_stride, n)
             reads = [weight.range, xr]
@@ -171,26 +175,53 @@ class Kernels:
         writes = [_rows_range(q_out, n_rows, q_stride, n_head * head_dim), k_cache.range, v_cache.range]
         prog.dispatch(alg, push, self._grid(math.ceil(n_rows * per_row / self.ew_wg)), reads, writes, label)
 
+    ATTN_CHUNK = 64   # positions per slice in split-K attention
+
+    @classmethod
+    def attention_parts(cls, n_ctx: int) -> int:
+        return -(-n_ctx // cls.ATTN_CHUNK)
+
+    @classmethod
+    def attention_tmp_words(cls, n_rows: int, n_head: int, head_dim: int, n_ctx: int) -> int:
+        return n_rows * n_head * cls.attention_parts(n_ctx) * (head_dim + 2)
+
     def attention(self, prog: Program, q: Region, q_stride: int, o: Region, o_stride: int, n_rows: int,
                   n_head: int, n_kv: int, head_dim: int, k_cache: Region, v_cache: Region, slot_stride: int,
-                  params: Buffer, pos_off: int, slot_off: int, scale: float, label: str = "attention") -> None:
-        """o[r][h] = softmax(q[r][h] . K[slot][0..pos]) V[slot][0..pos]."""
+                  params: Buffer, pos_off: int, slot_off: int, scale: float, split: Region | None = None,
+                  n_ctx: int = 0, label: str = "attention") -> None:
+        """o[r][h] = softmax(q[r][h] . K[slot][0..pos]) V[slot][0..pos].
+        With `split` (scratch of attention_tmp_words, and the cache's n_ctx) the
+        positions are cut into slices run in parallel and merged (flash-decoding):
+        decode has few rows, so one pass would leave most of a GPU idle."""
         if head_dim % 8 or n_head % n_kv or q.off % 4 or q_stride % 4 or k_cache.off % 4 or v_cache.off % 4:
             raise VkEngineError(f"attention needs head_dim a multiple of 8 ({head_dim}), n_head a multiple of "
                                 f"n_kv ({n_head}/{n_kv}) and 16-byte aligned q rows and caches")
         act = self._same_buffer(q, o)
         kv = self._same_buffer(k_cache, v_cache)
-        push = struct.pack("<13If", q.off, q_stride, o.off, o_stride, n_rows, n_head, n_kv, head_dim,
-                           k_cache.off, v_cache.off, slot_stride, pos_off, slot_off, scale)
+        n_parts = self.attention_parts(n_ctx) if split is not None else 1
+        chunk = self.ATTN_CHUNK if split is not None else 0
+        part_off = split.off if split is not None else 0
+        push = struct.pack("<13If3I", q.off, q_stride, o.off, o_stride, n_rows, n_head, n_kv, head_dim,
+                           k_cache.off, v_cache.off, slot_stride, pos_off, slot_off, scale, chunk, n_parts, part_off)
         # V words per lane; sized for the smallest subgroup the device may use
         sg = self.sg if self.device.info.subgroups_fixed else min(self.sg, 8)
         wpl = -(-(head_dim // 2) // sg)
         spv = shaders.spirv("attention", self._spirv_cache)
-        alg = self.device.algorithm("attention", spv, [act, params, kv], (self.wg, self.items, wpl), len(push))
+        alg = self.device.algorithm("attention", spv, [act, act, params, kv], (self.wg, self.items, wpl), len(push))
         reads = [_rows_range(q, n_rows, q_stride, n_head * head_dim), k_cache.range, v_cache.range,
                  (params, min(pos_off, slot_off) * 4, (max(pos_off, slot_off) + n_rows) * 4)]
-        prog.dispatch(alg, push, self._grid(math.ceil(n_rows * n_head / self.items)), reads,
-                      [_rows_range(o, n_rows, o_stride, n_head * head_dim)], label)
+        out = [_rows_range(o, n_rows, o_stride, n_head * head_dim)]
+        if split is None:
+            prog.dispatch(alg, push, self._grid(math.ceil(n_rows * n_head / self.items)), reads, out, label)
+            return
+        tmp_words = self.attention_tmp_words(n_rows, n_head, head_dim, n_ctx)
+        if split.buf is not act or split.words < tmp_words:
+            raise ValueError("split-K attention needs a scratch region in the activation buffer")
+        tmp = (split.buf, split.off * 4, (split.off + tmp_words) * 4)
+        prog.dispatch(alg, push, self._grid(math.ceil(n_rows * n_head * n_parts / self.items)), reads, [tmp], label)
+        push = struct.pack("<7I", o.off, o_stride, n_rows, n_head, head_dim, n_parts, split.off)
+        alg = self._alg("attention_merge", [act], push, self.wg)
+        prog.dispatch(alg, push, self._grid(math.ceil(n_rows * n_head / self.items)), [tmp], out, label)
 
     def swiglu(self, prog: Program, gu: Region, gu_stride: int, y: Region, y_stride: int, F: int, rows: int,
                label: str = "swiglu") -> None:
