@@ -125,21 +125,23 @@ def main(argv=None) -> int:
         results.append(row)
         print(json.dumps(row), flush=True)
 
-    date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
+    now = dt.datetime.now(dt.timezone.utc)
+    date = now.strftime("%Y-%m-%d")
     dev_slug = re.sub(r"[^a-z0-9]+", "-", dev.info.name.lower()).strip("-")[:40]
     doc = {"date": date, "device": dev.info.name, "driver": f"{dev.info.driver_name} {dev.info.driver_info}",
            "features": list(dev.features), "copy_bandwidth": bw, "n_prompt": args.n_prompt, "n_gen": args.n_gen,
            "reps": args.reps, "peer": args.llama_label, "note": args.note, "results": results}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{date}-{dev_slug}.json").write_text(json.dumps(doc, indent=1))
+    doc["time"] = now.strftime("%H:%M")
+    (out / f"{date}-{now.strftime('%H%M')}-{dev_slug}.json").write_text(json.dumps(doc, indent=1))
     render_readme(out)
     print(table(doc))
     return 0
 
 
 def table(doc: dict) -> str:
-    lines = [f"**{doc['date']}, {doc['device']}** ({doc['driver']}); copy bandwidth "
+    lines = [f"**{doc['date']} {doc.get('time', '')}, {doc['device']}** ({doc['driver']}); copy bandwidth "
              f"{doc['copy_bandwidth']['gbps']:.0f} GB/s; peer: {doc.get('peer', 'llama.cpp')}",
              "", "| model | weights | pp ours | pp peer | pp ratio | tg ours | tg peer | tg ratio | tg GB/s | of copy bw |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
