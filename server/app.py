@@ -158,7 +158,8 @@ async def _events(q: asyncio.Queue, reply: Reply, fmt: Format):
 
 
 async def generate(request: Request, st: ServerState, gen: Generation, kind: str) -> Response:
-    ids, text, truncated = _prompt_ids(st, gen)
+    # tokenizing (and rendering a chat template) may take a while for long prompts: off the event loop
+    ids, text, truncated = await anyio.to_thread.run_sync(_prompt_ids, st, gen)
     budget = gen.max_tokens if gen.max_tokens is not None else st.max_tokens
     req = GenRequest(ids, budget, gen.sampling, gen.stop, gen.ignore_eos, gen.n_probs, gen.cache_prompt)
     loop = asyncio.get_running_loop()

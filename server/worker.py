@@ -192,9 +192,7 @@ class Worker:
         while True:
             with self._cv:
                 while not self._inbox and self.sched.idle and not self._stopping:
-                    self._cv.wait(0.5 if self._deadline else None)
-                    if self._deadline and time.monotonic() >= self._deadline:
-                        break
+                    self._cv.wait()
                 stopping = self._stopping
             if stopping:
                 self._drain_inbox()
