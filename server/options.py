@@ -14,7 +14,7 @@ def add_serve_args(p) -> None:
     p.add_argument("--slots", type=int, default=None,
                    help="batch mode: KV slots resident on the device (default --parallel); fewer slots "
                         "than --parallel parks sequences on the host in turns")
-    p.add_argument("--step-tokens", type=int, default=128,
+    p.add_argument("--step-tokens", type=int, default=64,
                    help="token rows per engine step: decode rows plus prompt chunks (chunked prefill); "
                         "bounds how long a newcomer's prompt can delay running streams (replaces --batch)")
     p.add_argument("--min-prefix", type=int, default=8,

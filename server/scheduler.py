@@ -16,9 +16,10 @@ rows copied to host memory through `KVMover.park`). Every step:
    its slot given away. Newcomers go first when `newcomer_first` (slices mode:
    prefill on arrival), otherwise first come, first served;
 4. the batch: one row for every resident sequence that is decoding, then
-   prompt chunks of the others in arrival order, up to `step_tokens` rows in
-   all (chunked prefill: a newcomer never stalls running streams for more than
-   one bounded step).
+   prompt chunks of the others, the remaining rows of `step_tokens` shared out
+   evenly among them (chunked prefill: a newcomer never stalls running streams
+   for more than one bounded step, and its first token does not wait for the
+   whole prompts of those that came before it).
 
 Prefix cache: a slot keeps the KV rows and token list of the sequence that
 finished in it. A newcomer takes the free slot whose rows share the longest
@@ -324,17 +325,28 @@ class Scheduler:
 
     def _compose(self) -> Batch | None:
         residents = [s for s in self.live if s.slot is not None and s.pending > 0]
-        # decoding rows first: running streams advance in every step
-        residents.sort(key=lambda s: (s.pending > 1, s.ready if s.pending > 1 else 0))
-        budget = self.cfg.step_tokens
-        work = []
-        for s in residents:
-            n = min(s.pending, budget)
-            if n <= 0:
-                break
-            start = s.n_cached
-            work.append(Work(s, start, s.tokens[start:start + n], start + n == len(s.tokens)))
-            budget -= n
+        decoding = [s for s in residents if s.pending == 1]            # running streams: a row every step
+        prefilling = sorted((s for s in residents if s.pending > 1), key=lambda s: s.ready)
+        budget = self.cfg.step_tokens - len(decoding)
+        # prompt rows are shared out evenly (water-filling, unused shares go round again), so that a
+        # short newcomer's first token does not wait for a long prompt that arrived before it
+        rows = {id(s): 0 for s in prefilling}
+        todo = list(prefilling)
+        while budget > 0 and todo:
+            share = max(1, budget // len(todo))
+            for s in list(todo):
+                n = min(s.pending - rows[id(s)], share, budget)
+                rows[id(s)] += n
+                budget -= n
+                if rows[id(s)] == s.pending:
+                    todo.remove(s)
+                if budget == 0:
+                    break
+        work = [Work(s, s.n_cached, s.tokens[s.n_cached:], True) for s in decoding]
+        for s in prefilling:
+            n, start = rows[id(s)], s.n_cached
+            if n:
+                work.append(Work(s, start, s.tokens[start:start + n], start + n == len(s.tokens)))
         return Batch(work) if work else None
 
     def _next_tick(self) -> int:

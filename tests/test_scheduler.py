@@ -35,6 +35,7 @@ class FakeRunner:
         self.handles: dict[int, list] = {}
         self._next = 0
         self.steps: list[list[tuple[int, int]]] = []     # (slot, position) rows of each step
+        self.first: dict[int, int] = {}                   # request -> step of its first token
 
     # KVMover
     def park(self, slot, length):
@@ -96,6 +97,7 @@ def drive(cfg: SchedulerConfig, requests, cancel_at=None, check=None):
             i = seq.data
             sch.append(seq, tok)
             out[i].append(tok)
+            fr.first.setdefault(i, len(fr.steps) - 1)
             if len(out[i]) == requests[i][2]:
                 sch.finish(seq)
         step += 1
@@ -169,6 +171,15 @@ def test_decoders_advance_in_every_step_of_a_long_prefill():
     # the long prompt was split into chunks that shared steps with decode rows
     mixed = [s for s in fr.steps if len({slot for slot, _ in s}) > 1 and len(s) == 8]
     assert len(mixed) >= 200 // 8 - 2
+
+
+def test_short_newcomer_does_not_wait_for_a_long_prefill():
+    cfg = SchedulerConfig(n_slots=4, max_live=4, step_tokens=8, quantum=8)
+    long_prompt, short = list(range(400)), [7, 8, 9, 10, 11]
+    out, fr, sch = drive(cfg, [(0, long_prompt, 2), (3, short, 2)])
+    # the long prompt needs 50 steps of 8 rows; the short one shares the rows from its arrival (step 3)
+    assert fr.first[1] <= 4 and fr.first[0] > 45
+    assert out == [alone(long_prompt, 2), alone(short, 2)]
 
 
 def test_newcomer_is_prefilled_on_arrival_in_slices_mode():
