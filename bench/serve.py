@@ -182,7 +182,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-words", type=int, default=24)
     ap.add_argument("--ctx", type=int, default=1024, help="context per sequence")
     ap.add_argument("--quantum", type=int, default=8)
-    ap.add_argument("--step-tokens", type=int, default=128)
+    ap.add_argument("--step-tokens", type=int, default=64)
     ap.add_argument("--configs", default="serial,slices,batch", help="comma separated: serial, slices, batch")
     ap.add_argument("--llama-server", default=None, help="llama-server binary: adds 'llama-server -np C'")
     ap.add_argument("--llama-url", default=None, help="a running llama-server to measure instead of starting one")
