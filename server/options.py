@@ -4,11 +4,28 @@
 def add_serve_args(p) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--parallel", "-np", type=int, default=4, help="concurrent sequences")
-    p.add_argument("--mode", choices=["batch", "slices"], default="batch")
-    p.add_argument("--quantum", type=int, default=8, help="tokens per turn in slices mode")
+    p.add_argument("--parallel", "-np", type=int, default=4, help="sequences served at once")
+    p.add_argument("--mode", choices=["batch", "slices"], default="batch",
+                   help="batch: running sequences decode together in one step, KV resident in per-slot "
+                        "buffers; slices: one sequence on the device at a time, the others parked on the host")
+    p.add_argument("--quantum", type=int, default=8,
+                   help="steps a sequence keeps the device before yielding to one that waits "
+                        "(slices: every turn; batch: only when --parallel exceeds --slots)")
+    p.add_argument("--slots", type=int, default=None,
+                   help="batch mode: KV slots resident on the device (default --parallel); fewer slots "
+                        "than --parallel parks sequences on the host in turns")
+    p.add_argument("--step-tokens", type=int, default=64,
+                   help="token rows per engine step: decode rows plus prompt chunks (chunked prefill); "
+                        "bounds how long a newcomer's prompt can delay running streams (replaces --batch)")
+    p.add_argument("--min-prefix", type=int, default=8,
+                   help="shortest cached prompt prefix worth copying from another slot (prefix cache)")
+    p.add_argument("--host-cache", type=int, default=-1,
+                   help="finished sequences kept parked in host memory for the prefix cache "
+                        "(default: 4 in slices mode, 0 in batch mode, where free slots hold the cache)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    p.add_argument("--cors", default=None, help="allowed CORS origin (off unless given)")
-    p.add_argument("--max-queue", type=int, default=64)
+    p.add_argument("--cors", default=None, help="allowed CORS origin(s), comma separated (off unless given)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond --parallel (then 503)")
     p.add_argument("--max-tokens", type=int, default=4096, help="upper bound of n_predict/max_tokens")
     p.add_argument("--max-body", type=int, default=1 << 20, help="request body limit in bytes")
+    p.add_argument("--shutdown-grace", type=float, default=10.0,
+                   help="seconds in-flight requests may finish after SIGINT/SIGTERM before they are cancelled")

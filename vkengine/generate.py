@@ -61,6 +61,7 @@ class OutputStream:
         self.text = ""            # all final text so far
         self.sent = 0             # characters of self.text already returned
         self.finish: str | None = None
+        self.stop_word: str | None = None   # the stop string that ended the output, if one did
 
     def push(self, token: int) -> tuple[str, str | None]:
         """Account for one generated token; returns (text to emit, finish reason)."""
@@ -73,7 +74,7 @@ class OutputStream:
             i = self.text.find(s, max(0, self.sent - len(s) + 1))
             if i >= 0:
                 self.text = self.text[:i]
-                self.finish = "stop"
+                self.finish, self.stop_word = "stop", s
                 return self._release(len(self.text)), self.finish
         if self.n >= self.max_tokens:
             self.text += self.dec.flush()

@@ -74,12 +74,19 @@ class KVCache:
         p.run()
         return Parked(length, into)
 
-    def restore(self, parked: Parked, slot: int) -> None:
+    def restore(self, parked: Parked, slot: int, length: int | None = None) -> None:
+        """Bring back positions [0, length) (default: all) of a parked sequence
+        into any slot; a shorter length restores a prefix (prefix cache)."""
+        length = parked.length if length is None else length
+        if not 0 <= length <= parked.length:
+            raise ValueError(f"cannot restore {length} of {parked.length} parked positions")
+        if length == 0:
+            return
         p = self.device.program()
         off = 0
-        for r, w, n in self._slot_ranges(slot, 0, parked.length):
+        for r, w, n in self._slot_ranges(slot, 0, length):
             p.copy(parked.buffer, r.buf, off, w * 4, n * 4, "restore")
-            off += n * 4
+            off += parked.length * self.row_words * 4     # parked blocks are parked.length rows long
         p.run()
 
     def copy_prefix(self, src_slot: int, dst_slot: int, length: int) -> None:

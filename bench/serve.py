@@ -1,0 +1,233 @@
+"""Concurrent streaming clients against the server, over real HTTP (httpx).
+
+For each configuration it starts a server (ours, or llama-server on the same
+GGUF), warms it up, then runs C clients at once; each sends `--requests`
+streaming /completion requests one after another (distinct prompts, greedy,
+`--n-predict` tokens, EOS ignored). Reported per configuration: time to first
+token (p50, p99), inter-token latency (p50, p99, gaps between consecutive token
+chunks of one stream), and aggregate generated tokens per second over the wall
+time of the run.
+
+    .venv/bin/python bench/serve.py --model /tmp/x/llama-tiny-q8_0.gguf --clients 4
+    .venv/bin/python bench/serve.py --clients 4 --llama-server ~/.cache/vkengine/llama.cpp-*/bin/llama-server
+
+Configurations: serial (--parallel 1, the same C clients queue), slices and batch
+(--parallel C), and llama-server --parallel C when a binary (--llama-server) or
+a running server's URL (--llama-url) is given.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+WORDS = ("river stone light garden paper window city music winter forest engine story market silver "
+         "harbor mountain letter evening bridge candle").split()
+
+
+@dataclass
+class Stream:
+    ttft: float | None = None
+    gaps: list[float] = field(default_factory=list)
+    tokens: int = 0
+    error: str | None = None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen | None, log: Path | None, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise SystemExit(f"server exited ({proc.returncode}); log:\n{log.read_text() if log else ''}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)
+    raise SystemExit(f"{url} did not become ready")
+
+
+def prompt(rng: random.Random, n_words: int) -> str:
+    return "Tell me about " + " ".join(rng.choice(WORDS) for _ in range(n_words)) + "."
+
+
+def one_stream(client: httpx.Client, url: str, text: str, n_predict: int) -> Stream:
+    s = Stream()
+    body = {"prompt": text, "n_predict": n_predict, "stream": True, "ignore_eos": True, "temperature": 0,
+            "cache_prompt": False}
+    t0 = last = time.perf_counter()
+    try:
+        with client.stream("POST", url + "/completion", json=body) as r:
+            if r.status_code != 200:
+                s.error = f"HTTP {r.status_code}: {r.read()[:200]!r}"
+                return s
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                ev = json.loads(line[6:])
+                if ev.get("stop"):
+                    break
+                now = time.perf_counter()
+                if s.ttft is None:
+                    s.ttft = now - t0
+                else:
+                    s.gaps.append(now - last)
+                last = now
+                s.tokens += 1
+    except httpx.HTTPError as e:
+        s.error = repr(e)
+    return s
+
+
+def run_load(url: str, clients: int, requests: int, n_predict: int, prompt_words: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    prompts = [[prompt(rng, prompt_words) for _ in range(requests)] for _ in range(clients)]
+    results: list[list[Stream]] = [[] for _ in range(clients)]
+
+    def client(i):
+        with httpx.Client(timeout=600) as c:
+            for p in prompts[i]:
+                results[i].append(one_stream(c, url, p, n_predict))
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    streams = [s for r in results for s in r]
+    errors = [s.error for s in streams if s.error]
+    ttft = sorted(s.ttft for s in streams if s.ttft is not None)
+    gaps = sorted(g for s in streams for g in s.gaps)
+    tokens = sum(s.tokens for s in streams)
+
+    def pct(xs, q):
+        return xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3 if xs else float("nan")
+    return {"clients": clients, "requests": len(streams), "errors": len(errors), "first_error": errors[:1],
+            "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
+            "ttft_p50_ms": pct(ttft, 0.5), "ttft_p99_ms": pct(ttft, 0.99),
+            "itl_p50_ms": pct(gaps, 0.5), "itl_p99_ms": pct(gaps, 0.99),
+            "itl_mean_ms": statistics.fmean(gaps) * 1e3 if gaps else float("nan")}
+
+
+class Server:
+    def __init__(self, cmd: list[str], url: str, cwd=None):
+        self.log = Path(tempfile.mkstemp(prefix="bench-serve-", suffix=".log")[1])
+        self._fh = open(self.log, "wb")
+        self.proc = subprocess.Popen(cmd, cwd=cwd, stdout=self._fh, stderr=subprocess.STDOUT)
+        self.url = url
+        wait_ready(url, self.proc, self.log)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._fh.close()
+
+
+def ours(args, parallel: int, mode: str) -> Server:
+    port = free_port()
+    cmd = [sys.executable, "-m", "vkengine.cli", "serve", "--port", str(port), "--parallel", str(parallel),
+           "--mode", mode, "--ctx", str(args.ctx), "--quantum", str(args.quantum),
+           "--step-tokens", str(args.step_tokens), "--max-queue", str(max(64, args.clients))]
+    if args.model:
+        cmd += ["--model", args.model]
+    return Server(cmd, f"http://127.0.0.1:{port}", cwd=ROOT)
+
+
+def llama(args, parallel: int) -> Server:
+    port = free_port()
+    model = args.model or _default_model()
+    cmd = [args.llama_server, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", str(parallel),
+           "-c", str(args.ctx * parallel), "-t", str(args.llama_threads or os.cpu_count() or 1)]
+    return Server(cmd, f"http://127.0.0.1:{port}")
+
+
+def _default_model() -> str:
+    sys.path.insert(0, str(ROOT))
+    from vkengine.model import default_model_path
+    return str(default_model_path())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="GGUF (default: the embedded SmolLM2-135M)")
+    ap.add_argument("--clients", "-c", type=int, default=4, help="concurrent streaming clients (C)")
+    ap.add_argument("--requests", type=int, default=2, help="requests per client, one after another")
+    ap.add_argument("--n-predict", "-n", type=int, default=64)
+    ap.add_argument("--prompt-words", type=int, default=24)
+    ap.add_argument("--ctx", type=int, default=1024, help="context per sequence")
+    ap.add_argument("--quantum", type=int, default=8)
+    ap.add_argument("--step-tokens", type=int, default=64)
+    ap.add_argument("--configs", default="serial,slices,batch", help="comma separated: serial, slices, batch")
+    ap.add_argument("--llama-server", default=None, help="llama-server binary: adds 'llama-server -np C'")
+    ap.add_argument("--llama-url", default=None, help="a running llama-server to measure instead of starting one")
+    ap.add_argument("--llama-threads", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args(argv)
+
+    rows = []
+    plan = [c.strip() for c in args.configs.split(",") if c.strip()]
+    if args.llama_server or args.llama_url:
+        plan.append("llama-server")
+    for name in plan:
+        srv = None
+        if name == "serial":
+            srv = ours(args, 1, "batch")
+        elif name in ("slices", "batch"):
+            srv = ours(args, args.clients, name)
+        elif name == "llama-server":
+            srv = None if args.llama_url else llama(args, args.clients)
+        else:
+            raise SystemExit(f"unknown config {name!r}")
+        url = args.llama_url if srv is None else srv.url
+        try:
+            run_load(url, 1, 1, 8, 4, seed=999)                        # warm-up
+            r = run_load(url, args.clients, args.requests, args.n_predict, args.prompt_words, args.seed)
+        finally:
+            if srv is not None:
+                srv.stop()
+        r["config"] = name if name != "serial" else "serial (--parallel 1)"
+        rows.append(r)
+        print(f"{r['config']}: {r['tok_s']:.1f} tok/s, TTFT p50 {r['ttft_p50_ms']:.0f} ms, "
+              f"ITL p50 {r['itl_p50_ms']:.1f} ms, errors {r['errors']}", file=sys.stderr)
+
+    print(f"\nC = {args.clients} clients x {args.requests} requests, {args.n_predict} tokens each, "
+          f"model {Path(args.model).name if args.model else 'SmolLM2-135M-Instruct Q4_1 (default)'}\n")
+    print("| config | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | tok/s | errors |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['config']} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.1f} | "
+              f"{r['itl_p99_ms']:.1f} | {r['tok_s']:.1f} | {r['errors']} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": rows}, indent=1))
+    return 1 if any(r["errors"] for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

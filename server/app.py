@@ -1,0 +1,387 @@
+"""HTTP routes (Starlette): llama-server's /completion, /tokenize, /detokenize,
+/health, /props, /slots; OpenAI's /v1/completions, /v1/chat/completions,
+/v1/models; Prometheus /metrics. Streaming replies are server-sent events.
+
+This layer knows requests, validation, SSE framing, auth and limits; it hands
+token ids to the worker and formats what comes back. A client that goes away
+(streaming or not) cancels its request, which frees its slot at the next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import anyio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from vkengine.errors import VkEngineError
+from vkengine.model import Model
+
+from . import schemas
+from .formats import Format, LlamaCompletion, OpenAIChat, OpenAICompletion, Reply
+from .metrics import CONTENT_TYPE_LATEST, Metrics
+from .schemas import Generation, HTTPError
+from .worker import GenRequest, QueueFull, Unavailable, Worker
+
+log = logging.getLogger("vkengine.server")
+
+OPEN_PATHS = {"/health", "/v1/health"}      # answered without an API key (load balancers probe them)
+
+
+@dataclass
+class ServerState:
+    worker: Worker
+    model: Model
+    n_ctx: int
+    metrics: Metrics
+    max_tokens: int = 4096
+    max_body: int = 1 << 20
+    retry_after: int = 1
+    parallel: int = 1
+    mode: str = "batch"
+
+    @property
+    def model_id(self) -> str:
+        return self.model.name
+
+
+# -- SSE ---------------------------------------------------------------------
+def sse(obj) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def wait_disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class SSEResponse(Response):
+    """Streams an async iterator of str as text/event-stream while listening for
+    the client going away (whatever the ASGI server's spec version): then the
+    iterator is closed, which cancels its request."""
+    media_type = "text/event-stream"
+
+    def __init__(self, chunks, headers: dict | None = None):
+        self.chunks = chunks
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        try:
+            async with anyio.create_task_group() as tg:
+                async def watch():
+                    await wait_disconnect(receive)
+                    tg.cancel_scope.cancel()
+                tg.start_soon(watch)
+                try:
+                    async for chunk in self.chunks:
+                        await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                except OSError:                      # the client went away mid-send
+                    pass
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.chunks.aclose()
+
+
+# -- helpers -------------------------------------------------------------------
+async def read_json(request: Request, limit: int) -> dict:
+    cl = request.headers.get("content-length")
+    if cl and cl.isdigit() and int(cl) > limit:
+        raise HTTPError(413, f"the request body has {cl} bytes; the limit is {limit} (--max-body)")
+    chunks, n = [], 0
+    async for c in request.stream():
+        n += len(c)
+        if n > limit:
+            raise HTTPError(413, f"the request body exceeds {limit} bytes (--max-body)")
+        chunks.append(c)
+    return schemas.parse_json(b"".join(chunks))
+
+
+def _prompt_ids(st: ServerState, gen: Generation) -> tuple[list[int], str, bool]:
+    tok = st.model.tokenizer
+    if gen.messages is not None:
+        text = tok.apply_chat_template(gen.messages, add_generation_prompt=True)
+        ids = tok.encode(text)
+        if len(ids) > 1 and tok.bos_id is not None and ids[0] == ids[1] == tok.bos_id:
+            ids = ids[1:]                     # the template wrote BOS itself
+    elif isinstance(gen.prompt, str):
+        text, ids = gen.prompt, tok.encode(gen.prompt)
+    else:
+        ids = list(gen.prompt)
+        text = tok.decode(ids)
+    if not ids:
+        raise schemas.bad("prompt", "is empty (it has no tokens)")
+    truncated = False
+    if len(ids) >= st.n_ctx:
+        if not gen.truncate or gen.n_keep < 0:
+            field = "messages" if gen.messages is not None else "prompt"
+            raise schemas.bad(field, f"has {len(ids)} tokens; the context holds {st.n_ctx} (send a shorter "
+                                     "prompt, or \"truncate\": true to keep its start (n_keep) and end)")
+        # llama-server's rule: keep the first n_keep tokens and the end, half a context in all
+        keep = min(gen.n_keep, st.n_ctx // 4)
+        tail = st.n_ctx // 2 - keep
+        ids = ids[:keep] + ids[len(ids) - tail:]
+        truncated = True
+    return ids, text, truncated
+
+
+async def _events(q: asyncio.Queue, reply: Reply, fmt: Format):
+    """The request's JSON objects, as events come in."""
+    for obj in fmt.start():
+        yield obj
+    while True:
+        ev = await q.get()
+        reply.add(ev)
+        if ev.finish is not None and reply.failed:
+            yield reply.error_body()
+            return
+        for obj in fmt.event(ev):
+            yield obj
+        if ev.finish is not None:
+            break
+    for obj in fmt.final():
+        yield obj
+
+
+async def generate(request: Request, st: ServerState, gen: Generation, kind: str) -> Response:
+    # tokenizing (and rendering a chat template) may take a while for long prompts: off the event loop
+    ids, text, truncated = await anyio.to_thread.run_sync(_prompt_ids, st, gen)
+    budget = gen.max_tokens if gen.max_tokens is not None else st.max_tokens
+    req = GenRequest(ids, budget, gen.sampling, gen.stop, gen.ignore_eos, gen.n_probs, gen.cache_prompt)
+    loop = asyncio.get_running_loop()
+    q: asyncio.Queue = asyncio.Queue()
+    job = st.worker.submit(req, lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev))
+    reply = Reply(st.model_id, text, len(ids), truncated, job=job)
+    tok = st.model.tokenizer
+    cls = {"llama": LlamaCompletion, "completion": OpenAICompletion, "chat": OpenAIChat}[kind]
+    fmt = cls(reply, lambda t: tok.decode([t]), gen.stream, gen.return_tokens, gen.include_usage)
+    objs = _events(q, reply, fmt)
+
+    if gen.stream:
+        async def chunks():
+            try:
+                async for obj in objs:
+                    yield sse(obj)
+                if kind != "llama":
+                    yield sse("[DONE]")
+            finally:
+                if reply.finish is None:
+                    st.worker.cancel(job)
+        return SSEResponse(chunks())
+
+    async def collect():
+        return [obj async for obj in objs]
+    task = asyncio.ensure_future(collect())
+    watch = asyncio.ensure_future(wait_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():                        # the client went away
+            task.cancel()
+            st.worker.cancel(job)
+    if not task.done() or task.cancelled():
+        return Response(status_code=499)
+    out = task.result()
+    if reply.failed:
+        return JSONResponse(reply.error_body(), status_code=reply.error_body()["error"]["code"])
+    return JSONResponse(out[-1])
+
+
+# -- routes --------------------------------------------------------------------
+def _st(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+async def completion(request: Request) -> Response:
+    st = _st(request)
+    body = await read_json(request, st.max_body)
+    return await generate(request, st, schemas.completion(body, st.model.args.n_vocab, st.max_tokens), "llama")
+
+
+async def v1_completions(request: Request) -> Response:
+    st = _st(request)
+    body = await read_json(request, st.max_body)
+    gen = schemas.openai_completion(body, st.model.args.n_vocab, st.max_tokens)
+    return await generate(request, st, gen, "completion")
+
+
+async def v1_chat(request: Request) -> Response:
+    st = _st(request)
+    body = await read_json(request, st.max_body)
+    return await generate(request, st, schemas.chat_completion(body, st.max_tokens), "chat")
+
+
+async def tokenize(request: Request) -> Response:
+    st = _st(request)
+    f = schemas.Fields(await read_json(request, st.max_body))
+    content = f.str("content", required=True)
+    tok = st.model.tokenizer
+    ids = tok.encode(content, add_special=f.bool("add_special", False))
+    if f.bool("with_pieces", False):
+        return JSONResponse({"tokens": [{"id": i, "piece": tok.decode([i])} for i in ids]})
+    return JSONResponse({"tokens": ids})
+
+
+async def detokenize(request: Request) -> Response:
+    st = _st(request)
+    f = schemas.Fields(await read_json(request, st.max_body))
+    ids = f.token_ids("tokens", st.model.args.n_vocab)
+    return JSONResponse({"content": st.model.tokenizer.decode(ids)})
+
+
+async def health(request: Request) -> Response:
+    if not _st(request).worker.accepting:
+        return JSONResponse({"status": "shutting down"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+async def props(request: Request) -> Response:
+    st = _st(request)
+    tok = st.model.tokenizer
+    return JSONResponse({
+        "default_generation_settings": {"n_ctx": st.n_ctx, "params": {
+            "n_predict": -1, "temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05,
+            "repeat_penalty": 1.0, "repeat_last_n": 64, "seed": -1}},
+        "total_slots": st.parallel, "mode": st.mode, "model_path": str(st.model.path),
+        "chat_template": tok.chat_template or "",
+        "bos_token": tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
+        "eos_token": tok.token_text(tok.eos_id) if tok.eos_id is not None else "",
+        "max_tokens": st.max_tokens, "build_info": "vkengine 0.1.0", "modalities": {"vision": False}})
+
+
+async def slots(request: Request) -> Response:
+    st = _st(request)
+    snap = st.worker.snapshot
+    return JSONResponse([{**s, "n_ctx": st.n_ctx} for s in snap["slots"]])
+
+
+async def models(request: Request) -> Response:
+    st = _st(request)
+    a = st.model.args
+    return JSONResponse({"object": "list", "data": [{
+        "id": st.model_id, "object": "model", "created": 0, "owned_by": "vkengine",
+        "meta": {"n_ctx": st.n_ctx, "n_ctx_train": a.n_ctx_train, "n_vocab": a.n_vocab}}]})
+
+
+async def metrics(request: Request) -> Response:
+    return Response(_st(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+ROUTES = [
+    Route("/completion", completion, methods=["POST"]),
+    Route("/completions", completion, methods=["POST"]),
+    Route("/v1/completions", v1_completions, methods=["POST"]),
+    Route("/v1/chat/completions", v1_chat, methods=["POST"]),
+    Route("/chat/completions", v1_chat, methods=["POST"]),
+    Route("/tokenize", tokenize, methods=["POST"]),
+    Route("/detokenize", detokenize, methods=["POST"]),
+    Route("/health", health), Route("/v1/health", health),
+    Route("/props", props), Route("/slots", slots),
+    Route("/v1/models", models), Route("/models", models),
+    Route("/metrics", metrics),
+]
+_ROUTE_NAMES = {r.path for r in ROUTES}
+
+
+# -- errors and middleware ---------------------------------------------------------
+def _error(status: int, message: str, kind: str, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(HTTPError(status, message, kind=kind).body(), status_code=status, headers=headers)
+
+
+async def on_http_error(request: Request, e: HTTPError) -> Response:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+async def on_busy(request: Request, e: VkEngineError) -> Response:
+    retry = str(_st(request).retry_after)
+    return _error(503, str(e), "unavailable_error", {"Retry-After": retry})
+
+
+async def on_user_error(request: Request, e: VkEngineError) -> Response:
+    return _error(400, str(e), "invalid_request_error")
+
+
+async def on_starlette(request: Request, e: HTTPException) -> Response:
+    return _error(e.status_code, str(e.detail), "not_found_error" if e.status_code == 404 else "invalid_request_error")
+
+
+async def on_crash(request: Request, e: Exception) -> Response:
+    log.exception("unhandled error in %s", request.url.path)
+    return _error(500, f"internal server error ({type(e).__name__}); see the server log", "server_error")
+
+
+class AuthMiddleware:
+    """Bearer API key, compared in constant time."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            auth = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, given = auth.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.key):
+                resp = _error(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
+                              "authentication_error", {"WWW-Authenticate": "Bearer"})
+                return await resp(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class CountMiddleware:
+    """vkengine_http_requests{route, status}."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = [500]
+
+        async def send_(msg):
+            if msg["type"] == "http.response.start":
+                status[0] = msg["status"]
+            await send(msg)
+        try:
+            await self.app(scope, receive, send_)
+        finally:
+            path = scope["path"]
+            self.metrics.http_request(path if path in _ROUTE_NAMES else "other", status[0])
+
+
+def create_app(st: ServerState, api_key: str | None = None, cors: str | None = None) -> Starlette:
+    @asynccontextmanager
+    async def lifespan(app):
+        st.worker.start()
+        try:
+            yield
+        finally:
+            await anyio.to_thread.run_sync(st.worker.stop)
+
+    middleware = [Middleware(CountMiddleware, metrics=st.metrics)]
+    if cors:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=[o.strip() for o in cors.split(",")],
+                                     allow_methods=["GET", "POST", "OPTIONS"],
+                                     allow_headers=["Authorization", "Content-Type"]))
+    if api_key:
+        middleware.append(Middleware(AuthMiddleware, key=api_key))
+    app = Starlette(routes=ROUTES, middleware=middleware, lifespan=lifespan, exception_handlers={
+        HTTPError: on_http_error, QueueFull: on_busy, Unavailable: on_busy, VkEngineError: on_user_error,
+        HTTPException: on_starlette, Exception: on_crash})
+    app.state.server = st
+    return app

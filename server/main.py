@@ -1,0 +1,95 @@
+"""`vkengine serve`: load the model, build the engine and the scheduler for the
+chosen mode, and run uvicorn until a signal; then drain gracefully."""
+from __future__ import annotations
+
+import logging
+import sys
+
+import uvicorn
+
+from vkengine.errors import VkEngineError
+
+from .app import ServerState, create_app
+from .metrics import Metrics
+from .scheduler import SchedulerConfig
+from .worker import Worker
+
+log = logging.getLogger("vkengine.server")
+
+
+def scheduler_config(args) -> tuple[SchedulerConfig, int]:
+    """(scheduler config, device KV slots) for the flags."""
+    if args.parallel < 1:
+        raise VkEngineError("--parallel must be >= 1")
+    if args.quantum < 1:
+        raise VkEngineError("--quantum must be >= 1")
+    if args.mode == "slices":
+        # the seed design: one sequence on the device at a time, the others parked on the host
+        n_slots, newcomer_first = 1, True
+        host_cache = 4 if args.host_cache < 0 else args.host_cache
+    else:
+        n_slots = args.slots or args.parallel
+        if not 1 <= n_slots <= args.parallel:
+            raise VkEngineError("--slots must be between 1 and --parallel")
+        newcomer_first, host_cache = False, max(0, args.host_cache)
+    step = args.step_tokens
+    if step < n_slots:
+        raise VkEngineError(f"--step-tokens ({step}) must be at least the number of slots ({n_slots})")
+    cfg = SchedulerConfig(n_slots=n_slots, max_live=args.parallel, step_tokens=step, quantum=args.quantum,
+                          max_queue=args.max_queue, newcomer_first=newcomer_first, min_prefix=args.min_prefix,
+                          host_cache=host_cache)
+    return cfg.validate(), n_slots
+
+
+class _Server(uvicorn.Server):
+    """uvicorn that, on the shutdown signal, first tells the worker to stop
+    taking requests and to end what is still running after the grace period;
+    in-flight replies then finish (or end with an error event) before the
+    connections close."""
+
+    def __init__(self, config, worker: Worker, grace: float):
+        super().__init__(config)
+        self.worker, self.grace = worker, grace
+
+    async def shutdown(self, sockets=None):
+        self.worker.drain(self.grace)
+        await super().shutdown(sockets)
+
+
+def build(args):
+    """(app, state) for the flags: the model and engine are loaded here."""
+    from vkengine.cli import _device_index
+    from vkengine.device import Device
+    from vkengine.engine import Engine, EngineConfig
+    from vkengine.model import load_model
+    cfg, n_slots = scheduler_config(args)
+    model = load_model(args.model)
+    dev = Device(_device_index(args))
+    eng = Engine(model, dev, EngineConfig(n_slots=n_slots, n_ctx=args.ctx, max_batch=cfg.step_tokens,
+                                          max_out=n_slots))
+    if eng.max_batch < cfg.step_tokens:
+        raise VkEngineError(f"--step-tokens {cfg.step_tokens} does not fit the device's buffers; "
+                            f"use at most {eng.max_batch}")
+    metrics = Metrics(n_slots, cfg.max_live)
+    worker = Worker(eng, cfg, metrics)
+    st = ServerState(worker=worker, model=model, n_ctx=eng.n_ctx, metrics=metrics, max_tokens=args.max_tokens,
+                     max_body=args.max_body, parallel=args.parallel, mode=args.mode)
+    return create_app(st, api_key=args.api_key, cors=args.cors), st, dev
+
+
+def serve_main(args) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.max_tokens < 1 or args.max_body < 1 or args.max_queue < 0:
+        raise VkEngineError("--max-tokens and --max-body must be >= 1, --max-queue >= 0")
+    app, st, dev = build(args)
+    log.info("%s on %s: mode %s, parallel %d, %d device slot(s), context %d, step %d tokens",
+             st.model_id, dev.info.name, args.mode, args.parallel, st.worker.cfg.n_slots, st.n_ctx,
+             st.worker.cfg.step_tokens)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        log.warning("listening on %s without --api-key: anyone who can reach it can use it", args.host)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", access_log=False,
+                            timeout_graceful_shutdown=args.shutdown_grace + 5, lifespan="on")
+    server = _Server(config, st.worker, args.shutdown_grace)
+    server.run()
+    print("server stopped", file=sys.stderr)
+    return 0

@@ -1,0 +1,70 @@
+"""Prometheus metrics of one server (its own registry: no global state).
+
+Written from the engine thread (tokens, steps, slot use) and the event loop
+(HTTP requests); prometheus-client's metrics are thread-safe."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the /metrics route)
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Metrics:
+    def __init__(self, n_slots: int, max_live: int):
+        r = self.registry = CollectorRegistry()
+        p = "vkengine_"
+        self.http = Counter(p + "http_requests", "HTTP requests by route and status", ["route", "status"],
+                            registry=r)
+        self.requests = Counter(p + "requests", "Generation requests by how they ended", ["finish"], registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.cached_tokens = Counter(p + "prompt_tokens_cached", "Prompt tokens reused from the prefix cache",
+                                     registry=r)
+        self.generated = Counter(p + "generated_tokens", "Tokens generated", registry=r)
+        self.steps = Counter(p + "engine_steps", "Engine steps run", registry=r)
+        self.step_rows = Counter(p + "engine_step_rows", "Token rows processed in engine steps", registry=r)
+        self.step_seconds = Histogram(p + "engine_step_seconds", "Duration of one engine step", buckets=_LATENCY,
+                                      registry=r)
+        self.ttft_s = Histogram(p + "time_to_first_token_seconds", "From request arrival to its first token",
+                                buckets=_LATENCY, registry=r)
+        self.itl_s = Histogram(p + "inter_token_seconds", "Between consecutive tokens of one request",
+                               buckets=_LATENCY, registry=r)
+        self.queue = Gauge(p + "queue_depth", "Requests waiting for admission", registry=r)
+        self.live = Gauge(p + "sequences_live", "Sequences admitted (resident or parked)", registry=r)
+        self.parked = Gauge(p + "sequences_parked", "Live sequences parked in host memory", registry=r)
+        self.slots_used = Gauge(p + "slots_used", "Device KV slots holding a live sequence", registry=r)
+        Gauge(p + "slots_total", "Device KV slots", registry=r).set(n_slots)
+        Gauge(p + "parallel", "Sequences served at once (--parallel)", registry=r).set(max_live)
+        self.preemptions = Gauge(p + "preemptions", "Sequences parked to make room (since start)", registry=r)
+
+    # engine thread
+    def step(self, rows: int, seconds: float) -> None:
+        self.steps.inc()
+        self.step_rows.inc(rows)
+        self.step_seconds.observe(seconds)
+
+    def ttft(self, seconds: float) -> None:
+        self.ttft_s.observe(seconds)
+
+    def inter_token(self, seconds: float) -> None:
+        self.itl_s.observe(seconds)
+
+    def finished(self, job, finish: str) -> None:
+        self.requests.labels(finish).inc()
+        self.prompt_tokens.inc(job.seq.n_prompt or len(job.seq.tokens))
+        self.cached_tokens.inc(job.seq.cache_hit)
+        self.generated.inc(job.n_generated)
+
+    def state(self, snap: dict, inbox: int) -> None:
+        self.queue.set(snap["waiting"] + inbox)
+        self.live.set(snap["live"])
+        self.parked.set(snap["parked"])
+        self.slots_used.set(sum(s["is_processing"] for s in snap["slots"]))
+        self.preemptions.set(snap["preemptions"])
+
+    # event loop
+    def http_request(self, route: str, status: int) -> None:
+        self.http.labels(route, str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

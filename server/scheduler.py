@@ -1,0 +1,366 @@
+"""The scheduler: which sequences run in the next engine step, in which KV slot,
+and how many of their tokens. Pure Python (no kp, no HTTP): the engine thread
+(server/worker.py) calls `schedule()`, runs the returned `Batch` as one
+`Engine.step`, and reports sampled tokens back (nano-vllm's
+schedule -> run -> postprocess). Tests drive it with a fake runner.
+
+Sequences move WAITING -> LIVE (admitted; at most `max_live` of them) and, while
+live, are either resident (own one of `n_slots` device KV slots) or parked (KV
+rows copied to host memory through `KVMover.park`). Every step:
+
+1. cancelled sequences leave, freeing their slot or parked buffer;
+2. waiting sequences are admitted in arrival order while fewer than `max_live`
+   are live;
+3. live sequences without a slot get one: a free slot if any, else a resident
+   that has had its turn (`quantum` steps since it got its slot) is parked and
+   its slot given away. Newcomers go first when `newcomer_first` (slices mode:
+   prefill on arrival), otherwise first come, first served;
+4. the batch: one row for every resident sequence that is decoding, then
+   prompt chunks of the others, the remaining rows of `step_tokens` shared out
+   evenly among them (chunked prefill: a newcomer never stalls running streams
+   for more than one bounded step, and its first token does not wait for the
+   whole prompts of those that came before it).
+
+Prefix cache: a slot keeps the KV rows and token list of the sequence that
+finished in it. A newcomer takes the free slot whose rows share the longest
+prefix with its prompt, or copies that prefix from any slot (running or free),
+parked sequence or host cache entry (`host_cache` finished sequences parked on
+the host; used in slices mode, where the device holds one slot).
+"""
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+WAITING, LIVE, FINISHED = "waiting", "live", "finished"
+
+
+class KVMover(Protocol):
+    """What the scheduler needs from the runner to move KV rows."""
+    def park(self, slot: int, length: int) -> Any: ...           # rows [0, length) of a slot -> host handle
+    def restore(self, handle: Any, slot: int, length: int) -> None: ...  # rows [0, length) of a handle -> slot
+    def copy(self, src: int, dst: int, length: int) -> None: ...   # rows [0, length) slot -> slot
+    def release(self, handle: Any) -> None: ...                  # the handle's host buffer is free again
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    n_slots: int = 4            # KV slots on the device
+    max_live: int = 4           # sequences admitted at once (--parallel)
+    step_tokens: int = 128      # token rows per step (>= n_slots)
+    quantum: int = 64           # steps a resident keeps its slot before it may be parked for a waiting one
+    max_queue: int = 64         # sequences waiting for admission
+    newcomer_first: bool = False
+    min_prefix: int = 8         # shortest prefix worth copying from another slot or the host
+    host_cache: int = 0         # finished sequences kept parked on the host for the prefix cache
+
+    def validate(self) -> "SchedulerConfig":
+        if self.n_slots < 1 or self.max_live < 1 or self.quantum < 1 or self.max_queue < 0:
+            raise ValueError("n_slots, max_live and quantum must be >= 1, max_queue >= 0")
+        if self.step_tokens < self.n_slots:
+            raise ValueError(f"step_tokens ({self.step_tokens}) must be >= n_slots ({self.n_slots}): "
+                             "every resident sequence decodes in every step")
+        return self
+
+
+@dataclass(eq=False)
+class Seq:
+    tokens: list[int]                # prompt, then generated tokens
+    use_cache: bool = True
+    data: Any = None                 # the runner's per-request state
+    id: int = 0
+    n_prompt: int = 0
+    state: str = WAITING
+    n_cached: int = 0                # positions [0, n_cached) have KV rows (in its slot or parked)
+    slot: int | None = None
+    parked: Any = None               # KVMover handle while parked
+    turn: int = 0                    # steps since it got its slot
+    ready: int = 0                   # tick since which it waits for a slot
+    cache_hit: int = 0               # prompt positions reused from the prefix cache
+    preempted: int = 0               # times parked to make room
+    cancelled: bool = False
+
+    @property
+    def pending(self) -> int:
+        return len(self.tokens) - self.n_cached
+
+
+@dataclass
+class Work:
+    seq: Seq
+    start: int                       # position of the first token
+    tokens: list[int]
+    output: bool                     # this chunk ends at the sequence's last token: sample the next
+
+
+@dataclass
+class Batch:
+    work: list[Work]
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for w in self.work for t in w.tokens]
+
+    @property
+    def positions(self) -> list[int]:
+        return [w.start + i for w in self.work for i in range(len(w.tokens))]
+
+    @property
+    def slots(self) -> list[int]:
+        return [w.seq.slot for w in self.work for _ in w.tokens]
+
+    @property
+    def out_rows(self) -> list[int]:
+        rows, n = [], 0
+        for w in self.work:
+            n += len(w.tokens)
+            if w.output:
+                rows.append(n - 1)
+        return rows
+
+    @property
+    def out_seqs(self) -> list[Seq]:
+        return [w.seq for w in self.work if w.output]
+
+
+@dataclass
+class _Entry:
+    """A host prefix-cache entry: KV rows of `tokens`, parked."""
+    tokens: list[int]
+    handle: Any
+    used: int
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, kv: KVMover):
+        self.cfg = cfg.validate()
+        self.kv = kv
+        self.waiting: deque[Seq] = deque()
+        self.live: list[Seq] = []
+        self.owner: list[Seq | None] = [None] * cfg.n_slots
+        self.slot_tokens: list[list[int]] = [[] for _ in range(cfg.n_slots)]   # cache of a free slot
+        self.slot_used: list[int] = [0] * cfg.n_slots
+        self.host: list[_Entry] = []
+        self._ids = itertools.count(1)
+        self._tick = 0
+        self.stats = {"preemptions": 0, "cache_tokens": 0, "parks": 0, "restores": 0, "copies": 0}
+
+    # -- requests --------------------------------------------------------
+    def add(self, seq: Seq) -> Seq:
+        """Queue a sequence (the runner enforces the queue's length limit, where requests arrive)."""
+        if not seq.tokens:
+            raise ValueError("a sequence needs at least one token")
+        seq.id = seq.id or next(self._ids)
+        seq.n_prompt = len(seq.tokens)
+        seq.state = WAITING
+        seq.ready = self._next_tick()
+        self.waiting.append(seq)
+        return seq
+
+    def cancel(self, seq: Seq) -> None:
+        seq.cancelled = True
+
+    def append(self, seq: Seq, token: int) -> None:
+        """A token sampled from the sequence's last output row."""
+        seq.tokens.append(int(token))
+
+    def finish(self, seq: Seq) -> None:
+        """The sequence is done; its slot keeps its KV rows as a cache entry."""
+        if seq.state == LIVE:
+            self.live.remove(seq)
+        elif seq.state == WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.slot is not None:
+            s = seq.slot
+            self.owner[s] = None
+            self.slot_tokens[s] = seq.tokens[:seq.n_cached]
+            self.slot_used[s] = self._next_tick()
+            seq.slot = None
+        if seq.parked is not None:
+            self.kv.release(seq.parked)
+            seq.parked = None
+        seq.state = FINISHED
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.live
+
+    # -- the step --------------------------------------------------------
+    def schedule(self) -> Batch | None:
+        """Decide the next step (moving KV rows as needed); None when nothing can run."""
+        for seq in [s for s in (*self.waiting, *self.live) if s.cancelled]:
+            self.finish(seq)
+        while self.waiting and len(self.live) < self.cfg.max_live:
+            seq = self.waiting.popleft()
+            seq.state = LIVE
+            self.live.append(seq)
+        self._place()
+        return self._compose()
+
+    def postprocess(self, batch: Batch) -> None:
+        """The batch ran: its rows now have KV."""
+        for w in batch.work:
+            w.seq.n_cached += len(w.tokens)
+        for seq in {id(w.seq): w.seq for w in batch.work}.values():
+            seq.turn += 1
+
+    def _place(self) -> None:
+        needers = [s for s in self.live if s.slot is None]
+        if self.cfg.newcomer_first:
+            needers.sort(key=lambda s: (s.n_cached > 0 or s.parked is not None, s.ready))
+        else:
+            needers.sort(key=lambda s: s.ready)
+        for seq in needers:
+            free = [i for i in range(self.cfg.n_slots) if self.owner[i] is None]
+            if not free:
+                victim = self._victim(newcomer=seq.n_cached == 0 and seq.parked is None)
+                if victim is None:
+                    break
+                free = [self._park(victim)]
+            self._assign(seq, free)
+
+    def _victim(self, newcomer: bool) -> Seq | None:
+        """The resident that has had its slot longest among those whose turn is over."""
+        def over(s: Seq) -> bool:
+            if s.turn >= self.cfg.quantum:
+                return True
+            # slices: a newcomer's prefill starts at once, but never cuts into another's prefill
+            return newcomer and self.cfg.newcomer_first and s.turn >= 1 and s.pending <= 1
+        cands = [s for s in self.live if s.slot is not None and over(s)]
+        return max(cands, key=lambda s: (s.turn, -s.ready), default=None)
+
+    def _park(self, seq: Seq) -> int:
+        """Preempt a resident: its rows go to the host; returns the freed slot."""
+        s = seq.slot
+        if seq.n_cached > 0:
+            seq.parked = self.kv.park(s, seq.n_cached)
+            self.stats["parks"] += 1
+        self.owner[s] = None
+        self.slot_tokens[s] = []          # its rows live on in the parked copy
+        self.slot_used[s] = self._next_tick()
+        seq.slot = None
+        seq.ready = self._next_tick()
+        seq.preempted += 1
+        self.stats["preemptions"] += 1
+        return s
+
+    def _assign(self, seq: Seq, free: list[int]) -> None:
+        if seq.parked is not None or seq.n_cached > 0:       # resume exactly where it stopped
+            dst = min(free, key=lambda i: (len(self.slot_tokens[i]) > 0, self.slot_used[i]))
+            self._evict(dst)
+            if seq.parked is not None:
+                self.kv.restore(seq.parked, dst, seq.n_cached)
+                self.kv.release(seq.parked)
+                seq.parked = None
+                self.stats["restores"] += 1
+        else:
+            dst = self._reuse_prefix(seq, free)
+        self.owner[dst] = seq
+        self.slot_tokens[dst] = []
+        seq.slot = dst
+        seq.turn = 0
+
+    def _reuse_prefix(self, seq: Seq, free: list[int]) -> int:
+        """Pick a free slot for a newcomer and bring in the longest cached prefix of its prompt."""
+        limit = len(seq.tokens) - 1 if seq.use_cache else 0    # the last prompt token must run
+        own = {i: min(common_prefix(self.slot_tokens[i], seq.tokens), limit) for i in free}
+        dst = max(free, key=lambda i: (own[i], not self.slot_tokens[i], -self.slot_used[i]))
+        best, source, entry = own[dst], None, None
+        if limit >= self.cfg.min_prefix:
+            for i, o in enumerate(self.owner):
+                if o is not None:
+                    n = min(common_prefix(o.tokens[:o.n_cached], seq.tokens), limit)
+                    if n > best and n >= self.cfg.min_prefix:
+                        best, source = n, ("slot", i)
+                elif i != dst:
+                    n = min(common_prefix(self.slot_tokens[i], seq.tokens), limit)
+                    if n > best and n >= self.cfg.min_prefix:
+                        best, source = n, ("slot", i)
+            for s in self.live:
+                if s.parked is not None:
+                    n = min(common_prefix(s.tokens[:s.n_cached], seq.tokens), limit)
+                    if n > best and n >= self.cfg.min_prefix:
+                        best, source = n, ("host", s.parked)
+            for e in self.host:
+                n = min(common_prefix(e.tokens, seq.tokens), limit)
+                if n > best and n >= self.cfg.min_prefix:
+                    best, source, entry = n, ("host", e.handle), e
+        if entry is not None and source[1] is entry.handle:
+            entry.used = self._next_tick()
+        if source is not None or best < len(self.slot_tokens[dst]):
+            self._evict(dst)
+        if source is not None:
+            if source[0] == "slot":
+                self.kv.copy(source[1], dst, best)
+                self.stats["copies"] += 1
+            else:
+                self.kv.restore(source[1], dst, best)
+                self.stats["restores"] += 1
+        seq.n_cached = seq.cache_hit = best
+        self.stats["cache_tokens"] += best
+        return dst
+
+    def _evict(self, slot: int) -> None:
+        """A free slot's cached rows are about to be overwritten: keep them on the host if asked."""
+        toks = self.slot_tokens[slot]
+        if self.cfg.host_cache and len(toks) >= self.cfg.min_prefix and \
+                not any(common_prefix(e.tokens, toks) == len(toks) for e in self.host):
+            self.host.append(_Entry(toks, self.kv.park(slot, len(toks)), self._next_tick()))
+            self.stats["parks"] += 1
+            if len(self.host) > self.cfg.host_cache:
+                old = min(self.host, key=lambda e: e.used)
+                self.host.remove(old)
+                self.kv.release(old.handle)
+        self.slot_tokens[slot] = []
+
+    def _compose(self) -> Batch | None:
+        residents = [s for s in self.live if s.slot is not None and s.pending > 0]
+        decoding = [s for s in residents if s.pending == 1]            # running streams: a row every step
+        prefilling = sorted((s for s in residents if s.pending > 1), key=lambda s: s.ready)
+        budget = self.cfg.step_tokens - len(decoding)
+        # prompt rows are shared out evenly (water-filling, unused shares go round again), so that a
+        # short newcomer's first token does not wait for a long prompt that arrived before it
+        rows = {id(s): 0 for s in prefilling}
+        todo = list(prefilling)
+        while budget > 0 and todo:
+            share = max(1, budget // len(todo))
+            for s in list(todo):
+                n = min(s.pending - rows[id(s)], share, budget)
+                rows[id(s)] += n
+                budget -= n
+                if rows[id(s)] == s.pending:
+                    todo.remove(s)
+                if budget == 0:
+                    break
+        work = [Work(s, s.n_cached, s.tokens[s.n_cached:], True) for s in decoding]
+        for s in prefilling:
+            n, start = rows[id(s)], s.n_cached
+            if n:
+                work.append(Work(s, start, s.tokens[start:start + n], start + n == len(s.tokens)))
+        return Batch(work) if work else None
+
+    def _next_tick(self) -> int:
+        self._tick += 1
+        return self._tick
+
+    # -- introspection (/slots, metrics) -------------------------------------
+    def snapshot(self) -> dict:
+        slots = []
+        for i, o in enumerate(self.owner):
+            slots.append({"id": i, "is_processing": o is not None, "id_task": o.id if o else None,
+                          "n_cached": o.n_cached if o else len(self.slot_tokens[i]),
+                          "n_prompt": o.n_prompt if o else 0,
+                          "n_decoded": len(o.tokens) - o.n_prompt if o else 0})
+        return {"slots": slots, "waiting": len(self.waiting), "live": len(self.live),
+                "parked": sum(s.parked is not None for s in self.live), "host_cache": len(self.host),
+                **self.stats}

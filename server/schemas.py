@@ -1,0 +1,252 @@
+"""Request validation, field by field: every error is a 400 whose message names
+the field. Only the fields we act on are read; unknown fields are ignored (as
+llama-server and OpenAI clients expect), except a few whose silent neglect
+would change results (n > 1, nonzero presence/frequency penalties).
+
+Defaults follow llama-server (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05)
+on every route, OpenAI's routes included."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+from vkengine.errors import VkEngineError
+from vkengine.sampling import SamplingParams
+
+
+class HTTPError(VkEngineError):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        err = {"code": self.status, "message": self.message, "type": self.kind}
+        if self.param:
+            err["param"] = self.param
+        return {"error": err}
+
+
+def bad(field_name: str, message: str) -> HTTPError:
+    return HTTPError(400, f"'{field_name}' {message}", field_name)
+
+
+def parse_json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise HTTPError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise HTTPError(400, "the request body is not valid JSON: nested too deeply") from None
+    if not isinstance(body, dict):
+        raise HTTPError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+class Fields:
+    """Typed reads of a JSON object; absent or null fields take the default."""
+
+    def __init__(self, body: dict, prefix: str = ""):
+        self.body, self.prefix = body, prefix
+
+    def _get(self, name: str):
+        return self.body.get(name)
+
+    def name(self, name: str) -> str:
+        return self.prefix + name
+
+    def int(self, name: str, default, lo=None, hi=None, hint: str = ""):
+        v = self._get(name)
+        if v is None:
+            return default
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise bad(self.name(name), f"must be an integer, got {json.dumps(v)}")
+        if lo is not None and v < lo or hi is not None and v > hi:
+            rng = f">= {lo}" if hi is None else f"<= {hi}" if lo is None else f"between {lo} and {hi}"
+            raise bad(self.name(name), f"must be {rng}{hint}, got {v}")
+        return v
+
+    def num(self, name: str, default, lo=None, hi=None, lo_open=False):
+        v = self._get(name)
+        if v is None:
+            return default
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise bad(self.name(name), f"must be a number, got {json.dumps(v)}")
+        if lo is not None and (v < lo or lo_open and v == lo) or hi is not None and v > hi:
+            lo_s = f"> {lo}" if lo_open else f">= {lo}"
+            rng = lo_s if hi is None else f"<= {hi}" if lo is None else f"{lo_s} and <= {hi}"
+            raise bad(self.name(name), f"must be {rng}, got {v}")
+        return float(v)
+
+    def bool(self, name: str, default: bool) -> bool:
+        v = self._get(name)
+        if v is None:
+            return default
+        if not isinstance(v, bool):
+            raise bad(self.name(name), f"must be true or false, got {json.dumps(v)}")
+        return v
+
+    def str(self, name: str, default: str | None = None, required: bool = False) -> str | None:
+        v = self._get(name)
+        if v is None:
+            if required:
+                raise bad(self.name(name), "is required")
+            return default
+        if not isinstance(v, str):
+            raise bad(self.name(name), f"must be a string, got {type(v).__name__}")
+        return v
+
+    def stop(self, name: str = "stop", max_n: int = 16) -> tuple[str, ...]:
+        v = self._get(name)
+        if v is None:
+            return ()
+        if isinstance(v, str):
+            v = [v]
+        if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+            raise bad(self.name(name), "must be a string or a list of strings")
+        if len(v) > max_n:
+            raise bad(self.name(name), f"takes at most {max_n} strings, got {len(v)}")
+        return tuple(s for s in v if s)
+
+    def token_ids(self, name: str, n_vocab: int, required: bool = True) -> list[int] | None:
+        v = self._get(name)
+        if v is None:
+            if required:
+                raise bad(self.name(name), "is required")
+            return None
+        if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+            raise bad(self.name(name), "must be a list of token ids (integers)")
+        for t in v:
+            if not 0 <= t < n_vocab:
+                raise bad(self.name(name), f"holds token id {t}, outside the vocabulary 0..{n_vocab - 1}")
+        return v
+
+
+@dataclass
+class Generation:
+    """A validated generation request, whatever its route."""
+    prompt: str | list[int] | None = None          # text or token ids (None for chat)
+    messages: list[dict] | None = None
+    max_tokens: int | None = None                  # None: until EOS, a stop string or the limits
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    n_probs: int = 0
+    ignore_eos: bool = False
+    cache_prompt: bool = True
+    truncate: bool = False
+    n_keep: int = 0
+    return_tokens: bool = False
+    include_usage: bool = False
+
+
+def _sampling(f: Fields) -> SamplingParams:
+    seed = f.int("seed", None)
+    return SamplingParams(
+        temperature=f.num("temperature", 0.8, lo=0.0),
+        top_k=f.int("top_k", 40, lo=0),
+        top_p=f.num("top_p", 0.95, lo=0.0, hi=1.0, lo_open=True),
+        min_p=f.num("min_p", 0.05, lo=0.0, hi=1.0),
+        repeat_penalty=f.num("repeat_penalty", 1.0, lo=0.0, lo_open=True),
+        repeat_last_n=f.int("repeat_last_n", 64, lo=0),
+        seed=None if seed is None or seed < 0 else seed)         # -1: random, as llama-server
+
+
+def _limit(f: Fields, name: str, max_tokens: int, allow_minus_one: bool) -> int | None:
+    v = f.int(name, None, lo=-1 if allow_minus_one else 0, hi=max_tokens, hint=" (the server's --max-tokens)")
+    return None if v is None or v < 0 else v
+
+
+def _unsupported(f: Fields) -> None:
+    if f.int("n", 1) != 1:
+        raise bad("n", "must be 1: one completion per request is supported")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if f.num(name, 0.0) != 0.0:
+            raise bad(name, "is not supported (use repeat_penalty); send 0 or leave it out")
+
+
+def _prompt(f: Fields, n_vocab: int) -> str | list[int]:
+    v = f.body.get("prompt")
+    if v is None:
+        raise bad("prompt", "is required")
+    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+        v = v[0]                                   # OpenAI: a batch of one prompt
+    if isinstance(v, str):
+        return v
+    if isinstance(v, list) and v and all(isinstance(t, str) for t in v):
+        raise bad("prompt", "holds several prompts; send one per request")
+    return f.token_ids("prompt", n_vocab)
+
+
+def completion(body: dict, n_vocab: int, max_tokens: int) -> Generation:
+    """llama-server's /completion."""
+    f = Fields(body)
+    return Generation(
+        prompt=_prompt(f, n_vocab), max_tokens=_limit(f, "n_predict", max_tokens, True),
+        sampling=_sampling(f), stop=f.stop(), stream=f.bool("stream", False),
+        n_probs=f.int("n_probs", 0, lo=0, hi=20), ignore_eos=f.bool("ignore_eos", False),
+        cache_prompt=f.bool("cache_prompt", True), truncate=f.bool("truncate", False),
+        n_keep=f.int("n_keep", 0, lo=-1), return_tokens=f.bool("return_tokens", False))
+
+
+def _stream_options(f: Fields) -> bool:
+    so = f.body.get("stream_options")
+    if so is None:
+        return False
+    if not isinstance(so, dict):
+        raise bad("stream_options", "must be an object")
+    return Fields(so, "stream_options.").bool("include_usage", False)
+
+
+def _openai_common(f: Fields, max_tokens: int) -> dict:
+    _unsupported(f)
+    mt = _limit(f, "max_tokens", max_tokens, False)
+    if f.body.get("max_completion_tokens") is not None:
+        mt = _limit(f, "max_completion_tokens", max_tokens, False)
+    return dict(max_tokens=mt, sampling=_sampling(f), stop=f.stop(), stream=f.bool("stream", False),
+                include_usage=_stream_options(f), ignore_eos=f.bool("ignore_eos", False),
+                cache_prompt=f.bool("cache_prompt", True), truncate=f.bool("truncate", False),
+                n_keep=f.int("n_keep", 0, lo=-1))
+
+
+def openai_completion(body: dict, n_vocab: int, max_tokens: int) -> Generation:
+    f = Fields(body)
+    # llama-server's default max_tokens (none: up to the limits), not OpenAI's legacy 16
+    return Generation(prompt=_prompt(f, n_vocab), n_probs=f.int("logprobs", 0, lo=0, hi=20),
+                      **_openai_common(f, max_tokens))
+
+
+def chat_completion(body: dict, max_tokens: int) -> Generation:
+    f = Fields(body)
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("messages", "must be a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(msgs):
+        name = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad(name, "must be an object with 'role' and 'content'")
+        mf = Fields(m, name + ".")
+        role = mf.str("role", required=True)
+        content = m.get("content")
+        if isinstance(content, list):              # [{"type": "text", "text": ...}, ...]
+            parts = []
+            for j, part in enumerate(content):
+                pf = Fields(part if isinstance(part, dict) else {}, f"{name}.content[{j}].")
+                if not isinstance(part, dict) or pf.str("type", required=True) != "text":
+                    raise bad(f"{name}.content[{j}]", "must be a text part: only text is supported")
+                parts.append(pf.str("text", required=True))
+            content = "".join(parts)
+        elif content is None and role == "assistant":
+            content = ""
+        elif not isinstance(content, str):
+            raise bad(name + ".content", "must be a string or a list of text parts")
+        out.append({"role": role, "content": content})
+    n_probs = 0
+    if f.bool("logprobs", False):
+        n_probs = max(1, f.int("top_logprobs", 1, lo=0, hi=20))
+    return Generation(messages=out, n_probs=n_probs, **_openai_common(f, max_tokens))

@@ -1,0 +1,313 @@
+"""The engine thread: the one thread that touches the device. It turns the
+scheduler's batches into `Engine.step` calls, samples each sequence's next token
+with its own `Sampler` (so draws never depend on what else ran in the step),
+applies the output rules (`OutputStream`: detokenization, EOS, stop strings,
+token budget) and hands each request its events through the request's own
+`emit` callback (the HTTP layer passes one that feeds an asyncio queue through
+`loop.call_soon_threadsafe`).
+
+Requests enter and leave through an inbox (submit, cancel) that the engine
+thread drains before every step, so a client that goes away frees its slot at
+the next step.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from vkengine.engine import Engine
+from vkengine.errors import VkEngineError
+from vkengine.generate import OutputStream
+from vkengine.sampling import Sampler, SamplingParams
+
+from .scheduler import Scheduler, SchedulerConfig, Seq
+
+log = logging.getLogger("vkengine.server")
+
+
+class QueueFull(VkEngineError):
+    """Every slot is busy and the queue is full: try again later (HTTP 503)."""
+
+
+class Unavailable(VkEngineError):
+    """The server is shutting down (HTTP 503)."""
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    prompt: Sequence[int]                 # token ids
+    max_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    n_probs: int = 0                      # top tokens (with log-probabilities) reported per token
+    use_cache: bool = True                # reuse a cached prefix of the prompt
+
+
+@dataclass
+class Event:
+    text: str = ""
+    token: int | None = None
+    logprob: float | None = None          # of `token`, under the model's distribution (n_probs > 0)
+    top: list[tuple[int, float]] | None = None   # (token, logprob) of the n_probs most likely
+    finish: str | None = None             # stop | length | cancelled | error
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class Job:
+    """One request inside the worker."""
+    req: GenRequest
+    emit: Callable[[Event], None]
+    seq: Seq
+    sampler: Sampler
+    out: OutputStream
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_first: float | None = None
+    t_last: float | None = None
+    n_generated: int = 0
+    finish: str | None = None
+    stop_type: str = "none"               # llama-server's: eos | word | limit | none
+    done: bool = False
+
+    @property
+    def needs_logits(self) -> bool:
+        return self.req.sampling.needs_logits or self.req.n_probs > 0
+
+
+class EngineKV:
+    """The scheduler's KVMover over the engine's KV cache; parked rows go to
+    host-visible buffers that are pooled and reused."""
+
+    def __init__(self, eng: Engine, keep: int = 8):
+        self.eng, self.keep = eng, keep
+        self.pool: list = []
+
+    def park(self, slot: int, length: int):
+        need = length * self.eng.kv.bytes_per_position()
+        fit = [b for b in self.pool if b.nbytes >= need]
+        buf = min(fit, key=lambda b: b.nbytes) if fit else None
+        if buf is not None:
+            self.pool.remove(buf)
+        return self.eng.kv.park(slot, length, into=buf)
+
+    def restore(self, handle, slot: int, length: int) -> None:
+        self.eng.kv.restore(handle, slot, length)
+
+    def copy(self, src: int, dst: int, length: int) -> None:
+        self.eng.kv.copy_prefix(src, dst, length)
+
+    def release(self, handle) -> None:
+        self.pool.append(handle.buffer)
+        if len(self.pool) > self.keep:
+            self.eng.device.free(self.pool.pop(0))
+
+
+def top_logprobs(row: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """log-softmax of a logits row: (ids of the n largest, all log-probabilities)."""
+    x = row.astype(np.float64)
+    lp = x - x.max()
+    lp -= np.log(np.exp(lp).sum())
+    ids = np.argsort(-x, kind="stable")[:n]
+    return ids, lp
+
+
+class Worker:
+    def __init__(self, engine: Engine, cfg: SchedulerConfig, metrics=None):
+        self.eng = engine
+        self.cfg = cfg
+        self.kv = EngineKV(engine)
+        self.sched = Scheduler(cfg, self.kv)
+        self.metrics = metrics
+        self._inbox: deque[tuple[str, Job]] = deque()
+        self._cv = threading.Condition()
+        self._active = 0                  # submitted and not finished (live + waiting)
+        self._accepting = True
+        self._deadline: float | None = None
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.snapshot = self.sched.snapshot()
+
+    # -- called from any thread (the event loop) ---------------------------
+    def submit(self, req: GenRequest, emit: Callable[[Event], None]) -> Job:
+        prompt = [int(t) for t in req.prompt]
+        if not prompt:
+            raise VkEngineError("the prompt is empty")
+        if len(prompt) >= self.eng.n_ctx:
+            raise VkEngineError(f"the prompt has {len(prompt)} tokens; the context length is {self.eng.n_ctx}")
+        out = OutputStream(self.eng.model.tokenizer, req.max_tokens, req.stop, req.ignore_eos)
+        job = Job(req, emit, Seq(prompt, use_cache=req.use_cache), Sampler(req.sampling), out)
+        job.seq.data = job
+        with self._cv:
+            if not self._accepting:
+                raise Unavailable("the server is shutting down")
+            if self._active >= self.cfg.max_live + self.cfg.max_queue:
+                raise QueueFull(f"all {self.cfg.max_live} sequences are busy and {self.cfg.max_queue} "
+                                "requests are queued; retry later")
+            self._active += 1
+            self._inbox.append(("submit", job))
+            self._cv.notify()
+        return job
+
+    def cancel(self, job: Job) -> None:
+        with self._cv:
+            self._inbox.append(("cancel", job))
+            self._cv.notify()
+
+    def drain(self, grace: float) -> None:
+        """Shutdown: refuse new requests; cancel what is still running after `grace` seconds."""
+        with self._cv:
+            self._accepting = False
+            self._deadline = time.monotonic() + grace
+            self._cv.notify()
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
+    @property
+    def active(self) -> int:
+        return self._active
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="vkengine-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    # -- the engine thread ---------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._inbox and self.sched.idle and not self._stopping:
+                    self._cv.wait()
+                stopping = self._stopping
+            if stopping:
+                self._drain_inbox()
+                self._cancel_all("the server is shutting down")
+                return
+            try:
+                if not self.run_once():
+                    with self._cv:
+                        self._cv.wait(0.01)
+            except Exception:                     # keep serving others; fail what was running
+                log.exception("engine step failed")
+                self._cancel_all("internal error in the engine step (see the server log)", "error")
+
+    def run_once(self) -> bool:
+        """Drain the inbox, run one step, deliver its tokens; False when there was nothing to run."""
+        self._drain_inbox()
+        if self._deadline is not None and time.monotonic() >= self._deadline:
+            self._cancel_all("the server is shutting down")
+        batch = self.sched.schedule()
+        self._publish()
+        if batch is None:
+            return False
+        outs = batch.out_seqs
+        readback = "logits" if any(s.data.needs_logits for s in outs) else "argmax"
+        t0 = time.perf_counter()
+        res = self.eng.step(batch.tokens, batch.positions, batch.slots, batch.out_rows, readback)
+        now = time.perf_counter()
+        if self.metrics:
+            self.metrics.step(len(batch.tokens), now - t0)
+        self.sched.postprocess(batch)
+        for seq, r in zip(outs, res if res is not None else ()):
+            self._deliver(seq.data, r, readback, now)
+        self._publish()
+        return True
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> None:
+        """Tests: run steps on the calling thread until every request is done."""
+        for _ in range(max_steps):
+            if not self.run_once() and self.sched.idle and not self._inbox:
+                return
+        raise RuntimeError("requests did not finish")
+
+    def _drain_inbox(self) -> None:
+        while True:
+            with self._cv:
+                if not self._inbox:
+                    return
+                kind, job = self._inbox.popleft()
+            if kind == "submit":
+                if job.req.max_tokens == 0:
+                    self._end(job, "length", "")
+                else:
+                    self.sched.add(job.seq)
+            elif not job.done:
+                self.sched.cancel(job.seq)
+                self._end(job, "cancelled", "")
+
+    def _deliver(self, job: Job, r, readback: str, now: float) -> None:
+        seq = job.seq
+        if job.done:
+            return
+        ev = Event()
+        if readback == "argmax":
+            tok = int(r)
+        else:
+            tok = job.sampler(r, seq.tokens) if job.req.sampling.needs_logits else int(np.argmax(r))
+            if job.req.n_probs:
+                ids, lp = top_logprobs(r, job.req.n_probs)
+                ev.logprob, ev.top = float(lp[tok]), [(int(i), float(lp[i])) for i in ids]
+        self.sched.append(seq, tok)
+        job.n_generated += 1
+        if self.metrics:
+            if job.t_first is None:
+                self.metrics.ttft(now - job.t_submit)
+            else:
+                self.metrics.inter_token(now - job.t_last)
+        job.t_first = job.t_first or now
+        job.t_last = now
+        text, finish = job.out.push(tok)
+        if finish is None and len(seq.tokens) - 1 >= self.eng.n_ctx:
+            text += job.out.truncated()
+            finish = "length"
+        ev.text, ev.token = text, tok
+        if finish is not None:
+            job.stop_type = ("limit" if finish == "length" else
+                             "word" if job.out.stop_word is not None else "eos")
+            self.sched.finish(seq)
+            self._end(job, finish, text, ev)
+        else:
+            self._emit(job, ev)
+
+    def _end(self, job: Job, finish: str, text: str, ev: Event | None = None, error: str | None = None) -> None:
+        ev = ev or Event(text=text)
+        ev.finish, ev.error = finish, error
+        job.finish, job.done = finish, True
+        with self._cv:
+            self._active -= 1
+        if self.metrics:
+            self.metrics.finished(job, finish)
+        self._emit(job, ev)
+
+    def _emit(self, job: Job, ev: Event) -> None:
+        try:
+            job.emit(ev)
+        except Exception:                          # the request's loop is gone: nobody is listening
+            log.debug("dropped an event of a finished request", exc_info=True)
+
+    def _cancel_all(self, why: str, finish: str = "cancelled") -> None:
+        for seq in [*self.sched.waiting, *self.sched.live]:
+            job = seq.data
+            self.sched.finish(seq)
+            if not job.done:
+                self._end(job, finish, "", error=why)
+
+    def _publish(self) -> None:
+        self.snapshot = snap = self.sched.snapshot()
+        if self.metrics:
+            self.metrics.state(snap, len(self._inbox))

@@ -1,0 +1,378 @@
+"""The server through real HTTP: `vkengine serve` runs in a subprocess on the
+tiny synthetic model (and once on the embedded default model); clients are
+httpx. References come from `vkengine.generate.generate` in this process."""
+from __future__ import annotations
+
+import json
+import re
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from vkengine.engine import Engine, EngineConfig
+from vkengine.generate import generate
+from vkengine.sampling import SamplingParams
+
+from .serving import CTX, serve, tiny_gguf, tiny_model  # noqa: F401  (fixtures)
+
+PROMPTS = ["The history of the city begins", "Once upon a time", "Write a list of fruits:\n1.", "Q: 2+2=? A:"]
+SAMPLING = [dict(temperature=0.0), dict(temperature=0.9, seed=7),
+            dict(temperature=1.2, top_k=0, top_p=0.9, min_p=0.0, seed=8),
+            dict(temperature=0.7, repeat_penalty=1.3, seed=9)]
+
+
+@pytest.fixture(scope="module")
+def batch_server(serve):
+    return serve("--parallel", "4", "--mode", "batch", "--step-tokens", "32", "--max-tokens", "256",
+                 "--max-queue", "8")
+
+
+@pytest.fixture(scope="module")
+def slices_server(serve):
+    return serve("--parallel", "4", "--mode", "slices", "--quantum", "2", "--step-tokens", "32",
+                 "--max-tokens", "256")
+
+
+@pytest.fixture(scope="module")
+def small_server(serve):
+    """One sequence at a time, one waiting: for the queue and disconnect tests."""
+    return serve("--parallel", "1", "--max-queue", "1", "--max-tokens", "100000", "--max-body", "4096")
+
+
+@pytest.fixture(scope="module")
+def ref(device, tiny_model):
+    eng = Engine(tiny_model, device, EngineConfig(n_slots=1, n_ctx=CTX, max_batch=64, max_out=1))
+
+    def alone(prompt: str, n: int, **sampling) -> tuple[list[int], str]:
+        ids = tiny_model.tokenizer.encode(prompt)
+        steps = list(generate(eng, ids, n, SamplingParams(**sampling), ignore_eos=True))
+        return [s.token for s in steps], "".join(s.text for s in steps)
+    return alone
+
+
+def sse_events(resp: httpx.Response) -> list:
+    out = []
+    for line in resp.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def complete(url: str, stream: bool, **body):
+    """/completion with return_tokens: (tokens, text, final object)."""
+    body = {"return_tokens": True, "stream": stream, **body}
+    if not stream:
+        r = httpx.post(url + "/completion", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        j = r.json()
+        return j["tokens"], j["content"], j
+    with httpx.stream("POST", url + "/completion", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        evs = sse_events(r)
+    assert evs[-1]["stop"] is True and all(e["stop"] is False for e in evs[:-1])
+    return [t for e in evs for t in e["tokens"]], "".join(e["content"] for e in evs), evs[-1]
+
+
+# -- llama-server routes -------------------------------------------------------
+def test_health_props_models_slots(batch_server):
+    u = batch_server.url
+    assert httpx.get(u + "/health").json() == {"status": "ok"}
+    props = httpx.get(u + "/props").json()
+    assert props["total_slots"] == 4 and props["default_generation_settings"]["n_ctx"] == CTX
+    assert "<|im_start|>" in props["chat_template"]
+    models = httpx.get(u + "/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"].endswith(".gguf")
+    slots = httpx.get(u + "/slots").json()
+    assert len(slots) == 4 and all({"id", "is_processing", "n_ctx"} <= set(s) for s in slots)
+
+
+def test_tokenize_detokenize(batch_server, tiny_model):
+    u = batch_server.url
+    text = "Hello world, ünïcödé! <|im_start|>"
+    ids = httpx.post(u + "/tokenize", json={"content": text}).json()["tokens"]
+    assert ids == tiny_model.tokenizer.encode(text, add_special=False)
+    assert httpx.post(u + "/detokenize", json={"tokens": ids}).json()["content"] == text
+    pieces = httpx.post(u + "/tokenize", json={"content": text, "with_pieces": True}).json()["tokens"]
+    assert [p["id"] for p in pieces] == ids
+
+
+@pytest.mark.parametrize("sampling", [SAMPLING[0], SAMPLING[1], SAMPLING[3]])
+def test_completion_stream_equals_non_stream_equals_alone(batch_server, ref, sampling):
+    want_toks, want_text = ref(PROMPTS[0], 20, **sampling)
+    for stream in (False, True):
+        toks, text, final = complete(batch_server.url, stream, prompt=PROMPTS[0], n_predict=20, ignore_eos=True,
+                                     **sampling)
+        assert toks == want_toks and text == want_text
+        assert final["stop_type"] == "limit" and final["tokens_predicted"] == 20
+
+
+def test_prompt_as_token_ids(batch_server, ref, tiny_model):
+    ids = tiny_model.tokenizer.encode(PROMPTS[1])
+    toks, text, _ = complete(batch_server.url, False, prompt=ids, n_predict=8, temperature=0, ignore_eos=True)
+    assert (toks, text) == ref(PROMPTS[1], 8)
+
+
+def test_same_seed_same_text(batch_server):
+    body = dict(prompt=PROMPTS[2], n_predict=16, temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, ignore_eos=True)
+    a = complete(batch_server.url, False, seed=123, **body)[0]
+    b = complete(batch_server.url, True, seed=123, **body)[0]
+    c = complete(batch_server.url, False, seed=124, **body)[0]
+    assert a == b and a != c
+
+
+def test_n_probs(batch_server):
+    _, _, j = complete(batch_server.url, False, prompt=PROMPTS[0], n_predict=3, temperature=0, n_probs=3,
+                       ignore_eos=True)
+    probs = j["completion_probabilities"]
+    assert len(probs) == 3
+    for p, t in zip(probs, j["tokens"]):
+        assert p["id"] == t and len(p["top_logprobs"]) == 3 and p["top_logprobs"][0]["id"] == t
+
+
+def test_stop_string(batch_server, ref):
+    _, full = ref(PROMPTS[0], 24)
+    stop = full[8:12]
+    toks, text, final = complete(batch_server.url, False, prompt=PROMPTS[0], n_predict=24, temperature=0,
+                                 stop=[stop])
+    assert text == full[:full.index(stop)]
+    assert final["stop_type"] == "word" and final["stopping_word"] == stop
+
+
+# -- OpenAI routes -----------------------------------------------------------------
+def test_v1_completions_stream_equals_non_stream(batch_server, ref):
+    u = batch_server.url
+    body = dict(model="x", prompt=PROMPTS[3], max_tokens=12, temperature=0.9, seed=5, ignore_eos=True)
+    j = httpx.post(u + "/v1/completions", json=body, timeout=60).json()
+    assert j["object"] == "text_completion" and j["choices"][0]["finish_reason"] == "length"
+    assert j["usage"]["completion_tokens"] == 12
+    with httpx.stream("POST", u + "/v1/completions", json={**body, "stream": True,
+                                                           "stream_options": {"include_usage": True}}) as r:
+        evs = sse_events(r)
+    assert evs[-1] == "[DONE]" and evs[-2]["usage"]["completion_tokens"] == 12
+    text = "".join(c["text"] for e in evs[:-2] for c in e["choices"])
+    assert text == j["choices"][0]["text"] == ref(PROMPTS[3], 12, temperature=0.9, seed=5)[1]
+    assert evs[-3]["choices"][0]["finish_reason"] == "length"
+
+
+def test_chat_completions_stream_equals_non_stream(batch_server, tiny_model, device):
+    u = batch_server.url
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a color."}]
+    body = dict(messages=msgs, max_tokens=10, temperature=0, ignore_eos=True)
+    j = httpx.post(u + "/v1/chat/completions", json=body, timeout=60).json()
+    msg = j["choices"][0]["message"]
+    assert j["object"] == "chat.completion" and msg["role"] == "assistant"
+    with httpx.stream("POST", u + "/v1/chat/completions", json={**body, "stream": True}) as r:
+        evs = sse_events(r)
+    assert evs[-1] == "[DONE]" and evs[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(e["object"] == "chat.completion.chunk" for e in evs[:-1])
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in evs[:-1]) == msg["content"]
+    # the prompt is the model's chat template
+    tok = tiny_model.tokenizer
+    ids = tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True))
+    eng = Engine(tiny_model, device, EngineConfig(n_slots=1, n_ctx=CTX, max_batch=64, max_out=1))
+    want = "".join(s.text for s in generate(eng, ids, 10, ignore_eos=True))
+    assert msg["content"] == want and j["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_chat_logprobs(batch_server):
+    body = dict(messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0, logprobs=True,
+                top_logprobs=2, ignore_eos=True)
+    j = httpx.post(batch_server.url + "/v1/chat/completions", json=body, timeout=60).json()
+    content = j["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3 and all(len(c["top_logprobs"]) == 2 and c["logprob"] <= 0 for c in content)
+
+
+# -- concurrency -------------------------------------------------------------------
+def _metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics").text
+    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+@pytest.mark.parametrize("which", ["batch_server", "slices_server"])
+def test_concurrent_clients_get_their_alone_tokens(request, ref, which):
+    srv = request.getfixturevalue(which)
+    n = [30, 12, 24, 18]
+    steps0 = _metric(srv.url, "vkengine_engine_steps_total")
+
+    def client(i):
+        return complete(srv.url, True, prompt=PROMPTS[i], n_predict=n[i], ignore_eos=True, **SAMPLING[i])
+    with ThreadPoolExecutor(4) as ex:
+        got = list(ex.map(client, range(4)))
+    for i, (toks, text, _) in enumerate(got):
+        assert (toks, text) == ref(PROMPTS[i], n[i], **SAMPLING[i])
+    steps = _metric(srv.url, "vkengine_engine_steps_total") - steps0
+    if which == "batch_server":
+        assert steps < sum(n)          # they shared steps: batched decode
+
+
+def test_prefix_cache_over_http(batch_server, ref, tiny_model):
+    from server.scheduler import common_prefix
+    system = "You are a helpful assistant who answers questions about geography. " * 3
+    prompts = [system + "Where is Paris?", system + "Where is Lima?"]
+    shared = common_prefix(*[tiny_model.tokenizer.encode(p) for p in prompts])
+    hits = []
+    for p in prompts:
+        toks, text, final = complete(batch_server.url, False, prompt=p, n_predict=6, temperature=0,
+                                     ignore_eos=True)
+        assert (toks, text) == ref(p, 6)
+        hits.append(final["timings"]["cache_n"])
+    assert shared > 30 and hits[1] >= shared
+    assert _metric(batch_server.url, "vkengine_prompt_tokens_cached_total") >= shared
+
+
+# -- bad input and limits ---------------------------------------------------------
+@pytest.mark.parametrize("path,body,field", [
+    ("/completion", {"prompt": "hi", "n_predict": "5"}, "n_predict"),
+    ("/completion", {"prompt": "hi", "temperature": "hot"}, "temperature"),
+    ("/completion", {"prompt": "hi", "top_p": 0}, "top_p"),
+    ("/completion", {"prompt": "hi", "stream": 1}, "stream"),
+    ("/completion", {"prompt": "hi", "stop": [1, 2]}, "stop"),
+    ("/completion", {"prompt": "hi", "seed": 1.5}, "seed"),
+    ("/completion", {"prompt": "hi", "n_predict": 100000}, "n_predict"),
+    ("/completion", {"prompt": [1, 2, 10 ** 9]}, "prompt"),
+    ("/completion", {"prompt": {"text": "hi"}}, "prompt"),
+    ("/completion", {}, "prompt"),
+    ("/completion", {"prompt": "hi" * 2000}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "n": 2}, "n"),
+    ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"content": "x"}]}, "messages[0].role"),
+    ("/tokenize", {"content": 5}, "content"),
+    ("/detokenize", {"tokens": ["a"]}, "tokens"),
+])
+def test_bad_fields_are_400_naming_the_field(batch_server, path, body, field):
+    r = httpx.post(batch_server.url + path, json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and f"'{field}'" in err["message"]
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"\xff\xfe", b""])
+def test_malformed_json_is_400(batch_server, raw):
+    r = httpx.post(batch_server.url + "/completion", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+
+
+def test_truncation_when_asked(batch_server):
+    long = "word " * 1000
+    j = httpx.post(batch_server.url + "/completion", json={"prompt": long, "n_predict": 4, "truncate": True,
+                                                           "n_keep": 4}, timeout=60).json()
+    assert j["truncated"] is True and j["tokens_evaluated"] <= CTX // 2 and j["tokens_predicted"] == 4
+
+
+def test_unknown_route_and_method(batch_server):
+    r = httpx.get(batch_server.url + "/nope")
+    assert r.status_code == 404 and r.json()["error"]["code"] == 404
+    assert httpx.get(batch_server.url + "/completion").status_code == 405
+
+
+def test_body_limit_and_queue_limit(small_server):
+    u = small_server.url
+    r = httpx.post(u + "/completion", json={"prompt": "x" * 5000})
+    assert r.status_code == 413
+    # one running, one queued: the third gets 503 with Retry-After
+    body = {"prompt": "Hello", "n_predict": 400, "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=120) as c1, httpx.Client(timeout=120) as c2:
+        with c1.stream("POST", u + "/completion", json=body) as r1:
+            lines = r1.iter_lines()              # (kept: dropping the iterator closes the connection)
+            next(lines)                                            # the first is running
+            with c2.stream("POST", u + "/completion", json=body) as r2:
+                assert r2.status_code == 200                       # accepted: queued
+                r3 = httpx.post(u + "/completion", json=body)
+                assert r3.status_code == 503 and int(r3.headers["retry-after"]) >= 1
+                assert "busy" in r3.json()["error"]["message"]
+    # both clients went away; the server serves the next one
+    toks, _, final = complete(u, False, prompt="Hello", n_predict=5, ignore_eos=True)
+    assert len(toks) == 5
+
+
+def test_disconnect_frees_the_slot(small_server):
+    u = small_server.url
+    cancelled0 = _metric(u, 'vkengine_requests_total{finish="cancelled"}')
+    body = {"prompt": "Hello", "n_predict": 100000, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", u + "/completion", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        for _ in range(6):
+            next(lines)
+    # the only slot was taken by a request that would run to the end of the context;
+    # this one runs only once that slot is free again
+    toks, _, _ = complete(u, False, prompt="Again", n_predict=4, ignore_eos=True)
+    assert len(toks) == 4
+    assert _metric(u, 'vkengine_requests_total{finish="cancelled"}') == cancelled0 + 1
+    slot = httpx.get(u + "/slots").json()[0]
+    assert slot["is_processing"] is False and slot["n_cached"] < CTX // 2
+
+
+def test_server_survives_bad_input_and_keeps_serving(batch_server, ref):
+    u = batch_server.url
+    for raw in (b"\x00" * 100, b'{"prompt": ' + b"[" * 5000, b'{"prompt": "a", "n_predict": 1e400}'):
+        assert httpx.post(u + "/completion", content=raw).status_code == 400
+    toks, text, _ = complete(u, False, prompt=PROMPTS[1], n_predict=5, temperature=0, ignore_eos=True)
+    assert (toks, text) == ref(PROMPTS[1], 5)
+
+
+def test_metrics(batch_server):
+    text = httpx.get(batch_server.url + "/metrics").text
+    for name in ("vkengine_requests_total", "vkengine_generated_tokens_total", "vkengine_queue_depth",
+                 "vkengine_time_to_first_token_seconds_bucket", "vkengine_inter_token_seconds_bucket",
+                 "vkengine_slots_used", "vkengine_http_requests_total"):
+        assert re.search(rf"^{name}", text, re.M), name
+    assert _metric(batch_server.url, "vkengine_time_to_first_token_seconds_count") >= 1
+
+
+def test_api_key_and_cors(serve):
+    srv = serve("--api-key", "s3cret", "--cors", "http://app.example")
+    u = srv.url
+    body = {"prompt": "hi", "n_predict": 2}
+    assert httpx.post(u + "/completion", json=body).status_code == 401
+    r = httpx.post(u + "/completion", json=body, headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+    assert httpx.get(u + "/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    assert httpx.post(u + "/completion", json=body, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    assert httpx.get(u + "/health").status_code == 200              # probes need no key
+    pre = httpx.options(u + "/completion", headers={"Origin": "http://app.example",
+                                                    "Access-Control-Request-Method": "POST"})
+    assert pre.headers["access-control-allow-origin"] == "http://app.example"
+    other = httpx.options(u + "/completion", headers={"Origin": "http://evil.example",
+                                                      "Access-Control-Request-Method": "POST"})
+    assert other.headers.get("access-control-allow-origin") != "http://evil.example"
+
+
+def test_cors_off_and_loopback_by_default(batch_server):
+    from vkengine.cli import build_parser
+    assert build_parser().parse_args(["serve"]).host == "127.0.0.1"
+    r = httpx.get(batch_server.url + "/health", headers={"Origin": "http://app.example"})
+    assert "access-control-allow-origin" not in r.headers
+
+
+def test_graceful_shutdown_ends_streams_cleanly(serve):
+    srv = serve("--shutdown-grace", "1", "--max-tokens", "100000")
+    body = {"prompt": "Hello", "max_tokens": 100000, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        next(lines)
+        srv.signal(signal.SIGTERM)
+        evs = [json.loads(x[6:]) if x != "data: [DONE]" else "[DONE]" for x in lines if x.startswith("data: ")]
+    # the request outlived the grace period: it ends with an error event and [DONE]
+    assert evs[-1] == "[DONE]" and "shutting down" in evs[-2]["error"]["message"]
+    assert srv.proc.wait(60) is not None
+    assert "Application shutdown complete" in srv.log()
+
+
+def test_serves_the_embedded_default_model(serve, device):
+    """`make serve` serves SmolLM2-135M-Instruct; a short chat reply equals generate()."""
+    from vkengine.model import load_model
+    srv = serve("--parallel", "2", model=None, ctx=256)
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    j = httpx.post(srv.url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 6, "temperature": 0},
+                   timeout=300).json()
+    m = load_model(None)
+    ids = m.tokenizer.encode(m.tokenizer.apply_chat_template(msgs, add_generation_prompt=True))
+    eng = Engine(m, device, EngineConfig(n_slots=1, n_ctx=256, max_batch=64, max_out=1))
+    want = "".join(s.text for s in generate(eng, ids, 6))
+    assert j["choices"][0]["message"]["content"] == want
+    assert "Paris" in want

@@ -1,0 +1,131 @@
+"""The engine thread's loop on the real engine (tiny model, lavapipe), without
+HTTP: four sequences arrive one after another and run interleaved (slices at
+quantum 1, 4 and 8; batched; batched with more sequences than slots, so that
+some are parked and resumed); every token and every byte of text must equal
+what `vkengine.generate.generate` gives for the sequence alone."""
+from __future__ import annotations
+
+import pytest
+
+from server.scheduler import SchedulerConfig
+from server.worker import Event, GenRequest, Worker
+from vkengine.engine import Engine, EngineConfig
+from vkengine.generate import generate
+from vkengine.sampling import SamplingParams
+
+from .serving import CTX, tiny_gguf, tiny_model  # noqa: F401  (fixtures)
+
+N_TOKENS = (24, 9, 17, 30)
+TEXTS = ("The history of the city begins", "Once upon a time",
+         "Write a list of ten fruits, one per line:\n1.", "Q: 2+2=? A:")
+SYSTEM = "You are a careful assistant. Answer briefly and cite sources where you can. " * 2
+
+CONFIGS = {
+    "slices-q1": SchedulerConfig(n_slots=1, max_live=4, step_tokens=16, quantum=1, newcomer_first=True,
+                                 host_cache=2),
+    "slices-q4": SchedulerConfig(n_slots=1, max_live=4, step_tokens=16, quantum=4, newcomer_first=True,
+                                 host_cache=2),
+    "slices-q8": SchedulerConfig(n_slots=1, max_live=4, step_tokens=16, quantum=8, newcomer_first=True,
+                                 host_cache=2),
+    "batch": SchedulerConfig(n_slots=4, max_live=4, step_tokens=16, quantum=8),
+    "batch-preempt": SchedulerConfig(n_slots=2, max_live=4, step_tokens=16, quantum=3),
+}
+
+SAMPLING = {
+    "greedy": [SamplingParams()] * 4,
+    "sampled": [SamplingParams(temperature=0.9, seed=11), SamplingParams(),
+                SamplingParams(temperature=1.3, top_k=0, top_p=0.9, min_p=0.0, seed=12),
+                SamplingParams(temperature=0.7, repeat_penalty=1.3, seed=13)],
+}
+
+
+@pytest.fixture(scope="module")
+def ref_engine(device, tiny_model):
+    return Engine(tiny_model, device, EngineConfig(n_slots=1, n_ctx=CTX, max_batch=64, max_out=1))
+
+
+def alone(eng, prompt, n, sp):
+    steps = list(generate(eng, prompt, n, sp, ignore_eos=True))
+    return [s.token for s in steps], "".join(s.text for s in steps)
+
+
+def run_interleaved(device, model, cfg, reqs, gap=3):
+    """Submit one request every `gap` steps; returns (tokens, text, job) per request."""
+    eng = Engine(model, device, EngineConfig(n_slots=cfg.n_slots, n_ctx=CTX, max_batch=cfg.step_tokens,
+                                             max_out=cfg.n_slots))
+    w = Worker(eng, cfg)
+    events: list[list[Event]] = [[] for _ in reqs]
+    jobs = []
+    for i, r in enumerate(reqs):
+        jobs.append(w.submit(r, events[i].append))
+        for _ in range(gap):
+            w.run_once()
+    w.run_until_idle()
+    out = []
+    for evs, job in zip(events, jobs):
+        assert evs[-1].finish is not None and all(e.finish is None for e in evs[:-1])
+        out.append(([e.token for e in evs if e.token is not None], "".join(e.text for e in evs), job))
+    return out, w
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLING))
+@pytest.mark.parametrize("mode", list(CONFIGS))
+def test_interleaved_equals_alone(device, tiny_model, ref_engine, mode, sampling):
+    tok = tiny_model.tokenizer
+    prompts = [tok.encode(t) for t in TEXTS]
+    sps = SAMPLING[sampling]
+    reqs = [GenRequest(p, n, sp, ignore_eos=True) for p, n, sp in zip(prompts, N_TOKENS, sps)]
+    got, w = run_interleaved(device, tiny_model, CONFIGS[mode], reqs)
+    for r, (toks, text, job) in zip(reqs, got):
+        want_toks, want_text = alone(ref_engine, r.prompt, r.max_tokens, r.sampling)
+        assert toks == want_toks
+        assert text == want_text
+        assert job.finish == "length" and job.n_generated == r.max_tokens
+    if mode == "batch-preempt" or mode.startswith("slices"):
+        assert w.sched.stats["preemptions"] > 0
+
+
+@pytest.mark.parametrize("mode", ["slices-q4", "batch"])
+def test_prefix_cache_on_the_real_engine(device, tiny_model, ref_engine, mode):
+    """A shared system prompt is reused (copied between slots, restored from the
+    host, or taken in place) and the tokens are still those of each alone."""
+    tok = tiny_model.tokenizer
+    prompts = [tok.encode(SYSTEM + t) for t in TEXTS]
+    reqs = [GenRequest(p, 8, SamplingParams(temperature=0.8, seed=i), ignore_eos=True)
+            for i, p in enumerate(prompts)]
+    got, w = run_interleaved(device, tiny_model, CONFIGS[mode], reqs, gap=12)
+    n_sys = len(tok.encode(SYSTEM)) - 1
+    for r, (toks, text, job) in zip(reqs, got):
+        assert toks == alone(ref_engine, r.prompt, 8, r.sampling)[0]
+    assert sum(job.seq.cache_hit >= n_sys for _, _, job in got[1:]) == 3
+
+
+def test_stop_strings_and_eos_behave_as_alone(device, tiny_model, ref_engine):
+    tok = tiny_model.tokenizer
+    p = tok.encode(TEXTS[0])
+    full_toks, full_text = alone(ref_engine, p, 30, SamplingParams())
+    stop = full_text[10:13]
+    want_steps = list(generate(ref_engine, p, 30, SamplingParams(), stop=[stop]))
+    got, _ = run_interleaved(device, tiny_model, CONFIGS["batch"], [
+        GenRequest(p, 30, stop=(stop,)), GenRequest(tok.encode(TEXTS[1]), 5)])
+    toks, text, job = got[0]
+    assert text == "".join(s.text for s in want_steps) and stop not in text
+    assert toks == [s.token for s in want_steps]
+    assert job.finish == "stop" and job.stop_type == "word"
+
+
+def test_n_probs_report_the_distribution(device, tiny_model):
+    import math
+    tok = tiny_model.tokenizer
+    events = []
+    eng = Engine(tiny_model, device, EngineConfig(n_slots=1, n_ctx=CTX, max_batch=16, max_out=1))
+    w = Worker(eng, CONFIGS["batch"].__class__(n_slots=1, max_live=1, step_tokens=16))
+    w.submit(GenRequest(tok.encode(TEXTS[2]), 4, n_probs=5), events.append)
+    w.run_until_idle()
+    toks = [e for e in events if e.token is not None]
+    assert len(toks) == 4
+    for e in toks:
+        assert len(e.top) == 5 and e.top[0][0] == e.token          # greedy picks the most likely
+        lps = [lp for _, lp in e.top]
+        assert lps == sorted(lps, reverse=True) and all(lp <= 0 for lp in lps)
+        assert math.isclose(e.logprob, lps[0])
