@@ -87,6 +87,13 @@ class Kernels:
         # split-K attention pays off where many subgroups run at once (GPUs);
         # lavapipe runs a handful, and each extra dispatch costs it more
         self.split_attention = device.info.type != "cpu"
+        # The 8-column matmul reuses each dequantized weight for 8 tokens, which
+        # pays on GPUs (bandwidth). On lavapipe its accumulators spill out of the
+        # CPU's vector registers: 2 rows cost 6x one row (tiny model), and it only
+        # breaks even from 8 rows; below that every column runs the
+        # single-column kernel (grid z = n). Both walk a row in the same order,
+        # so results do not depend on which one ran.
+        self.multi_column_from = 8 if device.info.type == "cpu" else 2
 
     # -- helpers -----------------------------------------------------------
     def _alg(self, name: str, buffers: list[Buffer], push: bytes, wg: int, items: int | None = None):
@@ -122,9 +129,10 @@ class Kernels:
             alg = self.device.algorithm(variant, spv, [w.data.buf, act, act], (), len(push))
             groups = (math.ceil(w.rows / (16 * TILE[0])), math.ceil(n / (16 * TILE[1])), 1)
         else:
-            variant = f"mul_mv_{w.type}" if n == 1 else f"mul_mm_{w.type}"
-            ncols = 1 if n == 1 else MATMUL_COLS
-            rows_per_wg = self.items * (MV_ROWS if n == 1 else 1)
+            single = n < self.multi_column_from
+            variant = f"mul_mv_{w.type}" if single else f"mul_mm_{w.type}"
+            ncols = 1 if single else MATMUL_COLS
+            rows_per_wg = self.items * (MV_ROWS if single else 1)
             alg = self._alg(variant, [w.data.buf, act, act], push, self.wg, rows_per_wg)
             groups = self._grid(math.ceil(w.rows / rows_per_wg), math.ceil(n / ncols))
         prog.dispatch(alg, push, groups, reads, [yr], label or variant)
