@@ -164,6 +164,7 @@ def llama(args, parallel: int) -> Server:
     model = args.model or _default_model()
     cmd = [args.llama_server, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", str(parallel),
            "-c", str(args.ctx * parallel), "-t", str(args.llama_threads or os.cpu_count() or 1)]
+    cmd += args.llama_args.split()
     return Server(cmd, f"http://127.0.0.1:{port}")
 
 
@@ -187,6 +188,7 @@ def main(argv=None) -> int:
     ap.add_argument("--llama-server", default=None, help="llama-server binary: adds 'llama-server -np C'")
     ap.add_argument("--llama-url", default=None, help="a running llama-server to measure instead of starting one")
     ap.add_argument("--llama-threads", type=int, default=None)
+    ap.add_argument("--llama-args", default="", help="extra llama-server arguments (e.g. '-ngl 99' on a GPU)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)

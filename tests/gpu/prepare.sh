@@ -20,6 +20,8 @@ if ! ls .vk/kp-*cp312*.whl >/dev/null 2>&1; then
   cp "$whl" .vk/
 fi
 ls .vk/gguf-*.whl >/dev/null 2>&1 || .venv/bin/python -m pip download -q --no-deps --only-binary=:all: -d .vk gguf
+# the server's packages that the GPU machine's image lacks (pure Python)
+ls .vk/starlette-*.whl >/dev/null 2>&1 || .venv/bin/python -m pip download -q --no-deps --only-binary=:all: -d .vk starlette uvicorn
 [ -f .vk/smollm2-tokenizer.gguf ] || .venv/bin/python -c \
   "from pathlib import Path; from vkengine.synth import write_tokenizer_gguf; write_tokenizer_gguf(Path('.vk/smollm2-tokenizer.gguf'))"
 # llama.cpp 11434 source, trimmed (no docs/models/tests/other backends), and

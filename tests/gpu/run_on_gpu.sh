@@ -12,6 +12,7 @@
 #           cooperative-matrix shaders on) unless .vk/llama-vulkan.tar.xz has it
 #   profile GPU time per op (vkengine bench --profile) on PROFILE_MODELS
 #   bench   bench/bench.py: ours vs llama-bench on synthetic models
+#   serve-bench  bench/serve.py: C = 1, 4, 16 streaming clients, ours vs llama-server
 # Everything the GPU machine lacks travels in .vk/: the Vulkan loader and the
 # GL vendor-neutral libraries that NVIDIA's Vulkan ICD (libGLX_nvidia) needs, libfmt,
 # the patched kp wheel for its Python 3.12, gguf, a tokenizer-only GGUF, the
@@ -79,6 +80,21 @@ for s in $stages; do
       python3 bench/bench.py --out "$OUT/bench" --tokenizer-from "$VKENGINE_TOKENIZER_GGUF" \
         ${BENCH_MODELS:+--models $BENCH_MODELS} ${lb:+--llama-bench $lb} \
         --llama-label "llama.cpp 11434 Vulkan (int dot + coopmat)" 2>&1 | tee "$OUT/bench.log" | tail -20
+      ;;
+    serve-bench)
+      # concurrent streaming clients over HTTP: ours (serial, slices, batch) and
+      # llama-server -np C with every layer on the GPU, on the same GGUF
+      build_llama
+      f=/tmp/vkengine-bench-models/llama-${SERVE_MODEL:-1b-q8_0}.gguf
+      [ -f "$f" ] || python3 -m vkengine.cli synth --shape "${SERVE_SHAPE:-1b}" --quant "${SERVE_QUANT:-q8_0}" \
+        --out /tmp/vkengine-bench-models --name "llama-${SERVE_SHAPE:-1b}" --formats gguf \
+        --tokenizer-from "$VKENGINE_TOKENIZER_GGUF" >/dev/null
+      for C in ${SERVE_CLIENTS:-1 4 16}; do
+        case $C in 1) cfg=batch ;; 4) cfg=serial,slices,batch ;; *) cfg=serial,batch ;; esac
+        python3 bench/serve.py --model "$f" --clients "$C" --requests "${SERVE_REQUESTS:-2}" -n 64 \
+          --configs "$cfg" --llama-server /tmp/llb/bin/llama-server --llama-args "-ngl 99" \
+          --json "$OUT/serve-c$C.json" 2>&1 | tee -a "$OUT/serve-bench.log" | tail -8
+      done
       ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
