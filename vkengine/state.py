@@ -180,7 +180,8 @@ class HybridState(KVCache):
         from .errors import VkEngineError
         n = len(slots)
         starts = [0] + [i for i in range(1, n) if slots[i] != slots[i - 1]]
-        seen = set()
+        seen: set[int] = set()
+        ends: dict[int, int] = {}
         for a, b in zip(starts, starts[1:] + [n]):
             s = int(slots[a])
             if s in seen:
@@ -195,7 +196,9 @@ class HybridState(KVCache):
                     f"slot {s}: the recurrent state covers {have}, so a step must continue it at that "
                     f"position or restart at 0, not at {int(p[0])} (hybrid models cannot rewind; "
                     "see HybridState)")
-            self.length[s] = int(p[-1]) + 1
+            ends[s] = int(p[-1]) + 1
+        for s, e in ends.items():     # only once the whole step is valid
+            self.length[s] = e
 
     def reusable_prefix(self, src_slot: int, length: int) -> int:
         """How many of the first `length` positions of src_slot copy_prefix can reuse."""

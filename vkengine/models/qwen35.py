@@ -394,3 +394,19 @@ def forward_mtp(g: HybridGraph, a: Qwen35Args, w: Qwen35Weights, hidden: str, ma
     if g.n_out:
         g.rms_norm("x", m.head_norm, "out_h", gather=True)
         g.matmul(m.head, "out_h", "out_logits")
+
+
+def read_expert_choices(engine, n_rows: int, mtp: bool = False) -> "np.ndarray":
+    """Experts chosen for the first n_rows rows of the engine's last step in the
+    fixed-expert mode: uint32 (rows, MoE layers, k) (the MTP block's with mtp=True)."""
+    import numpy as np
+    a = engine.args
+    if not (a.moe and a.fixed_experts):
+        raise VkEngineError("expert choices are recorded only in the fixed-expert mode of a MoE model")
+    s = engine.scratch
+    r = s.region("rec")
+    stride = s.stride("rec")
+    raw = engine.device.download(r.buf, r.off * 4, n_rows * stride * 4, np.uint32).reshape(n_rows, stride)
+    k, n_moe = a.n_expert_used, len(a.moe_layers)
+    cols = raw[:, : (n_moe + a.n_nextn) * k].reshape(n_rows, n_moe + a.n_nextn, k)
+    return cols[:, n_moe:] if mtp else cols[:, :n_moe]
