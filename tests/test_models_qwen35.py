@@ -14,6 +14,7 @@ from vkengine.engine import Engine, EngineConfig
 from vkengine.errors import VkEngineError
 from vkengine.generate import generate
 from vkengine.model import load_model
+from vkengine.synth import _tokenizer_meta
 from vkengine.synth_qwen35 import SHAPES, synth_qwen35
 
 from .ref_qwen35 import RefQwen35
@@ -26,14 +27,25 @@ ARCHES = ["qwen35", "qwen35moe"]
 def qwen35_models(tmp_path_factory, tokenizer_source):
     """Tiny random models (GGUF q8_0 + HF copy) of both architectures."""
     out = tmp_path_factory.mktemp("synth-qwen35")
+    tmeta = _tokenizer_meta(tokenizer_source)
     return {arch: synth_qwen35(SHAPES[(arch, "tiny")], "q8_0", seed=11, out_dir=out, name=f"{arch}-tiny",
-                               workers=1, tokenizer_from=tokenizer_source) for arch in ARCHES}
+                               workers=1, tmeta=tmeta) for arch in ARCHES}
 
 
-def _engine(device, path, args_change=None, **kw):
-    m = load_model(path)
-    if args_change:
-        m.args = dataclasses.replace(m.args, **args_change)
+@pytest.fixture(scope="session")
+def qwen35_loaded(qwen35_models):
+    """The models opened once (reading a GGUF's vocabulary takes seconds)."""
+    cache = {}
+
+    def get(arch, fmt="gguf"):
+        if (arch, fmt) not in cache:
+            cache[(arch, fmt)] = load_model(qwen35_models[arch][fmt])
+        return cache[(arch, fmt)]
+    return get
+
+
+def _engine(device, model, args_change=None, **kw):
+    m = dataclasses.replace(model, args=dataclasses.replace(model.args, **args_change)) if args_change else model
     cfg = EngineConfig(**{"n_slots": 4, "n_ctx": 128, "max_batch": 64, "max_out": 64, **kw})
     return m, Engine(m, device, cfg)
 
@@ -54,8 +66,8 @@ def _close(a, b, tol=1e-4):
 
 
 @pytest.mark.parametrize("arch", ARCHES)
-def test_prefill_matches_numpy_reference(device, qwen35_models, arch):
-    m, eng = _engine(device, qwen35_models[arch]["gguf"])
+def test_prefill_matches_numpy_reference(device, qwen35_loaded, arch):
+    m, eng = _engine(device, qwen35_loaded(arch, "gguf"))
     ids = m.tokenizer.encode(PROMPT)
     got = _prefill_logits(eng, ids)
     want = RefQwen35(m.file, m.args).logits(ids)
@@ -63,8 +75,8 @@ def test_prefill_matches_numpy_reference(device, qwen35_models, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHES)
-def test_prefill_equals_step_by_step_decode(device, qwen35_models, arch):
-    m, eng = _engine(device, qwen35_models[arch]["gguf"])
+def test_prefill_equals_step_by_step_decode(device, qwen35_loaded, arch):
+    m, eng = _engine(device, qwen35_loaded(arch, "gguf"))
     ids = m.tokenizer.encode(PROMPT)
     pre = _prefill_logits(eng, ids, slot=1)
     steps = np.stack([eng.step([t], [p], [2], [0], "logits")[0] for p, t in enumerate(ids)])
@@ -72,22 +84,22 @@ def test_prefill_equals_step_by_step_decode(device, qwen35_models, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHES)
-def test_chunked_prefill_equals_single_prefill(device, qwen35_models, arch):
+def test_chunked_prefill_equals_single_prefill(device, qwen35_loaded, arch):
     """The recurrent and conv states carry over between chunks of odd size."""
-    m, eng = _engine(device, qwen35_models[arch]["gguf"], max_batch=5)
+    m, eng = _engine(device, qwen35_loaded(arch, "gguf"), max_batch=5)
     ids = m.tokenizer.encode(PROMPT)
     assert len(ids) > 10
     chunked = eng.prefill(ids, 3, readback="logits")
-    _, eng2 = _engine(device, qwen35_models[arch]["gguf"])
+    _, eng2 = _engine(device, qwen35_loaded(arch, "gguf"))
     whole = eng2.prefill(ids, 0, readback="logits")
     _close(chunked, whole)
 
 
 @pytest.mark.parametrize("arch", ARCHES)
-def test_batched_rows_equal_sequential(device, qwen35_models, arch):
+def test_batched_rows_equal_sequential(device, qwen35_loaded, arch):
     """Four sequences decoding in one step (different slots and positions), and a
     step mixing one sequence's prefill chunk with another's decode row."""
-    m, eng = _engine(device, qwen35_models[arch]["gguf"])
+    m, eng = _engine(device, qwen35_loaded(arch, "gguf"))
     prompts = [m.tokenizer.encode(t) for t in ("Hello there", "Once upon a time", "def f(x):", "1, 2, 3,")]
     alone = []
     for s, ids in enumerate(prompts):
@@ -103,24 +115,24 @@ def test_batched_rows_equal_sequential(device, qwen35_models, arch):
     rows = a + [b[-1]]
     out = eng.step(rows, list(range(len(a))) + [len(b) - 1], [0] * len(a) + [1], [len(a) - 1, len(a)], "logits")
     _close(out[1], alone[2])
-    _, eng2 = _engine(device, qwen35_models[arch]["gguf"])
+    _, eng2 = _engine(device, qwen35_loaded(arch, "gguf"))
     _close(out[0], eng2.prefill(a, 0, readback="logits"))
 
 
 @pytest.mark.parametrize("arch", ARCHES)
-def test_gguf_and_hf_copy_agree(device, qwen35_models, arch):
+def test_gguf_and_hf_copy_agree(device, qwen35_loaded, arch):
     """Same weights in both layouts: tiled vs grouped value heads, norms with and
     without the +1, ssm_a vs A_log, separate vs fused experts."""
-    mg, eg = _engine(device, qwen35_models[arch]["gguf"])
-    mh, eh = _engine(device, qwen35_models[arch]["hf"])
+    mg, eg = _engine(device, qwen35_loaded(arch, "gguf"))
+    mh, eh = _engine(device, qwen35_loaded(arch, "hf"))
     assert mg.args.v_heads_tiled and not mh.args.v_heads_tiled
     ids = mg.tokenizer.encode(PROMPT)
     assert ids == mh.tokenizer.encode(PROMPT)
     _close(_prefill_logits(eg, ids), _prefill_logits(eh, ids), 1e-3)
 
 
-def test_generate_greedy_matches_reference(device, qwen35_models):
-    m, eng = _engine(device, qwen35_models["qwen35"]["gguf"])
+def test_generate_greedy_matches_reference(device, qwen35_loaded):
+    m, eng = _engine(device, qwen35_loaded("qwen35", "gguf"))
     ids = m.tokenizer.encode(PROMPT)
     toks = [s.token for s in generate(eng, ids, 8, ignore_eos=True)]
     ref = RefQwen35(m.file, m.args)
@@ -130,8 +142,8 @@ def test_generate_greedy_matches_reference(device, qwen35_models):
 
 # -- per-sequence state ----------------------------------------------------------------------
 
-def test_park_restore_moves_kv_and_recurrent_state(device, qwen35_models):
-    m, eng = _engine(device, qwen35_models["qwen35"]["gguf"])
+def test_park_restore_moves_kv_and_recurrent_state(device, qwen35_loaded):
+    m, eng = _engine(device, qwen35_loaded("qwen35", "gguf"))
     ids = m.tokenizer.encode(PROMPT)
     eng.prefill(ids, 0)
     parked = eng.kv.park(0, len(ids))
@@ -142,15 +154,15 @@ def test_park_restore_moves_kv_and_recurrent_state(device, qwen35_models):
     _close(got, want)
 
 
-def test_copy_prefix_reuses_state_only_at_its_length(device, qwen35_models):
-    m, eng = _engine(device, qwen35_models["qwen35"]["gguf"])
+def test_copy_prefix_reuses_state_only_at_its_length(device, qwen35_loaded):
+    m, eng = _engine(device, qwen35_loaded("qwen35", "gguf"))
     ids = m.tokenizer.encode(PROMPT)
     n = 8
     eng.prefill(ids[:n], 0)
     assert eng.kv.reusable_prefix(0, n) == n
     eng.kv.copy_prefix(0, 1, n)
     got = eng.prefill(ids[n:], 1, start=n, readback="logits")
-    _, eng2 = _engine(device, qwen35_models["qwen35"]["gguf"])
+    _, eng2 = _engine(device, qwen35_loaded("qwen35", "gguf"))
     _close(got, eng2.prefill(ids, 0, readback="logits"))
     # slot 0 has moved on: its prefix of n positions is no longer reusable
     eng.prefill(ids[n:], 0, start=n)
@@ -161,8 +173,8 @@ def test_copy_prefix_reuses_state_only_at_its_length(device, qwen35_models):
     eng.prefill(ids, 2)                                  # restarting at position 0 is fine
 
 
-def test_step_must_continue_the_recurrent_state(device, qwen35_models):
-    m, eng = _engine(device, qwen35_models["qwen35"]["gguf"])
+def test_step_must_continue_the_recurrent_state(device, qwen35_loaded):
+    m, eng = _engine(device, qwen35_loaded("qwen35", "gguf"))
     eng.prefill([1, 2, 3, 4], 0)
     with pytest.raises(VkEngineError, match="continue it at that position"):
         eng.step([5], [2], [0], [0])                     # rewinding is impossible
@@ -173,9 +185,9 @@ def test_step_must_continue_the_recurrent_state(device, qwen35_models):
 
 # -- fixed-expert parity mode -------------------------------------------------------------------
 
-def test_fixed_experts_match_reference_choices(device, qwen35_models):
+def test_fixed_experts_match_reference_choices(device, qwen35_loaded):
     from vkengine.models.qwen35 import read_expert_choices
-    m, eng = _engine(device, qwen35_models["qwen35moe"]["gguf"], {"fixed_experts": True})
+    m, eng = _engine(device, qwen35_loaded("qwen35moe", "gguf"), {"fixed_experts": True})
     ids = m.tokenizer.encode(PROMPT)
     got = _prefill_logits(eng, ids)
     ref = RefQwen35(m.file, m.args)
@@ -184,5 +196,5 @@ def test_fixed_experts_match_reference_choices(device, qwen35_models):
     want = np.stack(ref.expert_choices, 1)
     assert choices.shape == want.shape
     assert (choices == want).mean() > 0.99
-    _, eng2 = _engine(device, qwen35_models["qwen35moe"]["gguf"])
+    _, eng2 = _engine(device, qwen35_loaded("qwen35moe", "gguf"))
     _close(_prefill_logits(eng2, ids), got, 1e-3)        # the normal router chooses the same experts here

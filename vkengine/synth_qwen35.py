@@ -332,14 +332,15 @@ def _write_gguf(path: Path, c: Qwen35SynthConfig, quant: str, seed: int, name: s
 
 def synth_qwen35(c: Qwen35SynthConfig, quant: str, seed: int, out_dir: Path, name: str = "synth",
                  formats=("gguf", "hf"), workers: int | None = None,
-                 tokenizer_from: Path | None = None) -> dict[str, Path]:
-    """Write the model; returns {"gguf": file, "hf": folder} for what was written."""
+                 tokenizer_from: Path | None = None, tmeta: dict | None = None) -> dict[str, Path]:
+    """Write the model; returns {"gguf": file, "hf": folder} for what was written.
+    tmeta: tokenizer fields already read (synth._tokenizer_meta) to reuse."""
     if quant not in QUANTS:
         raise VkEngineError(f"synth quant {quant!r} is not supported (choose from {', '.join(QUANTS)})")
     if c.nv % c.nk or c.n_embd % 32 or (c.nv * c.dv) % 32 or (c.n_ff or c.n_ff_exp) % 32:
         raise VkEngineError("shapes must divide value heads among key heads and keep matrix columns "
                             "multiples of 32")
-    tmeta = _tokenizer_meta(tokenizer_from)
+    tmeta = tmeta or _tokenizer_meta(tokenizer_from)
     n_vocab = len(tmeta["tokenizer.ggml.tokens"])
     out_dir.mkdir(parents=True, exist_ok=True)
     want_hf = "hf" in formats
