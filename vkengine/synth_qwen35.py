@@ -118,12 +118,18 @@ def hf_name(c: Qwen35SynthConfig, gguf_name: str) -> str:
 
 def _tensor_plan(c: Qwen35SynthConfig, n_vocab: int) -> list[tuple]:
     """(GGUF name, numpy shape, init, quantized, v-head reorder) of every tensor.
-    init: ("normal", std) | ("norm",) (GGUF value 1 + small) | ("ssm_a",) | ("dt",);
+    init: ("normal", std) | ("norm"[, gain]) (GGUF value gain * (1 + small)) | ("ssm_a",) | ("dt",);
     reorder: (axis, first index, head size) of the value-head block, or None."""
     D, hd, L = c.n_embd, c.head_dim, c.n_layer
     vw = c.nv * c.dv
-    plan = [("token_embd.weight", (n_vocab, D), ("normal", 1.0), True, None),
-            ("output_norm.weight", (D,), ("norm",), False, None)]
+    # Tied models read logits off the embeddings. Embeddings of std 1 would dominate
+    # the residual stream and every step would repeat its input token: they are
+    # small instead (as trained models' are), and the final norm's gain sets the
+    # logits' scale.
+    emb_std = 0.05 if c.tied else 1.0
+    gain = c.logit_scale / (np.sqrt(D) * emb_std) if c.tied else 1.0
+    plan = [("token_embd.weight", (n_vocab, D), ("normal", emb_std), True, None),
+            ("output_norm.weight", (D,), ("norm", gain), False, None)]
     if not c.tied:
         plan.append(("output.weight", (n_vocab, D), ("normal", c.logit_scale / np.sqrt(D)), True, None))
 
@@ -202,8 +208,8 @@ def _make_tensor(job):
     from .quant import BY_NAME, dequantize
     rng = _rng(seed, name)
     kind = init[0]
-    if kind == "norm":
-        w = 1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)
+    if kind == "norm":      # GGUF value (the +1 folded in), times an optional gain
+        w = (init[1] if len(init) > 1 else 1.0) * (1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32))
     elif kind == "ssm_a":      # A = -exp(A_log), A_log = log(U(0.05, 2)): decays from fast to slow
         w = -rng.uniform(0.05, 2.0, shape).astype(np.float32)
     elif kind == "dt":

@@ -11,6 +11,7 @@
 #   llama   build llama.cpp 11434 with Vulkan (Debian 13 glslc: int-dot and
 #           cooperative-matrix shaders on) unless .vk/llama-vulkan.tar.xz has it
 #   bench   bench/bench.py: ours vs llama-bench on synthetic models
+#   qwen35  the hybrid models' tests, and tests/gpu/hf_oracle_qwen35.py (transformers as oracle)
 # Everything the GPU machine lacks travels in .vk/: the Vulkan loader and the
 # GL vendor-neutral libraries that NVIDIA's Vulkan ICD (libGLX_nvidia) needs, libfmt,
 # the patched kp wheel for its Python 3.12, gguf, a tokenizer-only GGUF, the
@@ -63,6 +64,15 @@ for s in $stages; do
       ;;
     llama)
       build_llama
+      ;;
+    qwen35)
+      # hybrid models: kernels, tiny-model tests (llama-server checks use the Vulkan build when present),
+      # then Hugging Face transformers as the oracle
+      [ -x /tmp/llb/bin/llama-server ] && export VKENGINE_LLAMA_SERVER=/tmp/llb/bin/llama-server
+      python3 -m pytest -q -p no:cacheprovider tests/test_kernels_qwen35.py tests/test_models_qwen35.py \
+        tests/test_mtp_qwen35.py tests/test_gguf_qwen35.py --junitxml="$OUT/gpu-qwen35.xml" 2>&1 \
+        | tee "$OUT/gpu-qwen35.log" | tail -15
+      python3 tests/gpu/hf_oracle_qwen35.py 2>&1 | tee "$OUT/hf-oracle-qwen35.log"
       ;;
     bench)
       build_llama && lb=/tmp/llb/bin/llama-bench || lb=""
