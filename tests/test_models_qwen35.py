@@ -131,6 +131,35 @@ def test_gguf_and_hf_copy_agree(device, qwen35_loaded, arch):
     _close(_prefill_logits(eg, ids), _prefill_logits(eh, ids), 1e-3)
 
 
+def test_hf_checkpoint_with_per_expert_tensors(device, qwen35_models, qwen35_loaded, tmp_path):
+    """Hub checkpoints may store each expert apart (mlp.experts.<e>.gate_proj...):
+    they are stacked on load and compute what the fused layout does."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+    src = qwen35_models["qwen35moe"]["hf"]
+    dst = tmp_path / "per-expert"
+    shutil.copytree(src, dst)
+    sd = load_file(str(src / "model.safetensors"))
+    out = {}
+    for k, v in sd.items():
+        if k.endswith("mlp.experts.gate_up_proj"):
+            F = v.shape[1] // 2
+            for e in range(v.shape[0]):
+                out[k.replace("gate_up_proj", f"{e}.gate_proj.weight")] = v[e, :F]
+                out[k.replace("gate_up_proj", f"{e}.up_proj.weight")] = v[e, F:]
+        elif k.endswith("mlp.experts.down_proj"):
+            for e in range(v.shape[0]):
+                out[k.replace("down_proj", f"{e}.down_proj.weight")] = v[e]
+        else:
+            out[k] = v
+    save_file({k: np.ascontiguousarray(v) for k, v in out.items()}, str(dst / "model.safetensors"))
+    mf, ef = _engine(device, qwen35_loaded("qwen35moe", "hf"))
+    _, ep = _engine(device, load_model(dst))
+    ids = mf.tokenizer.encode(PROMPT)
+    np.testing.assert_array_equal(_prefill_logits(ep, ids), _prefill_logits(ef, ids))
+
+
 def test_generate_greedy_matches_reference(device, qwen35_loaded):
     m, eng = _engine(device, qwen35_loaded("qwen35", "gguf"))
     ids = m.tokenizer.encode(PROMPT)

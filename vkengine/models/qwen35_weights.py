@@ -242,8 +242,12 @@ def _plan_layer(p: _Planner, a, prefix: str, kind: str, qk_norms: list) -> dict:
         L["norm"] = p.vector(prefix + "ssm_norm.weight", a.dv)
         L["out"] = p.matrix([prefix + "ssm_out.weight"], [D], vw)
     else:
-        L["qkv"] = p.fused([prefix + "attn_q.weight", prefix + "attn_k.weight", prefix + "attn_v.weight"],
-                           [2 * a.n_head * hd, a.n_head_kv * hd, a.n_head_kv * hd], D)
+        rows = [2 * a.n_head * hd, a.n_head_kv * hd, a.n_head_kv * hd]
+        if p.mf.has(prefix + "attn_q.weight"):
+            L["qkv"] = p.fused([prefix + "attn_q.weight", prefix + "attn_k.weight", prefix + "attn_v.weight"],
+                               rows, D)
+        else:   # the converter's optional fused layout (llama.cpp create_tensor_qkv)
+            L["qkv"] = [(p.matrix([prefix + "attn_qkv.weight"], [sum(rows)], D), 0)]
         L["wo"] = p.matrix([prefix + "attn_output.weight"], [D], a.n_head * hd)
         L["qk_norm"] = len(qk_norms)
         qk_norms.append(prefix)
