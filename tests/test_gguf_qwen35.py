@@ -51,7 +51,8 @@ def expected_tensors(f: GGUFFile) -> dict[str, tuple[tuple[int, ...], str | None
     V = f.tensor_info("token_embd.weight")[1][0]
     d_state, d_inner = int(m(f"{a}.ssm.state_size")), int(m(f"{a}.ssm.inner_size"))
     nk, nv, K = int(m(f"{a}.ssm.group_count")), int(m(f"{a}.ssm.time_step_rank")), int(m(f"{a}.ssm.conv_kernel"))
-    key_dim, value_dim = d_state * nk, d_state * nv
+    key_dim, value_dim = d_state * nk, d_state * nv     # llama.cpp takes head_v_dim = ssm_d_state
+    assert d_inner == value_dim
     conv_dim = 2 * key_dim + value_dim
     rec = m(f"{a}.attention.recurrent_layers", None)
     if rec is not None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vkengine.kernels import Region
 from vkengine.kernels_hybrid import HybridKernels
 from vkengine.rope import rope_table
 

@@ -95,24 +95,24 @@ def main() -> int:
     ap.add_argument("--device", type=int, default=None)
     args = ap.parse_args()
     import os
+
     from vkengine.device import Device
+    from vkengine.model import load_model
+    from vkengine.synth_qwen35 import config_for, synth_qwen35
     tok_src = args.tokenizer_from or (Path(os.environ["VKENGINE_TOKENIZER_GGUF"])
                                       if os.environ.get("VKENGINE_TOKENIZER_GGUF") else None)
     device = Device(args.device)
     print(f"device: {device.info.name}")
     ok = True
     if args.hf is not None:
-        from vkengine.model import load_model
         ids = load_model(args.hf).tokenizer.encode(args.prompt)
         ok = report(f"{args.hf.name} (HF folder)", vk_logits(args.hf, ids, device), hf_logits(args.hf, ids), args.tol)
         return 0 if ok else 1
-    from vkengine.synth_qwen35 import config_for, synth_qwen35
     arches = ["qwen35", "qwen35moe"] if args.arch == "both" else [args.arch]
     with tempfile.TemporaryDirectory() as tmp:
         for arch in arches:
             out = synth_qwen35(config_for(arch, args.shape, None), args.quant, 0, Path(tmp), f"{arch}-{args.shape}",
                                tokenizer_from=tok_src)
-            from vkengine.model import load_model
             ids = load_model(out["hf"]).tokenizer.encode(args.prompt)
             want = hf_logits(out["hf"], ids)
             ok &= report(f"{arch}-{args.shape} HF folder", vk_logits(out["hf"], ids, device), want, args.tol)

@@ -19,6 +19,7 @@ from ..gguf_file import ModelFile, SafetensorsFolder
 from ..kernels import Matrix, Region
 from ..quant import check_shape, dequantize, repack, row_bytes
 from ..rope import rope_table
+from .qwen35_args import MTP_BLOCK, PLUS_ONE_NORMS
 
 
 @dataclass
@@ -139,7 +140,6 @@ class _Planner:
 
     def value(self, name: str, n: int) -> Callable[[], np.ndarray]:
         """f32 values of a tensor, with the HF -> GGUF value conventions applied."""
-        from .qwen35 import PLUS_ONE_NORMS
         _, s = self._shape(name)
         if int(np.prod(s)) != n:
             raise VkEngineError(f"{self.mf.path.name}: tensor {name} has shape {s}, expected {n} values")
@@ -288,7 +288,6 @@ def _build_layer(L: dict, b: list, norms: list[tuple[Region, Region]], D: int) -
 
 
 def mtp_prefix(mf: ModelFile, a) -> str:
-    from .qwen35 import MTP_BLOCK
     return f"blk.{MTP_BLOCK}." if isinstance(mf, SafetensorsFolder) else f"blk.{a.n_layer}."
 
 
