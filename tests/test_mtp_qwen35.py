@@ -4,6 +4,8 @@ identical to plain greedy decoding whatever the drafts (the model's own,
 forced-right, forced-wrong), across chunked prefills and context limits."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -12,10 +14,12 @@ from vkengine.generate import generate
 from vkengine.mtp import MtpRunner, MtpStats, generate_mtp
 
 from .ref_qwen35 import RefQwen35
-from .test_models_qwen35 import ARCHES, PROMPT, qwen35_loaded, qwen35_models  # noqa: F401 (fixtures)
+from .test_models_qwen35 import ARCHES, PROMPT, qwen35_loaded, qwen35_models  # noqa: F401 (shared fixtures)
 
 
 def _engine(device, model, **kw):
+    """An engine whose state keeps 4 snapshot rows (drafts of up to 3 tokens)."""
+    model = dataclasses.replace(model, args=dataclasses.replace(model.args, mtp_snap_rows=4))
     return Engine(model, device, EngineConfig(**{"n_slots": 2, "n_ctx": 128, "max_batch": 32, "max_out": 32, **kw}))
 
 
@@ -82,6 +86,13 @@ def test_mtp_forced_drafts_keep_greedy_output(device, qwen35_loaded):
         if acc is not None:
             assert st.acceptance == acc, (drafter.__name__, st.accepted, st.drafted)
     assert st.verify_steps < 14
+
+
+def test_mtp_needs_snapshot_rows(device, qwen35_loaded):
+    from vkengine.errors import VkEngineError
+    eng = Engine(qwen35_loaded("qwen35"), device, EngineConfig(n_slots=1, n_ctx=64, max_batch=16, max_out=16))
+    with pytest.raises(VkEngineError, match="mtp_snap_rows"):
+        MtpRunner(eng)
 
 
 def test_mtp_stops_at_the_context_length(device, qwen35_loaded):

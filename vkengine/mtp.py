@@ -70,7 +70,8 @@ class MtpRunner:
         self.dev = engine.device
         self.max_draft = engine.kv.snap_rows - 1
         if self.max_draft < 1:
-            raise VkEngineError("the state has no snapshot rows for speculative steps")
+            raise VkEngineError("the engine's state keeps no snapshot rows for speculative steps: create it from "
+                                "model args with mtp_snap_rows = drafts + 1 (the CLI's --mtp does)")
         self.layout = MtpLayout(engine.max_batch, engine.max_out)
         self.params = self.dev.buffer(self.layout.words * 4, "host", "mtp-params")
         self.params_dev = self.dev.buffer(self.layout.words * 4, "device", "mtp-params-dev")

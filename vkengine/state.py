@@ -139,8 +139,7 @@ class HybridState(KVCache):
         self.rec_layers = list(rec_layers)
         self.conv_words, self.ssm_words, self.snap_rows = conv_words, ssm_words, snap_rows
         plan = ArenaPlan(device.max_buffer_bytes // 4)
-        sizes = [n_slots * conv_words, n_slots * ssm_words, max(snap_rows, 1) * conv_words,
-                 max(snap_rows, 1) * ssm_words]
+        sizes = [n_slots * conv_words, n_slots * ssm_words, snap_rows * conv_words, snap_rows * ssm_words]
         self._rgroups = {layer: plan.add(sizes, f"recurrent state of one layer ({n_slots} slots)")
                          for layer in self.rec_layers}
         self.rec_arena = Arena(device, plan, "device", "recurrent") if self.rec_layers else None

@@ -100,7 +100,7 @@ class Qwen35Args:
     n_nextn: int = 0              # MTP blocks in the file
     # run-time choices, set at the edge (CLI) with dataclasses.replace
     fixed_experts: bool = False   # parity mode: fixed-order fp32 router, choices recorded
-    mtp_snap_rows: int = 4        # rows of a speculative step that can be rolled back to
+    mtp_snap_rows: int = 0        # rows of a speculative step that can be rolled back to (MTP: drafts + 1)
     rope_sections: tuple[int, ...] = field(default=(), compare=False)
 
     # -- derived ----------------------------------------------------------------
