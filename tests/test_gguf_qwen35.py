@@ -106,9 +106,13 @@ def expected_tensors(f: GGUFFile) -> dict[str, tuple[tuple[int, ...], str | None
 
 
 @pytest.fixture(scope="module")
-def gguf_models(tmp_path_factory, tokenizer_source):
+def tmeta(tokenizer_source):
+    return _tokenizer_meta(tokenizer_source)
+
+
+@pytest.fixture(scope="module")
+def gguf_models(tmp_path_factory, tmeta):
     out = tmp_path_factory.mktemp("synth-qwen35-gguf")
-    tmeta = _tokenizer_meta(tokenizer_source)
     files = {}
     for arch in ARCHES:
         for q in ("f32", "q4_0"):
@@ -229,3 +233,13 @@ def test_llama_server_loads_quantized_and_runs_its_mtp(device, gguf_models, llam
         assert r["timings"].get("draft_n", 0) > 0
     finally:
         spec.close()
+
+
+def test_synth_is_deterministic(gguf_models, tmp_path, tmeta):
+    """Same seed, same bytes, whatever the number of worker processes."""
+    again = synth_qwen35(SHAPES[("qwen35moe", "tiny")], "q4_0", seed=5, out_dir=tmp_path, name="qwen35moe-tiny",
+                         formats=("gguf",), workers=2, tmeta=tmeta)["gguf"]
+    assert again.read_bytes() == gguf_models[("qwen35moe", "q4_0")].read_bytes()
+    other = synth_qwen35(SHAPES[("qwen35moe", "tiny")], "q4_0", seed=6, out_dir=tmp_path / "b",
+                         name="qwen35moe-tiny", formats=("gguf",), workers=1, tmeta=tmeta)["gguf"]
+    assert other.read_bytes() != again.read_bytes()
