@@ -1,13 +1,12 @@
 #version 450
-// Expert matmul selected by id (ggml_mul_mat_id): the experts' matrices are
-// stacked in one tensor of E x M rows (GGUF ffn_*_exps), expert e's row m is
-// global row e*M + m, and row r of the batch uses experts ids[r][0..k).
-// COMBINE = 0 (gate/up):  y[r][i][m] = W[ids[r][i]][m] . x[r][i]    (i < k)
-// COMBINE = 1 (down):     y[r][m] (+)= sum_i wt[r][i] * W[ids[r][i]][m] . x[r][i]
-// (x_slot_stride = 0 reads the same x row for every i). ids are uint words at
-// route[r][0..k), weights floats at route[r][k..2k) (moe_router.comp).
-// One subgroup per output row, lanes over the row's units as mul_mv.comp.
-// grid: (row groups folded into x/y, pairs r*k + i (COMBINE 0) or rows r in z)
+// Expert matvec selected by id (ggml_mul_mat_id), for decode-sized steps: the
+// experts' matrices are stacked in one tensor of E x M rows (GGUF ffn_*_exps),
+// expert e's row m is global row e*M + m, and row r of the batch uses experts
+// ids[r][0..k) (uint words at route[r][0..k), written by moe_router.comp):
+//   y[r][i][m] = W[ids[r][i]][m] . x[r][i]          (i < k)
+// x_slot_stride = 0 reads the same x row for every i. The weighted sum over i
+// is moe_combine.comp's. One subgroup per output row, lanes over the row's
+// units as mul_mv.comp. grid: (row groups folded into x/y, pairs r*k + i in z)
 #include "common.glsl"
 
 layout(binding = 0) readonly buffer Wq { uint wq[]; };
@@ -21,7 +20,6 @@ layout(push_constant) uniform P {
     uint ids_off, ids_stride;
     uint x_off, x_stride, x_slot_stride;   // floats; multiples of 4
     uint y_off, y_stride, y_slot_stride;
-    uint accumulate;
 } p;
 
 #include "quant.glsl"
@@ -40,23 +38,6 @@ float row_dot(uint grow, uint xb) {
 
 void main() {
     uvec2 rows = workgroup_items(p.M);
-#if COMBINE
-    uint r = gl_WorkGroupID.z;
-    uint rb = p.ids_off + r * p.ids_stride;
-    for (uint m = rows.x + gl_SubgroupID; m < rows.y; m += gl_NumSubgroups) {
-        float acc = 0.0;
-        for (uint i = 0u; i < p.k; i++) {
-            uint e = actu[rb + i];
-            float wt = act[rb + p.k + i];
-            acc += wt * row_dot(e * p.M + m, p.x_off + r * p.x_stride + i * p.x_slot_stride);
-        }
-        float s = subgroupAdd(acc);
-        if (subgroupElect()) {
-            uint yi = p.y_off + r * p.y_stride + m;
-            act[yi] = p.accumulate != 0u ? act[yi] + s : s;
-        }
-    }
-#else
     uint pair = gl_WorkGroupID.z;
     uint r = pair / p.k;
     uint i = pair % p.k;
@@ -64,10 +45,6 @@ void main() {
     uint xb = p.x_off + r * p.x_stride + i * p.x_slot_stride;
     for (uint m = rows.x + gl_SubgroupID; m < rows.y; m += gl_NumSubgroups) {
         float s = subgroupAdd(row_dot(e * p.M + m, xb));
-        if (subgroupElect()) {
-            uint yi = p.y_off + r * p.y_stride + i * p.y_slot_stride + m;
-            act[yi] = p.accumulate != 0u ? act[yi] + s : s;
-        }
+        if (subgroupElect()) act[p.y_off + r * p.y_stride + i * p.y_slot_stride + m] = s;
     }
-#endif
 }

@@ -263,34 +263,47 @@ def test_moe_router(device, hk, ws, rng, fixed):
 
 
 @pytest.mark.parametrize("wt", ["f32", "f16", "q8_0", "q4_0", "q4_k", "q6_k"])
-def test_mul_mat_id(device, hk, ws, rng, wt):
-    E, M, k, n = 6, 19, 3, 5
+@pytest.mark.parametrize("batched", [False, True])
+def test_expert_matmuls_and_combine(device, hk, ws, rng, wt, batched):
+    """gate/up (x shared by a row's experts) and down (one x per pair) products,
+    by one matvec per pair or expert-major over moe_sort's lists, then the
+    weighted sum into a residual."""
+    E, M, k, n = 6, 19, 3, 13
     K = 256 if wt in ("q4_k", "q6_k") else 64
     raw, wf = random_quantized(wt, E * M, K, rng)
     mat = upload_matrix(ws, wt, raw, E * M, K)
     W = wf.reshape(E, M, K).astype(np.float64)
     ids = np.stack([rng.permutation(E)[:k] for _ in range(n)]).astype(np.uint32)
+    ids[3] = [5, 0, 2]                                     # expert 1 is used by some rows, 4 maybe by none
     wts = rng.uniform(0.1, 1.0, (n, k)).astype(np.float32)
+    rs = 2 * k + 2
     route = np.concatenate([ids.view(np.float32), wts, np.zeros((n, 2), np.float32)], 1)
     rr = ws.act_region(route.size, route)
+    lst, cnt = ws.act_region(n * (E + 1)), ws.act_region(E)
     x = rng.standard_normal((n, K)).astype(np.float32)
-    xr = ws.act_region(x.size, x)
-    ys = k * M + 4
-    yr = ws.act_region(n * ys)
-    prog = device.program()
-    hk.mul_mat_id(prog, mat, M, xr, K, 0, rr, 2 * k + 2, k, yr, ys, M, n, combine=False)
-    prog.run()
-    got = ws.read(yr).reshape(n, ys)
-    want = np.einsum("rimk,rk->rim", W[ids], x.astype(np.float64))
-    _close(got[:, :k * M].reshape(n, k, M), want, atol_scale=1e-5 * np.sqrt(K))
-    assert np.isnan(got[:, k * M:]).all()
-    # down projection: per-slot inputs, weighted sum accumulated into a residual
     xs = rng.standard_normal((n, k, K)).astype(np.float32)
-    xsr = ws.act_region(xs.size, xs)
+    xr, xsr = ws.act_region(x.size, x), ws.act_region(xs.size, xs)
+    ys = k * M + 4
+    yr, y2 = ws.act_region(n * ys), ws.act_region(n * ys)
+    prog = device.program()
+    if batched:
+        hk.moe_sort(prog, rr, rs, k, n, E, lst, E + 1, cnt)
+        hk.mul_mm_id(prog, mat, M, E, xr, K, 0, lst, E + 1, cnt, k, yr, ys, M, n)
+        hk.mul_mm_id(prog, mat, M, E, xsr, k * K, K, lst, E + 1, cnt, k, y2, ys, M, n)
+    else:
+        hk.mul_mat_id(prog, mat, M, xr, K, 0, rr, rs, k, yr, ys, M, n)
+        hk.mul_mat_id(prog, mat, M, xsr, k * K, K, rr, rs, k, y2, ys, M, n)
     res = rng.standard_normal((n, M)).astype(np.float32)
     resr = ws.act_region(res.size, res)
-    prog = device.program()
-    hk.mul_mat_id(prog, mat, M, xsr, k * K, K, rr, 2 * k + 2, k, resr, M, 0, n, combine=True, accumulate=True)
+    hk.moe_combine(prog, y2, ys, M, rr, rs, k, resr, M, M, n)
     prog.run()
-    want = res + np.einsum("ri,rimk,rik->rm", wts.astype(np.float64), W[ids], xs.astype(np.float64))
-    _close(ws.read(resr).reshape(n, M), want, atol_scale=1e-5 * np.sqrt(K))
+    tol = 1e-5 * np.sqrt(K)
+    got = ws.read(yr).reshape(n, ys)
+    _close(got[:, :k * M].reshape(n, k, M), np.einsum("rimk,rk->rim", W[ids], x.astype(np.float64)), atol_scale=tol)
+    assert np.isnan(got[:, k * M:]).all()
+    down = np.einsum("rimk,rik->rim", W[ids], xs.astype(np.float64))
+    _close(ws.read(y2).reshape(n, ys)[:, :k * M].reshape(n, k, M), down, atol_scale=tol)
+    _close(ws.read(resr).reshape(n, M), res + np.einsum("ri,rim->rm", wts.astype(np.float64), down), atol_scale=tol)
+    if batched:
+        counts = ws.read(cnt, np.uint32)
+        np.testing.assert_array_equal(counts, np.bincount(ids.reshape(-1), minlength=E))

@@ -106,15 +106,31 @@ class HybridGraph(Graph):
         self.hk.moe_router(self.p, self._r(logits), self.s.stride(logits), self._r(route), self.s.stride(route),
                            n_expert, k, self._rows(route), w_scale, rec, rec_stride, fx)
 
+    def moe_sort(self, route: str, k: int, n_expert: int) -> None:
+        """Group the step's (row, slot) pairs by expert into `elist` / `ecnt`."""
+        self.hk.moe_sort(self.p, self._r(route), self.s.stride(route), k, self._rows(route), n_expert,
+                         self._r("elist"), self.s.stride("elist"), self._r("ecnt"))
+
     def experts(self, w: Matrix, rows_per_expert: int, x: str, route: str, k: int, out: str,
-                per_slot_input: bool, combine: bool, accumulate: bool = False) -> None:
-        """combine=False: out[r][i] = W[e_ri] @ x[r] (x shared by the k experts);
-        combine=True: out[r] (+)= sum_i wt_ri W[e_ri] @ x[r][i]."""
+                per_slot_input: bool, batched_experts: int = 0) -> None:
+        """out[r][i] = W[e_ri] @ x[r] (x shared by the k experts) or @ x[r][i].
+        batched_experts = E: expert-major over moe_sort's lists (prefill); 0: one
+        matvec per pair (decode)."""
         xs = w.cols if per_slot_input else 0
-        ys = 0 if combine else rows_per_expert
-        self.hk.mul_mat_id(self.p, w, rows_per_expert, self._r(x), self.s.stride(x), xs, self._r(route),
-                           self.s.stride(route), k, self._r(out), self.s.stride(out), ys, self._rows(x), combine,
-                           accumulate, label=f"mul_mat_id {out}<-{x}")
+        if batched_experts:
+            self.hk.mul_mm_id(self.p, w, rows_per_expert, batched_experts, self._r(x), self.s.stride(x), xs,
+                              self._r("elist"), self.s.stride("elist"), self._r("ecnt"), k, self._r(out),
+                              self.s.stride(out), rows_per_expert, self._rows(x), label=f"mul_mm_id {out}<-{x}")
+        else:
+            self.hk.mul_mat_id(self.p, w, rows_per_expert, self._r(x), self.s.stride(x), xs, self._r(route),
+                               self.s.stride(route), k, self._r(out), self.s.stride(out), rows_per_expert,
+                               self._rows(x), label=f"mul_mat_id {out}<-{x}")
+
+    def moe_combine(self, e: str, route: str, k: int, out: str) -> None:
+        """out[r] += sum_i weight_ri * e[r][i]."""
+        D = self.s.widths[out]
+        self.hk.moe_combine(self.p, self._r(e), self.s.stride(e), D, self._r(route), self.s.stride(route), k,
+                            self._r(out), self.s.stride(out), D, self._rows(out))
 
     def swiglu_split(self, gu: str, out: str, F: int, parts: int) -> None:
         """out[r][i] = swiglu of gu[r][i] for i < parts (gu rows hold parts blocks of [gate F | up F])."""

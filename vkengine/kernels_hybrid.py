@@ -173,23 +173,61 @@ class HybridKernels(Kernels):
 
     def mul_mat_id(self, prog: Program, w: Matrix, M: int, x: Region, x_stride: int, x_slot_stride: int,
                    route: Region, route_stride: int, k: int, y: Region, y_stride: int, y_slot_stride: int,
-                   n_rows: int, combine: bool, accumulate: bool = False, label: str = "") -> None:
-        """Experts' matmul by id. combine=False: y[r][i] = W[e_ri] @ x[r][i];
-        combine=True: y[r] (+)= sum_i wt_ri * W[e_ri] @ x[r][i]. W holds E*M rows."""
+                   n_rows: int, label: str = "") -> None:
+        """y[r][i] = W[e_ri] @ x[r][i] (x_slot_stride 0: x[r] for every i), one
+        matvec per pair: decode-sized steps. W holds E*M rows (M per expert)."""
         act = self._same_buffer(x, route, y)
-        if x.off % 4 or x_stride % 4 or x_slot_stride % 4 or w.cols % 8 or w.rows % M:
-            raise ValueError("mul_mat_id needs 16-byte aligned x rows, K a multiple of 8 and whole experts")
-        variant = f"mul_mv_id_sum_{w.type}" if combine else f"mul_mv_id_{w.type}"
-        push = struct.pack("<15I", w.data.off, w.scales.off if w.scales else 0, w.cols, M, k, n_rows,
-                           route.off, route_stride, x.off, x_stride, x_slot_stride, y.off, y_stride, y_slot_stride,
-                           int(accumulate))
+        self._check_id(w, M, x, x_stride, x_slot_stride)
+        variant = f"mul_mv_id_{w.type}"
+        push = struct.pack("<14I", w.data.off, w.scales.off if w.scales else 0, w.cols, M, k, n_rows,
+                           route.off, route_stride, x.off, x_stride, x_slot_stride, y.off, y_stride, y_slot_stride)
         alg = self._alg(variant, [w.data.buf, act], push, self.wg)
-        x_width = (k - 1) * x_slot_stride + w.cols
-        y_width = M if combine else (k - 1) * y_slot_stride + M
-        yr = _rows_range(y, n_rows, y_stride, y_width)
-        reads = w.regions + [_rows_range(x, n_rows, x_stride, x_width),
-                             _rows_range(route, n_rows, route_stride, 2 * k)] + ([yr] if accumulate else [])
-        z = n_rows if combine else n_rows * k
-        if z > 65535:
+        if n_rows * k > 65535:
             raise VkEngineError(f"{n_rows} rows x {k} experts exceed one dispatch; use a smaller batch")
-        prog.dispatch(alg, push, self._grid(math.ceil(M / self.items), z), reads, [yr], label or variant)
+        reads = w.regions + [_rows_range(x, n_rows, x_stride, (k - 1) * x_slot_stride + w.cols),
+                             _rows_range(route, n_rows, route_stride, k)]
+        prog.dispatch(alg, push, self._grid(math.ceil(M / self.items), n_rows * k), reads,
+                      [_rows_range(y, n_rows, y_stride, (k - 1) * y_slot_stride + M)], label or variant)
+
+    def moe_sort(self, prog: Program, route: Region, route_stride: int, k: int, n_rows: int, E: int,
+                 lst: Region, list_stride: int, cnt: Region, label: str = "moe_sort") -> None:
+        """Per expert e: lst[j][e] = the j-th pair r*k + i routed to e, cnt[e] = their number."""
+        act = self._same_buffer(route, lst, cnt)
+        push = struct.pack("<8I", route.off, route_stride, k, n_rows, E, lst.off, list_stride, cnt.off)
+        alg = self._alg("moe_sort", [act], push, self.ew_wg, 1)
+        prog.dispatch(alg, push, self._grid(math.ceil(E / self.ew_wg)), [_rows_range(route, n_rows, route_stride, k)],
+                      [_rows_range(lst, n_rows, list_stride, E), (cnt.buf, cnt.off * 4, (cnt.off + E) * 4)], label)
+
+    def mul_mm_id(self, prog: Program, w: Matrix, M: int, E: int, x: Region, x_stride: int, x_slot_stride: int,
+                  lst: Region, list_stride: int, cnt: Region, k: int, y: Region, y_stride: int, y_slot_stride: int,
+                  n_rows: int, label: str = "") -> None:
+        """The same products as mul_mat_id, expert-major over moe_sort's lists: each
+        dequantized weight unit serves up to 8 pairs of its expert (prefill)."""
+        act = self._same_buffer(x, lst, cnt, y)
+        self._check_id(w, M, x, x_stride, x_slot_stride)
+        variant = f"mul_mm_id_{w.type}"
+        push = struct.pack("<14I", w.data.off, w.scales.off if w.scales else 0, w.cols, M, k, lst.off, list_stride,
+                           cnt.off, x.off, x_stride, x_slot_stride, y.off, y_stride, y_slot_stride)
+        alg = self._alg(variant, [w.data.buf, act], push, self.wg)
+        reads = w.regions + [_rows_range(x, n_rows, x_stride, (k - 1) * x_slot_stride + w.cols),
+                             _rows_range(lst, n_rows, list_stride, E), (cnt.buf, cnt.off * 4, (cnt.off + E) * 4)]
+        prog.dispatch(alg, push, self._grid(math.ceil(M / self.items), E), reads,
+                      [_rows_range(y, n_rows, y_stride, (k - 1) * y_slot_stride + M)], label or variant)
+
+    def moe_combine(self, prog: Program, e: Region, e_stride: int, e_slot_stride: int, route: Region,
+                    route_stride: int, k: int, y: Region, y_stride: int, D: int, rows: int,
+                    label: str = "moe_combine") -> None:
+        """y[r] += sum_i route_weight[r][i] * e[r][i] (the residual add of the experts)."""
+        act = self._same_buffer(e, route, y)
+        push = struct.pack("<10I", e.off, e_stride, e_slot_stride, route.off, route_stride, k, y.off, y_stride, D,
+                           rows)
+        alg = self._alg("moe_combine", [act], push, self.ew_wg, 1)
+        yr = _rows_range(y, rows, y_stride, D)
+        prog.dispatch(alg, push, self._grid(math.ceil(rows * D / self.ew_wg)),
+                      [_rows_range(e, rows, e_stride, (k - 1) * e_slot_stride + D),
+                       _rows_range(route, rows, route_stride, 2 * k), yr], [yr], label)
+
+    @staticmethod
+    def _check_id(w: Matrix, M: int, x: Region, x_stride: int, x_slot_stride: int) -> None:
+        if x.off % 4 or x_stride % 4 or x_slot_stride % 4 or w.cols % 8 or w.rows % M:
+            raise ValueError("expert matmuls need 16-byte aligned x rows, K a multiple of 8 and whole experts")

@@ -56,8 +56,8 @@ def scratch_widths(a: Qwen35Args) -> dict[str, int]:
     w.update(aqkv=2 * a.n_head * a.head_dim + 2 * a.n_head_kv * a.head_dim, q=a.n_head * a.head_dim,
              att=a.n_head * a.head_dim)
     if a.moe:
-        w.update(rl=a.n_expert, route=2 * k, gu_e=k * 2 * a.n_ff_exp, ff_e=k * a.n_ff_exp,
-                 gu_s=2 * a.n_ff_shexp, ff_s=a.n_ff_shexp, sg=1)
+        w.update(rl=a.n_expert, route=2 * k, gu_e=k * 2 * a.n_ff_exp, ff_e=k * a.n_ff_exp, dn_e=k * D,
+                 elist=a.n_expert, ecnt=a.n_expert, gu_s=2 * a.n_ff_shexp, ff_s=a.n_ff_shexp, sg=1)
         if a.fixed_experts:
             w["rec"] = (len(a.moe_layers) + a.n_nextn) * k
     else:
@@ -100,9 +100,14 @@ def _moe(g: HybridGraph, a: Qwen35Args, F: MoeFfn, record_col: int | None) -> No
     else:
         g.matmul(F.router, "h", "rl")
         g.moe_route("rl", "route", a.n_expert, k, a.expert_weights_scale, record=record)
-    g.experts(F.gate_up, 2 * a.n_ff_exp, "h", "route", k, "gu_e", per_slot_input=False, combine=False)
+    # expert-major batched matmuls once the step routes several rows per expert on average
+    batched = a.n_expert if g.n * k >= 4 * a.n_expert else 0
+    if batched:
+        g.moe_sort("route", k, a.n_expert)
+    g.experts(F.gate_up, 2 * a.n_ff_exp, "h", "route", k, "gu_e", per_slot_input=False, batched_experts=batched)
     g.swiglu_split("gu_e", "ff_e", a.n_ff_exp, k)
-    g.experts(F.down, a.n_embd, "ff_e", "route", k, "x", per_slot_input=True, combine=True, accumulate=True)
+    g.experts(F.down, a.n_embd, "ff_e", "route", k, "dn_e", per_slot_input=True, batched_experts=batched)
+    g.moe_combine("dn_e", "route", k, "x")
     for m, col in F.sh_gate_up:                               # shared expert, gated by sigmoid(h . w)
         g.matmul(m, "h", "gu_s", col=col)
     g.swiglu("gu_s", "ff_s")
