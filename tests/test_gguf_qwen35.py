@@ -243,3 +243,13 @@ def test_synth_is_deterministic(gguf_models, tmp_path, tmeta):
     other = synth_qwen35(SHAPES[("qwen35moe", "tiny")], "q4_0", seed=6, out_dir=tmp_path / "b",
                          name="qwen35moe-tiny", formats=("gguf",), workers=1, tmeta=tmeta)["gguf"]
     assert other.read_bytes() != again.read_bytes()
+
+
+def test_qwen35_pretokenizer_keeps_combining_marks_with_letters():
+    """llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN35 regex ([\\p{L}\\p{M}]+), unlike qwen2's."""
+    from tokenizers import Regex, pre_tokenizers
+
+    from vkengine.tokenizer import PRE_TOKENIZERS
+    split = pre_tokenizers.Split(Regex(PRE_TOKENIZERS["qwen35"][0]), behavior="isolated")
+    pieces = [p for p, _ in split.pre_tokenize_str("नमस्ते e\u0301te, 123!")]
+    assert pieces == ["नमस्ते", " e\u0301te", ",", " ", "1", "2", "3", "!"]
