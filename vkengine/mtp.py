@@ -225,6 +225,5 @@ def generate_mtp(runner: MtpRunner, prompt: Sequence[int], max_tokens: int = 128
             drafts, last_mtp_row = [int(d[0])], len(positions) - 1
         else:
             drafts = []
-        p += n_acc + 1
+        p += n_acc + 1                      # this round's tokens sit at p - n_acc .. p
         tok = emitted[-1]
-        # positions of this round's tokens: p - n_acc .. p (used above for the context limit)
