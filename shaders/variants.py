@@ -35,6 +35,22 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
         t[f"get_rows_{wt}"] = ("get_rows.comp", d)
     for op in ("rms_norm", "rope_kv", "attention", "attention_merge", "swiglu", "add", "softmax", "argmax_part", "argmax", "copy"):
         t[op] = (f"{op}.comp", {})
+    t.update(_hybrid_table())
+    return t
+
+
+def _hybrid_table() -> dict[str, tuple[str, dict[str, int]]]:
+    """Kernels of the hybrid (Gated DeltaNet + gated attention) and MoE models."""
+    t: dict[str, tuple[str, dict[str, int]]] = {}
+    for wt in WEIGHT_TYPES:
+        d = {f"WT_{wt.upper()}": 1}
+        t[f"mul_mv_id_{wt}"] = ("mul_mv_id.comp", d)
+        t[f"mul_mm_id_{wt}"] = ("mul_mm_id.comp", d)
+    for op in ("conv1d", "l2_norm", "delta_rule", "gated_rms_norm", "norm_rope_kv", "sigmoid_mul", "moe_sort",
+               "moe_combine"):
+        t[op] = (f"{op}.comp", {})
+    t["moe_router"] = ("moe_router.comp", {"FIXED": 0})
+    t["moe_router_fixed"] = ("moe_router.comp", {"FIXED": 1})
     return t
 
 

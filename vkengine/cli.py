@@ -30,10 +30,31 @@ def _open(args, n_slots: int = 1, max_batch: int | None = None):
     from .device import Device
     from .engine import Engine, EngineConfig
     from .model import load_model
-    model = load_model(args.model)
+    model = _model_options(args, load_model(args.model))
     dev = Device(_device_index(args))
     cfg = EngineConfig(n_slots=n_slots, n_ctx=args.ctx, max_batch=max_batch or args.batch)
+    log = getattr(args, "experts_log", None)
+    if log:
+        from .expert_log import RecordingEngine
+        return model, dev, RecordingEngine(model, dev, cfg, log=open(log, "w"))
     return model, dev, Engine(model, dev, cfg)
+
+
+def _model_options(args, model):
+    """Run-time choices of the hybrid/MoE models (--fixed-experts, --mtp --draft)."""
+    import dataclasses
+    change = {}
+    if getattr(args, "fixed_experts", False) or getattr(args, "experts_log", None):
+        if not getattr(model.args, "n_expert", 0):
+            raise VkEngineError("--fixed-experts and --experts-log need a mixture-of-experts model")
+        change["fixed_experts"] = True
+    if getattr(args, "mtp", False):
+        if not getattr(model.args, "n_nextn", 0):
+            raise VkEngineError(f"{model.name} has no MTP block (nextn tensors): drop --mtp")
+        if getattr(args, "experts_log", None):
+            raise VkEngineError("--experts-log records plain engine steps; drop --mtp to use it")
+        change["mtp_snap_rows"] = args.draft + 1
+    return dataclasses.replace(model, args=dataclasses.replace(model.args, **change)) if change else model
 
 
 def cmd_devices(args) -> int:
@@ -81,15 +102,28 @@ def cmd_generate(args) -> int:
         text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
     ids = tok.encode(text)
     st = GenStats()
+    sampling = _sampling(args)
+    if args.mtp:
+        from .mtp import MtpRunner, MtpStats, generate_mtp
+        if sampling.needs_logits:
+            raise VkEngineError("--mtp decodes greedily: use --temp 0 (and no repeat penalty)")
+        st = MtpStats()
+        steps = generate_mtp(MtpRunner(eng), ids, args.n_predict, args.draft, args.stop,
+                             ignore_eos=args.ignore_eos, stats=st)
+    else:
+        steps = generate(eng, ids, args.n_predict, sampling, args.stop, ignore_eos=args.ignore_eos, stats=st)
     if not args.chat:
         sys.stdout.write(args.prompt)
-    for step in generate(eng, ids, args.n_predict, _sampling(args), args.stop, ignore_eos=args.ignore_eos,
-                         stats=st):
+    for step in steps:
         sys.stdout.write(step.text)
         sys.stdout.flush()
     sys.stdout.write("\n")
     print(f"[{dev.info.name}] prompt {st.prompt_tokens} tokens, {st.prefill_tps:.1f} tok/s prefill; "
           f"generated {st.generated} tokens, {st.decode_tps:.1f} tok/s decode", file=sys.stderr)
+    if args.mtp:
+        print(f"[mtp] {st.verify_steps} verify steps, drafts accepted {st.accepted}/{st.drafted} "
+              f"({100 * st.acceptance:.0f}%), {st.generated / max(st.verify_steps, 1):.2f} tokens per step",
+              file=sys.stderr)
     return 0
 
 
@@ -159,6 +193,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--mtp", action="store_true",
+                   help="speculative decoding with the model's MTP block (Qwen3.5 nextn tensors); greedy only")
+    p.add_argument("--draft", type=int, default=2, help="tokens drafted per step with --mtp")
+    p.add_argument("--fixed-experts", action="store_true",
+                   help="MoE parity mode: fixed-order fp32 router logits, ties to the lowest expert index")
+    p.add_argument("--experts-log", default=None, metavar="PATH",
+                   help="with a MoE model: write the experts chosen for every token as JSON lines "
+                        "(implies --fixed-experts)")
     p.set_defaults(fn=cmd_generate)
 
     p = sub.add_parser("bench", help="prefill (pp) and decode (tg) speed")

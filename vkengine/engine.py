@@ -55,7 +55,11 @@ class Engine:
             raise VkEngineError(f"activations of {model.name} do not fit one buffer on {device.info.name}")
         self.max_batch = max_rows
         self.weights = self.arch.load_weights(model.file, a, device, self.n_ctx)
-        self.kv = KVCache(device, a.n_layer, cfg.n_slots, self.n_ctx, a.n_kv_heads, a.head_dim)
+        # per-sequence state: the architecture's own (hybrid models: KV rows plus
+        # recurrent state) or a KV cache of every layer
+        make_state = getattr(self.arch, "make_state", None)
+        self.kv = make_state(device, a, cfg.n_slots, self.n_ctx) if make_state is not None \
+            else KVCache(device, a.n_layer, cfg.n_slots, self.n_ctx, a.n_kv_heads, a.head_dim)
         words = Scratch.words_needed(widths, max_rows, self.max_out)
         self.scratch = Scratch(device.buffer(words * 4, "device", "scratch"), widths, max_rows, self.max_out)
         self.layout = ParamsLayout(max_rows, self.max_out)
@@ -88,8 +92,9 @@ class Engine:
         pl = self.layout
         prog = self.device.program(timestamps)
         prog.copy(self.params, self.params_dev, 0, 0, pl.argmax * 4, "params")
-        g = Graph(self.kernels, prog, self.scratch, self.params_dev, pl, self.kv, n, n_out,
-                  self.weights.rope, self.args.rms_eps)
+        graph_cls = getattr(self.arch, "GRAPH", Graph)   # an architecture may need more ops
+        g = graph_cls(self.kernels, prog, self.scratch, self.params_dev, pl, self.kv, n, n_out,
+                      self.weights.rope, self.args.rms_eps)
         self.arch.forward(g, self.args, self.weights)
         if n_out and readback == "argmax":
             g.argmax("out_logits")
@@ -149,6 +154,9 @@ class Engine:
         outs = np.asarray(out_rows, np.int64)
         if n_out and (outs.min() < 0 or outs.max() >= n):
             raise ValueError("output row out of range")
+        begin_step = getattr(self.kv, "begin_step", None)   # recurrent state: checks and bookkeeping
+        if begin_step is not None:
+            begin_step(pos, slt)
         pl, prm = self.layout, self.params.array()
         prm[pl.tokens:pl.tokens + n] = tok
         prm[pl.positions:pl.positions + n] = pos

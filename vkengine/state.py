@@ -106,3 +106,160 @@ class KVCache:
             w = self.device.download(r.buf, (r.off + slot * self.slot_stride) * 4, length * self.row_words * 4)
             out.append(w.view(np.float16).astype(np.float32).reshape(length, self.n_kv, self.head_dim))
         return out[0], out[1]
+
+
+# -- hybrid models: KV rows plus recurrent state --------------------------------------
+
+@dataclass
+class HybridParked(Parked):
+    """Parked KV rows plus the recurrent state, which covers `state_length` positions."""
+    state_length: int = 0
+
+
+class HybridState(KVCache):
+    """Per-sequence state of a hybrid model (Qwen3.5: Gated DeltaNet layers mixed
+    with full attention), in slots:
+      - KV rows of the full-attention layers (`attn_layers`), as KVCache;
+      - per linear-attention layer (`rec_layers`), a conv state ([slot][K-1][C]
+        floats: the last K-1 inputs of the short convolution) and a recurrent
+        state ([slot][head][dv][dk] fp32: the delta rule's S, transposed), plus
+        `snap_rows` snapshot rows of each (the state after each of the first rows
+        of a speculative step; `commit_snapshot` rolls a slot back to one).
+
+    The recurrent state summarizes a whole prefix and cannot be cut shorter, so
+    the state tracks, per slot, how many positions it covers (`length`; -1 when
+    unknown). A step must continue a slot at exactly that position, or start it
+    again at position 0 (which resets it); `begin_step` checks this.
+
+    park/restore move a slot's KV rows and recurrent state to host memory and
+    back. copy_prefix(src, dst, n) copies KV rows [0, n) and, when src's
+    recurrent state covers exactly n positions, the recurrent state too (dst then
+    continues at n); otherwise dst's recurrent state is marked unknown and dst
+    must be refilled from position 0: a hybrid prefix is reusable only at the
+    length where its state was taken (`reusable_prefix` says which).
+    """
+
+    def __init__(self, device: Device, n_slots: int, ctx: int, n_kv: int, head_dim: int,
+                 attn_layers: list[int], rec_layers: list[int], conv_words: int, ssm_words: int,
+                 snap_rows: int = 0):
+        super().__init__(device, 0, n_slots, ctx, n_kv, head_dim, layers=attn_layers)
+        self.rec_layers = list(rec_layers)
+        self.conv_words, self.ssm_words, self.snap_rows = conv_words, ssm_words, snap_rows
+        plan = ArenaPlan(device.max_buffer_bytes // 4)
+        sizes = [n_slots * conv_words, n_slots * ssm_words, snap_rows * conv_words, snap_rows * ssm_words]
+        self._rgroups = {layer: plan.add(sizes, f"recurrent state of one layer ({n_slots} slots)")
+                         for layer in self.rec_layers}
+        self.rec_arena = Arena(device, plan, "device", "recurrent") if self.rec_layers else None
+        self._rregions = {layer: self.rec_arena.regions(g) for layer, g in self._rgroups.items()}
+        self.length = np.full(n_slots, -1, np.int64)
+
+    @property
+    def nbytes(self) -> int:
+        return self.arena.nbytes + (self.rec_arena.nbytes if self.rec_arena else 0)
+
+    def conv(self, layer: int) -> Region:
+        return self._rregions[layer][0]
+
+    def ssm(self, layer: int) -> Region:
+        return self._rregions[layer][1]
+
+    def conv_snap(self, layer: int) -> Region:
+        return self._rregions[layer][2]
+
+    def ssm_snap(self, layer: int) -> Region:
+        return self._rregions[layer][3]
+
+    def recurrent_bytes(self) -> int:
+        """Bytes of one slot's recurrent state (all linear layers)."""
+        return len(self.rec_layers) * (self.conv_words + self.ssm_words) * 4
+
+    def _rec_ranges(self, slot: int):
+        for layer in self.rec_layers:
+            conv, ssm = self._rregions[layer][:2]
+            yield conv, conv.off + slot * self.conv_words, self.conv_words
+            yield ssm, ssm.off + slot * self.ssm_words, self.ssm_words
+
+    # -- step bookkeeping ----------------------------------------------------------
+    def begin_step(self, positions: np.ndarray, slots: np.ndarray) -> None:
+        """Check that each slot's rows are contiguous and continue its state (or
+        restart it at 0), then account for them. Raises VkEngineError otherwise."""
+        from .errors import VkEngineError
+        n = len(slots)
+        starts = [0] + [i for i in range(1, n) if slots[i] != slots[i - 1]]
+        seen: set[int] = set()
+        ends: dict[int, int] = {}
+        for a, b in zip(starts, starts[1:] + [n]):
+            s = int(slots[a])
+            if s in seen:
+                raise VkEngineError(f"rows of slot {s} must be contiguous in a step of a hybrid model")
+            seen.add(s)
+            p = positions[a:b]
+            if (np.diff(p) != 1).any():
+                raise VkEngineError(f"positions of slot {s} in a step must be consecutive")
+            if p[0] != 0 and p[0] != self.length[s]:
+                have = "unknown" if self.length[s] < 0 else f"{self.length[s]} positions"
+                raise VkEngineError(
+                    f"slot {s}: the recurrent state covers {have}, so a step must continue it at that "
+                    f"position or restart at 0, not at {int(p[0])} (hybrid models cannot rewind; "
+                    "see HybridState)")
+            ends[s] = int(p[-1]) + 1
+        for s, e in ends.items():     # only once the whole step is valid
+            self.length[s] = e
+
+    def reusable_prefix(self, src_slot: int, length: int) -> int:
+        """How many of the first `length` positions of src_slot copy_prefix can reuse."""
+        return length if self.length[src_slot] == length else 0
+
+    def commit_snapshot(self, slot: int, row: int, length: int) -> None:
+        """Roll slot's recurrent state back to the snapshot of row `row` of the last
+        snapshot step (which then covers `length` positions)."""
+        if not 0 <= row < self.snap_rows:
+            raise ValueError(f"snapshot row {row} out of range 0..{self.snap_rows - 1}")
+        p = self.device.program()
+        for layer in self.rec_layers:
+            conv, ssm, conv_s, ssm_s = self._rregions[layer]
+            p.copy(conv.buf, conv.buf, (conv_s.off + row * self.conv_words) * 4,
+                   (conv.off + slot * self.conv_words) * 4, self.conv_words * 4, "rollback")
+            p.copy(ssm.buf, ssm.buf, (ssm_s.off + row * self.ssm_words) * 4,
+                   (ssm.off + slot * self.ssm_words) * 4, self.ssm_words * 4, "rollback")
+        p.run()
+        self.length[slot] = length
+
+    # -- parking and prefix copies ----------------------------------------------------
+    def park(self, slot: int, length: int, into: Buffer | None = None) -> HybridParked:
+        kv_bytes = length * self.bytes_per_position()
+        need = max(16, kv_bytes + self.recurrent_bytes())
+        if into is None or into.nbytes < need:
+            into = self.device.buffer(need, "host", f"parked-slot{slot}")
+        p = self.device.program()
+        off = 0
+        for r, w, n in list(self._slot_ranges(slot, 0, length)) + list(self._rec_ranges(slot)):
+            p.copy(r.buf, into, w * 4, off, n * 4, "park")
+            off += n * 4
+        p.run()
+        return HybridParked(length, into, int(self.length[slot]))
+
+    def restore(self, parked: Parked, slot: int) -> None:
+        p = self.device.program()
+        off = 0
+        ranges = list(self._slot_ranges(slot, 0, parked.length))
+        if isinstance(parked, HybridParked):
+            ranges += list(self._rec_ranges(slot))
+        for r, w, n in ranges:
+            p.copy(parked.buffer, r.buf, off, w * 4, n * 4, "restore")
+            off += n * 4
+        p.run()
+        self.length[slot] = parked.state_length if isinstance(parked, HybridParked) else -1
+
+    def copy_prefix(self, src_slot: int, dst_slot: int, length: int) -> None:
+        if src_slot == dst_slot or length <= 0:
+            return
+        super().copy_prefix(src_slot, dst_slot, length)
+        if self.reusable_prefix(src_slot, length) == length:
+            p = self.device.program()
+            for (r, ws, n), (_, wd, _) in zip(self._rec_ranges(src_slot), self._rec_ranges(dst_slot)):
+                p.copy(r.buf, r.buf, ws * 4, wd * 4, n * 4, "prefix")
+            p.run()
+            self.length[dst_slot] = length
+        else:
+            self.length[dst_slot] = -1

@@ -285,23 +285,30 @@ def synth_llama(c: SynthConfig, quant: str, seed: int, out_dir: Path, name: str 
             "eos_token_id": tmeta.get("tokenizer.ggml.eos_token_id"),
         }
         (folder / "config.json").write_text(json.dumps(cfg, indent=1))
-        from .tokenizer import from_gguf
-        tok = from_gguf(lambda k, d=None: tmeta.get(k, d))
-        tok.hf.save(str(folder / "tokenizer.json"))
-        toks = tmeta["tokenizer.ggml.tokens"]
-        (folder / "tokenizer_config.json").write_text(json.dumps({
-            "bos_token": toks[tmeta["tokenizer.ggml.bos_token_id"]],
-            "eos_token": toks[tmeta["tokenizer.ggml.eos_token_id"]],
-            "add_bos_token": bool(tmeta.get("tokenizer.ggml.add_bos_token", False)),
-            "chat_template": tmeta.get("tokenizer.chat_template"),
-        }, indent=1))
+        write_hf_tokenizer(folder, tmeta)
         written["hf"] = folder
     return written
 
 
+def write_hf_tokenizer(folder: Path, tmeta: dict) -> None:
+    """tokenizer.json and tokenizer_config.json of a Hugging Face folder, from
+    the tokenizer fields of a GGUF (_tokenizer_meta)."""
+    from .tokenizer import from_gguf
+    tok = from_gguf(lambda k, d=None: tmeta.get(k, d))
+    tok.hf.save(str(folder / "tokenizer.json"))
+    toks = tmeta["tokenizer.ggml.tokens"]
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": toks[tmeta["tokenizer.ggml.bos_token_id"]],
+        "eos_token": toks[tmeta["tokenizer.ggml.eos_token_id"]],
+        "add_bos_token": bool(tmeta.get("tokenizer.ggml.add_bos_token", False)),
+        "chat_template": tmeta.get("tokenizer.chat_template"),
+    }, indent=1))
+
+
 def add_synth_args(p) -> None:
-    p.add_argument("--arch", default="llama", choices=["llama"])
-    p.add_argument("--shape", default="tiny", help=f"one of {', '.join(SHAPES)}")
+    p.add_argument("--arch", default="llama", choices=["llama", "qwen35", "qwen35moe"])
+    p.add_argument("--shape", default="tiny", help=f"llama: one of {', '.join(SHAPES)}; qwen35: tiny, 0.8B, 4B; "
+                   "qwen35moe: tiny, 35B-A3B")
     p.add_argument("--config", default=None, help="JSON (inline or a file) of SynthConfig fields instead of --shape")
     p.add_argument("--quant", default="q8_0", help=f"one of {', '.join(QUANTS)}")
     p.add_argument("--seed", type=int, default=0)
@@ -314,14 +321,19 @@ def add_synth_args(p) -> None:
 
 
 def synth_main(args) -> int:
-    c = config_for(args.shape, args.config)
     formats = tuple(f.strip() for f in args.formats.split(",") if f.strip())
     bad = set(formats) - {"gguf", "hf"}
     if bad or not formats:
         raise VkEngineError(f"--formats takes gguf and/or hf, got {args.formats!r}")
     name = args.name or f"{args.arch}-{args.shape if not args.config else 'custom'}"
     tok = Path(args.tokenizer_from) if args.tokenizer_from else None
-    out = synth_llama(c, args.quant, args.seed, Path(args.out), name, formats, args.workers, tok)
+    if args.arch in ("qwen35", "qwen35moe"):
+        from . import synth_qwen35
+        qc = synth_qwen35.config_for(args.arch, args.shape, args.config)
+        out = synth_qwen35.synth_qwen35(qc, args.quant, args.seed, Path(args.out), name, formats, args.workers, tok)
+    else:
+        out = synth_llama(config_for(args.shape, args.config), args.quant, args.seed, Path(args.out), name, formats,
+                          args.workers, tok)
     for k, v in out.items():
         print(f"{k}: {v}")
     return 0

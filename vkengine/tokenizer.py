@@ -19,6 +19,9 @@ _LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{
            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen3.5 keeps combining marks with letters (llama.cpp llama-vocab.cpp LLAMA_VOCAB_PRE_TYPE_QWEN35)
+_QWEN35 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+           r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 PRE_TOKENIZERS: dict[str, list[str]] = {
     "default": [_GPT2],
     "gpt2": [_GPT2],
@@ -26,7 +29,7 @@ PRE_TOKENIZERS: dict[str, list[str]] = {
     "llama3": [_LLAMA3],
     "llama-bpe": [_LLAMA3],
     "qwen2": [_QWEN2],
-    "qwen35": [_QWEN2],
+    "qwen35": [_QWEN35],
 }
 
 TOKEN_TYPE_CONTROL = 3

@@ -13,6 +13,7 @@
 #   profile GPU time per op (vkengine bench --profile) on PROFILE_MODELS
 #   bench   bench/bench.py: ours vs llama-bench on synthetic models
 #   serve-bench  bench/serve.py: C = 1, 4, 16 streaming clients, ours vs llama-server
+#   qwen35  the hybrid models' tests, and tests/gpu/hf_oracle_qwen35.py (transformers as oracle)
 # Everything the GPU machine lacks travels in .vk/: the Vulkan loader and the
 # GL vendor-neutral libraries that NVIDIA's Vulkan ICD (libGLX_nvidia) needs, libfmt,
 # the patched kp wheel for its Python 3.12, gguf, a tokenizer-only GGUF, the
@@ -74,6 +75,15 @@ for s in $stages; do
           --name "llama-$shape" --formats gguf --tokenizer-from "$VKENGINE_TOKENIZER_GGUF" >/dev/null
         python3 -m vkengine.cli bench -m "$f" -p 512 -n 32 -r 1 --profile 2>&1 | tee -a "$OUT/profile.log"
       done
+      ;;
+    qwen35)
+      # hybrid models: kernels, tiny-model tests (llama-server checks use the Vulkan build when present),
+      # then Hugging Face transformers as the oracle
+      [ -x /tmp/llb/bin/llama-server ] && export VKENGINE_LLAMA_SERVER=/tmp/llb/bin/llama-server
+      python3 -m pytest -q -p no:cacheprovider tests/test_kernels_qwen35.py tests/test_models_qwen35.py \
+        tests/test_mtp_qwen35.py tests/test_gguf_qwen35.py --junitxml="$OUT/gpu-qwen35.xml" 2>&1 \
+        | tee "$OUT/gpu-qwen35.log" | tail -15
+      python3 tests/gpu/hf_oracle_qwen35.py 2>&1 | tee "$OUT/hf-oracle-qwen35.log"
       ;;
     bench)
       build_llama && lb=/tmp/llb/bin/llama-bench || lb=""

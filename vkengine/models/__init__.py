@@ -5,9 +5,9 @@ from __future__ import annotations
 from types import ModuleType
 
 from ..errors import VkEngineError
-from . import llama
+from . import llama, qwen35
 
-ARCHITECTURES: dict[str, ModuleType] = {llama.ARCH: llama}
+ARCHITECTURES: dict[str, ModuleType] = {llama.ARCH: llama, **{a: qwen35 for a in qwen35.ARCHES}}
 HF_ARCHITECTURES: dict[str, ModuleType] = {name: m for m in ARCHITECTURES.values() for name in m.HF_ARCHITECTURES}
 
 

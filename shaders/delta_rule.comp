@@ -1,0 +1,120 @@
+#version 450
+// Gated delta rule (Gated DeltaNet, Yang et al. 2024), the recurrence of
+// Qwen3.5's linear-attention layers, over the rows of a step. Per value head
+// hv and row t of a sequence, with q, k already L2-normalized:
+//   g    = A[hv] * softplus(alpha[t][hv] + dt_bias[hv])     (A = -exp(A_log) < 0)
+//   beta = sigmoid(beta_raw[t][hv])
+//   S    = exp(g) * S                                        S: [dk][dv], fp32
+//   S   += k (beta * (v - S^T k))^T                          (the delta rule)
+//   o    = scale * S^T q                                     scale = 1/sqrt(dk)
+// as torch_recurrent_gated_delta_rule in HF's modeling_qwen3_5.py and
+// build_delta_net_autoregressive in llama.cpp's delta-net-base.cpp.
+//
+// Columns of S (one per value dimension j) evolve independently, so one
+// subgroup owns one column of one head of one sequence, its dk entries spread
+// over the lanes (coalesced: the state is stored [head][j][i], i fastest), and
+// walks that sequence's rows in order with the column in registers: a prefill
+// chunk costs one state load and one store per column (batched-sequential;
+// the chunked WY form is not needed for correctness). Rows of a slot must be
+// contiguous and consecutive in position (the host checks); a sequence whose
+// first row is at position 0 starts from S = 0. The grid has one group of
+// nv*dv subgroups per possible sequence in the step; group g takes the g-th
+// run of equal slots. Snapshots: with snap_rows > 0, S after row r < snap_rows
+// is also written to snapshot r (speculative decoding rolls back to it).
+// Key heads serve nv/nk value heads each: hv -> hv % nk when `tiled` (GGUF,
+// llama.cpp's converter reorders value heads so ggml can broadcast), else
+// hv / (nv/nk) (Hugging Face's repeat_interleave).
+#include "common.glsl"
+
+layout(binding = 0) readonly buffer Wq { float wf[]; };
+layout(binding = 1) buffer Act { float act[]; };
+layout(binding = 2) readonly buffer Params { uint params[]; };
+layout(binding = 3) buffer State { float st[]; };
+
+layout(push_constant) uniform P {
+    uint q_off, k_off, v_off, qkv_stride;
+    uint a_off, b_off, ab_stride;
+    uint o_off, o_stride;
+    uint nk, nv, dk, dv, n_rows, n_groups;   // n_groups: sequences the grid covers
+    uint wa_off, wdt_off;
+    uint state_off, slot_stride, snap_off, snap_rows;
+    uint pos_off, slot_off, tiled;
+    float scale;
+} p;
+
+// state entries per lane: dk / subgroup size (dk <= 128 on subgroups of 8)
+#define MAXE 16
+
+float softplus(float x) { return x > 20.0 ? x : log(1.0 + exp(x)); }
+
+void main() {
+    uint per_group = p.nv * p.dv;
+    uint lane = gl_SubgroupInvocationID;
+    uint S = gl_SubgroupSize;
+    uvec2 items = workgroup_items(p.n_groups * per_group);
+    for (uint it = items.x + gl_SubgroupID; it < items.y; it += gl_NumSubgroups) {
+        uint grp = it / per_group;
+        uint hv = (it % per_group) / p.dv;
+        uint j = it % p.dv;
+        // first row of the grp-th run of equal slots
+        uint start = 0u;
+        if (grp > 0u) {
+            uint found = 0u;
+            for (uint r = 1u; r < p.n_rows; r++) {
+                if (params[p.slot_off + r] != params[p.slot_off + r - 1u]) {
+                    found++;
+                    if (found == grp) { start = r; break; }
+                }
+            }
+            if (found < grp) continue;
+        }
+        if (start >= p.n_rows) continue;
+        uint slot = params[p.slot_off + start];
+        uint hk = p.tiled != 0u ? hv % p.nk : hv / (p.nv / p.nk);
+        uint col = p.state_off + slot * p.slot_stride + (hv * p.dv + j) * p.dk;
+        bool fresh = params[p.pos_off + start] == 0u;
+        float s[MAXE];
+        [[unroll]] for (uint e = 0; e < MAXE; e++) {
+            uint i = lane + e * S;
+            s[e] = (i < p.dk && !fresh) ? st[col + i] : 0.0;
+        }
+        float A = wf[p.wa_off + hv];
+        float dtb = wf[p.wdt_off + hv];
+        for (uint r = start; r < p.n_rows && params[p.slot_off + r] == slot; r++) {
+            uint ab = r * p.ab_stride + hv;
+            float decay = exp(A * softplus(act[p.a_off + ab] + dtb));
+            float beta = 1.0 / (1.0 + exp(-act[p.b_off + ab]));
+            uint kb = p.k_off + r * p.qkv_stride + hk * p.dk;
+            uint qb = p.q_off + r * p.qkv_stride + hk * p.dk;
+            float kv = 0.0;
+            float kk[MAXE];
+            [[unroll]] for (uint e = 0; e < MAXE; e++) {
+                uint i = lane + e * S;
+                kk[e] = i < p.dk ? act[kb + i] : 0.0;
+                s[e] *= decay;
+                kv += s[e] * kk[e];
+            }
+            kv = subgroupAdd(kv);
+            float delta = (act[p.v_off + r * p.qkv_stride + hv * p.dv + j] - kv) * beta;
+            float o = 0.0;
+            [[unroll]] for (uint e = 0; e < MAXE; e++) {
+                uint i = lane + e * S;
+                s[e] += kk[e] * delta;
+                if (i < p.dk) o += s[e] * act[qb + i];
+            }
+            o = subgroupAdd(o);
+            if (subgroupElect()) act[p.o_off + r * p.o_stride + hv * p.dv + j] = o * p.scale;
+            if (r < p.snap_rows) {
+                uint sc = p.snap_off + r * p.slot_stride + (hv * p.dv + j) * p.dk;
+                [[unroll]] for (uint e = 0; e < MAXE; e++) {
+                    uint i = lane + e * S;
+                    if (i < p.dk) st[sc + i] = s[e];
+                }
+            }
+        }
+        [[unroll]] for (uint e = 0; e < MAXE; e++) {
+            uint i = lane + e * S;
+            if (i < p.dk) st[col + i] = s[e];
+        }
+    }
+}

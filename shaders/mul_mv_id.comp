@@ -1,0 +1,50 @@
+#version 450
+// Expert matvec selected by id (ggml_mul_mat_id), for decode-sized steps: the
+// experts' matrices are stacked in one tensor of E x M rows (GGUF ffn_*_exps),
+// expert e's row m is global row e*M + m, and row r of the batch uses experts
+// ids[r][0..k) (uint words at route[r][0..k), written by moe_router.comp):
+//   y[r][i][m] = W[ids[r][i]][m] . x[r][i]          (i < k)
+// x_slot_stride = 0 reads the same x row for every i. The weighted sum over i
+// is moe_combine.comp's. One subgroup per output row, lanes over the row's
+// units as mul_mv.comp. grid: (row groups folded into x/y, pairs r*k + i in z)
+#include "common.glsl"
+
+layout(binding = 0) readonly buffer Wq { uint wq[]; };
+layout(binding = 1) buffer Act { float act[]; };
+layout(binding = 1) readonly buffer Act4 { vec4 act4[]; };
+layout(binding = 1) readonly buffer ActU { uint actu[]; };
+
+layout(push_constant) uniform P {
+    uint w_off, w_off2;          // expert 0's weight words / scale words
+    uint K, M, k, n_rows;        // columns, rows per expert, experts per row, batch rows
+    uint ids_off, ids_stride;
+    uint x_off, x_stride, x_slot_stride;   // floats; multiples of 4
+    uint y_off, y_stride, y_slot_stride;
+} p;
+
+#include "quant.glsl"
+
+float row_dot(uint grow, uint xb) {
+    uint units = units_per_row(p.K);
+    float acc = 0.0;
+    for (uint u = gl_SubgroupInvocationID; u < units; u += gl_SubgroupSize) {
+        vec4 v[UNIT_GROUPS];
+        uint xo[UNIT_GROUPS];
+        unit_load(p.w_off, p.w_off2, grow, u, p.K, v, xo);
+        [[unroll]] for (uint g = 0; g < UNIT_GROUPS; g++) acc += dot(v[g], act4[(xb + xo[g]) >> 2]);
+    }
+    return acc;
+}
+
+void main() {
+    uvec2 rows = workgroup_items(p.M);
+    uint pair = gl_WorkGroupID.z;
+    uint r = pair / p.k;
+    uint i = pair % p.k;
+    uint e = actu[p.ids_off + r * p.ids_stride + i];
+    uint xb = p.x_off + r * p.x_stride + i * p.x_slot_stride;
+    for (uint m = rows.x + gl_SubgroupID; m < rows.y; m += gl_NumSubgroups) {
+        float s = subgroupAdd(row_dot(e * p.M + m, xb));
+        if (subgroupElect()) act[p.y_off + r * p.y_stride + i * p.y_slot_stride + m] = s;
+    }
+}

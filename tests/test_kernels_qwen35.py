@@ -1,0 +1,309 @@
+"""Kernels of the hybrid models against numpy (tests/reference_hybrid.py): fresh
+random inputs, poisoned outputs (unwritten elements are NaN and fail), sizes
+that are not multiples of the subgroup or workgroup, several sequences (slots)
+in one step, fresh sequences (position 0) next to continuing ones."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vkengine.kernels_hybrid import HybridKernels
+from vkengine.rope import rope_table
+
+from . import reference_hybrid as rh
+from .quant_util import random_quantized, upload_matrix
+
+
+@pytest.fixture(scope="module")
+def hk(kernels):
+    return HybridKernels.like(kernels)
+
+
+def _close(got, want, rtol=1e-4, atol_scale=1e-5):
+    atol = atol_scale * max(1.0, float(np.abs(want).max()))
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
+
+
+def _rows_params(ws, slots, pos, slot_off=40, pos_off=0):
+    n = len(slots)
+    ws.params.array()[pos_off:pos_off + n] = np.asarray(pos, np.uint32)
+    ws.params.array()[slot_off:slot_off + n] = np.asarray(slots, np.uint32)
+    return pos_off, slot_off
+
+
+# A step with three sequences: slot 2 continues from its state (3 rows), slot 0
+# starts fresh (5 rows from position 0), slot 3 decodes one row.
+STEP_SLOTS = [2, 2, 2, 0, 0, 0, 0, 0, 3]
+STEP_POS = [7, 8, 9, 0, 1, 2, 3, 4, 40]
+
+
+def _groups(slots, pos):
+    out, r = [], 0
+    while r < len(slots):
+        e = r
+        while e < len(slots) and slots[e] == slots[r]:
+            e += 1
+        out.append((slots[r], pos[r], r, e))
+        r = e
+    return out
+
+
+# -- pure numpy: the two forms of the gated delta rule agree ------------------------
+
+def test_reference_delta_rule_chunked_equals_recurrent(rng):
+    T, H, dk, dv = 11, 3, 8, 6
+    q = rh.l2_norm(rng.standard_normal((T, H, dk)))
+    k = rh.l2_norm(rng.standard_normal((T, H, dk)))
+    v = rng.standard_normal((T, H, dv))
+    g = -rng.uniform(0.01, 1.0, (T, H))
+    beta = rng.uniform(0.1, 0.9, (T, H))
+    S0 = rng.standard_normal((H, dk, dv))
+    o1, s1, _ = rh.delta_rule_recurrent(q, k, v, g, beta, S0, 0.3)
+    o2, s2 = rh.delta_rule_chunked(q, k, v, g, beta, S0, 0.3, chunk=4)
+    np.testing.assert_allclose(o1, o2, rtol=1e-9, atol=1e-9)
+    np.testing.assert_allclose(s1, s2, rtol=1e-9, atol=1e-9)
+
+
+# -- conv1d --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("C,K", [(37, 4), (200, 2), (8, 1)])
+def test_conv1d(device, hk, ws, rng, C, K):
+    n, n_slots = len(STEP_SLOTS), 4
+    pos_off, slot_off = _rows_params(ws, STEP_SLOTS, STEP_POS)
+    w = rng.standard_normal((C, K)).astype(np.float32)
+    x = rng.standard_normal((n, C)).astype(np.float32)
+    xs, ys = C + 3, C + 5
+    state0 = rng.standard_normal((n_slots, max(K - 1, 0), C)).astype(np.float32)
+    wr = ws.weight_region(w)
+    xr = ws.act_region(n * xs, np.pad(x, ((0, 0), (0, 3))))
+    yr = ws.act_region(n * ys)
+    st = ws.act_region(max(state0.size, 4), state0 if state0.size else None)
+    snap_rows = 4
+    snap = ws.act_region(max(snap_rows * (K - 1) * C, 4))
+    prog = device.program()
+    hk.conv1d(prog, wr, xr, xs, yr, ys, C, K, n, st, snap, snap_rows, ws.params, pos_off, slot_off)
+    prog.run()
+    got = ws.read(yr).reshape(n, ys)
+    assert np.isnan(got[:, C:]).all()
+    want_state = state0.copy()
+    want_y = np.zeros((n, C))
+    snaps = []
+    for slot, p0, a, b in _groups(STEP_SLOTS, STEP_POS):
+        s = np.zeros_like(state0[slot]) if p0 == 0 else state0[slot]
+        for r in range(a, b):
+            want_y[r:r + 1], s = rh.conv1d(x[r:r + 1], w, s)
+            snaps.append(s)
+        want_state[slot] = s
+    _close(got[:, :C], want_y)
+    if K > 1:
+        _close(ws.read(st)[: state0.size].reshape(state0.shape), want_state)
+        _close(ws.read(snap)[: snap_rows * (K - 1) * C].reshape(snap_rows, K - 1, C), np.stack(snaps[:snap_rows]))
+
+
+# -- norms, gates ---------------------------------------------------------------------
+
+def test_l2_norm_in_place(device, hk, ws, rng):
+    rows, H, hd = 7, 5, 36
+    x = rng.standard_normal((rows, H * hd)).astype(np.float32) * 3
+    xr = ws.act_region(rows * H * hd, x)
+    prog = device.program()
+    hk.l2_norm(prog, xr, H * hd, xr, H * hd, hd, H, rows, 1e-6)
+    prog.run()
+    _close(ws.read(xr).reshape(rows, H, hd), rh.l2_norm(x.reshape(rows, H, hd)))
+
+
+def test_gated_rms_norm(device, hk, ws, rng):
+    rows, H, hd = 6, 3, 40
+    x = rng.standard_normal((rows, H * hd)).astype(np.float32)
+    z = rng.standard_normal((rows, H * hd + 8)).astype(np.float32) * 2
+    w = rng.standard_normal(hd).astype(np.float32)
+    xr, zr = ws.act_region(x.size, x), ws.act_region(z.size, z)
+    yr = ws.act_region(rows * (H * hd + 4))
+    prog = device.program()
+    hk.gated_rms_norm(prog, ws.weight_region(w), xr, H * hd, zr.at(8, z.size - 8), H * hd + 8, yr,
+                      H * hd + 4, hd, H, rows, 1e-6)
+    prog.run()
+    got = ws.read(yr).reshape(rows, H * hd + 4)
+    want = rh.gated_rms_norm(x.reshape(rows, H, hd), z[:, 8:].reshape(rows, H, hd), w, 1e-6)
+    _close(got[:, :H * hd].reshape(rows, H, hd), want)
+    assert np.isnan(got[:, H * hd:]).all()
+
+
+def test_sigmoid_mul_head_gates_and_row_gate(device, hk, ws, rng):
+    rows, H, hd = 5, 3, 12
+    x = rng.standard_normal((rows, H * hd)).astype(np.float32)
+    qg = rng.standard_normal((rows, H * 2 * hd)).astype(np.float32) * 3   # per head [q | gate]
+    xr, gr, yr = ws.act_region(x.size, x), ws.act_region(qg.size, qg), ws.act_region(x.size)
+    prog = device.program()
+    hk.sigmoid_mul(prog, xr, H * hd, gr.at(hd, qg.size - hd), 2 * H * hd, hd, 2 * hd, 1, yr, H * hd, H * hd, rows)
+    prog.run()
+    gate = qg.reshape(rows, H, 2, hd)[:, :, 1].reshape(rows, H * hd)
+    _close(ws.read(yr).reshape(rows, H * hd), x * rh.sigmoid(gate))
+    s = rng.standard_normal((rows, 4)).astype(np.float32)
+    sr = ws.act_region(s.size, s)
+    prog = device.program()
+    hk.sigmoid_mul(prog, xr, H * hd, sr, 4, H * hd, 0, 0, xr, H * hd, H * hd, rows)   # in place
+    prog.run()
+    _close(ws.read(xr).reshape(rows, H * hd), x * rh.sigmoid(s[:, :1]))
+
+
+# -- gated delta rule -------------------------------------------------------------------
+
+@pytest.mark.parametrize("tiled", [False, True])
+@pytest.mark.parametrize("nk,nv,dk,dv", [(2, 4, 16, 12), (3, 3, 24, 8), (1, 2, 128, 5)])
+def test_delta_rule(device, hk, ws, rng, tiled, nk, nv, dk, dv):
+    n, n_slots, snap_rows = len(STEP_SLOTS), 4, 6
+    pos_off, slot_off = _rows_params(ws, STEP_SLOTS, STEP_POS)
+    qk = rh.l2_norm(rng.standard_normal((n, 2, nk, dk))).astype(np.float32)
+    v = rng.standard_normal((n, nv, dv)).astype(np.float32)
+    conv = np.concatenate([qk.reshape(n, -1), v.reshape(n, -1), np.zeros((n, 3), np.float32)], 1)
+    cs = conv.shape[1]
+    ab = rng.standard_normal((n, 2 * nv + 1)).astype(np.float32)        # [alpha | beta | pad]
+    A = -np.exp(rng.uniform(-1, 1, nv)).astype(np.float32)
+    dt = rng.standard_normal(nv).astype(np.float32)
+    S0 = (rng.standard_normal((n_slots, nv, dv, dk)) * 0.5).astype(np.float32)   # [slot][hv][j][i]
+    wr = ws.weight_region(np.concatenate([A, dt]))
+    cr = ws.act_region(conv.size, conv)
+    abr = ws.act_region(ab.size, ab)
+    os_ = nv * dv + 2
+    orr = ws.act_region(n * os_)
+    st = ws.act_region(S0.size, S0)
+    snap = ws.act_region(snap_rows * nv * dv * dk)
+    scale = dk ** -0.5
+    prog = device.program()
+    hk.delta_rule(prog, wr.at(0, nv), wr.at(nv, nv), cr, cr.at(nk * dk, 0), cr.at(2 * nk * dk, 0), cs,
+                  abr, abr.at(nv, 0), 2 * nv + 1, orr, os_, nk, nv, dk, dv, n, 3, st, snap, snap_rows,
+                  ws.params, pos_off, slot_off, tiled, scale)
+    prog.run()
+    got = ws.read(orr).reshape(n, os_)
+    assert np.isnan(got[:, nv * dv:]).all()
+    hm = rh.head_map(nv, nk, tiled)
+    g, beta = rh.gdn_gates(ab[:, :nv], ab[:, nv:2 * nv], A, dt)
+    want_S = S0.astype(np.float64).copy()
+    want_o = np.zeros((n, nv, dv))
+    snaps = []
+    for slot, p0, a, b in _groups(STEP_SLOTS, STEP_POS):
+        s = np.zeros((nv, dk, dv)) if p0 == 0 else S0[slot].transpose(0, 2, 1)
+        o, s, states = rh.delta_rule_recurrent(qk[a:b, 0][:, hm], qk[a:b, 1][:, hm], v[a:b], g[a:b], beta[a:b],
+                                               s, scale)
+        want_o[a:b] = o
+        want_S[slot] = s.transpose(0, 2, 1)
+        snaps.extend(states)
+    _close(got[:, :nv * dv].reshape(n, nv, dv), want_o, atol_scale=1e-5)
+    _close(ws.read(st).reshape(S0.shape), want_S, atol_scale=1e-5)
+    got_snap = ws.read(snap).reshape(snap_rows, nv, dv, dk)
+    _close(got_snap, np.stack(snaps[:snap_rows]).transpose(0, 1, 3, 2), atol_scale=1e-5)
+
+
+# -- gated attention prologue: q/k RMSNorm + partial NEOX RoPE + KV write -----------------
+
+def test_norm_rope_kv(device, hk, ws, rng):
+    rows, H, Hkv, hd, n_rot, ctx, n_slots = 5, 4, 2, 32, 8, 30, 3
+    table = rope_table(ctx, n_rot, 10000.0)
+    wq = (1 + 0.3 * rng.standard_normal(hd)).astype(np.float32)
+    wk = (1 + 0.3 * rng.standard_normal(hd)).astype(np.float32)
+    wreg = ws.weight_region(np.concatenate([table.reshape(-1), wq, wk]))
+    tr, wqr, wkr = wreg.at(0, table.size), wreg.at(table.size, hd), wreg.at(table.size + hd, hd)
+    width = 2 * H * hd + 2 * Hkv * hd
+    qkv = (rng.standard_normal((rows, width)) * 2).astype(np.float32)
+    slots = np.array([1, 1, 1, 0, 2], np.uint32)
+    pos = np.array([4, 5, 6, 0, 29], np.uint32)
+    pos_off, slot_off = _rows_params(ws, slots, pos)
+    stride = width + 4
+    qr = ws.act_region(rows * stride, np.pad(qkv, ((0, 0), (0, 4))))
+    qo = ws.act_region(rows * H * hd)
+    slot_stride = ctx * Hkv * hd // 2
+    kc, vc = ws.act_region(n_slots * slot_stride), ws.act_region(n_slots * slot_stride)
+    prog = device.program()
+    hk.norm_rope_kv(prog, tr, wqr, wkr, qr, stride, 2 * hd, 2 * H * hd, 2 * H * hd + Hkv * hd, qo, H * hd, rows,
+                    H, Hkv, hd, n_rot, kc, vc, slot_stride, ws.params, pos_off, slot_off, 1e-6)
+    prog.run()
+    q = qkv[:, :2 * H * hd].reshape(rows, H, 2, hd)[:, :, 0]
+    k = qkv[:, 2 * H * hd: 2 * H * hd + Hkv * hd].reshape(rows, Hkv, hd)
+    v = qkv[:, 2 * H * hd + Hkv * hd:].reshape(rows, Hkv, hd)
+    want_q = rh.rope_neox(rh.rms_norm(q, wq, 1e-6), pos[:, None], n_rot, table)
+    want_k = rh.rope_neox(rh.rms_norm(k, wk, 1e-6), pos[:, None], n_rot, table)
+    _close(ws.read(qo).reshape(rows, H, hd), want_q)
+    kcache = ws.read(kc, np.uint32).view(np.float16).astype(np.float32).reshape(n_slots, ctx, Hkv, hd)
+    vcache = ws.read(vc, np.uint32).view(np.float16).astype(np.float32).reshape(n_slots, ctx, Hkv, hd)
+    for r in range(rows):
+        np.testing.assert_allclose(kcache[slots[r], pos[r]], want_k[r], rtol=2e-3, atol=2e-3)
+        np.testing.assert_array_equal(vcache[slots[r], pos[r]], v[r].astype(np.float16).astype(np.float32))
+
+
+# -- MoE routing and experts ----------------------------------------------------------------
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_moe_router(device, hk, ws, rng, fixed):
+    rows, E, k, D = 7, 37, 5, 24
+    h = rng.standard_normal((rows, D)).astype(np.float32)
+    w = rng.standard_normal((E, D)).astype(np.float32)
+    if fixed:
+        h[3] = 0.0                                   # row 3: every logit exactly 0, all tied
+        logits = rh.router_logits_serial(h, w)
+    else:
+        logits = (h.astype(np.float64) @ w.T).astype(np.float32)
+        logits[3, [10, 20, 30]] = logits[3].max() + 1.0   # a three-way tie at the top
+    hr = ws.act_region(h.size, h)
+    lr = ws.act_region(rows * E, None if fixed else logits)
+    yr = ws.act_region(rows * 2 * k)
+    rec = ws.act_region(rows * (k + 3))
+    prog = device.program()
+    fx = (ws.weight_region(w), hr, D, D) if fixed else None
+    hk.moe_router(prog, lr, E, yr, 2 * k, E, k, rows, 1.5, rec, k + 3, fixed=fx)
+    prog.run()
+    out = ws.read(yr).reshape(rows, 2 * k)
+    ids = out[:, :k].view(np.uint32)
+    want_ids, want_w = rh.route(logits, k, 1.5)
+    np.testing.assert_array_equal(ids, want_ids)
+    _close(out[:, k:], want_w, atol_scale=1e-6)
+    np.testing.assert_array_equal(ws.read(rec).reshape(rows, k + 3)[:, :k].view(np.uint32), want_ids)
+    if fixed:   # the logits it computed are bit-exact against the serial float32 order
+        np.testing.assert_array_equal(ws.read(lr).reshape(rows, E), logits)
+
+
+@pytest.mark.parametrize("wt", ["f32", "f16", "q8_0", "q4_0", "q4_k", "q6_k"])
+@pytest.mark.parametrize("batched", [False, True])
+def test_expert_matmuls_and_combine(device, hk, ws, rng, wt, batched):
+    """gate/up (x shared by a row's experts) and down (one x per pair) products,
+    by one matvec per pair or expert-major over moe_sort's lists, then the
+    weighted sum into a residual."""
+    E, M, k, n = 6, 19, 3, 13
+    K = 256 if wt in ("q4_k", "q6_k") else 64
+    raw, wf = random_quantized(wt, E * M, K, rng)
+    mat = upload_matrix(ws, wt, raw, E * M, K)
+    W = wf.reshape(E, M, K).astype(np.float64)
+    ids = np.stack([rng.permutation(E)[:k] for _ in range(n)]).astype(np.uint32)
+    ids[3] = [5, 0, 2]                                     # expert 1 is used by some rows, 4 maybe by none
+    wts = rng.uniform(0.1, 1.0, (n, k)).astype(np.float32)
+    rs = 2 * k + 2
+    route = np.concatenate([ids.view(np.float32), wts, np.zeros((n, 2), np.float32)], 1)
+    rr = ws.act_region(route.size, route)
+    lst, cnt = ws.act_region(n * (E + 1)), ws.act_region(E)
+    x = rng.standard_normal((n, K)).astype(np.float32)
+    xs = rng.standard_normal((n, k, K)).astype(np.float32)
+    xr, xsr = ws.act_region(x.size, x), ws.act_region(xs.size, xs)
+    ys = k * M + 4
+    yr, y2 = ws.act_region(n * ys), ws.act_region(n * ys)
+    prog = device.program()
+    if batched:
+        hk.moe_sort(prog, rr, rs, k, n, E, lst, E + 1, cnt)
+        hk.mul_mm_id(prog, mat, M, E, xr, K, 0, lst, E + 1, cnt, k, yr, ys, M, n)
+        hk.mul_mm_id(prog, mat, M, E, xsr, k * K, K, lst, E + 1, cnt, k, y2, ys, M, n)
+    else:
+        hk.mul_mat_id(prog, mat, M, xr, K, 0, rr, rs, k, yr, ys, M, n)
+        hk.mul_mat_id(prog, mat, M, xsr, k * K, K, rr, rs, k, y2, ys, M, n)
+    res = rng.standard_normal((n, M)).astype(np.float32)
+    resr = ws.act_region(res.size, res)
+    hk.moe_combine(prog, y2, ys, M, rr, rs, k, resr, M, M, n)
+    prog.run()
+    tol = 1e-5 * np.sqrt(K)
+    got = ws.read(yr).reshape(n, ys)
+    _close(got[:, :k * M].reshape(n, k, M), np.einsum("rimk,rk->rim", W[ids], x.astype(np.float64)), atol_scale=tol)
+    assert np.isnan(got[:, k * M:]).all()
+    down = np.einsum("rimk,rik->rim", W[ids], xs.astype(np.float64))
+    _close(ws.read(y2).reshape(n, ys)[:, :k * M].reshape(n, k, M), down, atol_scale=tol)
+    _close(ws.read(resr).reshape(n, M), res + np.einsum("ri,rim->rm", wts.astype(np.float64), down), atol_scale=tol)
+    if batched:
+        counts = ws.read(cnt, np.uint32)
+        np.testing.assert_array_equal(counts, np.bincount(ids.reshape(-1), minlength=E))

@@ -1,0 +1,229 @@
+"""Model level for the hybrid architectures (tiny random qwen35 and qwen35moe on
+lavapipe): logits against the numpy reference, prefill against step-by-step
+decode, chunked prefill, batched rows against sequential ones, the GGUF file
+against its Hugging Face copy, per-sequence state (park/restore, prefix copies,
+continuation checks) and the fixed-expert parity mode."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from vkengine.engine import Engine, EngineConfig
+from vkengine.errors import VkEngineError
+from vkengine.generate import generate
+from vkengine.model import load_model
+from vkengine.synth import _tokenizer_meta
+from vkengine.synth_qwen35 import SHAPES, synth_qwen35
+
+from .ref_qwen35 import RefQwen35
+
+PROMPT = "The quick brown fox jumps over the lazy dog. 1234567, and then"
+ARCHES = ["qwen35", "qwen35moe"]
+
+
+@pytest.fixture(scope="session")
+def qwen35_models(tmp_path_factory, tokenizer_source):
+    """Tiny random models (GGUF q8_0 + HF copy) of both architectures."""
+    out = tmp_path_factory.mktemp("synth-qwen35")
+    tmeta = _tokenizer_meta(tokenizer_source)
+    return {arch: synth_qwen35(SHAPES[(arch, "tiny")], "q8_0", seed=11, out_dir=out, name=f"{arch}-tiny",
+                               workers=1, tmeta=tmeta) for arch in ARCHES}
+
+
+@pytest.fixture(scope="session")
+def qwen35_loaded(qwen35_models):
+    """The models opened once (reading a GGUF's vocabulary takes seconds)."""
+    cache = {}
+
+    def get(arch, fmt="gguf"):
+        if (arch, fmt) not in cache:
+            cache[(arch, fmt)] = load_model(qwen35_models[arch][fmt])
+        return cache[(arch, fmt)]
+    return get
+
+
+def _engine(device, model, args_change=None, **kw):
+    m = dataclasses.replace(model, args=dataclasses.replace(model.args, **args_change)) if args_change else model
+    cfg = EngineConfig(**{"n_slots": 4, "n_ctx": 128, "max_batch": 64, "max_out": 64, **kw})
+    return m, Engine(m, device, cfg)
+
+
+def _prefill_logits(eng, ids, slot=0, start=0):
+    return eng.step(ids, range(start, start + len(ids)), [slot] * len(ids), range(len(ids)), "logits")
+
+
+def _assert_logits_close(got, want, rel=2e-3):
+    scale = float(np.abs(want).max())
+    err = float(np.abs(got - want).max())
+    assert err <= rel * scale, f"max |logit error| {err:.3g} > {rel} x {scale:.3g}"
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
+
+
+def _close(a, b, tol=1e-4):
+    np.testing.assert_allclose(a, b, rtol=0, atol=tol * float(np.abs(b).max()))
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_prefill_matches_numpy_reference(device, qwen35_loaded, arch):
+    m, eng = _engine(device, qwen35_loaded(arch, "gguf"))
+    ids = m.tokenizer.encode(PROMPT)
+    got = _prefill_logits(eng, ids)
+    want = RefQwen35(m.file, m.args).logits(ids)
+    _assert_logits_close(got, want)
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_prefill_equals_step_by_step_decode(device, qwen35_loaded, arch):
+    m, eng = _engine(device, qwen35_loaded(arch, "gguf"))
+    ids = m.tokenizer.encode(PROMPT)
+    pre = _prefill_logits(eng, ids, slot=1)
+    steps = np.stack([eng.step([t], [p], [2], [0], "logits")[0] for p, t in enumerate(ids)])
+    _close(steps, pre)
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_chunked_prefill_equals_single_prefill(device, qwen35_loaded, arch):
+    """The recurrent and conv states carry over between chunks of odd size."""
+    m, eng = _engine(device, qwen35_loaded(arch, "gguf"), max_batch=5)
+    ids = m.tokenizer.encode(PROMPT)
+    assert len(ids) > 10
+    chunked = eng.prefill(ids, 3, readback="logits")
+    _, eng2 = _engine(device, qwen35_loaded(arch, "gguf"))
+    whole = eng2.prefill(ids, 0, readback="logits")
+    _close(chunked, whole)
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_batched_rows_equal_sequential(device, qwen35_loaded, arch):
+    """Four sequences decoding in one step (different slots and positions), and a
+    step mixing one sequence's prefill chunk with another's decode row."""
+    m, eng = _engine(device, qwen35_loaded(arch, "gguf"))
+    prompts = [m.tokenizer.encode(t) for t in ("Hello there", "Once upon a time", "def f(x):", "1, 2, 3,")]
+    alone = []
+    for s, ids in enumerate(prompts):
+        eng.prefill(ids[:-1], s)
+        alone.append(eng.step([ids[-1]], [len(ids) - 1], [s], [0], "logits")[0])
+    for s, ids in enumerate(prompts):   # rebuild the states up to the last token
+        eng.prefill(ids[:-1], s)
+    both = eng.step([p[-1] for p in prompts], [len(p) - 1 for p in prompts], [0, 1, 2, 3], range(4), "logits")
+    _close(both, np.stack(alone))
+    # slot 0 prefills its whole prompt while slot 1 decodes, in one step
+    a, b = prompts[1], prompts[2]
+    eng.prefill(b[:-1], 1)
+    rows = a + [b[-1]]
+    out = eng.step(rows, list(range(len(a))) + [len(b) - 1], [0] * len(a) + [1], [len(a) - 1, len(a)], "logits")
+    _close(out[1], alone[2])
+    _, eng2 = _engine(device, qwen35_loaded(arch, "gguf"))
+    _close(out[0], eng2.prefill(a, 0, readback="logits"))
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_gguf_and_hf_copy_agree(device, qwen35_loaded, arch):
+    """Same weights in both layouts: tiled vs grouped value heads, norms with and
+    without the +1, ssm_a vs A_log, separate vs fused experts."""
+    mg, eg = _engine(device, qwen35_loaded(arch, "gguf"))
+    mh, eh = _engine(device, qwen35_loaded(arch, "hf"))
+    assert mg.args.v_heads_tiled and not mh.args.v_heads_tiled
+    ids = mg.tokenizer.encode(PROMPT)
+    assert ids == mh.tokenizer.encode(PROMPT)
+    _close(_prefill_logits(eg, ids), _prefill_logits(eh, ids), 1e-3)
+
+
+def test_hf_checkpoint_with_per_expert_tensors(device, qwen35_models, qwen35_loaded, tmp_path):
+    """Hub checkpoints may store each expert apart (mlp.experts.<e>.gate_proj...):
+    they are stacked on load and compute what the fused layout does."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+    src = qwen35_models["qwen35moe"]["hf"]
+    dst = tmp_path / "per-expert"
+    shutil.copytree(src, dst)
+    sd = load_file(str(src / "model.safetensors"))
+    out = {}
+    for k, v in sd.items():
+        if k.endswith("mlp.experts.gate_up_proj"):
+            F = v.shape[1] // 2
+            for e in range(v.shape[0]):
+                out[k.replace("gate_up_proj", f"{e}.gate_proj.weight")] = v[e, :F]
+                out[k.replace("gate_up_proj", f"{e}.up_proj.weight")] = v[e, F:]
+        elif k.endswith("mlp.experts.down_proj"):
+            for e in range(v.shape[0]):
+                out[k.replace("down_proj", f"{e}.down_proj.weight")] = v[e]
+        else:
+            out[k] = v
+    save_file({k: np.ascontiguousarray(v) for k, v in out.items()}, str(dst / "model.safetensors"))
+    mf, ef = _engine(device, qwen35_loaded("qwen35moe", "hf"))
+    _, ep = _engine(device, load_model(dst))
+    ids = mf.tokenizer.encode(PROMPT)
+    np.testing.assert_array_equal(_prefill_logits(ep, ids), _prefill_logits(ef, ids))
+
+
+def test_generate_greedy_matches_reference(device, qwen35_loaded):
+    m, eng = _engine(device, qwen35_loaded("qwen35", "gguf"))
+    ids = m.tokenizer.encode(PROMPT)
+    toks = [s.token for s in generate(eng, ids, 8, ignore_eos=True)]
+    ref = RefQwen35(m.file, m.args)
+    want = ref.logits(ids + toks)[len(ids) - 1:-1].argmax(-1)
+    assert (np.asarray(toks) == want).sum() >= len(toks) - 1   # one near-tie flip allowed
+
+
+# -- per-sequence state ----------------------------------------------------------------------
+
+def test_park_restore_moves_kv_and_recurrent_state(device, qwen35_loaded):
+    m, eng = _engine(device, qwen35_loaded("qwen35", "gguf"))
+    ids = m.tokenizer.encode(PROMPT)
+    eng.prefill(ids, 0)
+    parked = eng.kv.park(0, len(ids))
+    want = eng.step([42], [len(ids)], [0], [0], "logits")[0]
+    eng.prefill(m.tokenizer.encode("something else entirely"), 0)    # overwrite slot 0
+    eng.kv.restore(parked, 2)
+    got = eng.step([42], [len(ids)], [2], [0], "logits")[0]
+    _close(got, want)
+
+
+def test_copy_prefix_reuses_state_only_at_its_length(device, qwen35_loaded):
+    m, eng = _engine(device, qwen35_loaded("qwen35", "gguf"))
+    ids = m.tokenizer.encode(PROMPT)
+    n = 8
+    eng.prefill(ids[:n], 0)
+    assert eng.kv.reusable_prefix(0, n) == n
+    eng.kv.copy_prefix(0, 1, n)
+    got = eng.prefill(ids[n:], 1, start=n, readback="logits")
+    _, eng2 = _engine(device, qwen35_loaded("qwen35", "gguf"))
+    _close(got, eng2.prefill(ids, 0, readback="logits"))
+    # slot 0 has moved on: its prefix of n positions is no longer reusable
+    eng.prefill(ids[n:], 0, start=n)
+    assert eng.kv.reusable_prefix(0, n) == 0
+    eng.kv.copy_prefix(0, 2, n)
+    with pytest.raises(VkEngineError, match="recurrent state"):
+        eng.step([ids[n]], [n], [2], [0])
+    eng.prefill(ids, 2)                                  # restarting at position 0 is fine
+
+
+def test_step_must_continue_the_recurrent_state(device, qwen35_loaded):
+    m, eng = _engine(device, qwen35_loaded("qwen35", "gguf"))
+    eng.prefill([1, 2, 3, 4], 0)
+    with pytest.raises(VkEngineError, match="continue it at that position"):
+        eng.step([5], [2], [0], [0])                     # rewinding is impossible
+    with pytest.raises(VkEngineError, match="contiguous"):
+        eng.step([5, 6, 7], [4, 0, 5], [0, 1, 0], [0])
+    eng.step([5], [4], [0], [0])
+
+
+# -- fixed-expert parity mode -------------------------------------------------------------------
+
+def test_fixed_experts_match_reference_choices(device, qwen35_loaded):
+    from vkengine.models.qwen35 import read_expert_choices
+    m, eng = _engine(device, qwen35_loaded("qwen35moe", "gguf"), {"fixed_experts": True})
+    ids = m.tokenizer.encode(PROMPT)
+    got = _prefill_logits(eng, ids)
+    ref = RefQwen35(m.file, m.args)
+    _assert_logits_close(got, ref.logits(ids))
+    choices = read_expert_choices(eng, len(ids))          # (rows, MoE layers, k)
+    want = np.stack(ref.expert_choices, 1)
+    assert choices.shape == want.shape
+    assert (choices == want).mean() > 0.99
+    _, eng2 = _engine(device, qwen35_loaded("qwen35moe", "gguf"))
+    _close(_prefill_logits(eng2, ids), got, 1e-3)        # the normal router chooses the same experts here

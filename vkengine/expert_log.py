@@ -1,0 +1,32 @@
+"""Recording the experts a MoE model chose, step by step (parity mode).
+
+With the fixed-expert mode (`--fixed-experts`: Qwen35Args.fixed_experts) the
+router computes its logits in one fixed fp32 order and breaks ties by the lower
+expert index (shaders/moe_router.comp), so the choice does not depend on the
+device or the batch; every step also stores the chosen ids. RecordingEngine
+reads them back after each step and appends one JSON line per row:
+  {"slot": s, "pos": p, "token": t, "experts": [[e0, e1, ...] per MoE layer]}
+which a parity harness can compare with another implementation's routing.
+"""
+from __future__ import annotations
+
+import json
+from typing import TextIO
+
+from .engine import Engine
+
+
+class RecordingEngine(Engine):
+    def __init__(self, *args, log: TextIO, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.log = log
+
+    def step(self, tokens, positions, slots, out_rows=(), readback: str = "argmax"):
+        from .models.qwen35 import read_expert_choices
+        out = super().step(tokens, positions, slots, out_rows, readback)
+        choices = read_expert_choices(self, len(tokens))
+        for t, p, s, c in zip(tokens, positions, slots, choices):
+            self.log.write(json.dumps({"slot": int(s), "pos": int(p), "token": int(t),
+                                       "experts": c.astype(int).tolist()}) + "\n")
+        self.log.flush()
+        return out

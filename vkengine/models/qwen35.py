@@ -1,0 +1,183 @@
+"""Qwen3.5 hybrid decoders (llama.cpp architectures `qwen35` and `qwen35moe`;
+Hugging Face Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM): layers of Gated
+DeltaNet linear attention and gated full attention (by default three linear to
+one full), each followed by a SwiGLU FFN or a mixture of experts with a gated
+shared expert, and an optional multi-token-prediction (MTP) block.
+
+Sources: llama.cpp src/models/qwen35.cpp, qwen35moe.cpp, delta-net-base.cpp;
+Hugging Face modeling_qwen3_5.py / modeling_qwen3_5_moe.py.
+
+Layouts that differ between the two file formats (the loader evens them out):
+- RMSNorm weights: HF stores w for x*(1+w); GGUF stores 1+w, except the gated
+  norm of the linear-attention block (weight used as is in both).
+- HF stores A_log; GGUF stores ssm_a = -exp(A_log).
+- Value heads of the linear attention: GGUF orders them tiled over key heads
+  (llama.cpp's converter, _LinearAttentionVReorderBase), HF grouped; the
+  delta-rule kernel maps heads either way (Args.v_heads_tiled).
+- Full attention: q_proj rows are per head [query | gate] in both; RoPE is NEOX
+  on the first n_rot dims (Qwen3.5's interleaved M-RoPE, text positions).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..errors import VkEngineError
+from ..graph_hybrid import HybridGraph
+from ..state import HybridState
+from .qwen35_args import (HF_NAMES, MTP_BLOCK, PLUS_ONE_NORMS, Qwen35Args,  # noqa: F401 (the module's interface)
+                          hf_to_gguf_name)
+from .qwen35_weights import FullAttn, Layer, LinearAttn, MoeFfn, Qwen35Weights, load_weights  # noqa: F401
+
+ARCH = "qwen35"
+ARCHES = ("qwen35", "qwen35moe")   # GGUF general.architecture values served by this module
+HF_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
+                    "Qwen3_5MoeForConditionalGeneration")
+GRAPH = HybridGraph            # the Graph class this architecture's forward needs
+
+Args = Qwen35Args
+Weights = Qwen35Weights
+
+
+def make_state(device, a: Qwen35Args, n_slots: int, n_ctx: int) -> HybridState:
+    """KV rows of the attention layers (and the MTP block), conv and recurrent
+    states of the linear layers, with snapshot rows for speculative steps."""
+    return HybridState(device, n_slots, n_ctx, a.n_head_kv, a.head_dim, a.attn_layers, a.rec_layers,
+                       (a.conv_kernel - 1) * a.conv_dim, a.nv * a.dv * a.dk,
+                       a.mtp_snap_rows if a.n_nextn else 0)
+
+
+def scratch_widths(a: Qwen35Args) -> dict[str, int]:
+    D, k = a.n_embd, a.n_expert_used
+    w = {"x": D, "h": D}
+    if a.rec_layers:
+        w.update(lin=a.lin_width, conv=a.conv_dim, o=a.nv * a.dv)
+    w.update(aqkv=2 * a.n_head * a.head_dim + 2 * a.n_head_kv * a.head_dim, q=a.n_head * a.head_dim,
+             att=a.n_head * a.head_dim)
+    if a.moe:
+        w.update(rl=a.n_expert, route=2 * k, gu_e=k * 2 * a.n_ff_exp, ff_e=k * a.n_ff_exp, dn_e=k * D,
+                 elist=a.n_expert, ecnt=a.n_expert, gu_s=2 * a.n_ff_shexp, ff_s=a.n_ff_shexp, sg=1)
+        if a.fixed_experts:
+            w["rec"] = (len(a.moe_layers) + a.n_nextn) * k
+    else:
+        w.update(gu=2 * a.n_ff, ff=a.n_ff)
+    if a.n_nextn:
+        w.update(hn=D, mtp_e=D, mtp_cat=2 * D, mtp_hn=D, mtp_zero=D)
+    w.update(out_h=D, out_logits=a.n_vocab)
+    return w
+
+
+# -- the graph ---------------------------------------------------------------------------
+
+def _linear_attn(g: HybridGraph, a: Qwen35Args, L: LinearAttn, layer: int) -> None:
+    for m, col in L.lin_in:                                   # [qkv | z | beta | alpha]
+        g.matmul(m, "h", "lin", col=col)
+    g.conv1d(layer, "lin", "conv", L.conv, a.conv_dim, a.conv_kernel)
+    g.l2_norm("conv", a.dk, 2 * a.nk)                         # q and k heads
+    z_col = a.conv_dim
+    b_col = z_col + a.nv * a.dv
+    g.delta_rule(layer, "conv", "lin", b_col + a.nv, b_col, "o", L.a, L.dt, a.nk, a.nv, a.dk, a.dv,
+                 a.v_heads_tiled)
+    g.gated_rms_norm("o", "lin", z_col, L.norm, a.dv, a.nv)
+    g.matmul(L.out, "o", "x", accumulate=True)
+
+
+def _full_attn(g: HybridGraph, a: Qwen35Args, L: FullAttn, layer: int, w: Qwen35Weights) -> None:
+    for m, col in L.qkv:                                      # [q0 g0 q1 g1 ... | k | v]
+        g.matmul(m, "h", "aqkv", col=col)
+    g.norm_rope_kv(layer, "aqkv", "q", w.rope, L.q_norm, L.k_norm, a.n_head, a.n_head_kv, a.head_dim, a.n_rot)
+    g.attention(layer, "q", "att", a.n_head, a.n_head_kv, a.head_dim, 1.0 / math.sqrt(a.head_dim))
+    g.head_gate("att", "aqkv", a.head_dim)
+    g.matmul(L.wo, "att", "x", accumulate=True)
+
+
+def _moe(g: HybridGraph, a: Qwen35Args, F: MoeFfn, record_col: int | None) -> None:
+    k = a.n_expert_used
+    record = ("rec", record_col) if record_col is not None else None
+    if F.router_f32 is not None:                              # parity mode: fixed-order fp32 logits
+        g.moe_route("rl", "route", a.n_expert, k, a.expert_weights_scale, fixed=(F.router_f32, "h"), record=record)
+    else:
+        g.matmul(F.router, "h", "rl")
+        g.moe_route("rl", "route", a.n_expert, k, a.expert_weights_scale, record=record)
+    # expert-major batched matmuls once the step routes several rows per expert on average
+    batched = a.n_expert if g.n * k >= 4 * a.n_expert else 0
+    if batched:
+        g.moe_sort("route", k, a.n_expert)
+    g.experts(F.gate_up, 2 * a.n_ff_exp, "h", "route", k, "gu_e", per_slot_input=False, batched_experts=batched)
+    g.swiglu_split("gu_e", "ff_e", a.n_ff_exp, k)
+    g.experts(F.down, a.n_embd, "ff_e", "route", k, "dn_e", per_slot_input=True, batched_experts=batched)
+    g.moe_combine("dn_e", "route", k, "x")
+    for m, col in F.sh_gate_up:                               # shared expert, gated by sigmoid(h . w)
+        g.matmul(m, "h", "gu_s", col=col)
+    g.swiglu("gu_s", "ff_s")
+    g.matmul(F.sh_gate, "h", "sg")
+    g.row_gate("ff_s", "sg")
+    g.matmul(F.sh_down, "ff_s", "x", accumulate=True)
+
+
+def _block(g: HybridGraph, a: Qwen35Args, L: Layer, layer: int, w: Qwen35Weights, moe_index: int) -> None:
+    g.rms_norm("x", L.attn_norm, "h")
+    if isinstance(L.mixer, LinearAttn):
+        _linear_attn(g, a, L.mixer, layer)
+    else:
+        _full_attn(g, a, L.mixer, layer, w)
+    g.rms_norm("x", L.post_norm, "h")
+    if isinstance(L.ffn, MoeFfn):
+        _moe(g, a, L.ffn, moe_index * a.n_expert_used if a.fixed_experts else None)
+    else:
+        for m, col in L.ffn.gate_up:
+            g.matmul(m, "h", "gu", col=col)
+        g.swiglu("gu", "ff")
+        g.matmul(L.ffn.down, "ff", "x", accumulate=True)
+
+
+def forward(g: HybridGraph, a: Qwen35Args, w: Qwen35Weights, hidden_rows: bool = False) -> None:
+    """Record one step: g.n token rows through every layer; logits of the g.n_out
+    requested rows into out_logits. hidden_rows: also the final-normed hidden
+    state of every row into `hn` (the MTP block's input)."""
+    g.embed(w.tok_embd, "x")
+    for i, L in enumerate(w.layers):
+        _block(g, a, L, i, w, i)
+    if hidden_rows:
+        g.rms_norm_into("x", w.out_norm, "hn")
+    if g.n_out:
+        g.rms_norm("x", w.out_norm, "out_h", gather=True)
+        g.matmul(w.output, "out_h", "out_logits")
+
+
+def forward_mtp(g: HybridGraph, a: Qwen35Args, w: Qwen35Weights, hidden: str, map_off: int,
+                zero_first: bool) -> None:
+    """Record one step of the MTP block: row r takes token r and the hidden state
+    hidden[params[map_off + r]] (zeros for row 0 when zero_first: position 0 has
+    no previous hidden state), and predicts the token after the next
+    (llama.cpp qwen35.cpp graph_mtp). Writes its own final-normed hidden state of
+    every row to `mtp_hn` (input of the next chained draft)."""
+    m = w.mtp
+    D = a.n_embd
+    g.embed(m.embed, "mtp_e")
+    g.rms_norm_into("mtp_e", m.enorm, "mtp_cat", col=0)
+    g.rms_norm_into(hidden, m.hnorm, "mtp_cat", col=D, rows=g.n, map_off=map_off)
+    if zero_first:
+        g.rms_norm_into("mtp_zero", m.hnorm, "mtp_cat", col=D, rows=1)
+    g.matmul(m.eh_proj, "mtp_cat", "x")
+    _block(g, a, m.layer, a.n_layer, w, len(a.moe_layers))
+    g.rms_norm_into("x", m.head_norm, "mtp_hn")
+    if g.n_out:
+        g.rms_norm("x", m.head_norm, "out_h", gather=True)
+        g.matmul(m.head, "out_h", "out_logits")
+
+
+def read_expert_choices(engine, n_rows: int, mtp: bool = False) -> np.ndarray:
+    """Experts chosen for the first n_rows rows of the engine's last step in the
+    fixed-expert mode: uint32 (rows, MoE layers, k) (the MTP block's with mtp=True)."""
+    a = engine.args
+    if not (a.moe and a.fixed_experts):
+        raise VkEngineError("expert choices are recorded only in the fixed-expert mode of a MoE model")
+    s = engine.scratch
+    r = s.region("rec")
+    stride = s.stride("rec")
+    raw = engine.device.download(r.buf, r.off * 4, n_rows * stride * 4, np.uint32).reshape(n_rows, stride)
+    k, n_moe = a.n_expert_used, len(a.moe_layers)
+    cols = raw[:, : (n_moe + a.n_nextn) * k].reshape(n_rows, n_moe + a.n_nextn, k)
+    return cols[:, n_moe:] if mtp else cols[:, :n_moe]

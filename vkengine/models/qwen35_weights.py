@@ -1,0 +1,330 @@
+"""Loading Qwen3.5 (dense and MoE) weights: plan an arena from the file's
+header, allocate it once, upload every tensor (matrices kept quantized).
+
+Grouping (tensors a kernel binds together share a buffer): the RoPE table with
+every q/k norm weight (norm_rope_kv.comp), each linear layer's A with its
+dt_bias (delta_rule.comp). Experts are stacked per layer as E x rows matrices
+(gate and up interleaved per expert, so one expert matmul produces [gate | up]).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from ..arena import Arena, ArenaPlan, packed_words
+from ..errors import VkEngineError
+from ..gguf_file import ModelFile, SafetensorsFolder
+from ..kernels import Matrix, Region
+from ..quant import check_shape, dequantize, repack, row_bytes
+from ..rope import rope_table
+from .qwen35_args import MTP_BLOCK, PLUS_ONE_NORMS
+
+
+@dataclass
+class LinearAttn:
+    lin_in: list[tuple[Matrix, int]]     # (matrix, first output column) of [qkv | z | beta | alpha]
+    conv: Region                         # [conv_dim][K] f32
+    a: Region                            # A = -exp(A_log), per value head
+    dt: Region                           # dt bias (same buffer as a)
+    norm: Region                         # gated norm weight (head_v_dim)
+    out: Matrix
+
+
+@dataclass
+class FullAttn:
+    qkv: list[tuple[Matrix, int]]        # [q|gate per head | k | v]
+    q_norm: Region                       # (same buffer as the RoPE table)
+    k_norm: Region
+    wo: Matrix
+
+
+@dataclass
+class DenseFfn:
+    gate_up: list[tuple[Matrix, int]]
+    down: Matrix
+
+
+@dataclass
+class MoeFfn:
+    router: Matrix | None                # E x D (None in the fixed-expert mode)
+    router_f32: Region | None            # E x D f32 (fixed-expert mode)
+    gate_up: Matrix                      # E*(2*n_ff_exp) x D, per expert [gate | up]
+    down: Matrix                         # E*D x n_ff_exp
+    sh_gate_up: list[tuple[Matrix, int]]
+    sh_down: Matrix
+    sh_gate: Matrix                      # 1 x D
+
+
+@dataclass
+class Layer:
+    attn_norm: Region
+    post_norm: Region
+    mixer: LinearAttn | FullAttn
+    ffn: DenseFfn | MoeFfn
+
+
+@dataclass
+class Mtp:
+    eh_proj: Matrix                      # D x 2D, input [enorm(embedding) | hnorm(hidden)]
+    enorm: Region
+    hnorm: Region
+    head_norm: Region
+    embed: Matrix
+    head: Matrix
+    layer: Layer
+
+
+@dataclass
+class Qwen35Weights:
+    tok_embd: Matrix
+    out_norm: Region
+    output: Matrix
+    layers: list[Layer]
+    rope: Region
+    mtp: Mtp | None
+    arena: Arena
+
+
+class _Planner:
+    """Reserve arena space from tensor headers; `build` uploads and returns the
+    Matrix/Region of every handle."""
+
+    def __init__(self, mf: ModelFile, device):
+        self.mf = mf
+        self.hf = isinstance(mf, SafetensorsFolder)
+        self.plan = ArenaPlan(device.max_buffer_bytes // 4)
+        self.jobs: list[tuple] = []      # (group, kind, payload)
+        self.handles: list[tuple[int, int]] = []   # handle -> (job, index inside the job)
+
+    def _shape(self, name: str) -> tuple[str, tuple[int, ...]]:
+        return self.mf.tensor_info(name)
+
+    def _job(self, group: int, kind: str, payload, n: int) -> list[int]:
+        self.jobs.append((group, kind, payload))
+        first = len(self.handles)
+        self.handles += [(len(self.jobs) - 1, i) for i in range(n)]
+        return list(range(first, first + n))
+
+    def matrix_raw(self, type_: str, rows: int, cols: int, produce: Callable[[], np.ndarray], what: str) -> int:
+        check_shape(type_, rows, cols, what)
+        vw, sw = packed_words(type_, rows, cols)
+        g = self.plan.add([vw, sw] if sw else [vw], what)
+        return self._job(g, "matrix", (type_, rows, cols, produce), 1)[0]
+
+    def matrix(self, names: list[str], rows_each: list[int], cols: int) -> int:
+        types = set()
+        for n, r in zip(names, rows_each):
+            t, s = self._shape(n)
+            if int(np.prod(s[:-1])) != r or s[-1] != cols:
+                raise VkEngineError(f"{self.mf.path.name}: tensor {n} has shape {s}, expected ({r}, {cols})")
+            types.add(t)
+        if len(types) != 1:
+            raise VkEngineError(f"internal: mixed types fused: {names}")
+
+        def produce():
+            return np.concatenate([self.mf.tensor(n).raw for n in names]) if len(names) > 1 \
+                else self.mf.tensor(names[0]).raw
+        return self.matrix_raw(types.pop(), sum(rows_each), cols, produce, names[0])
+
+    def fused(self, names: list[str], rows_each: list[int], cols: int) -> list[tuple[int, int]]:
+        """One matmul when the parts share a type, else one each (with column offsets)."""
+        if len({self._shape(n)[0] for n in names}) == 1:
+            return [(self.matrix(names, rows_each, cols), 0)]
+        out, col = [], 0
+        for n, r in zip(names, rows_each):
+            out.append((self.matrix([n], [r], cols), col))
+            col += r
+        return out
+
+    def value(self, name: str, n: int) -> Callable[[], np.ndarray]:
+        """f32 values of a tensor, with the HF -> GGUF value conventions applied."""
+        _, s = self._shape(name)
+        if int(np.prod(s)) != n:
+            raise VkEngineError(f"{self.mf.path.name}: tensor {name} has shape {s}, expected {n} values")
+
+        def produce():
+            v = self.mf.tensor(name).as_f32().astype(np.float32).reshape(-1)
+            if self.hf and name.endswith(PLUS_ONE_NORMS):
+                v = v + np.float32(1.0)
+            if self.hf and name.endswith(".ssm_a"):
+                v = -np.exp(v)
+            return v.astype(np.float32)
+        return produce
+
+    def vectors(self, entries: list[tuple[str, Callable[[], np.ndarray], int]]) -> list[int]:
+        """f32 arrays placed in one buffer: (what, produce, length)."""
+        g = self.plan.add([n for _, _, n in entries], entries[0][0])
+        return self._job(g, "vectors", entries, len(entries))
+
+    def vector(self, name: str, n: int) -> int:
+        return self.vectors([(name, self.value(name, n), n)])[0]
+
+    def build(self, device) -> tuple[list, Arena]:
+        arena = Arena(device, self.plan, "device", "weights")
+        built: list[list] = []
+        for g, kind, payload in self.jobs:
+            regs = arena.regions(g)
+            if kind == "vectors":
+                out = []
+                for r, (what, produce, n) in zip(regs, payload):
+                    arr = np.ascontiguousarray(produce(), np.float32).reshape(-1)
+                    if arr.size != n:
+                        raise VkEngineError(f"internal: {what} has {arr.size} values, expected {n}")
+                    arena.write(r, arr)
+                    out.append(r)
+                built.append(out)
+                continue
+            t, rows, cols, produce = payload
+            values, scales = repack(t, produce(), rows, cols)
+            arena.write(regs[0], values)
+            if scales is not None:
+                arena.write(regs[1], scales)
+            built.append([Matrix(t, rows, cols, regs[0], regs[1] if scales is not None else None)])
+        return [built[j][i] for j, i in self.handles], arena
+
+
+def _expert_raw(p: _Planner, prefix: str, which: str, E: int, rows: int, cols: int) -> tuple[str, Callable]:
+    """(type, produce) of a layer's stacked expert matrices: GGUF ffn_<which>_exps
+    (E, rows, cols), or HF per-expert tensors (stacked here)."""
+    mf = p.mf
+    name = f"{prefix}ffn_{which}_exps.weight"
+    if mf.has(name):
+        t, s = mf.tensor_info(name)
+        if tuple(s) != (E, rows, cols):
+            raise VkEngineError(f"{mf.path.name}: {name} has shape {s}, expected {(E, rows, cols)}")
+        return t, lambda: mf.tensor(name).raw
+    names = [f"{prefix}ffn_{which}_exp.{e}.weight" for e in range(E)]
+    types = set()
+    for n in names:
+        t, s = mf.tensor_info(n)
+        if tuple(s) != (rows, cols):
+            raise VkEngineError(f"{mf.path.name}: {n} has shape {s}, expected {(rows, cols)}")
+        types.add(t)
+    if len(types) != 1:
+        raise VkEngineError(f"{mf.path.name}: experts of {prefix} mix tensor types")
+    return types.pop(), lambda: np.concatenate([mf.tensor(n).raw for n in names])
+
+
+def _gate_up_experts(p: _Planner, prefix: str, E: int, F: int, D: int) -> int:
+    """E x (2F) x D, per expert [gate | up] (GGUF ffn_gate_up_exps has this layout)."""
+    mf = p.mf
+    if mf.has(f"{prefix}ffn_gate_up_exps.weight"):
+        t, produce = _expert_raw(p, prefix, "gate_up", E, 2 * F, D)
+        return p.matrix_raw(t, E * 2 * F, D, produce, f"{prefix}ffn_gate_up_exps")
+    tg, pg = _expert_raw(p, prefix, "gate", E, F, D)
+    tu, pu = _expert_raw(p, prefix, "up", E, F, D)
+    t = tg if tg == tu else "f32"
+
+    def produce():
+        if tg == tu:
+            rb = row_bytes(t, D)
+            return np.concatenate([pg().reshape(E, F, rb), pu().reshape(E, F, rb)], axis=1).reshape(-1)
+        g = dequantize(tg, pg(), E * F, D).reshape(E, F, D)
+        u = dequantize(tu, pu(), E * F, D).reshape(E, F, D)
+        return np.ascontiguousarray(np.concatenate([g, u], axis=1)).view(np.uint8).reshape(-1)
+    return p.matrix_raw(t, E * 2 * F, D, produce, f"{prefix}ffn_gate_up_exps")
+
+
+def _plan_layer(p: _Planner, a, prefix: str, kind: str, qk_norms: list) -> dict:
+    D, hd = a.n_embd, a.head_dim
+    L = dict(kind=kind, attn_norm=p.vector(prefix + "attn_norm.weight", D),
+             post_norm=p.vector(prefix + "post_attention_norm.weight", D))
+    if kind == "linear":
+        vw = a.nv * a.dv
+        names = [prefix + "attn_qkv.weight", prefix + "attn_gate.weight", prefix + "ssm_beta.weight",
+                 prefix + "ssm_alpha.weight"]
+        L["lin_in"] = p.fused(names, [a.conv_dim, vw, a.nv, a.nv], D)
+        L["conv"] = p.vector(prefix + "ssm_conv1d.weight", a.conv_dim * a.conv_kernel)
+        L["a"], L["dt"] = p.vectors([(prefix + "ssm_a", p.value(prefix + "ssm_a", a.nv), a.nv),
+                                     (prefix + "ssm_dt.bias", p.value(prefix + "ssm_dt.bias", a.nv), a.nv)])
+        L["norm"] = p.vector(prefix + "ssm_norm.weight", a.dv)
+        L["out"] = p.matrix([prefix + "ssm_out.weight"], [D], vw)
+    else:
+        rows = [2 * a.n_head * hd, a.n_head_kv * hd, a.n_head_kv * hd]
+        if p.mf.has(prefix + "attn_q.weight"):
+            L["qkv"] = p.fused([prefix + "attn_q.weight", prefix + "attn_k.weight", prefix + "attn_v.weight"],
+                               rows, D)
+        else:   # the converter's optional fused layout (llama.cpp create_tensor_qkv)
+            L["qkv"] = [(p.matrix([prefix + "attn_qkv.weight"], [sum(rows)], D), 0)]
+        L["wo"] = p.matrix([prefix + "attn_output.weight"], [D], a.n_head * hd)
+        L["qk_norm"] = len(qk_norms)
+        qk_norms.append(prefix)
+    if a.moe:
+        E, F, Fs = a.n_expert, a.n_ff_exp, a.n_ff_shexp
+        if a.fixed_experts:
+            L["router_f32"] = p.vector(prefix + "ffn_gate_inp.weight", E * D)
+        else:
+            L["router"] = p.matrix([prefix + "ffn_gate_inp.weight"], [E], D)
+        L["gate_up_exps"] = _gate_up_experts(p, prefix, E, F, D)
+        td, pd = _expert_raw(p, prefix, "down", E, D, F)
+        L["down_exps"] = p.matrix_raw(td, E * D, F, pd, prefix + "ffn_down_exps")
+        L["sh_gate_up"] = p.fused([prefix + "ffn_gate_shexp.weight", prefix + "ffn_up_shexp.weight"], [Fs, Fs], D)
+        L["sh_down"] = p.matrix([prefix + "ffn_down_shexp.weight"], [D], Fs)
+        L["sh_gate"] = p.vector(prefix + "ffn_gate_inp_shexp.weight", D)
+    else:
+        L["gate_up"] = p.fused([prefix + "ffn_gate.weight", prefix + "ffn_up.weight"], [a.n_ff, a.n_ff], D)
+        L["down"] = p.matrix([prefix + "ffn_down.weight"], [D], a.n_ff)
+    return L
+
+
+def _build_layer(L: dict, b: list, norms: list[tuple[Region, Region]], D: int) -> Layer:
+    def pairs(x):
+        return [(b[h], c) for h, c in x]
+    if L["kind"] == "linear":
+        mixer = LinearAttn(pairs(L["lin_in"]), b[L["conv"]], b[L["a"]], b[L["dt"]], b[L["norm"]], b[L["out"]])
+    else:
+        qn, kn = norms[L["qk_norm"]]
+        mixer = FullAttn(pairs(L["qkv"]), qn, kn, b[L["wo"]])
+    if "gate_up_exps" in L:
+        sg = b[L["sh_gate"]]
+        ffn = MoeFfn(b[L["router"]] if "router" in L else None, b[L["router_f32"]] if "router_f32" in L else None,
+                     b[L["gate_up_exps"]], b[L["down_exps"]], pairs(L["sh_gate_up"]), b[L["sh_down"]],
+                     Matrix("f32", 1, D, sg))
+    else:
+        ffn = DenseFfn(pairs(L["gate_up"]), b[L["down"]])
+    return Layer(b[L["attn_norm"]], b[L["post_norm"]], mixer, ffn)
+
+
+def mtp_prefix(mf: ModelFile, a) -> str:
+    return f"blk.{MTP_BLOCK}." if isinstance(mf, SafetensorsFolder) else f"blk.{a.n_layer}."
+
+
+def load_weights(mf: ModelFile, a, device, n_ctx: int) -> Qwen35Weights:
+    """Plan, allocate and upload every weight (matrices kept quantized)."""
+    D = a.n_embd
+    p = _Planner(mf, device)
+    i_embd = p.matrix(["token_embd.weight"], [a.n_vocab], D)
+    i_onorm = p.vector("output_norm.weight", D)
+    i_out = p.matrix(["output.weight"], [a.n_vocab], D) if mf.has("output.weight") else i_embd
+    qk_norms: list[str] = []
+    layers = [_plan_layer(p, a, f"blk.{i}.", t, qk_norms) for i, t in enumerate(a.layer_types)]
+    mtp = None
+    if a.n_nextn:
+        mp = mtp_prefix(mf, a)
+        mtp = dict(layer=_plan_layer(p, a, mp, "full", qk_norms),
+                   eh_proj=p.matrix([mp + "nextn.eh_proj.weight"], [D], 2 * D),
+                   enorm=p.vector(mp + "nextn.enorm.weight", D), hnorm=p.vector(mp + "nextn.hnorm.weight", D))
+        hn = mp + "nextn.shared_head_norm.weight"
+        mtp["head_norm"] = p.vector(hn, D) if mf.has(hn) else i_onorm
+        emb, head = mp + "nextn.embed_tokens.weight", mp + "nextn.shared_head_head.weight"
+        mtp["embed"] = p.matrix([emb], [a.n_vocab], D) if mf.has(emb) else i_embd
+        mtp["head"] = p.matrix([head], [a.n_vocab], D) if mf.has(head) else i_out
+    # the RoPE table and every q/k norm weight in one buffer (bound together)
+    table = rope_table(n_ctx, a.n_rot, a.rope_base)
+    entries = [("rope table", lambda: table, table.size)]
+    for pre in qk_norms:
+        entries += [(pre + "attn_q_norm.weight", p.value(pre + "attn_q_norm.weight", a.head_dim), a.head_dim),
+                    (pre + "attn_k_norm.weight", p.value(pre + "attn_k_norm.weight", a.head_dim), a.head_dim)]
+    i_rope = p.vectors(entries)
+
+    b, arena = p.build(device)
+    rope = b[i_rope[0]]
+    norms = [(b[i_rope[1 + 2 * j]], b[i_rope[2 + 2 * j]]) for j in range(len(qk_norms))]
+    built_layers = [_build_layer(L, b, norms, D) for L in layers]
+    m = None
+    if mtp is not None:
+        m = Mtp(b[mtp["eh_proj"]], b[mtp["enorm"]], b[mtp["hnorm"]], b[mtp["head_norm"]], b[mtp["embed"]],
+                b[mtp["head"]], _build_layer(mtp["layer"], b, norms, D))
+    return Qwen35Weights(b[i_embd], b[i_onorm], b[i_out], built_layers, rope, m, arena)
