@@ -96,6 +96,7 @@ class CaseFigures:
     first_divergence: int | None        # engine vs mode A, free run
     first_divergence_b: int | None      # engine vs mode B, free run
     teacher_forced_top1: int
+    teacher_forced_near: int            # ... or within NEAR_TIE_NATS of llama.cpp's top-1
     kl_topn: float                      # mean over the N positions
     flips: list[Flip] = field(default_factory=list)
     classification: str = IDENTICAL
@@ -131,12 +132,15 @@ def case_figures(engine: Sequence[int], mode_a: Sequence[int], mode_a2: Sequence
     else:
         cls = DIVERGED
     kl = sum(kl_topn(top_a[i], tf_logprobs[i]) for i in range(n)) / n if n else 0.0
+    margins = [pick_margin(top_a[i], tf_top1[i]) for i in range(n)]
+    near = sum(1 for i in range(n) if tf_top1[i] == mode_a[i]
+               or (margins[i] is not None and margins[i] < NEAR_TIE_NATS))
     return CaseFigures(
         n=n, strict=agree(engine, mode_a), either_mode=agree_either(engine, mode_a, mode_b),
         self_agreement=agree(mode_a, mode_b), mode_a_repeat=agree(mode_a, mode_a2),
         mode_b_repeat=agree(mode_b, mode_b2), first_divergence=d,
         first_divergence_b=first_divergence(engine, mode_b),
-        teacher_forced_top1=agree(tf_top1, mode_a), kl_topn=kl, flips=flips, classification=cls)
+        teacher_forced_top1=agree(tf_top1, mode_a), teacher_forced_near=near, kl_topn=kl, flips=flips, classification=cls)
 
 
 def _flip(i, source, token, mode_a, top_a, tf_logprobs) -> Flip:
@@ -155,7 +159,7 @@ def summarize(cases: Sequence[CaseFigures], note: str | None = None) -> dict:
     n = sum(c.n for c in cases)
     s = {key: ratio(sum(getattr(c, key) for c in cases), n)
          for key in ("strict", "either_mode", "self_agreement", "mode_a_repeat", "mode_b_repeat",
-                     "teacher_forced_top1")}
+                     "teacher_forced_top1", "teacher_forced_near")}
     s["positions"] = n
     s["mean_kl_topn"] = sum(c.kl_topn * c.n for c in cases) / n if n else 0.0
     s["classification"] = {k: sum(c.classification == k for c in cases) for k in (IDENTICAL, TIE_BREAK, DIVERGED)}
@@ -175,5 +179,6 @@ def summary_line(s: dict) -> str:
         return f"{r['k']}/{r['n']} = {r['pct']:.2f}%"
     c = s["classification"]
     return (f"strict {f('strict')}, either llama.cpp mode {f('either_mode')}, llama.cpp self-agreement "
-            f"{f('self_agreement')}, teacher-forced top-1 {f('teacher_forced_top1')}, mean KL(top-N) "
+            f"{f('self_agreement')}, teacher-forced top-1 {f('teacher_forced_top1')} (or a near tie: "
+            f"{f('teacher_forced_near')}), mean KL(top-N) "
             f"{s['mean_kl_topn']:.4f}; {c[IDENTICAL]} identical, {c[TIE_BREAK]} tie-break, {c[DIVERGED]} diverged")

@@ -231,10 +231,48 @@ def start_server(exe: Path, model: Path, port: int | None = None, host: str = "1
 class Completion:
     """One greedy completion: the tokens and, per token, llama.cpp's top-N
     candidates as (id, logprob) pairs, best first (pre-sampling softmax of the
-    raw logits: server-context.cpp populate_token_probs)."""
+    raw logits: server-context.cpp populate_token_probs). `filled` lists the
+    positions whose top-N came from a second request (see fill_missing_probs)."""
     tokens: list[int]
     top: list[list[tuple[int, float]]] = field(default_factory=list)
     timings: dict = field(default_factory=dict)
+    filled: list[int] = field(default_factory=list)
+
+
+def utf8_complete(text: bytes) -> bool:
+    """llama-server's validate_utf8 (server-common.cpp) == len: no multi-byte
+    character is cut off at the end."""
+    for i in range(1, min(4, len(text)) + 1):
+        c = text[-i]
+        need = 2 if c & 0xE0 == 0xC0 else 3 if c & 0xF0 == 0xE0 else 4 if c & 0xF8 == 0xF0 else 0
+        if need and i < need:
+            return False
+    return True
+
+
+def align_probs(tokens: Sequence[int], entries: Sequence[dict], piece: Callable[[int], bytes]) -> list:
+    """llama-server reports no probabilities for a token after which the text
+    ends inside a UTF-8 character (process_token: `incomplete`), so its
+    completion_probabilities skip those positions. Put each entry back at its
+    position; the skipped ones get None."""
+    out: list = [None] * len(tokens)
+    text, k = b"", 0
+    for i, t in enumerate(tokens):
+        text += piece(t)
+        if utf8_complete(text):
+            if k >= len(entries) or int(entries[k]["id"]) != t:
+                raise VkEngineError(f"could not line llama-server's probabilities up with its tokens at {i}")
+            out[i] = _top(entries[k])
+            k += 1
+    if k != len(entries):
+        raise VkEngineError("llama-server returned more probability entries than complete tokens")
+    return out
+
+
+def _top(entry: dict) -> list[tuple[int, float]]:
+    # a probability of 0 has logprob -inf, which JSON carries as null
+    return [(int(c["id"]), -math.inf if c["logprob"] is None else float(c["logprob"]))
+            for c in entry.get("top_logprobs", [])]
 
 
 class Client:
@@ -287,18 +325,48 @@ class Client:
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._call("POST", "/detokenize", {"tokens": list(map(int, ids))})["content"]
 
-    def complete(self, prompt_ids: Sequence[int], n_predict: int, n_probs: int = 8) -> Completion:
-        """Greedy tokens for prompt ids (llama.cpp adds nothing to an id prompt)."""
+    def complete(self, prompt_ids: Sequence[int], n_predict: int, n_probs: int = 8,
+                 piece: Callable[[int], bytes] | None = None, anchor: int | None = None) -> Completion:
+        """Greedy tokens for prompt ids (llama.cpp adds nothing to an id prompt)
+        with the top-N at every position. `piece(id)` gives a token's bytes as
+        llama.cpp prints them; `anchor` is a token that is complete UTF-8 text
+        on its own (see fill_missing_probs)."""
+        out = self._request(prompt_ids, n_predict, n_probs)
+        toks = [int(t) for t in out.get("tokens") or []]
+        if len(toks) != n_predict:
+            raise VkEngineError(f"llama-server at {self.url} returned {len(toks)} tokens, asked for {n_predict}")
+        entries = out.get("completion_probabilities") or []
+        if len(entries) == len(toks):
+            top = [_top(e) for e in entries]
+        elif piece is None or anchor is None:
+            raise VkEngineError("llama-server skipped the probabilities of tokens inside a UTF-8 character; "
+                                "pass piece= and anchor= to recover them")
+        else:
+            top = align_probs(toks, entries, piece)
+        res = Completion(toks, top, out.get("timings") or {})
+        if any(t is None for t in top):
+            self.fill_missing_probs(prompt_ids, res, n_probs, anchor)
+        return res
+
+    def fill_missing_probs(self, prompt_ids: Sequence[int], res: Completion, n_probs: int, anchor: int) -> None:
+        """Ask again for each position without probabilities: the prompt is
+        everything before it, one token is generated, and a logit bias makes
+        that token `anchor` so that the text is complete and the entry is kept.
+        n_probs come from the raw logits (get_token_probabilities), which the
+        bias does not touch; the position is evaluated as part of a prompt
+        batch rather than as a decode step, hence `filled`."""
+        for i, t in enumerate(res.top):
+            if t is not None:
+                continue
+            out = self._request(list(prompt_ids) + res.tokens[:i], 1, n_probs, logit_bias=[[anchor, 100.0]])
+            entries = out.get("completion_probabilities") or []
+            if len(entries) != 1 or int(entries[0]["id"]) != anchor:
+                raise VkEngineError(f"could not recover llama-server's probabilities at position {i}")
+            res.top[i] = _top(entries[0])
+            res.filled.append(i)
+
+    def _request(self, prompt_ids: Sequence[int], n_predict: int, n_probs: int, **extra) -> dict:
         body = {"prompt": list(map(int, prompt_ids)), "n_predict": n_predict, "temperature": 0,
                 "cache_prompt": False, "n_probs": n_probs, "ignore_eos": True, "stream": False,
-                "post_sampling_probs": False}
-        out = self._call("POST", "/completion", body)
-        probs = out.get("completion_probabilities") or []
-        toks = [int(p["id"]) for p in probs]
-        # a probability of 0 has logprob -inf, which JSON carries as null
-        top = [[(int(c["id"]), -math.inf if c["logprob"] is None else float(c["logprob"]))
-                for c in p.get("top_logprobs", [])] for p in probs]
-        if len(toks) != n_predict:
-            raise VkEngineError(f"llama-server at {self.url} returned {len(toks)} tokens with probabilities, "
-                                f"asked for {n_predict} (n_probs={n_probs})")
-        return Completion(toks, top, out.get("timings") or {})
+                "post_sampling_probs": False, "return_tokens": True, **extra}
+        return self._call("POST", "/completion", body)

@@ -11,11 +11,12 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 from urllib.parse import urlparse
 
 from vkengine.errors import VkEngineError
 from vkengine.model import Model
+from vkengine.tokenizer import Tokenizer
 
 from . import llamacpp
 from .llamacpp import Client, Completion, Log
@@ -36,6 +37,33 @@ class ModeResult:
                 "args": list(MODE_ARGS[self.name]) if self.command else None,
                 "started_by": "parity harness" if self.command else "user",
                 "build_info": self.build_info}
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: every byte as one printable character."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def piece_bytes(tok: Tokenizer) -> Callable[[int], bytes]:
+    """A token's bytes as llama-server prints them (token_to_piece with
+    special=false: control tokens print nothing)."""
+    byte_of = {c: b for b, c in _bytes_to_unicode().items()}
+
+    def piece(i: int) -> bytes:
+        if i in tok.special_ids:
+            return b""
+        s = tok.token_text(i)
+        if all(ch in byte_of for ch in s):
+            return bytes(byte_of[ch] for ch in s)
+        return s.encode()            # user-defined tokens are stored as plain text
+    return piece
 
 
 def check_model(client: Client, model: Model) -> dict:
@@ -118,8 +146,11 @@ def collect(modes: Iterator[tuple[str, str, list | None]], model: Model, texts: 
             elif mine != ids:
                 raise VkEngineError(f"mode {name} at {url} tokenizes the prompts differently from mode A")
             res = ModeResult(name, url, cmd, props.get("build_info"))
+            piece, anchor = piece_bytes(model.tokenizer), c.tokenize(".", add_special=False)
+            if len(anchor) != 1:
+                raise VkEngineError(f"{url} does not tokenize '.' as one token; cannot recover skipped probabilities")
             for r in range(repeats):
-                res.runs.append([c.complete(p, n_predict, n_probs) for p in ids])
+                res.runs.append([c.complete(p, n_predict, n_probs, piece, anchor[0]) for p in ids])
                 log(f"llama.cpp mode {name} run {r + 1}/{repeats}: {len(ids)} prompts done")
             results.append(res)
     if ids is None or len(results) != 2:

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -24,8 +25,8 @@ from vkengine.errors import VkEngineError
 from vkengine.model import load_model
 
 from . import figures, reference
-from .engine_side import engine_config, run_case
-from .llamacpp import Log, _stderr_log
+from .engine_side import engine_config, eog_ids, run_case
+from .llamacpp import Log
 from .prompts import load_prompt_set
 
 SCHEMA = "vkengine-parity/1"
@@ -34,12 +35,18 @@ DEFINITIONS = {
     "either_mode": "positions where the engine's token equals mode A's or mode B's",
     "self_agreement": "positions where mode A equals mode B (the ceiling numerics allow)",
     "mode_x_repeat": "positions where a mode's second run equals its first (determinism)",
+    "excluded_from_greedy": "end-of-generation ids neither side may pick: llama-server's ignore_eos gives "
+                            "them a -inf logit bias, and the engine's greedy picks mirror that",
+    "probs_refetched": "positions where llama-server withheld mode A's top-N (the text ended inside a "
+                       "UTF-8 character) and the harness asked for them again with that prefix as the prompt",
     "first_divergence": "first position where the engine's free run differs from mode A (null: none)",
     "classification": "IDENTICAL: no divergence; TIE-BREAK: at the first divergence and at every "
                       "re-anchored disagreement after it (engine fed mode A's tokens), the engine's token is "
                       f"within {figures.NEAR_TIE_NATS} nats of llama.cpp's top-1 logprob; DIVERGED otherwise",
     "teacher_forced_top1": "positions where the engine's argmax, given the prompt and mode A's earlier "
                            "tokens, is mode A's token",
+    "teacher_forced_near": "teacher-forced positions where the engine's pick is mode A's token or within "
+                           "near_tie_nats of it by mode A's logprobs (not a bar; it shows what the misses are)",
     "mean_kl_topn": "mean over positions of KL(llama.cpp mode A || engine) over mode A's top-N ids plus "
                     "one bucket for the rest of the vocabulary, along mode A's tokens (nats)",
 }
@@ -60,6 +67,10 @@ class RunConfig:
     cache: Path | None = None         # llama.cpp build cache (default: ~/.cache/vkengine/...)
 
 
+def stderr_log(msg: str) -> None:
+    print(f"[parity] {msg}", file=sys.stderr, flush=True)
+
+
 def git_commit(repo: Path) -> tuple[str | None, bool]:
     try:
         head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True,
@@ -71,7 +82,7 @@ def git_commit(repo: Path) -> tuple[str | None, bool]:
         return None, False
 
 
-def run_parity(cfg: RunConfig, log: Log = _stderr_log, engine: Engine | None = None) -> dict:
+def run_parity(cfg: RunConfig, log: Log = stderr_log, engine: Engine | None = None) -> dict:
     """Run everything and return the artifact (also written to cfg.out).
     `engine` lets a caller that already holds one (a test session) reuse it."""
     if cfg.n_predict <= 0 or cfg.n_probs < 2:
@@ -91,12 +102,13 @@ def run_parity(cfg: RunConfig, log: Log = _stderr_log, engine: Engine | None = N
     need = max(map(len, ids)) + cfg.n_predict
     if need > engine.n_ctx:
         raise VkEngineError(f"the longest prompt plus N needs {need} positions; the engine has {engine.n_ctx}")
+    banned = sorted(eog_ids(model.tokenizer))
     cases, figs = [], []
     t1 = time.monotonic()
     for i, (pid, p) in enumerate(zip(labels, ids)):
         a, a2 = mode_a.runs[0][i], mode_a.runs[-1][i]
         b, b2 = mode_b.runs[0][i], mode_b.runs[-1][i]
-        ec = run_case(engine, p, a.tokens, a.top)
+        ec = run_case(engine, p, a.tokens, a.top, banned)
         cf = figures.case_figures(ec.tokens, a.tokens, a2.tokens, b.tokens, b2.tokens, a.top,
                                   ec.tf_top1, ec.tf_logprobs)
         log(f"[{i + 1}/{len(ids)}] {pid}: strict {cf.strict}/{cf.n}, teacher-forced {cf.teacher_forced_top1}/"
@@ -106,7 +118,7 @@ def run_parity(cfg: RunConfig, log: Log = _stderr_log, engine: Engine | None = N
         cases.append({
             "id": pid, "chat": pset.prompts[i].chat, "prompt_ids": p,
             "engine": ec.tokens, "mode_a": a.tokens, "mode_b": b.tokens,
-            "mode_a_repeat": a2.tokens, "mode_b_repeat": b2.tokens,
+            "mode_a_run2": a2.tokens, "mode_b_run2": b2.tokens, "probs_refetched": a.filled,
             "text": {"engine": tok.decode(ec.tokens), "mode_a": tok.decode(a.tokens)},
             **cf.to_json()})
     t_eng = time.monotonic() - t1
@@ -123,7 +135,7 @@ def run_parity(cfg: RunConfig, log: Log = _stderr_log, engine: Engine | None = N
         "model": {"file": model.path.name, "sha256": model.sha256(), "architecture": model.file.arch},
         "prompts": {"name": pset.name, "sha256": pset.sha256, "count": len(pset.prompts)},
         "n_predict": cfg.n_predict, "n_probs": cfg.n_probs, "repeats": cfg.repeats,
-        "near_tie_nats": figures.NEAR_TIE_NATS, "definitions": DEFINITIONS,
+        "near_tie_nats": figures.NEAR_TIE_NATS, "excluded_from_greedy": banned, "definitions": DEFINITIONS,
         "seconds": {"llama_cpp": round(t_ref, 1), "engine": round(t_eng, 1)},
         **totals,
         "cases": cases,

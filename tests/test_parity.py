@@ -116,6 +116,7 @@ def test_re_anchored_flip_after_a_tie_counts():
     assert [(f.pos, f.source) for f in cf.flips] == [(0, "free-run"), (2, "re-anchored")]
     assert cf.classification == F.DIVERGED
     assert cf.teacher_forced_top1 == 1
+    assert cf.teacher_forced_near == 2            # position 0 is a near tie, position 2 is not
 
 
 def test_either_mode_and_self_agreement():
@@ -134,7 +135,7 @@ def test_length_mismatch_is_an_error():
 def _fig(n, strict, either, tf, cls=F.IDENTICAL):
     return F.CaseFigures(n=n, strict=strict, either_mode=either, self_agreement=n, mode_a_repeat=n,
                          mode_b_repeat=n, first_divergence=None, first_divergence_b=None,
-                         teacher_forced_top1=tf, kl_topn=0.01, classification=cls)
+                         teacher_forced_top1=tf, teacher_forced_near=tf, kl_topn=0.01, classification=cls)
 
 
 def test_bars_at_the_edge():
@@ -166,28 +167,37 @@ class TableEngine:
         return np.random.default_rng(tok * 1000 + pos).standard_normal(self.V).astype(np.float32)
 
     def step(self, tokens, positions, slots, out_rows, readback):
-        tokens, positions = list(tokens), list(positions)
-        assert len(tokens) <= self.max_batch and len(out_rows) <= self.max_out
-        assert readback == ("logits" if out_rows else "none")
-        self.calls.append((positions[0], len(tokens), len(out_rows)))
-        return np.stack([self.row(tokens[r], positions[r]) for r in out_rows]) if out_rows else None
+        tokens, positions, out_rows = list(tokens), list(positions), list(out_rows)
+        assert len(tokens) <= self.max_batch and len(out_rows) <= self.max_out and readback == "logits"
+        self.calls.append(positions)
+        return np.stack([self.row(tokens[r], positions[r]) for r in out_rows])
 
 
-@pytest.mark.parametrize("max_batch,max_out", [(256, 64), (5, 3), (4, 1)])
+@pytest.mark.parametrize("max_batch,max_out", [(32, 32), (5, 3), (4, 1)])
 def test_teacher_forced_chunking(max_batch, max_out):
-    toks = list(range(3, 20))
-    first = 6
-    keep = [{1, 2} for _ in range(first, len(toks))]
+    toks, start = list(range(3, 20)), 6
+    keep = [{1, 2} for _ in toks]
     eng = TableEngine(max_batch, max_out)
-    top1, lps = teacher_forced(eng, toks, first, keep)
-    assert len(top1) == len(toks) - first
-    for i, p in enumerate(range(first, len(toks))):
-        r = eng.row(toks[p], p).astype(np.float64)
+    banned = [int(np.argmax(eng.row(toks[0], start)))]          # the first row's best is excluded
+    top1, lps = teacher_forced(eng, toks, start, keep, banned)
+    assert len(top1) == len(toks)
+    for i, t in enumerate(toks):
+        r = eng.row(t, start + i).astype(np.float64)
         ls = r - r.max() - np.log(np.exp(r - r.max()).sum())
-        assert top1[i] == int(np.argmax(r))
-        assert lps[i][1] == pytest.approx(ls[1]) and lps[i][top1[i]] == pytest.approx(ls.max())
-    covered = sorted(p for start, n, _ in eng.calls for p in range(start, start + n))
-    assert covered == list(range(len(toks)))      # every position runs exactly once, in order
+        masked = r.copy()
+        masked[banned] = -np.inf
+        assert top1[i] == int(np.argmax(masked))
+        assert lps[i][1] == pytest.approx(ls[1]) and lps[i][top1[i]] == pytest.approx(ls[top1[i]])
+    assert top1[0] != banned[0]
+    assert [p for call in eng.calls for p in call] == list(range(start, start + len(toks)))
+
+
+def test_eog_ids_follow_llama_cpp(smollm2):
+    from parity.engine_side import eog_ids
+    tok = smollm2.tokenizer
+    ids = eog_ids(tok)
+    assert tok.hf.token_to_id("<|im_end|>") in ids and tok.hf.token_to_id("<|endoftext|>") in ids
+    assert tok.hf.token_to_id("<|im_start|>") not in ids
 
 
 # -- prompts, tokens, artifact files, report --------------------------------------
@@ -270,3 +280,88 @@ def test_cli_unreachable_endpoint_is_one_line():
     assert r.returncode == 2
     assert r.stderr.startswith("error: llama-server at http://127.0.0.1:") and "unreachable" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+# -- against the real llama-server ----------------------------------------------
+
+TOP_LEVEL = {"schema", "created", "engine", "device", "llama_cpp", "model", "prompts", "n_predict", "n_probs",
+             "repeats", "near_tie_nats", "excluded_from_greedy", "definitions", "seconds", "summary", "bars", "verdict", "note", "cases"}
+CASE_KEYS = {"id", "chat", "prompt_ids", "engine", "mode_a", "mode_b", "mode_a_run2", "mode_b_run2", "text",
+            "probs_refetched", "mode_a_repeat", "mode_b_repeat", "teacher_forced_near",
+             "first_divergence", "first_divergence_b", "flips", "classification", "strict", "either_mode",
+             "self_agreement", "teacher_forced_top1", "kl_topn"}
+
+
+@pytest.mark.slow
+def test_harness_on_default_prompts(reference_server, reference_server_b, smollm2_engine, tmp_path):
+    out = tmp_path / "parity.json"
+    cfg = RunConfig(model=None, endpoint=reference_server.url, endpoint_b=reference_server_b.url, out=str(out),
+                    note="integration test")
+    art = run_parity(cfg, engine=smollm2_engine)
+    doc = json.loads(out.read_text())
+    assert doc == json.loads(json.dumps(art))
+    assert set(doc) == TOP_LEVEL and doc["schema"] == "vkengine-parity/1"
+    assert doc["model"]["file"] == "SmolLM2-135M-Instruct.Q4_1.gguf" and len(doc["model"]["sha256"]) == 64
+    assert doc["model"]["architecture"] == "llama" and doc["device"]["name"]
+    assert doc["prompts"] == {"name": "default", "sha256": load_prompt_set("default").sha256, "count": 20}
+    for m in ("A", "B"):
+        assert doc["llama_cpp"]["modes"][m]["build_info"].startswith("b11434")
+    assert len(doc["cases"]) == 20
+    for c in doc["cases"]:
+        assert set(c) == CASE_KEYS
+        assert all(len(c[k]) == 32 for k in ("engine", "mode_a", "mode_b", "mode_a_run2", "mode_b_run2"))
+        assert c["mode_a_repeat"] == F.agree(c["mode_a"], c["mode_a_run2"])
+        assert c["strict"] == F.agree(c["engine"], c["mode_a"])           # figures match the stored tokens
+        assert c["first_divergence"] == F.first_divergence(c["engine"], c["mode_a"])
+    s = doc["summary"]
+    assert s["positions"] == 640
+    assert s["strict"]["k"] == sum(c["strict"] for c in doc["cases"])
+    assert s["strict"]["k"] <= s["either_mode"]["k"]
+    assert s["teacher_forced_top1"]["pct"] >= 97.0, F.summary_line(s)
+    diverged = [(c["id"], c["flips"]) for c in doc["cases"] if c["classification"] == F.DIVERGED]
+    assert not diverged, diverged
+    assert [b["pass"] for b in doc["bars"]] == [b["pass"] for b in F.summarize(
+        [F.CaseFigures(**{k: c[k] for k in F.CaseFigures.__dataclass_fields__ if k != "flips"})
+         for c in doc["cases"]])["bars"]]
+
+
+@pytest.mark.slow
+def test_model_mismatch_is_refused(reference_client, tmp_path):
+    from parity.reference import check_model
+    from vkengine.model import load_model
+    from vkengine.synth import config_for, synth_llama
+    path = synth_llama(config_for("tiny", None), "q8_0", 0, tmp_path, formats=("gguf",), workers=1)["gguf"]
+    with pytest.raises(VkEngineError, match="model mismatch: .* serves SmolLM2-135M-Instruct.Q4_1.gguf"):
+        check_model(reference_client, load_model(path))
+    # same file name, other model: the shapes give it away
+    (tmp_path / "same").mkdir()
+    renamed = (tmp_path / "same" / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    renamed.write_bytes(path.read_bytes())
+    with pytest.raises(VkEngineError, match="model mismatch: .* reports n_(vocab|embd)="):
+        check_model(reference_client, load_model(renamed))
+
+
+@pytest.mark.slow
+def test_cli_starts_both_modes_itself(llama_server_exe, tmp_path):
+    """`parity run` without --endpoint-b starts llama-server per mode (reusing
+    the cached build), then `parity report` renders the folder."""
+    prompts = tmp_path / "two.json"
+    prompts.write_text(json.dumps({"name": "two", "prompts": [
+        {"id": "raw", "text": "1, 2, 3, 4,"},
+        {"id": "chat", "messages": [{"role": "user", "content": "Say hi."}]}]}))
+    out = tmp_path / "docs" / "two.json"
+    r = subprocess.run([sys.executable, "-m", "parity.cli", "run", "--prompts", str(prompts), "--n-predict", "4",
+                        "--repeats", "1", "--out", str(out), "--note", "smoke"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "building llama-server" not in r.stderr                 # the stamp made it reuse the build
+    doc = json.loads(out.read_text())
+    modes = doc["llama_cpp"]["modes"]
+    assert modes["A"]["started_by"] == "parity harness" and modes["A"]["args"] == []
+    assert modes["B"]["command"][-6:] == ["-fa", "off", "-b", "64", "-ub", "64"]
+    assert [c["id"] for c in doc["cases"]] == ["raw", "chat"] and len(doc["cases"][1]["engine"]) == 4
+    assert doc["cases"][1]["prompt_ids"][0] == 1                   # <|im_start|> from the chat template
+    rep = subprocess.run([sys.executable, "-m", "parity.cli", "report", str(out.parent)],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert rep.returncode == 0, rep.stderr
+    assert "two.json" in (out.parent / "README.md").read_text()
