@@ -133,7 +133,9 @@ def _build(cache: Path, log: Log, jobs: int) -> None:
     with tarfile.open(tarball) as tf:
         top = tf.getnames()[0].split("/")[0]
         members = [m for m in tf.getmembers() if m.name.startswith(f"{top}/llama.cpp/")]
-        tf.extractall(src, members=members, filter="data")
+        # the "data" filter (no links out of the tree) exists from Python 3.11.4 on
+        kw = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+        tf.extractall(src, members=members, **kw)
     tree = src / top / "llama.cpp"
     build = cache / "build"
     if build.exists():

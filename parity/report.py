@@ -32,7 +32,7 @@ def load_artifacts(folder: Path) -> list[tuple[Path, dict]]:
 
 
 def _cell(text: str) -> str:
-    return escape(str(text)).replace("|", "\\|").replace("\n", " ")
+    return escape(str(text), quote=False).replace("|", "\\|").replace("\n", " ")
 
 
 def _r(s: dict, key: str) -> str:
@@ -50,15 +50,19 @@ def table(arts: list[tuple[Path, dict]]) -> str:
     rows = []
     for f, d in arts:
         s, c = d["summary"], d["summary"]["classification"]
-        verdict = f"**{d['verdict']}**"
-        if d.get("note"):
-            verdict += f" (note: {_cell(d['note'])})"
+        verdict = f"**{d['verdict']}**" + (" (see note)" if d.get("note") else "")
         rows.append(
             f"| [{d['created'][:10]}]({f.name}) | {_cell(d['device']['name'])} | {_cell(d['model']['file'])} "
             f"| {d['n_predict']} x {d['prompts']['count']} ({_cell(d['prompts']['name'])}) | {_r(s, 'strict')} "
             f"| {_r(s, 'either_mode')} | {_r(s, 'self_agreement')} | {_r(s, 'teacher_forced_top1')} "
             f"| {c['IDENTICAL']} / {c['TIE-BREAK']} / {c['DIVERGED']} | {_bars(d)} | {verdict} |")
     return head + "\n".join(rows) + "\n"
+
+
+def notes(arts: list[tuple[Path, dict]]) -> list[str]:
+    """Deviation notes, one paragraph per artifact that has one."""
+    out = [f"Note on {f.name} ({d['created'][:10]}): {_cell(d['note'])}\n" for f, d in arts if d.get("note")]
+    return out
 
 
 def svg(arts: list[tuple[Path, dict]], w: int = 640, h: int = 260) -> str:
@@ -121,6 +125,7 @@ def render(folder: Path) -> Path:
         "teacher-forced top-1 >= 99%, no DIVERGED case.",
         "",
         table(arts),
+        *notes(arts),
         "![history of the parity figures](history.svg)",
         "",
         f"Latest ({arts[-1][0].name}): llama-server {latest['llama_cpp']['modes']['A'].get('build_info')}, "

@@ -88,6 +88,8 @@ def run_parity(cfg: RunConfig, log: Log = stderr_log, engine: Engine | None = No
     if cfg.n_predict <= 0 or cfg.n_probs < 2:
         raise VkEngineError("--n-predict must be >= 1 and --n-probs >= 2")
     t0 = time.monotonic()
+    # the commit of the code that runs, taken before anything can change the tree
+    commit, dirty = git_commit(Path(vkengine.__file__).resolve().parents[1])
     model = engine.model if engine else load_model(cfg.model)
     pset = load_prompt_set(cfg.prompts)
     texts = [p.render(model.tokenizer) for p in pset.prompts]
@@ -123,7 +125,6 @@ def run_parity(cfg: RunConfig, log: Log = stderr_log, engine: Engine | None = No
             **cf.to_json()})
     t_eng = time.monotonic() - t1
     totals = figures.summarize(figs, cfg.note)
-    commit, dirty = git_commit(Path(vkengine.__file__).resolve().parents[1])
     info = engine.device.info
     art = {
         "schema": SCHEMA,
@@ -156,6 +157,7 @@ def write_atomic(path: Path, doc: dict) -> None:
             fh.write("\n")
             fh.flush()
             os.fsync(fh.fileno())
+        os.chmod(tmp, 0o644)                 # mkstemp makes it private; an artifact is for reading
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -134,7 +134,9 @@ def reference_client(reference_server):
 
 @pytest.fixture(scope="session")
 def smollm2_engine(smollm2, device):
-    from vkengine.engine import Engine, EngineConfig
-    eng = Engine(smollm2, device, EngineConfig(n_slots=1, n_ctx=512, max_batch=256, max_out=64))
+    from parity.engine_side import engine_config
+    from vkengine.engine import Engine
+    # the harness's own configuration, with room for prompts up to 480 tokens
+    eng = Engine(smollm2, device, engine_config(480, 32, smollm2.args.n_ctx_train))
     yield eng
     eng.close()

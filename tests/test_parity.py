@@ -261,7 +261,8 @@ def test_report(tmp_path):
     md = render(tmp_path).read_text()
     rows = [line for line in md.splitlines() if line.startswith("| [")]
     assert len(rows) == 2 and rows[0].startswith("| [2026-01-01](a.json)")
-    assert "620/640 (96.88%)" in rows[0] and "ties \\| noise" in rows[0] and "MISSED" in rows[0]
+    assert "620/640 (96.88%)" in rows[0] and "MISSED" in rows[0] and "(see note)" in rows[0]
+    assert "Note on a.json (2026-01-01): ties \\| noise" in md
     assert "**PASS**" in rows[1]
     svg = ET.fromstring((tmp_path / "history.svg").read_text())
     assert len([e for e in svg.iter() if e.tag.endswith("polyline")]) == 4
