@@ -287,7 +287,7 @@ def test_cli_unreachable_endpoint_is_one_line():
 
 TOP_LEVEL = {"schema", "created", "engine", "device", "llama_cpp", "model", "prompts", "n_predict", "n_probs",
              "repeats", "near_tie_nats", "excluded_from_greedy", "definitions", "seconds", "summary", "bars", "verdict", "note", "cases"}
-CASE_KEYS = {"id", "chat", "prompt_ids", "engine", "mode_a", "mode_b", "mode_a_run2", "mode_b_run2", "text",
+CASE_KEYS = {"id", "chat", "n", "prompt_ids", "engine", "mode_a", "mode_b", "mode_a_run2", "mode_b_run2", "text",
             "probs_refetched", "mode_a_repeat", "mode_b_repeat", "teacher_forced_near",
              "first_divergence", "first_divergence_b", "flips", "classification", "strict", "either_mode",
              "self_agreement", "teacher_forced_top1", "kl_topn"}
