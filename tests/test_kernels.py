@@ -297,7 +297,11 @@ def test_rope_kv(device, kernels, ws, rng, neox, n_rot_frac):
     qkv = rng.standard_normal((rows, width)).astype(np.float32)
     pos = rng.integers(0, ctx, rows).astype(np.uint32)
     slots = rng.permutation(np.repeat(np.arange(n_slots), 2))[:rows].astype(np.uint32)
-    pos[slots == slots[0]] = np.arange((slots == slots[0]).sum()) + 3   # distinct (slot, pos)
+    # distinct (slot, pos) for every slot: two rows writing one KV row would make
+    # the test depend on write order (it failed ~1 run in 5 before)
+    for s in np.unique(slots):
+        pos[slots == s] = rng.choice(ctx, (slots == s).sum(), replace=False)
+    pos[slots == slots[0]] = np.arange((slots == slots[0]).sum()) + 3
     ws.params.array()[0:rows] = pos
     ws.params.array()[50:50 + rows] = slots
     qr = ws.act_region(rows * width, qkv)
