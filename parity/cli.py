@@ -18,7 +18,8 @@ def cmd_run(args) -> int:
     from .run import RunConfig, run_parity
     cfg = RunConfig(model=args.model, prompts=args.prompts, n_predict=args.n_predict, n_probs=args.n_probs,
                     endpoint=args.endpoint, endpoint_b=args.endpoint_b, out=args.out, note=args.note,
-                    device=args.device, repeats=args.repeats)
+                    device=args.device, repeats=args.repeats,
+                    server=Path(args.server) if args.server else None, server_args=tuple(args.server_args.split()))
     art = run_parity(cfg)
     if art["verdict"] != "PASS" and not args.note:
         print("warning: below a bar and no --note given: the artifact carries no deviation note", file=sys.stderr)
@@ -78,6 +79,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--n-probs", type=int, default=8, help="llama.cpp's top-N candidates per position")
     r.add_argument("--repeats", type=int, default=2, help="runs of each llama.cpp mode (determinism check)")
     r.add_argument("--out", help="artifact path, e.g. docs/parity/NAME.json")
+    r.add_argument("--server", default=None, help="llama-server binary to start (default: the harness's CPU build)")
+    r.add_argument("--server-args", default="", help="extra llama-server arguments for both modes, given as "
+                   "--server-args='-ngl 99'")
     r.add_argument("--note", help="deviation note recorded in the artifact (required reading when below a bar)")
     r.add_argument("--device", type=int, default=None, help="Vulkan device index (default: VKENGINE_DEVICE or the best)")
     r.set_defaults(fn=cmd_run)

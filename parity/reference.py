@@ -92,10 +92,13 @@ def check_tokens(ours: Sequence[int], theirs: Sequence[int], what: str, url: str
 
 @contextmanager
 def mode_endpoints(endpoint: str | None, endpoint_b: str | None, model_path: Path,
-                   log: Log, cache: Path | None = None) -> Iterator[Iterator[tuple[str, str, list | None]]]:
+                   log: Log, cache: Path | None = None, exe: Path | None = None,
+                   extra: tuple[str, ...] = ()) -> Iterator[Iterator[tuple[str, str, list | None]]]:
     """Yield an iterator of (mode, url, command): the user's two endpoints as
     they are, or llama-server started by us at `endpoint` (or a free port when
-    it is None or "auto"), stopped and restarted for mode B."""
+    it is None or "auto"), stopped and restarted for mode B. `exe` is another
+    llama-server build (default: ours, built on demand); `extra` arguments go to
+    both modes (e.g. -ngl 99 for a GPU build)."""
     if endpoint_b:
         if not endpoint or endpoint == "auto":
             raise VkEngineError("--endpoint-b needs --endpoint (mode A) as well")
@@ -109,12 +112,12 @@ def mode_endpoints(endpoint: str | None, endpoint_b: str | None, model_path: Pat
             raise VkEngineError(
                 f"{endpoint} is already serving: the harness restarts llama-server itself between the two "
                 "modes, so give it a free address, or give both modes as --endpoint and --endpoint-b")
-    exe = llamacpp.ensure_built(cache, log)
+    exe = exe or llamacpp.ensure_built(cache, log)
     live: list[llamacpp.ServerProcess] = []
 
     def modes():
         for name, args in MODE_ARGS.items():
-            srv = llamacpp.start_server(exe, model_path, port=port, host=host, extra=args, log=log)
+            srv = llamacpp.start_server(exe, model_path, port=port, host=host, extra=(*extra, *args), log=log)
             live.append(srv)
             try:
                 yield name, srv.url, srv.cmd

@@ -65,6 +65,8 @@ class RunConfig:
     device: int | None = None
     repeats: int = 2
     cache: Path | None = None         # llama.cpp build cache (default: ~/.cache/vkengine/...)
+    server: Path | None = None        # another llama-server binary (e.g. a Vulkan build)
+    server_args: tuple[str, ...] = () # extra llama-server arguments for both modes (e.g. -ngl 99)
 
 
 def stderr_log(msg: str) -> None:
@@ -94,7 +96,8 @@ def run_parity(cfg: RunConfig, log: Log = stderr_log, engine: Engine | None = No
     pset = load_prompt_set(cfg.prompts)
     texts = [p.render(model.tokenizer) for p in pset.prompts]
     labels = [p.id for p in pset.prompts]
-    with reference.mode_endpoints(cfg.endpoint, cfg.endpoint_b, model.path, log, cfg.cache) as modes:
+    with reference.mode_endpoints(cfg.endpoint, cfg.endpoint_b, model.path, log, cfg.cache,
+                                  cfg.server, tuple(cfg.server_args)) as modes:
         ids, (mode_a, mode_b) = reference.collect(modes, model, texts, labels, cfg.n_predict, cfg.n_probs,
                                                   cfg.repeats, log)
     t_ref = time.monotonic() - t0

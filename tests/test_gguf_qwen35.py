@@ -12,7 +12,6 @@
 """
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import time
@@ -141,16 +140,6 @@ def test_gguf_has_what_llama_cpp_reads(gguf_models, arch):
 
 # -- llama-server -------------------------------------------------------------------------------
 
-def _llama_server() -> Path | None:
-    env = os.environ.get("VKENGINE_LLAMA_SERVER")
-    if env:
-        return Path(env)
-    root = os.environ.get("VKENGINE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vkengine")
-    p = Path(root) / "llama.cpp-11434" / "bin" / "llama-server"
-    return p if os.access(p, os.X_OK) else None
-
-
 class _Server:
     def __init__(self, exe: Path, model: Path, *extra: str):
         import httpx
@@ -179,14 +168,6 @@ class _Server:
     def close(self):
         self.proc.terminate()
         self.proc.wait(30)
-
-
-@pytest.fixture(scope="module")
-def llama_server_exe():
-    exe = _llama_server()
-    if exe is None:
-        pytest.skip("llama-server 11434 is not built (the parity harness caches it); set VKENGINE_LLAMA_SERVER")
-    return exe
 
 
 @pytest.mark.slow
