@@ -224,7 +224,13 @@ class Worker:
             self.metrics.step(len(batch.tokens), now - t0)
         self.sched.postprocess(batch)
         for seq, r in zip(outs, res if res is not None else ()):
-            self._deliver(seq.data, r, readback, now)
+            try:
+                self._deliver(seq.data, r, readback, now)
+            except Exception:                     # one request's sampling or detokenizing: fail it alone
+                log.exception("request %d failed", seq.id)
+                self.sched.finish(seq)
+                if not seq.data.done:
+                    self._end(seq.data, "error", "", error="internal error in this request (see the server log)")
         self._publish()
         return True
 
