@@ -49,6 +49,8 @@ class Metrics:
         self.parked_handles = Gauge(p + "kv_parked", "Parked KV copies held (parked sequences, host prefix cache)",
                                     registry=r)
         self.parked_bytes = Gauge(p + "kv_parked_bytes", "Bytes of the parked KV copies held", registry=r)
+        self.programs = Gauge(p + "recorded_programs", "Engine steps recorded for replay (one per shape, LRU)",
+                              registry=r)
         ProcessCollector(registry=r)       # process_resident_memory_bytes, open fds, ... (Linux)
 
     # engine thread
@@ -86,6 +88,7 @@ class Metrics:
             self.pool_bytes.set(mem["pool_bytes"])
             self.parked_handles.set(mem["parked_handles"])
             self.parked_bytes.set(mem["parked_bytes"])
+            self.programs.set(mem["programs"])
 
     # event loop
     def http_request(self, route: str, status: int) -> None:

@@ -323,7 +323,7 @@ class Worker:
         alloc = dev.allocated_bytes
         return {"device_bytes": alloc["device"], "host_bytes": alloc["host"], "buffers": dev.n_buffers,
                 "pool_buffers": len(self.kv.pool), "pool_bytes": sum(b.nbytes for b in self.kv.pool),
-                "parked_handles": len(self.kv.held),
+                "parked_handles": len(self.kv.held), "programs": self.eng.n_programs,
                 "parked_bytes": sum(h.buffer.nbytes for h in self.kv.held.values())}
 
     def _publish(self) -> None:

@@ -18,7 +18,6 @@ import threading
 from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
 
 from server.scheduler import SchedulerConfig
@@ -29,7 +28,7 @@ from vkengine.generate import generate
 from vkengine.model import load_model
 from vkengine.sampling import SamplingParams
 
-from .httpcheck import RawRequest, assert_idle_and_no_leak, metric, scrape, slots, wait_for
+from .httpcheck import RawRequest, assert_idle_and_no_leak, metric, scrape, slots, soak, wait_for
 from .serving import serve, tiny_gguf, tiny_model  # noqa: F401  (fixtures)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,7 +65,6 @@ def sse_objects(body: bytes) -> list:
 
 def counts(url: str) -> dict[str, float]:
     m = scrape(url)
-    from .httpcheck import soak
     return {"cancelled": soak.total(m, "vkengine_requests_total", finish="cancelled"),
             "generated": soak.total(m, "vkengine_generated_tokens_total")}
 

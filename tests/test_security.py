@@ -20,7 +20,7 @@ import pytest
 
 from server.app import AuthMiddleware
 
-from .serving import CTX, ServerProcess, serve, tiny_gguf  # noqa: F401  (fixtures)
+from .serving import CTX, ServerProcess, tiny_gguf  # noqa: F401  (fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "s3cret-key-for-tests"

@@ -105,6 +105,12 @@ class Engine:
         return self.cfg.n_slots
 
     @property
+    def n_programs(self) -> int:
+        """Recorded steps kept (one per shape, at most cfg.program_cache): host memory that grows with
+        the shapes a server meets, then levels off."""
+        return len(self._programs)
+
+    @property
     def n_vocab(self) -> int:
         return self.args.n_vocab
 
