@@ -230,18 +230,20 @@ async def tokenize(request: Request) -> Response:
     st = _st(request)
     f = schemas.Fields(await read_json(request, st.max_body))
     content = f.str("content", required=True)
+    add_special, with_pieces = f.bool("add_special", False), f.bool("with_pieces", False)
     tok = st.model.tokenizer
-    ids = tok.encode(content, add_special=f.bool("add_special", False))
-    if f.bool("with_pieces", False):
-        return JSONResponse({"tokens": [{"id": i, "piece": tok.decode([i])} for i in ids]})
-    return JSONResponse({"tokens": ids})
+
+    def run():                                 # a body-limit's worth of text takes ~1 s: off the event loop
+        ids = tok.encode(content, add_special=add_special)
+        return [{"id": i, "piece": tok.decode([i])} for i in ids] if with_pieces else ids
+    return JSONResponse({"tokens": await anyio.to_thread.run_sync(run)})
 
 
 async def detokenize(request: Request) -> Response:
     st = _st(request)
     f = schemas.Fields(await read_json(request, st.max_body))
     ids = f.token_ids("tokens", st.model.args.n_vocab)
-    return JSONResponse({"content": st.model.tokenizer.decode(ids)})
+    return JSONResponse({"content": await anyio.to_thread.run_sync(st.model.tokenizer.decode, ids)})
 
 
 async def health(request: Request) -> Response:
@@ -261,7 +263,8 @@ async def props(request: Request) -> Response:
         "chat_template": tok.chat_template or "",
         "bos_token": tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
         "eos_token": tok.token_text(tok.eos_id) if tok.eos_id is not None else "",
-        "max_tokens": st.max_tokens, "build_info": "vkengine 0.1.0", "modalities": {"vision": False}})
+        "max_tokens": st.max_tokens, "max_body": st.max_body, "max_queue": st.worker.cfg.max_queue,
+        "build_info": "vkengine 0.1.0", "modalities": {"vision": False}})
 
 
 async def slots(request: Request) -> Response:

@@ -81,6 +81,8 @@ def serve_main(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.max_tokens < 1 or args.max_body < 1 or args.max_queue < 0:
         raise VkEngineError("--max-tokens and --max-body must be >= 1, --max-queue >= 0")
+    if args.api_key is not None and not args.api_key.strip():
+        raise VkEngineError("--api-key (or VKENGINE_API_KEY) is empty: give a key, or leave it out for no auth")
     app, st, dev = build(args)
     log.info("%s on %s: mode %s, parallel %d, %d device slot(s), context %d, step %d tokens",
              st.model_id, dev.info.name, args.mode, args.parallel, st.worker.cfg.n_slots, st.n_ctx,

@@ -4,7 +4,7 @@ Written from the engine thread (tokens, steps, slot use) and the event loop
 (HTTP requests); prometheus-client's metrics are thread-safe."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the /metrics route)
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -36,6 +36,22 @@ class Metrics:
         Gauge(p + "slots_total", "Device KV slots", registry=r).set(n_slots)
         Gauge(p + "parallel", "Sequences served at once (--parallel)", registry=r).set(max_live)
         self.preemptions = Gauge(p + "preemptions", "Sequences parked to make room (since start)", registry=r)
+        self.active = Gauge(p + "requests_active", "Generation requests accepted and not yet ended", registry=r)
+        self.host_cache = Gauge(p + "host_cache_entries", "Finished sequences parked on the host (prefix cache)",
+                                registry=r)
+        # memory the engine holds: at idle these return to their level after startup, but for the bounded
+        # pool of free parking buffers and the host prefix cache (a soak test checks it)
+        self.buffer_bytes = Gauge(p + "buffer_bytes", "Bytes of the engine's Vulkan buffers by memory kind",
+                                  ["kind"], registry=r)
+        self.buffers = Gauge(p + "buffers", "The engine's Vulkan buffers", registry=r)
+        self.pool_buffers = Gauge(p + "kv_pool_buffers", "Free host buffers kept for parking KV rows", registry=r)
+        self.pool_bytes = Gauge(p + "kv_pool_bytes", "Bytes of the free parking buffers", registry=r)
+        self.parked_handles = Gauge(p + "kv_parked", "Parked KV copies held (parked sequences, host prefix cache)",
+                                    registry=r)
+        self.parked_bytes = Gauge(p + "kv_parked_bytes", "Bytes of the parked KV copies held", registry=r)
+        self.programs = Gauge(p + "recorded_programs", "Engine steps recorded for replay (one per shape, LRU)",
+                              registry=r)
+        ProcessCollector(registry=r)       # process_resident_memory_bytes, open fds, ... (Linux)
 
     # engine thread
     def step(self, rows: int, seconds: float) -> None:
@@ -61,6 +77,18 @@ class Metrics:
         self.parked.set(snap["parked"])
         self.slots_used.set(sum(s["is_processing"] for s in snap["slots"]))
         self.preemptions.set(snap["preemptions"])
+        self.active.set(snap.get("active", 0))
+        self.host_cache.set(snap["host_cache"])
+        mem = snap.get("memory")
+        if mem:
+            self.buffer_bytes.labels("device").set(mem["device_bytes"])
+            self.buffer_bytes.labels("host").set(mem["host_bytes"])
+            self.buffers.set(mem["buffers"])
+            self.pool_buffers.set(mem["pool_buffers"])
+            self.pool_bytes.set(mem["pool_bytes"])
+            self.parked_handles.set(mem["parked_handles"])
+            self.parked_bytes.set(mem["parked_bytes"])
+            self.programs.set(mem["programs"])
 
     # event loop
     def http_request(self, route: str, status: int) -> None:

@@ -1,4 +1,5 @@
 """Command-line options of `vkengine serve`."""
+import os
 
 
 def add_serve_args(p) -> None:
@@ -22,7 +23,9 @@ def add_serve_args(p) -> None:
     p.add_argument("--host-cache", type=int, default=-1,
                    help="finished sequences kept parked in host memory for the prefix cache "
                         "(default: 4 in slices mode, 0 in batch mode, where free slots hold the cache)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--api-key", default=os.environ.get("VKENGINE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $VKENGINE_API_KEY; the environment keeps "
+                        "the key out of the process list)")
     p.add_argument("--cors", default=None, help="allowed CORS origin(s), comma separated (off unless given)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond --parallel (then 503)")
     p.add_argument("--max-tokens", type=int, default=4096, help="upper bound of n_predict/max_tokens")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 
 from vkengine.errors import VkEngineError
@@ -33,9 +34,20 @@ def bad(field_name: str, message: str) -> HTTPError:
     return HTTPError(400, f"'{field_name}' {message}", field_name)
 
 
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
 def parse_json(raw: bytes) -> dict:
     try:
-        body = json.loads(raw)
+        text = raw.decode("utf-8-sig")            # RFC 8259: JSON exchanged between systems is UTF-8
+        body = json.loads(text)
+        # JSON lets "\ud800" through; a lone surrogate is no Unicode text (the tokenizer and the
+        # response encoder would fail on it), so strings must survive UTF-8 encoding
+        if _SURROGATE_ESCAPE.search(text):
+            json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise HTTPError(400, "the request body holds an unpaired surrogate (\\ud800-\\udfff escape); "
+                             "strings must be valid Unicode") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise HTTPError(400, f"the request body is not valid JSON: {e}") from None
     except RecursionError:

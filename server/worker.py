@@ -88,6 +88,7 @@ class EngineKV:
     def __init__(self, eng: Engine, keep: int = 8):
         self.eng, self.keep = eng, keep
         self.pool: list = []
+        self.held: dict[int, object] = {}     # handles parked and not yet released, by id
 
     def park(self, slot: int, length: int):
         need = length * self.eng.kv.bytes_per_position()
@@ -95,7 +96,9 @@ class EngineKV:
         buf = min(fit, key=lambda b: b.nbytes) if fit else None
         if buf is not None:
             self.pool.remove(buf)
-        return self.eng.kv.park(slot, length, into=buf)
+        handle = self.eng.kv.park(slot, length, into=buf)
+        self.held[id(handle)] = handle
+        return handle
 
     def restore(self, handle, slot: int, length: int) -> None:
         self.eng.kv.restore(handle, slot, length)
@@ -104,6 +107,7 @@ class EngineKV:
         self.eng.kv.copy_prefix(src, dst, length)
 
     def release(self, handle) -> None:
+        del self.held[id(handle)]
         self.pool.append(handle.buffer)
         if len(self.pool) > self.keep:
             self.eng.device.free(self.pool.pop(0))
@@ -132,7 +136,7 @@ class Worker:
         self._deadline: float | None = None
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self.snapshot = self.sched.snapshot()
+        self._publish()
 
     # -- called from any thread (the event loop) ---------------------------
     def submit(self, req: GenRequest, emit: Callable[[Event], None]) -> Job:
@@ -224,7 +228,13 @@ class Worker:
             self.metrics.step(len(batch.tokens), now - t0)
         self.sched.postprocess(batch)
         for seq, r in zip(outs, res if res is not None else ()):
-            self._deliver(seq.data, r, readback, now)
+            try:
+                self._deliver(seq.data, r, readback, now)
+            except Exception:                     # one request's sampling or detokenizing: fail it alone
+                log.exception("request %d failed", seq.id)
+                self.sched.finish(seq)
+                if not seq.data.done:
+                    self._end(seq.data, "error", "", error="internal error in this request (see the server log)")
         self._publish()
         return True
 
@@ -307,7 +317,19 @@ class Worker:
             if not job.done:
                 self._end(job, finish, "", error=why)
 
+    def memory(self) -> dict:
+        """What the engine holds (for /metrics; a soak checks it returns to its idle level)."""
+        dev = self.eng.device
+        alloc = dev.allocated_bytes
+        return {"device_bytes": alloc["device"], "host_bytes": alloc["host"], "buffers": dev.n_buffers,
+                "pool_buffers": len(self.kv.pool), "pool_bytes": sum(b.nbytes for b in self.kv.pool),
+                "parked_handles": len(self.kv.held), "programs": self.eng.n_programs,
+                "parked_bytes": sum(h.buffer.nbytes for h in self.kv.held.values())}
+
     def _publish(self) -> None:
-        self.snapshot = snap = self.sched.snapshot()
+        snap = self.sched.snapshot()
+        snap["active"] = self._active
+        snap["memory"] = self.memory()
+        self.snapshot = snap
         if self.metrics:
             self.metrics.state(snap, len(self._inbox))

@@ -32,7 +32,8 @@ def free_port() -> int:
 class ServerProcess:
     """`vkengine serve` in a subprocess on a free port (real HTTP, real engine)."""
 
-    def __init__(self, args: list[str], log_path, ready_timeout: float = 300.0):
+    def __init__(self, args: list[str], log_path, ready_timeout: float = 300.0, launcher: list[str] | None = None,
+                 env: dict | None = None):
         import subprocess
         import sys
         import time
@@ -44,8 +45,9 @@ class ServerProcess:
         self.log_path = Path(log_path)
         self._log = open(self.log_path, "wb")
         root = Path(__file__).resolve().parent.parent
-        self.proc = subprocess.Popen([sys.executable, "-m", "vkengine.cli", "serve", "--port", str(self.port), *args],
-                                     cwd=root, stdout=self._log, stderr=subprocess.STDOUT)
+        launcher = launcher or ["-m", "vkengine.cli"]
+        self.proc = subprocess.Popen([sys.executable, *launcher, "serve", "--port", str(self.port), *args],
+                                     cwd=root, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + ready_timeout
         while True:
             if self.proc.poll() is not None:

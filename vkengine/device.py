@@ -15,6 +15,7 @@ message.
 from __future__ import annotations
 
 import itertools
+import os
 import struct
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
@@ -120,6 +121,21 @@ def pick_device(devices: Sequence[DeviceInfo], requested: int | None = None) -> 
             raise VkEngineError(f"device {requested} does not exist; devices are {names}")
         return devices[requested]
     return min(devices, key=lambda d: (_TYPE_RANK.get(d.type, 9), d.index))
+
+
+def host_available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux), else free physical pages; None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 @dataclass(eq=False)
@@ -291,6 +307,22 @@ class Device:
         if buf in self._buffers:
             self._buffers.remove(buf)
         buf.tensor.destroy()
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes of memory this device can hold: its device-local heaps. A CPU
+        device (lavapipe) allocates from host memory and reports a nominal heap
+        (Mesa caps it at 2 GiB, yet larger allocations succeed, lazily, until the
+        host runs out): there, the host's available memory."""
+        if self.info.type == "cpu":
+            avail = host_available_bytes()
+            if avail:
+                return avail
+        return self.info.device_local_bytes
+
+    @property
+    def n_buffers(self) -> int:
+        return len(self._buffers)
 
     @property
     def allocated_bytes(self) -> dict[str, int]:

@@ -20,7 +20,13 @@ from .errors import VkEngineError
 from .graph import Graph, ParamsLayout, Scratch
 from .kernels import Kernels
 from .model import Model
+from .quant import row_bytes
 from .state import KVCache
+
+
+def _tensor_bytes(type_name: str, shape: tuple[int, ...]) -> int:
+    rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+    return rows * row_bytes(type_name, int(shape[-1]))
 
 
 @dataclass(frozen=True)
@@ -54,13 +60,18 @@ class Engine:
         if Scratch.words_needed(widths, max_rows, self.max_out) * 4 > device.max_buffer_bytes:
             raise VkEngineError(f"activations of {model.name} do not fit one buffer on {device.info.name}")
         self.max_batch = max_rows
+        words = Scratch.words_needed(widths, max_rows, self.max_out)
+        self._check_memory(words * 4)
         self.weights = self.arch.load_weights(model.file, a, device, self.n_ctx)
         # per-sequence state: the architecture's own (hybrid models: KV rows plus
         # recurrent state) or a KV cache of every layer
         make_state = getattr(self.arch, "make_state", None)
-        self.kv = make_state(device, a, cfg.n_slots, self.n_ctx) if make_state is not None \
-            else KVCache(device, a.n_layer, cfg.n_slots, self.n_ctx, a.n_kv_heads, a.head_dim)
-        words = Scratch.words_needed(widths, max_rows, self.max_out)
+        try:
+            self.kv = make_state(device, a, cfg.n_slots, self.n_ctx) if make_state is not None \
+                else KVCache(device, a.n_layer, cfg.n_slots, self.n_ctx, a.n_kv_heads, a.head_dim)
+        except VkEngineError as e:
+            raise VkEngineError(f"{e}: reduce the context length (--ctx) or the sequences held on the "
+                                "device at once (--parallel, --slots)") from e
         self.scratch = Scratch(device.buffer(words * 4, "device", "scratch"), widths, max_rows, self.max_out)
         self.layout = ParamsLayout(max_rows, self.max_out)
         self.params = device.buffer(self.layout.words * 4, "host", "params")
@@ -68,9 +79,45 @@ class Engine:
         self.logits_host = device.buffer(self.max_out * a.n_vocab * 4, "host", "logits")
         self._programs: OrderedDict[tuple, object] = OrderedDict()
 
+    def _check_memory(self, scratch_bytes: int) -> None:
+        """Refuse, before allocating anything, a configuration whose weights, KV
+        cache and activations exceed the device's memory: some drivers (lavapipe)
+        grant such allocations lazily and the process is killed later, mid-request."""
+        a, cfg, dev = self.args, self.cfg, self.device
+        mf = self.model.file
+        weights = sum(_tensor_bytes(*mf.tensor_info(n)) for n in mf.tensor_names())
+        # hybrid models keep KV rows for their attention layers only, plus a
+        # fixed-size recurrent state per slot for the others
+        kv_layers = len(getattr(a, "attn_layers", range(a.n_layer)))
+        per_pos = KVCache.bytes_needed(kv_layers, 1, 1, a.n_kv_heads, a.head_dim)
+        kv = per_pos * cfg.n_slots * self.n_ctx
+        if getattr(a, "rec_layers", None):
+            kv += 4 * cfg.n_slots * len(a.rec_layers) * ((a.conv_kernel - 1) * a.conv_dim + a.nv * a.dv * a.dk)
+        budget = dev.memory_bytes
+        need = weights + kv + scratch_bytes
+        if need <= budget:
+            return
+        gib = 2 ** 30
+        what = (f"{self.model.name} with {cfg.n_slots} slot(s) x {self.n_ctx} positions needs "
+                f"{need / gib:.2f} GiB (weights {weights / gib:.2f}, KV cache {kv / gib:.2f}, activations "
+                f"{scratch_bytes / gib:.2f}); {dev.info.name} has {budget / gib:.2f} GiB"
+                f"{' of host memory available' if dev.info.type == 'cpu' else ''}")
+        room = (budget - weights - scratch_bytes) // per_pos
+        if room < 1:
+            raise VkEngineError(f"{what}: the weights alone do not fit; use a smaller or more quantized model")
+        raise VkEngineError(f"{what}: reduce the context length (--ctx) or the sequences held on the device at "
+                            f"once (--parallel, --slots); about {room} positions fit in all "
+                            f"(e.g. --ctx {room // cfg.n_slots} with {cfg.n_slots} slot(s))")
+
     @property
     def n_slots(self) -> int:
         return self.cfg.n_slots
+
+    @property
+    def n_programs(self) -> int:
+        """Recorded steps kept (one per shape, at most cfg.program_cache): host memory that grows with
+        the shapes a server meets, then levels off."""
+        return len(self._programs)
 
     @property
     def n_vocab(self) -> int:

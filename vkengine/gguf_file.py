@@ -58,7 +58,8 @@ class GGUFFile(ModelFile):
             from gguf import GGUFReader
             self._r = GGUFReader(str(self.path), "r")
         except Exception as e:
-            raise VkEngineError(f"{self.path} is not a readable GGUF file ({type(e).__name__}: {e})") from e
+            raise VkEngineError(f"{self.path} is not a readable GGUF file: truncated or corrupt "
+                                f"({type(e).__name__}: {e})") from e
         self._fields = self._r.fields
         self._tensors = {t.name: t for t in self._r.tensors}
         size = self.path.stat().st_size

@@ -52,10 +52,28 @@ class Model:
         return h.hexdigest()
 
 
+# sizes every architecture's args has; zero or negative ones come from a corrupt file
+_POSITIVE = ("n_vocab", "n_embd", "n_layer", "n_head", "head_dim")
+
+
 def load_model(path: str | os.PathLike | None = None) -> Model:
     p = Path(path) if path else default_model_path()
-    mf = open_model_file(p, models.hf_name_map)
-    arch = models.get(mf.arch)
-    args = arch.Args.from_file(mf)
-    tok = from_hf_folder(p) if isinstance(mf, SafetensorsFolder) else from_gguf(mf.meta)
+    try:
+        mf = open_model_file(p, models.hf_name_map)
+        arch = models.get(mf.arch)
+        args = arch.Args.from_file(mf)
+        for name in _POSITIVE:
+            v = getattr(args, name, 1)
+            if not v > 0:
+                raise VkEngineError(f"{p}: invalid model metadata: {name} is {v}")
+        tok = from_hf_folder(p) if isinstance(mf, SafetensorsFolder) else from_gguf(mf.meta)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, ArithmeticError) as e:
+        # a well-formed file with a missing or mistyped value (config.json, GGUF metadata)
+        raise VkEngineError(f"{p}: invalid model metadata ({type(e).__name__}: {e}); the file is corrupt "
+                            "or was written by an unsupported converter") from e
+    for name, ids in (("BOS", [tok.bos_id]), ("EOS", [tok.eos_id]), ("end-of-turn", tok.eot_ids)):
+        for i in ids:
+            if i is not None and not 0 <= i < args.n_vocab:
+                raise VkEngineError(f"{p}: invalid model metadata: the {name} token id {i} is outside the "
+                                    f"vocabulary (0..{args.n_vocab - 1})")
     return Model(p, mf, arch, args, tok)

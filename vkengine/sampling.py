@@ -57,7 +57,11 @@ class Sampler:
         logits = logits.copy()
         ids = np.unique(np.asarray(history[-self.p.repeat_last_n:], np.int64))
         v = logits[ids]
-        logits[ids] = np.where(v > 0, v / self.p.repeat_penalty, v * self.p.repeat_penalty)
+        with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+            v = np.where(v > 0, v / self.p.repeat_penalty, v * self.p.repeat_penalty)
+        # a penalty beyond float32's range makes inf (then inf - inf) or 0 * inf: NaN in the draw
+        big = np.finfo(np.float32).max
+        logits[ids] = np.clip(np.where(np.isnan(v), 0.0, v), -big, big)
         return logits
 
     def __call__(self, logits: np.ndarray, history: list[int]) -> int:
@@ -76,7 +80,11 @@ class Sampler:
         if self.p.min_p > 0.0:
             keep = probs >= self.p.min_p * probs[0]
             idx, lg = idx[keep], lg[keep]
-        lg = lg / self.p.temperature
-        probs = np.exp(lg - lg.max())
+        with np.errstate(over="ignore"):
+            scaled = lg / self.p.temperature
+        if not np.isfinite(scaled[0]):          # a temperature so small that it overflows: scale the gaps
+            with np.errstate(over="ignore"):
+                scaled = (lg - lg[0]) / self.p.temperature
+        probs = np.exp(scaled - scaled.max())
         probs /= probs.sum()
         return int(idx[self.rng.choice(len(idx), p=probs)])

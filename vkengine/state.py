@@ -46,6 +46,11 @@ class KVCache:
     def nbytes(self) -> int:
         return self.arena.nbytes
 
+    @staticmethod
+    def bytes_needed(n_layer: int, n_slots: int, ctx: int, n_kv: int, head_dim: int) -> int:
+        """Device bytes of the K and V caches (before buffer alignment)."""
+        return 2 * n_layer * n_slots * ctx * (n_kv * head_dim // 2) * 4
+
     def k(self, layer: int) -> Region:
         return self._regions[layer][0]
 
