@@ -76,8 +76,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="135m:q4_1,1b:q8_0,1b:q4_0,8b:q4_0",
                     help="synthetic models as shape:quant (written with vkengine synth if missing)")
-    ap.add_argument("--files", default=None, help="existing GGUF files instead of --models (comma separated; "
-                    "'default' = the embedded SmolLM2)")
+    ap.add_argument("--files", default=None, help="existing GGUF files, benched before --models (comma separated; "
+                    "'default' = the embedded SmolLM2; --models '' for files only)")
     ap.add_argument("--model-dir", default=os.environ.get("VKENGINE_BENCH_MODELS", "/tmp/vkengine-bench-models"))
     ap.add_argument("--llama-bench", default=None, help="llama-bench binary (skipped when absent)")
     ap.add_argument("--llama-label", default="llama.cpp", help="how to name the peer in the table")
@@ -102,11 +102,11 @@ def main(argv=None) -> int:
     bw = copy_bandwidth(dev, kn)
     print(f"device {dev.info.name}: copy bandwidth {bw['gbps']:.0f} GB/s (read+write)", flush=True)
     results = []
+    jobs = []
     if args.files:
         from vkengine.model import default_model_path
         jobs = [(default_model_path() if f == "default" else Path(f), "file", "") for f in args.files.split(",")]
-    else:
-        jobs = []
+    if args.models:
         for spec in args.models.split(","):
             shape, quant = spec.split(":")
             shape = SHAPE_ALIASES.get(shape, shape)

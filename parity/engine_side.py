@@ -6,7 +6,8 @@ pass along llama.cpp's tokens, sharing one prefill of the prompt.
 2. N-1 decode steps (Engine.step, the same call `generate` makes) -> free run;
 3. llama.cpp's tokens 0..N-2 as one batch at positions len(prompt)... on top
    of the prompt's KV rows from step 1 (the free run's own rows get
-   overwritten) -> logits at every later position.
+   overwritten) -> logits at every later position. Hybrid models, whose
+   recurrent state cannot be rewound, prefill the prompt again first.
 
 Greedy picks exclude llama.cpp's end-of-generation tokens: the reference runs
 with ignore_eos, which llama-server implements as a -inf logit bias on them
@@ -118,6 +119,9 @@ def run_case(eng: Engine, prompt: Sequence[int], ref: Sequence[int],
     b0 = pick(first, banned)
     top1, lps = [b0], [_keep(first, keep[0] | {b0})]
     if n > 1:
+        if not eng.kv.rewindable:
+            # a recurrent state now covers the free run: start the slot again
+            eng.prefill(prompt, slot, 0, "none")
         t, lp = teacher_forced(eng, ref[:n - 1], len(prompt), keep[1:], banned, slot)
         top1 += t
         lps += lp

@@ -81,7 +81,9 @@ def git_commit(repo: Path) -> tuple[str | None, bool]:
                                capture_output=True, text=True, check=True).stdout.strip() != ""
         return head, dirty
     except (OSError, subprocess.CalledProcessError):
-        return None, False
+        # a copy of the tree without .git (the GPU machine): the caller may say
+        env = os.environ.get("VKENGINE_GIT_COMMIT")
+        return (env, False) if env else (None, False)
 
 
 def run_parity(cfg: RunConfig, log: Log = stderr_log, engine: Engine | None = None) -> dict:

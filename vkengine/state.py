@@ -28,6 +28,9 @@ class Parked:
 
 
 class KVCache:
+    # A step may start a slot at any position its rows cover (KV rows are
+    # simply overwritten); recurrent state (HybridState) cannot be rewound.
+    rewindable = True
     def __init__(self, device: Device, n_layer: int, n_slots: int, ctx: int, n_kv: int, head_dim: int,
                  layers: list[int] | None = None):
         self.device = device
@@ -143,6 +146,8 @@ class HybridState(KVCache):
     must be refilled from position 0: a hybrid prefix is reusable only at the
     length where its state was taken (`reusable_prefix` says which).
     """
+
+    rewindable = False
 
     def __init__(self, device: Device, n_slots: int, ctx: int, n_kv: int, head_dim: int,
                  attn_layers: list[int], rec_layers: list[int], conv_words: int, ssm_words: int,

@@ -12,6 +12,7 @@
 #           cooperative-matrix shaders on) unless .vk/llama-vulkan.tar.xz has it
 #   profile GPU time per op (vkengine bench --profile) on PROFILE_MODELS
 #   bench   bench/bench.py: ours vs llama-bench on synthetic models
+#   parity  parity run against llama-server's Vulkan build on synthetic llama/qwen35/qwen35moe
 #   serve-bench  bench/serve.py: C = 1, 4, 16 streaming clients, ours vs llama-server
 #   qwen35  the hybrid models' tests, and tests/gpu/hf_oracle_qwen35.py (transformers as oracle)
 # Everything the GPU machine lacks travels in .vk/: the Vulkan loader and the
@@ -21,6 +22,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/vkengine-gpu-out}
+export OUT
 mkdir -p "$OUT"
 stages=${*:-tests}
 
@@ -58,7 +60,18 @@ build_llama() {
   echo "llama.cpp Vulkan build: $((SECONDS - t0)) s"
 }
 
-for s in $stages; do
+# synth_model arch:shape:quant -> path of that synthetic GGUF (written once)
+synth_model() {
+  local arch=${1%%:*} rest=${1#*:}; local shape=${rest%%:*} q=${rest##*:}
+  local f=/tmp/vkengine-bench-models/$arch-$shape-$q.gguf
+  [ -f "$f" ] || python3 -m vkengine.cli synth --arch "$arch" --shape "$shape" --quant "$q" \
+    --out /tmp/vkengine-bench-models --name "$arch-$shape" --formats gguf \
+    --tokenizer-from "$VKENGINE_TOKENIZER_GGUF" >/dev/null || return 1
+  echo "$f"
+}
+
+run_stage() {
+  local s=$1
   case $s in
     tests)
       python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_models.py -k "not smollm" \
@@ -87,9 +100,25 @@ for s in $stages; do
       ;;
     bench)
       build_llama && lb=/tmp/llb/bin/llama-bench || lb=""
+      files=""
+      for spec in ${BENCH_QWEN:-}; do   # arch:shape:quant, e.g. qwen35:0.8B:q4_0
+        f=$(synth_model "$spec") && files=${files:+$files,}$f
+      done
       python3 bench/bench.py --out "$OUT/bench" --tokenizer-from "$VKENGINE_TOKENIZER_GGUF" \
-        ${BENCH_MODELS:+--models $BENCH_MODELS} ${lb:+--llama-bench $lb} \
+        ${BENCH_MODELS:+--models $BENCH_MODELS} ${files:+--files $files} ${lb:+--llama-bench $lb} \
         --llama-label "llama.cpp 11434 Vulkan (int dot + coopmat)" 2>&1 | tee "$OUT/bench.log" | tail -20
+      ;;
+    parity)
+      # our tokens vs llama-server's Vulkan build (-ngl 99) on the same synthetic GGUFs
+      build_llama
+      mkdir -p "$OUT/parity"
+      for spec in ${PARITY_MODELS:-llama:smollm2-135m:q4_1 qwen35:tiny:q8_0 qwen35moe:tiny:q8_0}; do
+        f=$(synth_model "$spec") || continue
+        name=$(basename "$f" .gguf)
+        timeout "${PARITY_TIMEOUT:-300}" python3 -m parity.cli run --model "$f" --server /tmp/llb/bin/llama-server \
+          --server-args="-ngl 99" --out "$OUT/parity/$name-h200-vs-llamacpp-vulkan.json" 2>&1 \
+          | tee -a "$OUT/parity.log" | grep -v "^\[parity\]" | tail -3
+      done
       ;;
     serve-bench)
       # concurrent streaming clients over HTTP: ours (serial, slices, batch) and
@@ -106,6 +135,29 @@ for s in $stages; do
           --json "$OUT/serve-c$C.json" 2>&1 | tee -a "$OUT/serve-bench.log" | tail -8
       done
       ;;
-    *) echo "unknown stage $s"; exit 2 ;;
+    *) echo "unknown stage $s"; return 2 ;;
   esac
+}
+
+# A stage list like "tests+parity bench" runs tests and parity at once (both
+# check correctness, so sharing the GPU does not matter), then bench alone.
+# Each stage has a time limit (T_<stage> seconds, default 590) so that one
+# that hangs cannot eat the rest of the call.
+stage_timeout() { local v="T_${1//-/_}"; echo "${!v:-590}"; }
+case " $stages " in *tests\ *|*parity*|*bench*|*qwen35*|*llama*) build_llama ;; esac
+export -f build_llama synth_model run_stage
+for group in $stages; do
+  if [ "${group#*+}" = "$group" ]; then
+    timeout "$(stage_timeout "$group")" bash -c "run_stage $group" || echo "stage $group: exit $?"
+  else
+    pids=()
+    for s in ${group//+/ }; do
+      (timeout "$(stage_timeout "$s")" bash -c "run_stage $s" \
+        > "$OUT/stage-$s.log" 2>&1; echo "stage $s: exit $?" >> "$OUT/stage-$s.log") &
+      pids+=($!)
+    done
+    wait "${pids[@]}"
+    for s in ${group//+/ }; do tail -6 "$OUT/stage-$s.log"; done
+  fi
 done
+
