@@ -106,7 +106,7 @@ run_stage() {
       done
       python3 bench/bench.py --out "$OUT/bench" --tokenizer-from "$VKENGINE_TOKENIZER_GGUF" \
         ${BENCH_MODELS:+--models $BENCH_MODELS} ${files:+--files $files} ${lb:+--llama-bench $lb} \
-        --llama-label "llama.cpp 11434 Vulkan (int dot + coopmat)" 2>&1 | tee "$OUT/bench.log" | tail -20
+        -r "${BENCH_REPS:-3}" --llama-label "llama.cpp 11434 Vulkan (int dot + coopmat)" 2>&1 | tee "$OUT/bench.log" | tail -20
       ;;
     parity)
       # our tokens vs llama-server's Vulkan build (-ngl 99) on the same synthetic GGUFs
