@@ -161,3 +161,9 @@ for group in $stages; do
   fi
 done
 
+
+# The device tool brings back at most 8 files: past that, pack $OUT into one.
+if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
+  tar czf /tmp/vkengine-results.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/vkengine-results.tgz "$OUT/results.tgz"
+  echo "results packed into \$OUT/results.tgz"
+fi
