@@ -148,6 +148,17 @@ TOKENIZER_KEYS = [
     "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_space_prefix", "tokenizer.chat_template"]
 
 
+def make_tensors(fn, jobs: list, workers: int | None = None) -> dict[str, tuple]:
+    """Run fn(job) -> (name, ...) for every job, in worker processes when there
+    are several; {name: result}. Each tensor seeds its own generator, so the
+    result does not depend on the number of workers."""
+    workers = workers or min(len(jobs), os.cpu_count() or 1)
+    if workers > 1:
+        with ProcessPoolExecutor(workers) as ex:
+            return {r[0]: r for r in ex.map(fn, jobs, chunksize=1)}
+    return {r[0]: r for r in map(fn, jobs)}
+
+
 def _tokenizer_meta(source: Path | None = None):
     """Tokenizer fields of a GGUF (default: the embedded SmolLM2)."""
     from .gguf_file import GGUFFile
@@ -209,7 +220,6 @@ def synth_llama(c: SynthConfig, quant: str, seed: int, out_dir: Path, name: str 
                 tokenizer_from: Path | None = None) -> dict[str, Path]:
     """Write the model; returns {"gguf": file, "hf": folder} for what was written."""
     import gguf
-    from gguf import GGMLQuantizationType as T
 
     from .quant import BY_NAME
     if quant not in QUANTS:
@@ -222,16 +232,7 @@ def synth_llama(c: SynthConfig, quant: str, seed: int, out_dir: Path, name: str 
     want_hf = "hf" in formats
     plan = _tensor_plan(c, n_vocab)
     jobs = [(n, s, std, seed, quant, c.n_head, c.n_head_kv, want_hf) for n, s, std in plan]
-    workers = workers or min(len(jobs), os.cpu_count() or 1)
-    results: dict[str, tuple] = {}
-    if workers > 1:
-        with ProcessPoolExecutor(workers) as ex:
-            for r in ex.map(_make_tensor, jobs, chunksize=1):
-                results[r[0]] = r
-    else:
-        for j in jobs:
-            r = _make_tensor(j)
-            results[r[0]] = r
+    results = make_tensors(_make_tensor, jobs, workers)
 
     written: dict[str, Path] = {}
     if "gguf" in formats:

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import json
 import os
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
 from .errors import VkEngineError
-from .synth import QUANTS, _add_meta, _rng, _tokenizer_meta, write_hf_tokenizer
+from .synth import QUANTS, _add_meta, _rng, _tokenizer_meta, make_tensors, write_hf_tokenizer
 
 
 @dataclass(frozen=True)
@@ -352,16 +351,7 @@ def synth_qwen35(c: Qwen35SynthConfig, quant: str, seed: int, out_dir: Path, nam
     want_hf = "hf" in formats
     plan = _tensor_plan(c, n_vocab)
     jobs = [(n, s, init, qz, ro, seed, quant, c.nk, c.nv, want_hf) for n, s, init, qz, ro in plan]
-    workers = workers or min(len(jobs), os.cpu_count() or 1)
-    results: dict[str, tuple] = {}
-    if workers > 1:
-        with ProcessPoolExecutor(workers) as ex:
-            for r in ex.map(_make_tensor, jobs, chunksize=1):
-                results[r[0]] = r
-    else:
-        for j in jobs:
-            r = _make_tensor(j)
-            results[r[0]] = r
+    results = make_tensors(_make_tensor, jobs, workers)
     written: dict[str, Path] = {}
     if "gguf" in formats:
         path = out_dir / f"{name}-{quant}.gguf"
