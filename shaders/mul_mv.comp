@@ -4,6 +4,16 @@
 // values), dequantize each unit once and use it for NCOLS columns of x
 // (NCOLS = 1, RPS = 2: the decode matvec; NCOLS = 8, RPS = 1: small batches).
 // grid: (row groups folded into x/y, ceil(N / NCOLS) in z)
+//
+// KSPLIT = 1 (GPU variants): a workgroup takes RPS rows (ITEMS_PER_WG = RPS)
+// and all its invocations walk their units together, so a 4096-row matrix
+// keeps 4x more loads in flight than with one subgroup per row group; the
+// subgroups' sums meet in shared memory, added in subgroup order. Lavapipe
+// keeps KSPLIT = 0 (no barrier(): it is slow there). Every variant a device
+// uses for matvecs sums a row in the same order, batched or alone.
+#ifndef KSPLIT
+#define KSPLIT 0
+#endif
 #include "common.glsl"
 
 // x and y live in the same activation buffer, bound twice: x through a
@@ -24,20 +34,36 @@ layout(push_constant) uniform P {
 
 #include "quant.glsl"
 
+#if KSPLIT
+#define LANE gl_LocalInvocationID.x
+#define FIRST_ROW rows.x
+#define NEXT_ROWS ITEMS_PER_WG
+shared float red[32][RPS * NCOLS];   // per subgroup (at most 32 of them)
+#else
+#define LANE gl_SubgroupInvocationID
+#define FIRST_ROW (rows.x + gl_SubgroupID * RPS)
+#define NEXT_ROWS (gl_NumSubgroups * RPS)
+#endif
+
 void main() {
     uvec2 rows = workgroup_items(p.M);
     uint col0 = gl_WorkGroupID.z * NCOLS;
     uint ncols = min(uint(NCOLS), p.N - col0);
     uint units = units_per_row(p.K);
+#if KSPLIT
+    uint S = gl_WorkGroupSize.x;
+#else
     uint S = gl_SubgroupSize;
-    // a subgroup takes RPS consecutive rows; every x vec4 it loads serves them all
-    for (uint row0 = rows.x + gl_SubgroupID * RPS; row0 < rows.y; row0 += gl_NumSubgroups * RPS) {
+#endif
+    // a subgroup (KSPLIT: the workgroup) takes RPS consecutive rows; every x
+    // vec4 it loads serves them all
+    for (uint row0 = FIRST_ROW; row0 < rows.y; row0 += NEXT_ROWS) {
         float acc[RPS][NCOLS];
         [[unroll]] for (uint rr = 0; rr < RPS; rr++)
             [[unroll]] for (uint c = 0; c < NCOLS; c++) acc[rr][c] = 0.0;
         // UNROLL units per lane per iteration: all their loads are issued
         // before the first is decoded, so each lane keeps several in flight
-        for (uint u0 = gl_SubgroupInvocationID; u0 < units; u0 += S * UNROLL) {
+        for (uint u0 = LANE; u0 < units; u0 += S * UNROLL) {
             Raw raw[UNROLL][RPS];
             [[unroll]] for (uint k = 0; k < UNROLL; k++) {
                 uint u = u0 + k * S;
@@ -67,12 +93,29 @@ void main() {
         [[unroll]] for (uint rr = 0; rr < RPS; rr++) {
             [[unroll]] for (uint c = 0; c < NCOLS; c++) {
                 float s = subgroupAdd(acc[rr][c]);
+#if KSPLIT
+                if (subgroupElect()) red[gl_SubgroupID][rr * NCOLS + c] = s;
+#else
                 uint row = row0 + rr;
                 if (c < ncols && row < rows.y && subgroupElect()) {
                     uint yi = p.y_off + (col0 + c) * p.y_stride + row;
                     act[yi] = p.accumulate != 0u ? act[yi] + s : s;
                 }
+#endif
             }
         }
+#if KSPLIT
+        barrier();
+        uint i = gl_LocalInvocationID.x;
+        if (i < RPS * NCOLS) {
+            uint rr = i / NCOLS, c = i % NCOLS, row = row0 + rr;
+            if (c < ncols && row < rows.y) {
+                float s = red[0][i];
+                for (uint g = 1; g < gl_NumSubgroups; g++) s += red[g][i];
+                uint yi = p.y_off + (col0 + c) * p.y_stride + row;
+                act[yi] = p.accumulate != 0u ? act[yi] + s : s;
+            }
+        }
+#endif
     }
 }

@@ -20,6 +20,15 @@ MV_ROWS = 2
 # in the batched matmul variant.
 MATMUL_COLS = 8
 
+# GPU matvec variants (mul_mv.comp with KSPLIT: a workgroup's invocations split
+# each row group's K between them): the decode matvec (1 column) and, for
+# batched decode (a server's running sequences, one row each), 2, 4 or 8
+# columns that stream the weights once for all rows. MV_ROWS rows per
+# workgroup; units in flight per lane by column count. Every variant sums a
+# row in the same order, so a row's result does not depend on its batch.
+MM_GPU_COLS = (2, 4, 8)
+MV_GPU_UNROLL = {1: 2, 2: 2, 4: 2, 8: 1}
+
 # Invocation tile (weight rows, tokens) of the shared-memory matmul (mul_mt):
 # a workgroup of 16 x 16 invocations computes (16 TM) x (16 TN) outputs.
 TILE = (8, 8)
@@ -31,6 +40,11 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
         d = {f"WT_{wt.upper()}": 1}
         t[f"mul_mv_{wt}"] = ("mul_mv.comp", {**d, "NCOLS": 1, "UNROLL": 4, "RPS": MV_ROWS})
         t[f"mul_mm_{wt}"] = ("mul_mv.comp", {**d, "NCOLS": MATMUL_COLS, "UNROLL": 2, "RPS": 1})
+        t[f"mul_mvk_{wt}"] = ("mul_mv.comp", {**d, "NCOLS": 1, "UNROLL": MV_GPU_UNROLL[1], "RPS": MV_ROWS,
+                                               "KSPLIT": 1})
+        for nc in MM_GPU_COLS:
+            t[f"mul_mm{nc}_{wt}"] = ("mul_mv.comp", {**d, "NCOLS": nc, "UNROLL": MV_GPU_UNROLL[nc], "RPS": MV_ROWS,
+                                                     "KSPLIT": 1})
         t[f"mul_mt_{wt}"] = ("mul_mt.comp", {**d, "TM": TILE[0], "TN": TILE[1]})
         t[f"get_rows_{wt}"] = ("get_rows.comp", d)
     for op in ("rms_norm", "rope_kv", "attention", "attention_merge", "swiglu", "add", "softmax", "argmax_part", "argmax", "copy"):

@@ -1,6 +1,9 @@
 """`vkengine bench`: prefill (pp) and decode (tg) speed, measured like
 llama-bench: pp = one prompt of n tokens from an empty context, tg = n tokens
-generated one at a time from an empty context; median of `reps` runs."""
+generated one at a time from an empty context; median of `reps` runs.
+Batched decode (`--parallel B`): B sequences in B slots decode n tokens
+together, one step of B rows per token, as the server's batch mode does;
+reported as aggregate tok/s (B * n / time)."""
 from __future__ import annotations
 
 import statistics
@@ -37,3 +40,21 @@ def run_bench(eng: Engine, n_prompt: int, n_gen: int, reps: int = 3, seed: int =
         out["tg_s"] = statistics.median(times)
         out["tg_tps"] = n_gen / out["tg_s"]
     return out
+
+
+def run_batched(eng: Engine, n_seq: int, n_gen: int, reps: int = 3, seed: int = 0) -> dict:
+    """Aggregate decode speed of n_seq sequences stepping together from an empty context."""
+    if n_seq > eng.n_slots:
+        raise ValueError(f"{n_seq} sequences need {n_seq} slots, the engine has {eng.n_slots}")
+    rng = np.random.default_rng(seed)
+    toks = rng.integers(0, eng.n_vocab, n_seq).tolist()
+    slots, rows = list(range(n_seq)), list(range(n_seq))
+    eng.step(toks, [0] * n_seq, slots, rows)     # warm-up: record the program
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for pos in range(n_gen):
+            toks = eng.step(toks, [pos] * n_seq, slots, rows).tolist()
+        times.append(time.perf_counter() - t)
+    s = statistics.median(times)
+    return {"n_seq": n_seq, "n_gen": n_gen, "step_ms": 1000 * s / n_gen, "tps": n_seq * n_gen / s}

@@ -26,13 +26,13 @@ def _device_index(args) -> int | None:
     return None
 
 
-def _open(args, n_slots: int = 1, max_batch: int | None = None):
+def _open(args, n_slots: int = 1, max_batch: int | None = None, max_out: int = 16):
     from .device import Device
     from .engine import Engine, EngineConfig
     from .model import load_model
     model = _model_options(args, load_model(args.model))
     dev = Device(_device_index(args))
-    cfg = EngineConfig(n_slots=n_slots, n_ctx=args.ctx, max_batch=max_batch or args.batch)
+    cfg = EngineConfig(n_slots=n_slots, n_ctx=args.ctx, max_batch=max_batch or args.batch, max_out=max_out)
     log = getattr(args, "experts_log", None)
     if log:
         from .expert_log import RecordingEngine
@@ -128,23 +128,45 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import run_bench
-    model, dev, eng = _open(args, max_batch=max(args.n_prompt, 1))
+    from .bench import run_batched, run_bench
+    parallel = _parallel_list(args.parallel)
+    n_seq = max(parallel, default=1)
+    model, dev, eng = _open(args, n_slots=n_seq, max_batch=max(args.n_prompt, n_seq, 1), max_out=max(16, n_seq))
     if args.profile:
-        for title, n, start in (("decode step (1 row at position 128)", 1, 128),
-                                (f"prefill step ({args.n_prompt} rows)", args.n_prompt, 0)):
-            rows = eng.profile(n, 1, start_pos=start)
+        steps = [("decode step (1 row at position 128)", 1, 128, False)]
+        steps += [(f"batched decode step ({b} sequences at position 128)", b, 128, True) for b in parallel if b > 1]
+        steps += [(f"prefill step ({args.n_prompt} rows)", args.n_prompt, 0, False)] if args.n_prompt else []
+        for title, n, start, batched in steps:
+            rows = eng.profile(n, n if batched else 1, start_pos=start, batched=batched)
             total = sum(us for _, us, _ in rows)
             print(f"{title}: {total:.0f} us GPU time")
             for label, us, count in rows[:14]:
                 print(f"  {us:9.1f} us {100 * us / total:5.1f}%  x{count:<4d} {label}")
     r = run_bench(eng, args.n_prompt, args.n_gen, args.reps)
+    r["batched"] = [run_batched(eng, b, args.n_gen, args.reps) for b in parallel if b > 1]
     if args.json:
         print(json.dumps(r, indent=1))
     else:
-        print(f"{model.name} on {dev.info.name}: pp{args.n_prompt} {r['pp_tps']:.1f} tok/s, "
-              f"tg{args.n_gen} {r['tg_tps']:.1f} tok/s")
+        line = f"{model.name} on {dev.info.name}:"
+        if args.n_prompt:
+            line += f" pp{args.n_prompt} {r['pp_tps']:.1f} tok/s"
+        if args.n_gen:
+            line += f" tg{args.n_gen} {r['tg_tps']:.1f} tok/s"
+        print(line)
+        for b in r["batched"]:
+            print(f"  {b['n_seq']} sequences x tg{b['n_gen']}: {b['tps']:.1f} tok/s aggregate "
+                  f"({b['tps'] / r['tg_tps']:.2f}x one sequence), {b['step_ms']:.2f} ms a step")
     return 0
+
+
+def _parallel_list(text: str) -> list[int]:
+    try:
+        vals = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise VkEngineError(f"--parallel takes comma-separated sequence counts such as 1,4,16, got {text!r}")
+    if any(v < 1 or v > 256 for v in vals):
+        raise VkEngineError(f"--parallel counts must be 1..256, got {text!r}")
+    return vals
 
 
 def cmd_synth(args) -> int:
@@ -210,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-r", "--reps", type=int, default=3)
     p.add_argument("--json", action="store_true")
     p.add_argument("--profile", action="store_true", help="GPU time per op of a decode and a prefill step")
+    p.add_argument("--parallel", default="", metavar="B[,B...]",
+                   help="also measure batched decode of B sequences stepping together (the server's batch mode), "
+                        "e.g. 4,16")
     p.set_defaults(fn=cmd_bench)
 
     p = sub.add_parser("synth", help="write a deterministic random-weight model (GGUF and safetensors)")

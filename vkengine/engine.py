@@ -154,13 +154,18 @@ class Engine:
                 prog.copy(r.buf, self.logits_host, (r.off + i * stride) * 4, i * V * 4, V * 4, "logits")
         return prog
 
-    def profile(self, n: int, n_out: int = 1, runs: int = 5, start_pos: int = 0) -> list[tuple[str, float, int]]:
-        """GPU time per op kind of one step of n rows (slot 0, positions from
-        start_pos): [(label, microseconds per step, count)], slowest first."""
+    def profile(self, n: int, n_out: int = 1, runs: int = 5, start_pos: int = 0,
+                batched: bool = False) -> list[tuple[str, float, int]]:
+        """GPU time per op kind of one step of n rows: [(label, microseconds per
+        step, count)], slowest first. The rows are a prompt chunk in slot 0 at
+        positions from start_pos, or (batched=True) n sequences in slots 0..n-1
+        all at position start_pos, as in the server's batched decode."""
+        if batched and n > self.n_slots:
+            raise VkEngineError(f"a batched step of {n} rows needs {n} slots, the engine has {self.n_slots}")
         pl, prm = self.layout, self.params.array()
         prm[pl.tokens:pl.tokens + n] = np.arange(n) % self.n_vocab
-        prm[pl.positions:pl.positions + n] = np.arange(start_pos, start_pos + n)
-        prm[pl.slots:pl.slots + n] = 0
+        prm[pl.positions:pl.positions + n] = start_pos if batched else np.arange(start_pos, start_pos + n)
+        prm[pl.slots:pl.slots + n] = np.arange(n) if batched else 0
         prm[pl.out_rows:pl.out_rows + n_out] = np.arange(n - n_out, n)
         prog = self._record(n, n_out, "argmax" if n_out else "none", timestamps=True)
         totals: dict[str, list[float]] = {}

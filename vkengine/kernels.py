@@ -14,7 +14,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from shaders.variants import MATMUL_COLS, MV_ROWS, TILE, UNIT_VALUES
+from shaders.variants import MATMUL_COLS, MM_GPU_COLS, MV_ROWS, TILE, UNIT_VALUES
 
 from . import shaders
 from .device import Buffer, Device, Program
@@ -94,6 +94,11 @@ class Kernels:
         # single-column kernel (grid z = n). Both walk a row in the same order,
         # so results do not depend on which one ran.
         self.multi_column_from = 8 if device.info.type == "cpu" else 2
+        # GPUs: matvecs split each row group's K across a whole workgroup
+        # (mul_mvk, and mul_mm{2,4,8} for batches of 2..8 rows and beyond, 8 at a
+        # time), which keeps more loads in flight than a subgroup per row group;
+        # lavapipe keeps the subgroup kernels (mul_mv, mul_mm): barrier() is slow there
+        self.split_k = device.info.type != "cpu"
 
     # -- helpers -----------------------------------------------------------
     def _alg(self, name: str, buffers: list[Buffer], push: bytes, wg: int, items: int | None = None):
@@ -130,9 +135,14 @@ class Kernels:
             groups = (math.ceil(w.rows / (16 * TILE[0])), math.ceil(n / (16 * TILE[1])), 1)
         else:
             single = n < self.multi_column_from
-            variant = f"mul_mv_{w.type}" if single else f"mul_mm_{w.type}"
-            ncols = 1 if single else MATMUL_COLS
-            rows_per_wg = self.items * (MV_ROWS if single else 1)
+            if self.split_k:
+                ncols = 1 if single else next((c for c in MM_GPU_COLS if c >= n), MM_GPU_COLS[-1])
+                variant = f"mul_mvk_{w.type}" if single else f"mul_mm{ncols}_{w.type}"
+                rows_per_wg = MV_ROWS                      # the workgroup shares its rows' K
+            elif single:
+                variant, ncols, rows_per_wg = f"mul_mv_{w.type}", 1, self.items * MV_ROWS
+            else:
+                variant, ncols, rows_per_wg = f"mul_mm_{w.type}", MATMUL_COLS, self.items
             alg = self._alg(variant, [w.data.buf, act, act], push, self.wg, rows_per_wg)
             groups = self._grid(math.ceil(w.rows / rows_per_wg), math.ceil(n / ncols))
         prog.dispatch(alg, push, groups, reads, [yr], label or variant)
