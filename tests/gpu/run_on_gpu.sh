@@ -10,7 +10,7 @@
 #   tests   kernel + model tests through Vulkan on the GPU (junit XML + log)
 #   llama   build llama.cpp 11434 with Vulkan (Debian 13 glslc: int-dot and
 #           cooperative-matrix shaders on) unless .vk/llama-vulkan.tar.xz has it
-#   profile GPU time per op (vkengine bench --profile) on PROFILE_MODELS
+#   profile GPU time per op (vkengine bench --profile $PROFILE_ARGS) on PROFILE_MODELS
 #   bench   bench/bench.py: ours vs llama-bench on synthetic models
 #   parity  parity run against llama-server's Vulkan build on synthetic llama/qwen35/qwen35moe
 #   serve-bench  bench/serve.py: C = 1, 4, 16 streaming clients, ours vs llama-server
@@ -86,7 +86,7 @@ run_stage() {
         shape=${spec%%:*}; q=${spec##*:}; f=/tmp/vkengine-bench-models/llama-$shape-$q.gguf
         [ -f "$f" ] || python3 -m vkengine.cli synth --shape "$shape" --quant "$q" --out /tmp/vkengine-bench-models \
           --name "llama-$shape" --formats gguf --tokenizer-from "$VKENGINE_TOKENIZER_GGUF" >/dev/null
-        python3 -m vkengine.cli bench -m "$f" -p 512 -n 32 -r 1 --profile 2>&1 | tee -a "$OUT/profile.log"
+        python3 -m vkengine.cli bench -m "$f" -p 512 -n 32 -r 1 --profile ${PROFILE_ARGS:-} 2>&1 | tee -a "$OUT/profile.log"
       done
       ;;
     qwen35)
