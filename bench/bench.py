@@ -86,11 +86,13 @@ def main(argv=None) -> int:
     ap.add_argument("-r", "--reps", type=int, default=3)
     ap.add_argument("--device", type=int, default=None)
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench"))
+    ap.add_argument("--parallel", default="", metavar="B[,B...]",
+                    help="also measure batched decode: B sequences stepping together (the server's batch mode)")
     ap.add_argument("--note", default="")
     ap.add_argument("--tokenizer-from", default=None, help="tokenizer GGUF for synth (default: embedded SmolLM2)")
     args = ap.parse_args(argv)
 
-    from vkengine.bench import run_bench
+    from vkengine.bench import run_batched, run_bench
     from vkengine.device import Device
     from vkengine.engine import Engine, EngineConfig
     from vkengine.kernels import Kernels
@@ -119,9 +121,11 @@ def main(argv=None) -> int:
     for path, shape, quant in jobs:
         wbytes = gguf_weight_bytes(path)
         m = load_model(path)
-        eng = Engine(m, dev, EngineConfig(n_slots=1, n_ctx=args.n_prompt + args.n_gen + 8,
-                                          max_batch=args.n_prompt, max_out=1))
+        par = [int(b) for b in args.parallel.split(",") if b.strip() and int(b) > 1]
+        eng = Engine(m, dev, EngineConfig(n_slots=max(par, default=1), n_ctx=args.n_prompt + args.n_gen + 8,
+                                          max_batch=max([args.n_prompt] + par), max_out=max(par, default=1)))
         ours = run_bench(eng, args.n_prompt, args.n_gen, args.reps)
+        batched = [run_batched(eng, b, args.n_gen, args.reps) for b in par]
         del eng
         peer = run_llama_bench(args.llama_bench, path, args.n_prompt, args.n_gen, args.reps) \
             if args.llama_bench else {}
@@ -129,6 +133,9 @@ def main(argv=None) -> int:
                "ours": {"pp_tps": ours["pp_tps"], "tg_tps": ours["tg_tps"]}, "llama": peer,
                "tg_weight_gbps": wbytes * ours["tg_tps"] / 1e9}
         row["tg_frac_copy_bw"] = row["tg_weight_gbps"] / bw["gbps"]
+        if batched:
+            row["batched"] = [{"n_seq": b["n_seq"], "tps": b["tps"], "x_one": b["tps"] / ours["tg_tps"]}
+                              for b in batched]
         if peer.get("tg_tps"):
             row["tg_ratio"] = ours["tg_tps"] / peer["tg_tps"]
             row["pp_ratio"] = ours["pp_tps"] / peer["pp_tps"]
@@ -162,6 +169,14 @@ def table(doc: dict) -> str:
             f"| {r['model']} | {r['weight_bytes'] / 2**30:.2f} GiB | {f(r['ours']['pp_tps'])} | {f(lp.get('pp_tps'))} | "
             f"{f(r.get('pp_ratio'), 2)} | {f(r['ours']['tg_tps'])} | {f(lp.get('tg_tps'))} | {f(r.get('tg_ratio'), 2)} | "
             f"{r['tg_weight_gbps']:.0f} | {100 * r['tg_frac_copy_bw']:.0f}% |")
+    batched = [r for r in doc["results"] if r.get("batched")]
+    if batched:
+        ns = [b["n_seq"] for b in batched[0]["batched"]]
+        lines += ["", "Batched decode (B sequences stepping together, aggregate tok/s, and x one sequence's tg):", "",
+                  "| model | " + " | ".join(f"B = {n}" for n in ns) + " |", "| --- |" + " --- |" * len(ns)]
+        for r in batched:
+            lines.append(f"| {r['model']} | " + " | ".join(f"{b['tps']:.0f} ({b['x_one']:.2f}x)"
+                                                         for b in r["batched"]) + " |")
     if doc.get("note"):
         lines += ["", doc["note"]]
     return "\n".join(lines)

@@ -74,19 +74,17 @@ void main() {
             [[unroll]] for (uint k = 0; k < UNROLL; k++) {
                 uint u = u0 + k * S;
                 if (u >= units) continue;
+                // dequantize each row's unit once, then use it for every column
+                vec4 v[RPS][UNIT_GROUPS];
+                uint xo[UNIT_GROUPS];
+                [[unroll]] for (uint rr = 0; rr < RPS; rr++) unit_decode(raw[k][rr], u, v[rr], xo);
                 [[unroll]] for (uint c = 0; c < NCOLS; c++) {
                     if (c >= ncols) continue;
                     uint xb = (p.x_off + (col0 + c) * p.x_stride) >> 2;
-                    vec4 v[UNIT_GROUPS];
-                    uint xo[UNIT_GROUPS];
-                    unit_decode(raw[k][0], u, v, xo);
                     vec4 xv[UNIT_GROUPS];
                     [[unroll]] for (uint g = 0; g < UNIT_GROUPS; g++) xv[g] = act4[xb + (xo[g] >> 2)];
-                    [[unroll]] for (uint g = 0; g < UNIT_GROUPS; g++) acc[0][c] += dot(v[g], xv[g]);
-                    [[unroll]] for (uint rr = 1; rr < RPS; rr++) {
-                        unit_decode(raw[k][rr], u, v, xo);
-                        [[unroll]] for (uint g = 0; g < UNIT_GROUPS; g++) acc[rr][c] += dot(v[g], xv[g]);
-                    }
+                    [[unroll]] for (uint rr = 0; rr < RPS; rr++)
+                        [[unroll]] for (uint g = 0; g < UNIT_GROUPS; g++) acc[rr][c] += dot(v[rr][g], xv[g]);
                 }
             }
         }

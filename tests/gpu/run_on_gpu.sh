@@ -106,7 +106,7 @@ run_stage() {
       done
       python3 bench/bench.py --out "$OUT/bench" --tokenizer-from "$VKENGINE_TOKENIZER_GGUF" \
         ${BENCH_MODELS:+--models $BENCH_MODELS} ${files:+--files $files} ${lb:+--llama-bench $lb} \
-        -r "${BENCH_REPS:-3}" --llama-label "llama.cpp 11434 Vulkan (int dot + coopmat)" 2>&1 | tee "$OUT/bench.log" | tail -20
+        -r "${BENCH_REPS:-3}" ${BENCH_PARALLEL:+--parallel $BENCH_PARALLEL} --llama-label "llama.cpp 11434 Vulkan (int dot + coopmat)" 2>&1 | tee "$OUT/bench.log" | tail -20
       ;;
     parity)
       # our tokens vs llama-server's Vulkan build (-ngl 99) on the same synthetic GGUFs
@@ -163,7 +163,9 @@ done
 
 
 # The device tool brings back at most 8 files: past that, pack $OUT into one.
+# The llama.cpp build's parts stay separate files (each under the 16 MiB a file may have).
 if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
-  tar czf /tmp/vkengine-results.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/vkengine-results.tgz "$OUT/results.tgz"
+  tar czf /tmp/vkengine-results.tgz --exclude='./llama-vulkan.tar.xz.part*' -C "$OUT" . \
+    && find "$OUT" -mindepth 1 ! -name 'llama-vulkan.tar.xz.part*' -delete && mv /tmp/vkengine-results.tgz "$OUT/results.tgz"
   echo "results packed into \$OUT/results.tgz"
 fi
