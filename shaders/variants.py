@@ -32,6 +32,9 @@ MV_GPU_UNROLL = {1: 2, 2: 2, 4: 2, 8: 1}
 # Invocation tile (weight rows, tokens) of the shared-memory matmul (mul_mt):
 # a workgroup of 16 x 16 invocations computes (16 TM) x (16 TN) outputs.
 TILE = (8, 8)
+# The smaller tile (64 x 64) for matrices whose 128 x 128 grid would leave most
+# of a GPU idle (a 1B model's 2048-row projections: 64 workgroups at 512 tokens).
+TILE_SMALL = (4, 4)
 
 
 def _table() -> dict[str, tuple[str, dict[str, int]]]:
@@ -46,9 +49,11 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
             t[f"mul_mm{nc}_{wt}"] = ("mul_mv.comp", {**d, "NCOLS": nc, "UNROLL": MV_GPU_UNROLL[nc], "RPS": MV_ROWS,
                                                      "KSPLIT": 1})
         t[f"mul_mt_{wt}"] = ("mul_mt.comp", {**d, "TM": TILE[0], "TN": TILE[1]})
+        t[f"mul_mt64_{wt}"] = ("mul_mt.comp", {**d, "TM": TILE_SMALL[0], "TN": TILE_SMALL[1]})
         t[f"get_rows_{wt}"] = ("get_rows.comp", d)
     for op in ("rms_norm", "rope_kv", "attention", "attention_merge", "swiglu", "add", "softmax", "argmax_part", "argmax", "copy"):
         t[op] = (f"{op}.comp", {})
+    t["rms_norm_wg"] = ("rms_norm.comp", {"WG_ROW": 1})
     t.update(_hybrid_table())
     return t
 

@@ -117,7 +117,9 @@ def test_mul_mat(device, kernels, ws, rng, wt, n):
 
 @pytest.mark.parametrize("wt", WEIGHT_TYPES)
 @pytest.mark.parametrize("n,M", [(3, 37), (130, 131)])
-def test_mul_mat_tiled(device, tiled_kernels, ws, rng, wt, n, M):
+@pytest.mark.parametrize("tile", ["128", "64"])
+def test_mul_mat_tiled(device, tiled_kernels, ws, rng, wt, n, M, tile):
+    tiled_kernels.small_tiles_below = 0 if tile == "128" else 1 << 30
     _check_mul_mat(device, tiled_kernels, ws, rng, wt, n, M, 512 if wt in K_QUANTS else 96)
 
 
@@ -233,7 +235,14 @@ def test_get_rows(device, kernels, ws, rng, wt):
 
 # -- norms, elementwise ---------------------------------------------------------
 
-def test_rms_norm(device, kernels, ws, rng):
+@pytest.fixture(params=["device-default", "gpu-variants"])
+def norm_kernels(request):
+    """The device's own choice, and the GPUs' workgroup-per-row RMSNorm (rms_norm_wg) whatever the device."""
+    return request.getfixturevalue("kernels" if request.param == "device-default" else "column_kernels")
+
+
+def test_rms_norm(device, norm_kernels, ws, rng):
+    kernels = norm_kernels
     rows, n, eps = 11, 576, 1e-5
     x = (rng.standard_normal((rows, n)) * 3).astype(np.float32)
     w = rng.standard_normal(n).astype(np.float32)
@@ -246,7 +255,8 @@ def test_rms_norm(device, kernels, ws, rng):
     _close(ws.read(yr).reshape(rows, n), ref.rms_norm(x, w, eps))
 
 
-def test_rms_norm_gathers_rows(device, kernels, ws, rng):
+def test_rms_norm_gathers_rows(device, norm_kernels, ws, rng):
+    kernels = norm_kernels
     rows, n, eps = 9, 100, 1e-6  # n not a multiple of the subgroup
     x = rng.standard_normal((rows, n)).astype(np.float32)
     w = rng.standard_normal(n).astype(np.float32)

@@ -14,7 +14,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from shaders.variants import MATMUL_COLS, MM_GPU_COLS, MV_ROWS, TILE, UNIT_VALUES
+from shaders.variants import MATMUL_COLS, MM_GPU_COLS, MV_ROWS, TILE, TILE_SMALL, UNIT_VALUES
 
 from . import shaders
 from .device import Buffer, Device, Program
@@ -99,6 +99,9 @@ class Kernels:
         # time), which keeps more loads in flight than a subgroup per row group;
         # lavapipe keeps the subgroup kernels (mul_mv, mul_mm): barrier() is slow there
         self.split_k = device.info.type != "cpu"
+        # tiled matmuls whose 128 x 128 grid has fewer workgroups than this use
+        # 64 x 64 tiles (4x the workgroups; a GPU has ~100 compute units)
+        self.small_tiles_below = 256
 
     # -- helpers -----------------------------------------------------------
     def _alg(self, name: str, buffers: list[Buffer], push: bytes, wg: int, items: int | None = None):
@@ -129,10 +132,12 @@ class Kernels:
         yr = _rows_range(y, n, y_stride, w.rows)
         reads = w.regions + [_rows_range(x, n, x_stride, w.cols)] + ([yr] if accumulate else [])
         if self.tiled_from is not None and n >= self.tiled_from and w.cols % 32 == 0:
-            variant = f"mul_mt_{w.type}"
+            tile, variant = TILE, f"mul_mt_{w.type}"
+            if math.ceil(w.rows / (16 * TILE[0])) * math.ceil(n / (16 * TILE[1])) < self.small_tiles_below:
+                tile, variant = TILE_SMALL, f"mul_mt64_{w.type}"
             spv = shaders.spirv(variant, self._spirv_cache)
             alg = self.device.algorithm(variant, spv, [w.data.buf, act, act], (), len(push))
-            groups = (math.ceil(w.rows / (16 * TILE[0])), math.ceil(n / (16 * TILE[1])), 1)
+            groups = (math.ceil(w.rows / (16 * tile[0])), math.ceil(n / (16 * tile[1])), 1)
         else:
             single = n < self.multi_column_from
             if self.split_k:
@@ -166,13 +171,15 @@ class Kernels:
             raise ValueError("rms_norm needs rows of a multiple of 4 floats, 16-byte aligned")
         push = struct.pack("<8If", x.off, x_stride, y.off, y_stride, weight.off, n, rows,
                            NO_MAP if map_off is None else map_off, eps)
-        alg = self._alg("rms_norm", [weight.buf, act, act, params], push, self.wg)
+        per_wg = 1 if self.split_k else self.items   # GPUs: a workgroup per row (rms_norm_wg)
+        alg = self._alg("rms_norm_wg" if self.split_k else "rms_norm", [weight.buf, act, act, params], push,
+                        self.wg, per_wg)
         if map_off is None:
             xr = _rows_range(x, rows, x_stride, n)
             reads = [weight.range, xr]
         else:  # gathered rows: any row of x may be read
             reads = [weight.range, x.range, (params, map_off * 4, (map_off + rows) * 4)]
-        prog.dispatch(alg, push, self._grid(math.ceil(rows / self.items)), reads,
+        prog.dispatch(alg, push, self._grid(math.ceil(rows / per_wg)), reads,
                       [_rows_range(y, rows, y_stride, n)], label)
 
     def rope_kv(self, prog: Program, table: Region, qkv: Region, qkv_stride: int, q_out: Region, q_stride: int,
