@@ -134,6 +134,8 @@ class Worker:
         self._active = 0                  # submitted and not finished (live + waiting)
         self._accepting = True
         self._deadline: float | None = None
+        self._inflight: tuple | None = None   # (batch, output seqs, readback, submit time) on the device
+        self._finish_after: list[Seq] = []    # failed while their row was on the device
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._publish()
@@ -195,10 +197,11 @@ class Worker:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._inbox and self.sched.idle and not self._stopping:
+                while not self._inbox and self.sched.idle and self._inflight is None and not self._stopping:
                     self._cv.wait()
                 stopping = self._stopping
             if stopping:
+                self._settle()
                 self._drain_inbox()
                 self._cancel_all("the server is shutting down")
                 return
@@ -208,40 +211,79 @@ class Worker:
                         self._cv.wait(0.01)
             except Exception:                     # keep serving others; fail what was running
                 log.exception("engine step failed")
+                self._settle()
                 self._cancel_all("internal error in the engine step (see the server log)", "error")
 
+    def _settle(self) -> None:
+        """Let a step still on the device finish (its results are dropped: every
+        sequence is cancelled next)."""
+        self._finish_after.clear()
+        if self._inflight is not None:
+            self._inflight = None
+            try:
+                self.eng.collect()
+            except Exception:
+                log.exception("engine step failed")
+
     def run_once(self) -> bool:
-        """Drain the inbox, run one step, deliver its tokens; False when there was nothing to run."""
+        """One turn of the pipeline: collect the step on the device (its tokens
+        are chosen and appended at once), then drain the inbox, compose and
+        submit the next step, and only then do the per-token host work of the
+        collected step (detokenizing, stop strings, events, metrics) while the
+        GPU runs. A token that ends its sequence (end of turn, token budget,
+        context) and any token of a request with stop strings is delivered
+        before the next step is composed, so a finished sequence never enters
+        it. False when there was nothing to run."""
+        late: list[tuple[Job, int, Event, float]] = []
+        ran = self._inflight is not None
+        if ran:
+            batch, outs, readback, t0 = self._inflight
+            self._inflight = None
+            res = self.eng.collect()
+            now = time.perf_counter()
+            if self.metrics:
+                self.metrics.step(len(batch.tokens), now - t0)
+            self.sched.postprocess(batch)
+            for seq in self._finish_after:
+                self.sched.finish(seq)
+            self._finish_after.clear()
+            for seq, r in zip(outs, res if res is not None else ()):
+                self._guard(seq, self._take, seq.data, r, readback, now, late)
         self._drain_inbox()
         if self._deadline is not None and time.monotonic() >= self._deadline:
+            for job, tok, ev, now in late:      # what was generated still reaches its client
+                self._guard(job.seq, self._deliver, job, tok, ev, now)
+            late = []
             self._cancel_all("the server is shutting down")
         batch = self.sched.schedule()
+        if batch is not None:
+            outs = batch.out_seqs
+            readback = "logits" if any(s.data.needs_logits for s in outs) else "argmax"
+            self.eng.submit(batch.tokens, batch.positions, batch.slots, batch.out_rows, readback)
+            self._inflight = (batch, outs, readback, time.perf_counter())
+        for job, tok, ev, now in late:
+            self._guard(job.seq, self._deliver, job, tok, ev, now)
         self._publish()
-        if batch is None:
-            return False
-        outs = batch.out_seqs
-        readback = "logits" if any(s.data.needs_logits for s in outs) else "argmax"
-        t0 = time.perf_counter()
-        res = self.eng.step(batch.tokens, batch.positions, batch.slots, batch.out_rows, readback)
-        now = time.perf_counter()
-        if self.metrics:
-            self.metrics.step(len(batch.tokens), now - t0)
-        self.sched.postprocess(batch)
-        for seq, r in zip(outs, res if res is not None else ()):
-            try:
-                self._deliver(seq.data, r, readback, now)
-            except Exception:                     # one request's sampling or detokenizing: fail it alone
-                log.exception("request %d failed", seq.id)
+        return ran or batch is not None
+
+    def _guard(self, seq: Seq, fn, *args) -> None:
+        """One request's sampling or detokenizing failed: fail it alone, the others run on."""
+        try:
+            fn(*args)
+        except Exception:
+            log.exception("request %d failed", seq.id)
+            job = seq.data
+            if not job.done:
+                self._end(job, "error", "", error="internal error in this request (see the server log)")
+            if self._inflight is not None and any(w.seq is seq for w in self._inflight[0].work):
+                self._finish_after.append(seq)  # its row is on the device: free the slot once that step is in
+            else:
                 self.sched.finish(seq)
-                if not seq.data.done:
-                    self._end(seq.data, "error", "", error="internal error in this request (see the server log)")
-        self._publish()
-        return True
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:
         """Tests: run steps on the calling thread until every request is done."""
         for _ in range(max_steps):
-            if not self.run_once() and self.sched.idle and not self._inbox:
+            if not self.run_once() and self.sched.idle and not self._inbox and self._inflight is None:
                 return
         raise RuntimeError("requests did not finish")
 
@@ -260,7 +302,10 @@ class Worker:
                 self.sched.cancel(job.seq)
                 self._end(job, "cancelled", "")
 
-    def _deliver(self, job: Job, r, readback: str, now: float) -> None:
+    def _take(self, job: Job, r, readback: str, now: float, late: list) -> None:
+        """Choose the token of a collected output row and append it to its
+        sequence (the next step needs it); deliver it now if it may end the
+        sequence, else queue it in `late`."""
         seq = job.seq
         if job.done:
             return
@@ -273,6 +318,19 @@ class Worker:
                 ids, lp = top_logprobs(r, job.req.n_probs)
                 ev.logprob, ev.top = float(lp[tok]), [(int(i), float(lp[i])) for i in ids]
         self.sched.append(seq, tok)
+        out = job.out
+        may_end = (out.stop or out.n + 1 >= out.max_tokens or len(seq.tokens) - 1 >= self.eng.n_ctx
+                   or (not out.ignore_eos and tok in out.tok.eot_ids))
+        if may_end:
+            self._deliver(job, tok, ev, now)
+        else:
+            late.append((job, tok, ev, now))
+
+    def _deliver(self, job: Job, tok: int, ev: Event, now: float) -> None:
+        """The token's text, finish and event (the token is already appended)."""
+        seq = job.seq
+        if job.done:
+            return
         job.n_generated += 1
         if self.metrics:
             if job.t_first is None:

@@ -28,6 +28,9 @@ MATMUL_COLS = 8
 # row in the same order, so a row's result does not depend on its batch.
 MM_GPU_COLS = (2, 4, 8)
 MV_GPU_UNROLL = {1: 2, 2: 2, 4: 2, 8: 1}
+# weight rows per workgroup by column count: more columns read more x per
+# weight unit, so more rows share each x load
+MV_GPU_ROWS = {1: MV_ROWS, 2: MV_ROWS, 4: 4, 8: 4}
 
 # Invocation tile (weight rows, tokens) of the shared-memory matmul (mul_mt):
 # a workgroup of 16 x 16 invocations computes (16 TM) x (16 TN) outputs.
@@ -43,11 +46,11 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
         d = {f"WT_{wt.upper()}": 1}
         t[f"mul_mv_{wt}"] = ("mul_mv.comp", {**d, "NCOLS": 1, "UNROLL": 4, "RPS": MV_ROWS})
         t[f"mul_mm_{wt}"] = ("mul_mv.comp", {**d, "NCOLS": MATMUL_COLS, "UNROLL": 2, "RPS": 1})
-        t[f"mul_mvk_{wt}"] = ("mul_mv.comp", {**d, "NCOLS": 1, "UNROLL": MV_GPU_UNROLL[1], "RPS": MV_ROWS,
-                                               "KSPLIT": 1})
+        t[f"mul_mvk_{wt}"] = ("mul_mv.comp", {**d, "NCOLS": 1, "UNROLL": MV_GPU_UNROLL[1],
+                                               "RPS": MV_GPU_ROWS[1], "KSPLIT": 1})
         for nc in MM_GPU_COLS:
-            t[f"mul_mm{nc}_{wt}"] = ("mul_mv.comp", {**d, "NCOLS": nc, "UNROLL": MV_GPU_UNROLL[nc], "RPS": MV_ROWS,
-                                                     "KSPLIT": 1})
+            t[f"mul_mm{nc}_{wt}"] = ("mul_mv.comp", {**d, "NCOLS": nc, "UNROLL": MV_GPU_UNROLL[nc],
+                                                     "RPS": MV_GPU_ROWS[nc], "KSPLIT": 1})
         t[f"mul_mt_{wt}"] = ("mul_mt.comp", {**d, "TM": TILE[0], "TN": TILE[1]})
         t[f"mul_mt64_{wt}"] = ("mul_mt.comp", {**d, "TM": TILE_SMALL[0], "TN": TILE_SMALL[1]})
         t[f"get_rows_{wt}"] = ("get_rows.comp", d)

@@ -276,6 +276,36 @@ def test_one_request_failing_does_not_end_the_others(device, tiny_model):
     assert w.active == 0 and w.sched.idle and not w.kv.held
 
 
+def test_detokenizing_failure_while_the_next_step_runs(device, tiny_model):
+    """The worker delivers a token's text while the next step is already on the device; a request whose
+    detokenizing raises there ends alone with an error, its slot is freed only once that step is in, and
+    the other request's tokens equal generate()."""
+    tok = tiny_model.tokenizer
+    eng = Engine(tiny_model, device, EngineConfig(n_slots=2, n_ctx=256, max_batch=16, max_out=2))
+    w = Worker(eng, SchedulerConfig(n_slots=2, max_live=2, step_tokens=16))
+    good_ids, bad_ids = tok.encode("A good request"), tok.encode("A bad request")
+    good, bad = [], []
+    w.submit(GenRequest(good_ids, 20, ignore_eos=True), good.append)
+    job = w.submit(GenRequest(bad_ids, 20, ignore_eos=True), bad.append)
+    real, calls, inflight = job.out.push, [0], []
+
+    def failing(token):
+        calls[0] += 1
+        if calls[0] == 4:
+            inflight.append(w._inflight is not None)
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+        return real(token)
+    job.out.push = failing
+    w.run_until_idle()
+    assert inflight == [True], "the failing token was not delivered while a step was on the device"
+    ref = Engine(tiny_model, device, EngineConfig(n_slots=1, n_ctx=256, max_batch=16, max_out=1))
+    assert [e.token for e in good if e.token is not None] == \
+        [s.token for s in generate(ref, good_ids, 20, ignore_eos=True)]
+    assert good[-1].finish == "length"
+    assert bad[-1].finish == "error" and len([e for e in bad if e.token is not None]) == 3
+    assert w.active == 0 and w.sched.idle and not w.kv.held and not w._finish_after
+
+
 # -- a model that does not fit ---------------------------------------------------------------------
 def _cli(*args, timeout=300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "vkengine.cli", *args], cwd=ROOT, capture_output=True, text=True,

@@ -250,6 +250,17 @@ class Program:
             self._record()
         self._seq.eval()
 
+    def submit(self) -> None:
+        """Submit the program without waiting (wait() before reading its results
+        or submitting it again)."""
+        if self._seq is None:
+            self._record()
+        self._seq.eval_async()
+
+    def wait(self) -> None:
+        """Wait for the last submit() to finish (the GIL is released meanwhile)."""
+        self._seq.eval_await()
+
     def timings(self) -> list[tuple[str, float]]:
         """(label, microseconds) of every operation in the last run."""
         if not self._timestamps or self._seq is None:

@@ -78,6 +78,7 @@ class Engine:
         self.params_dev = device.buffer(self.layout.words * 4, "device", "params-dev")
         self.logits_host = device.buffer(self.max_out * a.n_vocab * 4, "host", "logits")
         self._programs: OrderedDict[tuple, object] = OrderedDict()
+        self._inflight: tuple | None = None     # (program, readback, n_out) between submit() and collect()
 
     def _check_memory(self, scratch_bytes: int) -> None:
         """Refuse, before allocating anything, a configuration whose weights, KV
@@ -187,6 +188,16 @@ class Engine:
         """Run tokens[i] at positions[i] in slots[i]; return, for each index in
         out_rows, the greedy token (readback="argmax") or the logits row
         (readback="logits"); readback="none" returns None."""
+        self.submit(tokens, positions, slots, out_rows, readback)
+        return self.collect()
+
+    def submit(self, tokens, positions, slots, out_rows=(), readback: str = "argmax") -> None:
+        """The first half of step(): check, write the params, start the step on
+        the device and return at once, so that the caller's host work (a server
+        delivering the previous step's text) overlaps the GPU's; collect()
+        waits and returns the step's readback. One step at a time."""
+        if self._inflight is not None:
+            raise RuntimeError("a step is already in flight: collect() it first")
         n, n_out = len(tokens), len(out_rows)
         if not 0 < n <= self.max_batch:
             raise VkEngineError(f"a step takes 1..{self.max_batch} tokens, got {n}")
@@ -215,7 +226,18 @@ class Engine:
         prm[pl.slots:pl.slots + n] = slt
         prm[pl.out_rows:pl.out_rows + n_out] = outs
         mode = readback if n_out else "none"
-        self._program(n, n_out, mode).run()
+        prog = self._program(n, n_out, mode)
+        prog.submit()
+        self._inflight = (prog, mode, n_out)
+
+    def collect(self) -> np.ndarray | None:
+        """Wait for the step submit() started; its readback as step() returns it."""
+        if self._inflight is None:
+            raise RuntimeError("no step in flight")
+        prog, mode, n_out = self._inflight
+        self._inflight = None
+        prog.wait()
+        pl, prm = self.layout, self.params.array()
         if mode == "argmax":
             return prm[pl.argmax:pl.argmax + n_out].astype(np.int64)
         if mode == "logits":

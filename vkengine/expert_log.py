@@ -21,9 +21,14 @@ class RecordingEngine(Engine):
         super().__init__(*args, **kwargs)
         self.log = log
 
-    def step(self, tokens, positions, slots, out_rows=(), readback: str = "argmax"):
+    def submit(self, tokens, positions, slots, out_rows=(), readback: str = "argmax"):
+        super().submit(tokens, positions, slots, out_rows, readback)
+        self._rows = (list(tokens), list(positions), list(slots))
+
+    def collect(self):
         from .models.qwen35 import read_expert_choices
-        out = super().step(tokens, positions, slots, out_rows, readback)
+        out = super().collect()
+        tokens, positions, slots = self._rows
         choices = read_expert_choices(self, len(tokens))
         for t, p, s, c in zip(tokens, positions, slots, choices):
             self.log.write(json.dumps({"slot": int(s), "pos": int(p), "token": int(t),

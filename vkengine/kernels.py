@@ -14,7 +14,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from shaders.variants import MATMUL_COLS, MM_GPU_COLS, MV_ROWS, TILE, TILE_SMALL, UNIT_VALUES
+from shaders.variants import MATMUL_COLS, MM_GPU_COLS, MV_GPU_ROWS, MV_ROWS, TILE, TILE_SMALL, UNIT_VALUES
 
 from . import shaders
 from .device import Buffer, Device, Program
@@ -143,7 +143,7 @@ class Kernels:
             if self.split_k:
                 ncols = 1 if single else next((c for c in MM_GPU_COLS if c >= n), MM_GPU_COLS[-1])
                 variant = f"mul_mvk_{w.type}" if single else f"mul_mm{ncols}_{w.type}"
-                rows_per_wg = MV_ROWS                      # the workgroup shares its rows' K
+                rows_per_wg = MV_GPU_ROWS[ncols]           # the workgroup shares its rows' K
             elif single:
                 variant, ncols, rows_per_wg = f"mul_mv_{w.type}", 1, self.items * MV_ROWS
             else:
