@@ -130,7 +130,8 @@ run_stage() {
         --tokenizer-from "$VKENGINE_TOKENIZER_GGUF" >/dev/null
       for C in ${SERVE_CLIENTS:-1 4 16}; do
         case $C in 1) cfg=batch ;; 4) cfg=serial,slices,batch ;; *) cfg=serial,batch ;; esac
-        python3 bench/serve.py --model "$f" --clients "$C" --requests "${SERVE_REQUESTS:-2}" -n 64 \
+        cfg=${SERVE_CONFIGS:-$cfg}
+        python3 bench/serve.py --model "$f" --clients "$C" --requests "${SERVE_REQUESTS:-2}" -n "${SERVE_TOKENS:-64}" \
           --configs "$cfg" --llama-server /tmp/llb/bin/llama-server --llama-args="-ngl 99" \
           --json "$OUT/serve-c$C.json" 2>&1 | tee -a "$OUT/serve-bench.log" | tail -8
       done
