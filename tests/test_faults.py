@@ -249,15 +249,21 @@ def test_shutdown_ends_what_outlives_the_grace(serve):
 
 
 # -- one request failing inside the engine thread ----------------------------------------------
-def test_one_request_failing_does_not_end_the_others(device, tiny_model):
-    """A request whose sampling raises ends alone with an error; the others run on and equal generate()."""
+def _good_and_bad(device, tiny_model, bad_sampling):
+    """A worker with two 20-token requests submitted: (worker, good ids, good events, bad job, bad events)."""
     tok = tiny_model.tokenizer
     eng = Engine(tiny_model, device, EngineConfig(n_slots=2, n_ctx=256, max_batch=16, max_out=2))
     w = Worker(eng, SchedulerConfig(n_slots=2, max_live=2, step_tokens=16))
     good_ids, bad_ids = tok.encode("A good request"), tok.encode("A bad request")
     good, bad = [], []
     w.submit(GenRequest(good_ids, 20, ignore_eos=True), good.append)
-    job = w.submit(GenRequest(bad_ids, 20, SamplingParams(temperature=0.8, seed=1), ignore_eos=True), bad.append)
+    job = w.submit(GenRequest(bad_ids, 20, bad_sampling, ignore_eos=True), bad.append)
+    return w, good_ids, good, job, bad
+
+
+def test_one_request_failing_does_not_end_the_others(device, tiny_model):
+    """A request whose sampling raises ends alone with an error; the others run on and equal generate()."""
+    w, good_ids, good, job, bad = _good_and_bad(device, tiny_model, SamplingParams(temperature=0.8, seed=1))
     calls = [0]
     real = job.sampler
 
@@ -280,13 +286,7 @@ def test_detokenizing_failure_while_the_next_step_runs(device, tiny_model):
     """The worker delivers a token's text while the next step is already on the device; a request whose
     detokenizing raises there ends alone with an error, its slot is freed only once that step is in, and
     the other request's tokens equal generate()."""
-    tok = tiny_model.tokenizer
-    eng = Engine(tiny_model, device, EngineConfig(n_slots=2, n_ctx=256, max_batch=16, max_out=2))
-    w = Worker(eng, SchedulerConfig(n_slots=2, max_live=2, step_tokens=16))
-    good_ids, bad_ids = tok.encode("A good request"), tok.encode("A bad request")
-    good, bad = [], []
-    w.submit(GenRequest(good_ids, 20, ignore_eos=True), good.append)
-    job = w.submit(GenRequest(bad_ids, 20, ignore_eos=True), bad.append)
+    w, good_ids, good, job, bad = _good_and_bad(device, tiny_model, SamplingParams())
     real, calls, inflight = job.out.push, [0], []
 
     def failing(token):
