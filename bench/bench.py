@@ -92,13 +92,14 @@ def main(argv=None) -> int:
     ap.add_argument("--tokenizer-from", default=None, help="tokenizer GGUF for synth (default: embedded SmolLM2)")
     args = ap.parse_args(argv)
 
-    from vkengine.bench import run_batched, run_bench
+    from vkengine.bench import parse_parallel, run_batched, run_bench
     from vkengine.device import Device
     from vkengine.engine import Engine, EngineConfig
     from vkengine.kernels import Kernels
     from vkengine.model import load_model
     from vkengine.synth import config_for, synth_llama
 
+    par = [b for b in parse_parallel(args.parallel) if b > 1]   # batched decode: sequence counts
     dev = Device(args.device)
     kn = Kernels(dev)
     bw = copy_bandwidth(dev, kn)
@@ -121,7 +122,6 @@ def main(argv=None) -> int:
     for path, shape, quant in jobs:
         wbytes = gguf_weight_bytes(path)
         m = load_model(path)
-        par = [int(b) for b in args.parallel.split(",") if b.strip() and int(b) > 1]
         eng = Engine(m, dev, EngineConfig(n_slots=max(par, default=1), n_ctx=args.n_prompt + args.n_gen + 8,
                                           max_batch=max([args.n_prompt] + par), max_out=max(par, default=1)))
         ours = run_bench(eng, args.n_prompt, args.n_gen, args.reps)

@@ -318,10 +318,7 @@ class Worker:
                 ids, lp = top_logprobs(r, job.req.n_probs)
                 ev.logprob, ev.top = float(lp[tok]), [(int(i), float(lp[i])) for i in ids]
         self.sched.append(seq, tok)
-        out = job.out
-        may_end = (out.stop or out.n + 1 >= out.max_tokens or len(seq.tokens) - 1 >= self.eng.n_ctx
-                   or (not out.ignore_eos and tok in out.tok.eot_ids))
-        if may_end:
+        if job.out.may_finish(tok) or len(seq.tokens) - 1 >= self.eng.n_ctx:
             self._deliver(job, tok, ev, now)
         else:
             late.append((job, tok, ev, now))

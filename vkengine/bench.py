@@ -12,6 +12,7 @@ import time
 import numpy as np
 
 from .engine import Engine
+from .errors import VkEngineError
 
 
 def run_bench(eng: Engine, n_prompt: int, n_gen: int, reps: int = 3, seed: int = 0) -> dict:
@@ -58,3 +59,14 @@ def run_batched(eng: Engine, n_seq: int, n_gen: int, reps: int = 3, seed: int = 
         times.append(time.perf_counter() - t)
     s = statistics.median(times)
     return {"n_seq": n_seq, "n_gen": n_gen, "step_ms": 1000 * s / n_gen, "tps": n_seq * n_gen / s}
+
+
+def parse_parallel(text: str) -> list[int]:
+    """`--parallel 4,16` -> [4, 16]: the sequence counts of batched decode."""
+    try:
+        vals = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise VkEngineError(f"--parallel takes comma-separated sequence counts such as 1,4,16, got {text!r}")
+    if any(v < 1 or v > 256 for v in vals):
+        raise VkEngineError(f"--parallel counts must be 1..256, got {text!r}")
+    return vals

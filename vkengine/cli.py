@@ -128,8 +128,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import run_batched, run_bench
-    parallel = _parallel_list(args.parallel)
+    from .bench import parse_parallel, run_batched, run_bench
+    parallel = parse_parallel(args.parallel)
     n_seq = max(parallel, default=1)
     model, dev, eng = _open(args, n_slots=n_seq, max_batch=max(args.n_prompt, n_seq, 1), max_out=max(16, n_seq))
     if args.profile:
@@ -157,16 +157,6 @@ def cmd_bench(args) -> int:
             print(f"  {b['n_seq']} sequences x tg{b['n_gen']}: {b['tps']:.1f} tok/s aggregate "
                   f"({b['tps'] / r['tg_tps']:.2f}x one sequence), {b['step_ms']:.2f} ms a step")
     return 0
-
-
-def _parallel_list(text: str) -> list[int]:
-    try:
-        vals = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise VkEngineError(f"--parallel takes comma-separated sequence counts such as 1,4,16, got {text!r}")
-    if any(v < 1 or v > 256 for v in vals):
-        raise VkEngineError(f"--parallel counts must be 1..256, got {text!r}")
-    return vals
 
 
 def cmd_synth(args) -> int:

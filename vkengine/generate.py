@@ -88,6 +88,13 @@ class OutputStream:
                     break
         return self._release(len(self.text) - hold), None
 
+    def may_finish(self, token: int) -> bool:
+        """Whether push(token) may return a finish reason: an end-of-turn token,
+        the last token of the budget, or (text-dependent) any token when there
+        are stop strings. False means push(token) will not finish."""
+        return (bool(self.stop) or self.n + 1 >= self.max_tokens
+                or (not self.ignore_eos and token in self.tok.eot_ids))
+
     def _release(self, upto: int) -> str:
         out = self.text[self.sent:upto]
         self.sent = max(self.sent, upto)
