@@ -217,10 +217,14 @@ def test_llama_server_loads_quantized_and_runs_its_mtp(device, gguf_models, llam
 
 
 def test_synth_is_deterministic(gguf_models, tmp_path, tmeta):
-    """Same seed, same bytes, whatever the number of worker processes."""
+    """Same seed, same bytes, whatever the number of worker processes, and
+    whether the GGUF streams (alone) or is written from memory (beside HF)."""
     again = synth_qwen35(SHAPES[("qwen35moe", "tiny")], "q4_0", seed=5, out_dir=tmp_path, name="qwen35moe-tiny",
                          formats=("gguf",), workers=2, tmeta=tmeta)["gguf"]
     assert again.read_bytes() == gguf_models[("qwen35moe", "q4_0")].read_bytes()
+    both = synth_qwen35(SHAPES[("qwen35moe", "tiny")], "q4_0", seed=5, out_dir=tmp_path / "hf",
+                        name="qwen35moe-tiny", formats=("gguf", "hf"), workers=2, tmeta=tmeta)
+    assert both["gguf"].read_bytes() == again.read_bytes()
     other = synth_qwen35(SHAPES[("qwen35moe", "tiny")], "q4_0", seed=6, out_dir=tmp_path / "b",
                          name="qwen35moe-tiny", formats=("gguf",), workers=1, tmeta=tmeta)["gguf"]
     assert other.read_bytes() != again.read_bytes()

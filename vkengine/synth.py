@@ -16,8 +16,10 @@ weights, so both files compute the same logits.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
+from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -148,15 +150,54 @@ TOKENIZER_KEYS = [
     "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_space_prefix", "tokenizer.chat_template"]
 
 
-def make_tensors(fn, jobs: list, workers: int | None = None) -> dict[str, tuple]:
-    """Run fn(job) -> (name, ...) for every job, in worker processes when there
-    are several; {name: result}. Each tensor seeds its own generator, so the
-    result does not depend on the number of workers."""
+def iter_tensors(fn, jobs: list, workers: int | None = None):
+    """Yield fn(job) -> (name, ...) for every job, in job order, from worker
+    processes when there are several; at most 2 x workers results are pending,
+    so a model larger than memory streams through. Each tensor seeds its own
+    generator, so the result does not depend on the number of workers."""
     workers = workers or min(len(jobs), os.cpu_count() or 1)
-    if workers > 1:
-        with ProcessPoolExecutor(workers) as ex:
-            return {r[0]: r for r in ex.map(fn, jobs, chunksize=1)}
-    return {r[0]: r for r in map(fn, jobs)}
+    if workers <= 1:
+        yield from map(fn, jobs)
+        return
+    with ProcessPoolExecutor(workers) as ex:
+        todo = iter(jobs)
+        pending = deque(ex.submit(fn, j) for j in itertools.islice(todo, 2 * workers))
+        while pending:
+            r = pending.popleft().result()
+            nxt = next(todo, None)
+            if nxt is not None:
+                pending.append(ex.submit(fn, nxt))
+            yield r
+
+
+def make_tensors(fn, jobs: list, workers: int | None = None) -> dict[str, tuple]:
+    """{name: fn(job)} for every job (iter_tensors, all held in memory)."""
+    return {r[0]: r for r in iter_tensors(fn, jobs, workers)}
+
+
+def write_gguf_tensors(w, specs: list[tuple[str, tuple[int, ...], str]], results) -> None:
+    """Finish GGUFWriter w (metadata already added): specs = (name, numpy shape,
+    type name) of every tensor in file order; results = (name, raw bytes, ...)
+    in the same order, from a dict or streamed (iter_tensors): each tensor's data
+    is written as it arrives and then dropped."""
+    from gguf.quants import quant_shape_to_byte_shape
+
+    from .quant import BY_NAME
+    for n, s, t in specs:
+        if t == "f32":
+            w.add_tensor_info(n, s, np.dtype(np.float32), 4 * int(np.prod(s)))
+        else:   # the logical shape, with the storage type given as raw_dtype
+            qt = BY_NAME[t]
+            w.add_tensor_info(n, s, np.dtype(np.float32), int(np.prod(quant_shape_to_byte_shape(s, qt))),
+                              raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for (n, _, t), r in zip(specs, results, strict=True):
+        if r[0] != n or r[2] != t:
+            raise AssertionError(f"synth: tensor {r[0]} ({r[2]}) arrived where {n} ({t}) was planned")
+        w.write_tensor_data(np.ascontiguousarray(r[1]).view(np.uint8).reshape(-1))
+    w.close()
 
 
 def _tokenizer_meta(source: Path | None = None):
@@ -221,7 +262,6 @@ def synth_llama(c: SynthConfig, quant: str, seed: int, out_dir: Path, name: str 
     """Write the model; returns {"gguf": file, "hf": folder} for what was written."""
     import gguf
 
-    from .quant import BY_NAME
     if quant not in QUANTS:
         raise VkEngineError(f"synth quant {quant!r} is not supported (choose from {', '.join(QUANTS)})")
     if c.n_embd % c.n_head or c.n_head % c.n_head_kv or c.head_dim % 2:
@@ -232,7 +272,8 @@ def synth_llama(c: SynthConfig, quant: str, seed: int, out_dir: Path, name: str 
     want_hf = "hf" in formats
     plan = _tensor_plan(c, n_vocab)
     jobs = [(n, s, std, seed, quant, c.n_head, c.n_head_kv, want_hf) for n, s, std in plan]
-    results = make_tensors(_make_tensor, jobs, workers)
+    # the Hugging Face copy needs every tensor at once; GGUF alone streams
+    results = make_tensors(_make_tensor, jobs, workers) if want_hf else None
 
     written: dict[str, Path] = {}
     if "gguf" in formats:
@@ -255,19 +296,9 @@ def synth_llama(c: SynthConfig, quant: str, seed: int, out_dir: Path, name: str 
         w.add_string("vkengine.synth.seed", str(seed))
         w.add_string("vkengine.synth.config", json.dumps(asdict(c)))
         _add_meta(w, tmeta)
-        for n, s, _ in plan:
-            _, raw, t, _ = results[n]
-            qt = BY_NAME[t]
-            if t == "f32":
-                w.add_tensor(n, raw.view(np.float32).reshape(s))
-            else:
-                # quantized data goes in as its byte shape (rows, row bytes); gguf-py
-                # derives the logical shape from the type
-                w.add_tensor(n, raw.reshape(s[0], -1), raw_dtype=qt)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
+        specs = [(n, s, "f32" if std == 0.0 else quant) for n, s, std in plan]
+        write_gguf_tensors(w, specs, (results[n] for n, _, _ in plan) if results is not None
+                           else iter_tensors(_make_tensor, jobs, workers))
         os.replace(tmp, path)
         written["gguf"] = path
     if want_hf:

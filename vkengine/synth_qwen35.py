@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from .errors import VkEngineError
-from .synth import QUANTS, _add_meta, _rng, _tokenizer_meta, make_tensors, write_hf_tokenizer
+from .synth import (QUANTS, _add_meta, _rng, _tokenizer_meta, iter_tensors, make_tensors, write_gguf_tensors,
+                    write_hf_tokenizer)
 
 
 @dataclass(frozen=True)
@@ -283,9 +284,9 @@ def _hf_config(c: Qwen35SynthConfig, n_vocab: int, tmeta: dict) -> dict:
 
 def _write_gguf(path: Path, c: Qwen35SynthConfig, quant: str, seed: int, name: str, n_vocab: int, tmeta: dict,
                 plan, results) -> None:
+    """results: (name, raw bytes, type, ...) of every plan entry, in plan order."""
     import gguf
 
-    from .quant import BY_NAME
     a = c.arch
     w = gguf.GGUFWriter(str(path), a)
     n_all = c.n_layer + int(c.mtp)
@@ -323,16 +324,7 @@ def _write_gguf(path: Path, c: Qwen35SynthConfig, quant: str, seed: int, name: s
     w.add_string("vkengine.synth.seed", str(seed))
     w.add_string("vkengine.synth.config", json.dumps(asdict(c)))
     _add_meta(w, tmeta)
-    for n, s, *_ in plan:
-        _, raw, t, _ = results[n]
-        if t == "f32":
-            w.add_tensor(n, raw.view(np.float32).reshape(s))
-        else:   # quantized data goes in as its byte shape; gguf-py derives the logical shape
-            w.add_tensor(n, raw.reshape(*s[:-1], -1), raw_dtype=BY_NAME[t])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_gguf_tensors(w, [(n, s, quant if quantized else "f32") for n, s, _, quantized, _ in plan], results)
 
 
 def synth_qwen35(c: Qwen35SynthConfig, quant: str, seed: int, out_dir: Path, name: str = "synth",
@@ -351,12 +343,16 @@ def synth_qwen35(c: Qwen35SynthConfig, quant: str, seed: int, out_dir: Path, nam
     want_hf = "hf" in formats
     plan = _tensor_plan(c, n_vocab)
     jobs = [(n, s, init, qz, ro, seed, quant, c.nk, c.nv, want_hf) for n, s, init, qz, ro in plan]
-    results = make_tensors(_make_tensor, jobs, workers)
+    # the Hugging Face copy needs every tensor at once; GGUF alone streams
+    # (a 35B-A3B shape is larger than this machine's memory)
+    results = make_tensors(_make_tensor, jobs, workers) if want_hf else None
     written: dict[str, Path] = {}
     if "gguf" in formats:
         path = out_dir / f"{name}-{quant}.gguf"
         tmp = path.with_suffix(".gguf.tmp")
-        _write_gguf(tmp, c, quant, seed, name, n_vocab, tmeta, plan, results)
+        _write_gguf(tmp, c, quant, seed, name, n_vocab, tmeta, plan,
+                    (results[p[0]] for p in plan) if results is not None
+                    else iter_tensors(_make_tensor, jobs, workers))
         os.replace(tmp, path)
         written["gguf"] = path
     if want_hf:

@@ -11,7 +11,8 @@
 #   llama   build llama.cpp 11434 with Vulkan (Debian 13 glslc: int-dot and
 #           cooperative-matrix shaders on) unless .vk/llama-vulkan.tar.xz has it
 #   profile GPU time per op (vkengine bench --profile $PROFILE_ARGS) on PROFILE_MODELS
-#   bench   bench/bench.py: ours vs llama-bench on synthetic models
+#   synth   write the BENCH_QWEN models (arch:shape:quant ...) before the bench stage
+#   bench   bench/bench.py: ours vs llama-bench on synthetic models (BENCH_MODELS=none: only BENCH_QWEN)
 #   parity  parity run against llama-server's Vulkan build on synthetic llama/qwen35/qwen35moe
 #   serve-bench  bench/serve.py: C = 1, 4, 16 streaming clients, ours vs llama-server
 #   qwen35  the hybrid models' tests, and tests/gpu/hf_oracle_qwen35.py (transformers as oracle)
@@ -98,6 +99,12 @@ run_stage() {
         | tee "$OUT/gpu-qwen35.log" | tail -15
       python3 tests/gpu/hf_oracle_qwen35.py 2>&1 | tee "$OUT/hf-oracle-qwen35.log"
       ;;
+    synth)
+      # write the BENCH_QWEN models ahead of the bench stage (e.g. "qwen35+synth bench")
+      for spec in ${BENCH_QWEN:-}; do
+        t0=$SECONDS; f=$(synth_model "$spec") && echo "synth $spec: $f, $(du -h "$f" | cut -f1), $((SECONDS - t0)) s"
+      done
+      ;;
     bench)
       build_llama && lb=/tmp/llb/bin/llama-bench || lb=""
       files=""
@@ -105,7 +112,7 @@ run_stage() {
         f=$(synth_model "$spec") && files=${files:+$files,}$f
       done
       python3 bench/bench.py --out "$OUT/bench" --tokenizer-from "$VKENGINE_TOKENIZER_GGUF" \
-        ${BENCH_MODELS:+--models $BENCH_MODELS} ${files:+--files $files} ${lb:+--llama-bench $lb} \
+        ${BENCH_MODELS:+--models ${BENCH_MODELS#none}} ${files:+--files $files} ${lb:+--llama-bench $lb} \
         -r "${BENCH_REPS:-3}" ${BENCH_PARALLEL:+--parallel $BENCH_PARALLEL} --llama-label "llama.cpp 11434 Vulkan (int dot + coopmat)" 2>&1 | tee "$OUT/bench.log" | tail -20
       ;;
     parity)
