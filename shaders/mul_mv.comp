@@ -2,7 +2,8 @@
 // y[c][row] (+)= sum_k W[row][k] * x[c][k] for columns c < N.
 // RPS weight rows per subgroup; its lanes walk the rows' units (8 or 16
 // values), dequantize each unit once and use it for NCOLS columns of x
-// (NCOLS = 1, RPS = 2: the decode matvec; NCOLS = 8, RPS = 1: small batches).
+// (lavapipe: NCOLS = 1 for decode, 8 for batches, both with RPS = 16; see
+// SG_ROWS in variants.py).
 // grid: (row groups folded into x/y, ceil(N / NCOLS) in z)
 //
 // KSPLIT = 1 (GPU variants): a workgroup takes RPS rows (ITEMS_PER_WG = RPS)

@@ -13,8 +13,18 @@ WEIGHT_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q
 UNIT_VALUES = {"f32": 4, "f16": 8, "bf16": 8, "q8_0": 8, "q4_0": 8, "q4_1": 8, "q5_0": 8, "q5_1": 8,
                "q4_k": 8, "q5_k": 8, "q6_k": 16}
 
-# Weight rows per subgroup in the decode matvec: each x load serves them all.
+# Weight rows per workgroup item in the GPU decode matvec: each x load serves them all.
 MV_ROWS = 2
+
+# Weight rows per subgroup in the subgroup kernels that lavapipe runs (mul_mv for
+# one column, mul_mm for 8). llvmpipe (Mesa 22.3) turns every storage-buffer
+# load whose address differs across lanes into a loop over the lanes, a scalar
+# load each, so it reads under 1 GB/s however the loads are shaped
+# (bench/lavapipe_probe.py); the kernels
+# win by loading less: 16 rows share each x load (x was 8 of the 12 words a
+# lane loaded per unit of 2 rows). Measured on SmolLM2-135M's shapes (Q4_1,
+# 2 cores): the matvec 2x, the 8-column matmul 7x, against 2 rows and 1 row.
+SG_ROWS = 16
 
 # Columns of x that one workgroup multiplies against each dequantized weight unit
 # in the batched matmul variant.
@@ -44,8 +54,8 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
     t: dict[str, tuple[str, dict[str, int]]] = {}
     for wt in WEIGHT_TYPES:
         d = {f"WT_{wt.upper()}": 1}
-        t[f"mul_mv_{wt}"] = ("mul_mv.comp", {**d, "NCOLS": 1, "UNROLL": 4, "RPS": MV_ROWS})
-        t[f"mul_mm_{wt}"] = ("mul_mv.comp", {**d, "NCOLS": MATMUL_COLS, "UNROLL": 2, "RPS": 1})
+        t[f"mul_mv_{wt}"] = ("mul_mv.comp", {**d, "NCOLS": 1, "UNROLL": 1, "RPS": SG_ROWS})
+        t[f"mul_mm_{wt}"] = ("mul_mv.comp", {**d, "NCOLS": MATMUL_COLS, "UNROLL": 1, "RPS": SG_ROWS})
         t[f"mul_mvk_{wt}"] = ("mul_mv.comp", {**d, "NCOLS": 1, "UNROLL": MV_GPU_UNROLL[1],
                                                "RPS": MV_GPU_ROWS[1], "KSPLIT": 1})
         for nc in MM_GPU_COLS:

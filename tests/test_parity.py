@@ -209,6 +209,8 @@ def test_default_prompt_set():
     assert load_prompt_set(str(ROOT / "parity/prompts/default.json")).sha256 == ps.sha256
     with pytest.raises(VkEngineError, match="no prompt set"):
         load_prompt_set("no-such-set")
+    short = load_prompt_set("short")    # for large models on slow devices: a subset of the default set
+    assert len(short.prompts) == 4 and all(p in ps.prompts for p in short.prompts)
 
 
 def test_prompt_set_validation(tmp_path):

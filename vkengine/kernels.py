@@ -14,7 +14,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from shaders.variants import MATMUL_COLS, MM_GPU_COLS, MV_GPU_ROWS, MV_ROWS, TILE, TILE_SMALL, UNIT_VALUES
+from shaders.variants import MATMUL_COLS, MM_GPU_COLS, MV_GPU_ROWS, SG_ROWS, TILE, TILE_SMALL, UNIT_VALUES
 
 from . import shaders
 from .device import Buffer, Device, Program
@@ -145,9 +145,9 @@ class Kernels:
                 variant = f"mul_mvk_{w.type}" if single else f"mul_mm{ncols}_{w.type}"
                 rows_per_wg = MV_GPU_ROWS[ncols]           # the workgroup shares its rows' K
             elif single:
-                variant, ncols, rows_per_wg = f"mul_mv_{w.type}", 1, self.items * MV_ROWS
+                variant, ncols, rows_per_wg = f"mul_mv_{w.type}", 1, self.items * SG_ROWS
             else:
-                variant, ncols, rows_per_wg = f"mul_mm_{w.type}", MATMUL_COLS, self.items
+                variant, ncols, rows_per_wg = f"mul_mm_{w.type}", MATMUL_COLS, self.items * SG_ROWS
             alg = self._alg(variant, [w.data.buf, act, act], push, self.wg, rows_per_wg)
             groups = self._grid(math.ceil(w.rows / rows_per_wg), math.ceil(n / ncols))
         prog.dispatch(alg, push, groups, reads, [yr], label or variant)
