@@ -1,4 +1,4 @@
-"""`parity` command line: run, serve-reference, report, build-reference.
+"""`parity` command line: run, note, serve-reference, report, build-reference.
 
 Configuration enters here and is passed down; a VkEngineError prints as one
 `error: ...` line (exit 2), never a traceback.
@@ -58,6 +58,31 @@ def cmd_build_reference(args) -> int:
     return 0
 
 
+def cmd_note(args) -> int:
+    """Write (or replace) an artifact's deviation note after reading its figures."""
+    import datetime as dt
+    import json
+
+    from .run import SCHEMA, write_atomic
+    path = Path(args.artifact)
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise VkEngineError(f"cannot read {path}: {e.strerror}") from None
+    except ValueError as e:
+        raise VkEngineError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+        raise VkEngineError(f"{path} is not a parity artifact (schema {SCHEMA})")
+    text = args.text.strip()
+    if not text:
+        raise VkEngineError("the note is empty")
+    doc["note"] = text
+    doc["note_written"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    write_atomic(path, doc)
+    print(f"noted {path}")
+    return 0
+
+
 def cmd_report(args) -> int:
     from .report import render
     print(render(Path(args.folder)))
@@ -96,6 +121,11 @@ def parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("build-reference", help="build llama-server (once) and print its path")
     b.set_defaults(fn=cmd_build_reference)
+
+    n = sub.add_parser("note", help="write an artifact's deviation note after reading its figures")
+    n.add_argument("artifact", help="a parity run's JSON artifact")
+    n.add_argument("text", help="the note (what the figures below a bar mean, with evidence)")
+    n.set_defaults(fn=cmd_note)
 
     rep = sub.add_parser("report", help="render DIR/README.md and DIR/history.svg from the artifacts in DIR")
     rep.add_argument("folder", nargs="?", default="docs/parity")

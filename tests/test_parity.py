@@ -273,6 +273,24 @@ def test_report(tmp_path):
         render(tmp_path / "empty")
 
 
+def test_note_after_the_run(tmp_path):
+    """`parity note` writes the deviation note into an existing artifact, which the
+    report then shows; anything that is not an artifact is refused in one line."""
+    from parity.cli import main
+    art = _artifact("2026-01-01T00:00:00+00:00", 600, 620, "BELOW BAR")
+    (tmp_path / "a.json").write_text(json.dumps(art))
+    assert main(["note", str(tmp_path / "a.json"), "  near ties only  "]) == 0
+    doc = json.loads((tmp_path / "a.json").read_text())
+    assert doc["note"] == "near ties only" and doc["note_written"] and doc["summary"] == art["summary"]
+    assert "Note on a.json (2026-01-01): near ties only" in render(tmp_path).read_text()
+    (tmp_path / "other.json").write_text("{}")
+    for path, text in ((tmp_path / "other.json", "x"), (tmp_path / "missing.json", "x"),
+                       (tmp_path / "a.json", "  ")):
+        r = subprocess.run([sys.executable, "-m", "parity.cli", "note", str(path), text], capture_output=True,
+                           text=True, cwd=ROOT)
+        assert r.returncode == 2 and r.stderr.startswith("error: ") and "Traceback" not in r.stderr
+
+
 def test_cli_unreachable_endpoint_is_one_line():
     import socket
     with socket.socket() as s:
