@@ -6,6 +6,8 @@
 // weights again for every pair; that suits decode, where pairs rarely share an
 // expert). A pair's sum is accumulated in the same order as mul_mv_id.comp's.
 // grid: (row groups folded into x/y, experts in z)
+// EXPERT_PART: this dispatch binds experts [e_lo, e_hi) of a stack split across
+// buffers (grid z = e_hi - e_lo); lists and counts stay indexed by expert id.
 #include "common.glsl"
 
 layout(binding = 0) readonly buffer Wq { uint wq[]; };
@@ -19,6 +21,9 @@ layout(push_constant) uniform P {
     uint list_off, list_stride, cnt_off;
     uint x_off, x_stride, x_slot_stride;   // floats; multiples of 4
     uint y_off, y_stride, y_slot_stride;
+#ifdef EXPERT_PART
+    uint e_lo, e_hi;
+#endif
 } p;
 
 #include "quant.glsl"
@@ -26,7 +31,11 @@ layout(push_constant) uniform P {
 #define NCOLS 8
 
 void main() {
-    uint e = gl_WorkGroupID.z;
+#ifdef EXPERT_PART
+    uint e = p.e_lo + gl_WorkGroupID.z, e_row0 = gl_WorkGroupID.z * p.M;
+#else
+    uint e = gl_WorkGroupID.z, e_row0 = e * p.M;
+#endif
     uint cnt = actu[p.cnt_off + e];
     if (cnt == 0u) return;
     uvec2 rows = workgroup_items(p.M);
@@ -47,7 +56,7 @@ void main() {
             for (uint u = gl_SubgroupInvocationID; u < units; u += gl_SubgroupSize) {
                 vec4 v[UNIT_GROUPS];
                 uint xo[UNIT_GROUPS];
-                unit_load(p.w_off, p.w_off2, e * p.M + m, u, p.K, v, xo);
+                unit_load(p.w_off, p.w_off2, e_row0 + m, u, p.K, v, xo);
                 [[unroll]] for (uint c = 0; c < NCOLS; c++) {
                     if (c < nc) {
                         [[unroll]] for (uint g = 0; g < UNIT_GROUPS; g++) acc[c] += dot(v[g], act4[(xb[c] + xo[g]) >> 2]);

@@ -7,6 +7,9 @@
 // x_slot_stride = 0 reads the same x row for every i. The weighted sum over i
 // is moe_combine.comp's. One subgroup per output row, lanes over the row's
 // units as mul_mv.comp. grid: (row groups folded into x/y, pairs r*k + i in z)
+// EXPERT_PART: the stacked experts are split across buffers (a device whose
+// storage-buffer range is smaller than one layer's experts); this dispatch
+// binds experts [e_lo, e_hi) and skips the pairs routed elsewhere.
 #include "common.glsl"
 
 layout(binding = 0) readonly buffer Wq { uint wq[]; };
@@ -20,6 +23,9 @@ layout(push_constant) uniform P {
     uint ids_off, ids_stride;
     uint x_off, x_stride, x_slot_stride;   // floats; multiples of 4
     uint y_off, y_stride, y_slot_stride;
+#ifdef EXPERT_PART
+    uint e_lo, e_hi;
+#endif
 } p;
 
 #include "quant.glsl"
@@ -42,6 +48,10 @@ void main() {
     uint r = pair / p.k;
     uint i = pair % p.k;
     uint e = actu[p.ids_off + r * p.ids_stride + i];
+#ifdef EXPERT_PART
+    if (e < p.e_lo || e >= p.e_hi) return;     // uniform: the whole workgroup has this pair
+    e -= p.e_lo;
+#endif
     uint xb = p.x_off + r * p.x_stride + i * p.x_slot_stride;
     for (uint m = rows.x + gl_SubgroupID; m < rows.y; m += gl_NumSubgroups) {
         float s = subgroupAdd(row_dot(e * p.M + m, xb));

@@ -173,14 +173,18 @@ class HybridKernels(Kernels):
 
     def mul_mat_id(self, prog: Program, w: Matrix, M: int, x: Region, x_stride: int, x_slot_stride: int,
                    route: Region, route_stride: int, k: int, y: Region, y_stride: int, y_slot_stride: int,
-                   n_rows: int, label: str = "") -> None:
+                   n_rows: int, label: str = "", part: tuple[int, int] | None = None) -> None:
         """y[r][i] = W[e_ri] @ x[r][i] (x_slot_stride 0: x[r] for every i), one
-        matvec per pair: decode-sized steps. W holds E*M rows (M per expert)."""
+        matvec per pair: decode-sized steps. W holds E*M rows (M per expert);
+        part = (e_lo, e_hi): W holds only those experts (a stack split across
+        buffers) and the pairs routed to others are left to their parts."""
         act = self._same_buffer(x, route, y)
         self._check_id(w, M, x, x_stride, x_slot_stride)
-        variant = f"mul_mv_id_{w.type}"
+        variant = f"mul_mv_id_{w.type}" if part is None else f"mul_mv_idp_{w.type}"
         push = struct.pack("<14I", w.data.off, w.scales.off if w.scales else 0, w.cols, M, k, n_rows,
                            route.off, route_stride, x.off, x_stride, x_slot_stride, y.off, y_stride, y_slot_stride)
+        if part is not None:
+            push += struct.pack("<2I", *part)
         alg = self._alg(variant, [w.data.buf, act], push, self.wg)
         if n_rows * k > 65535:
             raise VkEngineError(f"{n_rows} rows x {k} experts exceed one dispatch; use a smaller batch")
@@ -200,18 +204,22 @@ class HybridKernels(Kernels):
 
     def mul_mm_id(self, prog: Program, w: Matrix, M: int, E: int, x: Region, x_stride: int, x_slot_stride: int,
                   lst: Region, list_stride: int, cnt: Region, k: int, y: Region, y_stride: int, y_slot_stride: int,
-                  n_rows: int, label: str = "") -> None:
+                  n_rows: int, label: str = "", part: tuple[int, int] | None = None) -> None:
         """The same products as mul_mat_id, expert-major over moe_sort's lists: each
-        dequantized weight unit serves up to 8 pairs of its expert (prefill)."""
+        dequantized weight unit serves up to 8 pairs of its expert (prefill).
+        part = (e_lo, e_hi): W holds only those experts (see mul_mat_id)."""
         act = self._same_buffer(x, lst, cnt, y)
         self._check_id(w, M, x, x_stride, x_slot_stride)
-        variant = f"mul_mm_id_{w.type}"
+        variant = f"mul_mm_id_{w.type}" if part is None else f"mul_mm_idp_{w.type}"
         push = struct.pack("<14I", w.data.off, w.scales.off if w.scales else 0, w.cols, M, k, lst.off, list_stride,
                            cnt.off, x.off, x_stride, x_slot_stride, y.off, y_stride, y_slot_stride)
+        if part is not None:
+            push += struct.pack("<2I", *part)
         alg = self._alg(variant, [w.data.buf, act], push, self.wg)
         reads = w.regions + [_rows_range(x, n_rows, x_stride, (k - 1) * x_slot_stride + w.cols),
                              _rows_range(lst, n_rows, list_stride, E), (cnt.buf, cnt.off * 4, (cnt.off + E) * 4)]
-        prog.dispatch(alg, push, self._grid(math.ceil(M / self.items), E), reads,
+        n_exp = E if part is None else part[1] - part[0]
+        prog.dispatch(alg, push, self._grid(math.ceil(M / self.items), n_exp), reads,
                       [_rows_range(y, n_rows, y_stride, (k - 1) * y_slot_stride + M)], label or variant)
 
     def moe_combine(self, prog: Program, e: Region, e_stride: int, e_slot_stride: int, route: Region,

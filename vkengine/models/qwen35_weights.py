@@ -13,7 +13,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..arena import Arena, ArenaPlan, packed_words
+from ..arena import ALIGN_WORDS, Arena, ArenaPlan, packed_words
 from ..errors import VkEngineError
 from ..gguf_file import ModelFile, SafetensorsFolder
 from ..kernels import Matrix, Region
@@ -46,12 +46,21 @@ class DenseFfn:
     down: Matrix
 
 
+# A layer's stacked experts as (first expert, end expert, matrix of their rows):
+# one part on most devices; several when one layer's experts exceed the
+# device's storage-buffer range (lavapipe: 128 MiB), each part in its own range.
+ExpertParts = list[tuple[int, int, Matrix]]
+
+# Tests: split expert stacks larger than this many bytes (default: the device's range).
+EXPERT_PART_BYTES: int | None = None
+
+
 @dataclass
 class MoeFfn:
     router: Matrix | None                # E x D (None in the fixed-expert mode)
     router_f32: Region | None            # E x D f32 (fixed-expert mode)
-    gate_up: Matrix                      # E*(2*n_ff_exp) x D, per expert [gate | up]
-    down: Matrix                         # E*D x n_ff_exp
+    gate_up: ExpertParts                 # E*(2*n_ff_exp) x D, per expert [gate | up]
+    down: ExpertParts                    # E*D x n_ff_exp
     sh_gate_up: list[tuple[Matrix, int]]
     sh_down: Matrix
     sh_gate: Matrix                      # 1 x D
@@ -112,6 +121,35 @@ class _Planner:
         vw, sw = packed_words(type_, rows, cols)
         g = self.plan.add([vw, sw] if sw else [vw], what)
         return self._job(g, "matrix", (type_, rows, cols, produce), 1)[0]
+
+    def experts(self, type_: str, E: int, rows_per_expert: int, cols: int, produce: Callable[[], np.ndarray],
+                what: str) -> list[tuple[int, int, int]]:
+        """A stack of E experts' matrices (rows_per_expert rows each): (handle,
+        first expert, end expert) per part, as many experts per part as one
+        storage buffer holds."""
+        check_shape(type_, rows_per_expert, cols, what)
+        limit = self.plan.limit_words if EXPERT_PART_BYTES is None else min(self.plan.limit_words,
+                                                                            EXPERT_PART_BYTES // 4)
+
+        def words(n: int) -> int:
+            return sum(-(-w // ALIGN_WORDS) * ALIGN_WORDS for w in packed_words(type_, n * rows_per_expert, cols))
+        if words(E) <= limit:
+            return [(self.matrix_raw(type_, E * rows_per_expert, cols, produce, what), 0, E)]
+        per = max(n for n in range(1, E + 1) if words(n) <= limit or n == 1)
+        if words(per) > limit:
+            raise VkEngineError(f"{what}: one expert needs {words(1) * 4 / 2**20:.1f} MiB, more than this device's "
+                                f"storage-buffer limit ({limit * 4 / 2**20:.0f} MiB)")
+        rb = row_bytes(type_, cols)
+        parts = []
+        for lo in range(0, E, per):
+            hi = min(E, lo + per)
+
+            def part(lo=lo, hi=hi):
+                raw = np.ascontiguousarray(produce()).reshape(-1).view(np.uint8)
+                return raw[lo * rows_per_expert * rb:hi * rows_per_expert * rb]
+            parts.append((self.matrix_raw(type_, (hi - lo) * rows_per_expert, cols, part, f"{what}[{lo}:{hi}]"),
+                          lo, hi))
+        return parts
 
     def matrix(self, names: list[str], rows_each: list[int], cols: int) -> int:
         types = set()
@@ -207,12 +245,12 @@ def _expert_raw(p: _Planner, prefix: str, which: str, E: int, rows: int, cols: i
     return types.pop(), lambda: np.concatenate([mf.tensor(n).raw for n in names])
 
 
-def _gate_up_experts(p: _Planner, prefix: str, E: int, F: int, D: int) -> int:
+def _gate_up_experts(p: _Planner, prefix: str, E: int, F: int, D: int) -> list[tuple[int, int, int]]:
     """E x (2F) x D, per expert [gate | up] (GGUF ffn_gate_up_exps has this layout)."""
     mf = p.mf
     if mf.has(f"{prefix}ffn_gate_up_exps.weight"):
         t, produce = _expert_raw(p, prefix, "gate_up", E, 2 * F, D)
-        return p.matrix_raw(t, E * 2 * F, D, produce, f"{prefix}ffn_gate_up_exps")
+        return p.experts(t, E, 2 * F, D, produce, f"{prefix}ffn_gate_up_exps")
     tg, pg = _expert_raw(p, prefix, "gate", E, F, D)
     tu, pu = _expert_raw(p, prefix, "up", E, F, D)
     t = tg if tg == tu else "f32"
@@ -224,7 +262,7 @@ def _gate_up_experts(p: _Planner, prefix: str, E: int, F: int, D: int) -> int:
         g = dequantize(tg, pg(), E * F, D).reshape(E, F, D)
         u = dequantize(tu, pu(), E * F, D).reshape(E, F, D)
         return np.ascontiguousarray(np.concatenate([g, u], axis=1)).view(np.uint8).reshape(-1)
-    return p.matrix_raw(t, E * 2 * F, D, produce, f"{prefix}ffn_gate_up_exps")
+    return p.experts(t, E, 2 * F, D, produce, f"{prefix}ffn_gate_up_exps")
 
 
 def _plan_layer(p: _Planner, a, prefix: str, kind: str, qk_norms: list) -> dict:
@@ -259,7 +297,7 @@ def _plan_layer(p: _Planner, a, prefix: str, kind: str, qk_norms: list) -> dict:
             L["router"] = p.matrix([prefix + "ffn_gate_inp.weight"], [E], D)
         L["gate_up_exps"] = _gate_up_experts(p, prefix, E, F, D)
         td, pd = _expert_raw(p, prefix, "down", E, D, F)
-        L["down_exps"] = p.matrix_raw(td, E * D, F, pd, prefix + "ffn_down_exps")
+        L["down_exps"] = p.experts(td, E, D, F, pd, prefix + "ffn_down_exps")
         L["sh_gate_up"] = p.fused([prefix + "ffn_gate_shexp.weight", prefix + "ffn_up_shexp.weight"], [Fs, Fs], D)
         L["sh_down"] = p.matrix([prefix + "ffn_down_shexp.weight"], [D], Fs)
         L["sh_gate"] = p.vector(prefix + "ffn_gate_inp_shexp.weight", D)
@@ -272,6 +310,9 @@ def _plan_layer(p: _Planner, a, prefix: str, kind: str, qk_norms: list) -> dict:
 def _build_layer(L: dict, b: list, norms: list[tuple[Region, Region]], D: int) -> Layer:
     def pairs(x):
         return [(b[h], c) for h, c in x]
+
+    def parts(x):
+        return [(lo, hi, b[h]) for h, lo, hi in x]
     if L["kind"] == "linear":
         mixer = LinearAttn(pairs(L["lin_in"]), b[L["conv"]], b[L["a"]], b[L["dt"]], b[L["norm"]], b[L["out"]])
     else:
@@ -280,7 +321,7 @@ def _build_layer(L: dict, b: list, norms: list[tuple[Region, Region]], D: int) -
     if "gate_up_exps" in L:
         sg = b[L["sh_gate"]]
         ffn = MoeFfn(b[L["router"]] if "router" in L else None, b[L["router_f32"]] if "router_f32" in L else None,
-                     b[L["gate_up_exps"]], b[L["down_exps"]], pairs(L["sh_gate_up"]), b[L["sh_down"]],
+                     parts(L["gate_up_exps"]), parts(L["down_exps"]), pairs(L["sh_gate_up"]), b[L["sh_down"]],
                      Matrix("f32", 1, D, sg))
     else:
         ffn = DenseFfn(pairs(L["gate_up"]), b[L["down"]])
