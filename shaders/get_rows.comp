@@ -1,6 +1,7 @@
 #version 450
 // Embedding lookup: y[r][:] = dequant(W[ids[r]][:]), ids read from the params
-// buffer. One invocation per (row, unit).
+// buffer. One invocation per (row, unit). ROW_PART: W holds rows [row_lo,
+// row_hi) of a matrix split across buffers; other ids are left to their parts.
 #include "common.glsl"
 
 layout(binding = 0) readonly buffer Wq { uint wq[]; };
@@ -12,6 +13,9 @@ layout(push_constant) uniform P {
     uint K, n_rows;
     uint ids_off;           // uint index into params
     uint y_off, y_stride;
+#ifdef ROW_PART
+    uint row_lo, row_hi;
+#endif
 } p;
 
 #include "quant.glsl"
@@ -23,6 +27,10 @@ void main() {
     uint r = i / units;
     uint u = i % units;
     uint id = params[p.ids_off + r];
+#ifdef ROW_PART
+    if (id < p.row_lo || id >= p.row_hi) return;
+    id -= p.row_lo;
+#endif
     vec4 v[UNIT_GROUPS];
     uint xo[UNIT_GROUPS];
     unit_load(p.w_off, p.w_off2, id, u, p.K, v, xo);

@@ -64,6 +64,7 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
         t[f"mul_mt_{wt}"] = ("mul_mt.comp", {**d, "TM": TILE[0], "TN": TILE[1]})
         t[f"mul_mt64_{wt}"] = ("mul_mt.comp", {**d, "TM": TILE_SMALL[0], "TN": TILE_SMALL[1]})
         t[f"get_rows_{wt}"] = ("get_rows.comp", d)
+        t[f"get_rows_p_{wt}"] = ("get_rows.comp", {**d, "ROW_PART": 1})   # a matrix split by rows
     for op in ("rms_norm", "rope_kv", "attention", "attention_merge", "swiglu", "add", "softmax", "argmax_part", "argmax", "copy"):
         t[op] = (f"{op}.comp", {})
     t["rms_norm_wg"] = ("rms_norm.comp", {"WG_ROW": 1})

@@ -61,6 +61,25 @@ def test_tiny_prefill_equals_step_by_step_decode(device, tiny_models):
     np.testing.assert_allclose(steps, pre, rtol=0, atol=1e-4 * float(np.abs(pre).max()))
 
 
+def test_matrices_split_across_buffers(device, tiny_models, monkeypatch):
+    """A device whose storage-buffer range is smaller than a matrix (lavapipe's
+    128 MiB against a 128k-token vocabulary's output head) holds it in parts of
+    whole rows, one dispatch each: logits equal the one-part engine's bit for bit."""
+    from vkengine import arena
+    path = tiny_models["q4_1"]["gguf"]
+    m, whole = _engine(device, path)
+    monkeypatch.setattr(arena, "SPLIT_BYTES", 4096)
+    _, split = _engine(device, path)
+    w = split.weights
+    assert len(w.tok_embd.parts) > 100 and len(w.layers[0].down.parts) > 1 and not whole.weights.tok_embd.parts
+    assert w.tok_embd.parts[1][0] == w.tok_embd.parts[0][1].rows and w.tok_embd.rows == whole.weights.tok_embd.rows
+    ids = m.tokenizer.encode(PROMPT)
+    for eng in (whole, split):
+        eng.out = _prefill_logits(eng, ids)
+        eng.dec = np.stack([eng.step([t], [len(ids) + i], [0], [0], "logits")[0] for i, t in enumerate(ids[:4])])
+    assert np.array_equal(split.out, whole.out) and np.array_equal(split.dec, whole.dec)
+
+
 def test_tiny_chunked_prefill_equals_single_prefill(device, tiny_models):
     m, eng = _engine(device, tiny_models["q8_0"]["gguf"], max_batch=5)
     ids = m.tokenizer.encode(PROMPT)

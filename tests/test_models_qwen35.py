@@ -229,22 +229,25 @@ def test_fixed_experts_match_reference_choices(device, qwen35_loaded):
     _close(_prefill_logits(eng2, ids), got, 1e-3)        # the normal router chooses the same experts here
 
 
-def test_experts_split_across_buffers(device, qwen35_loaded, monkeypatch):
+def test_weights_split_across_buffers(device, qwen35_loaded, monkeypatch):
     """A device whose storage-buffer range is smaller than one layer's expert stack
-    (lavapipe's 128 MiB against the 35B-A3B shape's 288 MiB gate|up stack) holds
-    the stack in parts, one dispatch each: the logits equal the one-part engine's
-    bit for bit, in prefill (expert-major) and in decode (a matvec per pair)."""
+    (lavapipe's 128 MiB against the 35B-A3B shape's 288 MiB gate|up stack) or than
+    a matrix (a 248k-token vocabulary's output head) holds them in parts, one
+    dispatch each: the logits equal the one-part engine's bit for bit, in prefill
+    (expert-major) and in decode (a matvec per pair)."""
+    from vkengine import arena
     from vkengine.arena import packed_words
-    from vkengine.models import qwen35_weights as W
     m = qwen35_loaded("qwen35moe", "gguf")
     a = m.args
     ids = m.tokenizer.encode(PROMPT)
     assert len(ids) * a.n_expert_used >= 4 * a.n_expert          # the prefill takes the expert-major kernel
     _, whole = _engine(device, m)
-    monkeypatch.setattr(W, "EXPERT_PART_BYTES", 4 * sum(packed_words("q8_0", 3 * 2 * a.n_ff_exp, a.n_embd)))
+    monkeypatch.setattr(arena, "SPLIT_BYTES", 4 * sum(packed_words("q8_0", 3 * 2 * a.n_ff_exp, a.n_embd)))
     _, split = _engine(device, m)
     ffn = split.weights.layers[0].ffn
     assert [(lo, hi) for lo, hi, _ in ffn.gate_up] == [(0, 3), (3, 6), (6, 8)] and len(ffn.down) > 1
+    # every larger matrix is split by rows as well (embeddings, output head)
+    assert len(split.weights.tok_embd.parts) > 1 and len(split.weights.output.parts) > 1
     assert len(whole.weights.layers[0].ffn.gate_up) == 1
     for eng in (whole, split):
         eng.out = _prefill_logits(eng, ids)

@@ -18,6 +18,10 @@ from .kernels import Region
 
 ALIGN_WORDS = 4   # 16-byte alignment of every array (vec4 reads)
 
+# Tests: split weight matrices (by rows) and expert stacks (by experts) that are
+# larger than this many bytes, as on a device with a smaller storage-buffer range.
+SPLIT_BYTES: int | None = None
+
 
 def _aligned(words: int) -> int:
     return (words + ALIGN_WORDS - 1) // ALIGN_WORDS * ALIGN_WORDS
@@ -88,3 +92,33 @@ def packed_words(type_name: str, rows: int, cols: int) -> tuple[int, int]:
     if type_name in ("q4_1", "q5_1"):
         return blocks * (b - 4) // 4, blocks
     return blocks * (b - 2) // 4, (blocks + 1) // 2
+
+
+def matrix_words(type_name: str, rows: int, cols: int) -> int:
+    """Words a matrix takes in an arena (values and scales, each aligned)."""
+    return sum(_aligned(w) for w in packed_words(type_name, rows, cols))
+
+
+def split_limit_words(plan: ArenaPlan) -> int:
+    return plan.limit_words if SPLIT_BYTES is None else min(plan.limit_words, SPLIT_BYTES // 4)
+
+
+def row_parts(type_name: str, rows: int, cols: int, limit_words: int, unit: int = 1,
+              what: str = "matrix") -> list[tuple[int, int]]:
+    """(first row, end row) of each part of a matrix that one storage buffer
+    cannot hold, parts of whole `unit`s of rows (an expert's rows) as large as
+    fit `limit_words`; [(0, rows)] when it fits."""
+    if matrix_words(type_name, rows, cols) <= limit_words:
+        return [(0, rows)]
+    lo, hi = 1, rows // unit                 # the most units that fit: binary search
+    if matrix_words(type_name, unit, cols) > limit_words:
+        raise VkEngineError(f"{what}: {unit} row(s) need {matrix_words(type_name, unit, cols) * 4 / 2**20:.1f} "
+                            f"MiB, more than this device's storage-buffer limit ({limit_words * 4 / 2**20:.0f} MiB)")
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if matrix_words(type_name, mid * unit, cols) <= limit_words:
+            lo = mid
+        else:
+            hi = mid - 1
+    step = lo * unit
+    return [(r, min(rows, r + step)) for r in range(0, rows, step)]

@@ -42,15 +42,21 @@ class Region:
 class Matrix:
     """A weight matrix (rows x cols) on the device in one of quant.glsl's layouts:
     `data` holds the values (or quant blocks), `scales` the per-block scales of
-    the repacked types (None otherwise); both lie in the same buffer."""
+    the repacked types (None otherwise); both lie in the same buffer.
+    A matrix larger than the device's storage-buffer range is split by rows:
+    `parts` = (first row, matrix of the following rows) and data is None; mul_mat
+    and get_rows dispatch once per part."""
     type: str
     rows: int
     cols: int
-    data: Region
+    data: Region | None
     scales: Region | None = None
+    parts: tuple[tuple[int, "Matrix"], ...] = ()
 
     @property
     def regions(self) -> list[tuple[Buffer, int, int]]:
+        if self.parts:
+            return [r for _, m in self.parts for r in m.regions]
         r = [self.data.range]
         if self.scales is not None:
             r.append(self.scales.range)
@@ -124,6 +130,11 @@ class Kernels:
     def mul_mat(self, prog: Program, w: Matrix, x: Region, x_stride: int, y: Region, y_stride: int,
                 n: int, accumulate: bool = False, label: str = "") -> None:
         """y[c][:M] (+)= W @ x[c][:K] for c < n (x rows K floats, y rows M floats)."""
+        if w.parts:       # split by rows: each part fills its rows of y
+            for r0, part in w.parts:
+                self.mul_mat(prog, part, x, x_stride, y.at(r0, max(0, y.words - r0)), y_stride, n, accumulate,
+                             f"{label or 'mul_mat'}[{r0}:{r0 + part.rows}]")
+            return
         act = self._same_buffer(x, y)
         if x.off % 4 or x_stride % 4 or w.cols % 8:
             raise ValueError("mul_mat needs 16-byte aligned x rows and K a multiple of 8")
@@ -154,13 +165,20 @@ class Kernels:
 
     def get_rows(self, prog: Program, w: Matrix, params: Buffer, ids_off: int, y: Region, y_stride: int,
                  n: int, label: str = "get_rows") -> None:
-        """y[r][:] = W[params[ids_off + r]][:] (dequantized) for r < n."""
-        push = struct.pack("<7I", w.data.off, w.scales.off if w.scales else 0, w.cols, n, ids_off, y.off, y_stride)
-        alg = self._alg(f"get_rows_{w.type}", [w.data.buf, y.buf, params], push, self.ew_wg, 1)
+        """y[r][:] = W[params[ids_off + r]][:] (dequantized) for r < n. A matrix split
+        by rows: one dispatch per part, each writing the rows whose ids it holds."""
         total = n * (w.cols // UNIT_VALUES[w.type])
-        prog.dispatch(alg, push, self._grid(math.ceil(total / self.ew_wg)),
-                      w.regions + [(params, ids_off * 4, (ids_off + n) * 4)],
-                      [_rows_range(y, n, y_stride, w.cols)], label)
+        for r0, part in (w.parts or ((0, w),)):
+            push = struct.pack("<7I", part.data.off, part.scales.off if part.scales else 0, w.cols, n, ids_off,
+                               y.off, y_stride)
+            variant = f"get_rows_{w.type}"
+            if w.parts:
+                push += struct.pack("<2I", r0, r0 + part.rows)
+                variant = f"get_rows_p_{w.type}"
+            alg = self._alg(variant, [part.data.buf, y.buf, params], push, self.ew_wg, 1)
+            prog.dispatch(alg, push, self._grid(math.ceil(total / self.ew_wg)),
+                          part.regions + [(params, ids_off * 4, (ids_off + n) * 4)],
+                          [_rows_range(y, n, y_stride, w.cols)], label)
 
     def rms_norm(self, prog: Program, weight: Region, x: Region, x_stride: int, y: Region, y_stride: int,
                  n: int, rows: int, eps: float, params: Buffer, map_off: int | None = None,

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..arena import Arena, ArenaPlan, packed_words
+from ..arena import Arena, ArenaPlan, packed_words, row_parts, split_limit_words
 from ..errors import VkEngineError
 from ..gguf_file import ModelFile, SafetensorsFolder
 from ..graph import Graph
 from ..kernels import Matrix, Region
-from ..quant import check_shape, repack
+from ..quant import check_shape, repack, row_bytes
 from ..rope import rope_table
 
 ARCH = "llama"
@@ -177,7 +177,8 @@ def load_weights(mf: ModelFile, a: LlamaArgs, device, n_ctx: int) -> LlamaWeight
     D, F, hd = a.n_embd, a.n_ff, a.head_dim
     tied = not mf.has("output.weight")
     plan = ArenaPlan(device.max_buffer_bytes // 4)
-    items: list[tuple[int, str, list[str], int, int, str]] = []   # group, kind, names, rows, cols, type
+    # group, kind, names, rows (a part: (first, end); split: [(first row, part item)]), cols, type
+    items: list[tuple] = []
 
     def matrix(names: list[str], rows_each: list[int], cols: int) -> int:
         types = {_check(mf, n, (r, cols)) for n, r in zip(names, rows_each)}
@@ -186,9 +187,15 @@ def load_weights(mf: ModelFile, a: LlamaArgs, device, n_ctx: int) -> LlamaWeight
         t = types.pop()
         rows = sum(rows_each)
         check_shape(t, rows, cols, names[0])
-        vw, sw = packed_words(t, rows, cols)
-        g = plan.add([vw, sw] if sw else [vw], names[0])
-        items.append((g, "matrix", names, rows, cols, t))
+        spans = row_parts(t, rows, cols, split_limit_words(plan), 1, names[0])
+        parts = []
+        for r0, r1 in spans:     # one span unless one storage buffer cannot hold the matrix
+            vw, sw = packed_words(t, r1 - r0, cols)
+            g = plan.add([vw, sw] if sw else [vw], names[0])
+            items.append((g, "matrix", names, (r0, r1), cols, t))
+            parts.append((r0, len(items) - 1))
+        if len(parts) > 1:
+            items.append((-1, "split", names, parts, cols, t))
         return len(items) - 1
 
     def vector(name: str, n: int) -> int:
@@ -231,6 +238,10 @@ def load_weights(mf: ModelFile, a: LlamaArgs, device, n_ctx: int) -> LlamaWeight
     arena = Arena(device, plan, "device", "weights")
     built: list[Matrix | Region] = []
     for g, kind, names, rows, cols, t in items:
+        if kind == "split":               # rows: [(first row, item of the part)], built before it
+            built.append(Matrix(t, sum(built[i].rows for _, i in rows), cols, None, None,
+                                tuple((r0, built[i]) for r0, i in rows)))
+            continue
         regs = arena.regions(g)
         if kind == "vector":
             v = mf.tensor(names[0])
@@ -239,6 +250,10 @@ def load_weights(mf: ModelFile, a: LlamaArgs, device, n_ctx: int) -> LlamaWeight
             built.append(regs[0])
             continue
         raw = np.concatenate([mf.tensor(n).raw for n in names]) if len(names) > 1 else mf.tensor(names[0]).raw
+        (r0, r1), rb = rows, row_bytes(t, cols)
+        rows = r1 - r0
+        if rows * rb != raw.nbytes:      # a part of a split matrix
+            raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)[r0 * rb:r1 * rb]
         values, scales = repack(t, raw, rows, cols)
         arena.write(regs[0], values)
         if scales is not None:

@@ -13,7 +13,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..arena import ALIGN_WORDS, Arena, ArenaPlan, packed_words
+from ..arena import Arena, ArenaPlan, packed_words, row_parts, split_limit_words
 from ..errors import VkEngineError
 from ..gguf_file import ModelFile, SafetensorsFolder
 from ..kernels import Matrix, Region
@@ -50,9 +50,6 @@ class DenseFfn:
 # one part on most devices; several when one layer's experts exceed the
 # device's storage-buffer range (lavapipe: 128 MiB), each part in its own range.
 ExpertParts = list[tuple[int, int, Matrix]]
-
-# Tests: split expert stacks larger than this many bytes (default: the device's range).
-EXPERT_PART_BYTES: int | None = None
 
 
 @dataclass
@@ -116,11 +113,26 @@ class _Planner:
         self.handles += [(len(self.jobs) - 1, i) for i in range(n)]
         return list(range(first, first + n))
 
-    def matrix_raw(self, type_: str, rows: int, cols: int, produce: Callable[[], np.ndarray], what: str) -> int:
-        check_shape(type_, rows, cols, what)
-        vw, sw = packed_words(type_, rows, cols)
+    def _part(self, type_: str, cols: int, produce: Callable[[], np.ndarray], r0: int, r1: int, what: str) -> int:
+        """A plain matrix of rows [r0, r1) of produce()'s rows."""
+        vw, sw = packed_words(type_, r1 - r0, cols)
         g = self.plan.add([vw, sw] if sw else [vw], what)
-        return self._job(g, "matrix", (type_, rows, cols, produce), 1)[0]
+        rb = row_bytes(type_, cols)
+
+        def part():
+            return np.ascontiguousarray(produce()).reshape(-1).view(np.uint8)[r0 * rb:r1 * rb]
+        return self._job(g, "matrix", (type_, r1 - r0, cols, part), 1)[0]
+
+    def matrix_raw(self, type_: str, rows: int, cols: int, produce: Callable[[], np.ndarray], what: str) -> int:
+        """A matrix; split by rows into parts when one storage buffer cannot hold it."""
+        check_shape(type_, rows, cols, what)
+        spans = row_parts(type_, rows, cols, split_limit_words(self.plan), 1, what)
+        if len(spans) == 1:
+            vw, sw = packed_words(type_, rows, cols)
+            g = self.plan.add([vw, sw] if sw else [vw], what)
+            return self._job(g, "matrix", (type_, rows, cols, produce), 1)[0]
+        parts = [(r0, self._part(type_, cols, produce, r0, r1, f"{what}[{r0}:{r1}]")) for r0, r1 in spans]
+        return self._job(-1, "split", (type_, rows, cols, parts), 1)[0]
 
     def experts(self, type_: str, E: int, rows_per_expert: int, cols: int, produce: Callable[[], np.ndarray],
                 what: str) -> list[tuple[int, int, int]]:
@@ -128,28 +140,12 @@ class _Planner:
         first expert, end expert) per part, as many experts per part as one
         storage buffer holds."""
         check_shape(type_, rows_per_expert, cols, what)
-        limit = self.plan.limit_words if EXPERT_PART_BYTES is None else min(self.plan.limit_words,
-                                                                            EXPERT_PART_BYTES // 4)
-
-        def words(n: int) -> int:
-            return sum(-(-w // ALIGN_WORDS) * ALIGN_WORDS for w in packed_words(type_, n * rows_per_expert, cols))
-        if words(E) <= limit:
-            return [(self.matrix_raw(type_, E * rows_per_expert, cols, produce, what), 0, E)]
-        per = max(n for n in range(1, E + 1) if words(n) <= limit or n == 1)
-        if words(per) > limit:
-            raise VkEngineError(f"{what}: one expert needs {words(1) * 4 / 2**20:.1f} MiB, more than this device's "
-                                f"storage-buffer limit ({limit * 4 / 2**20:.0f} MiB)")
-        rb = row_bytes(type_, cols)
-        parts = []
-        for lo in range(0, E, per):
-            hi = min(E, lo + per)
-
-            def part(lo=lo, hi=hi):
-                raw = np.ascontiguousarray(produce()).reshape(-1).view(np.uint8)
-                return raw[lo * rows_per_expert * rb:hi * rows_per_expert * rb]
-            parts.append((self.matrix_raw(type_, (hi - lo) * rows_per_expert, cols, part, f"{what}[{lo}:{hi}]"),
-                          lo, hi))
-        return parts
+        R = rows_per_expert
+        spans = row_parts(type_, E * R, cols, split_limit_words(self.plan), R, what)
+        if len(spans) == 1:
+            return [(self.matrix_raw(type_, E * R, cols, produce, what), 0, E)]
+        return [(self._part(type_, cols, produce, r0, r1, f"{what}[{r0 // R}:{r1 // R}]"), r0 // R, r1 // R)
+                for r0, r1 in spans]
 
     def matrix(self, names: list[str], rows_each: list[int], cols: int) -> int:
         types = set()
@@ -203,6 +199,11 @@ class _Planner:
         arena = Arena(device, self.plan, "device", "weights")
         built: list[list] = []
         for g, kind, payload in self.jobs:
+            if kind == "split":            # its parts were built before it
+                t, rows, cols, parts = payload
+                built.append([Matrix(t, rows, cols, None, None,
+                                     tuple((r0, built[self.handles[h][0]][self.handles[h][1]]) for r0, h in parts))])
+                continue
             regs = arena.regions(g)
             if kind == "vectors":
                 out = []
