@@ -244,11 +244,12 @@ def test_weights_split_across_buffers(device, qwen35_loaded, monkeypatch):
     _, whole = _engine(device, m)
     monkeypatch.setattr(arena, "SPLIT_BYTES", 4 * sum(packed_words("q8_0", 3 * 2 * a.n_ff_exp, a.n_embd)))
     _, split = _engine(device, m)
-    ffn = split.weights.layers[0].ffn
-    assert [(lo, hi) for lo, hi, _ in ffn.gate_up] == [(0, 3), (3, 6), (6, 8)] and len(ffn.down) > 1
+    ffn, R = split.weights.layers[0].ffn, 2 * a.n_ff_exp
+    assert [(r0 // R, (r0 + w.rows) // R) for r0, w in ffn.gate_up.parts] == [(0, 3), (3, 6), (6, 8)]
+    assert len(ffn.down.parts) > 1
     # every larger matrix is split by rows as well (embeddings, output head)
     assert len(split.weights.tok_embd.parts) > 1 and len(split.weights.output.parts) > 1
-    assert len(whole.weights.layers[0].ffn.gate_up) == 1
+    assert not whole.weights.layers[0].ffn.gate_up.parts
     for eng in (whole, split):
         eng.out = _prefill_logits(eng, ids)
         eng.dec = np.stack([eng.step([t], [len(ids) + i], [0], [0], "logits")[0] for i, t in enumerate(ids[:4])])

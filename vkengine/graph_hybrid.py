@@ -111,27 +111,20 @@ class HybridGraph(Graph):
         self.hk.moe_sort(self.p, self._r(route), self.s.stride(route), k, self._rows(route), n_expert,
                          self._r("elist"), self.s.stride("elist"), self._r("ecnt"))
 
-    def experts(self, parts: list[tuple[int, int, Matrix]], rows_per_expert: int, x: str, route: str, k: int,
-                out: str, per_slot_input: bool, batched_experts: int = 0) -> None:
+    def experts(self, w: Matrix, rows_per_expert: int, x: str, route: str, k: int, out: str,
+                per_slot_input: bool, batched_experts: int = 0) -> None:
         """out[r][i] = W[e_ri] @ x[r] (x shared by the k experts) or @ x[r][i].
-        parts: the stacked experts as (first, end, matrix), one dispatch per part
-        (a single part, the usual case, runs the plain kernels).
         batched_experts = E: expert-major over moe_sort's lists (prefill); 0: one
         matvec per pair (decode)."""
-        split = len(parts) > 1
-        for lo, hi, w in parts:
-            xs = w.cols if per_slot_input else 0
-            part = (lo, hi) if split else None
-            tag = f"[{lo}:{hi}]" if split else ""
-            if batched_experts:
-                self.hk.mul_mm_id(self.p, w, rows_per_expert, batched_experts, self._r(x), self.s.stride(x), xs,
-                                  self._r("elist"), self.s.stride("elist"), self._r("ecnt"), k, self._r(out),
-                                  self.s.stride(out), rows_per_expert, self._rows(x),
-                                  label=f"mul_mm_id {out}<-{x}{tag}", part=part)
-            else:
-                self.hk.mul_mat_id(self.p, w, rows_per_expert, self._r(x), self.s.stride(x), xs, self._r(route),
-                                   self.s.stride(route), k, self._r(out), self.s.stride(out), rows_per_expert,
-                                   self._rows(x), label=f"mul_mat_id {out}<-{x}{tag}", part=part)
+        xs = w.cols if per_slot_input else 0
+        if batched_experts:
+            self.hk.mul_mm_id(self.p, w, rows_per_expert, batched_experts, self._r(x), self.s.stride(x), xs,
+                              self._r("elist"), self.s.stride("elist"), self._r("ecnt"), k, self._r(out),
+                              self.s.stride(out), rows_per_expert, self._rows(x), label=f"mul_mm_id {out}<-{x}")
+        else:
+            self.hk.mul_mat_id(self.p, w, rows_per_expert, self._r(x), self.s.stride(x), xs, self._r(route),
+                               self.s.stride(route), k, self._r(out), self.s.stride(out), rows_per_expert,
+                               self._rows(x), label=f"mul_mat_id {out}<-{x}")
 
     def moe_combine(self, e: str, route: str, k: int, out: str) -> None:
         """out[r] += sum_i weight_ri * e[r][i]."""

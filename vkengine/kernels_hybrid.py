@@ -175,9 +175,15 @@ class HybridKernels(Kernels):
                    route: Region, route_stride: int, k: int, y: Region, y_stride: int, y_slot_stride: int,
                    n_rows: int, label: str = "", part: tuple[int, int] | None = None) -> None:
         """y[r][i] = W[e_ri] @ x[r][i] (x_slot_stride 0: x[r] for every i), one
-        matvec per pair: decode-sized steps. W holds E*M rows (M per expert);
-        part = (e_lo, e_hi): W holds only those experts (a stack split across
-        buffers) and the pairs routed to others are left to their parts."""
+        matvec per pair: decode-sized steps. W holds E*M rows (M per expert).
+        A stack split across buffers (W.parts of whole experts): one dispatch per
+        part, with part = (e_lo, e_hi) of the experts it holds; the pairs routed
+        to other experts are left to their parts."""
+        if w.parts:
+            for r0, pw in w.parts:
+                self.mul_mat_id(prog, pw, M, x, x_stride, x_slot_stride, route, route_stride, k, y, y_stride,
+                                y_slot_stride, n_rows, label, (r0 // M, (r0 + pw.rows) // M))
+            return
         act = self._same_buffer(x, route, y)
         self._check_id(w, M, x, x_stride, x_slot_stride)
         variant = f"mul_mv_id_{w.type}" if part is None else f"mul_mv_idp_{w.type}"
@@ -207,7 +213,12 @@ class HybridKernels(Kernels):
                   n_rows: int, label: str = "", part: tuple[int, int] | None = None) -> None:
         """The same products as mul_mat_id, expert-major over moe_sort's lists: each
         dequantized weight unit serves up to 8 pairs of its expert (prefill).
-        part = (e_lo, e_hi): W holds only those experts (see mul_mat_id)."""
+        A split stack: one dispatch per part, as mul_mat_id."""
+        if w.parts:
+            for r0, pw in w.parts:
+                self.mul_mm_id(prog, pw, M, E, x, x_stride, x_slot_stride, lst, list_stride, cnt, k, y, y_stride,
+                               y_slot_stride, n_rows, label, (r0 // M, (r0 + pw.rows) // M))
+            return
         act = self._same_buffer(x, lst, cnt, y)
         self._check_id(w, M, x, x_stride, x_slot_stride)
         variant = f"mul_mm_id_{w.type}" if part is None else f"mul_mm_idp_{w.type}"

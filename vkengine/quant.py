@@ -56,6 +56,13 @@ def row_bytes(name: str, cols: int) -> int:
     return cols // n * b
 
 
+def row_slice(raw: np.ndarray, name: str, cols: int, r0: int, r1: int) -> np.ndarray:
+    """GGUF bytes of rows [r0, r1) of a (rows, cols) tensor's bytes (a part of a
+    matrix split across storage buffers)."""
+    rb = row_bytes(name, cols)
+    return np.ascontiguousarray(raw).reshape(-1).view(np.uint8)[r0 * rb:r1 * rb]
+
+
 def check_shape(name: str, rows: int, cols: int, what: str = "tensor") -> None:
     from shaders.variants import UNIT_VALUES
     n, _ = block_shape(name)

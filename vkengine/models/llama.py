@@ -18,7 +18,7 @@ from ..errors import VkEngineError
 from ..gguf_file import ModelFile, SafetensorsFolder
 from ..graph import Graph
 from ..kernels import Matrix, Region
-from ..quant import check_shape, repack, row_bytes
+from ..quant import check_shape, repack, row_slice
 from ..rope import rope_table
 
 ARCH = "llama"
@@ -177,7 +177,8 @@ def load_weights(mf: ModelFile, a: LlamaArgs, device, n_ctx: int) -> LlamaWeight
     D, F, hd = a.n_embd, a.n_ff, a.head_dim
     tied = not mf.has("output.weight")
     plan = ArenaPlan(device.max_buffer_bytes // 4)
-    # group, kind, names, rows (a part: (first, end); split: [(first row, part item)]), cols, type
+    # group, kind (vector | matrix | part | split), names, rows (matrix, part: (first, end); split:
+    # [(first row, part item)]), cols, type
     items: list[tuple] = []
 
     def matrix(names: list[str], rows_each: list[int], cols: int) -> int:
@@ -192,7 +193,7 @@ def load_weights(mf: ModelFile, a: LlamaArgs, device, n_ctx: int) -> LlamaWeight
         for r0, r1 in spans:     # one span unless one storage buffer cannot hold the matrix
             vw, sw = packed_words(t, r1 - r0, cols)
             g = plan.add([vw, sw] if sw else [vw], names[0])
-            items.append((g, "matrix", names, (r0, r1), cols, t))
+            items.append((g, "matrix" if len(spans) == 1 else "part", names, (r0, r1), cols, t))
             parts.append((r0, len(items) - 1))
         if len(parts) > 1:
             items.append((-1, "split", names, parts, cols, t))
@@ -250,15 +251,14 @@ def load_weights(mf: ModelFile, a: LlamaArgs, device, n_ctx: int) -> LlamaWeight
             built.append(regs[0])
             continue
         raw = np.concatenate([mf.tensor(n).raw for n in names]) if len(names) > 1 else mf.tensor(names[0]).raw
-        (r0, r1), rb = rows, row_bytes(t, cols)
-        rows = r1 - r0
-        if rows * rb != raw.nbytes:      # a part of a split matrix
-            raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)[r0 * rb:r1 * rb]
-        values, scales = repack(t, raw, rows, cols)
+        r0, r1 = rows
+        if kind == "part":               # rows [r0, r1) of a matrix split across buffers
+            raw = row_slice(raw, t, cols, r0, r1)
+        values, scales = repack(t, raw, r1 - r0, cols)
         arena.write(regs[0], values)
         if scales is not None:
             arena.write(regs[1], scales)
-        built.append(Matrix(t, rows, cols, regs[0], regs[1] if scales is not None else None))
+        built.append(Matrix(t, r1 - r0, cols, regs[0], regs[1] if scales is not None else None))
     rope = arena.regions(g_rope)[0]
     arena.write(rope, table)
 

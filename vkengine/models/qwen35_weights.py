@@ -17,7 +17,7 @@ from ..arena import Arena, ArenaPlan, packed_words, row_parts, split_limit_words
 from ..errors import VkEngineError
 from ..gguf_file import ModelFile, SafetensorsFolder
 from ..kernels import Matrix, Region
-from ..quant import check_shape, dequantize, repack, row_bytes
+from ..quant import check_shape, dequantize, repack, row_bytes, row_slice
 from ..rope import rope_table
 from .qwen35_args import MTP_BLOCK, PLUS_ONE_NORMS
 
@@ -46,18 +46,12 @@ class DenseFfn:
     down: Matrix
 
 
-# A layer's stacked experts as (first expert, end expert, matrix of their rows):
-# one part on most devices; several when one layer's experts exceed the
-# device's storage-buffer range (lavapipe: 128 MiB), each part in its own range.
-ExpertParts = list[tuple[int, int, Matrix]]
-
-
 @dataclass
 class MoeFfn:
     router: Matrix | None                # E x D (None in the fixed-expert mode)
     router_f32: Region | None            # E x D f32 (fixed-expert mode)
-    gate_up: ExpertParts                 # E*(2*n_ff_exp) x D, per expert [gate | up]
-    down: ExpertParts                    # E*D x n_ff_exp
+    gate_up: Matrix                      # E*(2*n_ff_exp) x D, per expert [gate | up]
+    down: Matrix                         # E*D x n_ff_exp
     sh_gate_up: list[tuple[Matrix, int]]
     sh_down: Matrix
     sh_gate: Matrix                      # 1 x D
@@ -113,39 +107,21 @@ class _Planner:
         self.handles += [(len(self.jobs) - 1, i) for i in range(n)]
         return list(range(first, first + n))
 
-    def _part(self, type_: str, cols: int, produce: Callable[[], np.ndarray], r0: int, r1: int, what: str) -> int:
-        """A plain matrix of rows [r0, r1) of produce()'s rows."""
-        vw, sw = packed_words(type_, r1 - r0, cols)
-        g = self.plan.add([vw, sw] if sw else [vw], what)
-        rb = row_bytes(type_, cols)
-
-        def part():
-            return np.ascontiguousarray(produce()).reshape(-1).view(np.uint8)[r0 * rb:r1 * rb]
-        return self._job(g, "matrix", (type_, r1 - r0, cols, part), 1)[0]
-
-    def matrix_raw(self, type_: str, rows: int, cols: int, produce: Callable[[], np.ndarray], what: str) -> int:
-        """A matrix; split by rows into parts when one storage buffer cannot hold it."""
+    def matrix_raw(self, type_: str, rows: int, cols: int, produce: Callable[[], np.ndarray], what: str,
+                   unit: int = 1) -> int:
+        """A matrix; split by rows into parts of whole `unit`s of rows (an expert's
+        rows in a stack of experts) when one storage buffer cannot hold it."""
         check_shape(type_, rows, cols, what)
-        spans = row_parts(type_, rows, cols, split_limit_words(self.plan), 1, what)
-        if len(spans) == 1:
-            vw, sw = packed_words(type_, rows, cols)
-            g = self.plan.add([vw, sw] if sw else [vw], what)
-            return self._job(g, "matrix", (type_, rows, cols, produce), 1)[0]
-        parts = [(r0, self._part(type_, cols, produce, r0, r1, f"{what}[{r0}:{r1}]")) for r0, r1 in spans]
+        spans = row_parts(type_, rows, cols, split_limit_words(self.plan), unit, what)
+        parts = []
+        for r0, r1 in spans:
+            vw, sw = packed_words(type_, r1 - r0, cols)
+            g = self.plan.add([vw, sw] if sw else [vw], what if len(spans) == 1 else f"{what}[{r0}:{r1}]")
+            rows_of = produce if len(spans) == 1 else (lambda r0=r0, r1=r1: row_slice(produce(), type_, cols, r0, r1))
+            parts.append((r0, self._job(g, "matrix", (type_, r1 - r0, cols, rows_of), 1)[0]))
+        if len(parts) == 1:
+            return parts[0][1]
         return self._job(-1, "split", (type_, rows, cols, parts), 1)[0]
-
-    def experts(self, type_: str, E: int, rows_per_expert: int, cols: int, produce: Callable[[], np.ndarray],
-                what: str) -> list[tuple[int, int, int]]:
-        """A stack of E experts' matrices (rows_per_expert rows each): (handle,
-        first expert, end expert) per part, as many experts per part as one
-        storage buffer holds."""
-        check_shape(type_, rows_per_expert, cols, what)
-        R = rows_per_expert
-        spans = row_parts(type_, E * R, cols, split_limit_words(self.plan), R, what)
-        if len(spans) == 1:
-            return [(self.matrix_raw(type_, E * R, cols, produce, what), 0, E)]
-        return [(self._part(type_, cols, produce, r0, r1, f"{what}[{r0 // R}:{r1 // R}]"), r0 // R, r1 // R)
-                for r0, r1 in spans]
 
     def matrix(self, names: list[str], rows_each: list[int], cols: int) -> int:
         types = set()
@@ -246,12 +222,12 @@ def _expert_raw(p: _Planner, prefix: str, which: str, E: int, rows: int, cols: i
     return types.pop(), lambda: np.concatenate([mf.tensor(n).raw for n in names])
 
 
-def _gate_up_experts(p: _Planner, prefix: str, E: int, F: int, D: int) -> list[tuple[int, int, int]]:
+def _gate_up_experts(p: _Planner, prefix: str, E: int, F: int, D: int) -> int:
     """E x (2F) x D, per expert [gate | up] (GGUF ffn_gate_up_exps has this layout)."""
     mf = p.mf
     if mf.has(f"{prefix}ffn_gate_up_exps.weight"):
         t, produce = _expert_raw(p, prefix, "gate_up", E, 2 * F, D)
-        return p.experts(t, E, 2 * F, D, produce, f"{prefix}ffn_gate_up_exps")
+        return p.matrix_raw(t, E * 2 * F, D, produce, f"{prefix}ffn_gate_up_exps", unit=2 * F)
     tg, pg = _expert_raw(p, prefix, "gate", E, F, D)
     tu, pu = _expert_raw(p, prefix, "up", E, F, D)
     t = tg if tg == tu else "f32"
@@ -263,7 +239,7 @@ def _gate_up_experts(p: _Planner, prefix: str, E: int, F: int, D: int) -> list[t
         g = dequantize(tg, pg(), E * F, D).reshape(E, F, D)
         u = dequantize(tu, pu(), E * F, D).reshape(E, F, D)
         return np.ascontiguousarray(np.concatenate([g, u], axis=1)).view(np.uint8).reshape(-1)
-    return p.experts(t, E, 2 * F, D, produce, f"{prefix}ffn_gate_up_exps")
+    return p.matrix_raw(t, E * 2 * F, D, produce, f"{prefix}ffn_gate_up_exps", unit=2 * F)
 
 
 def _plan_layer(p: _Planner, a, prefix: str, kind: str, qk_norms: list) -> dict:
@@ -298,7 +274,7 @@ def _plan_layer(p: _Planner, a, prefix: str, kind: str, qk_norms: list) -> dict:
             L["router"] = p.matrix([prefix + "ffn_gate_inp.weight"], [E], D)
         L["gate_up_exps"] = _gate_up_experts(p, prefix, E, F, D)
         td, pd = _expert_raw(p, prefix, "down", E, D, F)
-        L["down_exps"] = p.experts(td, E, D, F, pd, prefix + "ffn_down_exps")
+        L["down_exps"] = p.matrix_raw(td, E * D, F, pd, prefix + "ffn_down_exps", unit=D)
         L["sh_gate_up"] = p.fused([prefix + "ffn_gate_shexp.weight", prefix + "ffn_up_shexp.weight"], [Fs, Fs], D)
         L["sh_down"] = p.matrix([prefix + "ffn_down_shexp.weight"], [D], Fs)
         L["sh_gate"] = p.vector(prefix + "ffn_gate_inp_shexp.weight", D)
@@ -311,9 +287,6 @@ def _plan_layer(p: _Planner, a, prefix: str, kind: str, qk_norms: list) -> dict:
 def _build_layer(L: dict, b: list, norms: list[tuple[Region, Region]], D: int) -> Layer:
     def pairs(x):
         return [(b[h], c) for h, c in x]
-
-    def parts(x):
-        return [(lo, hi, b[h]) for h, lo, hi in x]
     if L["kind"] == "linear":
         mixer = LinearAttn(pairs(L["lin_in"]), b[L["conv"]], b[L["a"]], b[L["dt"]], b[L["norm"]], b[L["out"]])
     else:
@@ -322,7 +295,7 @@ def _build_layer(L: dict, b: list, norms: list[tuple[Region, Region]], D: int) -
     if "gate_up_exps" in L:
         sg = b[L["sh_gate"]]
         ffn = MoeFfn(b[L["router"]] if "router" in L else None, b[L["router_f32"]] if "router_f32" in L else None,
-                     parts(L["gate_up_exps"]), parts(L["down_exps"]), pairs(L["sh_gate_up"]), b[L["sh_down"]],
+                     b[L["gate_up_exps"]], b[L["down_exps"]], pairs(L["sh_gate_up"]), b[L["sh_down"]],
                      Matrix("f32", 1, D, sg))
     else:
         ffn = DenseFfn(pairs(L["gate_up"]), b[L["down"]])
