@@ -35,6 +35,14 @@ layout(push_constant) uniform P {
 
 #include "quant.glsl"
 
+#ifndef BFLY
+#define BFLY 0
+#endif
+#if BFLY
+#extension GL_KHR_shader_subgroup_shuffle : require
+#define NV (RPS * NCOLS)
+#define LOG2NV (NV >= 32 ? 5u : NV >= 16 ? 4u : NV >= 8 ? 3u : NV >= 4 ? 2u : NV >= 2 ? 1u : 0u)
+#endif
 #if KSPLIT
 #define LANE gl_LocalInvocationID.x
 #define FIRST_ROW rows.x
@@ -89,6 +97,34 @@ void main() {
                 }
             }
         }
+#if KSPLIT && BFLY
+        // reduce-scatter across the subgroup: at each of the first log2(RPS *
+        // NCOLS) steps a lane keeps half of its sums and adds its partner's
+        // half (1 shuffle per kept sum, against 5 per sum for subgroupAdd), then
+        // the remaining lane bits are summed; every sum follows the same tree
+        // (lane masks S/2, S/4, ..., 1) whatever RPS and NCOLS are, so a row's
+        // result does not depend on the variant
+        {
+            float vals[NV];
+            [[unroll]] for (uint rr = 0; rr < RPS; rr++)
+                [[unroll]] for (uint c = 0; c < NCOLS; c++) vals[rr * NCOLS + c] = acc[rr][c];
+            uint lane = gl_SubgroupInvocationID, j = 0u;
+            [[unroll]] for (uint st = 0; st < LOG2NV; st++) {
+                const uint hv = NV >> (st + 1u);
+                uint m = gl_SubgroupSize >> (st + 1u);
+                bool up = (lane & m) != 0u;
+                if (up) j += hv;
+                [[unroll]] for (uint i = 0; i < hv; i++) {
+                    float keep = up ? vals[hv + i] : vals[i];
+                    float send = up ? vals[i] : vals[hv + i];
+                    vals[i] = keep + subgroupShuffleXor(send, m);
+                }
+            }
+            float s = vals[0];
+            for (uint m = gl_SubgroupSize >> (LOG2NV + 1u); m > 0u; m >>= 1) s += subgroupShuffleXor(s, m);
+            if ((lane & ((gl_SubgroupSize >> LOG2NV) - 1u)) == 0u) red[gl_SubgroupID][j] = s;
+        }
+#else
         [[unroll]] for (uint rr = 0; rr < RPS; rr++) {
             [[unroll]] for (uint c = 0; c < NCOLS; c++) {
                 float s = subgroupAdd(acc[rr][c]);
@@ -103,6 +139,7 @@ void main() {
 #endif
             }
         }
+#endif
 #if KSPLIT
         barrier();
         uint i = gl_LocalInvocationID.x;

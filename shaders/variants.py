@@ -37,10 +37,17 @@ MATMUL_COLS = 8
 # workgroup; units in flight per lane by column count. Every variant sums a
 # row in the same order, so a row's result does not depend on its batch.
 MM_GPU_COLS = (2, 4, 8)
-MV_GPU_UNROLL = {1: 2, 2: 2, 4: 2, 8: 1}
+MV_GPU_UNROLL = {1: 2, 2: 2, 4: 1, 8: 1}
 # weight rows per workgroup by column count: more columns read more x per
 # weight unit, so more rows share each x load
 MV_GPU_ROWS = {1: MV_ROWS, 2: MV_ROWS, 4: 4, 8: 4}
+# The "b" variants (mul_mvkb, mul_mmb{2,4,8}) reduce a subgroup's RPS x NCOLS
+# sums with a butterfly reduce-scatter (1 shuffle per kept sum) instead of a
+# subgroupAdd per sum (5 shuffles each at 32 lanes); they need a lane for every
+# sum, so devices whose subgroups are fixed at >= MV_BFLY_LANES lanes use them
+# (NVIDIA). Measured on the H200 (bench/mv_tune.py): the 4-column matvec
+# 10-40% faster on a 1B model's shapes, the 1-column one 0-8%.
+MV_BFLY_LANES = max(MV_GPU_ROWS[c] * c for c in (1, *MM_GPU_COLS))
 
 # Invocation tile (weight rows, tokens) of the shared-memory matmul (mul_mt):
 # a workgroup of 16 x 16 invocations computes (16 TM) x (16 TN) outputs.
@@ -56,11 +63,12 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
         d = {f"WT_{wt.upper()}": 1}
         t[f"mul_mv_{wt}"] = ("mul_mv.comp", {**d, "NCOLS": 1, "UNROLL": 1, "RPS": SG_ROWS})
         t[f"mul_mm_{wt}"] = ("mul_mv.comp", {**d, "NCOLS": MATMUL_COLS, "UNROLL": 1, "RPS": SG_ROWS})
-        t[f"mul_mvk_{wt}"] = ("mul_mv.comp", {**d, "NCOLS": 1, "UNROLL": MV_GPU_UNROLL[1],
-                                               "RPS": MV_GPU_ROWS[1], "KSPLIT": 1})
-        for nc in MM_GPU_COLS:
-            t[f"mul_mm{nc}_{wt}"] = ("mul_mv.comp", {**d, "NCOLS": nc, "UNROLL": MV_GPU_UNROLL[nc],
-                                                     "RPS": MV_GPU_ROWS[nc], "KSPLIT": 1})
+        for bf, tag in ((0, ""), (1, "b")):
+            t[f"mul_mvk{tag}_{wt}"] = ("mul_mv.comp", {**d, "NCOLS": 1, "UNROLL": MV_GPU_UNROLL[1],
+                                                       "RPS": MV_GPU_ROWS[1], "KSPLIT": 1, "BFLY": bf})
+            for nc in MM_GPU_COLS:
+                t[f"mul_mm{tag}{nc}_{wt}"] = ("mul_mv.comp", {**d, "NCOLS": nc, "UNROLL": MV_GPU_UNROLL[nc],
+                                                             "RPS": MV_GPU_ROWS[nc], "KSPLIT": 1, "BFLY": bf})
         t[f"mul_mt_{wt}"] = ("mul_mt.comp", {**d, "TM": TILE[0], "TN": TILE[1]})
         t[f"mul_mt64_{wt}"] = ("mul_mt.comp", {**d, "TM": TILE_SMALL[0], "TN": TILE_SMALL[1]})
         t[f"get_rows_{wt}"] = ("get_rows.comp", d)

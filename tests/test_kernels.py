@@ -150,12 +150,20 @@ def column_kernels(device):
     return kn
 
 
+@pytest.mark.parametrize("reduce", ["subgroupAdd", "butterfly"])
 @pytest.mark.parametrize("wt", ["f32", "f16", "q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q6_k"])
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 8, 13])
-def test_mul_mat_columns_equal_single_rows(device, column_kernels, ws, rng, wt, n):
+def test_mul_mat_columns_equal_single_rows(device, column_kernels, ws, rng, wt, n, reduce):
     """Batched decode on GPUs: each column of the 2/4/8-column split-K variants
     is right and is bit for bit what the split-K matvec gives that row alone, so
-    a sequence's tokens do not depend on which others share its step."""
+    a sequence's tokens do not depend on which others share its step. Both
+    reductions (the butterfly needs a lane per sum: on lavapipe's 8 lanes only
+    the 1- and 2-column variants can run it)."""
+    from shaders.variants import MM_GPU_COLS, MV_GPU_ROWS
+    column_kernels.bfly = reduce == "butterfly"
+    ncols = next((c for c in MM_GPU_COLS if c >= n), MM_GPU_COLS[-1])
+    if column_kernels.bfly and MV_GPU_ROWS[ncols] * ncols > device.info.subgroup_size:
+        n = 2                                  # the widest variant this device can reduce so
     M, K = 37, _cols(wt)
     raw, w = random_quantized(wt, M, K, rng)
     mat = upload_matrix(ws, wt, raw, M, K)

@@ -14,7 +14,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from shaders.variants import MATMUL_COLS, MM_GPU_COLS, MV_GPU_ROWS, SG_ROWS, TILE, TILE_SMALL, UNIT_VALUES
+from shaders.variants import (MATMUL_COLS, MM_GPU_COLS, MV_BFLY_LANES, MV_GPU_ROWS, SG_ROWS, TILE, TILE_SMALL,
+                              UNIT_VALUES)
 
 from . import shaders
 from .device import Buffer, Device, Program
@@ -105,6 +106,10 @@ class Kernels:
         # time), which keeps more loads in flight than a subgroup per row group;
         # lavapipe keeps the subgroup kernels (mul_mv, mul_mm): barrier() is slow there
         self.split_k = device.info.type != "cpu"
+        # their butterfly-reduced twins where every subgroup has a lane for each
+        # of a workgroup's sums (both the 1- and the n-column variants, so that
+        # a row sums in one order batched or alone)
+        self.bfly = device.info.subgroups_fixed and self.sg >= MV_BFLY_LANES
         # tiled matmuls whose 128 x 128 grid has fewer workgroups than this use
         # 64 x 64 tiles (4x the workgroups; a GPU has ~100 compute units)
         self.small_tiles_below = 256
@@ -153,7 +158,8 @@ class Kernels:
             single = n < self.multi_column_from
             if self.split_k:
                 ncols = 1 if single else next((c for c in MM_GPU_COLS if c >= n), MM_GPU_COLS[-1])
-                variant = f"mul_mvk_{w.type}" if single else f"mul_mm{ncols}_{w.type}"
+                tag = "b" if self.bfly else ""
+                variant = f"mul_mvk{tag}_{w.type}" if single else f"mul_mm{tag}{ncols}_{w.type}"
                 rows_per_wg = MV_GPU_ROWS[ncols]           # the workgroup shares its rows' K
             elif single:
                 variant, ncols, rows_per_wg = f"mul_mv_{w.type}", 1, self.items * SG_ROWS

@@ -15,6 +15,7 @@
 #   bench   bench/bench.py: ours vs llama-bench on synthetic models (BENCH_MODELS=none: only BENCH_QWEN)
 #   parity  parity run against llama-server's Vulkan build on synthetic llama/qwen35/qwen35moe
 #   serve-bench  bench/serve.py: C = 1, 4, 16 streaming clients, ours vs llama-server
+#   cmd     run $GPU_CMD (e.g. python3 bench/mv_tune.py --out $OUT/mv-tune.json)
 #   qwen35  the hybrid models' tests, and tests/gpu/hf_oracle_qwen35.py (transformers as oracle)
 # Everything the GPU machine lacks travels in .vk/: the Vulkan loader and the
 # GL vendor-neutral libraries that NVIDIA's Vulkan ICD (libGLX_nvidia) needs, libfmt,
@@ -112,7 +113,7 @@ run_stage() {
         f=$(synth_model "$spec") && files=${files:+$files,}$f
       done
       python3 bench/bench.py --out "$OUT/bench" --tokenizer-from "$VKENGINE_TOKENIZER_GGUF" \
-        ${BENCH_MODELS:+--models ${BENCH_MODELS#none}} ${files:+--files $files} ${lb:+--llama-bench $lb} \
+        ${BENCH_MODELS:+--models=${BENCH_MODELS#none}} ${files:+--files $files} ${lb:+--llama-bench $lb} \
         -r "${BENCH_REPS:-3}" ${BENCH_PARALLEL:+--parallel $BENCH_PARALLEL} --llama-label "llama.cpp 11434 Vulkan (int dot + coopmat)" 2>&1 | tee "$OUT/bench.log" | tail -20
       ;;
     parity)
@@ -142,6 +143,10 @@ run_stage() {
           --configs "$cfg" --llama-server /tmp/llb/bin/llama-server --llama-args="-ngl 99" \
           --json "$OUT/serve-c$C.json" 2>&1 | tee -a "$OUT/serve-bench.log" | tail -8
       done
+      ;;
+    cmd)
+      # any command in this environment (GPU_CMD), e.g. a tuning script
+      eval "${GPU_CMD:?set GPU_CMD}" 2>&1 | tee -a "$OUT/cmd.log"
       ;;
     *) echo "unknown stage $s"; return 2 ;;
   esac
