@@ -81,10 +81,12 @@ class Seq:
     cache_hit: int = 0               # prompt positions reused from the prefix cache
     preempted: int = 0               # times parked to make room
     cancelled: bool = False
+    inflight: int = 0                # positions in steps scheduled and not yet postprocessed
 
     @property
     def pending(self) -> int:
-        return len(self.tokens) - self.n_cached
+        """Positions that no step has taken yet."""
+        return len(self.tokens) - self.n_cached - self.inflight
 
 
 @dataclass
@@ -211,6 +213,7 @@ class Scheduler:
         """The batch ran: its rows now have KV."""
         for w in batch.work:
             w.seq.n_cached += len(w.tokens)
+            w.seq.inflight -= len(w.tokens)
         for seq in {id(w.seq): w.seq for w in batch.work}.values():
             seq.turn += 1
 
@@ -236,7 +239,8 @@ class Scheduler:
                 return True
             # slices: a newcomer's prefill starts at once, but never cuts into another's prefill
             return newcomer and self.cfg.newcomer_first and s.turn >= 1 and s.pending <= 1
-        cands = [s for s in self.live if s.slot is not None and over(s)]
+        # a sequence with a row on the device stays: its parked copy would miss that row
+        cands = [s for s in self.live if s.slot is not None and s.inflight == 0 and over(s)]
         return max(cands, key=lambda s: (s.turn, -s.ready), default=None)
 
     def _park(self, seq: Seq) -> int:
@@ -342,12 +346,32 @@ class Scheduler:
                     todo.remove(s)
                 if budget == 0:
                     break
-        work = [Work(s, s.n_cached, s.tokens[s.n_cached:], True) for s in decoding]
+        work = [Work(s, s.n_cached + s.inflight, s.tokens[s.n_cached + s.inflight:], True) for s in decoding]
         for s in prefilling:
-            n, start = rows[id(s)], s.n_cached
+            n, start = rows[id(s)], s.n_cached + s.inflight
             if n:
                 work.append(Work(s, start, s.tokens[start:start + n], start + n == len(s.tokens)))
+        for w in work:
+            w.seq.inflight += len(w.tokens)
         return Batch(work) if work else None
+
+    def chain(self, batch: Batch, done) -> Batch | None:
+        """The decode step that follows `batch` (still on the device) for its
+        output sequences, before their tokens are known: one row each at the
+        next position, whose token the device takes from `batch`'s greedy output
+        (Work.tokens is [None] until the runner learns it). `done(seq)` says
+        that the token `batch` is producing is certainly the sequence's last
+        (token budget, context): such sequences are left out. None when nothing
+        can follow (a row of `batch` is a prompt chunk, or none would run)."""
+        if any(not w.output or len(w.tokens) != 1 for w in batch.work):
+            return None
+        work = [Work(w.seq, w.start + 1, [None], True) for w in batch.work
+                if w.seq.state == LIVE and not w.seq.cancelled and w.seq.slot is not None and not done(w.seq)]
+        if not work:
+            return None
+        for w in work:
+            w.seq.inflight += 1
+        return Batch(work)
 
     def _next_tick(self) -> int:
         self._tick += 1

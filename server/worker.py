@@ -134,7 +134,10 @@ class Worker:
         self._active = 0                  # submitted and not finished (live + waiting)
         self._accepting = True
         self._deadline: float | None = None
-        self._inflight: tuple | None = None   # (batch, output seqs, readback, submit time) on the device
+        # steps on the device, oldest first: (batch, output seqs, readback, submit time, chained)
+        self._inflight: deque[tuple] = deque()
+        self.chain = engine.can_chain        # chain greedy decode steps (see run_once)
+        self.chained_steps = 0
         self._finish_after: list[Seq] = []    # failed while their row was on the device
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -197,7 +200,7 @@ class Worker:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._inbox and self.sched.idle and self._inflight is None and not self._stopping:
+                while not self._inbox and self.sched.idle and not self._inflight and not self._stopping:
                     self._cv.wait()
                 stopping = self._stopping
             if stopping:
@@ -218,53 +221,112 @@ class Worker:
         """Let a step still on the device finish (its results are dropped: every
         sequence is cancelled next)."""
         self._finish_after.clear()
-        if self._inflight is not None:
-            self._inflight = None
+        while self._inflight:
+            batch = self._inflight.popleft()[0]
             try:
                 self.eng.collect()
             except Exception:
                 log.exception("engine step failed")
+            self.sched.postprocess(batch)
 
     def run_once(self) -> bool:
-        """One turn of the pipeline: collect the step on the device (its tokens
-        are chosen and appended at once), then drain the inbox, compose and
-        submit the next step, and only then do the per-token host work of the
-        collected step (detokenizing, stop strings, events, metrics) while the
-        GPU runs. A token that ends its sequence (end of turn, token budget,
+        """One turn of the pipeline: collect the oldest step on the device (its
+        tokens are chosen and appended at once), then drain the inbox, compose
+        and submit the next step, and only then do the per-token host work of
+        the collected step (detokenizing, stop strings, events, metrics) while
+        the GPU runs. A token that ends its sequence (end of turn, token budget,
         context) and any token of a request with stop strings is delivered
         before the next step is composed, so a finished sequence never enters
-        it. False when there was nothing to run."""
+        it.
+
+        Chaining: when the step on the device is greedy decode of running
+        sequences only and nobody waits to be admitted, the step after it is
+        submitted before this one is collected, reading its tokens from the
+        device's greedy output, so the GPU goes from step to step without
+        waiting for the host. A sequence whose token turns out to end it had a
+        row in that next step: the row is computed and dropped (its KV row lies
+        past what the slot records). False when there was nothing to run."""
         late: list[tuple[Job, int, Event, float]] = []
-        ran = self._inflight is not None
+        ran = bool(self._inflight)
         if ran:
-            batch, outs, readback, t0 = self._inflight
-            self._inflight = None
+            if len(self._inflight) == 1:
+                self._chain()
+            batch, outs, readback, t0, _ = self._inflight.popleft()
             res = self.eng.collect()
             now = time.perf_counter()
             if self.metrics:
-                self.metrics.step(len(batch.tokens), now - t0)
+                self.metrics.step(sum(len(w.tokens) for w in batch.work), now - t0)
             self.sched.postprocess(batch)
             for seq in self._finish_after:
-                self.sched.finish(seq)
-            self._finish_after.clear()
+                if not any(w.seq is seq for b in self._inflight for w in b[0].work):
+                    self.sched.finish(seq)
+            self._finish_after = [q for q in self._finish_after if q.state != "finished"]
             for seq, r in zip(outs, res if res is not None else ()):
                 self._guard(seq, self._take, seq.data, r, readback, now, late)
+            if self._inflight and self._inflight[0][4]:    # the chained step now knows its tokens
+                for w in self._inflight[0][0].work:
+                    if w.tokens == [None] and len(w.seq.tokens) > w.start:
+                        w.tokens = [w.seq.tokens[w.start]]
         self._drain_inbox()
         if self._deadline is not None and time.monotonic() >= self._deadline:
             for job, tok, ev, now in late:      # what was generated still reaches its client
                 self._guard(job.seq, self._deliver, job, tok, ev, now)
             late = []
             self._cancel_all("the server is shutting down")
-        batch = self.sched.schedule()
+        batch = None
+        if len(self._inflight) < 2 and not (self._inflight and self._inflight[-1][2] == "logits"):
+            batch = self.sched.schedule()
         if batch is not None:
             outs = batch.out_seqs
             readback = "logits" if any(s.data.needs_logits for s in outs) else "argmax"
+            if readback == "logits" and self._inflight:
+                # a logits readback runs alone: let the step on the device finish first
+                self._settle_one(late)
             self.eng.submit(batch.tokens, batch.positions, batch.slots, batch.out_rows, readback)
-            self._inflight = (batch, outs, readback, time.perf_counter())
+            self._inflight.append((batch, outs, readback, time.perf_counter(), False))
         for job, tok, ev, now in late:
             self._guard(job.seq, self._deliver, job, tok, ev, now)
         self._publish()
         return ran or batch is not None
+
+    def _chain(self) -> None:
+        """Submit the decode step that follows the one in flight, if it may (run_once)."""
+        batch, outs, readback, _, _ = self._inflight[0]
+        if not self.chain or readback != "argmax" or self._inbox or \
+                (self.sched.waiting and len(self.sched.live) < self.cfg.max_live):
+            return
+
+        def done(seq: Seq) -> bool:       # the token in flight is certainly its last
+            job = seq.data
+            made = len(seq.tokens) - seq.n_prompt + 1
+            return job.done or made >= job.req.max_tokens or len(seq.tokens) >= self.eng.n_ctx
+        nxt = self.sched.chain(batch, done)
+        if nxt is None:
+            return
+        index = {id(s): j for j, s in enumerate(outs)}
+        chain = [index[id(w.seq)] for w in nxt.work]
+        n = len(nxt.work)
+        self.eng.submit([0] * n, nxt.positions, nxt.slots, list(range(n)), "argmax", chain=chain)
+        self._inflight.append((nxt, nxt.out_seqs, "argmax", time.perf_counter(), True))
+        self.chained_steps += 1
+
+    def _settle_one(self, late: list) -> None:
+        """Collect the step in flight before a step that must run alone; its
+        tokens are taken and delivered as run_once would, after the tokens
+        still waiting in `late` (so each stream keeps its order)."""
+        for job, tok, ev, t in late:
+            self._guard(job.seq, self._deliver, job, tok, ev, t)
+        late.clear()
+        batch, outs, readback, t0, _ = self._inflight.popleft()
+        res = self.eng.collect()
+        now = time.perf_counter()
+        if self.metrics:
+            self.metrics.step(sum(len(w.tokens) for w in batch.work), now - t0)
+        self.sched.postprocess(batch)
+        for seq, r in zip(outs, res if res is not None else ()):
+            self._guard(seq, self._take, seq.data, r, readback, now, late)
+        for job, tok, ev, t in late:
+            self._guard(job.seq, self._deliver, job, tok, ev, t)
 
     def _guard(self, seq: Seq, fn, *args) -> None:
         """One request's sampling or detokenizing failed: fail it alone, the others run on."""
@@ -275,7 +337,7 @@ class Worker:
             job = seq.data
             if not job.done:
                 self._end(job, "error", "", error="internal error in this request (see the server log)")
-            if self._inflight is not None and any(w.seq is seq for w in self._inflight[0].work):
+            if any(w.seq is seq for b in self._inflight for w in b[0].work):
                 self._finish_after.append(seq)  # its row is on the device: free the slot once that step is in
             else:
                 self.sched.finish(seq)
@@ -283,7 +345,7 @@ class Worker:
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:
         """Tests: run steps on the calling thread until every request is done."""
         for _ in range(max_steps):
-            if not self.run_once() and self.sched.idle and not self._inbox and self._inflight is None:
+            if not self.run_once() and self.sched.idle and not self._inbox and not self._inflight:
                 return
         raise RuntimeError("requests did not finish")
 

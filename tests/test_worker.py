@@ -83,6 +83,9 @@ def test_interleaved_equals_alone(device, tiny_model, ref_engine, mode, sampling
         assert job.finish == "length" and job.n_generated == r.max_tokens
     if mode == "batch-preempt" or mode.startswith("slices"):
         assert w.sched.stats["preemptions"] > 0
+    if sampling == "greedy":     # greedy decode steps ran chained (submitted before the previous one was read)
+        assert w.chained_steps > 0
+    print(f"{mode}/{sampling}: {w.chained_steps} chained steps")
 
 
 @pytest.mark.parametrize("mode", ["slices-q4", "batch"])
@@ -129,3 +132,42 @@ def test_n_probs_report_the_distribution(device, tiny_model):
         lps = [lp for _, lp in e.top]
         assert lps == sorted(lps, reverse=True) and all(lp <= 0 for lp in lps)
         assert math.isclose(e.logprob, lps[0])
+
+
+def test_chained_steps_equal_plain_steps(device, tiny_model):
+    """Engine.submit(chain=...): a step whose tokens are the greedy outputs of the
+    step still on the device (rows in any order) gives the tokens that plain
+    steps give; two steps in flight at once, collected in order."""
+    tok = tiny_model.tokenizer
+    eng = Engine(tiny_model, device, EngineConfig(n_slots=2, n_ctx=CTX, max_batch=16, max_out=2))
+    prompts = [tok.encode(TEXTS[0]), tok.encode(TEXTS[1])]
+
+    def start():
+        return [int(eng.prefill(p, slot)) for slot, p in enumerate(prompts)], [len(p) for p in prompts]
+
+    (a, b), (pa, pb) = start()
+    plain = [(a, b)]
+    for i in range(4):
+        a, b = (int(t) for t in eng.step([a, b], [pa + i, pb + i], [0, 1], [0, 1]))
+        plain.append((a, b))
+
+    (a, b), (pa, pb) = start()
+    got = [(a, b)]
+    eng.submit([a, b], [pa, pb], [0, 1], [0, 1])                               # rows: slot 0, slot 1
+    eng.submit([0, 0], [pb + 1, pa + 1], [1, 0], [0, 1], chain=[1, 0])        # rows: slot 1, slot 0
+    assert eng.in_flight == 2
+    with pytest.raises(RuntimeError):
+        eng.submit([0, 0], [pa + 2, pb + 2], [0, 1], [0, 1], chain=[1, 0])
+    r = eng.collect()
+    got.append((int(r[0]), int(r[1])))
+    eng.submit([0, 0], [pa + 2, pb + 2], [0, 1], [0, 1], chain=[1, 0])        # back to slot 0, slot 1
+    r = eng.collect()
+    got.append((int(r[1]), int(r[0])))
+    eng.submit([0], [pa + 3], [0], [0], chain=[0])                             # slot 0 alone
+    r = eng.collect()
+    got.append((int(r[0]), int(r[1])))
+    r = eng.collect()
+    assert eng.in_flight == 0
+    assert got == plain[:4] and int(r[0]) == plain[4][0]
+    with pytest.raises(RuntimeError):
+        eng.submit([0], [pa + 4], [0], [0], chain=[0])                         # nothing in flight to chain from

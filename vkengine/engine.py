@@ -10,8 +10,9 @@ chunks, decode steps and mixed batches of several sequences are all steps.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
@@ -74,11 +75,16 @@ class Engine:
                                 "device at once (--parallel, --slots)") from e
         self.scratch = Scratch(device.buffer(words * 4, "device", "scratch"), widths, max_rows, self.max_out)
         self.layout = ParamsLayout(max_rows, self.max_out)
-        self.params = device.buffer(self.layout.words * 4, "host", "params")
+        # two host params buffers, used in turn, so that a step can be written
+        # and submitted while the previous one still runs (chained steps)
+        self._params = [device.buffer(self.layout.words * 4, "host", f"params-{i}") for i in range(2)]
+        self.params = self._params[0]
+        self._next_params = 0
         self.params_dev = device.buffer(self.layout.words * 4, "device", "params-dev")
         self.logits_host = device.buffer(self.max_out * a.n_vocab * 4, "host", "logits")
         self._programs: OrderedDict[tuple, object] = OrderedDict()
-        self._inflight: tuple | None = None     # (program, readback, n_out) between submit() and collect()
+        # steps submitted and not yet collected, oldest first: (program, readback, n_out, params buffer)
+        self._inflight: deque[tuple] = deque()
 
     def _check_memory(self, scratch_bytes: int) -> None:
         """Refuse, before allocating anything, a configuration whose weights, KV
@@ -124,29 +130,42 @@ class Engine:
     def n_vocab(self) -> int:
         return self.args.n_vocab
 
-    def _program(self, n: int, n_out: int, readback: str):
-        key = (n, n_out, readback)
+    def _program(self, n: int, n_out: int, readback: str, buf: int = 0, chain: tuple[int, ...] = ()):
+        key = (n, n_out, readback, buf, chain)
         prog = self._programs.get(key)
         if prog is not None:
             self._programs.move_to_end(key)
             return prog
-        prog = self._record(n, n_out, readback)
+        prog = self._record(n, n_out, readback, buf=buf, chain=chain)
         self._programs[key] = prog
         if len(self._programs) > self.cfg.program_cache:
             self._programs.popitem(last=False)
         return prog
 
-    def _record(self, n: int, n_out: int, readback: str, timestamps: bool = False):
+    def _record(self, n: int, n_out: int, readback: str, timestamps: bool = False, buf: int = 0,
+                chain: tuple[int, ...] = ()):
         pl = self.layout
+        params = self._params[buf]
         prog = self.device.program(timestamps)
-        prog.copy(self.params, self.params_dev, 0, 0, pl.argmax * 4, "params")
+        prog.copy(params, self.params_dev, 0, 0, pl.argmax * 4, "params")
+        # chained step: row i's token is output j = chain[i] of the step before it,
+        # whose greedy tokens are still in the device's params (runs of consecutive
+        # rows copied at once)
+        i = 0
+        while i < len(chain):
+            k = i + 1
+            while k < len(chain) and chain[k] == chain[k - 1] + 1:
+                k += 1
+            prog.copy(self.params_dev, self.params_dev, (pl.argmax + chain[i]) * 4, (pl.tokens + i) * 4,
+                      (k - i) * 4, "chain")
+            i = k
         graph_cls = getattr(self.arch, "GRAPH", Graph)   # an architecture may need more ops
         g = graph_cls(self.kernels, prog, self.scratch, self.params_dev, pl, self.kv, n, n_out,
                       self.weights.rope, self.args.rms_eps)
         self.arch.forward(g, self.args, self.weights)
         if n_out and readback == "argmax":
             g.argmax("out_logits")
-            prog.copy(self.params_dev, self.params, pl.argmax * 4, pl.argmax * 4, n_out * 4, "argmax")
+            prog.copy(self.params_dev, params, pl.argmax * 4, pl.argmax * 4, n_out * 4, "argmax")
         elif n_out and readback == "logits":
             r = self.scratch.region("out_logits")
             stride = self.scratch.stride("out_logits")
@@ -191,13 +210,35 @@ class Engine:
         self.submit(tokens, positions, slots, out_rows, readback)
         return self.collect()
 
-    def submit(self, tokens, positions, slots, out_rows=(), readback: str = "argmax") -> None:
+    @property
+    def can_chain(self) -> bool:
+        """Whether a server may chain decode steps (submit(chain=...)): a chained
+        row of a sequence that has just ended still runs, which a KV cache
+        ignores (the row lies past what the slot records) but a recurrent state
+        would absorb."""
+        return getattr(self.kv, "rewindable", True)
+
+    @property
+    def in_flight(self) -> int:
+        """Steps submitted and not yet collected (0, 1 or 2)."""
+        return len(self._inflight)
+
+    def submit(self, tokens, positions, slots, out_rows=(), readback: str = "argmax",
+               chain: Sequence[int] | None = None) -> None:
         """The first half of step(): check, write the params, start the step on
         the device and return at once, so that the caller's host work (a server
         delivering the previous step's text) overlaps the GPU's; collect()
-        waits and returns the step's readback. One step at a time."""
-        if self._inflight is not None:
-            raise RuntimeError("a step is already in flight: collect() it first")
+        waits and returns the steps' readbacks in submission order.
+
+        A second step may be submitted while one is in flight (neither reading
+        logits back), so the GPU goes from one to the next without waiting for
+        the host. chain[i] = j makes row i's token the greedy token of output
+        row j of the step in flight (tokens[i] is then ignored): the next decode
+        step of running sequences can start before their tokens reach the host."""
+        if len(self._inflight) >= 2:
+            raise RuntimeError("two steps are already in flight: collect() one first")
+        if self._inflight and (self._inflight[-1][1] == "logits" or readback == "logits"):
+            raise RuntimeError("a step that reads logits back runs alone: collect() the step in flight first")
         n, n_out = len(tokens), len(out_rows)
         if not 0 < n <= self.max_batch:
             raise VkEngineError(f"a step takes 1..{self.max_batch} tokens, got {n}")
@@ -208,6 +249,15 @@ class Engine:
         tok = np.asarray(tokens, np.int64)
         pos = np.asarray(positions, np.int64)
         slt = np.asarray(slots, np.int64)
+        chain_key: tuple[int, ...] = ()
+        if chain is not None:
+            prev = self._inflight[-1] if self._inflight else None
+            if prev is None or prev[1] != "argmax":
+                raise RuntimeError("a chained step needs a step in flight that reads greedy tokens back")
+            chain_key = tuple(int(j) for j in chain)
+            if len(chain_key) != n or min(chain_key) < 0 or max(chain_key) >= prev[2]:
+                raise ValueError(f"chain must give, for each of the {n} rows, an output row of the step in flight")
+            tok = np.zeros(n, np.int64)
         if tok.min() < 0 or tok.max() >= self.n_vocab:
             raise VkEngineError(f"token id out of range 0..{self.n_vocab - 1}")
         if pos.min() < 0 or pos.max() >= self.n_ctx:
@@ -220,24 +270,25 @@ class Engine:
         begin_step = getattr(self.kv, "begin_step", None)   # recurrent state: checks and bookkeeping
         if begin_step is not None:
             begin_step(pos, slt)
-        pl, prm = self.layout, self.params.array()
+        buf = self._next_params
+        self._next_params ^= 1
+        pl, prm = self.layout, self._params[buf].array()
         prm[pl.tokens:pl.tokens + n] = tok
         prm[pl.positions:pl.positions + n] = pos
         prm[pl.slots:pl.slots + n] = slt
         prm[pl.out_rows:pl.out_rows + n_out] = outs
         mode = readback if n_out else "none"
-        prog = self._program(n, n_out, mode)
+        prog = self._program(n, n_out, mode, buf, chain_key)
         prog.submit()
-        self._inflight = (prog, mode, n_out)
+        self._inflight.append((prog, mode, n_out, buf))
 
     def collect(self) -> np.ndarray | None:
-        """Wait for the step submit() started; its readback as step() returns it."""
-        if self._inflight is None:
+        """Wait for the oldest step in flight; its readback as step() returns it."""
+        if not self._inflight:
             raise RuntimeError("no step in flight")
-        prog, mode, n_out = self._inflight
-        self._inflight = None
+        prog, mode, n_out, buf = self._inflight.popleft()
         prog.wait()
-        pl, prm = self.layout, self.params.array()
+        pl, prm = self.layout, self._params[buf].array()
         if mode == "argmax":
             return prm[pl.argmax:pl.argmax + n_out].astype(np.int64)
         if mode == "logits":

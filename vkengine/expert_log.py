@@ -17,6 +17,8 @@ from .engine import Engine
 
 
 class RecordingEngine(Engine):
+    can_chain = False     # one step at a time: each collect() reads that step's choices
+
     def __init__(self, *args, log: TextIO, **kwargs):
         super().__init__(*args, **kwargs)
         self.log = log
