@@ -171,3 +171,17 @@ def test_chained_steps_equal_plain_steps(device, tiny_model):
     assert got == plain[:4] and int(r[0]) == plain[4][0]
     with pytest.raises(RuntimeError):
         eng.submit([0], [pa + 4], [0], [0], chain=[0])                         # nothing in flight to chain from
+
+
+def test_bench_decode_chains_the_same_tokens(device, tiny_model):
+    """vkengine bench's decode loop (chained steps) generates what plain steps do."""
+    from vkengine.bench import decode
+    eng = Engine(tiny_model, device, EngineConfig(n_slots=3, n_ctx=CTX, max_batch=16, max_out=3))
+    start = [5, 500, 5000]
+    toks, plain = list(start), []
+    for pos in range(6):
+        toks = [int(t) for t in eng.step(toks, [pos] * 3, [0, 1, 2], [0, 1, 2])]
+        plain.append(toks)
+    assert eng.can_chain
+    assert decode(eng, list(start), 6) == plain
+    assert eng.in_flight == 0

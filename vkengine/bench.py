@@ -3,7 +3,9 @@ llama-bench: pp = one prompt of n tokens from an empty context, tg = n tokens
 generated one at a time from an empty context; median of `reps` runs.
 Batched decode (`--parallel B`): B sequences in B slots decode n tokens
 together, one step of B rows per token, as the server's batch mode does;
-reported as aggregate tok/s (B * n / time)."""
+reported as aggregate tok/s (B * n / time). Decode steps are chained as the
+server chains greedy decode (`decode`): the next step is on the device before
+the host reads the last one's tokens."""
 from __future__ import annotations
 
 import statistics
@@ -31,15 +33,36 @@ def run_bench(eng: Engine, n_prompt: int, n_gen: int, reps: int = 3, seed: int =
         out["pp_tps"] = n_prompt / out["pp_s"]
     if n_gen:
         tok = int(rng.integers(0, V))
-        eng.step([tok], [0], [0], [0])            # warm-up
+        decode(eng, [tok], 2)                     # warm-up: record the programs
         times = []
         for _ in range(reps):
             t = time.perf_counter()
-            for pos in range(n_gen):
-                tok = int(eng.step([tok], [pos], [0], [0])[0])
+            decode(eng, [tok], n_gen)
             times.append(time.perf_counter() - t)
         out["tg_s"] = statistics.median(times)
         out["tg_tps"] = n_gen / out["tg_s"]
+    return out
+
+
+def decode(eng: Engine, toks: list[int], n_gen: int) -> list[list[int]]:
+    """Greedy decode of len(toks) sequences in slots 0.. from position 0, one
+    step of all rows per token, each step's tokens the previous step's greedy
+    outputs: as the server runs greedy decode, each step is submitted chained
+    to the one before it (Engine.submit(chain=...)) before that one is read
+    back, where the engine allows it. Returns each step's tokens."""
+    n = len(toks)
+    slots = rows = list(range(n))
+    out = []
+    if not eng.can_chain:
+        for pos in range(n_gen):
+            toks = eng.step(toks, [pos] * n, slots, rows).tolist()
+            out.append(toks)
+        return out
+    eng.submit(toks, [0] * n, slots, rows)
+    for pos in range(1, n_gen):
+        eng.submit(toks, [pos] * n, slots, rows, chain=rows)
+        out.append(eng.collect().tolist())
+    out.append(eng.collect().tolist())
     return out
 
 
@@ -49,13 +72,11 @@ def run_batched(eng: Engine, n_seq: int, n_gen: int, reps: int = 3, seed: int = 
         raise ValueError(f"{n_seq} sequences need {n_seq} slots, the engine has {eng.n_slots}")
     rng = np.random.default_rng(seed)
     toks = rng.integers(0, eng.n_vocab, n_seq).tolist()
-    slots, rows = list(range(n_seq)), list(range(n_seq))
-    eng.step(toks, [0] * n_seq, slots, rows)     # warm-up: record the program
+    decode(eng, toks, 2)                          # warm-up: record the programs
     times = []
     for _ in range(reps):
         t = time.perf_counter()
-        for pos in range(n_gen):
-            toks = eng.step(toks, [pos] * n_seq, slots, rows).tolist()
+        decode(eng, toks, n_gen)
         times.append(time.perf_counter() - t)
     s = statistics.median(times)
     return {"n_seq": n_seq, "n_gen": n_gen, "step_ms": 1000 * s / n_gen, "tps": n_seq * n_gen / s}
