@@ -43,6 +43,8 @@ class KVMover(Protocol):
     def restore(self, handle: Any, slot: int, length: int) -> None: ...  # rows [0, length) of a handle -> slot
     def copy(self, src: int, dst: int, length: int) -> None: ...   # rows [0, length) slot -> slot
     def release(self, handle: Any) -> None: ...                  # the handle's host buffer is free again
+    # optional: reusable(("slot", i) | ("host", handle), n) -> how many of a source's first n
+    # positions a newcomer may take (n for a KV cache; a recurrent state only at its own length)
 
 
 @dataclass(frozen=True)
@@ -277,26 +279,27 @@ class Scheduler:
     def _reuse_prefix(self, seq: Seq, free: list[int]) -> int:
         """Pick a free slot for a newcomer and bring in the longest cached prefix of its prompt."""
         limit = len(seq.tokens) - 1 if seq.use_cache else 0    # the last prompt token must run
-        own = {i: min(common_prefix(self.slot_tokens[i], seq.tokens), limit) for i in free}
+        usable = getattr(self.kv, "reusable", lambda source, n: n)
+        own = {i: usable(("slot", i), min(common_prefix(self.slot_tokens[i], seq.tokens), limit)) for i in free}
         dst = max(free, key=lambda i: (own[i], not self.slot_tokens[i], -self.slot_used[i]))
         best, source, entry = own[dst], None, None
         if limit >= self.cfg.min_prefix:
             for i, o in enumerate(self.owner):
                 if o is not None:
-                    n = min(common_prefix(o.tokens[:o.n_cached], seq.tokens), limit)
+                    n = usable(("slot", i), min(common_prefix(o.tokens[:o.n_cached], seq.tokens), limit))
                     if n > best and n >= self.cfg.min_prefix:
                         best, source = n, ("slot", i)
                 elif i != dst:
-                    n = min(common_prefix(self.slot_tokens[i], seq.tokens), limit)
+                    n = usable(("slot", i), min(common_prefix(self.slot_tokens[i], seq.tokens), limit))
                     if n > best and n >= self.cfg.min_prefix:
                         best, source = n, ("slot", i)
             for s in self.live:
                 if s.parked is not None:
-                    n = min(common_prefix(s.tokens[:s.n_cached], seq.tokens), limit)
+                    n = usable(("host", s.parked), min(common_prefix(s.tokens[:s.n_cached], seq.tokens), limit))
                     if n > best and n >= self.cfg.min_prefix:
                         best, source = n, ("host", s.parked)
             for e in self.host:
-                n = min(common_prefix(e.tokens, seq.tokens), limit)
+                n = usable(("host", e.handle), min(common_prefix(e.tokens, seq.tokens), limit))
                 if n > best and n >= self.cfg.min_prefix:
                     best, source, entry = n, ("host", e.handle), e
         if entry is not None and source[1] is entry.handle:

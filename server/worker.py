@@ -103,6 +103,18 @@ class EngineKV:
     def restore(self, handle, slot: int, length: int) -> None:
         self.eng.kv.restore(handle, slot, length)
 
+    def reusable(self, source: tuple, length: int) -> int:
+        """How many of the first `length` positions of a prefix source (("slot", i)
+        or ("host", handle)) can be reused: all of them for a KV cache; for a
+        hybrid model's state only `length` itself, and only where the recurrent
+        state covers exactly that many positions (it cannot be cut shorter)."""
+        kv = self.eng.kv
+        if not hasattr(kv, "reusable_prefix"):
+            return length
+        if source[0] == "slot":
+            return kv.reusable_prefix(source[1], length)
+        return kv.reusable_parked(source[1], length)
+
     def copy(self, src: int, dst: int, length: int) -> None:
         self.eng.kv.copy_prefix(src, dst, length)
 

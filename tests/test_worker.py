@@ -14,6 +14,7 @@ from vkengine.generate import generate
 from vkengine.sampling import SamplingParams
 
 from .serving import CTX, tiny_gguf, tiny_model  # noqa: F401  (fixtures)
+from .test_models_qwen35 import qwen35_loaded, qwen35_models  # noqa: F401  (fixtures)
 
 N_TOKENS = (24, 9, 17, 30)
 TEXTS = ("The history of the city begins", "Once upon a time",
@@ -185,3 +186,56 @@ def test_bench_decode_chains_the_same_tokens(device, tiny_model):
     assert eng.can_chain
     assert decode(eng, list(start), 6) == plain
     assert eng.in_flight == 0
+
+
+@pytest.mark.parametrize("mode", ["slices-q4", "batch", "batch-preempt"])
+@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
+def test_hybrid_interleaved_equals_alone(device, qwen35_loaded, arch, mode):
+    """The hybrid models' per-sequence state (KV rows of the attention layers,
+    conv and recurrent state of the linear ones) is batched, parked, restored
+    and prefix-cached like a KV cache: four interleaved sequences (greedy and
+    sampled, some sharing a system prompt) get the tokens of each alone."""
+    model = qwen35_loaded(arch)
+    tok = model.tokenizer
+    ref = Engine(model, device, EngineConfig(n_slots=1, n_ctx=CTX, max_batch=64, max_out=1))
+    texts = [TEXTS[0], SYSTEM + TEXTS[1], SYSTEM + TEXTS[2], TEXTS[3]]
+    reqs = [GenRequest(tok.encode(t), n, sp, ignore_eos=True)
+            for t, n, sp in zip(texts, (12, 7, 10, 9), SAMPLING["sampled"])]
+    got, w = run_interleaved(device, model, CONFIGS[mode], reqs + [reqs[2]], gap=4)
+    for r, (toks, text, job) in zip(reqs + [reqs[2]], got):
+        want_toks, want_text = alone(ref, r.prompt, r.max_tokens, r.sampling)
+        assert toks == want_toks
+        assert text == want_text
+    if mode != "batch":
+        assert w.sched.stats["preemptions"] > 0
+
+
+@pytest.mark.parametrize("mode", ["slices-q4", "batch"])
+def test_hybrid_next_turn_reuses_the_state(device, qwen35_loaded, mode):
+    """A hybrid's recurrent state cannot be cut shorter, so a prefix is reused
+    only at the length the state covers: the next turn of a conversation (the
+    last prompt, its reply, new text) continues from the finished sequence's
+    state instead of prefilling again, with the tokens it gets alone."""
+    model = qwen35_loaded("qwen35")
+    tok = model.tokenizer
+    ref = Engine(model, device, EngineConfig(n_slots=1, n_ctx=CTX, max_batch=64, max_out=1))
+    cfg = CONFIGS[mode]
+    eng = Engine(model, device, EngineConfig(n_slots=cfg.n_slots, n_ctx=CTX, max_batch=cfg.step_tokens,
+                                             max_out=cfg.n_slots))
+    w = Worker(eng, cfg)
+    first = GenRequest(tok.encode(SYSTEM + TEXTS[1]), 6, ignore_eos=True)
+    evs: list[Event] = []
+    w.submit(first, evs.append)
+    w.run_until_idle()
+    reply = [e.token for e in evs if e.token is not None]
+    second = GenRequest(first.prompt + reply + tok.encode(" Tell me more."), 6, ignore_eos=True)
+    evs2: list[Event] = []
+    job = w.submit(second, evs2.append)
+    w.run_until_idle()
+    assert [e.token for e in evs2 if e.token is not None] == alone(ref, second.prompt, 6, SamplingParams())[0]
+    assert job.seq.cache_hit == len(first.prompt) + len(reply) - 1     # all but the reply's last token
+    # the same prompt again: the finished state covers more than the common prefix, so nothing is reused
+    evs3: list[Event] = []
+    job = w.submit(first, evs3.append)
+    w.run_until_idle()
+    assert [e.token for e in evs3 if e.token is not None] == reply and job.seq.cache_hit == 0

@@ -220,6 +220,11 @@ class HybridState(KVCache):
         """How many of the first `length` positions of src_slot copy_prefix can reuse."""
         return length if self.length[src_slot] == length else 0
 
+    @staticmethod
+    def reusable_parked(parked: Parked, length: int) -> int:
+        """How many of the first `length` positions of a parked sequence restore can reuse."""
+        return length if getattr(parked, "state_length", -1) == length <= parked.length else 0
+
     def commit_snapshot(self, slot: int, row: int, length: int) -> None:
         """Roll slot's recurrent state back to the snapshot of row `row` of the last
         snapshot step (which then covers `length` positions)."""
@@ -249,7 +254,16 @@ class HybridState(KVCache):
         p.run()
         return HybridParked(length, into, int(self.length[slot]))
 
-    def restore(self, parked: Parked, slot: int) -> None:
+    def restore(self, parked: Parked, slot: int, length: int | None = None) -> None:
+        """Bring a parked sequence back into a slot: all of it (KV rows and the
+        recurrent state), or (length < parked.length, a prefix-cache hit) only
+        KV rows [0, length), which leaves the slot's recurrent state unknown
+        unless the parked state covers exactly `length` positions (the
+        scheduler asks `reusable_parked` first)."""
+        if length is not None and length != parked.length:
+            super().restore(parked, slot, length)
+            self.length[slot] = -1
+            return
         p = self.device.program()
         off = 0
         ranges = list(self._slot_ranges(slot, 0, parked.length))
