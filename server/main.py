@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 
 import uvicorn
 
@@ -70,6 +71,9 @@ def build(args):
     if eng.max_batch < cfg.step_tokens:
         raise VkEngineError(f"--step-tokens {cfg.step_tokens} does not fit the device's buffers; "
                             f"use at most {eng.max_batch}")
+    t0 = time.perf_counter()
+    n_rec = eng.prepare_decode(n_slots)
+    log.info("recorded %d decode steps ahead in %.2f s", n_rec, time.perf_counter() - t0)
     metrics = Metrics(n_slots, cfg.max_live)
     worker = Worker(eng, cfg, metrics)
     st = ServerState(worker=worker, model=model, n_ctx=eng.n_ctx, metrics=metrics, max_tokens=args.max_tokens,

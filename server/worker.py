@@ -150,6 +150,7 @@ class Worker:
         self._inflight: deque[tuple] = deque()
         self.chain = engine.can_chain        # chain greedy decode steps (see run_once)
         self.chained_steps = 0
+        self.settled_steps = 0               # chained steps collected early for a step that runs alone
         self._finish_after: list[Seq] = []    # failed while their row was on the device
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -263,22 +264,7 @@ class Worker:
         if ran:
             if len(self._inflight) == 1:
                 self._chain()
-            batch, outs, readback, t0, _ = self._inflight.popleft()
-            res = self.eng.collect()
-            now = time.perf_counter()
-            if self.metrics:
-                self.metrics.step(sum(len(w.tokens) for w in batch.work), now - t0)
-            self.sched.postprocess(batch)
-            for seq in self._finish_after:
-                if not any(w.seq is seq for b in self._inflight for w in b[0].work):
-                    self.sched.finish(seq)
-            self._finish_after = [q for q in self._finish_after if q.state != "finished"]
-            for seq, r in zip(outs, res if res is not None else ()):
-                self._guard(seq, self._take, seq.data, r, readback, now, late)
-            if self._inflight and self._inflight[0][4]:    # the chained step now knows its tokens
-                for w in self._inflight[0][0].work:
-                    if w.tokens == [None] and len(w.seq.tokens) > w.start:
-                        w.tokens = [w.seq.tokens[w.start]]
+            self._collect_oldest(late)
         self._drain_inbox()
         if self._deadline is not None and time.monotonic() >= self._deadline:
             for job, tok, ev, now in late:      # what was generated still reaches its client
@@ -322,23 +308,36 @@ class Worker:
         self._inflight.append((nxt, nxt.out_seqs, "argmax", time.perf_counter(), True))
         self.chained_steps += 1
 
-    def _settle_one(self, late: list) -> None:
-        """Collect the step in flight before a step that must run alone; its
-        tokens are taken and delivered as run_once would, after the tokens
-        still waiting in `late` (so each stream keeps its order)."""
-        for job, tok, ev, t in late:
-            self._guard(job.seq, self._deliver, job, tok, ev, t)
-        late.clear()
+    def _collect_oldest(self, late: list) -> None:
+        """Wait for the oldest step on the device, account for its rows, and
+        choose and append its tokens (those that may end a sequence are
+        delivered at once, the others queued in `late`)."""
         batch, outs, readback, t0, _ = self._inflight.popleft()
         res = self.eng.collect()
         now = time.perf_counter()
         if self.metrics:
             self.metrics.step(sum(len(w.tokens) for w in batch.work), now - t0)
         self.sched.postprocess(batch)
+        for seq in self._finish_after:
+            if not any(w.seq is seq for b in self._inflight for w in b[0].work):
+                self.sched.finish(seq)
+        self._finish_after = [q for q in self._finish_after if q.state != "finished"]
         for seq, r in zip(outs, res if res is not None else ()):
             self._guard(seq, self._take, seq.data, r, readback, now, late)
+        if self._inflight and self._inflight[0][4]:    # the chained step now knows its tokens
+            for w in self._inflight[0][0].work:
+                if w.tokens == [None] and len(w.seq.tokens) > w.start:
+                    w.tokens = [w.seq.tokens[w.start]]
+
+    def _settle_one(self, late: list) -> None:
+        """Collect the step in flight before a step that must run alone. The
+        tokens already waiting in `late` are delivered first, the new ones join
+        `late` (so each stream keeps its order; the caller delivers them)."""
         for job, tok, ev, t in late:
             self._guard(job.seq, self._deliver, job, tok, ev, t)
+        late.clear()
+        self._collect_oldest(late)
+        self.settled_steps += 1
 
     def _guard(self, seq: Seq, fn, *args) -> None:
         """One request's sampling or detokenizing failed: fail it alone, the others run on."""

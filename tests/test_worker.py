@@ -239,3 +239,25 @@ def test_hybrid_next_turn_reuses_the_state(device, qwen35_loaded, mode):
     job = w.submit(first, evs3.append)
     w.run_until_idle()
     assert [e.token for e in evs3 if e.token is not None] == reply and job.seq.cache_hit == 0
+
+
+def test_logits_step_waits_for_the_chained_one(device, tiny_model, ref_engine):
+    """Two greedy streams run chained while a request that needs logits
+    (sampling) waits for a place; when one stream ends, the newcomer's step
+    (logits, which runs alone) waits for the chained step on the device: every
+    stream keeps its tokens, in order, once each."""
+    from server.scheduler import SchedulerConfig
+    tok = tiny_model.tokenizer
+    cfg = SchedulerConfig(n_slots=2, max_live=2, step_tokens=16, quantum=64)
+    eng = Engine(tiny_model, device, EngineConfig(n_slots=2, n_ctx=CTX, max_batch=16, max_out=2))
+    w = Worker(eng, cfg)
+    reqs = [GenRequest(tok.encode(TEXTS[0]), 20, ignore_eos=True),
+            GenRequest(tok.encode(TEXTS[3]), 6, ignore_eos=True),
+            GenRequest(tok.encode(TEXTS[1]), 8, SamplingParams(temperature=0.9, seed=5), ignore_eos=True)]
+    events: list[list[Event]] = [[], [], []]
+    for r, evs in zip(reqs, events):
+        w.submit(r, evs.append)
+    w.run_until_idle()
+    assert w.chained_steps > 0 and w.settled_steps > 0
+    for r, evs in zip(reqs, events):
+        assert [e.token for e in evs if e.token is not None] == alone(ref_engine, r.prompt, r.max_tokens, r.sampling)[0]

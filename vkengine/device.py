@@ -244,6 +244,11 @@ class Program:
     def n_dispatches(self) -> int:
         return sum(op.kind == "dispatch" for op in self.ops)
 
+    def prepare(self) -> None:
+        """Record the command sequence now rather than on first use."""
+        if self._seq is None:
+            self._record()
+
     def run(self) -> None:
         """Submit the program and wait for it (records it on first use)."""
         if self._seq is None:

@@ -36,7 +36,7 @@ class EngineConfig:
     n_ctx: int | None = None  # positions per slot (default: min(training context, 4096))
     max_batch: int = 256      # token rows per step (prefill chunk size)
     max_out: int = 16         # rows whose logits one step can produce
-    program_cache: int = 64   # recorded steps kept (LRU)
+    program_cache: int = 160  # recorded steps kept (LRU)
 
 
 class Engine:
@@ -141,6 +141,24 @@ class Engine:
         if len(self._programs) > self.cfg.program_cache:
             self._programs.popitem(last=False)
         return prog
+
+    def prepare_decode(self, max_rows: int) -> int:
+        """Record ahead the decode steps a server runs (1..max_rows sequences, one
+        row each, greedy, plain and chained, with either params buffer), so that
+        no stream waits for a recording when others join or leave. Returns the
+        number of programs recorded."""
+        n_rec = 0
+        # four programs per row count; keep them within half the program cache
+        for n in range(1, min(max_rows, self.max_out, self.max_batch, self.cfg.program_cache // 8) + 1):
+            for buf in (0, 1):
+                for chain in ((), tuple(range(n)) if self.can_chain else None):
+                    if chain is None:
+                        continue
+                    key = (n, n, "argmax", buf, chain)
+                    if key not in self._programs:
+                        self._program(n, n, "argmax", buf, chain).prepare()
+                        n_rec += 1
+        return n_rec
 
     def _record(self, n: int, n_out: int, readback: str, timestamps: bool = False, buf: int = 0,
                 chain: tuple[int, ...] = ()):
