@@ -145,9 +145,16 @@ class Engine:
     def prepare_decode(self, max_rows: int) -> int:
         """Record ahead the decode steps a server runs (1..max_rows sequences, one
         row each, greedy, plain and chained, with either params buffer), so that
-        no stream waits for a recording when others join or leave. Returns the
-        number of programs recorded."""
+        no stream waits for a recording when others join or leave, and a prompt
+        step of 9 and of max_batch rows, which creates the pipelines of the
+        8-column and the tiled matmuls (drivers compile a pipeline on creation:
+        tens of milliseconds each, otherwise paid by the first requests).
+        Returns the number of programs recorded."""
         n_rec = 0
+        for n in sorted({min(9, self.max_batch), self.max_batch}):
+            if (n, 1, "argmax", 0, ()) not in self._programs:
+                self._program(n, 1, "argmax", 0, ()).prepare()
+                n_rec += 1
         # four programs per row count; keep them within half the program cache
         for n in range(1, min(max_rows, self.max_out, self.max_batch, self.cfg.program_cache // 8) + 1):
             for buf in (0, 1):
