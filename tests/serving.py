@@ -11,9 +11,9 @@ CTX = 512
 
 
 @pytest.fixture(scope="session")
-def tiny_gguf(tmp_path_factory):
+def tiny_gguf(tmp_path_factory, tokenizer_source):
     out = synth_llama(config_for("tiny", None), "q8_0", 0, tmp_path_factory.mktemp("tiny"), "tiny",
-                      formats=("gguf",), workers=1)
+                      formats=("gguf",), workers=1, tokenizer_from=tokenizer_source)
     return out["gguf"]
 
 
