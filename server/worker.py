@@ -17,7 +17,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -26,7 +26,7 @@ from vkengine.errors import VkEngineError
 from vkengine.generate import OutputStream
 from vkengine.sampling import Sampler, SamplingParams
 
-from .scheduler import Scheduler, SchedulerConfig, Seq
+from .scheduler import Batch, Scheduler, SchedulerConfig, Seq
 
 log = logging.getLogger("vkengine.server")
 
@@ -79,6 +79,15 @@ class Job:
     @property
     def needs_logits(self) -> bool:
         return self.req.sampling.needs_logits or self.req.n_probs > 0
+
+
+class Step(NamedTuple):
+    """A step on the device, as the engine thread tracks it."""
+    batch: Batch
+    outs: list[Seq]               # the sequences of its output rows, in row order
+    readback: str                 # argmax | logits | none
+    t_submit: float
+    chained: bool                 # its tokens come from the step before it, on the device
 
 
 class EngineKV:
@@ -146,8 +155,7 @@ class Worker:
         self._active = 0                  # submitted and not finished (live + waiting)
         self._accepting = True
         self._deadline: float | None = None
-        # steps on the device, oldest first: (batch, output seqs, readback, submit time, chained)
-        self._inflight: deque[tuple] = deque()
+        self._inflight: deque[Step] = deque()  # steps on the device, oldest first
         self.chain = engine.can_chain        # chain greedy decode steps (see run_once)
         self.chained_steps = 0
         self.settled_steps = 0               # chained steps collected early for a step that runs alone
@@ -235,7 +243,7 @@ class Worker:
         sequence is cancelled next)."""
         self._finish_after.clear()
         while self._inflight:
-            batch = self._inflight.popleft()[0]
+            batch = self._inflight.popleft().batch
             try:
                 self.eng.collect()
             except Exception:
@@ -272,7 +280,7 @@ class Worker:
             late = []
             self._cancel_all("the server is shutting down")
         batch = None
-        if len(self._inflight) < 2 and not (self._inflight and self._inflight[-1][2] == "logits"):
+        if len(self._inflight) < 2 and not (self._inflight and self._inflight[-1].readback == "logits"):
             batch = self.sched.schedule()
         if batch is not None:
             outs = batch.out_seqs
@@ -281,7 +289,7 @@ class Worker:
                 # a logits readback runs alone: let the step on the device finish first
                 self._settle_one(late)
             self.eng.submit(batch.tokens, batch.positions, batch.slots, batch.out_rows, readback)
-            self._inflight.append((batch, outs, readback, time.perf_counter(), False))
+            self._inflight.append(Step(batch, outs, readback, time.perf_counter(), False))
         for job, tok, ev, now in late:
             self._guard(job.seq, self._deliver, job, tok, ev, now)
         self._publish()
@@ -305,7 +313,7 @@ class Worker:
         chain = [index[id(w.seq)] for w in nxt.work]
         n = len(nxt.work)
         self.eng.submit([0] * n, nxt.positions, nxt.slots, list(range(n)), "argmax", chain=chain)
-        self._inflight.append((nxt, nxt.out_seqs, "argmax", time.perf_counter(), True))
+        self._inflight.append(Step(nxt, nxt.out_seqs, "argmax", time.perf_counter(), True))
         self.chained_steps += 1
 
     def _collect_oldest(self, late: list) -> None:
@@ -319,13 +327,13 @@ class Worker:
             self.metrics.step(sum(len(w.tokens) for w in batch.work), now - t0)
         self.sched.postprocess(batch)
         for seq in self._finish_after:
-            if not any(w.seq is seq for b in self._inflight for w in b[0].work):
+            if not any(w.seq is seq for st in self._inflight for w in st.batch.work):
                 self.sched.finish(seq)
         self._finish_after = [q for q in self._finish_after if q.state != "finished"]
         for seq, r in zip(outs, res if res is not None else ()):
             self._guard(seq, self._take, seq.data, r, readback, now, late)
-        if self._inflight and self._inflight[0][4]:    # the chained step now knows its tokens
-            for w in self._inflight[0][0].work:
+        if self._inflight and self._inflight[0].chained:    # the chained step now knows its tokens
+            for w in self._inflight[0].batch.work:
                 if w.tokens == [None] and len(w.seq.tokens) > w.start:
                     w.tokens = [w.seq.tokens[w.start]]
 
@@ -348,7 +356,7 @@ class Worker:
             job = seq.data
             if not job.done:
                 self._end(job, "error", "", error="internal error in this request (see the server log)")
-            if any(w.seq is seq for b in self._inflight for w in b[0].work):
+            if any(w.seq is seq for st in self._inflight for w in st.batch.work):
                 self._finish_after.append(seq)  # its row is on the device: free the slot once that step is in
             else:
                 self.sched.finish(seq)
