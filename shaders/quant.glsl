@@ -117,6 +117,38 @@ void unit_decode(Raw r, uint u, out vec4 v[UNIT_GROUPS], out uint xo[UNIT_GROUPS
     v[1] = sbytes4(r.q.y) * d;
     xo[0] = u * 8u; xo[1] = u * 8u + 4u;
 }
+#elif (defined(WT_Q4_0) || defined(WT_Q4_1)) && defined(UNIT32)
+// a whole block per unit (lavapipe's subgroup matvecs: one scale word per 32
+// values instead of per 8; llvmpipe pays per loaded word, see SG_ROWS in
+// shaders/variants.py)
+#define UNIT_VALUES 32
+#define UNIT_GROUPS 8
+#define UNIT_SPAN 32
+uint units_per_row(uint K) { return K / 32u; }
+Raw unit_fetch(uint woff, uint woff2, uint row, uint u, uint K) {
+    uint blk = row * (K / 32u) + u, b = woff + blk * 4u;
+    uvec4 q = uvec4(wq[b], wq[b + 1u], wq[b + 2u], wq[b + 3u]);
+#if defined(WT_Q4_0)
+    return Raw(q, uvec4(wq[woff2 + (blk >> 1)], blk, 0u, 0u));
+#else
+    return Raw(q, uvec4(wq[woff2 + blk], 0u, 0u, 0u));
+#endif
+}
+void unit_decode(Raw r, uint u, out vec4 v[UNIT_GROUPS], out uint xo[UNIT_GROUPS]) {
+#if defined(WT_Q4_0)
+    float d = half_sel(r.e.x, r.e.y);
+    float m = -8.0 * d;
+#else
+    vec2 dm = unpackHalf2x16(r.e.x);
+    float d = dm.x, m = dm.y;
+#endif
+    [[unroll]] for (uint j = 0; j < 4u; j++) {
+        v[2u * j] = nib_lo(r.q[j]) * d + m;
+        v[2u * j + 1u] = nib_hi(r.q[j]) * d + m;
+        xo[2u * j] = u * 32u + j * 4u;
+        xo[2u * j + 1u] = u * 32u + 16u + j * 4u;
+    }
+}
 #elif defined(WT_Q4_0) || defined(WT_Q4_1)
 #define UNIT_VALUES 8
 #define UNIT_GROUPS 2

@@ -25,6 +25,9 @@ MV_ROWS = 2
 # lane loaded per unit of 2 rows). Measured on SmolLM2-135M's shapes (Q4_1,
 # 2 cores): the matvec 2x, the 8-column matmul 7x, against 2 rows and 1 row.
 SG_ROWS = 16
+# Types whose subgroup kernels (lavapipe) take a whole 32-value block per unit:
+# one scale word per 32 values instead of per 8 (quant.glsl's UNIT32)
+UNIT32_TYPES = ("q4_0", "q4_1")
 
 # Columns of x that one workgroup multiplies against each dequantized weight unit
 # in the batched matmul variant.
@@ -61,8 +64,9 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
     t: dict[str, tuple[str, dict[str, int]]] = {}
     for wt in WEIGHT_TYPES:
         d = {f"WT_{wt.upper()}": 1}
-        t[f"mul_mv_{wt}"] = ("mul_mv.comp", {**d, "NCOLS": 1, "UNROLL": 1, "RPS": SG_ROWS})
-        t[f"mul_mm_{wt}"] = ("mul_mv.comp", {**d, "NCOLS": MATMUL_COLS, "UNROLL": 1, "RPS": SG_ROWS})
+        sg = {**d, **({"UNIT32": 1} if wt in UNIT32_TYPES else {})}
+        t[f"mul_mv_{wt}"] = ("mul_mv.comp", {**sg, "NCOLS": 1, "UNROLL": 1, "RPS": SG_ROWS})
+        t[f"mul_mm_{wt}"] = ("mul_mv.comp", {**sg, "NCOLS": MATMUL_COLS, "UNROLL": 1, "RPS": SG_ROWS})
         for bf, tag in ((0, ""), (1, "b")):
             t[f"mul_mvk{tag}_{wt}"] = ("mul_mv.comp", {**d, "NCOLS": 1, "UNROLL": MV_GPU_UNROLL[1],
                                                        "RPS": MV_GPU_ROWS[1], "KSPLIT": 1, "BFLY": bf})
