@@ -187,7 +187,9 @@ class Scheduler:
         if seq.slot is not None:
             s = seq.slot
             self.owner[s] = None
-            self.slot_tokens[s] = seq.tokens[:seq.n_cached]
+            # rows still on the device count: they are written before any later step reads the slot
+            # (a chained row of a sequence that has just ended takes its last token)
+            self.slot_tokens[s] = seq.tokens[:seq.n_cached + seq.inflight]
             self.slot_used[s] = self._next_tick()
             seq.slot = None
         if seq.parked is not None:

@@ -265,8 +265,9 @@ class Worker:
         submitted before this one is collected, reading its tokens from the
         device's greedy output, so the GPU goes from step to step without
         waiting for the host. A sequence whose token turns out to end it had a
-        row in that next step: the row is computed and dropped (its KV row lies
-        past what the slot records). False when there was nothing to run."""
+        row in that next step: the row is computed, its token dropped, and its
+        slot records one more position (Scheduler.finish). False when there was
+        nothing to run."""
         late: list[tuple[Job, int, Event, float]] = []
         ran = bool(self._inflight)
         if ran:

@@ -188,9 +188,10 @@ def test_bench_decode_chains_the_same_tokens(device, tiny_model):
     assert eng.in_flight == 0
 
 
+@pytest.mark.parametrize("sampling", list(SAMPLING))
 @pytest.mark.parametrize("mode", ["slices-q4", "batch", "batch-preempt"])
 @pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
-def test_hybrid_interleaved_equals_alone(device, qwen35_loaded, arch, mode):
+def test_hybrid_interleaved_equals_alone(device, qwen35_loaded, arch, mode, sampling):
     """The hybrid models' per-sequence state (KV rows of the attention layers,
     conv and recurrent state of the linear ones) is batched, parked, restored
     and prefix-cached like a KV cache: four interleaved sequences (greedy and
@@ -200,7 +201,7 @@ def test_hybrid_interleaved_equals_alone(device, qwen35_loaded, arch, mode):
     ref = Engine(model, device, EngineConfig(n_slots=1, n_ctx=CTX, max_batch=64, max_out=1))
     texts = [TEXTS[0], SYSTEM + TEXTS[1], SYSTEM + TEXTS[2], TEXTS[3]]
     reqs = [GenRequest(tok.encode(t), n, sp, ignore_eos=True)
-            for t, n, sp in zip(texts, (12, 7, 10, 9), SAMPLING["sampled"])]
+            for t, n, sp in zip(texts, (12, 7, 10, 9), SAMPLING[sampling])]
     got, w = run_interleaved(device, model, CONFIGS[mode], reqs + [reqs[2]], gap=4)
     for r, (toks, text, job) in zip(reqs + [reqs[2]], got):
         want_toks, want_text = alone(ref, r.prompt, r.max_tokens, r.sampling)
@@ -208,6 +209,8 @@ def test_hybrid_interleaved_equals_alone(device, qwen35_loaded, arch, mode):
         assert text == want_text
     if mode != "batch":
         assert w.sched.stats["preemptions"] > 0
+    if sampling == "greedy":     # decode steps ran chained, the recurrent state too
+        assert w.chained_steps > 0
 
 
 @pytest.mark.parametrize("mode", ["slices-q4", "batch"])
@@ -239,6 +242,22 @@ def test_hybrid_next_turn_reuses_the_state(device, qwen35_loaded, mode):
     job = w.submit(first, evs3.append)
     w.run_until_idle()
     assert [e.token for e in evs3 if e.token is not None] == reply and job.seq.cache_hit == 0
+    # a stop string ends a reply while the next (chained) decode step is on the device: that step's row
+    # took the reply's last token, so the slot records it and the next turn reuses the whole reply
+    stop = tok.decode(reply[3:4])
+    assert stop.strip() and stop not in tok.decode(reply[:3])
+    evs4: list[Event] = []
+    w.submit(GenRequest(first.prompt, 20, stop=(stop,), ignore_eos=True), evs4.append)
+    w.run_until_idle()
+    assert evs4[-1].finish == "stop"
+    gen = [e.token for e in evs4 if e.token is not None]
+    assert gen == reply[:4]
+    nxt = GenRequest(first.prompt + gen + tok.encode(" Go on."), 4, ignore_eos=True)
+    evs5: list[Event] = []
+    job = w.submit(nxt, evs5.append)
+    w.run_until_idle()
+    assert [e.token for e in evs5 if e.token is not None] == alone(ref, nxt.prompt, 4, SamplingParams())[0]
+    assert job.seq.cache_hit == len(first.prompt) + len(gen)
 
 
 def test_logits_step_waits_for_the_chained_one(device, tiny_model, ref_engine):
@@ -261,3 +280,14 @@ def test_logits_step_waits_for_the_chained_one(device, tiny_model, ref_engine):
     assert w.chained_steps > 0 and w.settled_steps > 0
     for r, evs in zip(reqs, events):
         assert [e.token for e in evs if e.token is not None] == alone(ref_engine, r.prompt, r.max_tokens, r.sampling)[0]
+
+
+def test_bench_decode_chains_a_hybrid(device, qwen35_loaded):
+    """The chained decode loop on a hybrid model (recurrent state carried from step to step on the device)."""
+    from vkengine.bench import decode
+    eng = Engine(qwen35_loaded("qwen35moe"), device, EngineConfig(n_slots=2, n_ctx=CTX, max_batch=16, max_out=2))
+    toks, plain = [7, 700], []
+    for pos in range(5):
+        toks = [int(t) for t in eng.step(toks, [pos] * 2, [0, 1], [0, 1])]
+        plain.append(toks)
+    assert decode(eng, [7, 700], 5) == plain

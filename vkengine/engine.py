@@ -237,11 +237,11 @@ class Engine:
 
     @property
     def can_chain(self) -> bool:
-        """Whether a server may chain decode steps (submit(chain=...)): a chained
-        row of a sequence that has just ended still runs, which a KV cache
-        ignores (the row lies past what the slot records) but a recurrent state
-        would absorb."""
-        return getattr(self.kv, "rewindable", True)
+        """Whether a caller may chain decode steps (submit(chain=...)). A chained
+        row of a sequence that has just ended still runs: its KV row and, in a
+        hybrid model, the recurrent state then cover one more position, which
+        the scheduler records when it frees the slot (Scheduler.finish)."""
+        return True
 
     @property
     def in_flight(self) -> int:
