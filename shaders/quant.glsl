@@ -71,6 +71,26 @@ vec2 scale_min_k4(uvec3 sw, uint is) {
                 (a >> 4) | ((byte3(sw, is) >> 6) << 4));
 }
 
+#if defined(WT_Q4_0) || defined(WT_Q4_1)
+// a Q4 block's scale word(s) as Raw.e (Q4_0: two f16 scales per word, the
+// block's parity picks one; Q4_1: d|m in one word), and its (d, m): value = q * d + m
+uvec4 q4_scales(uint woff2, uint blk) {
+#if defined(WT_Q4_0)
+    return uvec4(wq[woff2 + (blk >> 1)], blk, 0u, 0u);
+#else
+    return uvec4(wq[woff2 + blk], 0u, 0u, 0u);
+#endif
+}
+vec2 q4_dm(uvec4 e) {
+#if defined(WT_Q4_0)
+    float d = half_sel(e.x, e.y);
+    return vec2(d, -8.0 * d);
+#else
+    return unpackHalf2x16(e.x);
+#endif
+}
+#endif
+
 #if defined(WT_F32)
 #define UNIT_VALUES 4
 #define UNIT_GROUPS 1
@@ -127,21 +147,11 @@ void unit_decode(Raw r, uint u, out vec4 v[UNIT_GROUPS], out uint xo[UNIT_GROUPS
 uint units_per_row(uint K) { return K / 32u; }
 Raw unit_fetch(uint woff, uint woff2, uint row, uint u, uint K) {
     uint blk = row * (K / 32u) + u, b = woff + blk * 4u;
-    uvec4 q = uvec4(wq[b], wq[b + 1u], wq[b + 2u], wq[b + 3u]);
-#if defined(WT_Q4_0)
-    return Raw(q, uvec4(wq[woff2 + (blk >> 1)], blk, 0u, 0u));
-#else
-    return Raw(q, uvec4(wq[woff2 + blk], 0u, 0u, 0u));
-#endif
+    return Raw(uvec4(wq[b], wq[b + 1u], wq[b + 2u], wq[b + 3u]), q4_scales(woff2, blk));
 }
 void unit_decode(Raw r, uint u, out vec4 v[UNIT_GROUPS], out uint xo[UNIT_GROUPS]) {
-#if defined(WT_Q4_0)
-    float d = half_sel(r.e.x, r.e.y);
-    float m = -8.0 * d;
-#else
-    vec2 dm = unpackHalf2x16(r.e.x);
+    vec2 dm = q4_dm(r.e);
     float d = dm.x, m = dm.y;
-#endif
     [[unroll]] for (uint j = 0; j < 4u; j++) {
         v[2u * j] = nib_lo(r.q[j]) * d + m;
         v[2u * j + 1u] = nib_hi(r.q[j]) * d + m;
@@ -156,20 +166,11 @@ void unit_decode(Raw r, uint u, out vec4 v[UNIT_GROUPS], out uint xo[UNIT_GROUPS
 uint units_per_row(uint K) { return K / 8u; }
 Raw unit_fetch(uint woff, uint woff2, uint row, uint u, uint K) {
     uint blk = row * (K / 32u) + (u >> 2);
-#if defined(WT_Q4_0)
-    return Raw(uvec4(wq[woff + blk * 4u + (u & 3u)], 0u, 0u, 0u), uvec4(wq[woff2 + (blk >> 1)], blk, 0u, 0u));
-#else
-    return Raw(uvec4(wq[woff + blk * 4u + (u & 3u)], 0u, 0u, 0u), uvec4(wq[woff2 + blk], 0u, 0u, 0u));
-#endif
+    return Raw(uvec4(wq[woff + blk * 4u + (u & 3u)], 0u, 0u, 0u), q4_scales(woff2, blk));
 }
 void unit_decode(Raw r, uint u, out vec4 v[UNIT_GROUPS], out uint xo[UNIT_GROUPS]) {
-#if defined(WT_Q4_0)
-    float d = half_sel(r.e.x, r.e.y);
-    float m = -8.0 * d;
-#else
-    vec2 dm = unpackHalf2x16(r.e.x);
+    vec2 dm = q4_dm(r.e);
     float d = dm.x, m = dm.y;
-#endif
     v[0] = nib_lo(r.q.x) * d + m;
     v[1] = nib_hi(r.q.x) * d + m;
     uint c = (u >> 2) * 32u + (u & 3u) * 4u;
