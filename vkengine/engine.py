@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -37,6 +37,14 @@ class EngineConfig:
     max_batch: int = 256      # token rows per step (prefill chunk size)
     max_out: int = 16         # rows whose logits one step can produce
     program_cache: int = 160  # recorded steps kept (LRU)
+
+
+class _Submitted(NamedTuple):
+    """A step submitted and not yet collected."""
+    program: object
+    readback: str       # argmax | logits | none
+    n_out: int
+    params: int         # which host params buffer it reads and writes back to
 
 
 class Engine:
@@ -83,8 +91,7 @@ class Engine:
         self.params_dev = device.buffer(self.layout.words * 4, "device", "params-dev")
         self.logits_host = device.buffer(self.max_out * a.n_vocab * 4, "host", "logits")
         self._programs: OrderedDict[tuple, object] = OrderedDict()
-        # steps submitted and not yet collected, oldest first: (program, readback, n_out, params buffer)
-        self._inflight: deque[tuple] = deque()
+        self._inflight: deque[_Submitted] = deque()   # oldest first
 
     def _check_memory(self, scratch_bytes: int) -> None:
         """Refuse, before allocating anything, a configuration whose weights, KV
@@ -150,21 +157,17 @@ class Engine:
         8-column and the tiled matmuls (drivers compile a pipeline on creation:
         tens of milliseconds each, otherwise paid by the first requests).
         Returns the number of programs recorded."""
-        n_rec = 0
-        for n in sorted({min(9, self.max_batch), self.max_batch}):
-            if (n, 1, "argmax", 0, ()) not in self._programs:
-                self._program(n, 1, "argmax", 0, ()).prepare()
-                n_rec += 1
+        keys = [(n, 1, "argmax", 0, ()) for n in sorted({min(9, self.max_batch), self.max_batch})]
         # four programs per row count; keep them within half the program cache
         for n in range(1, min(max_rows, self.max_out, self.max_batch, self.cfg.program_cache // 8) + 1):
             for buf in (0, 1):
-                for chain in ((), tuple(range(n)) if self.can_chain else None):
-                    if chain is None:
-                        continue
-                    key = (n, n, "argmax", buf, chain)
-                    if key not in self._programs:
-                        self._program(n, n, "argmax", buf, chain).prepare()
-                        n_rec += 1
+                for chain in ((), tuple(range(n))) if self.can_chain else ((),):
+                    keys.append((n, n, "argmax", buf, chain))   # the key order of _program's arguments
+        n_rec = 0
+        for key in keys:
+            if key not in self._programs:
+                self._program(*key).prepare()
+                n_rec += 1
         return n_rec
 
     def _record(self, n: int, n_out: int, readback: str, timestamps: bool = False, buf: int = 0,
@@ -262,7 +265,7 @@ class Engine:
         step of running sequences can start before their tokens reach the host."""
         if len(self._inflight) >= 2:
             raise RuntimeError("two steps are already in flight: collect() one first")
-        if self._inflight and (self._inflight[-1][1] == "logits" or readback == "logits"):
+        if self._inflight and (self._inflight[-1].readback == "logits" or readback == "logits"):
             raise RuntimeError("a step that reads logits back runs alone: collect() the step in flight first")
         n, n_out = len(tokens), len(out_rows)
         if not 0 < n <= self.max_batch:
@@ -277,10 +280,10 @@ class Engine:
         chain_key: tuple[int, ...] = ()
         if chain is not None:
             prev = self._inflight[-1] if self._inflight else None
-            if prev is None or prev[1] != "argmax":
+            if prev is None or prev.readback != "argmax":
                 raise RuntimeError("a chained step needs a step in flight that reads greedy tokens back")
             chain_key = tuple(int(j) for j in chain)
-            if len(chain_key) != n or min(chain_key) < 0 or max(chain_key) >= prev[2]:
+            if len(chain_key) != n or min(chain_key) < 0 or max(chain_key) >= prev.n_out:
                 raise ValueError(f"chain must give, for each of the {n} rows, an output row of the step in flight")
             tok = np.zeros(n, np.int64)
         if tok.min() < 0 or tok.max() >= self.n_vocab:
@@ -305,7 +308,7 @@ class Engine:
         mode = readback if n_out else "none"
         prog = self._program(n, n_out, mode, buf, chain_key)
         prog.submit()
-        self._inflight.append((prog, mode, n_out, buf))
+        self._inflight.append(_Submitted(prog, mode, n_out, buf))
 
     def collect(self) -> np.ndarray | None:
         """Wait for the oldest step in flight; its readback as step() returns it."""
