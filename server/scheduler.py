@@ -86,9 +86,14 @@ class Seq:
     inflight: int = 0                # positions in steps scheduled and not yet postprocessed
 
     @property
+    def taken(self) -> int:
+        """Positions that steps have run or are running: the next step starts here."""
+        return self.n_cached + self.inflight
+
+    @property
     def pending(self) -> int:
         """Positions that no step has taken yet."""
-        return len(self.tokens) - self.n_cached - self.inflight
+        return len(self.tokens) - self.taken
 
 
 @dataclass
@@ -189,7 +194,7 @@ class Scheduler:
             self.owner[s] = None
             # rows still on the device count: they are written before any later step reads the slot
             # (a chained row of a sequence that has just ended takes its last token)
-            self.slot_tokens[s] = seq.tokens[:seq.n_cached + seq.inflight]
+            self.slot_tokens[s] = seq.tokens[:seq.taken]
             self.slot_used[s] = self._next_tick()
             seq.slot = None
         if seq.parked is not None:
@@ -282,26 +287,29 @@ class Scheduler:
         """Pick a free slot for a newcomer and bring in the longest cached prefix of its prompt."""
         limit = len(seq.tokens) - 1 if seq.use_cache else 0    # the last prompt token must run
         usable = getattr(self.kv, "reusable", lambda source, n: n)
-        own = {i: usable(("slot", i), min(common_prefix(self.slot_tokens[i], seq.tokens), limit)) for i in free}
+
+        def reuse(source: tuple, cached: list[int]) -> int:   # positions of `source` the newcomer may take
+            return usable(source, min(common_prefix(cached, seq.tokens), limit))
+        own = {i: reuse(("slot", i), self.slot_tokens[i]) for i in free}
         dst = max(free, key=lambda i: (own[i], not self.slot_tokens[i], -self.slot_used[i]))
         best, source, entry = own[dst], None, None
         if limit >= self.cfg.min_prefix:
             for i, o in enumerate(self.owner):
                 if o is not None:
-                    n = usable(("slot", i), min(common_prefix(o.tokens[:o.n_cached], seq.tokens), limit))
+                    n = reuse(("slot", i), o.tokens[:o.n_cached])
                     if n > best and n >= self.cfg.min_prefix:
                         best, source = n, ("slot", i)
                 elif i != dst:
-                    n = usable(("slot", i), min(common_prefix(self.slot_tokens[i], seq.tokens), limit))
+                    n = reuse(("slot", i), self.slot_tokens[i])
                     if n > best and n >= self.cfg.min_prefix:
                         best, source = n, ("slot", i)
             for s in self.live:
                 if s.parked is not None:
-                    n = usable(("host", s.parked), min(common_prefix(s.tokens[:s.n_cached], seq.tokens), limit))
+                    n = reuse(("host", s.parked), s.tokens[:s.n_cached])
                     if n > best and n >= self.cfg.min_prefix:
                         best, source = n, ("host", s.parked)
             for e in self.host:
-                n = usable(("host", e.handle), min(common_prefix(e.tokens, seq.tokens), limit))
+                n = reuse(("host", e.handle), e.tokens)
                 if n > best and n >= self.cfg.min_prefix:
                     best, source, entry = n, ("host", e.handle), e
         if entry is not None and source[1] is entry.handle:
@@ -351,9 +359,9 @@ class Scheduler:
                     todo.remove(s)
                 if budget == 0:
                     break
-        work = [Work(s, s.n_cached + s.inflight, s.tokens[s.n_cached + s.inflight:], True) for s in decoding]
+        work = [Work(s, s.taken, s.tokens[s.taken:], True) for s in decoding]
         for s in prefilling:
-            n, start = rows[id(s)], s.n_cached + s.inflight
+            n, start = rows[id(s)], s.taken
             if n:
                 work.append(Work(s, start, s.tokens[start:start + n], start + n == len(s.tokens)))
         for w in work:
