@@ -35,7 +35,8 @@ layout(push_constant) uniform P {
     // output. Else each (row, head) is cut into n_parts slices of `chunk`
     // positions, each slice writes (max, sum, unnormalized output) to
     // part_off + ((row * n_head + head) * n_parts + part) * (head_dim + 2),
-    // and attention_merge.comp combines them.
+    // and attention_merge.comp combines them (slices past the row's position
+    // are neither written nor read).
     uint chunk, n_parts, part_off;
 } p;
 
@@ -58,6 +59,7 @@ void main() {
         uint pos = params[p.pos_off + r];
         uint slot = params[p.slot_off + r];
         uint first = p.chunk == 0u ? 0u : part * p.chunk;
+        if (first > pos) continue;   // a slice past the row's position: the merge skips it
         uint last = p.chunk == 0u ? pos : min(pos, first + p.chunk - 1u);
         uint qb4 = (p.q_off + r * p.q_stride + h * p.head_dim) / 4u;
         uint kb = p.k_off + slot * p.slot_stride + kvh * hd2;

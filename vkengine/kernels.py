@@ -268,9 +268,10 @@ class Kernels:
             raise ValueError("split-K attention needs a scratch region in the activation buffer")
         tmp = (split.buf, split.off * 4, (split.off + tmp_words) * 4)
         prog.dispatch(alg, push, self._grid(math.ceil(n_rows * n_head * n_parts / self.items)), reads, [tmp], label)
-        push = struct.pack("<7I", o.off, o_stride, n_rows, n_head, head_dim, n_parts, split.off)
-        alg = self._alg("attention_merge", [act], push, self.wg)
-        prog.dispatch(alg, push, self._grid(math.ceil(n_rows * n_head / self.items)), [tmp], out, label)
+        push = struct.pack("<9I", o.off, o_stride, n_rows, n_head, head_dim, n_parts, split.off, pos_off, chunk)
+        alg = self._alg("attention_merge", [act, params], push, self.wg)
+        prog.dispatch(alg, push, self._grid(math.ceil(n_rows * n_head / self.items)),
+                      [tmp, (params, pos_off * 4, (pos_off + n_rows) * 4)], out, label)
 
     def swiglu(self, prog: Program, gu: Region, gu_stride: int, y: Region, y_stride: int, F: int, rows: int,
                label: str = "swiglu") -> None:
