@@ -30,7 +30,8 @@ layout(push_constant) uniform P {
     uint K, M, N;           // columns of W, rows of W, columns of x
     uint x_off, x_stride;   // floats; multiples of 4
     uint y_off, y_stride;   // floats
-    uint accumulate;        // 1: add into y (fused residual)
+    uint flags;             // 1: add into y (fused residual); 2 (split-K variants):
+                            // gated linear unit, see GLU below
 } p;
 
 #include "quant.glsl"
@@ -54,6 +55,49 @@ shared float red[32][RPS * NCOLS];   // per subgroup (at most 32 of them)
 #define NEXT_ROWS (gl_NumSubgroups * RPS)
 #endif
 
+// one unit (index u) of each of the RPS rows, times every column
+void accum_unit(Raw r[RPS], uint u, uint col0, uint ncols, inout float acc[RPS][NCOLS]) {
+#if defined(HOIST) && defined(UNIT_SCALED)
+    // the block scale once per unit and column instead of once per value
+    vec4 v[RPS][UNIT_GROUPS];
+    vec2 dm[RPS];
+    uint xo[UNIT_GROUPS];
+    [[unroll]] for (uint rr = 0; rr < RPS; rr++) unit_decode_s(r[rr], u, v[rr], xo, dm[rr]);
+    [[unroll]] for (uint c = 0; c < NCOLS; c++) {
+        if (c >= ncols) continue;
+        uint xb = (p.x_off + (col0 + c) * p.x_stride) >> 2;
+        vec4 xv[UNIT_GROUPS];
+        [[unroll]] for (uint g = 0; g < UNIT_GROUPS; g++) xv[g] = act4[xb + (xo[g] >> 2)];
+#if defined(WT_Q4_1)
+        float sx = 0.0;
+        [[unroll]] for (uint g = 0; g < UNIT_GROUPS; g++) sx += dot(xv[g], vec4(1.0));
+#endif
+        [[unroll]] for (uint rr = 0; rr < RPS; rr++) {
+            float s = 0.0;
+            [[unroll]] for (uint g = 0; g < UNIT_GROUPS; g++) s += dot(v[rr][g], xv[g]);
+#if defined(WT_Q4_1)
+            acc[rr][c] += dm[rr].x * s + dm[rr].y * sx;
+#else
+            acc[rr][c] += dm[rr].x * s;
+#endif
+        }
+    }
+#else
+    // dequantize each row's unit once, then use it for every column
+    vec4 v[RPS][UNIT_GROUPS];
+    uint xo[UNIT_GROUPS];
+    [[unroll]] for (uint rr = 0; rr < RPS; rr++) unit_decode(r[rr], u, v[rr], xo);
+    [[unroll]] for (uint c = 0; c < NCOLS; c++) {
+        if (c >= ncols) continue;
+        uint xb = (p.x_off + (col0 + c) * p.x_stride) >> 2;
+        vec4 xv[UNIT_GROUPS];
+        [[unroll]] for (uint g = 0; g < UNIT_GROUPS; g++) xv[g] = act4[xb + (xo[g] >> 2)];
+        [[unroll]] for (uint rr = 0; rr < RPS; rr++)
+            [[unroll]] for (uint g = 0; g < UNIT_GROUPS; g++) acc[rr][c] += dot(v[rr][g], xv[g]);
+    }
+#endif
+}
+
 void main() {
     uvec2 rows = workgroup_items(p.M);
     uint col0 = gl_WorkGroupID.z * NCOLS;
@@ -67,6 +111,26 @@ void main() {
     // a subgroup (KSPLIT: the workgroup) takes RPS consecutive rows; every x
     // vec4 it loads serves them all
     for (uint row0 = FIRST_ROW; row0 < rows.y; row0 += NEXT_ROWS) {
+        // the weight row behind each of the RPS sums, and whether it exists
+        uint prow[RPS];
+        bool pok[RPS];
+        [[unroll]] for (uint rr = 0; rr < RPS; rr++) { prow[rr] = row0 + rr; pok[rr] = row0 + rr < rows.y; }
+#if KSPLIT
+        // GLU (flags & 2): W is gate (rows [0, M/2)) over up (rows [M/2, M));
+        // the workgroup's first RPS/2 sums are gate rows i .. i + RPS/2 - 1, the
+        // others the up rows of the same i, and y[c][i] = silu(gate) * up: the
+        // SwiGLU of the feed-forward layer without a dispatch of its own
+        const uint H = RPS / 2u;
+        bool glu = (p.flags & 2u) != 0u;
+        uint pfirst = workgroup_linear() * H;
+        if (glu) {
+            [[unroll]] for (uint rr = 0; rr < RPS; rr++) {
+                uint j = rr < H ? rr : rr - H;
+                prow[rr] = (rr < H ? 0u : p.M >> 1) + pfirst + j;
+                pok[rr] = pfirst + j < (p.M >> 1);
+            }
+        }
+#endif
         float acc[RPS][NCOLS];
         [[unroll]] for (uint rr = 0; rr < RPS; rr++)
             [[unroll]] for (uint c = 0; c < NCOLS; c++) acc[rr][c] = 0.0;
@@ -77,24 +141,13 @@ void main() {
             [[unroll]] for (uint k = 0; k < UNROLL; k++) {
                 uint u = u0 + k * S;
                 [[unroll]] for (uint rr = 0; rr < RPS; rr++) {
-                    if (u < units && row0 + rr < rows.y) raw[k][rr] = unit_fetch(p.w_off, p.w_off2, row0 + rr, u, p.K);
+                    if (u < units && pok[rr]) raw[k][rr] = unit_fetch(p.w_off, p.w_off2, prow[rr], u, p.K);
                 }
             }
             [[unroll]] for (uint k = 0; k < UNROLL; k++) {
                 uint u = u0 + k * S;
                 if (u >= units) continue;
-                // dequantize each row's unit once, then use it for every column
-                vec4 v[RPS][UNIT_GROUPS];
-                uint xo[UNIT_GROUPS];
-                [[unroll]] for (uint rr = 0; rr < RPS; rr++) unit_decode(raw[k][rr], u, v[rr], xo);
-                [[unroll]] for (uint c = 0; c < NCOLS; c++) {
-                    if (c >= ncols) continue;
-                    uint xb = (p.x_off + (col0 + c) * p.x_stride) >> 2;
-                    vec4 xv[UNIT_GROUPS];
-                    [[unroll]] for (uint g = 0; g < UNIT_GROUPS; g++) xv[g] = act4[xb + (xo[g] >> 2)];
-                    [[unroll]] for (uint rr = 0; rr < RPS; rr++)
-                        [[unroll]] for (uint g = 0; g < UNIT_GROUPS; g++) acc[rr][c] += dot(v[rr][g], xv[g]);
-                }
+                accum_unit(raw[k], u, col0, ncols, acc);
             }
         }
 #if KSPLIT && BFLY
@@ -134,7 +187,7 @@ void main() {
                 uint row = row0 + rr;
                 if (c < ncols && row < rows.y && subgroupElect()) {
                     uint yi = p.y_off + (col0 + c) * p.y_stride + row;
-                    act[yi] = p.accumulate != 0u ? act[yi] + s : s;
+                    act[yi] = (p.flags & 1u) != 0u ? act[yi] + s : s;
                 }
 #endif
             }
@@ -143,13 +196,22 @@ void main() {
 #if KSPLIT
         barrier();
         uint i = gl_LocalInvocationID.x;
-        if (i < RPS * NCOLS) {
+        if (glu) {
+            if (i < H * NCOLS) {
+                uint c = i % NCOLS;
+                if (c < ncols && pok[i / NCOLS]) {
+                    float g = red[0][i], u = red[0][i + H * NCOLS];
+                    for (uint sg = 1; sg < gl_NumSubgroups; sg++) { g += red[sg][i]; u += red[sg][i + H * NCOLS]; }
+                    act[p.y_off + (col0 + c) * p.y_stride + pfirst + i / NCOLS] = silu(g) * u;
+                }
+            }
+        } else if (i < RPS * NCOLS) {
             uint rr = i / NCOLS, c = i % NCOLS, row = row0 + rr;
             if (c < ncols && row < rows.y) {
                 float s = red[0][i];
                 for (uint g = 1; g < gl_NumSubgroups; g++) s += red[g][i];
                 uint yi = p.y_off + (col0 + c) * p.y_stride + row;
-                act[yi] = p.accumulate != 0u ? act[yi] + s : s;
+                act[yi] = (p.flags & 1u) != 0u ? act[yi] + s : s;
             }
         }
 #endif

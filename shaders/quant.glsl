@@ -44,8 +44,32 @@ struct Raw {
     uvec4 e;   // scales and extra bits, per type
 };
 
-vec4 nib_lo(uint w) { return vec4(w & 15u, (w >> 8) & 15u, (w >> 16) & 15u, (w >> 24) & 15u); }
-vec4 nib_hi(uint w) { return vec4((w >> 4) & 15u, (w >> 12) & 15u, (w >> 20) & 15u, w >> 28); }
+#ifdef DQ_MAGIC
+// Nibbles to floats without int -> float conversions (measured on the H200:
+// Q4 matvecs 5-15% faster; bytes keep the conversion, whose byte selector
+// makes it one instruction): a field at bits p .. p+3 of w ORed into the
+// mantissa of 2^(23-p) reads as the float 2^(23-p) + field, and subtracting
+// 2^(23-p) + bias is exact. One logic op and one add per value.
+#define FBITS(w, p, bias) (uintBitsToFloat(((w) & (15u << (p))) | ((150u - (p)) << 23)) - (float(1u << (23u - (p))) + (bias)))
+// the low / high nibbles of w's 4 bytes, minus bias
+vec4 nib_lo_b(uint w, const float bias) {
+    uint h = w >> 16;
+    return vec4(FBITS(w, 0u, bias), FBITS(w, 8u, bias), FBITS(h, 0u, bias), FBITS(h, 8u, bias));
+}
+vec4 nib_hi_b(uint w, const float bias) {
+    uint h = w >> 16;
+    return vec4(FBITS(w, 4u, bias), FBITS(w, 12u, bias), FBITS(h, 4u, bias), FBITS(h, 12u, bias));
+}
+#else
+vec4 nib_lo_b(uint w, const float bias) {
+    return vec4(w & 15u, (w >> 8) & 15u, (w >> 16) & 15u, (w >> 24) & 15u) - bias;
+}
+vec4 nib_hi_b(uint w, const float bias) {
+    return vec4((w >> 4) & 15u, (w >> 12) & 15u, (w >> 20) & 15u, w >> 28) - bias;
+}
+#endif
+vec4 nib_lo(uint w) { return nib_lo_b(w, 0.0); }
+vec4 nib_hi(uint w) { return nib_hi_b(w, 0.0); }
 vec4 sbytes4(uint w) {
     int i = int(w);
     return vec4(bitfieldExtract(i, 0, 8), bitfieldExtract(i, 8, 8),
@@ -137,6 +161,14 @@ void unit_decode(Raw r, uint u, out vec4 v[UNIT_GROUPS], out uint xo[UNIT_GROUPS
     v[1] = sbytes4(r.q.y) * d;
     xo[0] = u * 8u; xo[1] = u * 8u + 4u;
 }
+#define UNIT_SCALED 1
+// unit_decode without the block scale: the weights are v * dm.x + dm.y
+void unit_decode_s(Raw r, uint u, out vec4 v[UNIT_GROUPS], out uint xo[UNIT_GROUPS], out vec2 dm) {
+    dm = vec2(half_sel(r.e.x, r.e.y), 0.0);
+    v[0] = sbytes4(r.q.x);
+    v[1] = sbytes4(r.q.y);
+    xo[0] = u * 8u; xo[1] = u * 8u + 4u;
+}
 #elif (defined(WT_Q4_0) || defined(WT_Q4_1)) && defined(UNIT32)
 // a whole block per unit (lavapipe's subgroup matvecs: one scale word per 32
 // values instead of per 8; llvmpipe pays per loaded word, see SG_ROWS in
@@ -173,6 +205,22 @@ void unit_decode(Raw r, uint u, out vec4 v[UNIT_GROUPS], out uint xo[UNIT_GROUPS
     float d = dm.x, m = dm.y;
     v[0] = nib_lo(r.q.x) * d + m;
     v[1] = nib_hi(r.q.x) * d + m;
+    uint c = (u >> 2) * 32u + (u & 3u) * 4u;
+    xo[0] = c; xo[1] = c + 16u;
+}
+#define UNIT_SCALED 1
+// unit_decode without the block scale: the weights are v * dm.x + dm.y
+// (Q4_0: v = q - 8, dm.y = 0)
+void unit_decode_s(Raw r, uint u, out vec4 v[UNIT_GROUPS], out uint xo[UNIT_GROUPS], out vec2 dm) {
+#if defined(WT_Q4_0)
+    dm = vec2(half_sel(r.e.x, r.e.y), 0.0);
+    const float bias = 8.0;
+#else
+    dm = unpackHalf2x16(r.e.x);
+    const float bias = 0.0;
+#endif
+    v[0] = nib_lo_b(r.q.x, bias);
+    v[1] = nib_hi_b(r.q.x, bias);
     uint c = (u >> 2) * 32u + (u & 3u) * 4u;
     xo[0] = c; xo[1] = c + 16u;
 }

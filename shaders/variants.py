@@ -44,13 +44,32 @@ MV_GPU_UNROLL = {1: 2, 2: 2, 4: 1, 8: 1}
 # weight rows per workgroup by column count: more columns read more x per
 # weight unit, so more rows share each x load
 MV_GPU_ROWS = {1: MV_ROWS, 2: MV_ROWS, 4: 4, 8: 4}
+# Q4_0/Q4_1 on GPUs: nibbles become floats without int -> float conversions
+# (quant.glsl DQ_MAGIC) and the block scale multiplies a unit's sum once instead
+# of every value (mul_mv.comp HOIST), with 4 rows per workgroup. Measured on the
+# H200 (bench/mv_probe.py, wall time of 48 dispatches): the 1-column matvec
+# 5-20% faster on the 8B and 1B Q4_0 shapes (28672x4096: 67 -> 54 us), the
+# 4-column one 0-20%; Q8_0 gained nothing and keeps the table above.
+MV_Q4_TYPES = ("q4_0", "q4_1")
+MV_GPU_ROWS_Q4 = {1: 4, 2: 4, 4: 4, 8: 4}
+MV_GPU_UNROLL_Q4 = {1: 1, 2: 1, 4: 2, 8: 1}
+
+
+def mv_gpu_config(wt: str, ncols: int) -> tuple[int, int, dict[str, int]]:
+    """(rows per workgroup, units in flight per lane, extra defines) of the GPU
+    matvec variant of a weight type and column count."""
+    if wt in MV_Q4_TYPES:
+        return MV_GPU_ROWS_Q4[ncols], MV_GPU_UNROLL_Q4[ncols], {"DQ_MAGIC": 1, "HOIST": 1}
+    return MV_GPU_ROWS[ncols], MV_GPU_UNROLL[ncols], {}
+
+
 # The "b" variants (mul_mvkb, mul_mmb{2,4,8}) reduce a subgroup's RPS x NCOLS
 # sums with a butterfly reduce-scatter (1 shuffle per kept sum) instead of a
 # subgroupAdd per sum (5 shuffles each at 32 lanes); they need a lane for every
 # sum, so devices whose subgroups are fixed at >= MV_BFLY_LANES lanes use them
 # (NVIDIA). Measured on the H200 (bench/mv_tune.py): the 4-column matvec
 # 10-40% faster on a 1B model's shapes, the 1-column one 0-8%.
-MV_BFLY_LANES = max(MV_GPU_ROWS[c] * c for c in (1, *MM_GPU_COLS))
+MV_BFLY_LANES = max(mv_gpu_config(wt, c)[0] * c for wt in ("f32", *MV_Q4_TYPES) for c in (1, *MM_GPU_COLS))
 
 # Invocation tile (weight rows, tokens) of the shared-memory matmul (mul_mt):
 # a workgroup of 16 x 16 invocations computes (16 TM) x (16 TN) outputs.
@@ -68,11 +87,11 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
         t[f"mul_mv_{wt}"] = ("mul_mv.comp", {**sg, "NCOLS": 1, "UNROLL": 1, "RPS": SG_ROWS})
         t[f"mul_mm_{wt}"] = ("mul_mv.comp", {**sg, "NCOLS": MATMUL_COLS, "UNROLL": 1, "RPS": SG_ROWS})
         for bf, tag in ((0, ""), (1, "b")):
-            t[f"mul_mvk{tag}_{wt}"] = ("mul_mv.comp", {**d, "NCOLS": 1, "UNROLL": MV_GPU_UNROLL[1],
-                                                       "RPS": MV_GPU_ROWS[1], "KSPLIT": 1, "BFLY": bf})
-            for nc in MM_GPU_COLS:
-                t[f"mul_mm{tag}{nc}_{wt}"] = ("mul_mv.comp", {**d, "NCOLS": nc, "UNROLL": MV_GPU_UNROLL[nc],
-                                                             "RPS": MV_GPU_ROWS[nc], "KSPLIT": 1, "BFLY": bf})
+            for nc in (1, *MM_GPU_COLS):
+                rps, unroll, extra = mv_gpu_config(wt, nc)
+                name = f"mul_mvk{tag}_{wt}" if nc == 1 else f"mul_mm{tag}{nc}_{wt}"
+                t[name] = ("mul_mv.comp", {**d, **extra, "NCOLS": nc, "UNROLL": unroll, "RPS": rps, "KSPLIT": 1,
+                                           "BFLY": bf})
         t[f"mul_mt_{wt}"] = ("mul_mt.comp", {**d, "TM": TILE[0], "TN": TILE[1]})
         t[f"mul_mt64_{wt}"] = ("mul_mt.comp", {**d, "TM": TILE_SMALL[0], "TN": TILE_SMALL[1]})
         t[f"get_rows_{wt}"] = ("get_rows.comp", d)

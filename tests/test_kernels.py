@@ -159,10 +159,10 @@ def test_mul_mat_columns_equal_single_rows(device, column_kernels, ws, rng, wt, 
     a sequence's tokens do not depend on which others share its step. Both
     reductions (the butterfly needs a lane per sum: on lavapipe's 8 lanes only
     the 1- and 2-column variants can run it)."""
-    from shaders.variants import MM_GPU_COLS, MV_GPU_ROWS
+    from shaders.variants import MM_GPU_COLS, mv_gpu_config
     column_kernels.bfly = reduce == "butterfly"
     ncols = next((c for c in MM_GPU_COLS if c >= n), MM_GPU_COLS[-1])
-    if column_kernels.bfly and MV_GPU_ROWS[ncols] * ncols > device.info.subgroup_size:
+    if column_kernels.bfly and mv_gpu_config(wt, ncols)[0] * ncols > device.info.subgroup_size:
         n = 2                                  # the widest variant this device can reduce so
     M, K = 37, _cols(wt)
     raw, w = random_quantized(wt, M, K, rng)
@@ -181,6 +181,40 @@ def test_mul_mat_columns_equal_single_rows(device, column_kernels, ws, rng, wt, 
         column_kernels.mul_mat(prog, mat, xr.at(c * K, K), K, one, M, 1)
         prog.run()
         np.testing.assert_array_equal(got[c], ws.read(one), err_msg=f"column {c} of {n}")
+
+
+@pytest.mark.parametrize("reduce", ["subgroupAdd", "butterfly"])
+@pytest.mark.parametrize("wt", ["q4_0", "q4_1", "q8_0", "f16"])
+@pytest.mark.parametrize("n", [1, 3, 4, 8])
+def test_mul_mat_glu(device, column_kernels, ws, rng, wt, n, reduce):
+    """The split-K matvecs' fused SwiGLU (gate over up in one matrix): right,
+    each column bit for bit the row alone, and only F values a row written."""
+    from shaders.variants import MM_GPU_COLS, mv_gpu_config
+    column_kernels.bfly = reduce == "butterfly"
+    ncols = 1 if n == 1 else next((c for c in MM_GPU_COLS if c >= n), MM_GPU_COLS[-1])
+    if column_kernels.bfly and mv_gpu_config(wt, ncols)[0] * ncols > device.info.subgroup_size:
+        n = 2
+    F, K = 37, _cols(wt)
+    raw, w = random_quantized(wt, 2 * F, K, rng)
+    mat = upload_matrix(ws, wt, raw, 2 * F, K)
+    assert column_kernels.fuses_glu(mat, n)
+    x = rng.standard_normal((n, K)).astype(np.float32)
+    xr = ws.act_region(n * K, x)
+    ys = F + 3
+    yr = ws.act_region(n * ys)
+    prog = device.program()
+    column_kernels.mul_mat(prog, mat, xr, K, yr, ys, n, glu=True)
+    prog.run()
+    out = ws.read(yr).reshape(n, ys)
+    assert np.isnan(out[:, F:]).all(), "wrote outside its rows"
+    gu = x.astype(np.float64) @ w.T.astype(np.float64)
+    _close(out[:, :F], ref.silu(gu[:, :F]) * gu[:, F:], atol_scale=1e-5 * np.sqrt(K))
+    for c in range(n):
+        one = ws.act_region(F)
+        prog = device.program()
+        column_kernels.mul_mat(prog, mat, xr.at(c * K, K), K, one, F, 1, glu=True)
+        prog.run()
+        np.testing.assert_array_equal(out[c, :F], ws.read(one), err_msg=f"column {c} of {n}")
 
 
 @pytest.mark.parametrize("wt", ["q4_0", "q8_0", "f16"])

@@ -115,6 +115,20 @@ class Graph:
                          self.n, n_head, n_kv, head_dim, self.kv.k(layer), self.kv.v(layer), self.kv.slot_stride,
                          self.params, self.pl.positions, self.pl.slots, scale, split, self.kv.ctx)
 
+    def gate_up_swiglu(self, pieces: list[tuple[Matrix, int]], x: str, gu: str, out: str) -> None:
+        """out[r] = silu(gate @ x[r]) * (up @ x[r]) for the gate|up matrix (or its
+        pieces at their columns of gu): one dispatch where the matvec can take the
+        SwiGLU (decode-sized steps on GPUs, kernels.fuses_glu), else the matmuls
+        into gu and a swiglu."""
+        n = self._rows(x)
+        if len(pieces) == 1 and self.k.fuses_glu(pieces[0][0], n):
+            self.k.mul_mat(self.p, pieces[0][0], self.s.region(x), self.s.stride(x), self.s.region(out),
+                           self.s.stride(out), n, glu=True, label=f"mul_mat {gu}+swiglu<-{x}")
+            return
+        for m, col in pieces:
+            self.matmul(m, x, gu, col=col)
+        self.swiglu(gu, out)
+
     def swiglu(self, gu: str, out: str) -> None:
         self.k.swiglu(self.p, self.s.region(gu), self.s.stride(gu), self.s.region(out), self.s.stride(out),
                       self.s.widths[out], self._rows(out))

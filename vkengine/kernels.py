@@ -14,7 +14,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from shaders.variants import (MATMUL_COLS, MM_GPU_COLS, MV_BFLY_LANES, MV_GPU_ROWS, SG_ROWS, TILE, TILE_SMALL,
+from shaders.variants import (MATMUL_COLS, MM_GPU_COLS, MV_BFLY_LANES, SG_ROWS, TILE, TILE_SMALL, mv_gpu_config,
                               UNIT_VALUES)
 
 from . import shaders
@@ -132,9 +132,23 @@ class Kernels:
         return b
 
     # -- ops ---------------------------------------------------------------
+    def tiled(self, w: Matrix, n: int) -> bool:
+        """Whether mul_mat takes n rows of x through the shared-memory matmul (prefill)."""
+        return self.tiled_from is not None and n >= self.tiled_from and w.cols % 32 == 0
+
+    def fuses_glu(self, w: Matrix, n: int) -> bool:
+        """Whether mul_mat(glu=True) can multiply n rows by this gate|up matrix
+        (the split-K matvecs: GPUs, decode-sized steps)."""
+        return (self.split_k and not w.parts and not self.tiled(w, n) and w.rows % 2 == 0
+                and mv_gpu_config(w.type, 1)[0] % 2 == 0)
+
     def mul_mat(self, prog: Program, w: Matrix, x: Region, x_stride: int, y: Region, y_stride: int,
-                n: int, accumulate: bool = False, label: str = "") -> None:
-        """y[c][:M] (+)= W @ x[c][:K] for c < n (x rows K floats, y rows M floats)."""
+                n: int, accumulate: bool = False, label: str = "", glu: bool = False) -> None:
+        """y[c][:M] (+)= W @ x[c][:K] for c < n (x rows K floats, y rows M floats).
+        glu: W is gate over up (M = 2F) and y[c][:F] = silu(gate @ x[c]) * (up @ x[c])
+        (only where fuses_glu)."""
+        if glu and (accumulate or not self.fuses_glu(w, n)):
+            raise ValueError("mul_mat: this matrix and step cannot fuse the gated linear unit")
         if w.parts:       # split by rows: each part fills its rows of y
             for r0, part in w.parts:
                 self.mul_mat(prog, part, x, x_stride, y.at(r0, max(0, y.words - r0)), y_stride, n, accumulate,
@@ -144,10 +158,10 @@ class Kernels:
         if x.off % 4 or x_stride % 4 or w.cols % 8:
             raise ValueError("mul_mat needs 16-byte aligned x rows and K a multiple of 8")
         push = struct.pack("<10I", w.data.off, w.scales.off if w.scales else 0, w.cols, w.rows, n,
-                           x.off, x_stride, y.off, y_stride, int(accumulate))
-        yr = _rows_range(y, n, y_stride, w.rows)
+                           x.off, x_stride, y.off, y_stride, int(accumulate) | (2 if glu else 0))
+        yr = _rows_range(y, n, y_stride, w.rows // 2 if glu else w.rows)
         reads = w.regions + [_rows_range(x, n, x_stride, w.cols)] + ([yr] if accumulate else [])
-        if self.tiled_from is not None and n >= self.tiled_from and w.cols % 32 == 0:
+        if self.tiled(w, n):
             tile, variant = TILE, f"mul_mt_{w.type}"
             if math.ceil(w.rows / (16 * TILE[0])) * math.ceil(n / (16 * TILE[1])) < self.small_tiles_below:
                 tile, variant = TILE_SMALL, f"mul_mt64_{w.type}"
@@ -160,13 +174,15 @@ class Kernels:
                 ncols = 1 if single else next((c for c in MM_GPU_COLS if c >= n), MM_GPU_COLS[-1])
                 tag = "b" if self.bfly else ""
                 variant = f"mul_mvk{tag}_{w.type}" if single else f"mul_mm{tag}{ncols}_{w.type}"
-                rows_per_wg = MV_GPU_ROWS[ncols]           # the workgroup shares its rows' K
+                rows_per_wg = mv_gpu_config(w.type, ncols)[0]   # the workgroup shares its rows' K
             elif single:
                 variant, ncols, rows_per_wg = f"mul_mv_{w.type}", 1, self.items * SG_ROWS
             else:
                 variant, ncols, rows_per_wg = f"mul_mm_{w.type}", MATMUL_COLS, self.items * SG_ROWS
             alg = self._alg(variant, [w.data.buf, act, act], push, self.wg, rows_per_wg)
-            groups = self._grid(math.ceil(w.rows / rows_per_wg), math.ceil(n / ncols))
+            # glu: a workgroup takes rows_per_wg / 2 gate rows and the same up rows
+            row_groups = math.ceil(w.rows // 2 / (rows_per_wg // 2)) if glu else math.ceil(w.rows / rows_per_wg)
+            groups = self._grid(row_groups, math.ceil(n / ncols))
         prog.dispatch(alg, push, groups, reads, [yr], label or variant)
 
     def get_rows(self, prog: Program, w: Matrix, params: Buffer, ids_off: int, y: Region, y_stride: int,

@@ -154,9 +154,7 @@ def forward(g: Graph, a: LlamaArgs, w: LlamaWeights) -> None:
         g.attention(i, "q", "att", a.n_head, a.n_head_kv, a.head_dim, scale)
         g.matmul(L.wo, "att", "x", accumulate=True)
         g.rms_norm("x", L.ffn_norm, "h")
-        for m, col in L.gate_up:
-            g.matmul(m, "h", "gu", col=col)
-        g.swiglu("gu", "ff")
+        g.gate_up_swiglu(L.gate_up, "h", "gu", "ff")
         g.matmul(L.down, "ff", "x", accumulate=True)
     if g.n_out:
         g.rms_norm("x", w.out_norm, "out_h", gather=True)

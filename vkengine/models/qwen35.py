@@ -108,9 +108,7 @@ def _moe(g: HybridGraph, a: Qwen35Args, F: MoeFfn, record_col: int | None) -> No
     g.swiglu_split("gu_e", "ff_e", a.n_ff_exp, k)
     g.experts(F.down, a.n_embd, "ff_e", "route", k, "dn_e", per_slot_input=True, batched_experts=batched)
     g.moe_combine("dn_e", "route", k, "x")
-    for m, col in F.sh_gate_up:                               # shared expert, gated by sigmoid(h . w)
-        g.matmul(m, "h", "gu_s", col=col)
-    g.swiglu("gu_s", "ff_s")
+    g.gate_up_swiglu(F.sh_gate_up, "h", "gu_s", "ff_s")      # shared expert, gated by sigmoid(h . w)
     g.matmul(F.sh_gate, "h", "sg")
     g.row_gate("ff_s", "sg")
     g.matmul(F.sh_down, "ff_s", "x", accumulate=True)
@@ -126,9 +124,7 @@ def _block(g: HybridGraph, a: Qwen35Args, L: Layer, layer: int, w: Qwen35Weights
     if isinstance(L.ffn, MoeFfn):
         _moe(g, a, L.ffn, moe_index * a.n_expert_used if a.fixed_experts else None)
     else:
-        for m, col in L.ffn.gate_up:
-            g.matmul(m, "h", "gu", col=col)
-        g.swiglu("gu", "ff")
+        g.gate_up_swiglu(L.ffn.gate_up, "h", "gu", "ff")
         g.matmul(L.ffn.down, "ff", "x", accumulate=True)
 
 

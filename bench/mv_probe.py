@@ -1,0 +1,187 @@
+"""Compare GPU matvec kernels by wall time: for each weight shape, a program of
+R dispatches of one kernel (a barrier between them, as in a decode step), each
+on the next of several weight copies that together overflow the L2 cache, is
+run a few times; the fastest run / R is a dispatch's time. Wall time, not
+timestamps: bench/mv_tune.py's timestamped figures did not match the decode
+steps they were meant to model (docs/bench/notes.md, run 7).
+
+Kernels (mul_mv.comp, KSPLIT = 1, workgroup 128, butterfly reduction):
+  base    the defines the engine uses now (shaders/variants.py)
+  magic   + DQ_MAGIC: nibbles to floats without int -> float conversions (Q4)
+  hoist   + HOIST: the block scale once per unit instead of once per value
+          (Q4 with DQ_MAGIC)
+A third kind, Q4 rows stored in tiles so that a lane loads 16 bytes (4 units)
+at once, measured within noise of "hoist" (H200, 2026-11-30 21:20) and was
+not kept.
+
+    here:   .venv/bin/python bench/mv_probe.py --compile-only
+    there:  python3 bench/mv_probe.py --out $OUT/mv-probe.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import struct
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from shaders.variants import MV_GPU_ROWS, MV_GPU_UNROLL, VARIANTS  # noqa: E402
+
+SHAPES = {"q4_0": ["28672x4096", "4096x14336", "6144x4096", "16384x2048", "2048x8192"],
+          "q8_0": ["16384x2048", "2048x8192", "3072x2048", "49152x2048"]}
+KINDS = {"base": {}, "magic": {"DQ_MAGIC": 1}, "hoist": {"DQ_MAGIC": 1, "HOIST": 1}}
+
+
+def configs(wt: str, cols: list[int]):
+    for kind, extra in KINDS.items():
+        if "DQ_MAGIC" in extra and "HOIST" not in extra and wt not in ("q4_0", "q4_1"):
+            continue
+        for nc in cols:
+            if kind == "base":
+                yield kind, nc, MV_GPU_ROWS[nc], MV_GPU_UNROLL[nc]
+                continue
+            for rps in ((2, 4, 8) if nc == 1 else (2, 4)):
+                for un in (1, 2):
+                    yield kind, nc, rps, un
+
+
+def variant(wt: str, kind: str, nc: int, rps: int, un: int) -> str:
+    name = f"probe_mv_{wt}_{kind}_c{nc}_r{rps}_u{un}"
+    VARIANTS.setdefault(name, ("mul_mv.comp", {f"WT_{wt.upper()}": 1, "NCOLS": nc, "UNROLL": un, "RPS": rps,
+                                               "KSPLIT": 1, "BFLY": 1, **KINDS[kind]}))
+    return name
+
+
+def random_blocks(wt: str, M: int, K: int, rng) -> np.ndarray:
+    """GGUF bytes of random blocks with sane scales (quantizing 100M floats is slow)."""
+    from vkengine.quant import block_shape
+    n, b = block_shape(wt)
+    blocks = rng.integers(0, 256, (M * K // n, b), dtype=np.uint8)
+    blocks[:, 0:2] = rng.uniform(0.002, 0.02, blocks.shape[0]).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    if wt in ("q4_1", "q5_1"):
+        blocks[:, 2:4] = rng.uniform(-0.1, 0.0, blocks.shape[0]).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(M, -1)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--types", default="q4_0,q8_0")
+    ap.add_argument("--cols", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
+    ap.add_argument("--reps", type=int, default=48, help="dispatches per program")
+    ap.add_argument("--runs", type=int, default=8, help="rounds over all kernels")
+    ap.add_argument("--stream-mb", type=int, default=256, help="weight copies cycled through")
+    ap.add_argument("--shapes", default=None, help="type:MxK,... instead of the bench models' shapes")
+    ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.shapes:
+        SHAPES.clear()
+        for item in args.shapes.split(","):
+            t, shp = item.split(":")
+            SHAPES.setdefault(t, []).append(shp)
+        args.types = ",".join(SHAPES)
+    types = args.types.split(",")
+    from vkengine import shaders
+    names = sorted({variant(wt, *c) for wt in types for c in configs(wt, args.cols)})
+    if args.compile_only:
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor() as ex:
+            list(ex.map(shaders.compile_variant, names))
+        print(f"{len(names)} probe variants compiled")
+        return 0
+
+    from vkengine.arena import packed_words
+    from vkengine.device import Device
+    from vkengine.quant import dequantize, repack
+
+    dev = Device()
+    print(f"device: {dev.info.name}", flush=True)
+    rng = np.random.default_rng(0)
+    results = []
+    for wt in types:
+        for shape in SHAPES[wt]:
+            M, K = (int(v) for v in shape.split("x"))
+            raw = random_blocks(wt, M, K, rng)
+            data, scales = repack(wt, raw, M, K)
+            dw, sw = packed_words(wt, M, K)
+            copies = max(2, math.ceil(args.stream_mb * 2**20 / ((dw + sw) * 4)))
+            n = max(args.cols)
+            x = rng.standard_normal(n * K).astype(np.float32)
+            act = dev.buffer((n * K + args.reps * n * M) * 4 + 64, "device", "act")
+            dev.upload(act, x.view(np.uint32))
+            check = min(M, 256)
+            ref = x.reshape(n, K).astype(np.float64) @ dequantize(wt, raw[:check], check, K).astype(np.float64).T
+            # every kernel's program first, then rounds over all of them (the
+            # fastest of its runs counts): a kernel measured first on freshly
+            # written buffers is not penalized, and clock drift hits all alike
+            progs, bufs = [], []
+            for _ in range(copies):
+                wbuf = dev.buffer((dw + sw) * 4 + 64, "device", "w")
+                dev.upload(wbuf, data.reshape(-1).view(np.uint32))
+                dev.upload(wbuf, scales.reshape(-1).view(np.uint32), dw * 4)
+                bufs.append(wbuf)
+            for kind, nc, rps, un in configs(wt, args.cols):
+                name = variant(wt, kind, nc, rps, un)
+                spv = shaders.spirv(name)
+                algs = [dev.algorithm(name, spv, [b, act, act], (128, rps), 40) for b in bufs]
+                prog = dev.program()
+                for r in range(args.reps):
+                    prog.barrier()
+                    yoff = n * K + r * n * M
+                    push = struct.pack("<10I", 0, dw, K, M, nc, 0, K, yoff, M, 0)
+                    prog.dispatch(algs[r % copies], push, (math.ceil(M / rps), 1, 1), [],
+                                  [(act, yoff * 4, (yoff + nc * M) * 4)], "mv")
+                prog.run()
+                y = dev.download(act, (n * K) * 4, nc * M * 4, np.uint8).view(np.float32).reshape(nc, M)
+                err = float(np.abs(y[:, :check] - ref[:nc]).max() / max(1.0, np.abs(ref).max()))
+                progs.append(((kind, nc, rps, un), prog, algs, err, []))
+            for _ in range(args.runs):
+                for _cfg, prog, _algs, _err, times in progs:
+                    t0 = time.perf_counter()
+                    prog.run()
+                    times.append((time.perf_counter() - t0) / args.reps * 1e6)
+            for (kind, nc, rps, un), prog, algs, err, times in progs:
+                us = min(times)
+                row = {"type": wt, "shape": shape, "kind": kind, "ncols": nc, "rps": rps, "unroll": un,
+                       "us": us, "us_median": sorted(times)[len(times) // 2], "err": err,
+                       "gbps": (dw + sw) * 4 / (us * 1e-6) / 1e9}
+                results.append(row)
+                print(f"{wt} {shape} {kind:5s} cols {nc} rps {rps} unroll {un}: {us:7.1f} us "
+                      f"(median {row['us_median']:7.1f}, {row['gbps']:5.0f} GB/s) err {err:.1e}", flush=True)
+            del progs
+            for b in bufs:
+                dev.free(b)
+            dev.free(act)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results))
+    summarize(results)
+    return 0
+
+
+def summarize(results: list[dict]) -> None:
+    bad = [r for r in results if not r["err"] < 1e-4]
+    if bad:
+        print(f"WRONG RESULTS: {sorted({(r['type'], r['kind'], r['ncols'], r['rps'], r['unroll']) for r in bad})}")
+    by: dict = {}
+    for r in results:
+        if r["err"] < 1e-4:
+            by.setdefault((r["type"], r["shape"], r["ncols"]), []).append(r)
+    print("\nfastest per kind (us, GB/s):")
+    for (wt, shape, nc), rows in by.items():
+        best = {}
+        for r in rows:
+            if r["kind"] not in best or r["us"] < best[r["kind"]]["us"]:
+                best[r["kind"]] = r
+        cells = "  ".join(f"{k} {r['us']:.1f} ({r['gbps']:.0f}, r{r['rps']}u{r['unroll']})" for k, r in best.items())
+        print(f"{wt} {shape} cols {nc}: {cells}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
