@@ -130,12 +130,12 @@ def main() -> int:
             for kind, nc, rps, un in configs(wt, args.cols):
                 name = variant(wt, kind, nc, rps, un)
                 spv = shaders.spirv(name)
-                algs = [dev.algorithm(name, spv, [b, act, act], (128, rps), 40) for b in bufs]
+                algs = [dev.algorithm(name, spv, [b, act, act, b], (128, rps), 60) for b in bufs]
                 prog = dev.program()
                 for r in range(args.reps):
                     prog.barrier()
                     yoff = n * K + r * n * M
-                    push = struct.pack("<10I", 0, dw, K, M, nc, 0, K, yoff, M, 0)
+                    push = struct.pack("<10I4If", 0, dw, K, M, nc, 0, K, yoff, M, 0, 0, 0, 0, 0, 0.0)
                     prog.dispatch(algs[r % copies], push, (math.ceil(M / rps), 1, 1), [],
                                   [(act, yoff * 4, (yoff + nc * M) * 4)], "mv")
                 prog.run()

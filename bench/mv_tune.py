@@ -118,13 +118,13 @@ def main() -> int:
                 if bf and rps * nc > dev.info.subgroup_size:
                     continue       # the butterfly needs a lane for every sum
                 for wg in args.wg:
-                    push = struct.pack("<10I", 0, dw, K, M, nc, 0, K, 0, M, 0)
-                    algs = [dev.algorithm(name, spv, [m.data.buf, act, act], (wg, rps), len(push)) for m in mats]
+                    push = struct.pack("<10I4If", 0, dw, K, M, nc, 0, K, 0, M, 0, 0, 0, 0, 0, 0.0)
+                    algs = [dev.algorithm(name, spv, [m.data.buf, act, act, m.data.buf], (wg, rps), len(push)) for m in mats]
                     prog = dev.program(timestamps=True)
                     for r in range(args.reps):
                         prog.barrier()     # one at a time: overlapping dispatches blur their timestamps
                         yoff = n * K + r * n * M
-                        push = struct.pack("<10I", 0, dw, K, M, nc, 0, K, yoff, M, 0)
+                        push = struct.pack("<10I4If", 0, dw, K, M, nc, 0, K, yoff, M, 0, 0, 0, 0, 0, 0.0)
                         prog.dispatch(algs[r % copies], push, (math.ceil(M / rps), 1, 1), [],
                                       [(act, yoff * 4, (yoff + nc * M) * 4)], "mv")
                     prog.run()

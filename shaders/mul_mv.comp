@@ -23,15 +23,24 @@
 // overlap.
 layout(binding = 0) readonly restrict buffer Wq { uint wq[]; };
 layout(binding = 1) readonly restrict buffer X4 { vec4 act4[]; };
-layout(binding = 2) buffer Y { float act[]; };
+// y coherent: with NORM the last workgroup reads every workgroup's rows
+layout(binding = 2) coherent buffer Y { float act[]; };
+layout(binding = 2) coherent buffer Y4 { vec4 yv4[]; };
+layout(binding = 2) coherent buffer Yu { uint actu[]; };
+#if KSPLIT
+layout(binding = 3) readonly restrict buffer NW { vec4 nw4[]; };   // NORM's weight
+#endif
 
 layout(push_constant) uniform P {
     uint w_off, w_off2;     // weight words / scale words
     uint K, M, N;           // columns of W, rows of W, columns of x
     uint x_off, x_stride;   // floats; multiples of 4
     uint y_off, y_stride;   // floats
-    uint flags;             // 1: add into y (fused residual); 2 (split-K variants):
-                            // gated linear unit, see GLU below
+    uint flags;             // 1: add into y (fused residual); split-K variants:
+                            // 2 gated linear unit (GLU below), 4 RMSNorm of y (NORM below)
+    uint h_off, h_stride;   // NORM: output rows (floats; multiples of 4)
+    uint nw_off, sync_off;  // NORM: weight (vec4 binding 3, floats), counter (words of y's buffer)
+    float eps;
 } p;
 
 #include "quant.glsl"
@@ -49,6 +58,8 @@ layout(push_constant) uniform P {
 #define FIRST_ROW rows.x
 #define NEXT_ROWS ITEMS_PER_WG
 shared float red[32][RPS * NCOLS];   // per subgroup (at most 32 of them)
+shared float npart[32];
+shared uint s_last;
 #else
 #define LANE gl_SubgroupInvocationID
 #define FIRST_ROW (rows.x + gl_SubgroupID * RPS)
@@ -216,4 +227,59 @@ void main() {
         }
 #endif
     }
+#if KSPLIT
+    // NORM (flags & 4, with 1: y is the residual stream): h[c] = RMSNorm(y[c]) *
+    // w for every column, by the workgroup that finishes last, instead of an
+    // rms_norm dispatch of its own. Each workgroup makes its rows visible and
+    // counts itself on a counter in y's buffer (zero between dispatches: the
+    // last one resets it); the last reads all rows through the coherent binding
+    // and runs rms_norm_wg's arithmetic (same workgroup size, loop, reduction
+    // order and expressions), so a row's h is what that kernel gives.
+    if ((p.flags & 4u) != 0u) {
+        memoryBarrierBuffer();
+        barrier();
+        if (gl_LocalInvocationID.x == 0u) {
+            uint total = gl_NumWorkGroups.x * gl_NumWorkGroups.y * gl_NumWorkGroups.z;
+            s_last = atomicAdd(actu[p.sync_off], 1u) == total - 1u ? 1u : 0u;
+        }
+        barrier();
+        if (s_last != 0u) {
+            memoryBarrierBuffer();
+            uint n4 = p.M / 4u, S = gl_WorkGroupSize.x, L = gl_LocalInvocationID.x;
+            for (uint c = 0u; c < p.N; c++) {
+                uint xb = (p.y_off + c * p.y_stride) / 4u;
+                float ss = 0.0;
+                for (uint i0 = L; i0 < n4; i0 += S * 4u) {
+                    vec4 v[4];
+                    [[unroll]] for (uint k = 0; k < 4u; k++) {
+                        uint i = i0 + k * S;
+                        v[k] = i < n4 ? yv4[xb + i] : vec4(0.0);
+                    }
+                    [[unroll]] for (uint k = 0; k < 4u; k++) ss += dot(v[k], v[k]);
+                }
+                ss = subgroupAdd(ss);
+                if (subgroupElect()) npart[gl_SubgroupID] = ss;
+                barrier();
+                ss = npart[0];
+                for (uint g = 1; g < gl_NumSubgroups; g++) ss += npart[g];
+                barrier();   // npart is the next column's
+                float scale = inversesqrt(ss / float(p.M) + p.eps);
+                uint hb = (p.h_off + c * p.h_stride) / 4u, wb = p.nw_off / 4u;
+                for (uint i0 = L; i0 < n4; i0 += S * 4u) {
+                    vec4 v[4];
+                    vec4 w[4];
+                    [[unroll]] for (uint k = 0; k < 4u; k++) {
+                        uint i = i0 + k * S;
+                        if (i < n4) { v[k] = yv4[xb + i]; w[k] = nw4[wb + i]; }
+                    }
+                    [[unroll]] for (uint k = 0; k < 4u; k++) {
+                        uint i = i0 + k * S;
+                        if (i < n4) yv4[hb + i] = v[k] * scale * w[k];
+                    }
+                }
+            }
+            if (L == 0u) actu[p.sync_off] = 0u;
+        }
+    }
+#endif
 }

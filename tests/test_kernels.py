@@ -217,6 +217,45 @@ def test_mul_mat_glu(device, column_kernels, ws, rng, wt, n, reduce):
         np.testing.assert_array_equal(out[c, :F], ws.read(one), err_msg=f"column {c} of {n}")
 
 
+@pytest.mark.parametrize("reduce", ["subgroupAdd", "butterfly"])
+@pytest.mark.parametrize("wt", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("n", [1, 3, 8, 13])
+def test_mul_mat_norm(device, column_kernels, ws, rng, wt, n, reduce):
+    """The split-K matvecs' fused RMSNorm (the workgroup that finishes last
+    normalizes every column): y as the plain accumulate gives it, h bit for bit
+    what rms_norm gives on that y, twice in a row (the counter is reset)."""
+    from shaders.variants import MM_GPU_COLS, mv_gpu_config
+    from vkengine.kernels import NormOut
+    column_kernels.bfly = reduce == "butterfly"
+    ncols = 1 if n == 1 else next((c for c in MM_GPU_COLS if c >= n), MM_GPU_COLS[-1])
+    if column_kernels.bfly and mv_gpu_config(wt, ncols)[0] * ncols > device.info.subgroup_size:
+        n = 2
+    M, K, eps = 1036, _cols(wt), 1e-5
+    raw, w = random_quantized(wt, M, K, rng)
+    mat = upload_matrix(ws, wt, raw, M, K)
+    x = rng.standard_normal((n, K)).astype(np.float32)
+    y0 = rng.standard_normal((n, M)).astype(np.float32)
+    nw = ws.weight_region(rng.uniform(0.5, 1.5, M).astype(np.float32))
+    sync = ws.act_region(4, np.zeros(4, np.uint32))
+    xr, hs = ws.act_region(n * K, x), M + 4
+    for _ in range(2):
+        yr, hr, href = ws.act_region(n * M, y0), ws.act_region(n * hs), ws.act_region(n * hs)
+        norm = NormOut(nw, hr, hs, sync, eps)
+        assert column_kernels.fuses_norm(mat, n, yr, M, norm)
+        prog = device.program()
+        column_kernels.mul_mat(prog, mat, xr, K, yr, M, n, accumulate=True, norm=norm)
+        prog.run()
+        y = ws.read(yr).reshape(n, M)
+        _close(y, y0 + x.astype(np.float64) @ w.T, atol_scale=1e-4)
+        prog = device.program()
+        column_kernels.rms_norm(prog, nw, yr, M, href, hs, M, n, eps, ws.params)
+        prog.run()
+        h = ws.read(hr).reshape(n, hs)
+        assert np.isnan(h[:, M:]).all(), "wrote outside its rows"
+        np.testing.assert_array_equal(h[:, :M], ws.read(href).reshape(n, hs)[:, :M])
+        assert ws.read(sync, np.uint32)[0] == 0
+
+
 @pytest.mark.parametrize("wt", ["q4_0", "q8_0", "f16"])
 def test_mul_mat_accumulate(device, kernels, ws, rng, wt):
     M, K, n = 70, 64, 5

@@ -61,6 +61,7 @@ class Engine:
         widths["out_argmax"] = Kernels.argmax_tmp_words(a.n_vocab, 1)   # per output row
         if device.info.type != "cpu":   # split-K decode attention (Graph.attention)
             widths["out_attn_split"] = Kernels.attention_tmp_words(1, a.n_head, a.head_dim, self.n_ctx)
+        widths["out_sync"] = 4          # zeroed counter of fused RMSNorms (Graph.matmul_norm)
         self.max_out = max(1, cfg.max_out)
         # fit the scratch buffer within the device's buffer limit
         max_rows = max(1, cfg.max_batch)
@@ -82,6 +83,7 @@ class Engine:
             raise VkEngineError(f"{e}: reduce the context length (--ctx) or the sequences held on the "
                                 "device at once (--parallel, --slots)") from e
         self.scratch = Scratch(device.buffer(words * 4, "device", "scratch"), widths, max_rows, self.max_out)
+        device.upload(self.scratch.buf, np.zeros(4, np.uint32), self.scratch.offsets["out_sync"] * 4)
         self.layout = ParamsLayout(max_rows, self.max_out)
         # two host params buffers, used in turn, so that a step can be written
         # and submitted while the previous one still runs (chained steps)

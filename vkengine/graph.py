@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .device import Buffer, Program
-from .kernels import Kernels, Matrix, Region
+from .kernels import Kernels, Matrix, NormOut, Region
 from .state import KVCache
 
 
@@ -93,6 +93,21 @@ class Graph:
         """out[r][col : col + w.rows] (+)= w @ x[r]"""
         self.k.mul_mat(self.p, w, self.s.region(x), self.s.stride(x), self.s.region(out, col), self.s.stride(out),
                        self._rows(x), accumulate, label=f"mul_mat {out}<-{x}")
+
+    def matmul_norm(self, w: Matrix, x: str, out: str, norm_w: Region, h: str) -> None:
+        """out[r] += w @ x[r] (the residual stream), then h[r] = rms_norm(out[r])
+        * norm_w: one dispatch where the matvec can take the norm (decode-sized
+        steps on GPUs, kernels.fuses_norm), else matmul and rms_norm."""
+        n = self._rows(x)
+        if "out_sync" in self.s.widths:
+            sync = Region(self.s.buf, self.s.offsets["out_sync"], 1)
+            norm = NormOut(norm_w, self.s.region(h), self.s.stride(h), sync, self.eps)
+            if self.k.fuses_norm(w, n, self.s.region(out), self.s.stride(out), norm):
+                self.k.mul_mat(self.p, w, self.s.region(x), self.s.stride(x), self.s.region(out), self.s.stride(out),
+                               n, accumulate=True, norm=norm, label=f"mul_mat {out}<-{x}+rms_norm")
+                return
+        self.matmul(w, x, out, accumulate=True)
+        self.rms_norm(out, norm_w, h)
 
     def rope_kv(self, layer: int, qkv: str, q_out: str, n_head: int, n_kv: int, head_dim: int, n_rot: int,
                 neox: bool) -> None:

@@ -64,6 +64,18 @@ class Matrix:
         return r
 
 
+@dataclass(frozen=True)
+class NormOut:
+    """What mul_mat's fused RMSNorm writes: h[r] = rms_norm(y[r]) * weight, h
+    rows `h_stride` apart; `sync` is a zeroed word of the activation buffer
+    that the matvec's workgroups count themselves on."""
+    weight: Region
+    h: Region
+    h_stride: int
+    sync: Region
+    eps: float
+
+
 def _rows_range(r: Region, n_rows: int, stride: int, width: int) -> tuple[Buffer, int, int]:
     """Byte range touched by n_rows rows of `width` words, `stride` apart."""
     if n_rows <= 0:
@@ -142,13 +154,24 @@ class Kernels:
         return (self.split_k and not w.parts and not self.tiled(w, n) and w.rows % 2 == 0
                 and mv_gpu_config(w.type, 1)[0] % 2 == 0)
 
+    def fuses_norm(self, w: Matrix, n: int, y: Region, y_stride: int, norm: NormOut) -> bool:
+        """Whether mul_mat(accumulate=True, norm=...) can take the RMSNorm of y
+        (the split-K matvecs: GPUs, decode-sized steps; vec4-aligned rows)."""
+        return (self.split_k and not w.parts and not self.tiled(w, n) and w.rows % 4 == 0
+                and not (y.off % 4 or y_stride % 4 or norm.h.off % 4 or norm.h_stride % 4 or norm.weight.off % 4)
+                and norm.sync.buf is y.buf and norm.h.buf is y.buf)
+
     def mul_mat(self, prog: Program, w: Matrix, x: Region, x_stride: int, y: Region, y_stride: int,
-                n: int, accumulate: bool = False, label: str = "", glu: bool = False) -> None:
+                n: int, accumulate: bool = False, label: str = "", glu: bool = False,
+                norm: NormOut | None = None) -> None:
         """y[c][:M] (+)= W @ x[c][:K] for c < n (x rows K floats, y rows M floats).
         glu: W is gate over up (M = 2F) and y[c][:F] = silu(gate @ x[c]) * (up @ x[c])
-        (only where fuses_glu)."""
+        (only where fuses_glu). norm (with accumulate, where fuses_norm): then
+        norm.h[c] = rms_norm(y[c]) * norm.weight, as rms_norm gives it."""
         if glu and (accumulate or not self.fuses_glu(w, n)):
             raise ValueError("mul_mat: this matrix and step cannot fuse the gated linear unit")
+        if norm is not None and (not accumulate or glu or not self.fuses_norm(w, n, y, y_stride, norm)):
+            raise ValueError("mul_mat: this matrix and step cannot fuse the RMSNorm")
         if w.parts:       # split by rows: each part fills its rows of y
             for r0, part in w.parts:
                 self.mul_mat(prog, part, x, x_stride, y.at(r0, max(0, y.words - r0)), y_stride, n, accumulate,
@@ -157,10 +180,19 @@ class Kernels:
         act = self._same_buffer(x, y)
         if x.off % 4 or x_stride % 4 or w.cols % 8:
             raise ValueError("mul_mat needs 16-byte aligned x rows and K a multiple of 8")
+        flags = int(accumulate) | (2 if glu else 0) | (4 if norm is not None else 0)
         push = struct.pack("<10I", w.data.off, w.scales.off if w.scales else 0, w.cols, w.rows, n,
-                           x.off, x_stride, y.off, y_stride, int(accumulate) | (2 if glu else 0))
+                           x.off, x_stride, y.off, y_stride, flags)
+        if norm is None:
+            push += struct.pack("<4If", 0, 0, 0, 0, 0.0)
+        else:
+            push += struct.pack("<4If", norm.h.off, norm.h_stride, norm.weight.off, norm.sync.off, norm.eps)
         yr = _rows_range(y, n, y_stride, w.rows // 2 if glu else w.rows)
         reads = w.regions + [_rows_range(x, n, x_stride, w.cols)] + ([yr] if accumulate else [])
+        writes = [yr]
+        if norm is not None:
+            reads += [norm.weight.range, norm.sync.range]
+            writes += [_rows_range(norm.h, n, norm.h_stride, w.rows), norm.sync.range]
         if self.tiled(w, n):
             tile, variant = TILE, f"mul_mt_{w.type}"
             if math.ceil(w.rows / (16 * TILE[0])) * math.ceil(n / (16 * TILE[1])) < self.small_tiles_below:
@@ -179,11 +211,14 @@ class Kernels:
                 variant, ncols, rows_per_wg = f"mul_mv_{w.type}", 1, self.items * SG_ROWS
             else:
                 variant, ncols, rows_per_wg = f"mul_mm_{w.type}", MATMUL_COLS, self.items * SG_ROWS
-            alg = self._alg(variant, [w.data.buf, act, act], push, self.wg, rows_per_wg)
+            bufs = [w.data.buf, act, act]
+            if self.split_k:   # binding 3: the fused RMSNorm's weight (any buffer when unused)
+                bufs.append(norm.weight.buf if norm is not None else w.data.buf)
+            alg = self._alg(variant, bufs, push, self.wg, rows_per_wg)
             # glu: a workgroup takes rows_per_wg / 2 gate rows and the same up rows
             row_groups = math.ceil(w.rows // 2 / (rows_per_wg // 2)) if glu else math.ceil(w.rows / rows_per_wg)
             groups = self._grid(row_groups, math.ceil(n / ncols))
-        prog.dispatch(alg, push, groups, reads, [yr], label or variant)
+        prog.dispatch(alg, push, groups, reads, writes, label or variant)
 
     def get_rows(self, prog: Program, w: Matrix, params: Buffer, ids_off: int, y: Region, y_stride: int,
                  n: int, label: str = "get_rows") -> None:

@@ -146,16 +146,19 @@ def forward(g: Graph, a: LlamaArgs, w: LlamaWeights) -> None:
     g.n_out requested rows into out_logits."""
     g.embed(w.tok_embd, "x")
     scale = 1.0 / math.sqrt(a.head_dim)
+    g.rms_norm("x", w.layers[0].attn_norm, "h")
     for i, L in enumerate(w.layers):
-        g.rms_norm("x", L.attn_norm, "h")
         for m, col in L.qkv:
             g.matmul(m, "h", "qkv", col=col)
         g.rope_kv(i, "qkv", "q", a.n_head, a.n_head_kv, a.head_dim, a.n_rot, a.rope_neox)
         g.attention(i, "q", "att", a.n_head, a.n_head_kv, a.head_dim, scale)
-        g.matmul(L.wo, "att", "x", accumulate=True)
-        g.rms_norm("x", L.ffn_norm, "h")
+        # residual adds, each with the next norm where the matvec can take it
+        g.matmul_norm(L.wo, "att", "x", L.ffn_norm, "h")
         g.gate_up_swiglu(L.gate_up, "h", "gu", "ff")
-        g.matmul(L.down, "ff", "x", accumulate=True)
+        if i + 1 < len(w.layers):
+            g.matmul_norm(L.down, "ff", "x", w.layers[i + 1].attn_norm, "h")
+        else:
+            g.matmul(L.down, "ff", "x", accumulate=True)
     if g.n_out:
         g.rms_norm("x", w.out_norm, "out_h", gather=True)
         g.matmul(w.output, "out_h", "out_logits")
