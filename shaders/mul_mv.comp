@@ -58,7 +58,8 @@ layout(push_constant) uniform P {
 #define FIRST_ROW rows.x
 #define NEXT_ROWS ITEMS_PER_WG
 shared float red[32][RPS * NCOLS];   // per subgroup (at most 32 of them)
-shared float npart[32];
+#define NORM_COLS 4u
+shared float npart[NORM_COLS][32];
 shared uint s_last;
 #else
 #define LANE gl_SubgroupInvocationID
@@ -246,35 +247,55 @@ void main() {
         if (s_last != 0u) {
             memoryBarrierBuffer();
             uint n4 = p.M / 4u, S = gl_WorkGroupSize.x, L = gl_LocalInvocationID.x;
-            for (uint c = 0u; c < p.N; c++) {
-                uint xb = (p.y_off + c * p.y_stride) / 4u;
-                float ss = 0.0;
+            // up to NORM_COLS columns at a time, their loads side by side; each
+            // column's sum runs in rms_norm_wg's order
+            for (uint c0 = 0u; c0 < p.N; c0 += NORM_COLS) {
+                uint nc = min(NORM_COLS, p.N - c0);
+                float ss[NORM_COLS];
+                [[unroll]] for (uint c = 0; c < NORM_COLS; c++) ss[c] = 0.0;
                 for (uint i0 = L; i0 < n4; i0 += S * 4u) {
-                    vec4 v[4];
-                    [[unroll]] for (uint k = 0; k < 4u; k++) {
-                        uint i = i0 + k * S;
-                        v[k] = i < n4 ? yv4[xb + i] : vec4(0.0);
+                    [[unroll]] for (uint c = 0; c < NORM_COLS; c++) {
+                        if (c >= nc) continue;
+                        uint xb = (p.y_off + (c0 + c) * p.y_stride) / 4u;
+                        vec4 v[4];
+                        [[unroll]] for (uint k = 0; k < 4u; k++) {
+                            uint i = i0 + k * S;
+                            v[k] = i < n4 ? yv4[xb + i] : vec4(0.0);
+                        }
+                        [[unroll]] for (uint k = 0; k < 4u; k++) ss[c] += dot(v[k], v[k]);
                     }
-                    [[unroll]] for (uint k = 0; k < 4u; k++) ss += dot(v[k], v[k]);
                 }
-                ss = subgroupAdd(ss);
-                if (subgroupElect()) npart[gl_SubgroupID] = ss;
+                [[unroll]] for (uint c = 0; c < NORM_COLS; c++) {
+                    float t = subgroupAdd(ss[c]);
+                    if (subgroupElect()) npart[c][gl_SubgroupID] = t;
+                }
                 barrier();
-                ss = npart[0];
-                for (uint g = 1; g < gl_NumSubgroups; g++) ss += npart[g];
-                barrier();   // npart is the next column's
-                float scale = inversesqrt(ss / float(p.M) + p.eps);
-                uint hb = (p.h_off + c * p.h_stride) / 4u, wb = p.nw_off / 4u;
+                float scale[NORM_COLS];
+                [[unroll]] for (uint c = 0; c < NORM_COLS; c++) {
+                    float t = npart[c][0];
+                    for (uint g = 1; g < gl_NumSubgroups; g++) t += npart[c][g];
+                    scale[c] = inversesqrt(t / float(p.M) + p.eps);
+                }
+                barrier();   // npart is the next columns'
+                uint wb = p.nw_off / 4u;
                 for (uint i0 = L; i0 < n4; i0 += S * 4u) {
-                    vec4 v[4];
                     vec4 w[4];
                     [[unroll]] for (uint k = 0; k < 4u; k++) {
                         uint i = i0 + k * S;
-                        if (i < n4) { v[k] = yv4[xb + i]; w[k] = nw4[wb + i]; }
+                        if (i < n4) w[k] = nw4[wb + i];
                     }
-                    [[unroll]] for (uint k = 0; k < 4u; k++) {
-                        uint i = i0 + k * S;
-                        if (i < n4) yv4[hb + i] = v[k] * scale * w[k];
+                    [[unroll]] for (uint c = 0; c < NORM_COLS; c++) {
+                        if (c >= nc) continue;
+                        uint xb = (p.y_off + (c0 + c) * p.y_stride) / 4u, hb = (p.h_off + (c0 + c) * p.h_stride) / 4u;
+                        vec4 v[4];
+                        [[unroll]] for (uint k = 0; k < 4u; k++) {
+                            uint i = i0 + k * S;
+                            if (i < n4) v[k] = yv4[xb + i];
+                        }
+                        [[unroll]] for (uint k = 0; k < 4u; k++) {
+                            uint i = i0 + k * S;
+                            if (i < n4) yv4[hb + i] = v[k] * scale[c] * w[k];
+                        }
                     }
                 }
             }
