@@ -219,7 +219,7 @@ def test_mul_mat_glu(device, column_kernels, ws, rng, wt, n, reduce):
 
 @pytest.mark.parametrize("reduce", ["subgroupAdd", "butterfly"])
 @pytest.mark.parametrize("wt", ["q4_0", "q8_0"])
-@pytest.mark.parametrize("n", [1, 3, 8, 13])
+@pytest.mark.parametrize("n", [1, 3, 4])
 def test_mul_mat_norm(device, column_kernels, ws, rng, wt, n, reduce):
     """The split-K matvecs' fused RMSNorm (the workgroup that finishes last
     normalizes every column): y as the plain accumulate gives it, h bit for bit
@@ -242,6 +242,7 @@ def test_mul_mat_norm(device, column_kernels, ws, rng, wt, n, reduce):
         yr, hr, href = ws.act_region(n * M, y0), ws.act_region(n * hs), ws.act_region(n * hs)
         norm = NormOut(nw, hr, hs, sync, eps)
         assert column_kernels.fuses_norm(mat, n, yr, M, norm)
+        assert not column_kernels.fuses_norm(mat, column_kernels.NORM_MAX_ROWS + 1, yr, M, norm)
         prog = device.program()
         column_kernels.mul_mat(prog, mat, xr, K, yr, M, n, accumulate=True, norm=norm)
         prog.run()

@@ -154,10 +154,18 @@ class Kernels:
         return (self.split_k and not w.parts and not self.tiled(w, n) and w.rows % 2 == 0
                 and mv_gpu_config(w.type, 1)[0] % 2 == 0)
 
+    # Rows a matvec's fused RMSNorm takes: its last workgroup normalizes them all,
+    # one pass per 4 rows, while the separate rms_norm runs a workgroup per row
+    # in parallel. Not measured apart (H200, 1B Q8_0 server at 16 sequences:
+    # 2,684 tok/s with the norm fused, 2,656 with it separate; both below the
+    # 3,030 of an earlier run, cause not found)
+    NORM_MAX_ROWS = 4
+
     def fuses_norm(self, w: Matrix, n: int, y: Region, y_stride: int, norm: NormOut) -> bool:
         """Whether mul_mat(accumulate=True, norm=...) can take the RMSNorm of y
-        (the split-K matvecs: GPUs, decode-sized steps; vec4-aligned rows)."""
-        return (self.split_k and not w.parts and not self.tiled(w, n) and w.rows % 4 == 0
+        (the split-K matvecs: GPUs, decode steps of up to NORM_MAX_ROWS rows;
+        vec4-aligned rows)."""
+        return (self.split_k and n <= self.NORM_MAX_ROWS and not w.parts and not self.tiled(w, n) and w.rows % 4 == 0
                 and not (y.off % 4 or y_stride % 4 or norm.h.off % 4 or norm.h_stride % 4 or norm.weight.off % 4)
                 and norm.sync.buf is y.buf and norm.h.buf is y.buf)
 
