@@ -2,8 +2,9 @@
 R dispatches of one kernel (a barrier between them, as in a decode step), each
 on the next of several weight copies that together overflow the L2 cache, is
 run a few times; the fastest run / R is a dispatch's time. Wall time, not
-timestamps: bench/mv_tune.py's timestamped figures did not match the decode
-steps they were meant to model (docs/bench/notes.md, run 7).
+timestamps: the timestamped figures of the script it replaces (mv_tune.py)
+did not match the decode steps they were meant to model (docs/bench/notes.md,
+run 7).
 
 Kernels (mul_mv.comp, KSPLIT = 1, workgroup 128, butterfly reduction):
   base    the defines the engine uses now (shaders/variants.py)

@@ -67,8 +67,9 @@ def mv_gpu_config(wt: str, ncols: int) -> tuple[int, int, dict[str, int]]:
 # sums with a butterfly reduce-scatter (1 shuffle per kept sum) instead of a
 # subgroupAdd per sum (5 shuffles each at 32 lanes); they need a lane for every
 # sum, so devices whose subgroups are fixed at >= MV_BFLY_LANES lanes use them
-# (NVIDIA). Measured on the H200 (bench/mv_tune.py): the 4-column matvec
-# 10-40% faster on a 1B model's shapes, the 1-column one 0-8%.
+# (NVIDIA). Measured on the H200 (bench/mv_tune.py, since replaced by
+# bench/mv_probe.py): the 4-column matvec 10-40% faster on a 1B model's
+# shapes, the 1-column one 0-8%.
 MV_BFLY_LANES = max(mv_gpu_config(wt, c)[0] * c for wt in ("f32", *MV_Q4_TYPES) for c in (1, *MM_GPU_COLS))
 
 # Invocation tile (weight rows, tokens) of the shared-memory matmul (mul_mt):

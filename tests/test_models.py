@@ -90,24 +90,31 @@ def test_tiny_chunked_prefill_equals_single_prefill(device, tiny_models):
     np.testing.assert_allclose(last_chunked, last_whole, rtol=0, atol=1e-4 * float(np.abs(last_whole).max()))
 
 
-def test_tiny_batched_rows_equal_sequential(device, tiny_models):
-    """Four sequences decoding in one step (rows in different slots at different
-    positions) give the logits they give alone."""
-    m, eng = _engine(device, tiny_models["q8_0"]["gguf"])
+def _batched_and_alone(m, eng) -> tuple[np.ndarray, np.ndarray]:
+    """Logits of four sequences' next rows (different slots and positions)
+    decoded in one step, and each decoded alone."""
     prompts = [m.tokenizer.encode(t) for t in ("Hello there", "Once upon a time", "def f(x):", "1, 2, 3,")]
     alone = []
     for s, ids in enumerate(prompts):
         eng.prefill(ids, s)
         alone.append(eng.step([ids[-1]], [len(ids) - 1], [s], [0], "logits")[0])
     both = eng.step([p[-1] for p in prompts], [len(p) - 1 for p in prompts], [0, 1, 2, 3], range(4), "logits")
-    np.testing.assert_allclose(both, np.stack(alone), rtol=0, atol=1e-4 * float(np.abs(both).max()))
+    return both, np.stack(alone)
+
+
+def test_tiny_batched_rows_equal_sequential(device, tiny_models):
+    """Four sequences decoding in one step (rows in different slots at different
+    positions) give the logits they give alone."""
+    m, eng = _engine(device, tiny_models["q8_0"]["gguf"])
+    both, alone = _batched_and_alone(m, eng)
+    np.testing.assert_allclose(both, alone, rtol=0, atol=1e-4 * float(np.abs(both).max()))
 
 
 def test_split_k_decode_path(device, tiny_models):
     """The GPUs' decode path (split-K matvecs taking the SwiGLU and the
     RMSNorms, 2..8-column variants for batches) on whatever device runs the
-    tests: decode steps match the prefill and the numpy reference, and four
-    sequences batched give bit for bit the logits each gives alone."""
+    tests: decode steps match the numpy reference, and four sequences batched
+    give bit for bit the logits each gives alone."""
     for quant in ("q4_1", "q8_0"):
         m, eng = _engine(device, tiny_models[quant]["gguf"])
         eng.kernels.split_k, eng.kernels.multi_column_from = True, 2
@@ -115,13 +122,8 @@ def test_split_k_decode_path(device, tiny_models):
         want = RefLlama(m.file, m.args).logits(ids)
         steps = np.stack([eng.step([t], [p], [1], [0], "logits")[0] for p, t in enumerate(ids)])
         _assert_logits_close(steps, want)
-        prompts = [m.tokenizer.encode(t) for t in ("Hello there", "Once upon a time", "def f(x):", "1, 2, 3,")]
-        alone = []
-        for s, p in enumerate(prompts):
-            eng.prefill(p, s)
-            alone.append(eng.step([p[-1]], [len(p) - 1], [s], [0], "logits")[0])
-        both = eng.step([p[-1] for p in prompts], [len(p) - 1 for p in prompts], [0, 1, 2, 3], range(4), "logits")
-        np.testing.assert_array_equal(both, np.stack(alone), err_msg=quant)
+        both, alone = _batched_and_alone(m, eng)
+        np.testing.assert_array_equal(both, alone, err_msg=quant)
 
 
 def test_gguf_and_hf_copy_agree(device, tiny_models):

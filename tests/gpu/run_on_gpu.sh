@@ -15,7 +15,7 @@
 #   bench   bench/bench.py: ours vs llama-bench on synthetic models (BENCH_MODELS=none: only BENCH_QWEN)
 #   parity  parity run against llama-server's Vulkan build on synthetic llama/qwen35/qwen35moe
 #   serve-bench  bench/serve.py: C = 1, 4, 16 streaming clients, ours vs llama-server
-#   cmd     run $GPU_CMD (e.g. python3 bench/mv_tune.py --out $OUT/mv-tune.json)
+#   cmd     run $GPU_CMD (e.g. python3 bench/mv_probe.py --out $OUT/mv-probe.json)
 #   qwen35  the hybrid models' tests, and tests/gpu/hf_oracle_qwen35.py (transformers as oracle)
 # Everything the GPU machine lacks travels in .vk/: the Vulkan loader and the
 # GL vendor-neutral libraries that NVIDIA's Vulkan ICD (libGLX_nvidia) needs, libfmt,
