@@ -228,7 +228,10 @@ void main() {
         }
 #endif
     }
-#if KSPLIT
+#if KSPLIT && NCOLS <= 4
+    // (not compiled into the 8-column variants: the host fuses the norm into
+    // steps of at most 4 rows, Kernels.NORM_MAX_ROWS, and the epilogue's
+    // registers would count against those variants' occupancy)
     // NORM (flags & 4, with 1: y is the residual stream): h[c] = RMSNorm(y[c]) *
     // w for every column, by the workgroup that finishes last, instead of an
     // rms_norm dispatch of its own. Each workgroup makes its rows visible and

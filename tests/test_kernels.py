@@ -159,9 +159,9 @@ def test_mul_mat_columns_equal_single_rows(device, column_kernels, ws, rng, wt, 
     a sequence's tokens do not depend on which others share its step. Both
     reductions (the butterfly needs a lane per sum: on lavapipe's 8 lanes only
     the 1- and 2-column variants can run it)."""
-    from shaders.variants import MM_GPU_COLS, mv_gpu_config
+    from shaders.variants import mv_gpu_config
     column_kernels.bfly = reduce == "butterfly"
-    ncols = next((c for c in MM_GPU_COLS if c >= n), MM_GPU_COLS[-1])
+    ncols = column_kernels.split_k_columns(n)
     if column_kernels.bfly and mv_gpu_config(wt, ncols)[0] * ncols > device.info.subgroup_size:
         n = 2                                  # the widest variant this device can reduce so
     M, K = 37, _cols(wt)
@@ -189,9 +189,9 @@ def test_mul_mat_columns_equal_single_rows(device, column_kernels, ws, rng, wt, 
 def test_mul_mat_glu(device, column_kernels, ws, rng, wt, n, reduce):
     """The split-K matvecs' fused SwiGLU (gate over up in one matrix): right,
     each column bit for bit the row alone, and only F values a row written."""
-    from shaders.variants import MM_GPU_COLS, mv_gpu_config
+    from shaders.variants import mv_gpu_config
     column_kernels.bfly = reduce == "butterfly"
-    ncols = 1 if n == 1 else next((c for c in MM_GPU_COLS if c >= n), MM_GPU_COLS[-1])
+    ncols = column_kernels.split_k_columns(n)
     if column_kernels.bfly and mv_gpu_config(wt, ncols)[0] * ncols > device.info.subgroup_size:
         n = 2
     F, K = 37, _cols(wt)
@@ -224,10 +224,10 @@ def test_mul_mat_norm(device, column_kernels, ws, rng, wt, n, reduce):
     """The split-K matvecs' fused RMSNorm (the workgroup that finishes last
     normalizes every column): y as the plain accumulate gives it, h bit for bit
     what rms_norm gives on that y, twice in a row (the counter is reset)."""
-    from shaders.variants import MM_GPU_COLS, mv_gpu_config
+    from shaders.variants import mv_gpu_config
     from vkengine.kernels import NormOut
     column_kernels.bfly = reduce == "butterfly"
-    ncols = 1 if n == 1 else next((c for c in MM_GPU_COLS if c >= n), MM_GPU_COLS[-1])
+    ncols = column_kernels.split_k_columns(n)
     if column_kernels.bfly and mv_gpu_config(wt, ncols)[0] * ncols > device.info.subgroup_size:
         n = 2
     M, K, eps = 1036, _cols(wt), 1e-5

@@ -152,20 +152,25 @@ class Kernels:
         """Whether mul_mat(glu=True) can multiply n rows by this gate|up matrix
         (the split-K matvecs: GPUs, decode-sized steps)."""
         return (self.split_k and not w.parts and not self.tiled(w, n) and w.rows % 2 == 0
-                and mv_gpu_config(w.type, 1)[0] % 2 == 0)
+                and mv_gpu_config(w.type, self.split_k_columns(n))[0] % 2 == 0)
 
     # Rows a matvec's fused RMSNorm takes: its last workgroup normalizes them all,
     # one pass per 4 rows, while the separate rms_norm runs a workgroup per row
     # in parallel. Not measured apart (H200, 1B Q8_0 server at 16 sequences:
     # 2,684 tok/s with the norm fused, 2,656 with it separate; both below the
     # 3,030 of an earlier run, cause not found)
-    NORM_MAX_ROWS = 4
+    NORM_MAX_ROWS = 4   # at most the 4-column variants (mul_mv.comp compiles NORM into NCOLS <= 4 only)
+
+    def split_k_columns(self, n: int) -> int:
+        """Columns of the split-K variant that takes a step of n rows (mul_mvk: 1)."""
+        return 1 if n < self.multi_column_from else next((c for c in MM_GPU_COLS if c >= n), MM_GPU_COLS[-1])
 
     def fuses_norm(self, w: Matrix, n: int, y: Region, y_stride: int, norm: NormOut) -> bool:
         """Whether mul_mat(accumulate=True, norm=...) can take the RMSNorm of y
         (the split-K matvecs: GPUs, decode steps of up to NORM_MAX_ROWS rows;
         vec4-aligned rows)."""
-        return (self.split_k and n <= self.NORM_MAX_ROWS and not w.parts and not self.tiled(w, n) and w.rows % 4 == 0
+        return (self.split_k and n <= self.NORM_MAX_ROWS and self.split_k_columns(n) <= 4
+                and not w.parts and not self.tiled(w, n) and w.rows % 4 == 0
                 and not (y.off % 4 or y_stride % 4 or norm.h.off % 4 or norm.h_stride % 4 or norm.weight.off % 4)
                 and norm.sync.buf is y.buf and norm.h.buf is y.buf)
 
@@ -211,7 +216,7 @@ class Kernels:
         else:
             single = n < self.multi_column_from
             if self.split_k:
-                ncols = 1 if single else next((c for c in MM_GPU_COLS if c >= n), MM_GPU_COLS[-1])
+                ncols = self.split_k_columns(n)
                 tag = "b" if self.bfly else ""
                 variant = f"mul_mvk{tag}_{w.type}" if single else f"mul_mm{tag}{ncols}_{w.type}"
                 rows_per_wg = mv_gpu_config(w.type, ncols)[0]   # the workgroup shares its rows' K
