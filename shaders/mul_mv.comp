@@ -23,12 +23,20 @@
 // overlap.
 layout(binding = 0) readonly restrict buffer Wq { uint wq[]; };
 layout(binding = 1) readonly restrict buffer X4 { vec4 act4[]; };
-// y coherent: with NORM the last workgroup reads every workgroup's rows
+// NORM (the fused RMSNorm, below) is compiled into the split-K variants of up
+// to 4 columns only: the host fuses it into steps of at most 4 rows
+// (Kernels.NORM_MAX_ROWS), and the other variants keep their registers and a
+// plain y binding. With it y is coherent: the last workgroup reads every
+// workgroup's rows.
+#if KSPLIT && NCOLS <= 4
+#define NORM_CODE 1
 layout(binding = 2) coherent buffer Y { float act[]; };
 layout(binding = 2) coherent buffer Y4 { vec4 yv4[]; };
 layout(binding = 2) coherent buffer Yu { uint actu[]; };
-#if KSPLIT
 layout(binding = 3) readonly restrict buffer NW { vec4 nw4[]; };   // NORM's weight
+#else
+#define NORM_CODE 0
+layout(binding = 2) buffer Y { float act[]; };
 #endif
 
 layout(push_constant) uniform P {
@@ -58,9 +66,11 @@ layout(push_constant) uniform P {
 #define FIRST_ROW rows.x
 #define NEXT_ROWS ITEMS_PER_WG
 shared float red[32][RPS * NCOLS];   // per subgroup (at most 32 of them)
+#if NORM_CODE
 #define NORM_COLS 4u
 shared float npart[NORM_COLS][32];
 shared uint s_last;
+#endif
 #else
 #define LANE gl_SubgroupInvocationID
 #define FIRST_ROW (rows.x + gl_SubgroupID * RPS)
@@ -228,10 +238,7 @@ void main() {
         }
 #endif
     }
-#if KSPLIT && NCOLS <= 4
-    // (not compiled into the 8-column variants: the host fuses the norm into
-    // steps of at most 4 rows, Kernels.NORM_MAX_ROWS, and the epilogue's
-    // registers would count against those variants' occupancy)
+#if NORM_CODE
     // NORM (flags & 4, with 1: y is the residual stream): h[c] = RMSNorm(y[c]) *
     // w for every column, by the workgroup that finishes last, instead of an
     // rms_norm dispatch of its own. Each workgroup makes its rows visible and
