@@ -150,6 +150,16 @@ def column_kernels(device):
     return kn
 
 
+def _split_k_rows(device, kernels, wt: str, n: int, reduce: str) -> int:
+    """Set the split-K kernels' reduction; the rows to test: n, or 2 where the
+    butterfly has no lane for every sum of n rows' variant (lavapipe's 8 lanes:
+    only the 1- and 2-column variants), the widest variant it can reduce so."""
+    from shaders.variants import mv_gpu_config
+    kernels.bfly = reduce == "butterfly"
+    ncols = kernels.split_k_columns(n)
+    return 2 if kernels.bfly and mv_gpu_config(wt, ncols)[0] * ncols > device.info.subgroup_size else n
+
+
 @pytest.mark.parametrize("reduce", ["subgroupAdd", "butterfly"])
 @pytest.mark.parametrize("wt", ["f32", "f16", "q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q6_k"])
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 8, 13])
@@ -159,11 +169,7 @@ def test_mul_mat_columns_equal_single_rows(device, column_kernels, ws, rng, wt, 
     a sequence's tokens do not depend on which others share its step. Both
     reductions (the butterfly needs a lane per sum: on lavapipe's 8 lanes only
     the 1- and 2-column variants can run it)."""
-    from shaders.variants import mv_gpu_config
-    column_kernels.bfly = reduce == "butterfly"
-    ncols = column_kernels.split_k_columns(n)
-    if column_kernels.bfly and mv_gpu_config(wt, ncols)[0] * ncols > device.info.subgroup_size:
-        n = 2                                  # the widest variant this device can reduce so
+    n = _split_k_rows(device, column_kernels, wt, n, reduce)
     M, K = 37, _cols(wt)
     raw, w = random_quantized(wt, M, K, rng)
     mat = upload_matrix(ws, wt, raw, M, K)
@@ -189,11 +195,7 @@ def test_mul_mat_columns_equal_single_rows(device, column_kernels, ws, rng, wt, 
 def test_mul_mat_glu(device, column_kernels, ws, rng, wt, n, reduce):
     """The split-K matvecs' fused SwiGLU (gate over up in one matrix): right,
     each column bit for bit the row alone, and only F values a row written."""
-    from shaders.variants import mv_gpu_config
-    column_kernels.bfly = reduce == "butterfly"
-    ncols = column_kernels.split_k_columns(n)
-    if column_kernels.bfly and mv_gpu_config(wt, ncols)[0] * ncols > device.info.subgroup_size:
-        n = 2
+    n = _split_k_rows(device, column_kernels, wt, n, reduce)
     F, K = 37, _cols(wt)
     raw, w = random_quantized(wt, 2 * F, K, rng)
     mat = upload_matrix(ws, wt, raw, 2 * F, K)
@@ -224,12 +226,8 @@ def test_mul_mat_norm(device, column_kernels, ws, rng, wt, n, reduce):
     """The split-K matvecs' fused RMSNorm (the workgroup that finishes last
     normalizes every column): y as the plain accumulate gives it, h bit for bit
     what rms_norm gives on that y, twice in a row (the counter is reset)."""
-    from shaders.variants import mv_gpu_config
     from vkengine.kernels import NormOut
-    column_kernels.bfly = reduce == "butterfly"
-    ncols = column_kernels.split_k_columns(n)
-    if column_kernels.bfly and mv_gpu_config(wt, ncols)[0] * ncols > device.info.subgroup_size:
-        n = 2
+    n = _split_k_rows(device, column_kernels, wt, n, reduce)
     M, K, eps = 1036, _cols(wt), 1e-5
     raw, w = random_quantized(wt, M, K, rng)
     mat = upload_matrix(ws, wt, raw, M, K)
