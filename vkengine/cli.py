@@ -76,6 +76,9 @@ def cmd_devices(args) -> int:
               f"shared memory {d.max_shared_memory // 1024} KiB, workgroup <= {d.max_workgroup_invocations}")
         print(f"    device-local memory {d.device_local_bytes / 2**30:.1f} GiB, push constants {d.max_push_constants_size} B, "
               f"timestamps {d.timestamp_period_ns:g} ns/tick")
+        if d.cooperative_matrix:
+            f16 = "yes" if d.COOPMAT_F16 in d.cooperative_matrix else "no"
+            print(f"    cooperative matrices: {len(d.cooperative_matrix)} shapes, 16x16x16 f16 -> f32: {f16}")
     return 0
 
 

@@ -79,6 +79,12 @@ class DeviceInfo:
     timestamp_period_ns: float
     device_local_bytes: int
     extensions: tuple[str, ...] = ()
+    # (M, N, K, A, B, C, result type, scope) of each cooperative-matrix shape
+    # (VK_KHR_cooperative_matrix; component types 0 f16, 1 f32; scope 3 subgroup)
+    cooperative_matrix: tuple[tuple[int, ...], ...] = ()
+
+    # the shape mul_mc.comp multiplies in: 16 x 16 x 16, f16 operands, f32 sums, per subgroup
+    COOPMAT_F16 = (16, 16, 16, 0, 0, 1, 1, 3)
 
     @classmethod
     def from_kp(cls, index: int, d: dict) -> "DeviceInfo":
@@ -90,7 +96,8 @@ class DeviceInfo:
             max_workgroup_invocations=d["max_workgroup_invocations"],
             max_workgroup_count=tuple(d["max_workgroup_count"]),
             timestamp_period_ns=d["timestamp_period_ns"], device_local_bytes=d["device_local_bytes"],
-            extensions=tuple(d["extensions"]))
+            extensions=tuple(d["extensions"]),
+            cooperative_matrix=tuple(tuple(c) for c in d.get("cooperative_matrix", ())))
 
     @property
     def subgroups_fixed(self) -> bool:
