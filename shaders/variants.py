@@ -80,6 +80,19 @@ TILE = (8, 8)
 TILE_SMALL = (4, 4)
 
 
+# Variants that only the newer glslc compiles (scripts/glslc-ext.sh), marked by
+# this define: cooperative-matrix prefill matmuls (mul_mc.comp), run where
+# Kernels.coopmat says the device can.
+EXT_DEFINE = "GLSLC_EXT"
+# mul_mc's tile: BM weight rows x BN tokens, its 8 subgroups in an SGM x SGN grid.
+# Measured on the H200 (bench/mm_probe.py, 512 tokens, 8B Q4_0 and 1B Q8_0
+# shapes, 2026-11-30): 64 x 128 with each subgroup on 64 rows x 16 tokens 93-98
+# TFLOPS on the 8B FFN shapes and 66 on its qkv (6144 x 4096); 128 x 64 (32 x 16
+# a subgroup) within 5% of it; 64 x 64 60-66; 128 x 128 80; any layout giving a
+# subgroup more than 16 tokens 25-35, as slow as the fp32 kernel (mul_mt).
+MC_TILE = (64, 128, 1, 8)
+
+
 def _table() -> dict[str, tuple[str, dict[str, int]]]:
     t: dict[str, tuple[str, dict[str, int]]] = {}
     for wt in WEIGHT_TYPES:
@@ -95,6 +108,8 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
                                            "BFLY": bf})
         t[f"mul_mt_{wt}"] = ("mul_mt.comp", {**d, "TM": TILE[0], "TN": TILE[1]})
         t[f"mul_mt64_{wt}"] = ("mul_mt.comp", {**d, "TM": TILE_SMALL[0], "TN": TILE_SMALL[1]})
+        bm, bn, sgm, sgn = MC_TILE
+        t[f"mul_mc_{wt}"] = ("mul_mc.comp", {**d, "BM": bm, "BN": bn, "SGM": sgm, "SGN": sgn, EXT_DEFINE: 1})
         t[f"get_rows_{wt}"] = ("get_rows.comp", d)
         t[f"get_rows_p_{wt}"] = ("get_rows.comp", {**d, "ROW_PART": 1})   # a matrix split by rows
     for op in ("rms_norm", "rope_kv", "attention", "attention_merge", "swiglu", "add", "softmax", "argmax_part", "argmax", "copy"):

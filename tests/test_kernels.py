@@ -100,12 +100,19 @@ def test_timestamps(device, kernels, ws):
 
 # -- matmul -------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def tiled_kernels(device):
+@pytest.fixture(scope="module", params=["fp32", "coopmat"])
+def tiled_kernels(device, request):
     """Kernels that use the shared-memory tiled matmul for every batch size
-    (by default only GPUs use it, from 64 tokens)."""
+    (by default only GPUs use it, from 64 tokens): the fp32 kernel (mul_mt)
+    everywhere, the cooperative-matrix one (mul_mc) where the device has
+    16 x 16 x 16 f16 matrices (GPUs; lavapipe has none)."""
     from vkengine.kernels import Kernels
-    return Kernels(device, tiled_from=2)
+    kn = Kernels(device, tiled_from=2)
+    if request.param == "fp32":
+        kn.coopmat = False
+    elif not kn.coopmat:
+        pytest.skip("the device has no 16x16x16 f16 cooperative matrices (the GPU kernel tests run these)")
+    return kn
 
 
 @pytest.mark.parametrize("wt", WEIGHT_TYPES)
@@ -134,8 +141,15 @@ def _check_mul_mat(device, kernels, ws, rng, wt, n, M, K):
     kernels.mul_mat(prog, mat, xr, xs, yr, ys, n)
     prog.run()
     got = ws.read(yr).reshape(n, ys)[:, :M]
-    want = x.astype(np.float64) @ w.T.astype(np.float64)
-    _close(got, want, atol_scale=1e-5 * np.sqrt(K))
+    if kernels.coopmat and kernels.tiled(mat, n):
+        # fp16 operands (x and the dequantized W rounded to halves), fp32 sums;
+        # a device may round to half differently than numpy: one half ulp per operand
+        want = x.astype(np.float16).astype(np.float64) @ w.astype(np.float16).T.astype(np.float64)
+        bound = 2.0 ** -10 * (np.abs(x).astype(np.float64) @ np.abs(w).T.astype(np.float64))
+        assert (np.abs(got - want) <= bound + 1e-5 * np.sqrt(K) * max(1.0, float(np.abs(want).max()))).all()
+    else:
+        want = x.astype(np.float64) @ w.T.astype(np.float64)
+        _close(got, want, atol_scale=1e-5 * np.sqrt(K))
     assert np.isnan(ws.read(yr).reshape(n, ys)[:, M:]).all(), "wrote outside its rows"
 
 

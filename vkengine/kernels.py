@@ -10,12 +10,13 @@ are in weight buffers in the layouts of shaders/quant.glsl.
 from __future__ import annotations
 
 import math
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from shaders.variants import (MATMUL_COLS, MM_GPU_COLS, MV_BFLY_LANES, SG_ROWS, TILE, TILE_SMALL, mv_gpu_config,
-                              UNIT_VALUES)
+from shaders.variants import (MATMUL_COLS, MC_TILE, MM_GPU_COLS, MV_BFLY_LANES, SG_ROWS, TILE, TILE_SMALL,
+                              UNIT_VALUES, mv_gpu_config)
 
 from . import shaders
 from .device import Buffer, Device, Program
@@ -125,6 +126,15 @@ class Kernels:
         # tiled matmuls whose 128 x 128 grid has fewer workgroups than this use
         # 64 x 64 tiles (4x the workgroups; a GPU has ~100 compute units)
         self.small_tiles_below = 256
+        # the tiled matmuls on cooperative matrices (mul_mc: fp16 tiles, fp32
+        # sums) where the device multiplies 16 x 16 x 16 f16 subgroup matrices
+        # and runs 8 subgroups of 32 lanes a workgroup; VKENGINE_COOPMAT=0 keeps
+        # the fp32 kernels (to measure the gain)
+        info = device.info
+        self.coopmat = (self.tiled_from is not None and os.environ.get("VKENGINE_COOPMAT", "1") != "0"
+                        and {"cooperativeMatrix", "shaderFloat16"} <= set(device.features)
+                        and info.COOPMAT_F16 in info.cooperative_matrix
+                        and info.subgroups_fixed and self.sg == 32 and info.max_shared_memory >= 32 * 1024)
 
     # -- helpers -----------------------------------------------------------
     def _alg(self, name: str, buffers: list[Buffer], push: bytes, wg: int, items: int | None = None):
@@ -207,12 +217,16 @@ class Kernels:
             reads += [norm.weight.range, norm.sync.range]
             writes += [_rows_range(norm.h, n, norm.h_stride, w.rows), norm.sync.range]
         if self.tiled(w, n):
-            tile, variant = TILE, f"mul_mt_{w.type}"
-            if math.ceil(w.rows / (16 * TILE[0])) * math.ceil(n / (16 * TILE[1])) < self.small_tiles_below:
-                tile, variant = TILE_SMALL, f"mul_mt64_{w.type}"
+            if self.coopmat:
+                (bm, bn), variant = MC_TILE[:2], f"mul_mc_{w.type}"
+            else:
+                tile, variant = TILE, f"mul_mt_{w.type}"
+                if math.ceil(w.rows / (16 * TILE[0])) * math.ceil(n / (16 * TILE[1])) < self.small_tiles_below:
+                    tile, variant = TILE_SMALL, f"mul_mt64_{w.type}"
+                bm, bn = 16 * tile[0], 16 * tile[1]
             spv = shaders.spirv(variant, self._spirv_cache)
             alg = self.device.algorithm(variant, spv, [w.data.buf, act, act], (), len(push))
-            groups = (math.ceil(w.rows / (16 * tile[0])), math.ceil(n / (16 * tile[1])), 1)
+            groups = (math.ceil(w.rows / bm), math.ceil(n / bn), 1)
         else:
             single = n < self.multi_column_from
             if self.split_k:

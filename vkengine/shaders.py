@@ -6,7 +6,10 @@ shader recompiles only what changed and stale binaries are never used.
 `vkengine build-shaders` (run by scripts/setup.sh) compiles everything ahead of
 use; a missing entry is compiled on first use. Machines without glslc (the GPU
 machine) use a cache directory carried from one that has it
-(VKENGINE_SPIRV_CACHE).
+(VKENGINE_SPIRV_CACHE). Variants marked EXT_DEFINE (cooperative matrices) need
+a newer glslc than Debian 12's: scripts/glslc-ext.sh installs one under
+.glslc-ext/ (VKENGINE_GLSLC_EXT overrides); where it is missing, build_all
+leaves them out and only devices that could run them would ask for them.
 """
 from __future__ import annotations
 
@@ -19,12 +22,27 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from pathlib import Path
 
-from shaders.variants import VARIANTS
+from shaders.variants import EXT_DEFINE, VARIANTS
 
 from .errors import VkEngineError
 
 SHADER_DIR = Path(__file__).resolve().parent.parent / "shaders"
 GLSLC_FLAGS = ("-fshader-stage=compute", "--target-env=vulkan1.2", "-O")
+GLSLC_EXT_FLAGS = ("-fshader-stage=compute", "--target-env=vulkan1.3", "-O")
+REPO_GLSLC_EXT = SHADER_DIR.parent / ".glslc-ext" / "glslc"
+
+
+def needs_ext(name: str) -> bool:
+    """Whether a variant needs the newer glslc (scripts/glslc-ext.sh)."""
+    return bool(VARIANTS[name][1].get(EXT_DEFINE))
+
+
+def glslc_ext() -> str | None:
+    """The newer glslc, or None where it is not installed."""
+    env = os.environ.get("VKENGINE_GLSLC_EXT")
+    if env:
+        return env
+    return str(REPO_GLSLC_EXT) if os.access(REPO_GLSLC_EXT, os.X_OK) else None
 
 
 def default_cache_dir() -> Path:
@@ -52,7 +70,7 @@ def variant_key(name: str) -> str:
     h.update(_sources_digest().encode())
     h.update(src.encode())
     h.update(repr(sorted(defines.items())).encode())
-    h.update(repr(GLSLC_FLAGS).encode())
+    h.update(repr(GLSLC_EXT_FLAGS if defines.get(EXT_DEFINE) else GLSLC_FLAGS).encode())
     return f"{name}-{h.hexdigest()[:16]}"
 
 
@@ -61,7 +79,12 @@ def compile_variant(name: str, cache_dir: Path | None = None) -> Path:
     out = cache_dir / f"{variant_key(name)}.spv"
     if out.exists():
         return out
-    glslc = shutil.which("glslc")
+    ext = needs_ext(name)
+    glslc = glslc_ext() if ext else shutil.which("glslc")
+    if glslc is None and ext:
+        raise VkEngineError(
+            f"shader {name} is not in the SPIR-V cache {cache_dir} and needs a newer glslc than the system's "
+            "(cooperative matrices): run scripts/glslc-ext.sh, or set VKENGINE_GLSLC_EXT")
     if glslc is None:
         raise VkEngineError(
             f"shader {name} is not in the SPIR-V cache {cache_dir} and glslc is not installed: "
@@ -69,7 +92,7 @@ def compile_variant(name: str, cache_dir: Path | None = None) -> Path:
             "built by `vkengine build-shaders` on a machine that has glslc")
     src, defines = VARIANTS[name]
     cache_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [glslc, *GLSLC_FLAGS, f"-I{SHADER_DIR}"]
+    cmd = [glslc, *(GLSLC_EXT_FLAGS if ext else GLSLC_FLAGS), f"-I{SHADER_DIR}"]
     cmd += [f"-D{k}={v}" for k, v in defines.items()]
     fd, tmp = tempfile.mkstemp(suffix=".spv", dir=cache_dir)
     os.close(fd)
@@ -96,7 +119,8 @@ def spirv(name: str, cache_dir: Path | None = None) -> bytes:
 
 
 def build_all(cache_dir: Path | None = None, jobs: int | None = None) -> list[Path]:
-    """Compile every variant (ahead of use); returns the cached files."""
-    names = sorted(VARIANTS)
+    """Compile every variant (ahead of use; those needing the newer glslc only
+    where it is installed); returns the cached files."""
+    names = sorted(n for n in VARIANTS if not needs_ext(n) or glslc_ext())
     with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 2) as ex:
         return list(ex.map(lambda n: compile_variant(n, cache_dir), names))

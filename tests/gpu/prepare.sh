@@ -38,5 +38,6 @@ if ! ls .vk/trixie/glslc_*.deb >/dev/null 2>&1; then
   o="-oAPT::Architecture=amd64 -oAPT::Architectures=amd64 -oDir::State::Lists=$t/lists -oDir::Etc::SourceList=$t/sources.list -oDir::Etc::SourceParts=/dev/null"
   apt-get $o update -qq && (cd .vk/trixie && apt-get $o download glslc libshaderc1 libvulkan-dev spirv-headers)
 fi
+scripts/glslc-ext.sh >/dev/null   # cooperative-matrix shaders
 VKENGINE_SPIRV_CACHE=$PWD/.spv .venv/bin/vkengine build-shaders
 du -sh .vk .spv
