@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import multiprocessing as mp
 import os
 import re
 import statistics
@@ -93,6 +94,19 @@ def run_llama_bench(exe: str, model: Path, n_prompt: int, n_gen: int, reps: int)
     return out
 
 
+def _ours(path: str, device: int | None, n_prompt: int, n_gen: int, reps: int, par: list[int]):
+    """Our pp/tg (and batched decode) on one model, in the calling process."""
+    from vkengine.bench import run_batched, run_bench
+    from vkengine.device import Device
+    from vkengine.engine import Engine, EngineConfig
+    from vkengine.model import load_model
+    eng = Engine(load_model(Path(path)), Device(device),
+                 EngineConfig(n_slots=max(par, default=1), n_ctx=n_prompt + n_gen + 8,
+                              max_batch=max([n_prompt] + par), max_out=max(par, default=1)))
+    ours = run_bench(eng, n_prompt, n_gen, reps)
+    return ours, [run_batched(eng, b, n_gen, reps) for b in par]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="135m:q4_1,1b:q8_0,1b:q4_0,8b:q4_0",
@@ -113,11 +127,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tokenizer-from", default=None, help="tokenizer GGUF for synth (default: embedded SmolLM2)")
     args = ap.parse_args(argv)
 
-    from vkengine.bench import parse_parallel, run_batched, run_bench
+    from vkengine.bench import parse_parallel
     from vkengine.device import Device
-    from vkengine.engine import Engine, EngineConfig
     from vkengine.kernels import Kernels
-    from vkengine.model import load_model
     from vkengine.synth import config_for, synth_llama
 
     par = [b for b in parse_parallel(args.parallel) if b > 1]   # batched decode: sequence counts
@@ -142,12 +154,12 @@ def main(argv=None) -> int:
             jobs.append((path, shape, quant))
     for path, shape, quant in jobs:
         wbytes, rbytes = gguf_weight_bytes(path)
-        m = load_model(path)
-        eng = Engine(m, dev, EngineConfig(n_slots=max(par, default=1), n_ctx=args.n_prompt + args.n_gen + 8,
-                                          max_batch=max([args.n_prompt] + par), max_out=max(par, default=1)))
-        ours = run_bench(eng, args.n_prompt, args.n_gen, args.reps)
-        batched = [run_batched(eng, b, args.n_gen, args.reps) for b in par]
-        del eng
+        # each model's engine in a fresh process, as a user runs one: a second
+        # engine created on the same device in one process prefilled 3-4x slower
+        # than the first (H200, 1B Q4_0: 28,300 then 6,300-10,400 tok/s; cause
+        # not found), which had understated every model after the first
+        with mp.get_context("spawn").Pool(1) as pool:
+            ours, batched = pool.apply(_ours, (str(path), args.device, args.n_prompt, args.n_gen, args.reps, par))
         peer = run_llama_bench(args.llama_bench, path, args.n_prompt, args.n_gen, args.reps) \
             if args.llama_bench else {}
         row = {"model": path.name, "shape": shape, "quant": quant, "weight_bytes": wbytes,
@@ -167,7 +179,10 @@ def main(argv=None) -> int:
     date = now.strftime("%Y-%m-%d")
     dev_slug = re.sub(r"[^a-z0-9]+", "-", dev.info.name.lower()).strip("-")[:40]
     doc = {"date": date, "device": dev.info.name, "driver": f"{dev.info.driver_name} {dev.info.driver_info}",
-           "features": list(dev.features), "copy_bandwidth": bw, "n_prompt": args.n_prompt, "n_gen": args.n_gen,
+           "features": list(dev.features),
+           "prefill_kernel": "none (matvecs)" if kn.tiled_from is None
+           else "mul_mc (cooperative matrices, fp16 tiles)" if kn.coopmat else "mul_mt (fp32)",
+           "copy_bandwidth": bw, "n_prompt": args.n_prompt, "n_gen": args.n_gen,
            "reps": args.reps, "peer": args.llama_label, "note": args.note, "results": results}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -181,7 +196,8 @@ def main(argv=None) -> int:
 def table(doc: dict) -> str:
     lines = [f"**{doc['date']} {doc.get('time', '')}, {doc['device']}** ({doc['driver']}); copy bandwidth "
              f"{doc['copy_bandwidth']['gbps']:.0f} GB/s; peer: {doc.get('peer', 'llama.cpp')}; "
-             f"pp{doc.get('n_prompt', 512)}, tg{doc.get('n_gen', 128)}",
+             f"pp{doc.get('n_prompt', 512)}, tg{doc.get('n_gen', 128)}"
+             + (f"; our prefill matmul: {doc['prefill_kernel']}" if doc.get("prefill_kernel") else ""),
              "", "| model | weights | pp ours | pp peer | pp ratio | tg ours | tg peer | tg ratio | tg GB/s | of copy bw |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in doc["results"]:

@@ -1,0 +1,150 @@
+"""Compare the prefill matmul kernels by wall time on the bench models' shapes:
+for each weight shape and N tokens, a program of R dispatches of one kernel
+(a barrier between them) is run a few times; the fastest run / R is a
+dispatch's time, reported with its TFLOPS (2 M K N flops).
+
+Kernels:
+  mt<T>         mul_mt.comp, fp32 (every GPU), T x T tiles
+  mc<BM>x<BN>s<SGM><SGN>   mul_mc.comp, cooperative matrices (fp16 tiles, fp32
+                sums), BM weight rows x BN tokens, 8 subgroups in an SGM x SGN
+                grid (the engine's is shaders/variants.py MC_TILE)
+Measured and dropped (H200, 2026-11-30): BK = 64 (5-25% slower than 32) and
+issuing the next slice's global loads before the current slice's multiplies
+(within noise).
+
+    here:   .venv/bin/python bench/mm_probe.py --compile-only
+    there:  python3 bench/mm_probe.py --out $OUT/mm-probe.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import struct
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from mv_probe import random_blocks  # noqa: E402  (same directory)
+from shaders.variants import EXT_DEFINE, VARIANTS  # noqa: E402
+
+SHAPES = {"q4_0": ["6144x4096", "4096x4096", "28672x4096", "4096x14336"],
+          "q8_0": ["3072x2048", "2048x2048", "16384x2048", "2048x8192"]}
+# name -> None (mul_mt, 128 x 128 and 64 x 64 tiles) or mul_mc's (BM, BN, SGM, SGN, BK)
+KINDS = {"mt128": None, "mt64": None,
+         "mc64x128s18": (64, 128, 1, 8, 32), "mc128x64s24": (128, 64, 2, 4, 32), "mc64x64": (64, 64, 2, 4, 32),
+         "mc128x128s18": (128, 128, 1, 8, 32), "mc128x128s24": (128, 128, 2, 4, 32)}
+
+
+def tile_of(kind: str) -> tuple[int, int]:
+    if KINDS[kind] is None:
+        t = int(kind[2:])
+        return t, t
+    return KINDS[kind][0], KINDS[kind][1]
+
+
+def variant(wt: str, kind: str) -> str:
+    name = f"probe_mm_{wt}_{kind}"
+    d = {f"WT_{wt.upper()}": 1}
+    if KINDS[kind] is None:
+        t = tile_of(kind)[0] // 16
+        VARIANTS.setdefault(name, ("mul_mt.comp", {**d, "TM": t, "TN": t}))
+    else:
+        bm, bn, sgm, sgn, bk = KINDS[kind]
+        VARIANTS.setdefault(name, ("mul_mc.comp", {**d, "BM": bm, "BN": bn, "SGM": sgm, "SGN": sgn, "BK": bk,
+                                                   EXT_DEFINE: 1}))
+    return name
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--types", default="q4_0,q8_0")
+    ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("-n", type=int, default=512, help="tokens")
+    ap.add_argument("--reps", type=int, default=8, help="dispatches per program")
+    ap.add_argument("--runs", type=int, default=5, help="rounds over all kernels")
+    ap.add_argument("--shapes", default=None, help="type:MxK,... instead of the bench models' shapes")
+    ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.shapes:
+        SHAPES.clear()
+        for item in args.shapes.split(","):
+            t, shp = item.split(":")
+            SHAPES.setdefault(t, []).append(shp)
+        args.types = ",".join(SHAPES)
+    types, kinds = args.types.split(","), args.kinds.split(",")
+    from vkengine import shaders
+    names = sorted({variant(wt, k) for wt in types for k in kinds})
+    if args.compile_only:
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor() as ex:
+            list(ex.map(shaders.compile_variant, names))
+        print(f"{len(names)} probe variants compiled")
+        return 0
+
+    from vkengine.arena import packed_words
+    from vkengine.device import Device
+    from vkengine.quant import dequantize, repack
+
+    dev = Device()
+    print(f"device: {dev.info.name}", flush=True)
+    rng = np.random.default_rng(0)
+    n = args.n
+    results = []
+    for wt in types:
+        for shape in SHAPES[wt]:
+            M, K = (int(v) for v in shape.split("x"))
+            raw = random_blocks(wt, M, K, rng)
+            data, scales = repack(wt, raw, M, K)
+            dw, sw = packed_words(wt, M, K)
+            x = rng.standard_normal(n * K).astype(np.float32)
+            act = dev.buffer((n * K + n * M) * 4 + 64, "device", "act")
+            dev.upload(act, x.view(np.uint32))
+            wbuf = dev.buffer((dw + sw) * 4 + 64, "device", "w")
+            dev.upload(wbuf, data.reshape(-1).view(np.uint32))
+            dev.upload(wbuf, scales.reshape(-1).view(np.uint32), dw * 4)
+            check = min(M, 256)
+            ref = x.reshape(n, K).astype(np.float64) @ dequantize(wt, raw[:check], check, K).astype(np.float64).T
+            progs = []
+            for kind in kinds:
+                name, (bm, bn) = variant(wt, kind), tile_of(kind)
+                alg = dev.algorithm(name, shaders.spirv(name), [wbuf, act, act], (), 40)
+                prog = dev.program()
+                push = struct.pack("<10I", 0, dw, K, M, n, 0, K, n * K, M, 0)
+                for _ in range(args.reps):
+                    prog.barrier()
+                    prog.dispatch(alg, push, (math.ceil(M / bm), math.ceil(n / bn), 1), [],
+                                  [(act, n * K * 4, (n * K + n * M) * 4)], "mm")
+                prog.run()
+                y = dev.download(act, n * K * 4, n * M * 4, np.uint8).view(np.float32).reshape(n, M)
+                err = float(np.abs(y[:, :check] - ref).max() / max(1.0, np.abs(ref).max()))
+                progs.append((kind, f"{bm}x{bn}", prog, alg, err, []))
+            for _ in range(args.runs):
+                for _k, _t, prog, _alg, _err, times in progs:
+                    t0 = time.perf_counter()
+                    prog.run()
+                    times.append((time.perf_counter() - t0) / args.reps * 1e6)
+            for kind, tile, prog, alg, err, times in progs:
+                us = min(times)
+                row = {"type": wt, "shape": shape, "n": n, "kind": kind, "tile": tile, "us": us,
+                       "us_median": sorted(times)[len(times) // 2], "err": err,
+                       "tflops": 2 * M * K * n / (us * 1e-6) / 1e12}
+                results.append(row)
+                print(f"{wt} {shape} n {n} {kind:10s} tile {tile:7s}: {us:8.1f} us (median {row['us_median']:8.1f}) "
+                      f"{row['tflops']:6.1f} TFLOPS err {err:.1e}", flush=True)
+            del progs
+            dev.free(wbuf)
+            dev.free(act)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
