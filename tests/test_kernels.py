@@ -100,26 +100,26 @@ def test_timestamps(device, kernels, ws):
 
 # -- matmul -------------------------------------------------------------------
 
-@pytest.fixture(scope="module", params=["fp32", "coopmat"])
-def tiled_kernels(device, request):
-    """Kernels that use the shared-memory tiled matmul for every batch size
-    (by default only GPUs use it, from 64 tokens): the fp32 kernel (mul_mt)
-    everywhere, the cooperative-matrix one (mul_mc) where the device has
-    16 x 16 x 16 f16 matrices (GPUs; lavapipe has none)."""
+@pytest.fixture(scope="module")
+def tiled_kernels(device):
+    """Kernels that use the shared-memory tiled fp32 matmul (mul_mt) for every
+    batch size (by default only GPUs use it, from 64 tokens, and those with
+    cooperative matrices take mul_mc instead)."""
     from vkengine.kernels import Kernels
     kn = Kernels(device, tiled_from=2)
-    if request.param == "fp32":
-        kn.coopmat = False
-    elif not kn.coopmat:
-        pytest.skip("the device has no 16x16x16 f16 cooperative matrices (the GPU kernel tests run these)")
+    kn.coopmat = False
     return kn
 
 
-@pytest.mark.parametrize("wt", WEIGHT_TYPES)
-@pytest.mark.parametrize("n", [1, 3, 8, 13])
-def test_mul_mat(device, kernels, ws, rng, wt, n):
-    M, K = 37, _cols(wt)
-    _check_mul_mat(device, kernels, ws, rng, wt, n, M, K)
+@pytest.fixture(scope="module")
+def coopmat_kernels(device):
+    """Kernels whose tiled matmuls run on cooperative matrices (mul_mc) for
+    every batch size: GPUs with 16 x 16 x 16 f16 matrices (lavapipe has none)."""
+    from vkengine.kernels import Kernels
+    kn = Kernels(device, tiled_from=2)
+    if not kn.coopmat:
+        pytest.skip("the device has no 16x16x16 f16 cooperative matrices (the GPU kernel tests run these)")
+    return kn
 
 
 @pytest.mark.parametrize("wt", WEIGHT_TYPES)
@@ -128,6 +128,14 @@ def test_mul_mat(device, kernels, ws, rng, wt, n):
 def test_mul_mat_tiled(device, tiled_kernels, ws, rng, wt, n, M, tile):
     tiled_kernels.small_tiles_below = 0 if tile == "128" else 1 << 30
     _check_mul_mat(device, tiled_kernels, ws, rng, wt, n, M, 512 if wt in K_QUANTS else 96)
+
+
+@pytest.mark.parametrize("wt", WEIGHT_TYPES)
+@pytest.mark.parametrize("n,M,K", [(3, 37, 96), (130, 131, 96), (200, 200, 2048)])
+def test_mul_mat_coopmat(device, coopmat_kernels, ws, rng, wt, n, M, K):
+    """Edges of the 64 x 128 tile (rows past M, tokens past N, K not a multiple
+    of the slice for the 32-value types) and a long K."""
+    _check_mul_mat(device, coopmat_kernels, ws, rng, wt, n, M, max(K, 512) if wt in K_QUANTS else K)
 
 
 def _check_mul_mat(device, kernels, ws, rng, wt, n, M, K):
