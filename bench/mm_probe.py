@@ -30,7 +30,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mv_probe import random_blocks  # noqa: E402  (same directory)
+from mv_probe import compile_probes, probe_device, probe_matrices, use_shapes, weight_buffer  # noqa: E402  (same directory)
 from shaders.variants import EXT_DEFINE, VARIANTS  # noqa: E402
 
 SHAPES = {"q4_0": ["6144x4096", "4096x4096", "28672x4096", "4096x14336"],
@@ -73,74 +73,56 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.shapes:
-        SHAPES.clear()
-        for item in args.shapes.split(","):
-            t, shp = item.split(":")
-            SHAPES.setdefault(t, []).append(shp)
-        args.types = ",".join(SHAPES)
+        args.types = use_shapes(args.shapes, SHAPES)
     types, kinds = args.types.split(","), args.kinds.split(",")
     from vkengine import shaders
     names = sorted({variant(wt, k) for wt in types for k in kinds})
     if args.compile_only:
-        from concurrent.futures import ThreadPoolExecutor
-        with ThreadPoolExecutor() as ex:
-            list(ex.map(shaders.compile_variant, names))
-        print(f"{len(names)} probe variants compiled")
+        compile_probes(names)
         return 0
 
-    from vkengine.arena import packed_words
-    from vkengine.device import Device
-    from vkengine.quant import dequantize, repack
+    from vkengine.quant import dequantize
 
-    dev = Device()
-    print(f"device: {dev.info.name}", flush=True)
-    rng = np.random.default_rng(0)
+    dev, rng = probe_device()
     n = args.n
     results = []
-    for wt in types:
-        for shape in SHAPES[wt]:
-            M, K = (int(v) for v in shape.split("x"))
-            raw = random_blocks(wt, M, K, rng)
-            data, scales = repack(wt, raw, M, K)
-            dw, sw = packed_words(wt, M, K)
-            x = rng.standard_normal(n * K).astype(np.float32)
-            act = dev.buffer((n * K + n * M) * 4 + 64, "device", "act")
-            dev.upload(act, x.view(np.uint32))
-            wbuf = dev.buffer((dw + sw) * 4 + 64, "device", "w")
-            dev.upload(wbuf, data.reshape(-1).view(np.uint32))
-            dev.upload(wbuf, scales.reshape(-1).view(np.uint32), dw * 4)
-            check = min(M, 256)
-            ref = x.reshape(n, K).astype(np.float64) @ dequantize(wt, raw[:check], check, K).astype(np.float64).T
-            progs = []
-            for kind in kinds:
-                name, (bm, bn) = variant(wt, kind), tile_of(kind)
-                alg = dev.algorithm(name, shaders.spirv(name), [wbuf, act, act], (), 40)
-                prog = dev.program()
-                push = struct.pack("<10I", 0, dw, K, M, n, 0, K, n * K, M, 0)
-                for _ in range(args.reps):
-                    prog.barrier()
-                    prog.dispatch(alg, push, (math.ceil(M / bm), math.ceil(n / bn), 1), [],
-                                  [(act, n * K * 4, (n * K + n * M) * 4)], "mm")
+    for wt, shape, M, K, raw, data, scales, dw, sw in probe_matrices(types, SHAPES, rng):
+        x = rng.standard_normal(n * K).astype(np.float32)
+        act = dev.buffer((n * K + n * M) * 4 + 64, "device", "act")
+        dev.upload(act, x.view(np.uint32))
+        wbuf = weight_buffer(dev, data, scales, dw, sw)
+        check = min(M, 256)
+        ref = x.reshape(n, K).astype(np.float64) @ dequantize(wt, raw[:check], check, K).astype(np.float64).T
+        progs = []
+        for kind in kinds:
+            name, (bm, bn) = variant(wt, kind), tile_of(kind)
+            alg = dev.algorithm(name, shaders.spirv(name), [wbuf, act, act], (), 40)
+            prog = dev.program()
+            push = struct.pack("<10I", 0, dw, K, M, n, 0, K, n * K, M, 0)
+            for _ in range(args.reps):
+                prog.barrier()
+                prog.dispatch(alg, push, (math.ceil(M / bm), math.ceil(n / bn), 1), [],
+                              [(act, n * K * 4, (n * K + n * M) * 4)], "mm")
+            prog.run()
+            y = dev.download(act, n * K * 4, n * M * 4, np.uint8).view(np.float32).reshape(n, M)
+            err = float(np.abs(y[:, :check] - ref).max() / max(1.0, np.abs(ref).max()))
+            progs.append((kind, f"{bm}x{bn}", prog, alg, err, []))
+        for _ in range(args.runs):
+            for _k, _t, prog, _alg, _err, times in progs:
+                t0 = time.perf_counter()
                 prog.run()
-                y = dev.download(act, n * K * 4, n * M * 4, np.uint8).view(np.float32).reshape(n, M)
-                err = float(np.abs(y[:, :check] - ref).max() / max(1.0, np.abs(ref).max()))
-                progs.append((kind, f"{bm}x{bn}", prog, alg, err, []))
-            for _ in range(args.runs):
-                for _k, _t, prog, _alg, _err, times in progs:
-                    t0 = time.perf_counter()
-                    prog.run()
-                    times.append((time.perf_counter() - t0) / args.reps * 1e6)
-            for kind, tile, prog, alg, err, times in progs:
-                us = min(times)
-                row = {"type": wt, "shape": shape, "n": n, "kind": kind, "tile": tile, "us": us,
-                       "us_median": sorted(times)[len(times) // 2], "err": err,
-                       "tflops": 2 * M * K * n / (us * 1e-6) / 1e12}
-                results.append(row)
-                print(f"{wt} {shape} n {n} {kind:10s} tile {tile:7s}: {us:8.1f} us (median {row['us_median']:8.1f}) "
-                      f"{row['tflops']:6.1f} TFLOPS err {err:.1e}", flush=True)
-            del progs
-            dev.free(wbuf)
-            dev.free(act)
+                times.append((time.perf_counter() - t0) / args.reps * 1e6)
+        for kind, tile, prog, alg, err, times in progs:
+            us = min(times)
+            row = {"type": wt, "shape": shape, "n": n, "kind": kind, "tile": tile, "us": us,
+                   "us_median": sorted(times)[len(times) // 2], "err": err,
+                   "tflops": 2 * M * K * n / (us * 1e-6) / 1e12}
+            results.append(row)
+            print(f"{wt} {shape} n {n} {kind:10s} tile {tile:7s}: {us:8.1f} us (median {row['us_median']:8.1f}) "
+                  f"{row['tflops']:6.1f} TFLOPS err {err:.1e}", flush=True)
+        del progs
+        dev.free(wbuf)
+        dev.free(act)
     if args.out:
         Path(args.out).write_text(json.dumps(results))
     return 0

@@ -71,6 +71,55 @@ def random_blocks(wt: str, M: int, K: int, rng) -> np.ndarray:
     return blocks.reshape(M, -1)
 
 
+def use_shapes(text: str, shapes: dict) -> str:
+    """--shapes 'type:MxK,...': replaces the probe's shape table; returns its types."""
+    shapes.clear()
+    for item in text.split(","):
+        t, shp = item.split(":")
+        shapes.setdefault(t, []).append(shp)
+    return ",".join(shapes)
+
+
+def compile_probes(names: list[str]) -> None:
+    """--compile-only: the probe variants into the SPIR-V cache (on a machine with glslc)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vkengine import shaders
+    with ThreadPoolExecutor() as ex:
+        list(ex.map(shaders.compile_variant, names))
+    print(f"{len(names)} probe variants compiled")
+
+
+def weight_buffer(dev, data: np.ndarray, scales: np.ndarray, dw: int, sw: int):
+    """A device buffer holding one repacked matrix: quants, then scales at word dw."""
+    wbuf = dev.buffer((dw + sw) * 4 + 64, "device", "w")
+    dev.upload(wbuf, data.reshape(-1).view(np.uint32))
+    dev.upload(wbuf, scales.reshape(-1).view(np.uint32), dw * 4)
+    return wbuf
+
+
+def probe_device():
+    """The device (announced) and the probes' random generator (seed 0)."""
+    from vkengine.device import Device
+    dev = Device()
+    print(f"device: {dev.info.name}", flush=True)
+    return dev, np.random.default_rng(0)
+
+
+def probe_matrices(types: list[str], shapes: dict, rng):
+    """(type, shape, M, K, GGUF blocks, repacked quants and scales, their word
+    counts) of one random matrix per shape of each type."""
+    from vkengine.arena import packed_words
+    from vkengine.quant import repack
+    for wt in types:
+        for shape in shapes[wt]:
+            M, K = (int(v) for v in shape.split("x"))
+            raw = random_blocks(wt, M, K, rng)
+            data, scales = repack(wt, raw, M, K)
+            dw, sw = packed_words(wt, M, K)
+            yield wt, shape, M, K, raw, data, scales, dw, sw
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--types", default="q4_0,q8_0")
@@ -83,83 +132,64 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.shapes:
-        SHAPES.clear()
-        for item in args.shapes.split(","):
-            t, shp = item.split(":")
-            SHAPES.setdefault(t, []).append(shp)
-        args.types = ",".join(SHAPES)
+        args.types = use_shapes(args.shapes, SHAPES)
     types = args.types.split(",")
     from vkengine import shaders
     names = sorted({variant(wt, *c) for wt in types for c in configs(wt, args.cols)})
     if args.compile_only:
-        from concurrent.futures import ThreadPoolExecutor
-        with ThreadPoolExecutor() as ex:
-            list(ex.map(shaders.compile_variant, names))
-        print(f"{len(names)} probe variants compiled")
+        compile_probes(names)
         return 0
 
-    from vkengine.arena import packed_words
-    from vkengine.device import Device
-    from vkengine.quant import dequantize, repack
+    from vkengine.quant import dequantize
 
-    dev = Device()
-    print(f"device: {dev.info.name}", flush=True)
-    rng = np.random.default_rng(0)
+    dev, rng = probe_device()
     results = []
-    for wt in types:
-        for shape in SHAPES[wt]:
-            M, K = (int(v) for v in shape.split("x"))
-            raw = random_blocks(wt, M, K, rng)
-            data, scales = repack(wt, raw, M, K)
-            dw, sw = packed_words(wt, M, K)
-            copies = max(2, math.ceil(args.stream_mb * 2**20 / ((dw + sw) * 4)))
-            n = max(args.cols)
-            x = rng.standard_normal(n * K).astype(np.float32)
-            act = dev.buffer((n * K + args.reps * n * M) * 4 + 64, "device", "act")
-            dev.upload(act, x.view(np.uint32))
-            check = min(M, 256)
-            ref = x.reshape(n, K).astype(np.float64) @ dequantize(wt, raw[:check], check, K).astype(np.float64).T
-            # every kernel's program first, then rounds over all of them (the
-            # fastest of its runs counts): a kernel measured first on freshly
-            # written buffers is not penalized, and clock drift hits all alike
-            progs, bufs = [], []
-            for _ in range(copies):
-                wbuf = dev.buffer((dw + sw) * 4 + 64, "device", "w")
-                dev.upload(wbuf, data.reshape(-1).view(np.uint32))
-                dev.upload(wbuf, scales.reshape(-1).view(np.uint32), dw * 4)
-                bufs.append(wbuf)
-            for kind, nc, rps, un in configs(wt, args.cols):
-                name = variant(wt, kind, nc, rps, un)
-                spv = shaders.spirv(name)
-                algs = [dev.algorithm(name, spv, [b, act, act, b], (128, rps), 60) for b in bufs]
-                prog = dev.program()
-                for r in range(args.reps):
-                    prog.barrier()
-                    yoff = n * K + r * n * M
-                    push = struct.pack("<10I4If", 0, dw, K, M, nc, 0, K, yoff, M, 0, 0, 0, 0, 0, 0.0)
-                    prog.dispatch(algs[r % copies], push, (math.ceil(M / rps), 1, 1), [],
-                                  [(act, yoff * 4, (yoff + nc * M) * 4)], "mv")
+    for wt, shape, M, K, raw, data, scales, dw, sw in probe_matrices(types, SHAPES, rng):
+        copies = max(2, math.ceil(args.stream_mb * 2**20 / ((dw + sw) * 4)))
+        n = max(args.cols)
+        x = rng.standard_normal(n * K).astype(np.float32)
+        act = dev.buffer((n * K + args.reps * n * M) * 4 + 64, "device", "act")
+        dev.upload(act, x.view(np.uint32))
+        check = min(M, 256)
+        ref = x.reshape(n, K).astype(np.float64) @ dequantize(wt, raw[:check], check, K).astype(np.float64).T
+        # every kernel's program first, then rounds over all of them (the
+        # fastest of its runs counts): a kernel measured first on freshly
+        # written buffers is not penalized, and clock drift hits all alike
+        progs, bufs = [], []
+        for _ in range(copies):
+            bufs.append(weight_buffer(dev, data, scales, dw, sw))
+        for kind, nc, rps, un in configs(wt, args.cols):
+            name = variant(wt, kind, nc, rps, un)
+            spv = shaders.spirv(name)
+            algs = [dev.algorithm(name, spv, [b, act, act, b], (128, rps), 60) for b in bufs]
+            prog = dev.program()
+            for r in range(args.reps):
+                prog.barrier()
+                yoff = n * K + r * n * M
+                push = struct.pack("<10I4If", 0, dw, K, M, nc, 0, K, yoff, M, 0, 0, 0, 0, 0, 0.0)
+                prog.dispatch(algs[r % copies], push, (math.ceil(M / rps), 1, 1), [],
+                              [(act, yoff * 4, (yoff + nc * M) * 4)], "mv")
+            prog.run()
+            y = dev.download(act, (n * K) * 4, nc * M * 4, np.uint8).view(np.float32).reshape(nc, M)
+            err = float(np.abs(y[:, :check] - ref[:nc]).max() / max(1.0, np.abs(ref).max()))
+            progs.append(((kind, nc, rps, un), prog, algs, err, []))
+        for _ in range(args.runs):
+            for _cfg, prog, _algs, _err, times in progs:
+                t0 = time.perf_counter()
                 prog.run()
-                y = dev.download(act, (n * K) * 4, nc * M * 4, np.uint8).view(np.float32).reshape(nc, M)
-                err = float(np.abs(y[:, :check] - ref[:nc]).max() / max(1.0, np.abs(ref).max()))
-                progs.append(((kind, nc, rps, un), prog, algs, err, []))
-            for _ in range(args.runs):
-                for _cfg, prog, _algs, _err, times in progs:
-                    t0 = time.perf_counter()
-                    prog.run()
-                    times.append((time.perf_counter() - t0) / args.reps * 1e6)
-            for (kind, nc, rps, un), prog, algs, err, times in progs:
-                us = min(times)
-                row = {"type": wt, "shape": shape, "kind": kind, "ncols": nc, "rps": rps, "unroll": un,
-                       "us": us, "us_median": sorted(times)[len(times) // 2], "err": err,
-                       "gbps": (dw + sw) * 4 / (us * 1e-6) / 1e9}
-                results.append(row)
-                print(f"{wt} {shape} {kind:5s} cols {nc} rps {rps} unroll {un}: {us:7.1f} us "
-                      f"(median {row['us_median']:7.1f}, {row['gbps']:5.0f} GB/s) err {err:.1e}", flush=True)
-            del progs
-            for b in bufs:
-                dev.free(b)
-            dev.free(act)
+                times.append((time.perf_counter() - t0) / args.reps * 1e6)
+        for (kind, nc, rps, un), prog, algs, err, times in progs:
+            us = min(times)
+            row = {"type": wt, "shape": shape, "kind": kind, "ncols": nc, "rps": rps, "unroll": un,
+                   "us": us, "us_median": sorted(times)[len(times) // 2], "err": err,
+                   "gbps": (dw + sw) * 4 / (us * 1e-6) / 1e9}
+            results.append(row)
+            print(f"{wt} {shape} {kind:5s} cols {nc} rps {rps} unroll {un}: {us:7.1f} us "
+                  f"(median {row['us_median']:7.1f}, {row['gbps']:5.0f} GB/s) err {err:.1e}", flush=True)
+        del progs
+        for b in bufs:
+            dev.free(b)
+        dev.free(act)
     if args.out:
         Path(args.out).write_text(json.dumps(results))
     summarize(results)
