@@ -100,6 +100,13 @@ def test_timestamps(device, kernels, ws):
 
 # -- matmul -------------------------------------------------------------------
 
+@pytest.mark.parametrize("wt", WEIGHT_TYPES)
+@pytest.mark.parametrize("n", [1, 3, 8, 13])
+def test_mul_mat(device, kernels, ws, rng, wt, n):
+    M, K = 37, _cols(wt)
+    _check_mul_mat(device, kernels, ws, rng, wt, n, M, K)
+
+
 @pytest.fixture(scope="module")
 def tiled_kernels(device):
     """Kernels that use the shared-memory tiled fp32 matmul (mul_mt) for every
