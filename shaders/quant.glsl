@@ -1,5 +1,6 @@
-// Weight formats, read from a 32-bit storage buffer `wq` (kp enables no 16/8-bit
-// storage by default, so halves, bytes and nibbles are unpacked here).
+// Weight formats, read from a 32-bit storage buffer `wq` (the kernels do not rely on
+// 16/8-bit storage, which not every device has, so halves, bytes and nibbles are
+// unpacked here).
 //
 // The including shader declares `wq` (binding WQ_BINDING, default 0) and defines
 // exactly one WT_<type>. A matrix is row-major with K columns, its values at word
