@@ -17,7 +17,6 @@ issuing the next slice's global loads before the current slice's multiplies
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import struct
@@ -30,7 +29,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mv_probe import compile_probes, probe_device, probe_matrices, use_shapes, weight_buffer  # noqa: E402  (same directory)
+from mv_probe import (compile_probes, parse_probe_args, probe_device, probe_matrices,  # noqa: E402 (same dir)
+                      probe_parser, weight_buffer)
 from shaders.variants import EXT_DEFINE, VARIANTS  # noqa: E402
 
 SHAPES = {"q4_0": ["6144x4096", "4096x4096", "28672x4096", "4096x14336"],
@@ -62,19 +62,11 @@ def variant(wt: str, kind: str) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--types", default="q4_0,q8_0")
+    ap = probe_parser(__doc__, reps=8, runs=5)
     ap.add_argument("--kinds", default=",".join(KINDS))
     ap.add_argument("-n", type=int, default=512, help="tokens")
-    ap.add_argument("--reps", type=int, default=8, help="dispatches per program")
-    ap.add_argument("--runs", type=int, default=5, help="rounds over all kernels")
-    ap.add_argument("--shapes", default=None, help="type:MxK,... instead of the bench models' shapes")
-    ap.add_argument("--compile-only", action="store_true")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    if args.shapes:
-        args.types = use_shapes(args.shapes, SHAPES)
-    types, kinds = args.types.split(","), args.kinds.split(",")
+    args = parse_probe_args(ap, SHAPES)
+    types, kinds = args.types, args.kinds.split(",")
     from vkengine import shaders
     names = sorted({variant(wt, k) for wt in types for k in kinds})
     if args.compile_only:

@@ -71,13 +71,30 @@ def random_blocks(wt: str, M: int, K: int, rng) -> np.ndarray:
     return blocks.reshape(M, -1)
 
 
-def use_shapes(text: str, shapes: dict) -> str:
-    """--shapes 'type:MxK,...': replaces the probe's shape table; returns its types."""
-    shapes.clear()
-    for item in text.split(","):
-        t, shp = item.split(":")
-        shapes.setdefault(t, []).append(shp)
-    return ",".join(shapes)
+def probe_parser(doc: str, reps: int, runs: int) -> argparse.ArgumentParser:
+    """The options both kernel probes take (this one and mm_probe.py)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--types", default="q4_0,q8_0")
+    ap.add_argument("--reps", type=int, default=reps, help="dispatches per program")
+    ap.add_argument("--runs", type=int, default=runs, help="rounds over all kernels")
+    ap.add_argument("--shapes", default=None, help="type:MxK,... instead of the bench models' shapes")
+    ap.add_argument("--compile-only", action="store_true")
+    ap.add_argument("--out", default=None)
+    return ap
+
+
+def parse_probe_args(ap: argparse.ArgumentParser, shapes: dict) -> argparse.Namespace:
+    """Parsed options; --shapes replaces the probe's shape table, and
+    args.types is the list of weight types to probe."""
+    args = ap.parse_args()
+    if args.shapes:
+        shapes.clear()
+        for item in args.shapes.split(","):
+            t, shp = item.split(":")
+            shapes.setdefault(t, []).append(shp)
+        args.types = ",".join(shapes)
+    args.types = args.types.split(",")
+    return args
 
 
 def compile_probes(names: list[str]) -> None:
@@ -121,19 +138,11 @@ def probe_matrices(types: list[str], shapes: dict, rng):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--types", default="q4_0,q8_0")
+    ap = probe_parser(__doc__, reps=48, runs=8)
     ap.add_argument("--cols", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
-    ap.add_argument("--reps", type=int, default=48, help="dispatches per program")
-    ap.add_argument("--runs", type=int, default=8, help="rounds over all kernels")
     ap.add_argument("--stream-mb", type=int, default=256, help="weight copies cycled through")
-    ap.add_argument("--shapes", default=None, help="type:MxK,... instead of the bench models' shapes")
-    ap.add_argument("--compile-only", action="store_true")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    if args.shapes:
-        args.types = use_shapes(args.shapes, SHAPES)
-    types = args.types.split(",")
+    args = parse_probe_args(ap, SHAPES)
+    types = args.types
     from vkengine import shaders
     names = sorted({variant(wt, *c) for wt in types for c in configs(wt, args.cols)})
     if args.compile_only:

@@ -37,6 +37,11 @@ def needs_ext(name: str) -> bool:
     return bool(VARIANTS[name][1].get(EXT_DEFINE))
 
 
+def glslc_flags(name: str) -> tuple[str, ...]:
+    """The compiler flags of a variant (part of its cache key)."""
+    return GLSLC_EXT_FLAGS if needs_ext(name) else GLSLC_FLAGS
+
+
 def glslc_ext() -> str | None:
     """The newer glslc, or None where it is not installed."""
     env = os.environ.get("VKENGINE_GLSLC_EXT")
@@ -70,7 +75,7 @@ def variant_key(name: str) -> str:
     h.update(_sources_digest().encode())
     h.update(src.encode())
     h.update(repr(sorted(defines.items())).encode())
-    h.update(repr(GLSLC_EXT_FLAGS if defines.get(EXT_DEFINE) else GLSLC_FLAGS).encode())
+    h.update(repr(glslc_flags(name)).encode())
     return f"{name}-{h.hexdigest()[:16]}"
 
 
@@ -92,7 +97,7 @@ def compile_variant(name: str, cache_dir: Path | None = None) -> Path:
             "built by `vkengine build-shaders` on a machine that has glslc")
     src, defines = VARIANTS[name]
     cache_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [glslc, *(GLSLC_EXT_FLAGS if ext else GLSLC_FLAGS), f"-I{SHADER_DIR}"]
+    cmd = [glslc, *glslc_flags(name), f"-I{SHADER_DIR}"]
     cmd += [f"-D{k}={v}" for k, v in defines.items()]
     fd, tmp = tempfile.mkstemp(suffix=".spv", dir=cache_dir)
     os.close(fd)
@@ -121,6 +126,7 @@ def spirv(name: str, cache_dir: Path | None = None) -> bytes:
 def build_all(cache_dir: Path | None = None, jobs: int | None = None) -> list[Path]:
     """Compile every variant (ahead of use; those needing the newer glslc only
     where it is installed); returns the cached files."""
-    names = sorted(n for n in VARIANTS if not needs_ext(n) or glslc_ext())
+    have_ext = glslc_ext() is not None
+    names = sorted(n for n in VARIANTS if have_ext or not needs_ext(n))
     with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 2) as ex:
         return list(ex.map(lambda n: compile_variant(n, cache_dir), names))
