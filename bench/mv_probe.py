@@ -13,7 +13,8 @@ Kernels (mul_mv.comp, KSPLIT = 1, workgroup 128, butterfly reduction):
           (Q4 with DQ_MAGIC)
 A third kind, Q4 rows stored in tiles so that a lane loads 16 bytes (4 units)
 at once, measured within noise of "hoist" (H200, 2026-11-30 21:20) and was
-not kept.
+not kept; so was x read as halves (half the bytes of every x load: within
+2% either way at 1, 4 and 8 columns, 2026-12-01 01:45).
 
     here:   .venv/bin/python bench/mv_probe.py --compile-only
     there:  python3 bench/mv_probe.py --out $OUT/mv-probe.json
@@ -33,30 +34,37 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from shaders.variants import MV_GPU_ROWS, MV_GPU_UNROLL, VARIANTS  # noqa: E402
+from shaders.variants import VARIANTS, mv_gpu_config  # noqa: E402
 
 SHAPES = {"q4_0": ["28672x4096", "4096x14336", "6144x4096", "16384x2048", "2048x8192"],
           "q8_0": ["16384x2048", "2048x8192", "3072x2048", "49152x2048"]}
 KINDS = {"base": {}, "magic": {"DQ_MAGIC": 1}, "hoist": {"DQ_MAGIC": 1, "HOIST": 1}}
 
 
-def configs(wt: str, cols: list[int]):
+def configs(wt: str, cols: list[int], rows: list[int] | None = None, kinds: list[str] | None = None):
+    """(kind, columns, rows per workgroup, units in flight) to probe; rows
+    replaces the default rows per workgroup (2, 4, 8 for one column, 2, 4 else)."""
     for kind, extra in KINDS.items():
+        if kinds and kind not in kinds:
+            continue
         if "DQ_MAGIC" in extra and "HOIST" not in extra and wt not in ("q4_0", "q4_1"):
             continue
         for nc in cols:
             if kind == "base":
-                yield kind, nc, MV_GPU_ROWS[nc], MV_GPU_UNROLL[nc]
+                rps, un, _extra = mv_gpu_config(wt, nc)
+                yield kind, nc, rps, un
                 continue
-            for rps in ((2, 4, 8) if nc == 1 else (2, 4)):
+            for rps in rows or ((2, 4, 8) if nc == 1 else (2, 4)):
                 for un in (1, 2):
                     yield kind, nc, rps, un
 
 
 def variant(wt: str, kind: str, nc: int, rps: int, un: int) -> str:
     name = f"probe_mv_{wt}_{kind}_c{nc}_r{rps}_u{un}"
+    extra = mv_gpu_config(wt, nc)[2] if kind == "base" else KINDS[kind]
+    # the butterfly reduction needs a lane per sum (32-lane subgroups)
     VARIANTS.setdefault(name, ("mul_mv.comp", {f"WT_{wt.upper()}": 1, "NCOLS": nc, "UNROLL": un, "RPS": rps,
-                                               "KSPLIT": 1, "BFLY": 1, **KINDS[kind]}))
+                                               "KSPLIT": 1, "BFLY": int(rps * nc <= 32), **extra}))
     return name
 
 
@@ -141,10 +149,13 @@ def main() -> int:
     ap = probe_parser(__doc__, reps=48, runs=8)
     ap.add_argument("--cols", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
     ap.add_argument("--stream-mb", type=int, default=256, help="weight copies cycled through")
+    ap.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                    help="rows per workgroup to try (default 2,4,8 for one column, 2,4 for more)")
+    ap.add_argument("--kinds", type=lambda s: s.split(","), default=None, help=f"of {','.join(KINDS)}")
     args = parse_probe_args(ap, SHAPES)
     types = args.types
     from vkengine import shaders
-    names = sorted({variant(wt, *c) for wt in types for c in configs(wt, args.cols)})
+    names = sorted({variant(wt, *c) for wt in types for c in configs(wt, args.cols, args.rows, args.kinds)})
     if args.compile_only:
         compile_probes(names)
         return 0
@@ -167,7 +178,7 @@ def main() -> int:
         progs, bufs = [], []
         for _ in range(copies):
             bufs.append(weight_buffer(dev, data, scales, dw, sw))
-        for kind, nc, rps, un in configs(wt, args.cols):
+        for kind, nc, rps, un in configs(wt, args.cols, args.rows, args.kinds):
             name = variant(wt, kind, nc, rps, un)
             spv = shaders.spirv(name)
             algs = [dev.algorithm(name, spv, [b, act, act, b], (128, rps), 60) for b in bufs]

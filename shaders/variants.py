@@ -53,6 +53,13 @@ MV_GPU_ROWS = {1: MV_ROWS, 2: MV_ROWS, 4: 4, 8: 4}
 MV_Q4_TYPES = ("q4_0", "q4_1")
 MV_GPU_ROWS_Q4 = {1: 4, 2: 4, 4: 4, 8: 4}
 MV_GPU_UNROLL_Q4 = {1: 1, 2: 1, 4: 2, 8: 1}
+# Q8_0 takes HOIST too, 4 rows per workgroup and one unit in flight at every
+# column count. Measured on the H200 (bench/mv_probe.py, 2026-12-01 01:45, 1B
+# Q8_0 shapes against the table above's 2 rows and 2 units): one column 2-17%
+# faster (the 49152-row output matrix 60 -> 50 us), 4 columns the same but the
+# 2048x8192 down projection 13% faster, 8 columns 2-30% faster.
+MV_GPU_ROWS_Q8 = {1: 4, 2: 4, 4: 4, 8: 4}
+MV_GPU_UNROLL_Q8 = {1: 1, 2: 1, 4: 1, 8: 1}
 
 
 def mv_gpu_config(wt: str, ncols: int) -> tuple[int, int, dict[str, int]]:
@@ -60,6 +67,8 @@ def mv_gpu_config(wt: str, ncols: int) -> tuple[int, int, dict[str, int]]:
     matvec variant of a weight type and column count."""
     if wt in MV_Q4_TYPES:
         return MV_GPU_ROWS_Q4[ncols], MV_GPU_UNROLL_Q4[ncols], {"DQ_MAGIC": 1, "HOIST": 1}
+    if wt == "q8_0":
+        return MV_GPU_ROWS_Q8[ncols], MV_GPU_UNROLL_Q8[ncols], {"HOIST": 1}
     return MV_GPU_ROWS[ncols], MV_GPU_UNROLL[ncols], {}
 
 
@@ -70,7 +79,7 @@ def mv_gpu_config(wt: str, ncols: int) -> tuple[int, int, dict[str, int]]:
 # (NVIDIA). Measured on the H200 (bench/mv_tune.py, since replaced by
 # bench/mv_probe.py): the 4-column matvec 10-40% faster on a 1B model's
 # shapes, the 1-column one 0-8%.
-MV_BFLY_LANES = max(mv_gpu_config(wt, c)[0] * c for wt in ("f32", *MV_Q4_TYPES) for c in (1, *MM_GPU_COLS))
+MV_BFLY_LANES = max(mv_gpu_config(wt, c)[0] * c for wt in ("f32", "q8_0", *MV_Q4_TYPES) for c in (1, *MM_GPU_COLS))
 
 # Invocation tile (weight rows, tokens) of the shared-memory matmul (mul_mt):
 # a workgroup of 16 x 16 invocations computes (16 TM) x (16 TN) outputs.
