@@ -15,8 +15,11 @@
 #include "common.glsl"
 #extension GL_KHR_shader_subgroup_shuffle : require
 
-// q and the output: the same activation buffer bound twice (q readonly)
-layout(binding = 0) writeonly restrict buffer Out { float act[]; };
+// q and the output: the same activation buffer bound twice (q readonly); the
+// output binding is coherent because split-K's last slice of a (row, head)
+// reads the slices other workgroups wrote, and counts them on a uint alias
+layout(binding = 0) coherent buffer Out { float act[]; };
+layout(binding = 0) coherent buffer OutU { uint actu[]; };
 layout(binding = 1) readonly restrict buffer Q4 { vec4 act4[]; };
 layout(binding = 2) readonly buffer Params { uint params[]; };
 layout(binding = 3) readonly restrict buffer Kv { uint kv[]; };
@@ -33,12 +36,40 @@ layout(push_constant) uniform P {
     float scale;
     // split-K (flash-decoding): 0 = one pass over all positions, writing the
     // output. Else each (row, head) is cut into n_parts slices of `chunk`
-    // positions, each slice writes (max, sum, unnormalized output) to
-    // part_off + ((row * n_head + head) * n_parts + part) * (head_dim + 2),
-    // and attention_merge.comp combines them (slices past the row's position
-    // are neither written nor read).
-    uint chunk, n_parts, part_off;
+    // positions (slices past the row's position do nothing); a row whose
+    // position is within the first slice writes its output at once, else each
+    // slice writes (max, sum, unnormalized output) to
+    // part_off + ((row * n_head + head) * n_parts + part) * (head_dim + 2)
+    // and counts itself on word sync_off + row * n_head + head (zero between
+    // dispatches), and the slice that counts last merges them into the
+    // output and resets the counter: one dispatch, no second pass.
+    uint chunk, n_parts, part_off, sync_off;
 } p;
+
+// The output of (row r, head h) from its `used` slices:
+// o = sum_q e^(m_q - M) acc_q / sum_q e^(m_q - M) l_q, M = max_q m_q.
+void merge(uint r, uint h, uint rh, uint used) {
+    uint stride = p.head_dim + 2u;
+    uint base = p.part_off + rh * p.n_parts * stride;
+    float M = -1.0 / 0.0;
+    for (uint q = gl_SubgroupInvocationID; q < used; q += gl_SubgroupSize) M = max(M, act[base + q * stride]);
+    M = subgroupMax(M);
+    float L = 0.0;
+    for (uint q = gl_SubgroupInvocationID; q < used; q += gl_SubgroupSize) {
+        float mq = act[base + q * stride];
+        if (mq > -1.0 / 0.0) L += exp(mq - M) * act[base + q * stride + 1u];
+    }
+    L = subgroupAdd(L);
+    uint ob = p.o_off + r * p.o_stride + h * p.head_dim;
+    for (uint d = gl_SubgroupInvocationID; d < p.head_dim; d += gl_SubgroupSize) {
+        float o = 0.0;
+        for (uint q = 0u; q < used; q++) {
+            float mq = act[base + q * stride];
+            if (mq > -1.0 / 0.0) o += exp(mq - M) * act[base + q * stride + 2u + d];
+        }
+        act[ob + d] = o / L;
+    }
+}
 
 #define VB 8u   // V rows loaded ahead of their use
 
@@ -105,7 +136,8 @@ void main() {
             }
             m = m_new;
         }
-        if (p.chunk == 0u) {
+        uint used = p.chunk == 0u ? 1u : min(p.n_parts, pos / p.chunk + 1u);
+        if (used == 1u) {
             uint ob = p.o_off + r * p.o_stride + h * p.head_dim;
             [[unroll]] for (uint i = 0; i < WPL; i++) {
                 uint w = lane + i * S;
@@ -123,6 +155,16 @@ void main() {
                     act[pb + 2u + 2u * w] = acc[i].x;
                     act[pb + 3u + 2u * w] = acc[i].y;
                 }
+            }
+            // this slice's words visible to the others before it counts itself
+            memoryBarrierBuffer();
+            subgroupBarrier();
+            uint before = 0u;
+            if (subgroupElect()) before = atomicAdd(actu[p.sync_off + rh], 1u);
+            if (subgroupMax(before) == used - 1u) {
+                memoryBarrierBuffer();
+                merge(r, h, rh, used);
+                if (subgroupElect()) actu[p.sync_off + rh] = 0u;
             }
         }
     }

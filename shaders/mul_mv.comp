@@ -28,12 +28,16 @@ layout(binding = 1) readonly restrict buffer X4 { vec4 act4[]; };
 // (Kernels.NORM_MAX_ROWS), and the other variants keep their registers and a
 // plain y binding. With it y is coherent: the last workgroup reads every
 // workgroup's rows.
+// ROPE (the fused RoPE and KV-cache write, below) likewise.
 #if KSPLIT && NCOLS <= 4
 #define NORM_CODE 1
 layout(binding = 2) coherent buffer Y { float act[]; };
 layout(binding = 2) coherent buffer Y4 { vec4 yv4[]; };
 layout(binding = 2) coherent buffer Yu { uint actu[]; };
 layout(binding = 3) readonly restrict buffer NW { vec4 nw4[]; };   // NORM's weight
+layout(binding = 4) readonly restrict buffer RopeT { float rtable[]; };   // ROPE's cos/sin table
+layout(binding = 5) readonly restrict buffer RParams { uint rparams[]; };  // ROPE: positions and slots
+layout(binding = 6) writeonly restrict buffer RKv { uint rkv[]; };        // ROPE: the KV cache
 #else
 #define NORM_CODE 0
 layout(binding = 2) buffer Y { float act[]; };
@@ -45,10 +49,17 @@ layout(push_constant) uniform P {
     uint x_off, x_stride;   // floats; multiples of 4
     uint y_off, y_stride;   // floats
     uint flags;             // 1: add into y (fused residual); split-K variants:
-                            // 2 gated linear unit (GLU below), 4 RMSNorm of y (NORM below)
+                            // 2 gated linear unit (GLU below), 4 RMSNorm of y (NORM below),
+                            // 8 RoPE and KV-cache write instead of y (ROPE below)
     uint h_off, h_stride;   // NORM: output rows (floats; multiples of 4)
     uint nw_off, sync_off;  // NORM: weight (vec4 binding 3, floats), counter (words of y's buffer)
     float eps;
+    // ROPE (flags & 8): y's rows are rows rope_row0.. of a qkv vector [q (n_q
+    // rows) | k (n_k rows) | v]; instead of y, q rows go RoPE'd to q_out, k
+    // rows RoPE'd and v rows as they are to the KV cache at the column's
+    // (slot, position) as f16 pairs: rope_kv.comp's mode 0 (adjacent pairs)
+    uint rope_row0, n_q, n_k, head_dim, n_rot, table_off;
+    uint q_off, q_stride, k_off, v_off, slot_stride, kv_row_words, pos_off, slot_off;
 } p;
 
 #include "quant.glsl"
@@ -75,6 +86,32 @@ shared uint s_last;
 #define LANE gl_SubgroupInvocationID
 #define FIRST_ROW (rows.x + gl_SubgroupID * RPS)
 #define NEXT_ROWS (gl_NumSubgroups * RPS)
+#endif
+
+#if NORM_CODE
+// ROPE's store of row `row` of y for column col: s its sum, s2 that of its
+// pair partner (row ^ 1, the same workgroup); rope_kv.comp's arithmetic
+void rope_store(uint row, uint col, float s, float s2) {
+    uint g = p.rope_row0 + row;
+    uint pos = rparams[p.pos_off + col], slot = rparams[p.slot_off + col];
+    bool odd = (g & 1u) != 0u;
+    float x0 = odd ? s2 : s, x1 = odd ? s : s2;
+    uint d0 = ((g < p.n_q ? g : g - p.n_q) % p.head_dim) & ~1u;
+    vec2 o = vec2(x0, x1);
+    if (g < p.n_q + p.n_k && d0 < p.n_rot) {
+        uint tb = p.table_off + pos * p.n_rot + d0;
+        float c = rtable[tb], sn = rtable[tb + 1u];
+        precise float y0 = x0 * c - x1 * sn;
+        precise float y1 = x0 * sn + x1 * c;
+        o = vec2(y0, y1);
+    }
+    if (g < p.n_q) {
+        act[p.q_off + col * p.q_stride + g] = odd ? o.y : o.x;
+    } else if (!odd) {
+        uint w = g < p.n_q + p.n_k ? p.k_off + (g - p.n_q) / 2u : p.v_off + (g - p.n_q - p.n_k) / 2u;
+        rkv[w + slot * p.slot_stride + pos * p.kv_row_words] = packHalf2x16(o);
+    }
+}
 #endif
 
 // one unit (index u) of each of the RPS rows, times every column
@@ -232,8 +269,18 @@ void main() {
             if (c < ncols && row < rows.y) {
                 float s = red[0][i];
                 for (uint g = 1; g < gl_NumSubgroups; g++) s += red[g][i];
-                uint yi = p.y_off + (col0 + c) * p.y_stride + row;
-                act[yi] = (p.flags & 1u) != 0u ? act[yi] + s : s;
+#if NORM_CODE
+                if ((p.flags & 8u) != 0u) {
+                    uint j = i ^ NCOLS;   // row ^ 1, the same column (NCOLS a power of 2)
+                    float s2 = red[0][j];
+                    for (uint g = 1; g < gl_NumSubgroups; g++) s2 += red[g][j];
+                    rope_store(row, col0 + c, s, s2);
+                } else
+#endif
+                {
+                    uint yi = p.y_off + (col0 + c) * p.y_stride + row;
+                    act[yi] = (p.flags & 1u) != 0u ? act[yi] + s : s;
+                }
             }
         }
 #endif

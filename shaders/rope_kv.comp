@@ -68,7 +68,10 @@ void main() {
             uint pi = wi;
             float c = table[tb + 2u * pi], s = table[tb + 2u * pi + 1u];
             float x0 = act[head_base + d0], x1 = act[head_base + d0 + 1u];
-            outv = vec2(x0 * c - x1 * s, x0 * s + x1 * c);
+            // precise: the same roundings as the matvec's fused RoPE (mul_mv.comp)
+            precise float y0 = x0 * c - x1 * s;
+            precise float y1 = x0 * s + x1 * c;
+            outv = vec2(y0, y1);
         } else {
             outv = vec2(act[head_base + d0], act[head_base + d0 + 1u]);
         }

@@ -100,6 +100,12 @@ EXT_DEFINE = "GLSLC_EXT"
 # a subgroup) within 5% of it; 64 x 64 60-66; 128 x 128 80; any layout giving a
 # subgroup more than 16 tokens 25-35, as slow as the fp32 kernel (mul_mt).
 MC_TILE = (64, 128, 1, 8)
+# Head sizes of the cooperative-matrix attention (attention_mc.comp). Measured
+# on the H200 (bench/attn_probe.py, a 512-token prefill, 2026-12-01 02:10)
+# against attention.comp: 64 (1B layout) 345 -> 209 us, 128 (8B) 550 -> 513;
+# 256 (Qwen3.5's, blocks of 16 positions to fit 48 KB of shared memory) 538 ->
+# 665, so 256-wide heads keep attention.comp.
+ATTN_MC_HEAD_DIMS = (64, 128)
 
 
 def _table() -> dict[str, tuple[str, dict[str, int]]]:
@@ -121,7 +127,9 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
         t[f"mul_mc_{wt}"] = ("mul_mc.comp", {**d, "BM": bm, "BN": bn, "SGM": sgm, "SGN": sgn, EXT_DEFINE: 1})
         t[f"get_rows_{wt}"] = ("get_rows.comp", d)
         t[f"get_rows_p_{wt}"] = ("get_rows.comp", {**d, "ROW_PART": 1})   # a matrix split by rows
-    for op in ("rms_norm", "rope_kv", "attention", "attention_merge", "swiglu", "add", "softmax", "argmax_part", "argmax", "copy"):
+    for hd in ATTN_MC_HEAD_DIMS:
+        t[f"attention_mc_d{hd}"] = ("attention_mc.comp", {"HD": hd, EXT_DEFINE: 1})
+    for op in ("rms_norm", "rope_kv", "attention", "swiglu", "add", "softmax", "argmax_part", "argmax", "copy"):
         t[op] = (f"{op}.comp", {})
     t["rms_norm_wg"] = ("rms_norm.comp", {"WG_ROW": 1})
     t.update(_hybrid_table())

@@ -59,8 +59,9 @@ class Engine:
         self.arch = model.arch
         widths = dict(self.arch.scratch_widths(a))
         widths["out_argmax"] = Kernels.argmax_tmp_words(a.n_vocab, 1)   # per output row
-        if device.info.type != "cpu":   # split-K decode attention (Graph.attention)
+        if device.info.type != "cpu":   # split-K decode attention (Graph.attention) and its zeroed counters
             widths["out_attn_split"] = Kernels.attention_tmp_words(1, a.n_head, a.head_dim, self.n_ctx)
+            widths["out_attn_sync"] = Kernels.attention_sync_words(1, a.n_head)
         widths["out_sync"] = 4          # zeroed counter of fused RMSNorms (Graph.matmul_norm)
         self.max_out = max(1, cfg.max_out)
         # fit the scratch buffer within the device's buffer limit
@@ -84,6 +85,9 @@ class Engine:
                                 "device at once (--parallel, --slots)") from e
         self.scratch = Scratch(device.buffer(words * 4, "device", "scratch"), widths, max_rows, self.max_out)
         device.upload(self.scratch.buf, np.zeros(4, np.uint32), self.scratch.offsets["out_sync"] * 4)
+        if "out_attn_sync" in widths:
+            device.upload(self.scratch.buf, np.zeros(self.scratch.strides["out_attn_sync"] * self.max_out, np.uint32),
+                          self.scratch.offsets["out_attn_sync"] * 4)
         self.layout = ParamsLayout(max_rows, self.max_out)
         # two host params buffers, used in turn, so that a step can be written
         # and submitted while the previous one still runs (chained steps)

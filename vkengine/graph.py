@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .device import Buffer, Program
-from .kernels import Kernels, Matrix, NormOut, Region
+from .kernels import Kernels, Matrix, NormOut, Region, RopeOut
 from .state import KVCache
 
 
@@ -109,6 +109,25 @@ class Graph:
         self.matmul(w, x, out, accumulate=True)
         self.rms_norm(out, norm_w, h)
 
+    def qkv_rope(self, layer: int, pieces: list[tuple[Matrix, int]], x: str, qkv: str, q_out: str, n_head: int,
+                 n_kv: int, head_dim: int, n_rot: int, neox: bool) -> None:
+        """qkv[r] = the q|k|v matrix (or its pieces at their columns of qkv) @
+        x[r], then rope_kv; where the matvecs can take RoPE and the cache write
+        (decode-sized steps on GPUs, kernels.fuses_rope) they do, and qkv is
+        not written."""
+        n = self._rows(x)
+        ropes = [RopeOut(col, n_head, n_kv, head_dim, n_rot, self.rope_table, self.s.region(q_out),
+                         self.s.stride(q_out), self.kv.k(layer), self.kv.v(layer), self.kv.slot_stride,
+                         self.params, self.pl.positions, self.pl.slots) for _, col in pieces]
+        if all(self.k.fuses_rope(m, n, r, neox) for (m, _), r in zip(pieces, ropes)):
+            for (m, col), r in zip(pieces, ropes):
+                self.k.mul_mat(self.p, m, self.s.region(x), self.s.stride(x), self.s.region(qkv, col),
+                               self.s.stride(qkv), n, rope=r, label=f"mul_mat {qkv}<-{x}+rope_kv")
+            return
+        for m, col in pieces:
+            self.matmul(m, x, qkv, col=col)
+        self.rope_kv(layer, qkv, q_out, n_head, n_kv, head_dim, n_rot, neox)
+
     def rope_kv(self, layer: int, qkv: str, q_out: str, n_head: int, n_kv: int, head_dim: int, n_rot: int,
                 neox: bool) -> None:
         """RoPE on q and k of qkv; k, v stored in the cache at each row's (slot, position)."""
@@ -121,14 +140,17 @@ class Graph:
         """Causal attention of each row over its slot's cache. Steps of few rows
         (decode) split the positions across subgroups when the scratch has room
         (`out_attn_split`, sized for max_out rows) and the device profits."""
-        split = None
+        split = sync = None
         if self.k.split_attention and "out_attn_split" in self.s.widths and self.n <= self.s.max_out:
             need = self.k.attention_tmp_words(self.n, n_head, head_dim, self.kv.ctx)
-            if need <= self.s.strides["out_attn_split"] * self.s.max_out:
+            counters = self.k.attention_sync_words(self.n, n_head)
+            if need <= self.s.strides["out_attn_split"] * self.s.max_out and \
+                    counters <= self.s.strides["out_attn_sync"] * self.s.max_out:
                 split = Region(self.s.buf, self.s.offsets["out_attn_split"], need)
+                sync = Region(self.s.buf, self.s.offsets["out_attn_sync"], counters)
         self.k.attention(self.p, self.s.region(q), self.s.stride(q), self.s.region(out), self.s.stride(out),
                          self.n, n_head, n_kv, head_dim, self.kv.k(layer), self.kv.v(layer), self.kv.slot_stride,
-                         self.params, self.pl.positions, self.pl.slots, scale, split, self.kv.ctx)
+                         self.params, self.pl.positions, self.pl.slots, scale, split, self.kv.ctx, sync)
 
     def gate_up_swiglu(self, pieces: list[tuple[Matrix, int]], x: str, gu: str, out: str) -> None:
         """out[r] = silu(gate @ x[r]) * (up @ x[r]) for the gate|up matrix (or its

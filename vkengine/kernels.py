@@ -15,8 +15,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from shaders.variants import (MATMUL_COLS, MC_TILE, MM_GPU_COLS, MV_BFLY_LANES, SG_ROWS, TILE, TILE_SMALL,
-                              UNIT_VALUES, mv_gpu_config)
+from shaders.variants import (ATTN_MC_HEAD_DIMS, MATMUL_COLS, MC_TILE, MM_GPU_COLS, MV_BFLY_LANES, SG_ROWS, TILE,
+                              TILE_SMALL, UNIT_VALUES, mv_gpu_config)
 
 from . import shaders
 from .device import Buffer, Device, Program
@@ -77,6 +77,29 @@ class NormOut:
     eps: float
 
 
+@dataclass(frozen=True)
+class RopeOut:
+    """What mul_mat's fused RoPE writes instead of y (rope_kv's work): y's rows
+    are rows row0.. of each step row's qkv vector [q (n_head heads) | k (n_kv
+    heads) | v (n_kv heads)]; q rows RoPE'd (adjacent pairs) to q_out, k rows
+    RoPE'd and v rows as they are into the caches at the step row's (slot,
+    position) from params, as f16 pairs."""
+    row0: int
+    n_head: int
+    n_kv: int
+    head_dim: int
+    n_rot: int
+    table: Region
+    q_out: Region
+    q_stride: int
+    k_cache: Region
+    v_cache: Region
+    slot_stride: int
+    params: Buffer
+    pos_off: int
+    slot_off: int
+
+
 def _rows_range(r: Region, n_rows: int, stride: int, width: int) -> tuple[Buffer, int, int]:
     """Byte range touched by n_rows rows of `width` words, `stride` apart."""
     if n_rows <= 0:
@@ -135,6 +158,9 @@ class Kernels:
                         and {"cooperativeMatrix", "shaderFloat16"} <= set(device.features)
                         and info.COOPMAT_F16 in info.cooperative_matrix
                         and info.subgroups_fixed and self.sg == 32 and info.max_shared_memory >= 32 * 1024)
+        # and prompt-sized attention on them (attention_mc, 34 KB of shared
+        # memory); VKENGINE_ATTN_MC=0 keeps attention.comp (to measure the gain)
+        self.attention_mc = info.max_shared_memory >= 36 * 1024 and os.environ.get("VKENGINE_ATTN_MC", "1") != "0"
 
     # -- helpers -----------------------------------------------------------
     def _alg(self, name: str, buffers: list[Buffer], push: bytes, wg: int, items: int | None = None):
@@ -184,38 +210,62 @@ class Kernels:
                 and not (y.off % 4 or y_stride % 4 or norm.h.off % 4 or norm.h_stride % 4 or norm.weight.off % 4)
                 and norm.sync.buf is y.buf and norm.h.buf is y.buf)
 
+    def fuses_rope(self, w: Matrix, n: int, rope: RopeOut, neox: bool) -> bool:
+        """Whether mul_mat(rope=...) can take RoPE and the KV-cache write of its
+        rows (the split-K matvecs of up to 4 columns: GPUs, decode steps; RoPE
+        on adjacent pairs, which a workgroup's even number of rows holds)."""
+        return (self.split_k and not neox and n <= self.NORM_MAX_ROWS and self.split_k_columns(n) <= 4
+                and not w.parts and not self.tiled(w, n) and w.rows % 2 == 0 and rope.row0 % 2 == 0
+                and rope.n_rot % 2 == 0 and rope.head_dim % 2 == 0
+                and mv_gpu_config(w.type, self.split_k_columns(n))[0] % 2 == 0
+                and rope.k_cache.buf is rope.v_cache.buf)
+
     def mul_mat(self, prog: Program, w: Matrix, x: Region, x_stride: int, y: Region, y_stride: int,
                 n: int, accumulate: bool = False, label: str = "", glu: bool = False,
-                norm: NormOut | None = None) -> None:
+                norm: NormOut | None = None, rope: RopeOut | None = None) -> None:
         """y[c][:M] (+)= W @ x[c][:K] for c < n (x rows K floats, y rows M floats).
         glu: W is gate over up (M = 2F) and y[c][:F] = silu(gate @ x[c]) * (up @ x[c])
         (only where fuses_glu). norm (with accumulate, where fuses_norm): then
-        norm.h[c] = rms_norm(y[c]) * norm.weight, as rms_norm gives it."""
+        norm.h[c] = rms_norm(y[c]) * norm.weight, as rms_norm gives it. rope
+        (where fuses_rope): rope_kv's writes instead of y's, as it gives them."""
         if glu and (accumulate or not self.fuses_glu(w, n)):
             raise ValueError("mul_mat: this matrix and step cannot fuse the gated linear unit")
         if norm is not None and (not accumulate or glu or not self.fuses_norm(w, n, y, y_stride, norm)):
             raise ValueError("mul_mat: this matrix and step cannot fuse the RMSNorm")
+        if rope is not None and (accumulate or glu or norm is not None or not self.fuses_rope(w, n, rope, False)):
+            raise ValueError("mul_mat: this matrix and step cannot fuse RoPE")
         if w.parts:       # split by rows: each part fills its rows of y
             for r0, part in w.parts:
                 self.mul_mat(prog, part, x, x_stride, y.at(r0, max(0, y.words - r0)), y_stride, n, accumulate,
                              f"{label or 'mul_mat'}[{r0}:{r0 + part.rows}]")
             return
-        act = self._same_buffer(x, y)
+        act = self._same_buffer(x, y, *([rope.q_out] if rope is not None else []))
         if x.off % 4 or x_stride % 4 or w.cols % 8:
             raise ValueError("mul_mat needs 16-byte aligned x rows and K a multiple of 8")
-        flags = int(accumulate) | (2 if glu else 0) | (4 if norm is not None else 0)
+        flags = int(accumulate) | (2 if glu else 0) | (4 if norm is not None else 0) | (8 if rope is not None else 0)
         push = struct.pack("<10I", w.data.off, w.scales.off if w.scales else 0, w.cols, w.rows, n,
                            x.off, x_stride, y.off, y_stride, flags)
         if norm is None:
             push += struct.pack("<4If", 0, 0, 0, 0, 0.0)
         else:
             push += struct.pack("<4If", norm.h.off, norm.h_stride, norm.weight.off, norm.sync.off, norm.eps)
+        if rope is None:
+            push += bytes(14 * 4)
+        else:
+            r = rope
+            push += struct.pack("<14I", r.row0, r.n_head * r.head_dim, r.n_kv * r.head_dim, r.head_dim, r.n_rot,
+                                r.table.off, r.q_out.off, r.q_stride, r.k_cache.off, r.v_cache.off, r.slot_stride,
+                                r.n_kv * r.head_dim // 2, r.pos_off, r.slot_off)
         yr = _rows_range(y, n, y_stride, w.rows // 2 if glu else w.rows)
         reads = w.regions + [_rows_range(x, n, x_stride, w.cols)] + ([yr] if accumulate else [])
         writes = [yr]
         if norm is not None:
             reads += [norm.weight.range, norm.sync.range]
             writes += [_rows_range(norm.h, n, norm.h_stride, w.rows), norm.sync.range]
+        if rope is not None:   # q rows of q_out (all of them: conservative), the caches
+            r = rope
+            reads += [r.table.range, (r.params, min(r.pos_off, r.slot_off) * 4, (max(r.pos_off, r.slot_off) + n) * 4)]
+            writes = [_rows_range(r.q_out, n, r.q_stride, r.n_head * r.head_dim), r.k_cache.range, r.v_cache.range]
         if self.tiled(w, n):
             if self.coopmat:
                 (bm, bn), variant = MC_TILE[:2], f"mul_mc_{w.type}"
@@ -239,8 +289,10 @@ class Kernels:
             else:
                 variant, ncols, rows_per_wg = f"mul_mm_{w.type}", MATMUL_COLS, self.items * SG_ROWS
             bufs = [w.data.buf, act, act]
-            if self.split_k:   # binding 3: the fused RMSNorm's weight (any buffer when unused)
+            if self.split_k:   # bindings 3-6: the fused RMSNorm's weight, RoPE's table, params and
+                # KV cache (any buffer when unused)
                 bufs.append(norm.weight.buf if norm is not None else w.data.buf)
+                bufs += [rope.table.buf, rope.params, rope.k_cache.buf] if rope is not None else [w.data.buf] * 3
             alg = self._alg(variant, bufs, push, self.wg, rows_per_wg)
             # glu: a workgroup takes rows_per_wg / 2 gate rows and the same up rows
             row_groups = math.ceil(w.rows // 2 / (rows_per_wg // 2)) if glu else math.ceil(w.rows / rows_per_wg)
@@ -303,6 +355,7 @@ class Kernels:
         prog.dispatch(alg, push, self._grid(math.ceil(n_rows * per_row / self.ew_wg)), reads, writes, label)
 
     ATTN_CHUNK = 64   # positions per slice in split-K attention
+    ATTN_MC_FROM = 16   # rows from which attention runs on cooperative matrices (where it can)
 
     @classmethod
     def attention_parts(cls, n_ctx: int) -> int:
@@ -312,44 +365,69 @@ class Kernels:
     def attention_tmp_words(cls, n_rows: int, n_head: int, head_dim: int, n_ctx: int) -> int:
         return n_rows * n_head * cls.attention_parts(n_ctx) * (head_dim + 2)
 
+    @staticmethod
+    def attention_sync_words(n_rows: int, n_head: int) -> int:
+        """zeroed counters split-K attention needs: one per (row, head)"""
+        return n_rows * n_head
+
     def attention(self, prog: Program, q: Region, q_stride: int, o: Region, o_stride: int, n_rows: int,
                   n_head: int, n_kv: int, head_dim: int, k_cache: Region, v_cache: Region, slot_stride: int,
                   params: Buffer, pos_off: int, slot_off: int, scale: float, split: Region | None = None,
-                  n_ctx: int = 0, label: str = "attention") -> None:
+                  n_ctx: int = 0, sync: Region | None = None, label: str = "attention") -> None:
         """o[r][h] = softmax(q[r][h] . K[slot][0..pos]) V[slot][0..pos].
-        With `split` (scratch of attention_tmp_words, and the cache's n_ctx) the
-        positions are cut into slices run in parallel and merged (flash-decoding):
-        decode has few rows, so one pass would leave most of a GPU idle."""
+        With `split` (scratch of attention_tmp_words), the cache's n_ctx and
+        `sync` (attention_sync_words of zeros, left zero) the positions are cut
+        into slices run in parallel and merged in the same dispatch by the last
+        slice of each (row, head) to finish (flash-decoding): decode has few
+        rows, so one pass would leave most of a GPU idle. Without
+        it, prompt-sized steps run on cooperative matrices where the device
+        can (attention_on_coopmat)."""
         if head_dim % 8 or n_head % n_kv or q.off % 4 or q_stride % 4 or k_cache.off % 4 or v_cache.off % 4:
             raise VkEngineError(f"attention needs head_dim a multiple of 8 ({head_dim}), n_head a multiple of "
                                 f"n_kv ({n_head}/{n_kv}) and 16-byte aligned q rows and caches")
         act = self._same_buffer(q, o)
         kv = self._same_buffer(k_cache, v_cache)
+        reads = [_rows_range(q, n_rows, q_stride, n_head * head_dim), k_cache.range, v_cache.range,
+                 (params, min(pos_off, slot_off) * 4, (max(pos_off, slot_off) + n_rows) * 4)]
+        out = [_rows_range(o, n_rows, o_stride, n_head * head_dim)]
+        if self.attention_on_coopmat(n_rows, head_dim) and split is None:
+            push = struct.pack("<13If", q.off, q_stride, o.off, o_stride, n_rows, n_head, n_kv, head_dim,
+                               k_cache.off, v_cache.off, slot_stride, pos_off, slot_off, scale)
+            name = f"attention_mc_d{head_dim}"
+            spv = shaders.spirv(name, self._spirv_cache)
+            alg = self.device.algorithm(name, spv, [act, act, params, kv], (), len(push))
+            prog.dispatch(alg, push, (math.ceil(n_rows / 16), n_head, 1), reads, out, label)
+            return
         n_parts = self.attention_parts(n_ctx) if split is not None else 1
         chunk = self.ATTN_CHUNK if split is not None else 0
         part_off = split.off if split is not None else 0
-        push = struct.pack("<13If3I", q.off, q_stride, o.off, o_stride, n_rows, n_head, n_kv, head_dim,
-                           k_cache.off, v_cache.off, slot_stride, pos_off, slot_off, scale, chunk, n_parts, part_off)
+        sync_off = sync.off if sync is not None else 0
+        push = struct.pack("<13If4I", q.off, q_stride, o.off, o_stride, n_rows, n_head, n_kv, head_dim,
+                           k_cache.off, v_cache.off, slot_stride, pos_off, slot_off, scale, chunk, n_parts, part_off,
+                           sync_off)
         # V words per lane; sized for the smallest subgroup the device may use
         sg = self.sg if self.device.info.subgroups_fixed else min(self.sg, 8)
         wpl = -(-(head_dim // 2) // sg)
         spv = shaders.spirv("attention", self._spirv_cache)
         alg = self.device.algorithm("attention", spv, [act, act, params, kv], (self.wg, self.items, wpl), len(push))
-        reads = [_rows_range(q, n_rows, q_stride, n_head * head_dim), k_cache.range, v_cache.range,
-                 (params, min(pos_off, slot_off) * 4, (max(pos_off, slot_off) + n_rows) * 4)]
-        out = [_rows_range(o, n_rows, o_stride, n_head * head_dim)]
         if split is None:
             prog.dispatch(alg, push, self._grid(math.ceil(n_rows * n_head / self.items)), reads, out, label)
             return
         tmp_words = self.attention_tmp_words(n_rows, n_head, head_dim, n_ctx)
         if split.buf is not act or split.words < tmp_words:
             raise ValueError("split-K attention needs a scratch region in the activation buffer")
+        if sync is None or sync.buf is not act or sync.words < self.attention_sync_words(n_rows, n_head):
+            raise ValueError("split-K attention needs zeroed counters in the activation buffer")
         tmp = (split.buf, split.off * 4, (split.off + tmp_words) * 4)
-        prog.dispatch(alg, push, self._grid(math.ceil(n_rows * n_head * n_parts / self.items)), reads, [tmp], label)
-        push = struct.pack("<9I", o.off, o_stride, n_rows, n_head, head_dim, n_parts, split.off, pos_off, chunk)
-        alg = self._alg("attention_merge", [act, params], push, self.wg)
-        prog.dispatch(alg, push, self._grid(math.ceil(n_rows * n_head / self.items)),
-                      [tmp, (params, pos_off * 4, (pos_off + n_rows) * 4)], out, label)
+        prog.dispatch(alg, push, self._grid(math.ceil(n_rows * n_head * n_parts / self.items)),
+                      reads + [tmp, sync.range], out + [tmp, sync.range], label)
+
+    def attention_on_coopmat(self, n_rows: int, head_dim: int) -> bool:
+        """Whether attention() runs on cooperative matrices (attention_mc: 16
+        query rows a subgroup, fp16 Q and P): prompt-sized steps of the head
+        sizes it is compiled for, on devices that run mul_mc."""
+        return (self.coopmat and self.attention_mc and n_rows >= self.ATTN_MC_FROM
+                and head_dim in ATTN_MC_HEAD_DIMS)
 
     def swiglu(self, prog: Program, gu: Region, gu_stride: int, y: Region, y_stride: int, F: int, rows: int,
                label: str = "swiglu") -> None:

@@ -148,9 +148,7 @@ def forward(g: Graph, a: LlamaArgs, w: LlamaWeights) -> None:
     scale = 1.0 / math.sqrt(a.head_dim)
     g.rms_norm("x", w.layers[0].attn_norm, "h")
     for i, L in enumerate(w.layers):
-        for m, col in L.qkv:
-            g.matmul(m, "h", "qkv", col=col)
-        g.rope_kv(i, "qkv", "q", a.n_head, a.n_head_kv, a.head_dim, a.n_rot, a.rope_neox)
+        g.qkv_rope(i, L.qkv, "h", "qkv", "q", a.n_head, a.n_head_kv, a.head_dim, a.n_rot, a.rope_neox)
         g.attention(i, "q", "att", a.n_head, a.n_head_kv, a.head_dim, scale)
         # residual adds, each with the next norm where the matvec can take it
         g.matmul_norm(L.wo, "att", "x", L.ffn_norm, "h")
