@@ -7,7 +7,10 @@ Kernels:
   simt   attention.comp (one subgroup per row and head, every GPU)
   mc     attention_mc.comp (cooperative matrices, 16 rows a subgroup), the
          variant Kernels.attention runs for prompt-sized steps (head sizes of
-         shaders/variants.py ATTN_MC_HEAD_DIMS)
+         shaders/variants.py ATTN_MC_HEAD_DIMS; others compiled here with
+         16-position blocks)
+Measured and dropped (H200, 2026-12-01): attention_mc with S = Q K^T and
+O += P V (A operands reused): 3-18% slower than the transposed products.
 
     here:   .venv/bin/python bench/attn_probe.py --compile-only
     there:  python3 bench/attn_probe.py --out $OUT/attn-probe.json
@@ -42,9 +45,13 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from vkengine import shaders
-    from shaders.variants import ATTN_MC_HEAD_DIMS
-    names = ["attention"] + [f"attention_mc_d{LAYOUTS[k][2]}" for k in args.layouts.split(",")
-                             if LAYOUTS[k][2] in ATTN_MC_HEAD_DIMS]
+    from shaders.variants import ATTN_MC_HEAD_DIMS, EXT_DEFINE, VARIANTS
+    hds = sorted({LAYOUTS[k][2] for k in args.layouts.split(",")})
+    names = ["attention"] + [f"attention_mc_d{hd}" for hd in hds if hd in ATTN_MC_HEAD_DIMS]
+    for hd in hds:   # head sizes the engine leaves to attention.comp, blocks of 16 (48 KB of shared memory)
+        if hd not in ATTN_MC_HEAD_DIMS:
+            VARIANTS.setdefault(f"probe_attention_mc_d{hd}", ("attention_mc.comp", {"HD": hd, "BC": 16, EXT_DEFINE: 1}))
+            names.append(f"probe_attention_mc_d{hd}")
     if args.compile_only:
         for name in sorted(set(names)):
             shaders.compile_variant(name)
@@ -74,8 +81,10 @@ def main() -> int:
         kc, vc = Region(act, qw + ow, slot_stride), Region(act, qw + ow + slot_stride, slot_stride)
         check = [0, 1, n // 2, n - 1]
         for kind in ("simt", "mc"):
-            kn.attention_mc = kind == "mc"
-            if kind == "mc" and not kn.attention_on_coopmat(n, hd):
+            kn.attention_mc = kind != "simt"
+            kn.attention_mc_variant = "attention_mc_d{hd}" if hd in ATTN_MC_HEAD_DIMS else "probe_attention_mc_d{hd}"
+            kn.attention_mc_head_dims = tuple(hds)
+            if kind != "simt" and not kn.attention_on_coopmat(n, hd):
                 continue
             prog = dev.program()
             for _ in range(args.reps):

@@ -39,6 +39,7 @@ from shaders.variants import VARIANTS, mv_gpu_config  # noqa: E402
 SHAPES = {"q4_0": ["28672x4096", "4096x14336", "6144x4096", "16384x2048", "2048x8192"],
           "q8_0": ["16384x2048", "2048x8192", "3072x2048", "49152x2048"]}
 KINDS = {"base": {}, "magic": {"DQ_MAGIC": 1}, "hoist": {"DQ_MAGIC": 1, "HOIST": 1}}
+PUSH_BYTES = 116   # mul_mv.comp's push constants (the fused norm's and RoPE's unused here)
 
 
 def configs(wt: str, cols: list[int], rows: list[int] | None = None, kinds: list[str] | None = None):
@@ -152,6 +153,8 @@ def main() -> int:
     ap.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=None,
                     help="rows per workgroup to try (default 2,4,8 for one column, 2,4 for more)")
     ap.add_argument("--kinds", type=lambda s: s.split(","), default=None, help=f"of {','.join(KINDS)}")
+    ap.add_argument("--wg", type=lambda s: [int(x) for x in s.split(",")], default=[128],
+                    help="workgroup sizes (the engine's: 4 subgroups)")
     args = parse_probe_args(ap, SHAPES)
     types = args.types
     from vkengine import shaders
@@ -178,33 +181,36 @@ def main() -> int:
         progs, bufs = [], []
         for _ in range(copies):
             bufs.append(weight_buffer(dev, data, scales, dw, sw))
-        for kind, nc, rps, un in configs(wt, args.cols, args.rows, args.kinds):
+        for (kind, nc, rps, un), wg in ((c, wg) for c in configs(wt, args.cols, args.rows, args.kinds)
+                                         for wg in args.wg):
             name = variant(wt, kind, nc, rps, un)
             spv = shaders.spirv(name)
-            algs = [dev.algorithm(name, spv, [b, act, act, b], (128, rps), 60) for b in bufs]
+            # bindings 3-6 (the fused norm's and RoPE's) unused: any buffer
+            algs = [dev.algorithm(name, spv, [b, act, act, b, b, b, b], (wg, rps), PUSH_BYTES) for b in bufs]
             prog = dev.program()
             for r in range(args.reps):
                 prog.barrier()
                 yoff = n * K + r * n * M
                 push = struct.pack("<10I4If", 0, dw, K, M, nc, 0, K, yoff, M, 0, 0, 0, 0, 0, 0.0)
+                push += bytes(PUSH_BYTES - len(push))
                 prog.dispatch(algs[r % copies], push, (math.ceil(M / rps), 1, 1), [],
                               [(act, yoff * 4, (yoff + nc * M) * 4)], "mv")
             prog.run()
             y = dev.download(act, (n * K) * 4, nc * M * 4, np.uint8).view(np.float32).reshape(nc, M)
             err = float(np.abs(y[:, :check] - ref[:nc]).max() / max(1.0, np.abs(ref).max()))
-            progs.append(((kind, nc, rps, un), prog, algs, err, []))
+            progs.append(((kind, nc, rps, un, wg), prog, algs, err, []))
         for _ in range(args.runs):
             for _cfg, prog, _algs, _err, times in progs:
                 t0 = time.perf_counter()
                 prog.run()
                 times.append((time.perf_counter() - t0) / args.reps * 1e6)
-        for (kind, nc, rps, un), prog, algs, err, times in progs:
+        for (kind, nc, rps, un, wg), prog, algs, err, times in progs:
             us = min(times)
-            row = {"type": wt, "shape": shape, "kind": kind, "ncols": nc, "rps": rps, "unroll": un,
+            row = {"type": wt, "shape": shape, "kind": kind, "ncols": nc, "rps": rps, "unroll": un, "wg": wg,
                    "us": us, "us_median": sorted(times)[len(times) // 2], "err": err,
                    "gbps": (dw + sw) * 4 / (us * 1e-6) / 1e9}
             results.append(row)
-            print(f"{wt} {shape} {kind:5s} cols {nc} rps {rps} unroll {un}: {us:7.1f} us "
+            print(f"{wt} {shape} {kind:5s} cols {nc} rps {rps} unroll {un} wg {wg}: {us:7.1f} us "
                   f"(median {row['us_median']:7.1f}, {row['gbps']:5.0f} GB/s) err {err:.1e}", flush=True)
         del progs
         for b in bufs:
@@ -230,7 +236,8 @@ def summarize(results: list[dict]) -> None:
         for r in rows:
             if r["kind"] not in best or r["us"] < best[r["kind"]]["us"]:
                 best[r["kind"]] = r
-        cells = "  ".join(f"{k} {r['us']:.1f} ({r['gbps']:.0f}, r{r['rps']}u{r['unroll']})" for k, r in best.items())
+        cells = "  ".join(f"{k} {r['us']:.1f} ({r['gbps']:.0f}, r{r['rps']}u{r['unroll']}w{r['wg']})"
+                          for k, r in best.items())
         print(f"{wt} {shape} cols {nc}: {cells}")
 
 

@@ -15,11 +15,19 @@
 #include "common.glsl"
 #extension GL_KHR_shader_subgroup_shuffle : require
 
-// q and the output: the same activation buffer bound twice (q readonly); the
-// output binding is coherent because split-K's last slice of a (row, head)
-// reads the slices other workgroups wrote, and counts them on a uint alias
+// q and the output: the same activation buffer bound twice (q readonly). In
+// the split-K variant (SPLIT) the output binding is coherent because the last
+// slice of a (row, head) reads the slices other workgroups wrote, and counts
+// them on a uint alias; the one-pass variant (prefill) keeps a write-only one.
+#ifndef SPLIT
+#define SPLIT 0
+#endif
+#if SPLIT
 layout(binding = 0) coherent buffer Out { float act[]; };
 layout(binding = 0) coherent buffer OutU { uint actu[]; };
+#else
+layout(binding = 0) writeonly restrict buffer Out { float act[]; };
+#endif
 layout(binding = 1) readonly restrict buffer Q4 { vec4 act4[]; };
 layout(binding = 2) readonly buffer Params { uint params[]; };
 layout(binding = 3) readonly restrict buffer Kv { uint kv[]; };
@@ -46,6 +54,7 @@ layout(push_constant) uniform P {
     uint chunk, n_parts, part_off, sync_off;
 } p;
 
+#if SPLIT
 // The output of (row r, head h) from its `used` slices:
 // o = sum_q e^(m_q - M) acc_q / sum_q e^(m_q - M) l_q, M = max_q m_q.
 void merge(uint r, uint h, uint rh, uint used) {
@@ -70,6 +79,7 @@ void merge(uint r, uint h, uint rh, uint used) {
         act[ob + d] = o / L;
     }
 }
+#endif
 
 #define VB 8u   // V rows loaded ahead of their use
 
@@ -146,7 +156,9 @@ void main() {
                     act[ob + 2u * w + 1u] = acc[i].y / l;
                 }
             }
-        } else {
+        }
+#if SPLIT
+        else {
             uint pb = p.part_off + item * (p.head_dim + 2u);
             if (subgroupElect()) { act[pb] = m; act[pb + 1u] = l; }
             [[unroll]] for (uint i = 0; i < WPL; i++) {
@@ -167,5 +179,6 @@ void main() {
                 if (subgroupElect()) actu[p.sync_off + rh] = 0u;
             }
         }
+#endif
     }
 }

@@ -7,15 +7,19 @@
 //
 // A workgroup is one 32-lane subgroup (Kernels.coopmat checks the device) and
 // takes 16 query rows of one head: gl_WorkGroupID = (row block, head). Its
-// rows' queries, as halves, stay in registers as HD / 16 A operands; the keys
+// rows' queries, as halves, stay in registers as HD / 16 operands; the keys
 // and values of the slot are walked in blocks of BC positions staged in shared
 // memory (the cache already holds halves), and per block
-//   S = Q K^T (16 x BC, fp32 sums of f16 products), written to shared memory;
+//   S^T = K Q^T (BC x 16, fp32 sums of f16 products), written to shared memory;
 //   two lanes per row take the online softmax step (running max m and sum l,
 //   masked: position <= the row's pos) and write the probabilities P as
 //   halves; the rows' outputs are rescaled by exp(m_old - m_new);
-//   O += P V (16 x HD, fp32, kept in shared memory: accumulators load it,
-//   multiply-add and store it back).
+//   O^T += V^T P^T (HD x 16, fp32, kept in shared memory: accumulators load
+//   it, multiply-add and store it back).
+// Both products are written transposed so that every A operand is used by one
+// multiply-add (the B operands by several): on the H200 that ran 3-18% faster
+// than S = Q K^T, O += P V (bench/attn_probe.py), as mul_mc's layouts that
+// reuse A operands ran 2-3x slower than those that reuse B.
 // A block whose rows belong to several slots (mixed server steps) runs one
 // pass per slot, each row masked out of the others' passes.
 // fp16 Q and P round to 11 significant bits, as llama.cpp's coopmat flash
@@ -98,9 +102,9 @@ void main() {
     }
     for (uint i = lane; i < 16u * LDO; i += 32u) Os[i] = 0.0;
     barrier();
-    coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> qa[HD / 16];
+    coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> qb[HD / 16];   // Q^T
     [[unroll]] for (uint i = 0; i < HD / 16u; i++)
-        coopMatLoad(qa[i], Qs, i * 2u, LDU, gl_CooperativeMatrixLayoutRowMajor);
+        coopMatLoad(qb[i], Qs, i * 2u, LDU, gl_CooperativeMatrixLayoutColumnMajor);
 
     float m = -1.0 / 0.0, l = 0.0;
     bool done = !live;
@@ -126,11 +130,12 @@ void main() {
             [[unroll]] for (uint c = 0; c < BC / 16u; c++) {
                 ACC s = ACC(0.0);
                 [[unroll]] for (uint i = 0; i < HD / 16u; i++) {
-                    coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> kb;
-                    coopMatLoad(kb, Ks, c * 16u * LDU + i * 2u, LDU, gl_CooperativeMatrixLayoutColumnMajor);
-                    s = coopMatMulAdd(qa[i], kb, s);
+                    // S^T = K Q^T: each A (keys) used once
+                    coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> ka;
+                    coopMatLoad(ka, Ks, c * 16u * LDU + i * 2u, LDU, gl_CooperativeMatrixLayoutRowMajor);
+                    s = coopMatMulAdd(ka, qb[i], s);
                 }
-                coopMatStore(s, Ss, c * 16u, LDS, gl_CooperativeMatrixLayoutRowMajor);
+                coopMatStore(s, Ss, c * 16u, LDS, gl_CooperativeMatrixLayoutColumnMajor);
             }
             barrier();
             // online softmax of row r over this block, half hf of its positions
@@ -170,18 +175,19 @@ void main() {
                 barrier();
             }
             // O += P V
-            coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> pa[BC / 16];
+            // O^T += V^T P^T: each A (V^T) used once, each B (P^T) for every 16 dims
+            coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> pb[BC / 16];
             [[unroll]] for (uint c = 0; c < BC / 16u; c++)
-                coopMatLoad(pa[c], Ps, c * 4u, LDP / 4u, gl_CooperativeMatrixLayoutRowMajor);
+                coopMatLoad(pb[c], Ps, c * 4u, LDP / 4u, gl_CooperativeMatrixLayoutColumnMajor);
             [[unroll]] for (uint j = 0; j < HD / 16u; j++) {
                 ACC o;
-                coopMatLoad(o, Os, j * 16u, LDO, gl_CooperativeMatrixLayoutRowMajor);
+                coopMatLoad(o, Os, j * 16u, LDO, gl_CooperativeMatrixLayoutColumnMajor);
                 [[unroll]] for (uint c = 0; c < BC / 16u; c++) {
-                    coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> vb;
-                    coopMatLoad(vb, Vs, c * 16u * LDU + j * 2u, LDU, gl_CooperativeMatrixLayoutRowMajor);
-                    o = coopMatMulAdd(pa[c], vb, o);
+                    coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> va;
+                    coopMatLoad(va, Vs, c * 16u * LDU + j * 2u, LDU, gl_CooperativeMatrixLayoutColumnMajor);
+                    o = coopMatMulAdd(va, pb[c], o);
                 }
-                coopMatStore(o, Os, j * 16u, LDO, gl_CooperativeMatrixLayoutRowMajor);
+                coopMatStore(o, Os, j * 16u, LDO, gl_CooperativeMatrixLayoutColumnMajor);
             }
             barrier();
         }

@@ -132,6 +132,7 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
     for op in ("rms_norm", "rope_kv", "attention", "swiglu", "add", "softmax", "argmax_part", "argmax", "copy"):
         t[op] = (f"{op}.comp", {})
     t["rms_norm_wg"] = ("rms_norm.comp", {"WG_ROW": 1})
+    t["attention_split"] = ("attention.comp", {"SPLIT": 1})   # split-K decode, slices merged in place
     t.update(_hybrid_table())
     return t
 

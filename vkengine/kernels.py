@@ -161,6 +161,8 @@ class Kernels:
         # and prompt-sized attention on them (attention_mc, 34 KB of shared
         # memory); VKENGINE_ATTN_MC=0 keeps attention.comp (to measure the gain)
         self.attention_mc = info.max_shared_memory >= 36 * 1024 and os.environ.get("VKENGINE_ATTN_MC", "1") != "0"
+        # (bench/attn_probe.py tries other variants and head sizes)
+        self.attention_mc_variant, self.attention_mc_head_dims = "attention_mc_d{hd}", ATTN_MC_HEAD_DIMS
 
     # -- helpers -----------------------------------------------------------
     def _alg(self, name: str, buffers: list[Buffer], push: bytes, wg: int, items: int | None = None):
@@ -393,7 +395,7 @@ class Kernels:
         if self.attention_on_coopmat(n_rows, head_dim) and split is None:
             push = struct.pack("<13If", q.off, q_stride, o.off, o_stride, n_rows, n_head, n_kv, head_dim,
                                k_cache.off, v_cache.off, slot_stride, pos_off, slot_off, scale)
-            name = f"attention_mc_d{head_dim}"
+            name = self.attention_mc_variant.format(hd=head_dim)
             spv = shaders.spirv(name, self._spirv_cache)
             alg = self.device.algorithm(name, spv, [act, act, params, kv], (), len(push))
             prog.dispatch(alg, push, (math.ceil(n_rows / 16), n_head, 1), reads, out, label)
@@ -408,8 +410,9 @@ class Kernels:
         # V words per lane; sized for the smallest subgroup the device may use
         sg = self.sg if self.device.info.subgroups_fixed else min(self.sg, 8)
         wpl = -(-(head_dim // 2) // sg)
-        spv = shaders.spirv("attention", self._spirv_cache)
-        alg = self.device.algorithm("attention", spv, [act, act, params, kv], (self.wg, self.items, wpl), len(push))
+        name = "attention_split" if split is not None else "attention"
+        spv = shaders.spirv(name, self._spirv_cache)
+        alg = self.device.algorithm(name, spv, [act, act, params, kv], (self.wg, self.items, wpl), len(push))
         if split is None:
             prog.dispatch(alg, push, self._grid(math.ceil(n_rows * n_head / self.items)), reads, out, label)
             return
@@ -427,7 +430,7 @@ class Kernels:
         query rows a subgroup, fp16 Q and P): prompt-sized steps of the head
         sizes it is compiled for, on devices that run mul_mc."""
         return (self.coopmat and self.attention_mc and n_rows >= self.ATTN_MC_FROM
-                and head_dim in ATTN_MC_HEAD_DIMS)
+                and head_dim in self.attention_mc_head_dims)
 
     def swiglu(self, prog: Program, gu: Region, gu_stride: int, y: Region, y_stride: int, F: int, rows: int,
                label: str = "swiglu") -> None:
