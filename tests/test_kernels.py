@@ -542,27 +542,45 @@ def test_rope_kv(device, kernels, ws, rng, neox, n_rot_frac):
         np.testing.assert_array_equal(vcache[slots[r], pos[r]], v[r].astype(np.float16).astype(np.float32))
 
 
+class _AttentionCase:
+    """A filled f16 KV cache, rows' positions and slots in params (positions
+    at word 0, slots at slot_off), random q and an output region."""
+
+    def __init__(self, ws, rng, n_slots, ctx, n_head, n_kv, hd, slots, pos, slot_off):
+        self.kc, self.vc, self.ss = _kv_setup(ws, n_slots, ctx, n_kv, hd)
+        self.kvals = rng.standard_normal((n_slots, ctx, n_kv, hd)).astype(np.float16)
+        self.vvals = rng.standard_normal((n_slots, ctx, n_kv, hd)).astype(np.float16)
+        ws.device.upload(self.kc.buf, self.kvals.view(np.uint32), self.kc.off * 4)
+        ws.device.upload(self.vc.buf, self.vvals.view(np.uint32), self.vc.off * 4)
+        rows = len(slots)
+        ws.params.array()[0:rows] = pos
+        ws.params.array()[slot_off:slot_off + rows] = slots
+        self.slots, self.pos, self.shape = slots, pos, (rows, n_head, hd)
+        self.q = rng.standard_normal(self.shape).astype(np.float32)
+        self.qr = ws.act_region(self.q.size, self.q)
+        self.orr = ws.act_region(self.q.size)
+        self.scale = 1 / np.sqrt(hd)
+
+    def check(self, got, q, **tol):
+        """got (the output region's floats) against numpy attention of q"""
+        got = got.reshape(self.shape)
+        for r, (s, p) in enumerate(zip(self.slots, self.pos)):
+            want = ref.attention(q[r], self.kvals[s, :p + 1].astype(np.float32),
+                                 self.vvals[s, :p + 1].astype(np.float32), self.scale)
+            _close(got[r], want, **tol)
+
+
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("hd,n_head,n_kv", [(64, 9, 3), (128, 4, 4), (32, 8, 1)])
 def test_attention_mixed_batch(device, kernels, ws, rng, hd, n_head, n_kv, split):
     """A prefill chunk of one slot (causal) and decode rows of two others in one
     dispatch, against numpy on the same f16 cache contents (split: rows within
     one 64-position slice and rows over 3 and 4 slices, merged)."""
-    n_slots, ctx = 3, 230
-    kc, vc, ss = _kv_setup(ws, n_slots, ctx, n_kv, hd)
-    kvals = rng.standard_normal((n_slots, ctx, n_kv, hd)).astype(np.float16)
-    vvals = rng.standard_normal((n_slots, ctx, n_kv, hd)).astype(np.float16)
-    ws.device.upload(kc.buf, kvals.view(np.uint32), kc.off * 4)
-    ws.device.upload(vc.buf, vvals.view(np.uint32), vc.off * 4)
     slots = np.array([0, 0, 0, 0, 0, 2, 1, 1], np.uint32)
     pos = np.array([0, 1, 2, 3, 4, 229, 33, 150], np.uint32)
-    rows = len(slots)
-    ws.params.array()[0:rows] = pos
-    ws.params.array()[20:20 + rows] = slots
-    q = rng.standard_normal((rows, n_head, hd)).astype(np.float32)
-    qr = ws.act_region(rows * n_head * hd, q)
-    orr = ws.act_region(rows * n_head * hd)
-    scale = 1 / np.sqrt(hd)
+    ctx, rows = 230, len(slots)
+    c = _AttentionCase(ws, rng, 3, ctx, n_head, n_kv, hd, slots, pos, 20)
+    kc, vc, ss, qr, orr, scale = c.kc, c.vc, c.ss, c.qr, c.orr, c.scale
     tmp = ws.act_region(kernels.attention_tmp_words(rows, n_head, hd, ctx)) if split else None
     n_sync = kernels.attention_sync_words(rows, n_head)
     sync = ws.act_region(n_sync, np.zeros(n_sync, np.uint32)) if split else None
@@ -573,12 +591,7 @@ def test_attention_mixed_batch(device, kernels, ws, rng, hd, n_head, n_kv, split
     for _ in range(2):
         ws.device.upload(orr.buf, np.full(orr.words, 0x7FC00000, np.uint32), orr.off * 4)
         prog.run()
-        got = ws.read(orr).reshape(rows, n_head, hd)
-        for r in range(rows):
-            s, p = slots[r], pos[r]
-            want = ref.attention(q[r], kvals[s, :p + 1].astype(np.float32), vvals[s, :p + 1].astype(np.float32),
-                                 scale)
-            _close(got[r], want, atol_scale=1e-5)
+        c.check(ws.read(orr), c.q, atol_scale=1e-5)
         if split:
             assert (ws.read(sync, np.uint32) == 0).all()
 
@@ -591,32 +604,14 @@ def test_attention_coopmat(device, coopmat_kernels, ws, rng, hd, n_head, n_kv):
     against numpy with q rounded to halves as the kernel does (its fp16
     probabilities are what the tolerance allows for)."""
     assert coopmat_kernels.attention_on_coopmat(62, hd)
-    n_slots, ctx = 3, 100
-    kc, vc, ss = _kv_setup(ws, n_slots, ctx, n_kv, hd)
-    kvals = rng.standard_normal((n_slots, ctx, n_kv, hd)).astype(np.float16)
-    vvals = rng.standard_normal((n_slots, ctx, n_kv, hd)).astype(np.float16)
-    ws.device.upload(kc.buf, kvals.view(np.uint32), kc.off * 4)
-    ws.device.upload(vc.buf, vvals.view(np.uint32), vc.off * 4)
     slots = np.array([0] * 40 + [2, 2] + [1] * 20, np.uint32)
     pos = np.array(list(range(40)) + [99, 64] + list(range(50, 70)), np.uint32)
-    rows = len(slots)
-    ws.params.array()[0:rows] = pos
-    ws.params.array()[100:100 + rows] = slots
-    q = rng.standard_normal((rows, n_head, hd)).astype(np.float32)
-    qr = ws.act_region(rows * n_head * hd, q)
-    orr = ws.act_region(rows * n_head * hd)
-    scale = 1 / np.sqrt(hd)
+    c = _AttentionCase(ws, rng, 3, 100, n_head, n_kv, hd, slots, pos, 100)
     prog = device.program()
-    coopmat_kernels.attention(prog, qr, n_head * hd, orr, n_head * hd, rows, n_head, n_kv, hd, kc, vc, ss,
-                              ws.params, 0, 100, scale)
+    coopmat_kernels.attention(prog, c.qr, n_head * hd, c.orr, n_head * hd, len(slots), n_head, n_kv, hd, c.kc, c.vc,
+                              c.ss, ws.params, 0, 100, c.scale)
     prog.run()
-    got = ws.read(orr).reshape(rows, n_head, hd)
-    qh = q.astype(np.float16).astype(np.float32)
-    for r in range(rows):
-        s, p = slots[r], pos[r]
-        want = ref.attention(qh[r], kvals[s, :p + 1].astype(np.float32), vvals[s, :p + 1].astype(np.float32),
-                             scale)
-        _close(got[r], want, rtol=2e-3, atol_scale=2e-3)
+    c.check(ws.read(c.orr), c.q.astype(np.float16).astype(np.float32), rtol=2e-3, atol_scale=2e-3)
 
 
 def test_copy(device, kernels, rng):
