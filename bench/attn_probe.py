@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from mv_probe import compile_probes, probe_device  # noqa: E402 (same dir)
 from vkengine.kernels import Kernels, Region  # noqa: E402
 
 # name -> (query heads, kv heads, head dim)
@@ -44,7 +45,6 @@ def main() -> int:
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    from vkengine import shaders
     from shaders.variants import ATTN_MC_HEAD_DIMS, EXT_DEFINE, VARIANTS
     hds = sorted({LAYOUTS[k][2] for k in args.layouts.split(",")})
     names = ["attention"] + [f"attention_mc_d{hd}" for hd in hds if hd in ATTN_MC_HEAD_DIMS]
@@ -53,16 +53,11 @@ def main() -> int:
             VARIANTS.setdefault(f"probe_attention_mc_d{hd}", ("attention_mc.comp", {"HD": hd, "BC": 16, EXT_DEFINE: 1}))
             names.append(f"probe_attention_mc_d{hd}")
     if args.compile_only:
-        for name in sorted(set(names)):
-            shaders.compile_variant(name)
-        print(f"{len(set(names))} variants compiled")
+        compile_probes(sorted(set(names)))
         return 0
 
     import reference as ref
-    from vkengine.device import Device
-    dev = Device()
-    print(f"device: {dev.info.name}", flush=True)
-    rng = np.random.default_rng(0)
+    dev, rng = probe_device()
     kn = Kernels(dev)
     n, results = args.n, []
     for lay in args.layouts.split(","):

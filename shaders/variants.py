@@ -90,8 +90,8 @@ TILE_SMALL = (4, 4)
 
 
 # Variants that only the newer glslc compiles (scripts/glslc-ext.sh), marked by
-# this define: cooperative-matrix prefill matmuls (mul_mc.comp), run where
-# Kernels.coopmat says the device can.
+# this define: the cooperative-matrix kernels (mul_mc.comp, attention_mc.comp),
+# run where Kernels.coopmat says the device can.
 EXT_DEFINE = "GLSLC_EXT"
 # mul_mc's tile: BM weight rows x BN tokens, its 8 subgroups in an SGM x SGN grid.
 # Measured on the H200 (bench/mm_probe.py, 512 tokens, 8B Q4_0 and 1B Q8_0
@@ -101,10 +101,10 @@ EXT_DEFINE = "GLSLC_EXT"
 # subgroup more than 16 tokens 25-35, as slow as the fp32 kernel (mul_mt).
 MC_TILE = (64, 128, 1, 8)
 # Head sizes of the cooperative-matrix attention (attention_mc.comp). Measured
-# on the H200 (bench/attn_probe.py, a 512-token prefill, 2026-12-01 02:10)
-# against attention.comp: 64 (1B layout) 345 -> 209 us, 128 (8B) 550 -> 513;
-# 256 (Qwen3.5's, blocks of 16 positions to fit 48 KB of shared memory) 538 ->
-# 665, so 256-wide heads keep attention.comp.
+# on the H200 (bench/attn_probe.py, a 512-token prefill, 2026-12-01 02:45-02:55)
+# against attention.comp: 64 (1B layout) 336-359 -> 203-209 us, 128 (8B)
+# 543-550 -> 494-506; 256 (Qwen3.5's, blocks of 16 positions to fit 48 KB of
+# shared memory) 538-543 -> 640-665, so 256-wide heads keep attention.comp.
 ATTN_MC_HEAD_DIMS = (64, 128)
 
 

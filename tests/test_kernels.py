@@ -4,6 +4,8 @@ workgroup or subgroup. Runs on whatever Vulkan device is present (lavapipe in
 CI, the H200 through tests/gpu/run_on_gpu.sh)."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -321,10 +323,10 @@ def test_mul_mat_rope(device, column_kernels, ws, rng, wt, n, reduce, pieces):
         qo = ws.act_region(n * n_head * hd)
         prog = device.program()
         for m, col in mats:
-            rope = RopeOut(col, n_head, n_kv, hd, n_rot, table, qo, n_head * hd, kc, vc, ss, ws.params, 0, 50)
+            rope = RopeOut(col, False, n_head, n_kv, hd, n_rot, table, qo, n_head * hd, kc, vc, ss, ws.params, 0, 50)
             if fused:
-                assert column_kernels.fuses_rope(m, n, rope, False)
-                assert not column_kernels.fuses_rope(m, n, rope, True)
+                assert column_kernels.fuses_rope(m, n, rope)
+                assert not column_kernels.fuses_rope(m, n, dataclasses.replace(rope, neox=True))
                 column_kernels.mul_mat(prog, m, xr, K, qkv.at(col, qkv.words - col), M, n, rope=rope)
             else:
                 column_kernels.mul_mat(prog, m, xr, K, qkv.at(col, qkv.words - col), M, n)

@@ -84,10 +84,10 @@ class Engine:
             raise VkEngineError(f"{e}: reduce the context length (--ctx) or the sequences held on the "
                                 "device at once (--parallel, --slots)") from e
         self.scratch = Scratch(device.buffer(words * 4, "device", "scratch"), widths, max_rows, self.max_out)
-        device.upload(self.scratch.buf, np.zeros(4, np.uint32), self.scratch.offsets["out_sync"] * 4)
-        if "out_attn_sync" in widths:
-            device.upload(self.scratch.buf, np.zeros(self.scratch.strides["out_attn_sync"] * self.max_out, np.uint32),
-                          self.scratch.offsets["out_attn_sync"] * 4)
+        for name in ("out_sync", "out_attn_sync"):   # counters the kernels leave zero, zeroed once
+            if name in widths:
+                device.upload(self.scratch.buf, np.zeros(self.scratch.strides[name] * self.max_out, np.uint32),
+                              self.scratch.offsets[name] * 4)
         self.layout = ParamsLayout(max_rows, self.max_out)
         # two host params buffers, used in turn, so that a step can be written
         # and submitted while the previous one still runs (chained steps)

@@ -116,10 +116,10 @@ class Graph:
         (decode-sized steps on GPUs, kernels.fuses_rope) they do, and qkv is
         not written."""
         n = self._rows(x)
-        ropes = [RopeOut(col, n_head, n_kv, head_dim, n_rot, self.rope_table, self.s.region(q_out),
+        ropes = [RopeOut(col, neox, n_head, n_kv, head_dim, n_rot, self.rope_table, self.s.region(q_out),
                          self.s.stride(q_out), self.kv.k(layer), self.kv.v(layer), self.kv.slot_stride,
                          self.params, self.pl.positions, self.pl.slots) for _, col in pieces]
-        if all(self.k.fuses_rope(m, n, r, neox) for (m, _), r in zip(pieces, ropes)):
+        if all(self.k.fuses_rope(m, n, r) for (m, _), r in zip(pieces, ropes)):
             for (m, col), r in zip(pieces, ropes):
                 self.k.mul_mat(self.p, m, self.s.region(x), self.s.stride(x), self.s.region(qkv, col),
                                self.s.stride(qkv), n, rope=r, label=f"mul_mat {qkv}<-{x}+rope_kv")

@@ -85,6 +85,7 @@ class RopeOut:
     RoPE'd and v rows as they are into the caches at the step row's (slot,
     position) from params, as f16 pairs."""
     row0: int
+    neox: bool     # pairs half a head apart (the fused path takes adjacent pairs only)
     n_head: int
     n_kv: int
     head_dim: int
@@ -203,21 +204,25 @@ class Kernels:
         """Columns of the split-K variant that takes a step of n rows (mul_mvk: 1)."""
         return 1 if n < self.multi_column_from else next((c for c in MM_GPU_COLS if c >= n), MM_GPU_COLS[-1])
 
+    def _epilogue_matvec(self, w: Matrix, n: int) -> bool:
+        """Whether n rows of w go through a split-K matvec variant compiled with
+        the fused epilogues (mul_mv.comp's NORM_CODE: up to 4 columns)."""
+        return (self.split_k and n <= self.NORM_MAX_ROWS and self.split_k_columns(n) <= 4
+                and not w.parts and not self.tiled(w, n))
+
     def fuses_norm(self, w: Matrix, n: int, y: Region, y_stride: int, norm: NormOut) -> bool:
         """Whether mul_mat(accumulate=True, norm=...) can take the RMSNorm of y
         (the split-K matvecs: GPUs, decode steps of up to NORM_MAX_ROWS rows;
         vec4-aligned rows)."""
-        return (self.split_k and n <= self.NORM_MAX_ROWS and self.split_k_columns(n) <= 4
-                and not w.parts and not self.tiled(w, n) and w.rows % 4 == 0
+        return (self._epilogue_matvec(w, n) and w.rows % 4 == 0
                 and not (y.off % 4 or y_stride % 4 or norm.h.off % 4 or norm.h_stride % 4 or norm.weight.off % 4)
                 and norm.sync.buf is y.buf and norm.h.buf is y.buf)
 
-    def fuses_rope(self, w: Matrix, n: int, rope: RopeOut, neox: bool) -> bool:
+    def fuses_rope(self, w: Matrix, n: int, rope: RopeOut) -> bool:
         """Whether mul_mat(rope=...) can take RoPE and the KV-cache write of its
         rows (the split-K matvecs of up to 4 columns: GPUs, decode steps; RoPE
         on adjacent pairs, which a workgroup's even number of rows holds)."""
-        return (self.split_k and not neox and n <= self.NORM_MAX_ROWS and self.split_k_columns(n) <= 4
-                and not w.parts and not self.tiled(w, n) and w.rows % 2 == 0 and rope.row0 % 2 == 0
+        return (self._epilogue_matvec(w, n) and not rope.neox and w.rows % 2 == 0 and rope.row0 % 2 == 0
                 and rope.n_rot % 2 == 0 and rope.head_dim % 2 == 0
                 and mv_gpu_config(w.type, self.split_k_columns(n))[0] % 2 == 0
                 and rope.k_cache.buf is rope.v_cache.buf)
@@ -234,7 +239,7 @@ class Kernels:
             raise ValueError("mul_mat: this matrix and step cannot fuse the gated linear unit")
         if norm is not None and (not accumulate or glu or not self.fuses_norm(w, n, y, y_stride, norm)):
             raise ValueError("mul_mat: this matrix and step cannot fuse the RMSNorm")
-        if rope is not None and (accumulate or glu or norm is not None or not self.fuses_rope(w, n, rope, False)):
+        if rope is not None and (accumulate or glu or norm is not None or not self.fuses_rope(w, n, rope)):
             raise ValueError("mul_mat: this matrix and step cannot fuse RoPE")
         if w.parts:       # split by rows: each part fills its rows of y
             for r0, part in w.parts:
