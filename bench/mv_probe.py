@@ -72,6 +72,8 @@ def variant(wt: str, kind: str, nc: int, rps: int, un: int) -> str:
 def random_blocks(wt: str, M: int, K: int, rng) -> np.ndarray:
     """GGUF bytes of random blocks with sane scales (quantizing 100M floats is slow)."""
     from vkengine.quant import block_shape
+    if wt in ("f16", "f32"):
+        return rng.standard_normal((M, K)).astype(wt.replace("f", "float")).view(np.uint8)
     n, b = block_shape(wt)
     blocks = rng.integers(0, 256, (M * K // n, b), dtype=np.uint8)
     blocks[:, 0:2] = rng.uniform(0.002, 0.02, blocks.shape[0]).astype(np.float16).view(np.uint8).reshape(-1, 2)
@@ -120,7 +122,8 @@ def weight_buffer(dev, data: np.ndarray, scales: np.ndarray, dw: int, sw: int):
     """A device buffer holding one repacked matrix: quants, then scales at word dw."""
     wbuf = dev.buffer((dw + sw) * 4 + 64, "device", "w")
     dev.upload(wbuf, data.reshape(-1).view(np.uint32))
-    dev.upload(wbuf, scales.reshape(-1).view(np.uint32), dw * 4)
+    if scales is not None:
+        dev.upload(wbuf, scales.reshape(-1).view(np.uint32), dw * 4)
     return wbuf
 
 

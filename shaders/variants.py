@@ -100,6 +100,19 @@ EXT_DEFINE = "GLSLC_EXT"
 # a subgroup) within 5% of it; 64 x 64 60-66; 128 x 128 80; any layout giving a
 # subgroup more than 16 tokens 25-35, as slow as the fp32 kernel (mul_mt).
 MC_TILE = (64, 128, 1, 8)
+# mul_mc2's tiles (VK_NV_cooperative_matrix2: one workgroup-scope BM x BN matrix
+# a workgroup), the wide one for matrices of 16384+ rows, and the weight types
+# it loads. Measured on the H200 (bench/mm_probe.py, 512 tokens, 2026-12-01; run
+# 11 of docs/bench/notes.md).
+MC2_TILES = ((128, 256), (128, 128))
+MC2_UNROLL = {(128, 256): 4, (128, 128): 8}   # slices per chunk (the shader's UNROLL)
+MC2_TYPES = ("f16", "q4_0", "q4_1", "q8_0")
+# Where the engine takes it: the matrices where it measured faster than mul_mc
+# (8B Q4_0 prefill profile, 512 tokens: gate|up 28672 x 4096 1,068 -> 853 us a
+# layer; down 4096 x 14336 -3%, about what its x conversion costs; q, k, v and
+# o 4-11% slower; 1B Q8_0 end to end 4-6% slower with every matrix on it).
+MC2_ENGINE_TYPES = ("f16", "q4_0")
+MC2_FROM_ROWS = 16384
 # Head sizes of the cooperative-matrix attention (attention_mc.comp). Measured
 # on the H200 (bench/attn_probe.py, a 512-token prefill, 2026-12-01 02:45-02:55)
 # against attention.comp: 64 (1B layout) 336-359 -> 203-209 us, 128 (8B)
@@ -125,11 +138,16 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
         t[f"mul_mt64_{wt}"] = ("mul_mt.comp", {**d, "TM": TILE_SMALL[0], "TN": TILE_SMALL[1]})
         bm, bn, sgm, sgn = MC_TILE
         t[f"mul_mc_{wt}"] = ("mul_mc.comp", {**d, "BM": bm, "BN": bn, "SGM": sgm, "SGN": sgn, EXT_DEFINE: 1})
+        if wt in MC2_TYPES:
+            for bm, bn in MC2_TILES:
+                t[f"mul_mc2_{bm}x{bn}_{wt}"] = ("mul_mc2.comp", {**d, "BM": bm, "BN": bn,
+                                                                 "UNROLL": MC2_UNROLL[bm, bn], EXT_DEFINE: 1})
         t[f"get_rows_{wt}"] = ("get_rows.comp", d)
         t[f"get_rows_p_{wt}"] = ("get_rows.comp", {**d, "ROW_PART": 1})   # a matrix split by rows
     for hd in ATTN_MC_HEAD_DIMS:
         t[f"attention_mc_d{hd}"] = ("attention_mc.comp", {"HD": hd, EXT_DEFINE: 1})
-    for op in ("rms_norm", "rope_kv", "attention", "swiglu", "add", "softmax", "argmax_part", "argmax", "copy"):
+    for op in ("rms_norm", "rope_kv", "attention", "swiglu", "add", "softmax", "argmax_part", "argmax", "copy",
+               "to_f16"):
         t[op] = (f"{op}.comp", {})
     t["rms_norm_wg"] = ("rms_norm.comp", {"WG_ROW": 1})
     t["attention_split"] = ("attention.comp", {"SPLIT": 1})   # split-K decode, slices merged in place

@@ -141,23 +141,63 @@ def test_mul_mat_tiled(device, tiled_kernels, ws, rng, wt, n, M, tile):
 
 @pytest.mark.parametrize("wt", WEIGHT_TYPES)
 @pytest.mark.parametrize("n,M,K", [(3, 37, 96), (130, 131, 96), (200, 200, 2048)])
-def test_mul_mat_coopmat(device, coopmat_kernels, ws, rng, wt, n, M, K):
-    """Edges of the 64 x 128 tile (rows past M, tokens past N, K not a multiple
-    of the slice for the 32-value types) and a long K."""
-    _check_mul_mat(device, coopmat_kernels, ws, rng, wt, n, M, max(K, 512) if wt in K_QUANTS else K)
+@pytest.mark.parametrize("kernel", ["mul_mc", "mul_mc2"])
+def test_mul_mat_coopmat(device, coopmat_kernels, ws, rng, wt, n, M, K, kernel):
+    """Edges of the tile (rows past M, tokens past N, K not a multiple of the
+    slice or of mul_mc2's chunk of 8 slices), a long K, and adding to y (the
+    residual projections of a prefill: the 130-token case). mul_mc2 where the
+    device has VK_NV_cooperative_matrix2, for the types it loads."""
+    from shaders.variants import MC2_TYPES
+    has_mc2 = coopmat_kernels.COOPMAT2_FEATURES <= set(device.features)
+    if kernel == "mul_mc2" and not (has_mc2 and wt in MC2_TYPES):
+        pytest.skip("mul_mc2: VK_NV_cooperative_matrix2 devices, F16/Q4_0/Q4_1/Q8_0 weights")
+    kn = coopmat_kernels
+    saved = kn.coopmat2, kn.mc2_types, kn.mc2_from_rows
+    kn.coopmat2, kn.mc2_types, kn.mc2_from_rows = kernel == "mul_mc2", MC2_TYPES, 0
+    try:
+        _check_mul_mat(device, kn, ws, rng, wt, n, M, max(K, 512) if wt in K_QUANTS else K, accumulate=n == 130)
+    finally:
+        kn.coopmat2, kn.mc2_types, kn.mc2_from_rows = saved
 
 
-def _check_mul_mat(device, kernels, ws, rng, wt, n, M, K):
+@pytest.mark.parametrize("n,cols,n_pad", [(3, 96, 128), (130, 100, 256)])
+def test_to_f16(device, kernels, ws, rng, n, cols, n_pad):
+    """mul_mc2's x: halves in rows of a multiple of 8, zeros past the columns
+    and in the padding rows; numpy's rounding (nearest even) or one ulp off."""
+    x = rng.standard_normal((n, cols)).astype(np.float32) * 100
+    xs = cols + 4
+    xr = ws.act_region(n * xs, np.pad(x, ((0, 0), (0, 4))))
+    stride = -(-cols // 8) * 8
+    out = device.buffer(n_pad * stride * 2 + 64, "device", "h")
+    try:
+        device.upload(out, np.full(n_pad * stride // 2, 0xFFFFFFFF, np.uint32))
+        prog = device.program()
+        kernels.to_f16(prog, xr, xs, cols, n, n_pad, out)
+        prog.run()
+        got = device.download(out, 0, n_pad * stride * 2, np.uint8).view(np.float16).reshape(n_pad, stride)
+    finally:
+        device.free(out)
+    want = np.zeros((n_pad, stride), np.float16)
+    want[:n, :cols] = x.astype(np.float16)
+    ulps = np.abs(got.view(np.int16).astype(np.int32) - want.view(np.int16).astype(np.int32))
+    assert ulps.max() <= 1
+    assert (got[n:] == 0).all() and (got[:, cols:] == 0).all()
+
+
+def _check_mul_mat(device, kernels, ws, rng, wt, n, M, K, accumulate=False):
     raw, w = random_quantized(wt, M, K, rng)
     mat = upload_matrix(ws, wt, raw, M, K)
     x = rng.standard_normal((n, K)).astype(np.float32)
     xs, ys = K + 4, M + 3                  # padded strides
     xr = ws.act_region(n * xs, np.pad(x, ((0, 0), (0, 4))))
-    yr = ws.act_region(n * ys)
+    y0 = np.pad(rng.standard_normal((n, M)).astype(np.float32), ((0, 0), (0, 3)), constant_values=np.nan)
+    yr = ws.act_region(n * ys, y0 if accumulate else None)
     prog = device.program()
-    kernels.mul_mat(prog, mat, xr, xs, yr, ys, n)
+    kernels.mul_mat(prog, mat, xr, xs, yr, ys, n, accumulate=accumulate)
     prog.run()
     got = ws.read(yr).reshape(n, ys)[:, :M]
+    if accumulate:
+        got = got.astype(np.float64) - y0[:, :M]
     if kernels.coopmat and kernels.tiled(mat, n):
         # fp16 operands (x and the dequantized W rounded to halves), fp32 sums;
         # a device may round to half differently than numpy: one half ulp per operand

@@ -15,8 +15,9 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from shaders.variants import (ATTN_MC_HEAD_DIMS, MATMUL_COLS, MC_TILE, MM_GPU_COLS, MV_BFLY_LANES, SG_ROWS, TILE,
-                              TILE_SMALL, UNIT_VALUES, mv_gpu_config)
+from shaders.variants import (ATTN_MC_HEAD_DIMS, MATMUL_COLS, MC2_ENGINE_TYPES, MC2_FROM_ROWS, MC2_TILES, MC2_TYPES,
+                              MC_TILE, MM_GPU_COLS, MV_BFLY_LANES, SG_ROWS, TILE, TILE_SMALL, UNIT_VALUES,
+                              mv_gpu_config)
 
 from . import shaders
 from .device import Buffer, Device, Program
@@ -159,11 +160,24 @@ class Kernels:
                         and {"cooperativeMatrix", "shaderFloat16"} <= set(device.features)
                         and info.COOPMAT_F16 in info.cooperative_matrix
                         and info.subgroups_fixed and self.sg == 32 and info.max_shared_memory >= 32 * 1024)
+        # and, where the device has NVIDIA's workgroup-scope matrices with
+        # tensor-addressed loads (VK_NV_cooperative_matrix2), mul_mc2 for the
+        # weight types it decodes; VKENGINE_COOPMAT2=0 keeps mul_mc (to measure
+        # the gain). Its x goes through halves in a scratch buffer of its own.
+        self.coopmat2 = (self.coopmat and os.environ.get("VKENGINE_COOPMAT2", "1") != "0"
+                         and self.COOPMAT2_FEATURES <= set(device.features))
+        self._x16: list[Buffer] = []   # the scratch buffers (the last is the largest)
+        # for which matrices (tests widen both to every type and size it takes)
+        self.mc2_types, self.mc2_from_rows = MC2_ENGINE_TYPES, MC2_FROM_ROWS
         # and prompt-sized attention on them (attention_mc, 34 KB of shared
         # memory); VKENGINE_ATTN_MC=0 keeps attention.comp (to measure the gain)
         self.attention_mc = info.max_shared_memory >= 36 * 1024 and os.environ.get("VKENGINE_ATTN_MC", "1") != "0"
         # (bench/attn_probe.py tries other variants and head sizes)
         self.attention_mc_variant, self.attention_mc_head_dims = "attention_mc_d{hd}", ATTN_MC_HEAD_DIMS
+
+    COOPMAT2_FEATURES = frozenset({"cooperativeMatrixWorkgroupScope", "cooperativeMatrixFlexibleDimensions",
+                                   "cooperativeMatrixTensorAddressing", "cooperativeMatrixBlockLoads",
+                                   "bufferDeviceAddress", "vulkanMemoryModel"})
 
     # -- helpers -----------------------------------------------------------
     def _alg(self, name: str, buffers: list[Buffer], push: bytes, wg: int, items: int | None = None):
@@ -273,6 +287,9 @@ class Kernels:
             r = rope
             reads += [r.table.range, (r.params, min(r.pos_off, r.slot_off) * 4, (max(r.pos_off, r.slot_off) + n) * 4)]
             writes = [_rows_range(r.q_out, n, r.q_stride, r.n_head * r.head_dim), r.k_cache.range, r.v_cache.range]
+        if self.tiled(w, n) and self.on_coopmat2(w):
+            self._mul_mc2(prog, w, x, x_stride, yr, push, n, accumulate, label)
+            return
         if self.tiled(w, n):
             if self.coopmat:
                 (bm, bn), variant = MC_TILE[:2], f"mul_mc_{w.type}"
@@ -305,6 +322,58 @@ class Kernels:
             row_groups = math.ceil(w.rows // 2 / (rows_per_wg // 2)) if glu else math.ceil(w.rows / rows_per_wg)
             groups = self._grid(row_groups, math.ceil(n / ncols))
         prog.dispatch(alg, push, groups, reads, writes, label or variant)
+
+    def on_coopmat2(self, w: Matrix) -> bool:
+        """Whether a prefill-sized mul_mat of w runs mul_mc2: the types and
+        sizes where it measured faster (mc2_types, mc2_from_rows rows). Its
+        loads need the matrix 16-byte aligned (arenas align every array so;
+        mul_mat already requires K % 8 == 0)."""
+        return (self.coopmat2 and w.type in self.mc2_types and w.type in MC2_TYPES
+                and w.rows >= self.mc2_from_rows and w.data.off % 4 == 0)
+
+    def mc2_tile(self, w: Matrix) -> tuple[int, int]:
+        """mul_mc2's BM x BN tile for w: 128 x 256 for the matrices the engine
+        gives it (MC2_FROM_ROWS+ rows, where that tile measured fastest), 128 x
+        128 for the smaller ones that tests and probes give it."""
+        return MC2_TILES[0] if w.rows >= MC2_FROM_ROWS else MC2_TILES[1]
+
+    def _x16_scratch(self, words: int) -> Buffer:
+        """A device buffer of at least `words` words for mul_mc2's halves of x.
+        Recorded programs keep the buffers they were recorded with, so a larger
+        one is added rather than swapped in."""
+        if not self._x16 or self._x16[-1].nbytes < words * 4:
+            self._x16.append(self.device.buffer(max(words, 1 << 16) * 4, "device", f"x16_{len(self._x16)}"))
+        return self._x16[-1]
+
+    def _mul_mc2(self, prog: Program, w: Matrix, x: Region, x_stride: int, yr: tuple, push: bytes, n: int,
+                 accumulate: bool, label: str) -> None:
+        """x -> halves (to_f16.comp: rows of a multiple of 8, zero rows up to
+        whole tiles), then mul_mc2 on them; push is mul_mat's, whose x offset
+        and stride are replaced by the scratch's."""
+        bm, bn = self.mc2_tile(w)
+        n_pad = math.ceil(n / bn) * bn
+        stride8 = math.ceil(w.cols / 8)
+        scratch = self._x16_scratch(n_pad * stride8 * 4)
+        hr = self.to_f16(prog, x, x_stride, w.cols, n, n_pad, scratch)
+        push = push[:20] + struct.pack("<2I", 0, stride8 * 8) + push[28:]
+        variant = f"mul_mc2_{bm}x{bn}_{w.type}"
+        spv = shaders.spirv(variant, self._spirv_cache)
+        alg = self.device.algorithm(variant, spv, [w.data.buf, scratch, yr[0]], (), len(push))
+        prog.dispatch(alg, push, (math.ceil(w.rows / bm), n_pad // bn, 1),
+                      w.regions + [hr] + ([yr] if accumulate else []), [yr], label or variant)
+
+    def to_f16(self, prog: Program, x: Region, x_stride: int, cols: int, n: int, n_pad: int,
+               out: Buffer) -> tuple[Buffer, int, int]:
+        """out (from byte 0) = the n rows of x as halves, in rows of cols rounded
+        up to 8 halves, zeros past cols and in rows n .. n_pad. Returns the
+        byte range written."""
+        stride8 = math.ceil(cols / 8)
+        push = struct.pack("<7I", x.off, x_stride, cols, n, n_pad, 0, stride8)
+        alg = self._alg("to_f16", [x.buf, out], push, self.ew_wg, 1)
+        hr = (out, 0, n_pad * stride8 * 16)
+        prog.dispatch(alg, push, self._grid(math.ceil(n_pad * stride8 / self.ew_wg)),
+                      [_rows_range(x, n, x_stride, cols)], [hr], "to_f16")
+        return hr
 
     def get_rows(self, prog: Program, w: Matrix, params: Buffer, ids_off: int, y: Region, y_stride: int,
                  n: int, label: str = "get_rows") -> None:

@@ -1,0 +1,184 @@
+#version 450
+// Prefill matmul on NVIDIA's workgroup-scope cooperative matrices
+// (VK_NV_cooperative_matrix2): y[c][row] (+)= sum_k W[row][k] * x[c][k], the
+// product of mul_mc.comp. A workgroup computes a BM x BN tile (weight rows x
+// tokens) as one workgroup-scope matrix, which the driver splits among its
+// subgroups and feeds with its own pipelined loads (mul_mc's subgroup matrices
+// cannot overlap loads and multiplies on this driver: docs/bench/notes.md run 10).
+//  - W comes in through tensor-addressed loads: halves directly (F16), or with
+//    a decode function that dequantizes one value of a block (Q4_0 and Q4_1:
+//    a block's 16 bytes of nibbles are one buffer element; Q8_0: 32 bytes, two
+//    16-value elements, since arrays are only 16-byte aligned). Each chunk of
+//    UNROLL slices stages its blocks' scales in shared memory first (reading a
+//    scale from global memory per decoded value cost ~30%).
+//  - x comes as halves from binding 1 (Kernels.mul_mat converts it with
+//    to_f16.comp into rows of a multiple of 8 halves, zero rows up to a whole
+//    number of BN-token tiles), loaded directly: no clamping, and offsets and
+//    strides the compiler can prove 16-byte aligned (unaligned direct loads
+//    measured 3-5x slower).
+//  - W rows past M: the workgroups of the last row tile load through a clamped
+//    layout (2.5x slower loads, so only there); y goes out through a clamped,
+//    transposed view, which drops rows past M and tokens past N.
+// fp16 operands and fp32 sums, as mul_mc. Compiled by the newer glslc
+// (scripts/glslc-ext.sh); run where Kernels.coopmat2 says the device can.
+#extension GL_EXT_control_flow_attributes : require
+#extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
+#extension GL_EXT_shader_16bit_storage : require
+#extension GL_KHR_cooperative_matrix : require
+#extension GL_NV_cooperative_matrix2 : require
+#extension GL_KHR_memory_scope_semantics : require
+#extension GL_EXT_buffer_reference : require
+
+layout(local_size_x = 256, local_size_y = 1, local_size_z = 1) in;
+
+layout(binding = 0) readonly restrict buffer Wq { uint wq[]; };
+layout(binding = 0) readonly restrict buffer Wb { uvec4 wblk[]; };
+layout(binding = 0) readonly restrict buffer Wh { float16_t wh[]; };
+layout(binding = 1) readonly restrict buffer Xh { float16_t xh[]; };
+layout(binding = 2) buffer Y { float act[]; };
+
+layout(push_constant) uniform P {
+    uint w_off, w_off2;     // words
+    uint K, M, N;
+    uint x_off, x_stride;   // halves, multiples of 8
+    uint y_off, y_stride;
+    uint accumulate;
+} p;
+
+#ifndef BK
+#define BK 32
+#endif
+#ifndef UNROLL
+#define UNROLL 8            // slices per chunk
+#endif
+#if defined(WT_Q8_0)
+#define QBLOCK 16           // values per buffer element (half a Q8_0 block)
+#elif defined(WT_F16)
+#define QBLOCK 1
+#else
+#define QBLOCK 32
+#endif
+
+#if !defined(WT_F16)
+layout(buffer_reference, std430, buffer_reference_align = 16) buffer QBlk { uint q[4]; };
+
+#define SC_BLKS (UNROLL * BK / 32)   // 32-value blocks of a row in a chunk
+shared vec2 sc_sh[BM * SC_BLKS];     // (d, m): value = q * d + m, [r * SC_BLKS + block]
+uint sc_row0, sc_kb0;
+
+vec2 block_dm(uint blk) {
+#if defined(WT_Q4_1)
+    return unpackHalf2x16(wq[p.w_off2 + blk]);
+#else
+    float d = unpackHalf2x16(wq[p.w_off2 + (blk >> 1)] >> ((blk & 1u) << 4)).x;
+#if defined(WT_Q4_0)
+    return vec2(d, -8.0 * d);
+#else
+    return vec2(d, 0.0);
+#endif
+#endif
+}
+
+// the scales of blocks kb0 .. kb0 + nb of rows row0 .. row0 + BM (the last row
+// repeated past M) into shared memory
+void stage_scales(uint row0, uint kb0, uint nb) {
+    sc_kb0 = kb0;
+    barrier();   // the previous chunk's loads are done with sc_sh
+    for (uint i = gl_LocalInvocationID.x; i < BM * nb; i += 256u) {
+        uint r = min(row0 + i / nb, p.M - 1u);
+        sc_sh[(i / nb) * SC_BLKS + i % nb] = block_dm(r * (p.K / 32u) + kb0 + i % nb);
+    }
+    barrier();
+}
+
+float16_t dequant(const in QBlk bl, const in uint blockCoords[2], const in uint coordInBlock[2]) {
+    uint c = coordInBlock[1];
+#if defined(WT_Q8_0)
+    vec2 dm = sc_sh[(blockCoords[0] - sc_row0) * SC_BLKS + (blockCoords[1] >> 1) - sc_kb0];
+    float q = float(bitfieldExtract(int(bl.q[c >> 2]), int((c & 3u) << 3), 8));
+#else
+    vec2 dm = sc_sh[(blockCoords[0] - sc_row0) * SC_BLKS + blockCoords[1] - sc_kb0];
+    float q = float((bl.q[(c & 15u) >> 2] >> (((c & 3u) << 3) + ((c & 16u) >> 2))) & 15u);
+#endif
+    return float16_t(q * dm.x + dm.y);
+}
+#define STAGE(row0, kb0, nb) stage_scales(row0, kb0, nb)
+#define LOAD_A(a, tA, row0, k0) coopMatLoadTensorNV(a, wblk, p.w_off / 4u, sliceTensorLayoutNV(tA, row0, BM, k0, BK), dequant)
+#else
+#define STAGE(row0, kb0, nb)
+#define LOAD_A(a, tA, row0, k0) coopMatLoadTensorNV(a, wh, (p.w_off * 2u) & ~7u, sliceTensorLayoutNV(tA, row0, BM, k0, BK))
+#endif
+
+#define ACC coopmat<float, gl_ScopeWorkgroup, BM, BN, gl_MatrixUseAccumulator>
+
+// the K loop: whole chunks of UNROLL slices, then the remaining slices
+#define K_LOOP(tA)                                                                         \
+    {                                                                                      \
+        uint k0 = 0u;                                                                      \
+        for (; k0 + UNROLL * BK <= p.K; ) {                                                \
+            STAGE(row0, k0 / 32u, SC_BLKS);                                                \
+            [[unroll]] for (uint j = 0u; j < UNROLL; j++, k0 += BK) {                      \
+                coopmat<float16_t, gl_ScopeWorkgroup, BM, BK, gl_MatrixUseA> a;            \
+                coopmat<float16_t, gl_ScopeWorkgroup, BK, BN, gl_MatrixUseB> b;            \
+                LOAD_A(a, tA, row0, k0);                                                   \
+                coopMatLoadTensorNV(b, xh, x_off, sliceTensorLayoutNV(tB, col0, BN, k0, BK), tr); \
+                acc = coopMatMulAdd(a, b, acc);                                            \
+            }                                                                              \
+        }                                                                                  \
+        if (k0 < p.K) {                                                                    \
+            STAGE(row0, k0 / 32u, (p.K - k0) / 32u);                                       \
+            for (; k0 < p.K; k0 += BK) {                                                   \
+                coopmat<float16_t, gl_ScopeWorkgroup, BM, BK, gl_MatrixUseA> a;            \
+                coopmat<float16_t, gl_ScopeWorkgroup, BK, BN, gl_MatrixUseB> b;            \
+                LOAD_A(a, tA, row0, k0);                                                   \
+                coopMatLoadTensorNV(b, xh, x_off, sliceTensorLayoutNV(tB, col0, BN, k0, BK), tr); \
+                acc = coopMatMulAdd(a, b, acc);                                            \
+            }                                                                              \
+        }                                                                                  \
+    }
+
+void main() {
+    uint row0 = gl_WorkGroupID.x * BM;
+    uint col0 = gl_WorkGroupID.y * BN;
+#if !defined(WT_F16)
+    sc_row0 = row0;
+#endif
+    // strides and offsets rounded down to 8 halves: the compiler can then prove
+    // the direct loads aligned (they are: Kernels.mul_mat lays them out so)
+    uint x_off = p.x_off & ~7u;
+    tensorLayoutNV<2> tB = createTensorLayoutNV(2);
+    tB = setTensorLayoutDimensionNV(tB, 0x7fffffffu, p.K);
+    tB = setTensorLayoutStrideNV(tB, p.x_stride & ~7u, 1);
+    tensorViewNV<2, false, 1, 0> tr = createTensorViewNV(2, false, 1, 0);
+    tensorLayoutNV<2, gl_CooperativeMatrixClampModeConstantNV> tD =
+        createTensorLayoutNV(2, gl_CooperativeMatrixClampModeConstantNV);
+    tD = setTensorLayoutDimensionNV(tD, p.N, p.M);
+    tD = setTensorLayoutStrideNV(tD, p.y_stride, 1);
+
+    ACC acc = ACC(0.0);
+    if (row0 + BM <= p.M) {
+        tensorLayoutNV<2> tA = createTensorLayoutNV(2);
+#if QBLOCK > 1
+        tA = setTensorLayoutBlockSizeNV(tA, 1, QBLOCK);
+#endif
+        tA = setTensorLayoutDimensionNV(tA, p.M, p.K);
+#if QBLOCK == 1
+        tA = setTensorLayoutStrideNV(tA, p.K & ~7u, 1);   // halves (Kernels: K % 8 == 0)
+#endif
+        K_LOOP(tA)
+    } else {
+        tensorLayoutNV<2, gl_CooperativeMatrixClampModeConstantNV> tA =
+            createTensorLayoutNV(2, gl_CooperativeMatrixClampModeConstantNV);
+#if QBLOCK > 1
+        tA = setTensorLayoutBlockSizeNV(tA, 1, QBLOCK);
+#endif
+        tA = setTensorLayoutDimensionNV(tA, p.M, p.K);
+        K_LOOP(tA)
+    }
+    if (p.accumulate != 0u) {
+        ACC old;
+        coopMatLoadTensorNV(old, act, p.y_off, sliceTensorLayoutNV(tD, col0, BN, row0, BM), tr);
+        acc = old + acc;
+    }
+    coopMatStoreTensorNV(acc, act, p.y_off, sliceTensorLayoutNV(tD, col0, BN, row0, BM), tr);
+}
