@@ -182,8 +182,9 @@ def main(argv=None) -> int:
            "features": list(dev.features),
            "prefill_kernel": "none (matvecs)" if kn.tiled_from is None
            else ("mul_mc (cooperative matrices, fp16 tiles)"
-                 + ("; mul_mc2 (NV cooperative matrix 2) for the F16/Q4_0 matrices of "
-                    f"{kn.mc2_from_rows}+ rows" if kn.coopmat2 else "")) if kn.coopmat else "mul_mt (fp32)",
+                 + ("; mul_mc2 (NV cooperative matrix 2) for the "
+                    f"{'/'.join(t.upper() for t in kn.mc2_types)} matrices of {kn.mc2_from_rows}+ rows"
+                    if kn.coopmat2 else "")) if kn.coopmat else "mul_mt (fp32)",
            "copy_bandwidth": bw, "n_prompt": args.n_prompt, "n_gen": args.n_gen,
            "reps": args.reps, "peer": args.llama_label, "note": args.note, "results": results}
     out = Path(args.out)
