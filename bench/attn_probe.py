@@ -5,10 +5,12 @@ run a few times and the fastest run / R is a dispatch's time.
 
 Kernels:
   simt   attention.comp (one subgroup per row and head, every GPU)
-  mc     attention_mc.comp (cooperative matrices, 16 rows a subgroup), the
-         variant Kernels.attention runs for prompt-sized steps (head sizes of
+  mc     attention_mc.comp (cooperative matrices, 16 rows a subgroup, 4
+         subgroups sharing staged keys and values), the variant
+         Kernels.attention runs for prompt-sized steps (head sizes of
          shaders/variants.py ATTN_MC_HEAD_DIMS; others compiled here with
-         16-position blocks)
+         2 subgroups and 16-position blocks)
+  mc2sg  the same with 2 subgroups a workgroup
 Measured and dropped (H200, 2026-12-01): attention_mc with S = Q K^T and
 O += P V (A operands reused): 3-18% slower than the transposed products.
 
@@ -48,10 +50,15 @@ def main() -> int:
     from shaders.variants import ATTN_MC_HEAD_DIMS, EXT_DEFINE, VARIANTS
     hds = sorted({LAYOUTS[k][2] for k in args.layouts.split(",")})
     names = ["attention"] + [f"attention_mc_d{hd}" for hd in hds if hd in ATTN_MC_HEAD_DIMS]
-    for hd in hds:   # head sizes the engine leaves to attention.comp, blocks of 16 (48 KB of shared memory)
-        if hd not in ATTN_MC_HEAD_DIMS:
-            VARIANTS.setdefault(f"probe_attention_mc_d{hd}", ("attention_mc.comp", {"HD": hd, "BC": 16, EXT_DEFINE: 1}))
+    for hd in hds:
+        if hd not in ATTN_MC_HEAD_DIMS:   # left to attention.comp by the engine; 48 KB of shared memory
+            VARIANTS.setdefault(f"probe_attention_mc_d{hd}",
+                                ("attention_mc.comp", {"HD": hd, "BC": 16, "NSG": 2, EXT_DEFINE: 1}))
             names.append(f"probe_attention_mc_d{hd}")
+        else:
+            VARIANTS.setdefault(f"probe_attention_mc2sg_d{hd}",
+                                ("attention_mc.comp", {"HD": hd, "NSG": 2, EXT_DEFINE: 1}))
+            names.append(f"probe_attention_mc2sg_d{hd}")
     if args.compile_only:
         compile_probes(sorted(set(names)))
         return 0
@@ -75,9 +82,13 @@ def main() -> int:
         qr, orr = Region(act, 0, qw), Region(act, qw, ow)
         kc, vc = Region(act, qw + ow, slot_stride), Region(act, qw + ow + slot_stride, slot_stride)
         check = [0, 1, n // 2, n - 1]
-        for kind in ("simt", "mc"):
+        for kind in ("simt", "mc", "mc2sg"):
             kn.attention_mc = kind != "simt"
-            kn.attention_mc_variant = "attention_mc_d{hd}" if hd in ATTN_MC_HEAD_DIMS else "probe_attention_mc_d{hd}"
+            if kind == "mc2sg" and hd not in ATTN_MC_HEAD_DIMS:
+                continue
+            kn.attention_mc_variant = ("attention_mc_d{hd}" if kind == "mc" and hd in ATTN_MC_HEAD_DIMS else
+                                       "probe_attention_mc2sg_d{hd}" if kind == "mc2sg" else "probe_attention_mc_d{hd}")
+            kn.attention_mc_nsg = 4 if kind == "mc" and hd in ATTN_MC_HEAD_DIMS else 2
             kn.attention_mc_head_dims = tuple(hds)
             if kind != "simt" and not kn.attention_on_coopmat(n, hd):
                 continue
@@ -88,7 +99,7 @@ def main() -> int:
                              slot_stride, params, 0, n, 1 / np.sqrt(hd))
             prog.run()
             got = dev.download(act, qw * 4, ow * 4, np.float32).reshape(n, nh, hd)
-            qq = q.astype(np.float16).astype(np.float32) if kind == "mc" else q
+            qq = q.astype(np.float16).astype(np.float32) if kind != "simt" else q
             err = max(float(np.abs(got[r] - ref.attention(qq[r], kv[0, :r + 1].astype(np.float32),
                                                              kv[1, :r + 1].astype(np.float32), 1 / np.sqrt(hd))).max())
                       for r in check)

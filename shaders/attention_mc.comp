@@ -5,22 +5,28 @@
 // positions 0..pos of its slot), for head_dim HD (a multiple of 16;
 // shaders/variants.py ATTN_MC_HEAD_DIMS lists those compiled).
 //
-// A workgroup is one 32-lane subgroup (Kernels.coopmat checks the device) and
-// takes 16 query rows of one head: gl_WorkGroupID = (row block, head). Its
-// rows' queries, as halves, stay in registers as HD / 16 operands; the keys
-// and values of the slot are walked in blocks of BC positions staged in shared
-// memory (the cache already holds halves), and per block
-//   S^T = K Q^T (BC x 16, fp32 sums of f16 products), written to shared memory;
-//   two lanes per row take the online softmax step (running max m and sum l,
-//   masked: position <= the row's pos) and write the probabilities P as
-//   halves; the rows' outputs are rescaled by exp(m_old - m_new);
-//   O^T += V^T P^T (HD x 16, fp32, kept in shared memory: accumulators load
-//   it, multiply-add and store it back).
+// A workgroup is NSG subgroups of 32 lanes (Kernels.coopmat checks the device)
+// on one KV head (gl_WorkGroupID.y). Its query heads' 16-row blocks, counted
+// (row block, head within the KV group) with the head fastest, are dealt NSG
+// to a workgroup (gl_WorkGroupID.x): the subgroups of a workgroup share each
+// staged block of keys and values, which is loaded once (a KV group of 4+
+// heads: 4 heads of the same rows; one head: 4 consecutive row blocks). Per
+// block of BC positions (the next block's loads in flight meanwhile), each
+// subgroup, on its 16 rows:
+//   S^T = K Q^T (BC x 16, fp32 sums of f16 products; its Q^T operands stay in
+//   registers), written to its shared scores;
+//   two lanes per row take the online softmax step and write the
+//   probabilities P as halves;
+//   O^T += V^T P^T (HD x 16, fp32 accumulators kept in registers).
+// The running max m of a row only moves when a block's max exceeds it by more
+// than RESCALE_SLACK (P then stays below e^8, well inside fp16): the O columns
+// are rescaled (through shared memory, one 16 x 16 tile at a time) only in the
+// blocks where some row's m moved, which after the first blocks is rare.
 // Both products are written transposed so that every A operand is used by one
 // multiply-add (the B operands by several): on the H200 that ran 3-18% faster
 // than S = Q K^T, O += P V (bench/attn_probe.py), as mul_mc's layouts that
 // reuse A operands ran 2-3x slower than those that reuse B.
-// A block whose rows belong to several slots (mixed server steps) runs one
+// A workgroup whose rows belong to several slots (mixed server steps) runs one
 // pass per slot, each row masked out of the others' passes.
 // fp16 Q and P round to 11 significant bits, as llama.cpp's coopmat flash
 // attention does; S, the softmax and O stay fp32. Compiled by the newer glslc
@@ -35,7 +41,18 @@
 #extension GL_KHR_shader_subgroup_shuffle : require
 #extension GL_KHR_shader_subgroup_vote : require
 
-layout(local_size_x = 32, local_size_y = 1, local_size_z = 1) in;
+#ifndef HD
+#define HD 128
+#endif
+#ifndef BC
+#define BC 32                 // positions per block
+#endif
+#ifndef NSG
+#define NSG 4                 // subgroups per workgroup
+#endif
+#define WG (32 * NSG)
+
+layout(local_size_x = WG, local_size_y = 1, local_size_z = 1) in;
 
 // q and the output: the same activation buffer bound twice (q readonly)
 layout(binding = 0) writeonly restrict buffer Out { float act[]; };
@@ -51,152 +68,198 @@ layout(push_constant) uniform P {
     float scale;
 } p;
 
-#ifndef HD
-#define HD 128
-#endif
-#ifndef BC
-#define BC 32                 // positions per block
-#endif
 #define LDH (HD + 8)          // halves per staged row (16-byte aligned, no bank conflicts)
 #define LDU (LDH / 8)         // the same in uvec4
-#define LDO (HD + 4)          // floats per output row
-#define LDS (BC + 4)          // floats per score row
+#define LDS (BC + 4)          // floats per score row (also a 16 x 16 float tile's scratch)
 #define LDP (BC + 8)          // halves per probability row
+#define HU (HD / 8)           // uvec4 of a key or value row
+#define STAGE (BC * HU / WG)  // uvec4 of keys (and of values) a lane stages per block
+#define RESCALE_SLACK 8.0
 
-shared uvec4 Ks[BC * LDU];    // Ks[t * LDU + c] = halves 8c..8c+7 of position t0 + t's key
-shared uvec4 Vs[BC * LDU];
-shared uvec4 Qs[16 * LDU];
-shared float Ss[16 * LDS];
-shared f16vec4 Ps[16 * LDP / 4];
-shared float Os[16 * LDO];
-shared float As[16];          // per row: the rescale factor of a block, at the end 1 / l
+#if (BC * HU) % WG != 0 || BC % 16 != 0 || 2 * BC < 16 * NSG
+#error "BC x HD must split evenly over the workgroup, and the staging area must hold NSG x 16 query rows"
+#endif
+
+// keys at KV[0 ..), values at KV[BC * LDU ..); before the first block each
+// subgroup's 16 query rows (as halves) at KV[sg * 16 * LDU ..)
+shared uvec4 KV[2 * BC * LDU];
+shared float Ss[NSG * 16 * LDS];        // per subgroup: S (position-major per row), then tile scratch
+shared f16vec4 Ps[NSG * 16 * LDP / 4];  // per subgroup: P as halves
+shared float As[NSG * 16];              // per subgroup and row: the block's rescale factor, at the end 1 / l
+shared uint pass_slot[NSG], pass_end[NSG];
 
 #define ACC coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>
+#define NEG_INF (-1.0 / 0.0)
 
 void main() {
-    uint lane = gl_SubgroupInvocationID;
-    uint row0 = gl_WorkGroupID.x * 16u;
-    uint h = gl_WorkGroupID.y;
-    uint kvh = h / (p.n_head / p.n_kv);
+    uint lid = gl_LocalInvocationID.x;
+    uint sg = gl_SubgroupID, lane = gl_SubgroupInvocationID;
+    uint kvh = gl_WorkGroupID.y;
+    uint grp = p.n_head / p.n_kv;
+    uint n_rb = (p.n_rows + 15u) / 16u;
+    uint qi = gl_WorkGroupID.x * NSG + sg;      // this subgroup's (row block, head in group)
+    bool sg_live = qi < n_rb * grp;
+    uint row0 = (qi / grp) * 16u;
+    uint h = kvh * grp + qi % grp;
     uint hd2 = HD / 2u;
     uint row_words = p.n_kv * hd2;
+    uint s_base = sg * 16u * LDS, p_base = sg * 16u * LDP / 4u, a_base = sg * 16u;
 
-    // two lanes per row: r = lane / 2 owns half hf of the row's positions
-    // within a block and of its output
+    // two lanes per row: r = lane / 2 owns half hf of the row's positions within a block
     uint r = lane >> 1, hf = lane & 1u;
     uint row = row0 + r;
-    bool live = row < p.n_rows;
+    bool live = sg_live && row < p.n_rows;
     uint my_pos = live ? params[p.pos_off + row] : 0u;
     uint my_slot = live ? params[p.slot_off + row] : 0u;
 
-    // queries -> halves in Qs (rows past n_rows: zeros) -> A operands
-    for (uint i = lane; i < 16u * (HD / 8u); i += 32u) {
-        uint rr = i / (HD / 8u), c = i % (HD / 8u);
+    // queries -> halves in the staging area (rows past n_rows: zeros) -> Q^T operands
+    uint q_base = sg * 16u * LDU;
+    for (uint i = lane; i < 16u * HU; i += 32u) {
+        uint rr = i / HU, c = i % HU;
         uvec4 u = uvec4(0u);
-        if (row0 + rr < p.n_rows) {
+        if (sg_live && row0 + rr < p.n_rows) {
             uint b = (p.q_off + (row0 + rr) * p.q_stride + h * HD) / 4u + 2u * c;
             vec4 a = act4[b], bb = act4[b + 1u];
             u = uvec4(packHalf2x16(a.xy), packHalf2x16(a.zw), packHalf2x16(bb.xy), packHalf2x16(bb.zw));
         }
-        Qs[rr * LDU + c] = u;
+        KV[q_base + rr * LDU + c] = u;
     }
-    for (uint i = lane; i < 16u * LDO; i += 32u) Os[i] = 0.0;
-    barrier();
+    subgroupBarrier();
     coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> qb[HD / 16];   // Q^T
     [[unroll]] for (uint i = 0; i < HD / 16u; i++)
-        coopMatLoad(qb[i], Qs, i * 2u, LDU, gl_CooperativeMatrixLayoutColumnMajor);
+        coopMatLoad(qb[i], KV, q_base + i * 2u, LDU, gl_CooperativeMatrixLayoutColumnMajor);
+    ACC o[HD / 16];                                                               // O^T
+    [[unroll]] for (uint j = 0; j < HD / 16u; j++) o[j] = ACC(0.0);
 
-    float m = -1.0 / 0.0, l = 0.0;
+    float m = NEG_INF, l = 0.0;
     bool done = !live;
+    uvec4 kr[STAGE], vr[STAGE];
     while (true) {
-        uvec4 todo = subgroupBallot(!done);
-        if (todo == uvec4(0u)) break;
-        uint slot = subgroupShuffle(my_slot, subgroupBallotFindLSB(todo));
+        // the pass's slot: the smallest among the workgroup's rows not yet done
+        uint cand = subgroupMin(done ? 0xffffffffu : my_slot);
+        if (lane == 0u) pass_slot[sg] = cand;
+        barrier();
+        uint slot = pass_slot[0];
+        [[unroll]] for (uint s = 1; s < NSG; s++) slot = min(slot, pass_slot[s]);
+        if (slot == 0xffffffffu) break;
         bool act_row = !done && my_slot == slot;
-        uint kmax = subgroupMax(act_row ? my_pos : 0u);
-        uint kbase = p.k_off + slot * p.slot_stride + kvh * hd2;
-        uint vbase = p.v_off + slot * p.slot_stride + kvh * hd2;
-        for (uint t0 = 0u; t0 <= kmax; t0 += BC) {
-            // stage the block's keys and values (positions past kmax: zeros)
-            for (uint i = lane; i < BC * (HD / 8u); i += 32u) {
-                uint t = i / (HD / 8u), c = i % (HD / 8u);
-                bool ok = t0 + t <= kmax;
-                uint w = (t0 + t) * row_words;
-                Ks[t * LDU + c] = ok ? kv4[(kbase + w) / 4u + c] : uvec4(0u);
-                Vs[t * LDU + c] = ok ? kv4[(vbase + w) / 4u + c] : uvec4(0u);
+        bool sg_act = subgroupAny(act_row);
+        uint sg_end = sg_act ? subgroupMax(act_row ? my_pos : 0u) + 1u : 0u;   // positions this subgroup needs
+        if (lane == 0u) pass_end[sg] = sg_end;
+        barrier();
+        uint kend = pass_end[0];
+        [[unroll]] for (uint s = 1; s < NSG; s++) kend = max(kend, pass_end[s]);
+        uint kbase = (p.k_off + slot * p.slot_stride + kvh * hd2) / 4u;
+        uint vbase = (p.v_off + slot * p.slot_stride + kvh * hd2) / 4u;
+        uint rw4 = row_words / 4u;
+
+        // the first block's keys and values (positions from kend on: zeros)
+        [[unroll]] for (uint k = 0; k < STAGE; k++) {
+            uint i = lid + k * WG, t = i / HU, c = i % HU;
+            bool ok = t < kend;
+            kr[k] = ok ? kv4[kbase + t * rw4 + c] : uvec4(0u);
+            vr[k] = ok ? kv4[vbase + t * rw4 + c] : uvec4(0u);
+        }
+        for (uint t0 = 0u; t0 < kend; t0 += BC) {
+            barrier();   // the previous block (or the queries) read from the staging area
+            [[unroll]] for (uint k = 0; k < STAGE; k++) {
+                uint i = lid + k * WG, t = i / HU, c = i % HU;
+                KV[t * LDU + c] = kr[k];
+                KV[BC * LDU + t * LDU + c] = vr[k];
             }
             barrier();
-            // S = Q K^T, 16 positions at a time
+            if (t0 + BC < kend) {   // the next block's loads, in flight during this one
+                [[unroll]] for (uint k = 0; k < STAGE; k++) {
+                    uint i = lid + k * WG, t = t0 + BC + i / HU, c = i % HU;
+                    bool ok = t < kend;
+                    kr[k] = ok ? kv4[kbase + t * rw4 + c] : uvec4(0u);
+                    vr[k] = ok ? kv4[vbase + t * rw4 + c] : uvec4(0u);
+                }
+            }
+            if (!sg_act || t0 >= sg_end) continue;   // subgroup-uniform: nothing of this block for its rows
+
+            // S^T = K Q^T, 16 positions at a time: each A (keys) used once
             [[unroll]] for (uint c = 0; c < BC / 16u; c++) {
                 ACC s = ACC(0.0);
                 [[unroll]] for (uint i = 0; i < HD / 16u; i++) {
-                    // S^T = K Q^T: each A (keys) used once
                     coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> ka;
-                    coopMatLoad(ka, Ks, c * 16u * LDU + i * 2u, LDU, gl_CooperativeMatrixLayoutRowMajor);
+                    coopMatLoad(ka, KV, c * 16u * LDU + i * 2u, LDU, gl_CooperativeMatrixLayoutRowMajor);
                     s = coopMatMulAdd(ka, qb[i], s);
                 }
-                coopMatStore(s, Ss, c * 16u, LDS, gl_CooperativeMatrixLayoutColumnMajor);
+                coopMatStore(s, Ss, s_base + c * 16u, LDS, gl_CooperativeMatrixLayoutColumnMajor);
             }
-            barrier();
+            subgroupBarrier();
             // online softmax of row r over this block, half hf of its positions
             const uint HB = BC / 2u;
             float sv[HB];
-            float bm = -1.0 / 0.0;
+            float bm = NEG_INF;
             [[unroll]] for (uint j = 0; j < HB; j++) {
                 uint t = hf * HB + j;
                 bool ok = act_row && t0 + t <= my_pos;
-                sv[j] = ok ? Ss[r * LDS + t] * p.scale : -1.0 / 0.0;
+                sv[j] = ok ? Ss[s_base + r * LDS + t] * p.scale : NEG_INF;
                 bm = max(bm, sv[j]);
             }
             bm = max(bm, subgroupShuffleXor(bm, 1u));
-            float m_new = max(m, bm);
-            float alpha = 1.0, ls = 0.0;
-            if (m_new > -1.0 / 0.0) {
-                alpha = exp(m - m_new);   // 0 while m is -inf (O and l are zero then)
+            float alpha = 1.0;
+            if (bm > m + RESCALE_SLACK) {   // also the row's first block (m = -inf); never for masked rows
+                alpha = exp(m - bm);         // 0 while m is -inf (O and l are zero then)
+                m = bm;
+            }
+            float ls = 0.0;
+            if (m > NEG_INF) {
                 [[unroll]] for (uint j = 0; j < HB; j++) {
-                    sv[j] = exp(sv[j] - m_new);   // masked: exp(-inf) = 0
+                    sv[j] = exp(sv[j] - m);   // masked: exp(-inf) = 0
                     ls += sv[j];
                 }
-                m = m_new;
             } else {
                 [[unroll]] for (uint j = 0; j < HB; j++) sv[j] = 0.0;
             }
             ls += subgroupShuffleXor(ls, 1u);
             l = l * alpha + ls;
             [[unroll]] for (uint j = 0; j < HB; j += 4u)
-                Ps[(r * LDP + hf * HB + j) / 4u] = f16vec4(sv[j], sv[j + 1u], sv[j + 2u], sv[j + 3u]);
-            // rescale the rows' outputs, all lanes along consecutive floats
-            // (no bank conflicts), unless every factor is 1
-            if (hf == 0u) As[r] = alpha;
-            bool rescale = !subgroupAll(alpha == 1.0);
-            barrier();
-            if (rescale) {
-                for (uint i = lane; i < 16u * HD; i += 32u) Os[(i / HD) * LDO + i % HD] *= As[i / HD];
-                barrier();
+                Ps[p_base + (r * LDP + hf * HB + j) / 4u] = f16vec4(sv[j], sv[j + 1u], sv[j + 2u], sv[j + 3u]);
+            // rescale the O^T columns of rows whose max moved (not a row's first
+            // block: its column is still zero), one 16 x 16 tile at a time
+            bool moved = alpha != 1.0 && alpha > 0.0;
+            if (subgroupAny(moved)) {
+                if (hf == 0u) As[a_base + r] = alpha > 0.0 ? alpha : 1.0;
+                [[unroll]] for (uint j = 0; j < HD / 16u; j++) {
+                    subgroupBarrier();
+                    coopMatStore(o[j], Ss, s_base, 16u, gl_CooperativeMatrixLayoutColumnMajor);
+                    subgroupBarrier();
+                    for (uint e = lane; e < 256u; e += 32u) Ss[s_base + e] *= As[a_base + e / 16u];
+                    subgroupBarrier();
+                    coopMatLoad(o[j], Ss, s_base, 16u, gl_CooperativeMatrixLayoutColumnMajor);
+                }
             }
-            // O += P V
+            subgroupBarrier();
             // O^T += V^T P^T: each A (V^T) used once, each B (P^T) for every 16 dims
             coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> pb[BC / 16];
             [[unroll]] for (uint c = 0; c < BC / 16u; c++)
-                coopMatLoad(pb[c], Ps, c * 4u, LDP / 4u, gl_CooperativeMatrixLayoutColumnMajor);
+                coopMatLoad(pb[c], Ps, p_base + c * 4u, LDP / 4u, gl_CooperativeMatrixLayoutColumnMajor);
             [[unroll]] for (uint j = 0; j < HD / 16u; j++) {
-                ACC o;
-                coopMatLoad(o, Os, j * 16u, LDO, gl_CooperativeMatrixLayoutColumnMajor);
                 [[unroll]] for (uint c = 0; c < BC / 16u; c++) {
                     coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> va;
-                    coopMatLoad(va, Vs, c * 16u * LDU + j * 2u, LDU, gl_CooperativeMatrixLayoutColumnMajor);
-                    o = coopMatMulAdd(va, pb[c], o);
+                    coopMatLoad(va, KV, BC * LDU + c * 16u * LDU + j * 2u, LDU,
+                                gl_CooperativeMatrixLayoutColumnMajor);
+                    o[j] = coopMatMulAdd(va, pb[c], o[j]);
                 }
-                coopMatStore(o, Os, j * 16u, LDO, gl_CooperativeMatrixLayoutColumnMajor);
             }
-            barrier();
+            subgroupBarrier();   // Ss and Ps are rewritten by the next block
         }
         done = done || act_row;
     }
-    if (hf == 0u) As[r] = 1.0 / l;
-    barrier();
-    for (uint i = lane; i < 16u * HD; i += 32u) {
-        uint rr = i / HD, d = i % HD;
-        if (row0 + rr < p.n_rows) act[p.o_off + (row0 + rr) * p.o_stride + h * HD + d] = Os[rr * LDO + d] * As[rr];
+    if (!sg_live) return;
+    // O / l, one 16 x 16 tile (16 dims of the 16 rows) at a time
+    if (hf == 0u) As[a_base + r] = l > 0.0 ? 1.0 / l : 0.0;
+    [[unroll]] for (uint j = 0; j < HD / 16u; j++) {
+        subgroupBarrier();
+        coopMatStore(o[j], Ss, s_base, 16u, gl_CooperativeMatrixLayoutColumnMajor);
+        subgroupBarrier();
+        for (uint e = lane; e < 256u; e += 32u) {
+            uint rr = e / 16u, d = e % 16u;
+            if (row0 + rr < p.n_rows)
+                act[p.o_off + (row0 + rr) * p.o_stride + h * HD + j * 16u + d] = Ss[s_base + e] * As[a_base + rr];
+        }
     }
 }

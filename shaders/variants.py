@@ -119,6 +119,9 @@ MC2_FROM_ROWS = 16384
 # 543-550 -> 494-506; 256 (Qwen3.5's, blocks of 16 positions to fit 48 KB of
 # shared memory) 538-543 -> 640-665, so 256-wide heads keep attention.comp.
 ATTN_MC_HEAD_DIMS = (64, 128)
+# Subgroups a workgroup of attention_mc.comp (each on 16 query rows of one
+# head; they share the staged keys and values of their KV head).
+ATTN_MC_NSG = 4
 
 
 def _table() -> dict[str, tuple[str, dict[str, int]]]:
@@ -145,7 +148,7 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
         t[f"get_rows_{wt}"] = ("get_rows.comp", d)
         t[f"get_rows_p_{wt}"] = ("get_rows.comp", {**d, "ROW_PART": 1})   # a matrix split by rows
     for hd in ATTN_MC_HEAD_DIMS:
-        t[f"attention_mc_d{hd}"] = ("attention_mc.comp", {"HD": hd, EXT_DEFINE: 1})
+        t[f"attention_mc_d{hd}"] = ("attention_mc.comp", {"HD": hd, "NSG": ATTN_MC_NSG, EXT_DEFINE: 1})
     for op in ("rms_norm", "rope_kv", "attention", "swiglu", "add", "softmax", "argmax_part", "argmax", "copy",
                "to_f16"):
         t[op] = (f"{op}.comp", {})

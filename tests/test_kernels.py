@@ -638,17 +638,24 @@ def test_attention_mixed_batch(device, kernels, ws, rng, hd, n_head, n_kv, split
             assert (ws.read(sync, np.uint32) == 0).all()
 
 
-@pytest.mark.parametrize("hd,n_head,n_kv", [(64, 8, 2), (128, 4, 1), (128, 3, 3)])
-def test_attention_coopmat(device, coopmat_kernels, ws, rng, hd, n_head, n_kv):
+@pytest.mark.parametrize("hd,n_head,n_kv,grow", [(64, 8, 2, False), (128, 4, 1, True), (128, 3, 3, True),
+                                                  (64, 8, 1, False), (128, 6, 3, False)])
+def test_attention_coopmat(device, coopmat_kernels, ws, rng, hd, n_head, n_kv, grow):
     """attention_mc (cooperative matrices, prompt-sized steps): two prefill
     chunks of different slots (positions past several 32-position blocks) and
-    decode rows of a third in one dispatch, so that 16-row blocks mix slots;
-    against numpy with q rounded to halves as the kernel does (its fp16
-    probabilities are what the tolerance allows for)."""
+    decode rows of a third in one dispatch, so that 16-row blocks mix slots
+    (and a workgroup's subgroups: KV groups of 1, 2, 4 and 8 heads); against
+    numpy with q rounded to halves as the kernel does (its fp16 probabilities
+    are what the tolerance allows for). grow: keys larger with the position,
+    so that later blocks raise a row's running max past the kernel's slack and
+    its output is rescaled."""
     assert coopmat_kernels.attention_on_coopmat(62, hd)
     slots = np.array([0] * 40 + [2, 2] + [1] * 20, np.uint32)
     pos = np.array(list(range(40)) + [99, 64] + list(range(50, 70)), np.uint32)
     c = _AttentionCase(ws, rng, 3, 100, n_head, n_kv, hd, slots, pos, 100)
+    if grow:
+        c.kvals = (c.kvals.astype(np.float32) * (1 + 0.15 * np.arange(100))[None, :, None, None]).astype(np.float16)
+        ws.device.upload(c.kc.buf, c.kvals.view(np.uint32), c.kc.off * 4)
     prog = device.program()
     coopmat_kernels.attention(prog, c.qr, n_head * hd, c.orr, n_head * hd, len(slots), n_head, n_kv, hd, c.kc, c.vc,
                               c.ss, ws.params, 0, 100, c.scale)

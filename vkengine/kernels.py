@@ -15,7 +15,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from shaders.variants import (ATTN_MC_HEAD_DIMS, MATMUL_COLS, MC2_ENGINE_TYPES, MC2_FROM_ROWS, MC2_TILES, MC2_TYPES,
+from shaders.variants import (ATTN_MC_HEAD_DIMS, ATTN_MC_NSG, MATMUL_COLS, MC2_ENGINE_TYPES, MC2_FROM_ROWS, MC2_TILES, MC2_TYPES,
                               MC_TILE, MM_GPU_COLS, MV_BFLY_LANES, SG_ROWS, TILE, TILE_SMALL, UNIT_VALUES,
                               mv_gpu_config)
 
@@ -169,11 +169,12 @@ class Kernels:
         self._x16: list[Buffer] = []   # the scratch buffers (the last is the largest)
         # for which matrices (tests widen both to every type and size it takes)
         self.mc2_types, self.mc2_from_rows = MC2_ENGINE_TYPES, MC2_FROM_ROWS
-        # and prompt-sized attention on them (attention_mc, 34 KB of shared
+        # and prompt-sized attention on them (attention_mc, 24-32 KB of shared
         # memory); VKENGINE_ATTN_MC=0 keeps attention.comp (to measure the gain)
         self.attention_mc = info.max_shared_memory >= 36 * 1024 and os.environ.get("VKENGINE_ATTN_MC", "1") != "0"
         # (bench/attn_probe.py tries other variants and head sizes)
         self.attention_mc_variant, self.attention_mc_head_dims = "attention_mc_d{hd}", ATTN_MC_HEAD_DIMS
+        self.attention_mc_nsg = ATTN_MC_NSG
 
     COOPMAT2_FEATURES = frozenset({"cooperativeMatrixWorkgroupScope", "cooperativeMatrixFlexibleDimensions",
                                    "cooperativeMatrixTensorAddressing", "cooperativeMatrixBlockLoads",
@@ -472,7 +473,9 @@ class Kernels:
             name = self.attention_mc_variant.format(hd=head_dim)
             spv = shaders.spirv(name, self._spirv_cache)
             alg = self.device.algorithm(name, spv, [act, act, params, kv], (), len(push))
-            prog.dispatch(alg, push, (math.ceil(n_rows / 16), n_head, 1), reads, out, label)
+            # NSG 16-row blocks of one KV group's heads a workgroup (the shader's comment)
+            blocks = math.ceil(n_rows / 16) * (n_head // n_kv)
+            prog.dispatch(alg, push, (math.ceil(blocks / self.attention_mc_nsg), n_kv, 1), reads, out, label)
             return
         n_parts = self.attention_parts(n_ctx) if split is not None else 1
         chunk = self.ATTN_CHUNK if split is not None else 0
