@@ -47,7 +47,10 @@ KINDS = {"mt128": None, "mt64": None,
          # mul_mc2 (BM, BN, defines): u4/u16 chunks of 4/16 slices (8 otherwise)
          "mc2_128x128": (128, 128), "mc2_128x256": (128, 256), "mc2_64x128": (64, 128), "mc2_64x256": (64, 256),
          "mc2_256x128": (256, 128), "mc2u4_128x256": (128, 256, "UNROLL=4"),
-         "mc2u16_128x256": (128, 256, "UNROLL=16")}
+         "mc2u16_128x256": (128, 256, "UNROLL=16"),
+         # h: fp16 accumulators (ACC_F16, llama.cpp's f16acc)
+         "mc2h_128x256": (128, 256, "ACC_F16", "UNROLL=4"), "mc2h_256x256": (256, 256, "ACC_F16", "UNROLL=4"),
+         "mc2h_128x128": (128, 128, "ACC_F16"), "mc2h_256x128": (256, 128, "ACC_F16")}
 
 
 def tile_of(kind: str) -> tuple[int, int]:

@@ -109,7 +109,13 @@ float16_t dequant(const in QBlk bl, const in uint blockCoords[2], const in uint 
 #define LOAD_A(a, tA, row0, k0) coopMatLoadTensorNV(a, wh, (p.w_off * 2u) & ~7u, sliceTensorLayoutNV(tA, row0, BM, k0, BK))
 #endif
 
+// ACC_F16: fp16 sums (llama.cpp's f16acc matmuls), converted to fp32 for y
+#ifdef ACC_F16
+#define ACC coopmat<float16_t, gl_ScopeWorkgroup, BM, BN, gl_MatrixUseAccumulator>
+#else
 #define ACC coopmat<float, gl_ScopeWorkgroup, BM, BN, gl_MatrixUseAccumulator>
+#endif
+#define ACC32 coopmat<float, gl_ScopeWorkgroup, BM, BN, gl_MatrixUseAccumulator>
 
 // the K loop: whole chunks of UNROLL slices, then the remaining slices
 #define K_LOOP(tA)                                                                         \
@@ -175,10 +181,15 @@ void main() {
         tA = setTensorLayoutDimensionNV(tA, p.M, p.K);
         K_LOOP(tA)
     }
+#ifdef ACC_F16
+    ACC32 res = ACC32(acc);
+#else
+    ACC32 res = acc;
+#endif
     if (p.accumulate != 0u) {
-        ACC old;
+        ACC32 old;
         coopMatLoadTensorNV(old, act, p.y_off, sliceTensorLayoutNV(tD, col0, BN, row0, BM), tr);
-        acc = old + acc;
+        res = old + res;
     }
-    coopMatStoreTensorNV(acc, act, p.y_off, sliceTensorLayoutNV(tD, col0, BN, row0, BM), tr);
+    coopMatStoreTensorNV(res, act, p.y_off, sliceTensorLayoutNV(tD, col0, BN, row0, BM), tr);
 }

@@ -153,6 +153,7 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
                "to_f16"):
         t[op] = (f"{op}.comp", {})
     t["rms_norm_wg"] = ("rms_norm.comp", {"WG_ROW": 1})
+    t["swiglu4"] = ("swiglu.comp", {"VEC4": 1})   # F, offsets and strides multiples of 4
     t["attention_split"] = ("attention.comp", {"SPLIT": 1})   # split-K decode, slices merged in place
     t.update(_hybrid_table())
     return t

@@ -486,11 +486,15 @@ def test_rms_norm_gathers_rows(device, norm_kernels, ws, rng):
     _close(ws.read(yr).reshape(3, n), ref.rms_norm(x[pick], w, eps))
 
 
-def test_swiglu(device, kernels, ws, rng):
-    rows, F = 5, 1537
+@pytest.mark.parametrize("F", [1537, 1536])
+def test_swiglu(device, kernels, ws, rng, F):
+    """scalar (F odd) and vec4 (F, offsets and strides multiples of 4) kernels:
+    the same expression per element, so the same bits"""
+    rows = 5
     gu = rng.standard_normal((rows, 2 * F)).astype(np.float32) * 4
     gr = ws.act_region(rows * 2 * F, gu)
     yr = ws.act_region(rows * F)
+    assert (gr.off % 4 == 0 and yr.off % 4 == 0) or F % 4
     prog = device.program()
     kernels.swiglu(prog, gr, 2 * F, yr, F, F, rows)
     prog.run()

@@ -514,8 +514,9 @@ class Kernels:
         """y[r][i] = silu(gu[r][i]) * gu[r][F + i]."""
         act = self._same_buffer(gu, y)
         push = struct.pack("<6I", gu.off, gu_stride, y.off, y_stride, F, rows)
-        alg = self._alg("swiglu", [act], push, self.ew_wg, 1)
-        prog.dispatch(alg, push, self._grid(math.ceil(rows * F / self.ew_wg)),
+        vec4 = not (F % 4 or gu.off % 4 or gu_stride % 4 or y.off % 4 or y_stride % 4)
+        alg = self._alg("swiglu4" if vec4 else "swiglu", [act], push, self.ew_wg, 1)
+        prog.dispatch(alg, push, self._grid(math.ceil(rows * F // (4 if vec4 else 1) / self.ew_wg)),
                       [_rows_range(gu, rows, gu_stride, 2 * F)], [_rows_range(y, rows, y_stride, F)], label)
 
     def add(self, prog: Program, a: Region, a_stride: int, b: Region, b_stride: int, y: Region, y_stride: int,
