@@ -113,6 +113,10 @@ MC2_TYPES = ("f16", "q4_0", "q4_1", "q8_0")
 # o 4-11% slower; 1B Q8_0 end to end 4-6% slower with every matrix on it).
 MC2_ENGINE_TYPES = ("f16", "q4_0")
 MC2_FROM_ROWS = 16384
+# mul_mc2's wide tile (MC2_TILES[0]) from this many rows: bench/mm_probe.py
+# (H200, 512 tokens, Q4_0, 2026-12-01 06:10) 6144 x 4096 128 x 256 285 us
+# against 128 x 128 364; 4096 x 14336 766 against 616; 4096 x 4096 about even.
+MC2_WIDE_FROM_ROWS = 6144
 # Head sizes of the cooperative-matrix attention (attention_mc.comp). Measured
 # on the H200 (bench/attn_probe.py, a 512-token prefill, 2026-12-01 02:45-02:55)
 # against attention.comp: 64 (1B layout) 336-359 -> 203-209 us, 128 (8B)

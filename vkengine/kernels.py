@@ -15,7 +15,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from shaders.variants import (ATTN_MC_HEAD_DIMS, ATTN_MC_NSG, MATMUL_COLS, MC2_ENGINE_TYPES, MC2_FROM_ROWS, MC2_TILES, MC2_TYPES,
+from shaders.variants import (ATTN_MC_HEAD_DIMS, ATTN_MC_NSG, MATMUL_COLS, MC2_ENGINE_TYPES, MC2_FROM_ROWS, MC2_TILES, MC2_WIDE_FROM_ROWS, MC2_TYPES,
                               MC_TILE, MM_GPU_COLS, MV_BFLY_LANES, SG_ROWS, TILE, TILE_SMALL, UNIT_VALUES,
                               mv_gpu_config)
 
@@ -168,7 +168,9 @@ class Kernels:
                          and self.COOPMAT2_FEATURES <= set(device.features))
         self._x16: list[Buffer] = []   # the scratch buffers (the last is the largest)
         # for which matrices (tests widen both to every type and size it takes)
-        self.mc2_types, self.mc2_from_rows = MC2_ENGINE_TYPES, MC2_FROM_ROWS
+        # (VKENGINE_MC2_FROM_ROWS=<rows> moves the threshold, to measure a rule)
+        self.mc2_types = MC2_ENGINE_TYPES
+        self.mc2_from_rows = int(os.environ.get("VKENGINE_MC2_FROM_ROWS", MC2_FROM_ROWS))
         # and prompt-sized attention on them (attention_mc, 24-32 KB of shared
         # memory); VKENGINE_ATTN_MC=0 keeps attention.comp (to measure the gain)
         self.attention_mc = info.max_shared_memory >= 36 * 1024 and os.environ.get("VKENGINE_ATTN_MC", "1") != "0"
@@ -333,10 +335,10 @@ class Kernels:
                 and w.rows >= self.mc2_from_rows and w.data.off % 4 == 0)
 
     def mc2_tile(self, w: Matrix) -> tuple[int, int]:
-        """mul_mc2's BM x BN tile for w: 128 x 256 for the matrices the engine
-        gives it (MC2_FROM_ROWS+ rows, where that tile measured fastest), 128 x
-        128 for the smaller ones that tests and probes give it."""
-        return MC2_TILES[0] if w.rows >= MC2_FROM_ROWS else MC2_TILES[1]
+        """mul_mc2's BM x BN tile for w: 128 x 256 from MC2_WIDE_FROM_ROWS rows
+        (the engine's matrices, and where the probe measured it fastest), 128 x
+        128 below (tests, probes, VKENGINE_MC2_FROM_ROWS experiments)."""
+        return MC2_TILES[0] if w.rows >= MC2_WIDE_FROM_ROWS else MC2_TILES[1]
 
     def _x16_scratch(self, words: int) -> Buffer:
         """A device buffer of at least `words` words for mul_mc2's halves of x.
