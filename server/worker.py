@@ -158,7 +158,6 @@ class Worker:
         self._inflight: deque[Step] = deque()  # steps on the device, oldest first
         self.chain = engine.can_chain        # chain greedy decode steps (see run_once)
         self.chained_steps = 0
-        self.settled_steps = 0               # chained steps collected early for a step that runs alone
         self._finish_after: list[Seq] = []    # failed while their row was on the device
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -281,14 +280,17 @@ class Worker:
             late = []
             self._cancel_all("the server is shutting down")
         batch = None
-        if len(self._inflight) < 2 and not (self._inflight and self._inflight[-1].readback == "logits"):
+        if not self._inflight:
+            # Only with nothing on the device: a step composed beside one in
+            # flight could not hold that step's sequences (their tokens are not
+            # back yet), so the live sequences would split into groups that take
+            # turns in steps of fewer rows, each costing nearly a full step
+            # (bench/serve_sim.py: at C = 4, 2-row steps, 58% of the device's
+            # rate). Running streams keep the device busy through chained steps.
             batch = self.sched.schedule()
         if batch is not None:
             outs = batch.out_seqs
             readback = "logits" if any(s.data.needs_logits for s in outs) else "argmax"
-            if readback == "logits" and self._inflight:
-                # a logits readback runs alone: let the step on the device finish first
-                self._settle_one(late)
             self.eng.submit(batch.tokens, batch.positions, batch.slots, batch.out_rows, readback)
             self._inflight.append(Step(batch, outs, readback, time.perf_counter(), False))
         for job, tok, ev, now in late:
@@ -337,16 +339,6 @@ class Worker:
             for w in self._inflight[0].batch.work:
                 if w.tokens == [None] and len(w.seq.tokens) > w.start:
                     w.tokens = [w.seq.tokens[w.start]]
-
-    def _settle_one(self, late: list) -> None:
-        """Collect the step in flight before a step that must run alone. The
-        tokens already waiting in `late` are delivered first, the new ones join
-        `late` (so each stream keeps its order; the caller delivers them)."""
-        for job, tok, ev, t in late:
-            self._guard(job.seq, self._deliver, job, tok, ev, t)
-        late.clear()
-        self._collect_oldest(late)
-        self.settled_steps += 1
 
     def _guard(self, seq: Seq, fn, *args) -> None:
         """One request's sampling or detokenizing failed: fail it alone, the others run on."""
