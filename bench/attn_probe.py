@@ -12,7 +12,10 @@ Kernels:
          2 subgroups and 16-position blocks)
   mc2sg  the same with 2 subgroups a workgroup
 Measured and dropped (H200, 2026-12-01): attention_mc with S = Q K^T and
-O += P V (A operands reused): 3-18% slower than the transposed products.
+O += P V (A operands reused): 3-18% slower than the transposed products; 2
+subgroups a workgroup (mc2sg): slower than 4, and 4-5x slower with 128-wide
+heads (its prefetch registers spill). Run one layout per process: a process
+that had run the spilling variant measured every kernel after it 2-5x slower.
 
     here:   .venv/bin/python bench/attn_probe.py --compile-only
     there:  python3 bench/attn_probe.py --out $OUT/attn-probe.json

@@ -118,13 +118,18 @@ MC2_FROM_ROWS = 16384
 # against 128 x 128 364; 4096 x 14336 766 against 616; 4096 x 4096 about even.
 MC2_WIDE_FROM_ROWS = 6144
 # Head sizes of the cooperative-matrix attention (attention_mc.comp). Measured
-# on the H200 (bench/attn_probe.py, a 512-token prefill, 2026-12-01 02:45-02:55)
-# against attention.comp: 64 (1B layout) 336-359 -> 203-209 us, 128 (8B)
-# 543-550 -> 494-506; 256 (Qwen3.5's, blocks of 16 positions to fit 48 KB of
-# shared memory) 538-543 -> 640-665, so 256-wide heads keep attention.comp.
+# on the H200 (bench/attn_probe.py, a 512-token prefill, per layer) against
+# attention.comp: with 4 subgroups sharing K/V (2026-12-01 05:55-06:00) 64 (1B
+# layout) 344 -> 102 us, 128 (8B) 528-540 -> 134-143 us (one subgroup a
+# workgroup before: 203-209 and 494-506). 256 (Qwen3.5's) keeps attention.comp:
+# with 4 subgroups it needs 47 of the 48 KB of shared memory and 128 registers
+# a lane for its output alone, and its probe variant (2 subgroups,
+# 16-position blocks) was measured only in a disturbed process (657 us, with
+# attention.comp at 2,732 there against its usual 538-543): not yet compared.
 ATTN_MC_HEAD_DIMS = (64, 128)
 # Subgroups a workgroup of attention_mc.comp (each on 16 query rows of one
-# head; they share the staged keys and values of their KV head).
+# head; they share the staged keys and values of their KV head). 2 measured
+# 117 us on the 1B layout (against 102) and 557-735 on the 8B's (spilled).
 ATTN_MC_NSG = 4
 
 
