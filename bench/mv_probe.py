@@ -11,6 +11,10 @@ Kernels (mul_mv.comp, KSPLIT = 1, workgroup 128, butterfly reduction):
   magic   + DQ_MAGIC: nibbles to floats without int -> float conversions (Q4)
   hoist   + HOIST: the block scale once per unit instead of once per value
           (Q4 with DQ_MAGIC)
+  mvq     mul_mvq.comp (Q8_0 only): x quantized to 8 bits per 32-value block
+          (here, on the host), integer dot products (4 multiply-adds a
+          instruction); checked against x so quantized, and its distance from
+          the float x's result reported as qerr
 A third kind, Q4 rows stored in tiles so that a lane loads 16 bytes (4 units)
 at once, measured within noise of "hoist" (H200, 2026-11-30 21:20) and was
 not kept; so was x read as halves (half the bytes of every x load: within
@@ -38,7 +42,7 @@ from shaders.variants import VARIANTS, mv_gpu_config  # noqa: E402
 
 SHAPES = {"q4_0": ["28672x4096", "4096x14336", "6144x4096", "16384x2048", "2048x8192"],
           "q8_0": ["16384x2048", "2048x8192", "3072x2048", "49152x2048"]}
-KINDS = {"base": {}, "magic": {"DQ_MAGIC": 1}, "hoist": {"DQ_MAGIC": 1, "HOIST": 1}}
+KINDS = {"base": {}, "magic": {"DQ_MAGIC": 1}, "hoist": {"DQ_MAGIC": 1, "HOIST": 1}, "mvq": {}}
 PUSH_BYTES = 116   # mul_mv.comp's push constants (the fused norm's and RoPE's unused here)
 
 
@@ -50,23 +54,39 @@ def configs(wt: str, cols: list[int], rows: list[int] | None = None, kinds: list
             continue
         if "DQ_MAGIC" in extra and "HOIST" not in extra and wt not in ("q4_0", "q4_1"):
             continue
+        if kind == "mvq" and wt != "q8_0":
+            continue
         for nc in cols:
             if kind == "base":
                 rps, un, _extra = mv_gpu_config(wt, nc)
                 yield kind, nc, rps, un
                 continue
             for rps in rows or ((2, 4, 8) if nc == 1 else (2, 4)):
-                for un in (1, 2):
+                for un in ((1,) if kind == "mvq" else (1, 2)):
                     yield kind, nc, rps, un
 
 
 def variant(wt: str, kind: str, nc: int, rps: int, un: int) -> str:
+    if kind == "mvq":
+        from shaders.variants import EXT_DEFINE
+        name = f"probe_mvq_{wt}_c{nc}_r{rps}"
+        VARIANTS.setdefault(name, ("mul_mvq.comp", {"NCOLS": nc, "RPS": rps, EXT_DEFINE: 1}))
+        return name
     name = f"probe_mv_{wt}_{kind}_c{nc}_r{rps}_u{un}"
     extra = mv_gpu_config(wt, nc)[2] if kind == "base" else KINDS[kind]
     # the butterfly reduction needs a lane per sum (32-lane subgroups)
     VARIANTS.setdefault(name, ("mul_mv.comp", {f"WT_{wt.upper()}": 1, "NCOLS": nc, "UNROLL": un, "RPS": rps,
                                                "KSPLIT": 1, "BFLY": int(rps * nc <= 32), **extra}))
     return name
+
+
+def quantize_x(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x (rows x K) to 8 bits per 32-value block: (int8 quants, scales, x as
+    those quants give it back)."""
+    b = x.reshape(x.shape[0], -1, 32)
+    d = np.abs(b).max(axis=2) / 127.0
+    q = np.round(b / np.where(d > 0, d, 1.0)[..., None]).astype(np.int8)
+    return q, d.astype(np.float32), (q.astype(np.float32) * d[..., None]).reshape(x.shape)
 
 
 def random_blocks(wt: str, M: int, K: int, rng) -> np.ndarray:
@@ -177,7 +197,15 @@ def main() -> int:
         act = dev.buffer((n * K + args.reps * n * M) * 4 + 64, "device", "act")
         dev.upload(act, x.view(np.uint32))
         check = min(M, 256)
-        ref = x.reshape(n, K).astype(np.float64) @ dequantize(wt, raw[:check], check, K).astype(np.float64).T
+        wref = dequantize(wt, raw[:check], check, K).astype(np.float64).T
+        ref = x.reshape(n, K).astype(np.float64) @ wref
+        xq = None
+        if any(c[0] == "mvq" for c in configs(wt, args.cols, args.rows, args.kinds)):
+            q, d, xback = quantize_x(x.reshape(n, K))
+            ref_q = xback.astype(np.float64) @ wref
+            xq = dev.buffer(q.nbytes + d.nbytes + 64, "device", "xq")
+            dev.upload(xq, q.reshape(-1).view(np.uint32))
+            dev.upload(xq, d.reshape(-1).view(np.uint32), q.nbytes)
         # every kernel's program first, then rounds over all of them (the
         # fastest of its runs counts): a kernel measured first on freshly
         # written buffers is not penalized, and clock drift hits all alike
@@ -188,19 +216,32 @@ def main() -> int:
                                          for wg in args.wg):
             name = variant(wt, kind, nc, rps, un)
             spv = shaders.spirv(name)
-            # bindings 3-6 (the fused norm's and RoPE's) unused: any buffer
-            algs = [dev.algorithm(name, spv, [b, act, act, b, b, b, b], (wg, rps), PUSH_BYTES) for b in bufs]
+            mvq = kind == "mvq"
+            if mvq:
+                if wg != 128:
+                    continue
+                algs = [dev.algorithm(name, spv, [b, xq, act], (), 36) for b in bufs]
+            else:
+                # bindings 3-6 (the fused norm's and RoPE's) unused: any buffer
+                algs = [dev.algorithm(name, spv, [b, act, act, b, b, b, b], (wg, rps), PUSH_BYTES) for b in bufs]
             prog = dev.program()
             for r in range(args.reps):
                 prog.barrier()
                 yoff = n * K + r * n * M
-                push = struct.pack("<10I4If", 0, dw, K, M, nc, 0, K, yoff, M, 0, 0, 0, 0, 0, 0.0)
-                push += bytes(PUSH_BYTES - len(push))
+                if mvq:
+                    push = struct.pack("<9I", 0, dw, K, M, nc, 0, n * K // 4, yoff, M)
+                else:
+                    push = struct.pack("<10I4If", 0, dw, K, M, nc, 0, K, yoff, M, 0, 0, 0, 0, 0, 0.0)
+                    push += bytes(PUSH_BYTES - len(push))
                 prog.dispatch(algs[r % copies], push, (math.ceil(M / rps), 1, 1), [],
                               [(act, yoff * 4, (yoff + nc * M) * 4)], "mv")
             prog.run()
             y = dev.download(act, (n * K) * 4, nc * M * 4, np.uint8).view(np.float32).reshape(nc, M)
-            err = float(np.abs(y[:, :check] - ref[:nc]).max() / max(1.0, np.abs(ref).max()))
+            want = ref_q if mvq else ref
+            err = float(np.abs(y[:, :check] - want[:nc]).max() / max(1.0, np.abs(want).max()))
+            if mvq:
+                qerr = float(np.abs(y[:, :check] - ref[:nc]).max() / max(1.0, np.abs(ref).max()))
+                print(f"{wt} {shape} mvq cols {nc} rps {rps}: x quantization moves y by {qerr:.1e} (relative)")
             progs.append(((kind, nc, rps, un, wg), prog, algs, err, []))
         for _ in range(args.runs):
             for _cfg, prog, _algs, _err, times in progs:
@@ -219,6 +260,8 @@ def main() -> int:
         for b in bufs:
             dev.free(b)
         dev.free(act)
+        if xq is not None:
+            dev.free(xq)
     if args.out:
         Path(args.out).write_text(json.dumps(results))
     summarize(results)

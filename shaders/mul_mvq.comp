@@ -1,0 +1,92 @@
+#version 450
+// Probe kernel (bench/mvq_probe.py; not used by the engine yet): the decode
+// matvec of Q8_0 weights with x quantized to 8 bits per 32-value block (as
+// llama.cpp's batched decode does), summed with integer dot products:
+//   y[c][row] = sum_b d_w[row][b] * d_x[c][b] * sum_i q_w[row][b][i] * q_x[c][b][i]
+// A workgroup takes RPS rows and all its invocations walk their blocks (split
+// K, like mul_mv.comp's GPU variants); each weight block is loaded once for
+// NCOLS columns, and a block of a column costs 8 dotPacked4x8 instead of 32
+// conversions and 32 multiply-adds.
+// x layout (binding 1, from word xq_off): per column, per block, 8 words of 4
+// int8; its scales as floats from xd_off, per column, per block.
+#extension GL_EXT_control_flow_attributes : require
+#extension GL_EXT_integer_dot_product : require
+#extension GL_EXT_shader_explicit_arithmetic_types_int32 : require
+#extension GL_KHR_shader_subgroup_basic : require
+#extension GL_KHR_shader_subgroup_arithmetic : require
+
+#ifndef RPS
+#define RPS 4
+#endif
+#ifndef NCOLS
+#define NCOLS 1
+#endif
+#define WG 128
+
+layout(local_size_x = WG, local_size_y = 1, local_size_z = 1) in;
+
+layout(binding = 0) readonly restrict buffer W4 { ivec4 w4[]; };
+layout(binding = 0) readonly restrict buffer W1 { uint w1[]; };
+layout(binding = 1) readonly restrict buffer XQ4 { ivec4 xq4[]; };
+layout(binding = 1) readonly restrict buffer XD { float xd[]; };
+layout(binding = 2) buffer Y { float act[]; };
+
+layout(push_constant) uniform P {
+    uint w_off, w_off2;     // words: quants (a multiple of 4), scales (halves)
+    uint K, M, N;
+    uint xq_off, xd_off;    // words (a multiple of 4), floats
+    uint y_off, y_stride;   // floats
+} p;
+
+shared float red[32][RPS * NCOLS];   // per subgroup (at most 32 of them: 4+ lanes)
+
+int dot8(ivec4 a0, ivec4 a1, ivec4 b0, ivec4 b1) {
+    return dotPacked4x8EXT(a0.x, b0.x) + dotPacked4x8EXT(a0.y, b0.y) + dotPacked4x8EXT(a0.z, b0.z)
+         + dotPacked4x8EXT(a0.w, b0.w) + dotPacked4x8EXT(a1.x, b1.x) + dotPacked4x8EXT(a1.y, b1.y)
+         + dotPacked4x8EXT(a1.z, b1.z) + dotPacked4x8EXT(a1.w, b1.w);
+}
+
+void main() {
+    uint nb = p.K / 32u;
+    uint row0 = gl_WorkGroupID.x * RPS;
+    uint col0 = gl_WorkGroupID.z * NCOLS;
+    uint ncols = min(uint(NCOLS), p.N - col0);
+    float acc[RPS][NCOLS];
+    [[unroll]] for (uint r = 0; r < RPS; r++)
+        [[unroll]] for (uint c = 0; c < NCOLS; c++) acc[r][c] = 0.0;
+    for (uint b = gl_LocalInvocationID.x; b < nb; b += WG) {
+        ivec4 xa[NCOLS], xb[NCOLS];
+        float xs[NCOLS];
+        [[unroll]] for (uint c = 0; c < NCOLS; c++) {
+            uint cc = min(col0 + c, p.N - 1u);
+            uint xi = p.xq_off / 4u + (cc * nb + b) * 2u;
+            xa[c] = xq4[xi];
+            xb[c] = xq4[xi + 1u];
+            xs[c] = xd[p.xd_off + cc * nb + b];
+        }
+        [[unroll]] for (uint r = 0; r < RPS; r++) {
+            uint row = min(row0 + r, p.M - 1u);
+            uint blk = row * nb + b;
+            ivec4 wa = w4[p.w_off / 4u + blk * 2u], wb = w4[p.w_off / 4u + blk * 2u + 1u];
+            vec2 dd = unpackHalf2x16(w1[p.w_off2 + (blk >> 1)]);
+            float d = (blk & 1u) != 0u ? dd.y : dd.x;
+            [[unroll]] for (uint c = 0; c < NCOLS; c++)
+                acc[r][c] += float(dot8(wa, wb, xa[c], xb[c])) * (d * xs[c]);
+        }
+    }
+    [[unroll]] for (uint r = 0; r < RPS; r++)
+        [[unroll]] for (uint c = 0; c < NCOLS; c++) {
+            float s = subgroupAdd(acc[r][c]);
+            if (subgroupElect()) red[gl_SubgroupID][r * NCOLS + c] = s;
+        }
+    barrier();
+    uint i = gl_LocalInvocationID.x;
+    if (i < RPS * NCOLS) {
+        uint r = i / NCOLS, c = i % NCOLS;
+        if (c < ncols && row0 + r < p.M) {
+            float s = red[0][i];
+            for (uint g = 1u; g < gl_NumSubgroups; g++) s += red[g][i];
+            act[p.y_off + (col0 + c) * p.y_stride + row0 + r] = s;
+        }
+    }
+}
