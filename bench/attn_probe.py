@@ -50,17 +50,18 @@ def main() -> int:
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    from shaders.variants import ATTN_MC_HEAD_DIMS, EXT_DEFINE, VARIANTS
+    from shaders.variants import ATTN_MC_HEAD_DIMS, ATTN_MC_NSG, EXT_DEFINE, VARIANTS
+    probe_nsg = 2   # the probe variants' subgroups a workgroup
     hds = sorted({LAYOUTS[k][2] for k in args.layouts.split(",")})
     names = ["attention"] + [f"attention_mc_d{hd}" for hd in hds if hd in ATTN_MC_HEAD_DIMS]
     for hd in hds:
         if hd not in ATTN_MC_HEAD_DIMS:   # left to attention.comp by the engine; 48 KB of shared memory
             VARIANTS.setdefault(f"probe_attention_mc_d{hd}",
-                                ("attention_mc.comp", {"HD": hd, "BC": 16, "NSG": 2, EXT_DEFINE: 1}))
+                                ("attention_mc.comp", {"HD": hd, "BC": 16, "NSG": probe_nsg, EXT_DEFINE: 1}))
             names.append(f"probe_attention_mc_d{hd}")
         else:
             VARIANTS.setdefault(f"probe_attention_mc2sg_d{hd}",
-                                ("attention_mc.comp", {"HD": hd, "NSG": 2, EXT_DEFINE: 1}))
+                                ("attention_mc.comp", {"HD": hd, "NSG": probe_nsg, EXT_DEFINE: 1}))
             names.append(f"probe_attention_mc2sg_d{hd}")
     if args.compile_only:
         compile_probes(sorted(set(names)))
@@ -91,7 +92,7 @@ def main() -> int:
                 continue
             kn.attention_mc_variant = ("attention_mc_d{hd}" if kind == "mc" and hd in ATTN_MC_HEAD_DIMS else
                                        "probe_attention_mc2sg_d{hd}" if kind == "mc2sg" else "probe_attention_mc_d{hd}")
-            kn.attention_mc_nsg = 4 if kind == "mc" and hd in ATTN_MC_HEAD_DIMS else 2
+            kn.attention_mc_nsg = ATTN_MC_NSG if kind == "mc" and hd in ATTN_MC_HEAD_DIMS else probe_nsg
             kn.attention_mc_head_dims = tuple(hds)
             if kind != "simt" and not kn.attention_on_coopmat(n, hd):
                 continue

@@ -95,10 +95,9 @@ def main() -> int:
 
     dev, rng = probe_device()
     from vkengine.kernels import Kernels
-    mc2_features = Kernels.COOPMAT2_FEATURES
-    if any(k.startswith("mc2") for k in kinds) and not mc2_features <= set(dev.features):
+    if any(k.startswith("mc2") for k in kinds) and not Kernels.device_has_coopmat2(dev):
         print(f"mc2 kinds need VK_NV_cooperative_matrix2: {dev.info.name} lacks "
-              f"{sorted(mc2_features - set(dev.features))}", file=sys.stderr)
+              f"{sorted(Kernels.COOPMAT2_FEATURES - set(dev.features))}", file=sys.stderr)
         return 2
     n = args.n
     results = []

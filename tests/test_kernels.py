@@ -148,8 +148,7 @@ def test_mul_mat_coopmat(device, coopmat_kernels, ws, rng, wt, n, M, K, kernel):
     residual projections of a prefill: the 130-token case). mul_mc2 where the
     device has VK_NV_cooperative_matrix2, for the types it loads."""
     from shaders.variants import MC2_TYPES
-    has_mc2 = coopmat_kernels.COOPMAT2_FEATURES <= set(device.features)
-    if kernel == "mul_mc2" and not (has_mc2 and wt in MC2_TYPES):
+    if kernel == "mul_mc2" and not (coopmat_kernels.device_has_coopmat2(device) and wt in MC2_TYPES):
         pytest.skip("mul_mc2: VK_NV_cooperative_matrix2 devices, F16/Q4_0/Q4_1/Q8_0 weights")
     kn = coopmat_kernels
     saved = kn.coopmat2, kn.mc2_types, kn.mc2_from_rows

@@ -15,9 +15,9 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from shaders.variants import (ATTN_MC_HEAD_DIMS, ATTN_MC_NSG, MATMUL_COLS, MC2_ENGINE_TYPES, MC2_FROM_ROWS, MC2_TILES, MC2_WIDE_FROM_ROWS, MC2_TYPES,
-                              MC_TILE, MM_GPU_COLS, MV_BFLY_LANES, SG_ROWS, TILE, TILE_SMALL, UNIT_VALUES,
-                              mv_gpu_config)
+from shaders.variants import (ATTN_MC_HEAD_DIMS, ATTN_MC_NSG, MATMUL_COLS, MC2_ENGINE_TYPES, MC2_FROM_ROWS,
+                              MC2_TILES, MC2_TYPES, MC2_WIDE_FROM_ROWS, MC_TILE, MM_GPU_COLS, MV_BFLY_LANES,
+                              SG_ROWS, TILE, TILE_SMALL, UNIT_VALUES, mv_gpu_config)
 
 from . import shaders
 from .device import Buffer, Device, Program
@@ -165,7 +165,7 @@ class Kernels:
         # weight types it decodes; VKENGINE_COOPMAT2=0 keeps mul_mc (to measure
         # the gain). Its x goes through halves in a scratch buffer of its own.
         self.coopmat2 = (self.coopmat and os.environ.get("VKENGINE_COOPMAT2", "1") != "0"
-                         and self.COOPMAT2_FEATURES <= set(device.features))
+                         and self.device_has_coopmat2(device))
         self._x16: list[Buffer] = []   # the scratch buffers (the last is the largest)
         # for which matrices (tests widen both to every type and size it takes)
         # (VKENGINE_MC2_FROM_ROWS=<rows> moves the threshold, to measure a rule)
@@ -181,6 +181,12 @@ class Kernels:
     COOPMAT2_FEATURES = frozenset({"cooperativeMatrixWorkgroupScope", "cooperativeMatrixFlexibleDimensions",
                                    "cooperativeMatrixTensorAddressing", "cooperativeMatrixBlockLoads",
                                    "bufferDeviceAddress", "vulkanMemoryModel"})
+
+    @classmethod
+    def device_has_coopmat2(cls, device: Device) -> bool:
+        """Whether the device was created with everything mul_mc2 needs (whatever
+        VKENGINE_COOPMAT2 says: tests and probes ask the device)."""
+        return cls.COOPMAT2_FEATURES <= set(device.features)
 
     # -- helpers -----------------------------------------------------------
     def _alg(self, name: str, buffers: list[Buffer], push: bytes, wg: int, items: int | None = None):
