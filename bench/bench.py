@@ -184,7 +184,7 @@ def main(argv=None) -> int:
            else ("mul_mc (cooperative matrices, fp16 tiles)"
                  + ("; mul_mc2 (NV cooperative matrix 2) for the "
                     f"{'/'.join(t.upper() for t in kn.mc2_types)} matrices of {kn.mc2_from_rows}+ rows"
-                    if kn.coopmat2 else "")) if kn.coopmat else "mul_mt (fp32)",
+                    + (", fp16 sums" if kn.mc2_f16acc else "") if kn.coopmat2 else "")) if kn.coopmat else "mul_mt (fp32)",
            "copy_bandwidth": bw, "n_prompt": args.n_prompt, "n_gen": args.n_gen,
            "reps": args.reps, "peer": args.llama_label, "note": args.note, "results": results}
     out = Path(args.out)

@@ -50,7 +50,9 @@ KINDS = {"mt128": None, "mt64": None,
          "mc2u16_128x256": (128, 256, "UNROLL=16"),
          # h: fp16 accumulators (ACC_F16, llama.cpp's f16acc)
          "mc2h_128x256": (128, 256, "ACC_F16", "UNROLL=4"), "mc2h_256x256": (256, 256, "ACC_F16", "UNROLL=4"),
-         "mc2h_128x128": (128, 128, "ACC_F16"), "mc2h_256x128": (256, 128, "ACC_F16")}
+         "mc2h_128x128": (128, 128, "ACC_F16"), "mc2h_256x128": (256, 128, "ACC_F16"),
+         "mc2h_64x128": (64, 128, "ACC_F16"), "mc2h_64x256": (64, 256, "ACC_F16", "UNROLL=4"),
+         "mc2h_128x64": (128, 64, "ACC_F16")}
 
 
 def tile_of(kind: str) -> tuple[int, int]:

@@ -109,7 +109,8 @@ float16_t dequant(const in QBlk bl, const in uint blockCoords[2], const in uint 
 #define LOAD_A(a, tA, row0, k0) coopMatLoadTensorNV(a, wh, (p.w_off * 2u) & ~7u, sliceTensorLayoutNV(tA, row0, BM, k0, BK))
 #endif
 
-// ACC_F16: fp16 sums (llama.cpp's f16acc matmuls), converted to fp32 for y
+// ACC_F16: fp16 sums (llama.cpp's f16acc matmuls, its default for quantized weights
+// on these devices), converted to fp32 for y
 #ifdef ACC_F16
 #define ACC coopmat<float16_t, gl_ScopeWorkgroup, BM, BN, gl_MatrixUseAccumulator>
 #else
@@ -182,6 +183,8 @@ void main() {
         K_LOOP(tA)
     }
 #ifdef ACC_F16
+    // as llama.cpp's f16acc matmuls: overflowed sums clamp to the largest half
+    [[unroll]] for (uint i = 0; i < acc.length(); ++i) acc[i] = clamp(acc[i], float16_t(-65504.0), float16_t(65504.0));
     ACC32 res = ACC32(acc);
 #else
     ACC32 res = acc;

@@ -107,12 +107,25 @@ MC_TILE = (64, 128, 1, 8)
 MC2_TILES = ((128, 256), (128, 128))
 MC2_UNROLL = {(128, 256): 4, (128, 128): 8}   # slices per chunk (the shader's UNROLL)
 MC2_TYPES = ("f16", "q4_0", "q4_1", "q8_0")
-# Where the engine takes it: the matrices where it measured faster than mul_mc
-# (8B Q4_0 prefill profile, 512 tokens: gate|up 28672 x 4096 1,068 -> 853 us a
-# layer; down 4096 x 14336 -3%, about what its x conversion costs; q, k, v and
-# o 4-11% slower; 1B Q8_0 end to end 4-6% slower with every matrix on it).
+# its fp16-accumulator tiles (ACC_F16: what llama.cpp's Vulkan backend runs by
+# default on such devices, matmul_*_f16acc_cm2; half the accumulator registers,
+# so a 256 x 256 tile fits) and their chunks, by the rows they start from;
+# bench/mm_probe.py (H200, 512 tokens, Q4_0, 2026-12-01 09:05): 4096 x 14336
+# 64 x 256 591 us, 128 x 128 604, 128 x 256 791, mul_mc 627; 4096 x 4096 204,
+# 217, 267 and 234; 64 x 128 and 128 x 64 slower than all of them
+MC2H_TILES = ((16384, (256, 256)), (6144, (128, 256)), (0, (64, 256)))
+MC2H_UNROLL = {(256, 256): 4, (128, 256): 4, (128, 128): 8, (64, 256): 4}
+# Where the engine takes it: the matrices where it measured faster than mul_mc.
+# 8B Q4_0 prefill profile (H200, 512 tokens, GPU time of the 32 layers): with
+# fp32 sums (2026-12-01 run 11) gate|up 28672 x 4096 34.2 -> 27.3 ms, down
+# 4096 x 14336 -3%, about what its x conversion costs, q, k, v and o 4-11%
+# slower; with fp16 sums (run 13, MC2H_TILES) gate|up 24.4-24.9 ms, qkv 6144 x
+# 4096 8.7 -> 6.8 ms, and with the 64 x 256 tile down 17.2 -> 16.1 ms and o
+# 4096 x 4096 5.2 -> 4.6 ms, less 0.7 ms more x conversion (59.3 against 60.0
+# ms a step; 128 x 128 there: 17.0 and 5.8 ms).
 MC2_ENGINE_TYPES = ("f16", "q4_0")
-MC2_FROM_ROWS = 16384
+MC2_FROM_ROWS = 4096
+MC2_F32_FROM_ROWS = 16384   # with fp32 sums (VKENGINE_MC2_F16ACC=0)
 # mul_mc2's wide tile (MC2_TILES[0]) from this many rows: bench/mm_probe.py
 # (H200, 512 tokens, Q4_0, 2026-12-01 06:10) 6144 x 4096 128 x 256 285 us
 # against 128 x 128 364; 4096 x 14336 766 against 616; 4096 x 4096 about even.
@@ -154,6 +167,9 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
             for bm, bn in MC2_TILES:
                 t[f"mul_mc2_{bm}x{bn}_{wt}"] = ("mul_mc2.comp", {**d, "BM": bm, "BN": bn,
                                                                  "UNROLL": MC2_UNROLL[bm, bn], EXT_DEFINE: 1})
+            for (bm, bn), unroll in MC2H_UNROLL.items():
+                t[f"mul_mc2h_{bm}x{bn}_{wt}"] = ("mul_mc2.comp", {**d, "BM": bm, "BN": bn, "UNROLL": unroll,
+                                                                  "ACC_F16": 1, EXT_DEFINE: 1})
         t[f"get_rows_{wt}"] = ("get_rows.comp", d)
         t[f"get_rows_p_{wt}"] = ("get_rows.comp", {**d, "ROW_PART": 1})   # a matrix split by rows
     for hd in ATTN_MC_HEAD_DIMS:

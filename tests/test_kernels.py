@@ -5,11 +5,12 @@ CI, the H200 through tests/gpu/run_on_gpu.sh)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
 
-from shaders.variants import WEIGHT_TYPES
+from shaders.variants import MC2_TYPES, MC2H_UNROLL, WEIGHT_TYPES
 from vkengine.kernels import Region
 
 from . import reference as ref
@@ -139,24 +140,31 @@ def test_mul_mat_tiled(device, tiled_kernels, ws, rng, wt, n, M, tile):
     _check_mul_mat(device, tiled_kernels, ws, rng, wt, n, M, 512 if wt in K_QUANTS else 96)
 
 
-@pytest.mark.parametrize("wt", WEIGHT_TYPES)
+# mul_mc for every weight type; mul_mc2, with fp32 sums and with fp16 sums in
+# each of its tiles (mul_mc2h_<BM>x<BN>), for the types it loads
+MC2_KERNELS = ["mul_mc2"] + [f"mul_mc2h_{bm}x{bn}" for bm, bn in MC2H_UNROLL]
+COOPMAT_CASES = [(wt, "mul_mc") for wt in WEIGHT_TYPES] + [(wt, k) for wt in MC2_TYPES for k in MC2_KERNELS]
+
+
+@pytest.mark.parametrize("wt,kernel", COOPMAT_CASES)
 @pytest.mark.parametrize("n,M,K", [(3, 37, 96), (130, 131, 96), (200, 200, 2048)])
-@pytest.mark.parametrize("kernel", ["mul_mc", "mul_mc2"])
 def test_mul_mat_coopmat(device, coopmat_kernels, ws, rng, wt, n, M, K, kernel):
     """Edges of the tile (rows past M, tokens past N, K not a multiple of the
     slice or of mul_mc2's chunk of 8 slices), a long K, and adding to y (the
     residual projections of a prefill: the 130-token case). mul_mc2 where the
-    device has VK_NV_cooperative_matrix2, for the types it loads."""
-    from shaders.variants import MC2_TYPES
-    if kernel == "mul_mc2" and not (coopmat_kernels.device_has_coopmat2(device) and wt in MC2_TYPES):
-        pytest.skip("mul_mc2: VK_NV_cooperative_matrix2 devices, F16/Q4_0/Q4_1/Q8_0 weights")
+    device has VK_NV_cooperative_matrix2."""
+    if kernel != "mul_mc" and not coopmat_kernels.device_has_coopmat2(device):
+        pytest.skip("mul_mc2: VK_NV_cooperative_matrix2 devices")
     kn = coopmat_kernels
-    saved = kn.coopmat2, kn.mc2_types, kn.mc2_from_rows
-    kn.coopmat2, kn.mc2_types, kn.mc2_from_rows = kernel == "mul_mc2", MC2_TYPES, 0
+    saved = kn.coopmat2, kn.mc2_types, kn.mc2_from_rows, kn.mc2_f16acc, kn.mc2h_tiles
+    kn.coopmat2, kn.mc2_types, kn.mc2_from_rows = kernel != "mul_mc", MC2_TYPES, 0
+    kn.mc2_f16acc = kernel.startswith("mul_mc2h")
+    if kn.mc2_f16acc:
+        kn.mc2h_tiles = ((0, tuple(int(v) for v in kernel.split("_")[-1].split("x"))),)
     try:
         _check_mul_mat(device, kn, ws, rng, wt, n, M, max(K, 512) if wt in K_QUANTS else K, accumulate=n == 130)
     finally:
-        kn.coopmat2, kn.mc2_types, kn.mc2_from_rows = saved
+        kn.coopmat2, kn.mc2_types, kn.mc2_from_rows, kn.mc2_f16acc, kn.mc2h_tiles = saved
 
 
 @pytest.mark.parametrize("n,cols,n_pad", [(3, 96, 128), (130, 100, 256)])
@@ -202,6 +210,9 @@ def _check_mul_mat(device, kernels, ws, rng, wt, n, M, K, accumulate=False):
         # a device may round to half differently than numpy: one half ulp per operand
         want = x.astype(np.float16).astype(np.float64) @ w.astype(np.float16).T.astype(np.float64)
         bound = 2.0 ** -10 * (np.abs(x).astype(np.float64) @ np.abs(w).T.astype(np.float64))
+        if kernels.coopmat2 and kernels.mc2_f16acc and kernels.on_coopmat2(mat):
+            # fp16 sums: at most one rounding (half an ulp) a 16-deep k step
+            bound *= 1 + math.ceil(K / 16)
         assert (np.abs(got - want) <= bound + 1e-5 * np.sqrt(K) * max(1.0, float(np.abs(want).max()))).all()
     else:
         want = x.astype(np.float64) @ w.T.astype(np.float64)

@@ -15,9 +15,9 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from shaders.variants import (ATTN_MC_HEAD_DIMS, ATTN_MC_NSG, MATMUL_COLS, MC2_ENGINE_TYPES, MC2_FROM_ROWS,
-                              MC2_TILES, MC2_TYPES, MC2_WIDE_FROM_ROWS, MC_TILE, MM_GPU_COLS, MV_BFLY_LANES,
-                              SG_ROWS, TILE, TILE_SMALL, UNIT_VALUES, mv_gpu_config)
+from shaders.variants import (ATTN_MC_HEAD_DIMS, ATTN_MC_NSG, MATMUL_COLS, MC2_ENGINE_TYPES, MC2_F32_FROM_ROWS,
+                              MC2_FROM_ROWS, MC2_TILES, MC2_TYPES, MC2_WIDE_FROM_ROWS, MC2H_TILES, MC_TILE,
+                              MM_GPU_COLS, MV_BFLY_LANES, SG_ROWS, TILE, TILE_SMALL, UNIT_VALUES, mv_gpu_config)
 
 from . import shaders
 from .device import Buffer, Device, Program
@@ -170,7 +170,13 @@ class Kernels:
         # for which matrices (tests widen both to every type and size it takes)
         # (VKENGINE_MC2_FROM_ROWS=<rows> moves the threshold, to measure a rule)
         self.mc2_types = MC2_ENGINE_TYPES
-        self.mc2_from_rows = int(os.environ.get("VKENGINE_MC2_FROM_ROWS", MC2_FROM_ROWS))
+        # with fp16 sums, as llama.cpp's Vulkan backend multiplies quantized
+        # weights on these devices by default; VKENGINE_MC2_F16ACC=0 keeps fp32
+        # sums (and mul_mc2 where it measured faster with those)
+        self.mc2_f16acc = os.environ.get("VKENGINE_MC2_F16ACC", "1") != "0"
+        self.mc2_from_rows = int(os.environ.get("VKENGINE_MC2_FROM_ROWS",
+                                                MC2_FROM_ROWS if self.mc2_f16acc else MC2_F32_FROM_ROWS))
+        self.mc2h_tiles = MC2H_TILES   # (from rows, tile), widest first
         # and prompt-sized attention on them (attention_mc, 24-32 KB of shared
         # memory); VKENGINE_ATTN_MC=0 keeps attention.comp (to measure the gain)
         self.attention_mc = info.max_shared_memory >= 36 * 1024 and os.environ.get("VKENGINE_ATTN_MC", "1") != "0"
@@ -340,11 +346,16 @@ class Kernels:
         return (self.coopmat2 and w.type in self.mc2_types and w.type in MC2_TYPES
                 and w.rows >= self.mc2_from_rows and w.data.off % 4 == 0)
 
-    def mc2_tile(self, w: Matrix) -> tuple[int, int]:
-        """mul_mc2's BM x BN tile for w: 128 x 256 from MC2_WIDE_FROM_ROWS rows
-        (the engine's matrices, and where the probe measured it fastest), 128 x
-        128 below (tests, probes, VKENGINE_MC2_FROM_ROWS experiments)."""
-        return MC2_TILES[0] if w.rows >= MC2_WIDE_FROM_ROWS else MC2_TILES[1]
+    def mc2_variant(self, w: Matrix) -> tuple[int, int, str]:
+        """mul_mc2's BM x BN tile for w and its variant. fp32 sums: 128 x 256
+        from MC2_WIDE_FROM_ROWS rows (the engine's matrices, and where the probe
+        measured it fastest), 128 x 128 below (tests, probes,
+        VKENGINE_MC2_FROM_ROWS experiments); fp16 sums: mc2h_tiles."""
+        if self.mc2_f16acc:
+            bm, bn = next(t for rows, t in self.mc2h_tiles if w.rows >= rows)
+            return bm, bn, f"mul_mc2h_{bm}x{bn}_{w.type}"
+        bm, bn = MC2_TILES[0] if w.rows >= MC2_WIDE_FROM_ROWS else MC2_TILES[1]
+        return bm, bn, f"mul_mc2_{bm}x{bn}_{w.type}"
 
     def _x16_scratch(self, words: int) -> Buffer:
         """A device buffer of at least `words` words for mul_mc2's halves of x.
@@ -359,13 +370,12 @@ class Kernels:
         """x -> halves (to_f16.comp: rows of a multiple of 8, zero rows up to
         whole tiles), then mul_mc2 on them; push is mul_mat's, whose x offset
         and stride are replaced by the scratch's."""
-        bm, bn = self.mc2_tile(w)
+        bm, bn, variant = self.mc2_variant(w)
         n_pad = math.ceil(n / bn) * bn
         stride8 = math.ceil(w.cols / 8)
         scratch = self._x16_scratch(n_pad * stride8 * 4)
         hr = self.to_f16(prog, x, x_stride, w.cols, n, n_pad, scratch)
         push = push[:20] + struct.pack("<2I", 0, stride8 * 8) + push[28:]
-        variant = f"mul_mc2_{bm}x{bn}_{w.type}"
         spv = shaders.spirv(variant, self._spirv_cache)
         alg = self.device.algorithm(variant, spv, [w.data.buf, scratch, yr[0]], (), len(push))
         prog.dispatch(alg, push, (math.ceil(w.rows / bm), n_pad // bn, 1),
