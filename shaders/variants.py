@@ -100,10 +100,10 @@ EXT_DEFINE = "GLSLC_EXT"
 # a subgroup) within 5% of it; 64 x 64 60-66; 128 x 128 80; any layout giving a
 # subgroup more than 16 tokens 25-35, as slow as the fp32 kernel (mul_mt).
 MC_TILE = (64, 128, 1, 8)
-# mul_mc2's tiles (VK_NV_cooperative_matrix2: one workgroup-scope BM x BN matrix
-# a workgroup), the wide one for matrices of 16384+ rows, and the weight types
-# it loads. Measured on the H200 (bench/mm_probe.py, 512 tokens, 2026-12-01; run
-# 11 of docs/bench/notes.md).
+# mul_mc2's tiles with fp32 sums (VK_NV_cooperative_matrix2: one workgroup-scope
+# BM x BN matrix a workgroup), the wide one from MC2_WIDE_FROM_ROWS rows, and the
+# weight types it loads. Measured on the H200 (bench/mm_probe.py, 512 tokens,
+# 2026-12-01; run 11 of docs/bench/notes.md).
 MC2_TILES = ((128, 256), (128, 128))
 MC2_UNROLL = {(128, 256): 4, (128, 128): 8}   # slices per chunk (the shader's UNROLL)
 MC2_TYPES = ("f16", "q4_0", "q4_1", "q8_0")
@@ -122,7 +122,8 @@ MC2H_UNROLL = {(256, 256): 4, (128, 256): 4, (128, 128): 8, (64, 256): 4}
 # slower; with fp16 sums (run 13, MC2H_TILES) gate|up 24.4-24.9 ms, qkv 6144 x
 # 4096 8.7 -> 6.8 ms, and with the 64 x 256 tile down 17.2 -> 16.1 ms and o
 # 4096 x 4096 5.2 -> 4.6 ms, less 0.7 ms more x conversion (59.3 against 60.0
-# ms a step; 128 x 128 there: 17.0 and 5.8 ms).
+# ms a step; 128 x 128 there: 17.0 and 5.8 ms). Not Q8_0: the 1B Q8_0 prefill
+# was 4-6% slower end to end with every matrix on it (fp32 sums, run 11).
 MC2_ENGINE_TYPES = ("f16", "q4_0")
 MC2_FROM_ROWS = 4096
 MC2_F32_FROM_ROWS = 16384   # with fp32 sums (VKENGINE_MC2_F16ACC=0)
