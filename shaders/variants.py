@@ -101,10 +101,12 @@ EXT_DEFINE = "GLSLC_EXT"
 # subgroup more than 16 tokens 25-35, as slow as the fp32 kernel (mul_mt).
 MC_TILE = (64, 128, 1, 8)
 # mul_mc2's tiles with fp32 sums (VK_NV_cooperative_matrix2: one workgroup-scope
-# BM x BN matrix a workgroup), the wide one from MC2_WIDE_FROM_ROWS rows, and the
+# BM x BN matrix a workgroup) by the rows they start from, their chunks, and the
 # weight types it loads. Measured on the H200 (bench/mm_probe.py, 512 tokens,
-# 2026-12-01; run 11 of docs/bench/notes.md).
-MC2_TILES = ((128, 256), (128, 128))
+# Q4_0, 2026-12-01 06:10; run 11 of docs/bench/notes.md): 6144 x 4096 128 x 256
+# 285 us against 128 x 128 364; 4096 x 14336 766 against 616; 4096 x 4096 about
+# even.
+MC2_TILES = ((6144, (128, 256)), (0, (128, 128)))
 MC2_UNROLL = {(128, 256): 4, (128, 128): 8}   # slices per chunk (the shader's UNROLL)
 MC2_TYPES = ("f16", "q4_0", "q4_1", "q8_0")
 # its fp16-accumulator tiles (ACC_F16: what llama.cpp's Vulkan backend runs by
@@ -127,10 +129,6 @@ MC2H_UNROLL = {(256, 256): 4, (128, 256): 4, (128, 128): 8, (64, 256): 4}
 MC2_ENGINE_TYPES = ("f16", "q4_0")
 MC2_FROM_ROWS = 4096
 MC2_F32_FROM_ROWS = 16384   # with fp32 sums (VKENGINE_MC2_F16ACC=0)
-# mul_mc2's wide tile (MC2_TILES[0]) from this many rows: bench/mm_probe.py
-# (H200, 512 tokens, Q4_0, 2026-12-01 06:10) 6144 x 4096 128 x 256 285 us
-# against 128 x 128 364; 4096 x 14336 766 against 616; 4096 x 4096 about even.
-MC2_WIDE_FROM_ROWS = 6144
 # Head sizes of the cooperative-matrix attention (attention_mc.comp). Measured
 # on the H200 (bench/attn_probe.py, a 512-token prefill, per layer) against
 # attention.comp: with 4 subgroups sharing K/V (2026-12-01 05:55-06:00) 64 (1B
@@ -165,12 +163,10 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
         bm, bn, sgm, sgn = MC_TILE
         t[f"mul_mc_{wt}"] = ("mul_mc.comp", {**d, "BM": bm, "BN": bn, "SGM": sgm, "SGN": sgn, EXT_DEFINE: 1})
         if wt in MC2_TYPES:
-            for bm, bn in MC2_TILES:
-                t[f"mul_mc2_{bm}x{bn}_{wt}"] = ("mul_mc2.comp", {**d, "BM": bm, "BN": bn,
-                                                                 "UNROLL": MC2_UNROLL[bm, bn], EXT_DEFINE: 1})
-            for (bm, bn), unroll in MC2H_UNROLL.items():
-                t[f"mul_mc2h_{bm}x{bn}_{wt}"] = ("mul_mc2.comp", {**d, "BM": bm, "BN": bn, "UNROLL": unroll,
-                                                                  "ACC_F16": 1, EXT_DEFINE: 1})
+            for tag, chunks, sums in (("", MC2_UNROLL, {}), ("h", MC2H_UNROLL, {"ACC_F16": 1})):
+                for (bm, bn), unroll in chunks.items():
+                    t[f"mul_mc2{tag}_{bm}x{bn}_{wt}"] = ("mul_mc2.comp", {**d, "BM": bm, "BN": bn, "UNROLL": unroll,
+                                                                         **sums, EXT_DEFINE: 1})
         t[f"get_rows_{wt}"] = ("get_rows.comp", d)
         t[f"get_rows_p_{wt}"] = ("get_rows.comp", {**d, "ROW_PART": 1})   # a matrix split by rows
     for hd in ATTN_MC_HEAD_DIMS:

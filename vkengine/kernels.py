@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shaders.variants import (ATTN_MC_HEAD_DIMS, ATTN_MC_NSG, MATMUL_COLS, MC2_ENGINE_TYPES, MC2_F32_FROM_ROWS,
-                              MC2_FROM_ROWS, MC2_TILES, MC2_TYPES, MC2_WIDE_FROM_ROWS, MC2H_TILES, MC_TILE,
+                              MC2_FROM_ROWS, MC2_TILES, MC2_TYPES, MC2H_TILES, MC_TILE,
                               MM_GPU_COLS, MV_BFLY_LANES, SG_ROWS, TILE, TILE_SMALL, UNIT_VALUES, mv_gpu_config)
 
 from . import shaders
@@ -347,15 +347,12 @@ class Kernels:
                 and w.rows >= self.mc2_from_rows and w.data.off % 4 == 0)
 
     def mc2_variant(self, w: Matrix) -> tuple[int, int, str]:
-        """mul_mc2's BM x BN tile for w and its variant. fp32 sums: 128 x 256
-        from MC2_WIDE_FROM_ROWS rows (the engine's matrices, and where the probe
-        measured it fastest), 128 x 128 below (tests, probes,
-        VKENGINE_MC2_FROM_ROWS experiments); fp16 sums: mc2h_tiles."""
-        if self.mc2_f16acc:
-            bm, bn = next(t for rows, t in self.mc2h_tiles if w.rows >= rows)
-            return bm, bn, f"mul_mc2h_{bm}x{bn}_{w.type}"
-        bm, bn = MC2_TILES[0] if w.rows >= MC2_WIDE_FROM_ROWS else MC2_TILES[1]
-        return bm, bn, f"mul_mc2_{bm}x{bn}_{w.type}"
+        """mul_mc2's BM x BN tile for w and its variant: the first of the tile
+        table whose row floor w reaches (fp32 sums: MC2_TILES; fp16 sums:
+        mc2h_tiles, which tests narrow to one tile)."""
+        tiles, tag = (self.mc2h_tiles, "h") if self.mc2_f16acc else (MC2_TILES, "")
+        bm, bn = next(t for rows, t in tiles if w.rows >= rows)
+        return bm, bn, f"mul_mc2{tag}_{bm}x{bn}_{w.type}"
 
     def _x16_scratch(self, words: int) -> Buffer:
         """A device buffer of at least `words` words for mul_mc2's halves of x.
