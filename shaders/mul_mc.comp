@@ -32,6 +32,10 @@ layout(push_constant) uniform P {
     uint x_off, x_stride;   // multiples of 4
     uint y_off, y_stride;
     uint accumulate;
+    // split K (Kernels.split_k_parts): workgroup z sums K columns [z klen, (z +
+    // 1) klen) and writes its partial sums z_stride floats after y_off (klen a
+    // multiple of 256; 0: all of K, z = 0); reduce_k.comp adds the parts
+    uint klen, z_stride;
 } p;
 
 #include "quant.glsl"
@@ -115,7 +119,8 @@ void main() {
     [[unroll]] for (uint i = 0; i < TMC * TNC; i++)
         acc[i] = coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>(0.0);
 
-    for (uint k0 = 0u; k0 < p.K; k0 += BK) {
+    uint kb = gl_WorkGroupID.z * p.klen, ke = p.klen == 0u ? p.K : min(p.K, kb + p.klen);
+    for (uint k0 = kb; k0 < ke; k0 += BK) {
         fetch(k0, row0, col0, tid);
         stash(k0, tid);
         barrier();
@@ -142,7 +147,7 @@ void main() {
                 uint row = row0 + wr * WM + i * 16u + (e & 15u);
                 uint col = col0 + wc * WN + j * 16u + (e >> 4);
                 if (row < p.M && col < p.N) {
-                    uint yi = p.y_off + col * p.y_stride + row;
+                    uint yi = p.y_off + gl_WorkGroupID.z * p.z_stride + col * p.y_stride + row;
                     float s = Cs[sg * 256u + e];
                     act[yi] = p.accumulate != 0u ? act[yi] + s : s;
                 }

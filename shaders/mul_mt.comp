@@ -21,6 +21,10 @@ layout(push_constant) uniform P {
     uint x_off, x_stride;   // multiples of 4
     uint y_off, y_stride;
     uint accumulate;
+    // split K (Kernels.split_k_parts): workgroup z sums K columns [z klen, (z +
+    // 1) klen) and writes its partial sums z_stride floats after y_off (klen a
+    // multiple of 256; 0: all of K, z = 0); reduce_k.comp adds the parts
+    uint klen, z_stride;
 } p;
 
 #include "quant.glsl"
@@ -45,7 +49,8 @@ void main() {
     [[unroll]] for (uint j = 0; j < TN; j++)
         [[unroll]] for (uint i = 0; i < TM / 4; i++) acc[j][i] = vec4(0.0);
 
-    for (uint k0 = 0u; k0 < p.K; k0 += BK) {
+    uint kb = gl_WorkGroupID.z * p.klen, ke = p.klen == 0u ? p.K : min(p.K, kb + p.klen);
+    for (uint k0 = kb; k0 < ke; k0 += BK) {
         uint ubase = (k0 / UNIT_SPAN) * UPS;
         for (uint i = tid; i < BM * UPS; i += 256u) {
             uint r = i / UPS;
@@ -92,7 +97,7 @@ void main() {
         [[unroll]] for (uint i = 0; i < TM; i++) {
             uint row = row0 + ty * TM + i;
             if (row < p.M) {
-                uint yi = p.y_off + col * p.y_stride + row;
+                uint yi = p.y_off + gl_WorkGroupID.z * p.z_stride + col * p.y_stride + row;
                 float s = acc[j][i / 4u][i % 4u];
                 act[yi] = p.accumulate != 0u ? act[yi] + s : s;
             }

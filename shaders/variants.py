@@ -172,7 +172,7 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
     for hd in ATTN_MC_HEAD_DIMS:
         t[f"attention_mc_d{hd}"] = ("attention_mc.comp", {"HD": hd, "NSG": ATTN_MC_NSG, EXT_DEFINE: 1})
     for op in ("rms_norm", "rope_kv", "attention", "swiglu", "add", "softmax", "argmax_part", "argmax", "copy",
-               "to_f16"):
+               "to_f16", "reduce_k"):
         t[op] = (f"{op}.comp", {})
     t["rms_norm_wg"] = ("rms_norm.comp", {"WG_ROW": 1})
     t["swiglu4"] = ("swiglu.comp", {"VEC4": 1})   # F, offsets and strides multiples of 4

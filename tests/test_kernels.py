@@ -140,6 +140,44 @@ def test_mul_mat_tiled(device, tiled_kernels, ws, rng, wt, n, M, tile):
     _check_mul_mat(device, tiled_kernels, ws, rng, wt, n, M, 512 if wt in K_QUANTS else 96)
 
 
+@pytest.mark.parametrize("wt", ["f32", "f16", "q8_0", "q4_0", "q4_k"])
+@pytest.mark.parametrize("n,M,K,min_cols", [(3, 37, 1280, 256), (70, 131, 2304, 1024)])
+def test_mul_mat_split_k(device, tiled_kernels, ws, rng, wt, n, M, K, min_cols):
+    """K split across grid z (parts of klen columns, the last one shorter:
+    1280 = 5 x 256; 2304 = 1280 + 1024) and the parts added by reduce_k, into
+    y (the 70-row case adds to it). mul_mt here; the cooperative-matrix
+    kernels take the same parameters (test_mul_mat_coopmat's long case)."""
+    kn = tiled_kernels
+    saved = kn.split_k_wgs, kn.split_k_min, kn.small_tiles_below
+    kn.split_k_wgs, kn.split_k_min, kn.small_tiles_below = 1 << 30, min_cols, 0
+    try:
+        assert kn.split_k_parts(1, K, n, M)[0] == (5 if K == 1280 else 2)
+        _check_mul_mat(device, kn, ws, rng, wt, n, M, K, accumulate=n == 70)
+    finally:
+        kn.split_k_wgs, kn.split_k_min, kn.small_tiles_below = saved
+
+
+def test_split_k_parts_rule(device, kernels):
+    """Split only grids below split_k_wgs workgroups, into parts of at least
+    split_k_min columns (multiples of 256) that together reach about
+    split_k_wgs workgroups; never beyond the scratch cap."""
+    kn = kernels
+    saved = kn.split_k_wgs, kn.split_k_min
+    kn.split_k_wgs, kn.split_k_min = 256, 512
+    try:
+        assert kn.split_k_parts(32, 8192, 64, 2048) == (8, 1024)     # a 1B model's down projection, 64 rows
+        assert kn.split_k_parts(32, 2048, 64, 2048) == (4, 512)      # its o projection
+        assert kn.split_k_parts(64, 14336, 64, 4096) == (4, 3584)    # an 8B's down projection
+        assert kn.split_k_parts(256, 2048, 64, 16384) == (1, 0)      # grid big enough
+        assert kn.split_k_parts(8, 768, 64, 512) == (1, 0)           # K too short for two parts
+        parts, klen = kn.split_k_parts(1, 1 << 20, 4096, 4096)       # capped by the scratch
+        assert parts * 4 * 4096 * 4096 <= kn.SPLIT_K_SCRATCH and klen % 256 == 0
+        kn.split_k_wgs = 0
+        assert kn.split_k_parts(1, 8192, 64, 2048) == (1, 0)
+    finally:
+        kn.split_k_wgs, kn.split_k_min = saved
+
+
 # mul_mc for every weight type; mul_mc2, with fp32 sums and with fp16 sums in
 # each of its tiles (mul_mc2h_<BM>x<BN>), for the types it loads
 MC2_KERNELS = ["mul_mc2"] + [f"mul_mc2h_{bm}x{bn}" for bm, bn in MC2H_UNROLL]
@@ -147,24 +185,27 @@ COOPMAT_CASES = [(wt, "mul_mc") for wt in WEIGHT_TYPES] + [(wt, k) for wt in MC2
 
 
 @pytest.mark.parametrize("wt,kernel", COOPMAT_CASES)
-@pytest.mark.parametrize("n,M,K", [(3, 37, 96), (130, 131, 96), (200, 200, 2048)])
+@pytest.mark.parametrize("n,M,K", [(3, 37, 96), (130, 131, 96), (200, 200, 2304)])
 def test_mul_mat_coopmat(device, coopmat_kernels, ws, rng, wt, n, M, K, kernel):
     """Edges of the tile (rows past M, tokens past N, K not a multiple of the
-    slice or of mul_mc2's chunk of 8 slices), a long K, and adding to y (the
-    residual projections of a prefill: the 130-token case). mul_mc2 where the
-    device has VK_NV_cooperative_matrix2."""
+    slice or of mul_mc2's chunk of 8 slices), a long K (mul_mc splits it in two
+    parts, 1280 + 1024 columns added by reduce_k; mul_mc2 does not split), and
+    adding to y (the residual projections of a prefill: the 130-token case).
+    mul_mc2 where the device has VK_NV_cooperative_matrix2."""
     if kernel != "mul_mc" and not coopmat_kernels.device_has_coopmat2(device):
         pytest.skip("mul_mc2: VK_NV_cooperative_matrix2 devices")
     kn = coopmat_kernels
-    saved = kn.coopmat2, kn.mc2_types, kn.mc2_from_rows, kn.mc2_f16acc, kn.mc2h_tiles
+    saved = kn.coopmat2, kn.mc2_types, kn.mc2_from_rows, kn.mc2_f16acc, kn.mc2h_tiles, kn.split_k_wgs, kn.split_k_min
     kn.coopmat2, kn.mc2_types, kn.mc2_from_rows = kernel != "mul_mc", MC2_TYPES, 0
+    kn.split_k_wgs, kn.split_k_min = (1 << 30, 1024) if K > 1024 else (0, 512)
     kn.mc2_f16acc = kernel.startswith("mul_mc2h")
     if kn.mc2_f16acc:
         kn.mc2h_tiles = ((0, tuple(int(v) for v in kernel.split("_")[-1].split("x"))),)
     try:
         _check_mul_mat(device, kn, ws, rng, wt, n, M, max(K, 512) if wt in K_QUANTS else K, accumulate=n == 130)
     finally:
-        kn.coopmat2, kn.mc2_types, kn.mc2_from_rows, kn.mc2_f16acc, kn.mc2h_tiles = saved
+        (kn.coopmat2, kn.mc2_types, kn.mc2_from_rows, kn.mc2_f16acc, kn.mc2h_tiles, kn.split_k_wgs,
+         kn.split_k_min) = saved
 
 
 @pytest.mark.parametrize("n,cols,n_pad", [(3, 96, 128), (130, 100, 256)])

@@ -126,6 +126,25 @@ def test_split_k_decode_path(device, tiny_models):
         np.testing.assert_array_equal(both, alone, err_msg=quant)
 
 
+def test_tiled_prefill_with_split_k(device, tiny_models, monkeypatch):
+    """The GPUs' prefill path (tiled matmuls: mul_mt, or mul_mc where the device
+    has cooperative matrices) with every matrix's K split into parts of 32
+    columns, added by reduce_k (the tiny model's K is too short for the real
+    256-column parts): the prompt's logits match the numpy reference."""
+    from vkengine.kernels import Kernels
+    monkeypatch.setattr(Kernels, "SPLIT_K_ALIGN", 32)
+    for quant in ("q8_0", "f16"):
+        m, eng = _engine(device, tiny_models[quant]["gguf"])
+        kn = eng.kernels
+        kn.tiled_from, kn.split_k_wgs, kn.split_k_min, kn.coopmat2 = 2, 1 << 30, 32, False
+        ids = m.tokenizer.encode(PROMPT)
+        lw = eng.weights.layers[0]
+        assert all(kn.tiled(w, len(ids)) and kn.split_k_parts(1, w.cols, len(ids), w.rows)[0] > 1
+                   for w in (lw.down, eng.weights.output)), "the test must take the split path"
+        got = _prefill_logits(eng, ids)
+        _assert_logits_close(got, RefLlama(m.file, m.args).logits(ids))
+
+
 def test_gguf_and_hf_copy_agree(device, tiny_models):
     """Same weights, GGUF (adjacent-pair RoPE on permuted Q/K) and HF (NEOX)."""
     mg, eg = _engine(device, tiny_models["q8_0"]["gguf"])

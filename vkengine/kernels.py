@@ -109,6 +109,12 @@ def _rows_range(r: Region, n_rows: int, stride: int, width: int) -> tuple[Buffer
     return (r.buf, r.off * 4, (r.off + (n_rows - 1) * stride + width) * 4)
 
 
+# Split K of small tiled matmuls (Kernels.split_k_parts): the workgroups a
+# matmul's grid should reach, and the fewest K columns a part takes.
+SPLIT_K_WGS = 256
+SPLIT_K_MIN = 512
+
+
 class Kernels:
     """Kernel launcher for one device."""
 
@@ -167,6 +173,15 @@ class Kernels:
         self.coopmat2 = (self.coopmat and os.environ.get("VKENGINE_COOPMAT2", "1") != "0"
                          and self.device_has_coopmat2(device))
         self._x16: list[Buffer] = []   # the scratch buffers (the last is the largest)
+        # Split K: a tiled matmul whose tile grid has fewer workgroups than
+        # split_k_wgs (a GPU runs ~100+ at once) cuts K into parts of at least
+        # split_k_min columns, run as grid z and added by reduce_k.comp, up to
+        # split_k_wgs workgroups in all (a short prompt's 64 rows make a 1B
+        # model's 2048-row matrices a grid of 32). VKENGINE_SPLITK_WGS=0 turns
+        # it off (to measure the gain).
+        self.split_k_wgs = int(os.environ.get("VKENGINE_SPLITK_WGS", SPLIT_K_WGS))
+        self.split_k_min = int(os.environ.get("VKENGINE_SPLITK_MIN", SPLIT_K_MIN))
+        self._parts: list[Buffer] = []   # their partial sums' scratch buffers (the last is the largest)
         # for which matrices (tests widen both to every type and size it takes)
         # (VKENGINE_MC2_FROM_ROWS=<rows> moves the threshold, to measure a rule)
         self.mc2_types = MC2_ENGINE_TYPES
@@ -302,41 +317,77 @@ class Kernels:
             r = rope
             reads += [r.table.range, (r.params, min(r.pos_off, r.slot_off) * 4, (max(r.pos_off, r.slot_off) + n) * 4)]
             writes = [_rows_range(r.q_out, n, r.q_stride, r.n_head * r.head_dim), r.k_cache.range, r.v_cache.range]
-        if self.tiled(w, n) and self.on_coopmat2(w):
-            self._mul_mc2(prog, w, x, x_stride, yr, push, n, accumulate, label)
-            return
         if self.tiled(w, n):
-            if self.coopmat:
-                (bm, bn), variant = MC_TILE[:2], f"mul_mc_{w.type}"
-            else:
-                tile, variant = TILE, f"mul_mt_{w.type}"
-                if math.ceil(w.rows / (16 * TILE[0])) * math.ceil(n / (16 * TILE[1])) < self.small_tiles_below:
-                    tile, variant = TILE_SMALL, f"mul_mt64_{w.type}"
-                bm, bn = 16 * tile[0], 16 * tile[1]
-            spv = shaders.spirv(variant, self._spirv_cache)
-            alg = self.device.algorithm(variant, spv, [w.data.buf, act, act], (), len(push))
-            groups = (math.ceil(w.rows / bm), math.ceil(n / bn), 1)
+            self._mul_tiled(prog, w, x, x_stride, y, y_stride, yr, n, accumulate, act, label)
+            return
+        single = n < self.multi_column_from
+        if self.split_k:
+            ncols = self.split_k_columns(n)
+            tag = "b" if self.bfly else ""
+            variant = f"mul_mvk{tag}_{w.type}" if single else f"mul_mm{tag}{ncols}_{w.type}"
+            rows_per_wg = mv_gpu_config(w.type, ncols)[0]   # the workgroup shares its rows' K
+        elif single:
+            variant, ncols, rows_per_wg = f"mul_mv_{w.type}", 1, self.items * SG_ROWS
         else:
-            single = n < self.multi_column_from
-            if self.split_k:
-                ncols = self.split_k_columns(n)
-                tag = "b" if self.bfly else ""
-                variant = f"mul_mvk{tag}_{w.type}" if single else f"mul_mm{tag}{ncols}_{w.type}"
-                rows_per_wg = mv_gpu_config(w.type, ncols)[0]   # the workgroup shares its rows' K
-            elif single:
-                variant, ncols, rows_per_wg = f"mul_mv_{w.type}", 1, self.items * SG_ROWS
-            else:
-                variant, ncols, rows_per_wg = f"mul_mm_{w.type}", MATMUL_COLS, self.items * SG_ROWS
-            bufs = [w.data.buf, act, act]
-            if self.split_k:   # bindings 3-6: the fused RMSNorm's weight, RoPE's table, params and
-                # KV cache (any buffer when unused)
-                bufs.append(norm.weight.buf if norm is not None else w.data.buf)
-                bufs += [rope.table.buf, rope.params, rope.k_cache.buf] if rope is not None else [w.data.buf] * 3
-            alg = self._alg(variant, bufs, push, self.wg, rows_per_wg)
-            # glu: a workgroup takes rows_per_wg / 2 gate rows and the same up rows
-            row_groups = math.ceil(w.rows // 2 / (rows_per_wg // 2)) if glu else math.ceil(w.rows / rows_per_wg)
-            groups = self._grid(row_groups, math.ceil(n / ncols))
+            variant, ncols, rows_per_wg = f"mul_mm_{w.type}", MATMUL_COLS, self.items * SG_ROWS
+        bufs = [w.data.buf, act, act]
+        if self.split_k:   # bindings 3-6: the fused RMSNorm's weight, RoPE's table, params and
+            # KV cache (any buffer when unused)
+            bufs.append(norm.weight.buf if norm is not None else w.data.buf)
+            bufs += [rope.table.buf, rope.params, rope.k_cache.buf] if rope is not None else [w.data.buf] * 3
+        alg = self._alg(variant, bufs, push, self.wg, rows_per_wg)
+        # glu: a workgroup takes rows_per_wg / 2 gate rows and the same up rows
+        row_groups = math.ceil(w.rows // 2 / (rows_per_wg // 2)) if glu else math.ceil(w.rows / rows_per_wg)
+        groups = self._grid(row_groups, math.ceil(n / ncols))
         prog.dispatch(alg, push, groups, reads, writes, label or variant)
+
+    def _mul_tiled(self, prog: Program, w: Matrix, x: Region, x_stride: int, y: Region, y_stride: int, yr: tuple,
+                   n: int, accumulate: bool, act: Buffer, label: str) -> None:
+        """mul_mat of a prefill-sized step: tiles of mul_mc2, mul_mc or mul_mt,
+        the latter two with K split across grid z where the tile grid is small
+        (split_k_parts)."""
+        mc2 = self.on_coopmat2(w)
+        if mc2:
+            bm, bn, variant = self.mc2_variant(w)
+        elif self.coopmat:
+            (bm, bn), variant = MC_TILE[:2], f"mul_mc_{w.type}"
+        else:
+            tile, variant = TILE, f"mul_mt_{w.type}"
+            if math.ceil(w.rows / (16 * TILE[0])) * math.ceil(n / (16 * TILE[1])) < self.small_tiles_below:
+                tile, variant = TILE_SMALL, f"mul_mt64_{w.type}"
+            bm, bn = 16 * tile[0], 16 * tile[1]
+        gm, gn = math.ceil(w.rows / bm), math.ceil(n / bn)
+        # mul_mc2 does not split: with K ranges from a push constant its tensor
+        # loads ran at half speed (H200, 8B Q4_0 prefill 8,629 -> 3,939 tok/s,
+        # split or not; likely k0 no longer provably aligned, as its comments
+        # on strides say; rounding the range's start down to 256 is the fix to
+        # measure)
+        parts, klen = (1, 0) if mc2 else self.split_k_parts(gm * gn, w.cols, n, w.rows)
+        if parts > 1:   # partial sums to a scratch of their own, then reduce_k into y
+            out = self._parts_scratch(parts * n * w.rows)
+            out_off, out_stride, out_acc = 0, w.rows, False
+            out_range = (out, 0, parts * n * w.rows * 4)
+        else:
+            out, out_off, out_stride, out_acc, out_range = y.buf, y.off, y_stride, accumulate, yr
+        push = struct.pack("<12I", w.data.off, w.scales.off if w.scales else 0, w.cols, w.rows, n, x.off, x_stride,
+                           out_off, out_stride, int(out_acc), klen, n * w.rows)
+        name = label or variant
+        if mc2:
+            # x -> halves (to_f16.comp: rows of a multiple of 8, zero rows up to
+            # whole tiles), whose offset and stride replace x's
+            n_pad = gn * bn
+            stride8 = math.ceil(w.cols / 8)
+            scratch = self._x16_scratch(n_pad * stride8 * 4)
+            hr = self.to_f16(prog, x, x_stride, w.cols, n, n_pad, scratch)
+            push = push[:20] + struct.pack("<2I", 0, stride8 * 8) + push[28:]
+            bufs, reads = [w.data.buf, scratch, out], w.regions + [hr]
+        else:
+            bufs, reads = [w.data.buf, act, out], w.regions + [_rows_range(x, n, x_stride, w.cols)]
+        spv = shaders.spirv(variant, self._spirv_cache)
+        alg = self.device.algorithm(variant, spv, bufs, (), len(push))
+        prog.dispatch(alg, push, (gm, gn, parts), reads + ([yr] if out_acc else []), [out_range], name)
+        if parts > 1:
+            self._reduce_k(prog, parts, out, w.rows, n, yr, y.off, y_stride, accumulate, name)
 
     def on_coopmat2(self, w: Matrix) -> bool:
         """Whether a prefill-sized mul_mat of w runs mul_mc2: the types and
@@ -354,6 +405,39 @@ class Kernels:
         bm, bn = next(t for rows, t in tiles if w.rows >= rows)
         return bm, bn, f"mul_mc2{tag}_{bm}x{bn}_{w.type}"
 
+    # split K's defaults (Kernels.split_k_wgs, split_k_min) and the largest
+    # scratch of partial sums it takes (fewer parts beyond)
+    SPLIT_K_ALIGN = 256            # columns: a multiple of every kernel's K slice and unit span
+    SPLIT_K_SCRATCH = 64 << 20     # bytes
+
+    def split_k_parts(self, groups: int, K: int, n: int, M: int) -> tuple[int, int]:
+        """(parts, columns per part) for a tiled matmul of `groups` tile
+        workgroups over K columns (n rows of M outputs): (1, 0) for no split."""
+        if self.split_k_wgs <= 0 or groups >= self.split_k_wgs:
+            return 1, 0
+        parts = min(math.ceil(self.split_k_wgs / groups), K // max(self.split_k_min, self.SPLIT_K_ALIGN),
+                    self.SPLIT_K_SCRATCH // max(1, 4 * n * M))
+        if parts <= 1:
+            return 1, 0
+        klen = math.ceil(K / parts / self.SPLIT_K_ALIGN) * self.SPLIT_K_ALIGN
+        parts = math.ceil(K / klen)
+        return (parts, klen) if parts > 1 else (1, 0)
+
+    def _parts_scratch(self, words: int) -> Buffer:
+        """A device buffer of at least `words` words for split K's partial sums
+        (added rather than swapped in, as _x16_scratch)."""
+        if not self._parts or self._parts[-1].nbytes < words * 4:
+            self._parts.append(self.device.buffer(max(words, 1 << 16) * 4, "device", f"parts_{len(self._parts)}"))
+        return self._parts[-1]
+
+    def _reduce_k(self, prog: Program, parts: int, part_buf: Buffer, M: int, n: int, yr: tuple, y_off: int,
+                  y_stride: int, accumulate: bool, label: str) -> None:
+        """y[c][:M] (+)= the sum of split K's parts (reduce_k.comp)."""
+        push = struct.pack("<7I", parts, n * M, M, n, y_off, y_stride, int(accumulate))
+        alg = self._alg("reduce_k", [part_buf, yr[0]], push, self.ew_wg, 1)
+        prog.dispatch(alg, push, self._grid(math.ceil(n * M / self.ew_wg)),
+                      [(part_buf, 0, parts * n * M * 4)] + ([yr] if accumulate else []), [yr], f"{label} reduce_k")
+
     def _x16_scratch(self, words: int) -> Buffer:
         """A device buffer of at least `words` words for mul_mc2's halves of x.
         Recorded programs keep the buffers they were recorded with, so a larger
@@ -361,22 +445,6 @@ class Kernels:
         if not self._x16 or self._x16[-1].nbytes < words * 4:
             self._x16.append(self.device.buffer(max(words, 1 << 16) * 4, "device", f"x16_{len(self._x16)}"))
         return self._x16[-1]
-
-    def _mul_mc2(self, prog: Program, w: Matrix, x: Region, x_stride: int, yr: tuple, push: bytes, n: int,
-                 accumulate: bool, label: str) -> None:
-        """x -> halves (to_f16.comp: rows of a multiple of 8, zero rows up to
-        whole tiles), then mul_mc2 on them; push is mul_mat's, whose x offset
-        and stride are replaced by the scratch's."""
-        bm, bn, variant = self.mc2_variant(w)
-        n_pad = math.ceil(n / bn) * bn
-        stride8 = math.ceil(w.cols / 8)
-        scratch = self._x16_scratch(n_pad * stride8 * 4)
-        hr = self.to_f16(prog, x, x_stride, w.cols, n, n_pad, scratch)
-        push = push[:20] + struct.pack("<2I", 0, stride8 * 8) + push[28:]
-        spv = shaders.spirv(variant, self._spirv_cache)
-        alg = self.device.algorithm(variant, spv, [w.data.buf, scratch, yr[0]], (), len(push))
-        prog.dispatch(alg, push, (math.ceil(w.rows / bm), n_pad // bn, 1),
-                      w.regions + [hr] + ([yr] if accumulate else []), [yr], label or variant)
 
     def to_f16(self, prog: Program, x: Region, x_stride: int, cols: int, n: int, n_pad: int,
                out: Buffer) -> tuple[Buffer, int, int]:
