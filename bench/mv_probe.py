@@ -13,8 +13,10 @@ Kernels (mul_mv.comp, KSPLIT = 1, workgroup 128, butterfly reduction):
           (Q4 with DQ_MAGIC)
   mvq     mul_mvq.comp (Q8_0 only): x quantized to 8 bits per 32-value block
           (here, on the host), integer dot products (4 multiply-adds a
-          instruction); checked against x so quantized, and its distance from
+          instruction), lanes taking 8, 16 or 32 values at a time (reported as
+          "unroll"); checked against x so quantized, and its distance from
           the float x's result reported as qerr
+--rows also replaces base's rows per workgroup (the engine's otherwise).
 A third kind, Q4 rows stored in tiles so that a lane loads 16 bytes (4 units)
 at once, measured within noise of "hoist" (H200, 2026-11-30 21:20) and was
 not kept; so was x read as halves (half the bytes of every x load: within
@@ -42,6 +44,9 @@ from shaders.variants import VARIANTS, mv_gpu_config  # noqa: E402
 
 SHAPES = {"q4_0": ["28672x4096", "4096x14336", "6144x4096", "16384x2048", "2048x8192"],
           "q8_0": ["16384x2048", "2048x8192", "3072x2048", "49152x2048"]}
+# mvq: values a lane takes at a time (a quarter, half or whole block), in the
+# "unroll" slot of a configuration
+MVQ_VALS = (8, 16, 32)
 KINDS = {"base": {}, "magic": {"DQ_MAGIC": 1}, "hoist": {"DQ_MAGIC": 1, "HOIST": 1}, "mvq": {}}
 PUSH_BYTES = 116   # mul_mv.comp's push constants (the fused norm's and RoPE's unused here)
 
@@ -59,18 +64,19 @@ def configs(wt: str, cols: list[int], rows: list[int] | None = None, kinds: list
         for nc in cols:
             if kind == "base":
                 rps, un, _extra = mv_gpu_config(wt, nc)
-                yield kind, nc, rps, un
+                for r in rows or (rps,):
+                    yield kind, nc, r, un
                 continue
             for rps in rows or ((2, 4, 8) if nc == 1 else (2, 4)):
-                for un in ((1,) if kind == "mvq" else (1, 2)):
+                for un in (MVQ_VALS if kind == "mvq" else (1, 2)):
                     yield kind, nc, rps, un
 
 
 def variant(wt: str, kind: str, nc: int, rps: int, un: int) -> str:
     if kind == "mvq":
         from shaders.variants import EXT_DEFINE
-        name = f"probe_mvq_{wt}_c{nc}_r{rps}"
-        VARIANTS.setdefault(name, ("mul_mvq.comp", {"NCOLS": nc, "RPS": rps, EXT_DEFINE: 1}))
+        name = f"probe_mvq_{wt}_c{nc}_r{rps}_v{un}"
+        VARIANTS.setdefault(name, ("mul_mvq.comp", {"NCOLS": nc, "RPS": rps, "VALS": un, EXT_DEFINE: 1}))
         return name
     name = f"probe_mv_{wt}_{kind}_c{nc}_r{rps}_u{un}"
     extra = mv_gpu_config(wt, nc)[2] if kind == "base" else KINDS[kind]

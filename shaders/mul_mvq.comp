@@ -3,10 +3,11 @@
 // matvec of Q8_0 weights with x quantized to 8 bits per 32-value block (as
 // llama.cpp's batched decode does), summed with integer dot products:
 //   y[c][row] = sum_b d_w[row][b] * d_x[c][b] * sum_i q_w[row][b][i] * q_x[c][b][i]
-// A workgroup takes RPS rows and all its invocations walk their blocks (split
-// K, like mul_mv.comp's GPU variants); each weight block is loaded once for
-// NCOLS columns, and a block of a column costs 8 dotPacked4x8 instead of 32
-// conversions and 32 multiply-adds.
+// A workgroup takes RPS rows and all its invocations walk their units of VALS
+// values (8, 16 or 32: a quarter, half or whole block; split K, like
+// mul_mv.comp's GPU variants); each weight unit is loaded once for NCOLS
+// columns, and 4 values of a column cost one dotPacked4x8 instead of 4
+// conversions and 4 multiply-adds.
 // x layout (binding 1, from word xq_off): per column, per block, 8 words of 4
 // int8; its scales as floats from xd_off, per column, per block.
 #extension GL_EXT_control_flow_attributes : require
@@ -21,13 +22,18 @@
 #ifndef NCOLS
 #define NCOLS 1
 #endif
+#ifndef VALS
+#define VALS 32
+#endif
+#define PARTS (32u / VALS)   // units a block
+#define PAIRS (VALS / 8u)    // ivec2 loads a unit
 #define WG 128
 
 layout(local_size_x = WG, local_size_y = 1, local_size_z = 1) in;
 
-layout(binding = 0) readonly restrict buffer W4 { ivec4 w4[]; };
+layout(binding = 0) readonly restrict buffer W2 { ivec2 w2[]; };
 layout(binding = 0) readonly restrict buffer W1 { uint w1[]; };
-layout(binding = 1) readonly restrict buffer XQ4 { ivec4 xq4[]; };
+layout(binding = 1) readonly restrict buffer XQ2 { ivec2 xq2[]; };
 layout(binding = 1) readonly restrict buffer XD { float xd[]; };
 layout(binding = 2) buffer Y { float act[]; };
 
@@ -40,38 +46,39 @@ layout(push_constant) uniform P {
 
 shared float red[32][RPS * NCOLS];   // per subgroup (at most 32 of them: 4+ lanes)
 
-int dot8(ivec4 a0, ivec4 a1, ivec4 b0, ivec4 b1) {
-    return dotPacked4x8EXT(a0.x, b0.x) + dotPacked4x8EXT(a0.y, b0.y) + dotPacked4x8EXT(a0.z, b0.z)
-         + dotPacked4x8EXT(a0.w, b0.w) + dotPacked4x8EXT(a1.x, b1.x) + dotPacked4x8EXT(a1.y, b1.y)
-         + dotPacked4x8EXT(a1.z, b1.z) + dotPacked4x8EXT(a1.w, b1.w);
+int dotu(ivec2 a[PAIRS], ivec2 b[PAIRS]) {
+    int s = 0;
+    [[unroll]] for (uint i = 0; i < PAIRS; i++) s += dotPacked4x8EXT(a[i].x, b[i].x) + dotPacked4x8EXT(a[i].y, b[i].y);
+    return s;
 }
 
 void main() {
-    uint nb = p.K / 32u;
+    uint nb = p.K / 32u, units = nb * PARTS;
     uint row0 = gl_WorkGroupID.x * RPS;
     uint col0 = gl_WorkGroupID.z * NCOLS;
     uint ncols = min(uint(NCOLS), p.N - col0);
     float acc[RPS][NCOLS];
     [[unroll]] for (uint r = 0; r < RPS; r++)
         [[unroll]] for (uint c = 0; c < NCOLS; c++) acc[r][c] = 0.0;
-    for (uint b = gl_LocalInvocationID.x; b < nb; b += WG) {
-        ivec4 xa[NCOLS], xb[NCOLS];
+    for (uint u = gl_LocalInvocationID.x; u < units; u += WG) {
+        uint b = u / PARTS, part = u % PARTS;
+        ivec2 xv[NCOLS][PAIRS];
         float xs[NCOLS];
         [[unroll]] for (uint c = 0; c < NCOLS; c++) {
             uint cc = min(col0 + c, p.N - 1u);
-            uint xi = p.xq_off / 4u + (cc * nb + b) * 2u;
-            xa[c] = xq4[xi];
-            xb[c] = xq4[xi + 1u];
+            uint xi = p.xq_off / 2u + (cc * nb + b) * 4u + part * PAIRS;
+            [[unroll]] for (uint i = 0; i < PAIRS; i++) xv[c][i] = xq2[xi + i];
             xs[c] = xd[p.xd_off + cc * nb + b];
         }
         [[unroll]] for (uint r = 0; r < RPS; r++) {
             uint row = min(row0 + r, p.M - 1u);
             uint blk = row * nb + b;
-            ivec4 wa = w4[p.w_off / 4u + blk * 2u], wb = w4[p.w_off / 4u + blk * 2u + 1u];
+            ivec2 wv[PAIRS];
+            [[unroll]] for (uint i = 0; i < PAIRS; i++) wv[i] = w2[p.w_off / 2u + blk * 4u + part * PAIRS + i];
             vec2 dd = unpackHalf2x16(w1[p.w_off2 + (blk >> 1)]);
             float d = (blk & 1u) != 0u ? dd.y : dd.x;
             [[unroll]] for (uint c = 0; c < NCOLS; c++)
-                acc[r][c] += float(dot8(wa, wb, xa[c], xb[c])) * (d * xs[c]);
+                acc[r][c] += float(dotu(wv, xv[c])) * (d * xs[c]);
         }
     }
     [[unroll]] for (uint r = 0; r < RPS; r++)
