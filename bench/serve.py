@@ -104,10 +104,14 @@ def run_load(url: str, clients: int, requests: int, n_predict: int, prompt_words
     prompts = [[prompt(rng, prompt_words) for _ in range(requests)] for _ in range(clients)]
     results: list[list[Stream]] = [[] for _ in range(clients)]
 
+    # the clients exist before the clock starts: making an httpx.Client loads
+    # its TLS context (30-60 ms of CPU each here, serialized by the GIL), which
+    # is the load generator's cost, not the server's
+    conns = [httpx.Client(timeout=600) for _ in range(clients)]
+
     def client(i):
-        with httpx.Client(timeout=600) as c:
-            for p in prompts[i]:
-                results[i].append(one_stream(c, url, p, n_predict))
+        for p in prompts[i]:
+            results[i].append(one_stream(conns[i], url, p, n_predict))
     threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
     t0 = time.perf_counter()
     for t in threads:
@@ -115,6 +119,8 @@ def run_load(url: str, clients: int, requests: int, n_predict: int, prompt_words
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    for c in conns:
+        c.close()
     streams = [s for r in results for s in r]
     errors = [s.error for s in streams if s.error]
     ttft = sorted(s.ttft for s in streams if s.ttft is not None)

@@ -37,10 +37,11 @@ def sim_engine_class():
         """Engine whose steps take simulated device time and return fixed tokens."""
         step_us = (890.0, 170.0)       # a decode step: fixed + per row
         prompt_row_us = 30.0           # each row of a step with more rows than slots
+        trace = False                  # record every step (--trace)
 
         def _sim_init(self):
             self._sim_q: deque = deque()
-            self.sim_stats = {"busy_s": 0.0, "idle_s": 0.0, "steps": 0, "chained": 0, "rows": {}}
+            self.sim_stats = {"busy_s": 0.0, "idle_s": 0.0, "steps": 0, "chained": 0, "rows": {}, "trace": []}
             self._sim_busy = 0.0
             self._sim_tok = int(self.model.tokenizer.encode(" the")[-1])
 
@@ -58,6 +59,9 @@ def sim_engine_class():
             st["steps"] += 1
             st["rows"][n] = st["rows"].get(n, 0) + 1
             st["chained"] += chain is not None
+            if self.trace:   # (submitted, device start, device end) in s, rows, chained
+                st["trace"].append((round(now, 6), round(start, 6), round(start + us * 1e-6, 6), n,
+                                    chain is not None))
             self._sim_busy = start + us * 1e-6
             res = None
             if readback == "argmax":
@@ -102,6 +106,7 @@ def serve(args) -> int:
     SimEngine = sim_engine_class()
     SimEngine.step_us = tuple(float(x) for x in args.step_us.split(","))
     SimEngine.prompt_row_us = args.prompt_row_us
+    SimEngine.trace = bool(args.trace)
     eng = SimEngine(model, Device(0), EngineConfig(n_slots=n_slots, n_ctx=args.ctx, max_batch=cfg.step_tokens,
                                                    max_out=n_slots))
     eng._sim_init()
@@ -127,6 +132,9 @@ def main() -> int:
     ap.add_argument("--configs", default="serial,batch")
     ap.add_argument("--model", default=None, help="GGUF for the tokenizer and KV cache (default: a tiny synth)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--trace", default=None,
+                    help="write every simulated step (submitted, device start and end in s, rows, chained) of "
+                         "each configuration to TRACE-<config>.json")
     # the server process
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -157,6 +165,8 @@ def main() -> int:
         cmd = [sys.executable, __file__, "--serve", "--port", str(port), "--parallel", str(par), "--mode",
                "batch" if cfgname == "serial" else cfgname, "--model", model, "--step-us", args.step_us,
                "--prompt-row-us", str(args.prompt_row_us), "--max-queue", str(max(64, args.clients))]
+        if args.trace:
+            cmd.append("--trace=1")
         srv = Server(cmd, f"http://127.0.0.1:{port}", cwd=ROOT)
         try:
             run_load(srv.url, 1, 1, 8, args.prompt_words, 99)     # warm-up
@@ -167,6 +177,9 @@ def main() -> int:
             if line.startswith("SIMSTATS "):
                 r["device"] = json.loads(line[9:])
                 d = r["device"]
+                trace = d.pop("trace")
+                if args.trace:
+                    Path(f"{args.trace}-{cfgname}.json").write_text(json.dumps(trace))
                 print(f"  device: {d['steps']} steps ({d['chained']} chained), busy {d['busy_s']:.3f} s, waited "
                       f"for the host {d['idle_s']:.3f} s (between steps while it had work), rows {d['rows']}")
         rows = min(par, args.clients)
