@@ -34,7 +34,8 @@ layout(push_constant) uniform P {
     uint accumulate;
     // split K (Kernels.split_k_parts): workgroup z sums K columns [z klen, (z +
     // 1) klen) and writes its partial sums z_stride floats after y_off (klen a
-    // multiple of 256; 0: all of K, z = 0); reduce_k.comp adds the parts
+    // multiple of the K slice and of the weight type's unit span: Kernels
+    // takes multiples of 256; 0: all of K, z = 0); reduce_k.comp adds the parts
     uint klen, z_stride;
 } p;
 
