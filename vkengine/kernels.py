@@ -293,6 +293,9 @@ class Kernels:
         act = self._same_buffer(x, y, *([rope.q_out] if rope is not None else []))
         if x.off % 4 or x_stride % 4 or w.cols % 8:
             raise ValueError("mul_mat needs 16-byte aligned x rows and K a multiple of 8")
+        if self.tiled(w, n):   # (no epilogues there: fuses_glu/norm/rope exclude tiled steps)
+            self._mul_tiled(prog, w, x, x_stride, y, y_stride, n, accumulate, act, label)
+            return
         flags = int(accumulate) | (2 if glu else 0) | (4 if norm is not None else 0) | (8 if rope is not None else 0)
         push = struct.pack("<10I", w.data.off, w.scales.off if w.scales else 0, w.cols, w.rows, n,
                            x.off, x_stride, y.off, y_stride, flags)
@@ -317,9 +320,6 @@ class Kernels:
             r = rope
             reads += [r.table.range, (r.params, min(r.pos_off, r.slot_off) * 4, (max(r.pos_off, r.slot_off) + n) * 4)]
             writes = [_rows_range(r.q_out, n, r.q_stride, r.n_head * r.head_dim), r.k_cache.range, r.v_cache.range]
-        if self.tiled(w, n):
-            self._mul_tiled(prog, w, x, x_stride, y, y_stride, yr, n, accumulate, act, label)
-            return
         single = n < self.multi_column_from
         if self.split_k:
             ncols = self.split_k_columns(n)
@@ -341,8 +341,8 @@ class Kernels:
         groups = self._grid(row_groups, math.ceil(n / ncols))
         prog.dispatch(alg, push, groups, reads, writes, label or variant)
 
-    def _mul_tiled(self, prog: Program, w: Matrix, x: Region, x_stride: int, y: Region, y_stride: int, yr: tuple,
-                   n: int, accumulate: bool, act: Buffer, label: str) -> None:
+    def _mul_tiled(self, prog: Program, w: Matrix, x: Region, x_stride: int, y: Region, y_stride: int, n: int,
+                   accumulate: bool, act: Buffer, label: str) -> None:
         """mul_mat of a prefill-sized step: tiles of mul_mc2, mul_mc or mul_mt,
         the latter two with K split across grid z where the tile grid is small
         (split_k_parts)."""
@@ -356,6 +356,7 @@ class Kernels:
             if math.ceil(w.rows / (16 * TILE[0])) * math.ceil(n / (16 * TILE[1])) < self.small_tiles_below:
                 tile, variant = TILE_SMALL, f"mul_mt64_{w.type}"
             bm, bn = 16 * tile[0], 16 * tile[1]
+        yr = _rows_range(y, n, y_stride, w.rows)
         gm, gn = math.ceil(w.rows / bm), math.ceil(n / bn)
         # mul_mc2 does not split: with K ranges from a push constant its tensor
         # loads ran at half speed (H200, 8B Q4_0 prefill 8,629 -> 3,939 tok/s,
@@ -364,7 +365,7 @@ class Kernels:
         # measure)
         parts, klen = (1, 0) if mc2 else self.split_k_parts(gm * gn, w.cols, n, w.rows)
         if parts > 1:   # partial sums to a scratch of their own, then reduce_k into y
-            out = self._parts_scratch(parts * n * w.rows)
+            out = self._scratch(self._parts, parts * n * w.rows, "parts")
             out_off, out_stride, out_acc = 0, w.rows, False
             out_range = (out, 0, parts * n * w.rows * 4)
         else:
@@ -377,7 +378,7 @@ class Kernels:
             # whole tiles), whose offset and stride replace x's
             n_pad = gn * bn
             stride8 = math.ceil(w.cols / 8)
-            scratch = self._x16_scratch(n_pad * stride8 * 4)
+            scratch = self._scratch(self._x16, n_pad * stride8 * 4, "x16")
             hr = self.to_f16(prog, x, x_stride, w.cols, n, n_pad, scratch)
             push = push[:20] + struct.pack("<2I", 0, stride8 * 8) + push[28:]
             bufs, reads = [w.data.buf, scratch, out], w.regions + [hr]
@@ -423,13 +424,6 @@ class Kernels:
         parts = math.ceil(K / klen)
         return (parts, klen) if parts > 1 else (1, 0)
 
-    def _parts_scratch(self, words: int) -> Buffer:
-        """A device buffer of at least `words` words for split K's partial sums
-        (added rather than swapped in, as _x16_scratch)."""
-        if not self._parts or self._parts[-1].nbytes < words * 4:
-            self._parts.append(self.device.buffer(max(words, 1 << 16) * 4, "device", f"parts_{len(self._parts)}"))
-        return self._parts[-1]
-
     def _reduce_k(self, prog: Program, parts: int, part_buf: Buffer, M: int, n: int, yr: tuple, y_off: int,
                   y_stride: int, accumulate: bool, label: str) -> None:
         """y[c][:M] (+)= the sum of split K's parts (reduce_k.comp)."""
@@ -438,13 +432,15 @@ class Kernels:
         prog.dispatch(alg, push, self._grid(math.ceil(n * M / self.ew_wg)),
                       [(part_buf, 0, parts * n * M * 4)] + ([yr] if accumulate else []), [yr], f"{label} reduce_k")
 
-    def _x16_scratch(self, words: int) -> Buffer:
-        """A device buffer of at least `words` words for mul_mc2's halves of x.
-        Recorded programs keep the buffers they were recorded with, so a larger
-        one is added rather than swapped in."""
-        if not self._x16 or self._x16[-1].nbytes < words * 4:
-            self._x16.append(self.device.buffer(max(words, 1 << 16) * 4, "device", f"x16_{len(self._x16)}"))
-        return self._x16[-1]
+    def _scratch(self, bufs: list[Buffer], words: int, name: str) -> Buffer:
+        """The last of `bufs` (mul_mc2's halves of x: self._x16; split K's
+        partial sums: self._parts), or a new device buffer of at least `words`
+        words appended to them where it is smaller. Recorded programs keep the
+        buffers they were recorded with, so a larger one is added rather than
+        swapped in."""
+        if not bufs or bufs[-1].nbytes < words * 4:
+            bufs.append(self.device.buffer(max(words, 1 << 16) * 4, "device", f"{name}_{len(bufs)}"))
+        return bufs[-1]
 
     def to_f16(self, prog: Program, x: Region, x_stride: int, cols: int, n: int, n_pad: int,
                out: Buffer) -> tuple[Buffer, int, int]:
