@@ -72,8 +72,8 @@ def build(args):
         raise VkEngineError(f"--step-tokens {cfg.step_tokens} does not fit the device's buffers; "
                             f"use at most {eng.max_batch}")
     t0 = time.perf_counter()
-    n_rec = eng.prepare_decode(n_slots)
-    log.info("recorded %d decode steps ahead in %.2f s", n_rec, time.perf_counter() - t0)
+    n_rec = eng.prepare_decode(n_slots, cfg.step_tokens)
+    log.info("recorded %d decode and prompt steps ahead in %.2f s", n_rec, time.perf_counter() - t0)
     metrics = Metrics(n_slots, cfg.max_live)
     worker = Worker(eng, cfg, metrics)
     st = ServerState(worker=worker, model=model, n_ctx=eng.n_ctx, metrics=metrics, max_tokens=args.max_tokens,

@@ -145,6 +145,46 @@ def test_tiled_prefill_with_split_k(device, tiny_models, monkeypatch):
         _assert_logits_close(got, RefLlama(m.file, m.args).logits(ids))
 
 
+def test_step_rows_buckets(device, tiny_models):
+    """Steps of more than 8 rows run as buckets of 16 rows (64 past 128), at
+    most max_batch, never crossing the row count of the tiled matmuls."""
+    _, eng = _engine(device, tiny_models["q8_0"]["gguf"], max_batch=256)
+    eng.kernels.tiled_from = 64
+    got = {n: eng.step_rows(n) for n in (1, 8, 9, 16, 17, 49, 63, 64, 65, 128, 129, 200, 256)}
+    assert got == {1: 1, 8: 8, 9: 16, 16: 16, 17: 32, 49: 63, 63: 63, 64: 64, 65: 80, 128: 128, 129: 192,
+                   200: 256, 256: 256}
+    eng.kernels.tiled_from = None
+    assert eng.step_rows(49) == 64 and eng.step_rows(250) == 256
+    eng.pad_steps = False
+    assert eng.step_rows(49) == 49
+
+
+def test_step_buckets_pad_rows_change_nothing(device, tiny_models):
+    """A prompt step and a mixed step (a decode row beside a prompt chunk, as the
+    server composes them) run as their buckets with pad rows in the last row's
+    slot past its positions: their outputs, and the decode steps that follow in
+    both slots, equal bit for bit those of an engine running exact steps."""
+    path = tiny_models["q8_0"]["gguf"]
+    m, padded = _engine(device, path)
+    _, exact = _engine(device, path)
+    exact.pad_steps = False
+    ids = m.tokenizer.encode(PROMPT)
+    other = m.tokenizer.encode("Once upon a time there was a")
+    n = len(ids)
+    assert padded.step_rows(n) > n and padded.step_rows(n + 1) > n + 1
+    for eng in (padded, exact):
+        eng.got = [eng.prefill(other, 1, readback="logits")]
+        p1 = len(other)
+        # a mixed step: slot 1's next token, then slot 0's whole prompt
+        eng.got += list(eng.step([other[-1]] + ids, [p1] + list(range(n)), [1] + [0] * n, [0, n], "logits"))
+        for i in range(3):
+            eng.got += list(eng.step([ids[i], other[i]], [n + i, p1 + 1 + i], [0, 1], [0, 1], "logits"))
+    for a, b in zip(padded.got, exact.got):
+        np.testing.assert_array_equal(a, b)
+    shapes = {k[0] for k in padded._programs}
+    assert padded.step_rows(n + 1) in shapes and n + 1 not in shapes and n + 1 in {k[0] for k in exact._programs}
+
+
 def test_gguf_and_hf_copy_agree(device, tiny_models):
     """Same weights, GGUF (adjacent-pair RoPE on permuted Q/K) and HF (NEOX)."""
     mg, eg = _engine(device, tiny_models["q8_0"]["gguf"])

@@ -296,6 +296,40 @@ def test_staggered_streams_share_one_step(device, tiny_model, ref_engine):
     assert rows.count(4) >= 10, str(rows)
 
 
+def test_prepared_steps_cover_a_servers_prompt_steps(device, tiny_model, ref_engine):
+    """After prepare_decode(slots, step_tokens), as the server calls it, four
+    prompts of different lengths arriving together run their steps of more than
+    8 rows (prompt chunks beside decode rows) as prepared buckets: nothing of
+    that size is recorded while the streams wait. Tokens as alone."""
+    tok = tiny_model.tokenizer
+    cfg = CONFIGS["batch"]
+    eng = Engine(tiny_model, device, EngineConfig(n_slots=cfg.n_slots, n_ctx=CTX, max_batch=cfg.step_tokens,
+                                                  max_out=cfg.n_slots))
+    assert eng.prepare_decode(cfg.n_slots, cfg.step_tokens) > 0
+    w = Worker(eng, cfg)
+    reqs = [GenRequest(tok.encode(SYSTEM[:40 + 23 * i] + TEXTS[i]), 12, ignore_eos=True) for i in range(4)]
+    recorded: list[int] = []
+    rows: list[int] = []
+    record, submit = eng._record, eng.submit
+
+    def counting_record(n, *a, **k):
+        recorded.append(n)
+        return record(n, *a, **k)
+
+    def counting_submit(tokens, *a, **k):
+        rows.append(len(tokens))
+        return submit(tokens, *a, **k)
+    eng._record, eng.submit = counting_record, counting_submit
+    events: list[list[Event]] = [[] for _ in reqs]
+    for i, r in enumerate(reqs):
+        w.submit(r, events[i].append)
+    w.run_until_idle()
+    for r, evs in zip(reqs, events):
+        assert [e.token for e in evs if e.token is not None] == alone(ref_engine, r.prompt, r.max_tokens, r.sampling)[0]
+    assert sum(n > Engine.STEP_EXACT for n in rows) >= 3, str(rows)
+    assert all(n <= Engine.STEP_EXACT for n in recorded), f"recorded during the load: {recorded} (steps {rows})"
+
+
 def test_logits_step_waits_for_the_chained_one(device, tiny_model, ref_engine):
     """Two greedy streams run chained while a request that needs logits
     (sampling) waits for a place; when one stream ends, the newcomer's step

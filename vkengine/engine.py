@@ -10,6 +10,7 @@ chunks, decode steps and mixed batches of several sequences are all steps.
 """
 from __future__ import annotations
 
+import os
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
@@ -97,6 +98,10 @@ class Engine:
         self.params_dev = device.buffer(self.layout.words * 4, "device", "params-dev")
         self.logits_host = device.buffer(self.max_out * a.n_vocab * 4, "host", "logits")
         self._programs: OrderedDict[tuple, object] = OrderedDict()
+        # pad rows (step_rows) need a sequence's rows to depend on nothing past
+        # its positions: true of attention, not of a recurrent state, which
+        # every row of a slot advances (hybrid models keep exact steps)
+        self.pad_steps = make_state is None and os.environ.get("VKENGINE_STEP_BUCKETS", "1") != "0"
         self._inflight: deque[_Submitted] = deque()   # oldest first
 
     def _check_memory(self, scratch_bytes: int) -> None:
@@ -155,15 +160,54 @@ class Engine:
             self._programs.popitem(last=False)
         return prog
 
-    def prepare_decode(self, max_rows: int) -> int:
+    # Steps of more than STEP_EXACT rows run as a bucket of rows (step_rows), the
+    # difference made up by pad rows, so that a server meets a few step shapes
+    # instead of one per prompt length and chunk mix: recording a step costs
+    # milliseconds of host time (SmolLM2's 30 layers: ~15 ms on a 2-core
+    # machine), during which every stream waits (H200, 1B Q8_0 server at C = 4:
+    # batch TTFT p50 51 -> 20 ms, bench/serve.py)
+    STEP_EXACT = 8
+
+    def step_rows(self, n: int) -> int:
+        """The rows a step of n tokens runs: n up to STEP_EXACT, else n rounded
+        up to 16 (to 64 past 128 rows), at most max_batch, and never across the
+        row count where matmuls switch to the tiled kernels (Kernels.tiled_from).
+        Which kernel sums a row, and in what order, is the same for n and its
+        bucket (per row, the matvec and matmul variants do not depend on the
+        column count; split K's parts depend on the tile columns, whose
+        boundaries are multiples of 64), so a row's result does not change."""
+        if n <= self.STEP_EXACT or not self.pad_steps:
+            return n
+        t = self.kernels.tiled_from
+        if t is not None and n < t:
+            b = min(-(-n // 16) * 16, t - 1)
+        else:
+            q = 16 if n <= 128 else 64
+            b = -(-n // q) * q
+        return max(n, min(b, self.max_batch))
+
+    def prepare_decode(self, max_rows: int, prompt_rows: int = 0) -> int:
         """Record ahead the decode steps a server runs (1..max_rows sequences, one
         row each, greedy, plain and chained, with either params buffer), so that
         no stream waits for a recording when others join or leave, and a prompt
         step of 9 and of max_batch rows, which creates the pipelines of the
         8-column and the tiled matmuls (drivers compile a pipeline on creation:
         tens of milliseconds each, otherwise paid by the first requests).
+        With prompt_rows (a server's step size) and pad_steps, first the prompt
+        steps of up to that many rows (step_rows' buckets) for up to 4 output
+        rows, greedy or none, with either params buffer: the steps that admit a
+        newcomer, as many as fit a third of the program cache (recorded
+        first, so that they are the first the cache lets go).
         Returns the number of programs recorded."""
-        keys = [(n, 1, "argmax", 0, ()) for n in sorted({min(9, self.max_batch), self.max_batch})]
+        prompt = []
+        if self.pad_steps:
+            top = min(prompt_rows, self.max_batch)
+            for n in sorted({self.step_rows(n) for n in range(self.STEP_EXACT + 1, top + 1)}):
+                for buf in (0, 1):
+                    prompt.append((n, 0, "none", buf, ()))
+                    prompt += [(n, k, "argmax", buf, ()) for k in range(1, min(max_rows, self.max_out, 4) + 1)]
+        keys = prompt[:self.cfg.program_cache // 3]
+        keys += [(n, 1, "argmax", 0, ()) for n in sorted({min(9, self.max_batch), self.max_batch})]
         # four programs per row count; keep them within half the program cache
         for n in range(1, min(max_rows, self.max_out, self.max_batch, self.cfg.program_cache // 8) + 1):
             for buf in (0, 1):
@@ -304,6 +348,21 @@ class Engine:
         begin_step = getattr(self.kv, "begin_step", None)   # recurrent state: checks and bookkeeping
         if begin_step is not None:
             begin_step(pos, slt)
+        mode = readback if n_out else "none"
+        n_run = self.step_rows(n) if not chain_key else n
+        if n_run > n and (n, n_out, mode, self._next_params, chain_key) not in self._programs:
+            # pad rows: token 0 in the last row's slot at the positions after that
+            # slot's last one in this step. Their KV rows lie past the sequence
+            # (no row of this step reads them, a later step writes each before
+            # reading it, and parking and prefix reuse take only rows the
+            # sequence has), and their outputs are never read
+            s = slt[-1]
+            top = int(pos[slt == s].max())
+            if top + (n_run - n) < self.n_ctx:
+                tok = np.concatenate([tok, np.zeros(n_run - n, np.int64)])
+                pos = np.concatenate([pos, np.arange(top + 1, top + 1 + n_run - n, dtype=np.int64)])
+                slt = np.concatenate([slt, np.full(n_run - n, s, np.int64)])
+                n = n_run
         buf = self._next_params
         self._next_params ^= 1
         pl, prm = self.layout, self._params[buf].array()
@@ -311,7 +370,6 @@ class Engine:
         prm[pl.positions:pl.positions + n] = pos
         prm[pl.slots:pl.slots + n] = slt
         prm[pl.out_rows:pl.out_rows + n_out] = outs
-        mode = readback if n_out else "none"
         prog = self._program(n, n_out, mode, buf, chain_key)
         prog.submit()
         self._inflight.append(_Submitted(prog, mode, n_out, buf))
