@@ -354,6 +354,35 @@ def test_weights_larger_than_the_device_are_refused_before_allocating(tiny_model
     assert device.n_buffers == n0
 
 
+def test_matmul_scratch_counts_in_the_startup_memory_check(tiny_model, device, monkeypatch):
+    """The tiled matmuls' own scratch (split K's partial sums, mul_mc2's halves
+    of x) is part of what must fit: an engine whose weights fit but whose
+    scratch does not is refused before allocating, naming the step size."""
+    from vkengine.kernels import Kernels
+    n0 = device.n_buffers
+    monkeypatch.setattr(Kernels, "scratch_bytes_bound", lambda self, rows, cols: device.memory_bytes)
+    with pytest.raises(VkEngineError, match="activations of a 64-row step do not fit; use fewer rows per step"):
+        Engine(tiny_model, device, EngineConfig(n_slots=1, n_ctx=64, max_batch=64))
+    assert device.n_buffers == n0
+
+
+def test_matmul_scratch_bound(device):
+    """What scratch_bytes_bound counts: nothing where no step is tiled (lavapipe,
+    or steps below the tiled threshold), split K's cap where it splits, and
+    mul_mc2's halves of x (rows padded to 256) where it runs."""
+    from vkengine.kernels import Kernels
+    kn = Kernels(device)
+    kn.tiled_from, kn.split_k_wgs, kn.coopmat2 = None, 256, False
+    assert kn.scratch_bytes_bound(512, 4096) == 0
+    kn.tiled_from = 64
+    assert kn.scratch_bytes_bound(32, 4096) == 0
+    assert kn.scratch_bytes_bound(512, 4096) == Kernels.SPLIT_K_SCRATCH
+    kn.coopmat2 = True
+    assert kn.scratch_bytes_bound(300, 14336) == Kernels.SPLIT_K_SCRATCH + 512 * 14336 * 2
+    kn.split_k_wgs = 0
+    assert kn.scratch_bytes_bound(300, 14336) == 512 * 14336 * 2
+
+
 # -- corrupt and truncated model files ---------------------------------------------------------------
 def _load_or_refuse(path, device) -> str:
     """Loading either works (then an engine is built) or raises VkEngineError: never another exception."""

@@ -118,6 +118,10 @@ class Engine:
         kv = per_pos * cfg.n_slots * self.n_ctx
         if getattr(a, "rec_layers", None):
             kv += 4 * cfg.n_slots * len(a.rec_layers) * ((a.conv_kernel - 1) * a.conv_dim + a.nv * a.dv * a.dk)
+        # the matmuls' own scratch (split K's partial sums, mul_mc2's halves of x)
+        max_cols = max((mf.tensor_info(n)[1][-1] for n in mf.tensor_names() if len(mf.tensor_info(n)[1]) == 2),
+                       default=0)
+        scratch_bytes += self.kernels.scratch_bytes_bound(self.max_batch, max_cols)
         budget = dev.memory_bytes
         need = weights + kv + scratch_bytes
         if need <= budget:
@@ -128,8 +132,11 @@ class Engine:
                 f"{scratch_bytes / gib:.2f}); {dev.info.name} has {budget / gib:.2f} GiB"
                 f"{' of host memory available' if dev.info.type == 'cpu' else ''}")
         room = (budget - weights - scratch_bytes) // per_pos
-        if room < 1:
+        if weights > budget:
             raise VkEngineError(f"{what}: the weights alone do not fit; use a smaller or more quantized model")
+        if room < 1:
+            raise VkEngineError(f"{what}: the weights and the activations of a {self.max_batch}-row step do not "
+                                "fit; use fewer rows per step (--step-tokens, --batch) or a smaller model")
         raise VkEngineError(f"{what}: reduce the context length (--ctx) or the sequences held on the device at "
                             f"once (--parallel, --slots); about {room} positions fit in all "
                             f"(e.g. --ctx {room // cfg.n_slots} with {cfg.n_slots} slot(s))")

@@ -432,6 +432,18 @@ class Kernels:
         prog.dispatch(alg, push, self._grid(math.ceil(n * M / self.ew_wg)),
                       [(part_buf, 0, parts * n * M * 4)] + ([yr] if accumulate else []), [yr], f"{label} reduce_k")
 
+    def scratch_bytes_bound(self, max_rows: int, max_cols: int) -> int:
+        """An upper bound of the device memory _scratch takes for steps of up to
+        max_rows rows of matrices of up to max_cols columns: split K's partial
+        sums (at most SPLIT_K_SCRATCH) and mul_mc2's halves of x (rows padded
+        to its widest token tile, 256), where this device runs them."""
+        if self.tiled_from is None or max_rows < self.tiled_from:
+            return 0
+        total = self.SPLIT_K_SCRATCH if self.split_k_wgs > 0 else 0
+        if self.coopmat2:
+            total += math.ceil(max_rows / 256) * 256 * math.ceil(max_cols / 8) * 16
+        return total
+
     def _scratch(self, bufs: list[Buffer], words: int, name: str) -> Buffer:
         """The last of `bufs` (mul_mc2's halves of x: self._x16; split K's
         partial sums: self._parts), or a new device buffer of at least `words`
