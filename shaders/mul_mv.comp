@@ -1,4 +1,7 @@
 #version 450
+#ifdef XQ8
+#extension GL_EXT_integer_dot_product : require
+#endif
 // y[c][row] (+)= sum_k W[row][k] * x[c][k] for columns c < N.
 // RPS weight rows per subgroup; its lanes walk the rows' units (8 or 16
 // values), dequantize each unit once and use it for NCOLS columns of x
@@ -42,6 +45,14 @@ layout(binding = 6) writeonly restrict buffer RKv { uint rkv[]; };        // ROP
 #define NORM_CODE 0
 layout(binding = 2) buffer Y { float act[]; };
 #endif
+#ifdef XQ8
+// XQ8 (Q8_0 weights, split-K variants; Kernels.xq8): x comes as 8-bit blocks
+// (quantize_q8.comp: per column, K / 4 words of int8 from word xq_off, then
+// K / 32 block scales from xd_off) and each unit's 8 weights meet a column's 8
+// values in two integer dot products; the block scales multiply the sum
+layout(binding = 7) readonly restrict buffer XQ { uvec2 xq2[]; };
+layout(binding = 7) readonly restrict buffer XQD { float xqd[]; };
+#endif
 
 layout(push_constant) uniform P {
     uint w_off, w_off2;     // weight words / scale words
@@ -60,6 +71,9 @@ layout(push_constant) uniform P {
     // (slot, position) as f16 pairs: rope_kv.comp's mode 0 (adjacent pairs)
     uint rope_row0, n_q, n_k, head_dim, n_rot, table_off;
     uint q_off, q_stride, k_off, v_off, slot_stride, kv_row_words, pos_off, slot_off;
+#ifdef XQ8
+    uint xq_off, xd_off;    // words of binding 7 (xq_off even)
+#endif
 } p;
 
 #include "quant.glsl"
@@ -116,7 +130,21 @@ void rope_store(uint row, uint col, float s, float s2) {
 
 // one unit (index u) of each of the RPS rows, times every column
 void accum_unit(Raw r[RPS], uint u, uint col0, uint ncols, inout float acc[RPS][NCOLS]) {
-#if defined(HOIST) && defined(UNIT_SCALED)
+#if defined(XQ8) && defined(WT_Q8_0)
+    float dw[RPS];
+    [[unroll]] for (uint rr = 0; rr < RPS; rr++) dw[rr] = half_sel(r[rr].e.x, r[rr].e.y);
+    uint kq = p.K / 8u, nb = p.K / 32u;
+    [[unroll]] for (uint c = 0; c < NCOLS; c++) {
+        if (c >= ncols) continue;
+        uint col = col0 + c;
+        uvec2 xv = xq2[p.xq_off / 2u + col * kq + u];
+        float dx = xqd[p.xd_off + col * nb + (u >> 2)];
+        [[unroll]] for (uint rr = 0; rr < RPS; rr++) {
+            int s = dotPacked4x8EXT(int(r[rr].q.x), int(xv.x)) + dotPacked4x8EXT(int(r[rr].q.y), int(xv.y));
+            acc[rr][c] += float(s) * (dw[rr] * dx);
+        }
+    }
+#elif defined(HOIST) && defined(UNIT_SCALED)
     // the block scale once per unit and column instead of once per value
     vec4 v[RPS][UNIT_GROUPS];
     vec2 dm[RPS];

@@ -93,6 +93,10 @@ TILE_SMALL = (4, 4)
 # this define: the cooperative-matrix kernels (mul_mc.comp, attention_mc.comp),
 # run where Kernels.coopmat says the device can.
 EXT_DEFINE = "GLSLC_EXT"
+# Weight types whose split-K matvecs have XQ8 variants (mul_mvk{b}x_*,
+# mul_mm{b}{2,4,8}x_*: x quantized to 8 bits by quantize_q8.comp, integer dot
+# products; GL_EXT_integer_dot_product needs the newer glslc too)
+XQ8_TYPES = ("q8_0",)
 # mul_mc's tile: BM weight rows x BN tokens, its 8 subgroups in an SGM x SGN grid.
 # Measured on the H200 (bench/mm_probe.py, 512 tokens, 8B Q4_0 and 1B Q8_0
 # shapes, 2026-11-30): 64 x 128 with each subgroup on 64 rows x 16 tokens 93-98
@@ -158,6 +162,8 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
                 name = f"mul_mvk{tag}_{wt}" if nc == 1 else f"mul_mm{tag}{nc}_{wt}"
                 t[name] = ("mul_mv.comp", {**d, **extra, "NCOLS": nc, "UNROLL": unroll, "RPS": rps, "KSPLIT": 1,
                                            "BFLY": bf})
+                if wt in XQ8_TYPES:   # x as 8-bit blocks, integer dot products (Kernels.xq8)
+                    t[name.replace(f"_{wt}", f"x_{wt}")] = ("mul_mv.comp", {**t[name][1], "XQ8": 1, EXT_DEFINE: 1})
         t[f"mul_mt_{wt}"] = ("mul_mt.comp", {**d, "TM": TILE[0], "TN": TILE[1]})
         t[f"mul_mt64_{wt}"] = ("mul_mt.comp", {**d, "TM": TILE_SMALL[0], "TN": TILE_SMALL[1]})
         bm, bn, sgm, sgn = MC_TILE
@@ -174,6 +180,7 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
     for op in ("rms_norm", "rope_kv", "attention", "swiglu", "add", "softmax", "argmax_part", "argmax", "copy",
                "to_f16", "reduce_k"):
         t[op] = (f"{op}.comp", {})
+    t["quantize_q8"] = ("quantize_q8.comp", {})   # x for the XQ8 matvecs
     t["rms_norm_wg"] = ("rms_norm.comp", {"WG_ROW": 1})
     t["swiglu4"] = ("swiglu.comp", {"VEC4": 1})   # F, offsets and strides multiples of 4
     t["attention_split"] = ("attention.comp", {"SPLIT": 1})   # split-K decode, slices merged in place

@@ -26,9 +26,12 @@ class RefLlama:
             self.w[name] = self.mf.tensor(name).as_f32().astype(np.float32)
         return self.w[name]
 
-    def logits(self, tokens: list[int]) -> np.ndarray:
-        """(len(tokens), n_vocab) logits of a sequence starting at position 0."""
+    def logits(self, tokens: list[int], act_q8: bool = False) -> np.ndarray:
+        """(len(tokens), n_vocab) logits of a sequence starting at position 0.
+        act_q8: every matrix product's input rounded to 8-bit blocks first, as
+        the XQ8 matvecs take it (ref.dequantize_q8)."""
         a = self.a
+        qa = ref.dequantize_q8 if act_q8 else (lambda t: t)
         n = len(tokens)
         hd, H, Hkv = a.head_dim, a.n_head, a.n_head_kv
         emb = self.W("token_embd.weight")
@@ -36,7 +39,7 @@ class RefLlama:
         pos = np.arange(n)
         for i in range(a.n_layer):
             p = f"blk.{i}."
-            h = ref.rms_norm(x, self.W(p + "attn_norm.weight"), a.rms_eps).astype(np.float32)
+            h = qa(ref.rms_norm(x, self.W(p + "attn_norm.weight"), a.rms_eps).astype(np.float32))
             q = (h @ self.W(p + "attn_q.weight").T).reshape(n, H, hd)
             k = (h @ self.W(p + "attn_k.weight").T).reshape(n, Hkv, hd)
             v = (h @ self.W(p + "attn_v.weight").T).reshape(n, Hkv, hd)
@@ -45,12 +48,14 @@ class RefLlama:
             k16 = k.astype(np.float16).astype(np.float32)
             v16 = v.astype(np.float16).astype(np.float32)
             att = np.stack([ref.attention(q[t], k16[: t + 1], v16[: t + 1], 1.0 / np.sqrt(hd)) for t in range(n)])
-            x = x + att.reshape(n, H * hd).astype(np.float64) @ self.W(p + "attn_output.weight").T.astype(np.float64)
-            h = ref.rms_norm(x, self.W(p + "ffn_norm.weight"), a.rms_eps).astype(np.float32)
+            x = x + qa(att.reshape(n, H * hd).astype(np.float32)).astype(np.float64) @ self.W(p + "attn_output.weight").T.astype(np.float64)
+            h = qa(ref.rms_norm(x, self.W(p + "ffn_norm.weight"), a.rms_eps).astype(np.float32))
             g = h @ self.W(p + "ffn_gate.weight").T
             u = h @ self.W(p + "ffn_up.weight").T
             f = (ref.silu(g) * u).astype(np.float32)
-            x = x + f.astype(np.float64) @ self.W(p + "ffn_down.weight").T.astype(np.float64)
+            x = x + qa(f).astype(np.float64) @ self.W(p + "ffn_down.weight").T.astype(np.float64)
         h = ref.rms_norm(x, self.W("output_norm.weight"), a.rms_eps)
+        if act_q8:
+            h = qa(h.astype(np.float32)).astype(np.float64)
         out = self.W("output.weight") if self.mf.has("output.weight") else emb
         return (h @ out.T.astype(np.float64)).astype(np.float32)

@@ -53,3 +53,19 @@ def softmax(x, axis=-1):
     x = x.astype(np.float64)
     e = np.exp(x - x.max(axis, keepdims=True))
     return (e / e.sum(axis, keepdims=True)).astype(np.float32)
+
+
+def quantize_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """quantize_q8.comp in numpy, per row of 32-value blocks: (q int8 [..., K],
+    d float32 [..., K / 32]) with d = max|x| / 127, q = roundEven(x / d)."""
+    b = np.asarray(x, np.float32).reshape(*x.shape[:-1], -1, 32)
+    d = (np.abs(b).max(-1) / np.float32(127)).astype(np.float32)
+    inv = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), 0).astype(np.float32)
+    q = np.clip(np.rint(b * inv[..., None]), -127, 127).astype(np.int8)
+    return q.reshape(x.shape), d
+
+
+def dequantize_q8(x: np.ndarray) -> np.ndarray:
+    """x as the XQ8 matvecs see it: quantize_q8, then back to floats."""
+    q, d = quantize_q8(x)
+    return (q.astype(np.float32) * np.repeat(d, 32, axis=-1)).astype(np.float32)

@@ -368,11 +368,12 @@ def test_matmul_scratch_counts_in_the_startup_memory_check(tiny_model, device, m
 
 def test_matmul_scratch_bound(device):
     """What scratch_bytes_bound counts: nothing where no step is tiled (lavapipe,
-    or steps below the tiled threshold), split K's cap where it splits, and
-    mul_mc2's halves of x (rows padded to 256) where it runs."""
+    or steps below the tiled threshold), split K's cap where it splits,
+    mul_mc2's halves of x (rows padded to 256) where it runs, and the XQ8
+    matvecs' 8-bit x where they run."""
     from vkengine.kernels import Kernels
     kn = Kernels(device)
-    kn.tiled_from, kn.split_k_wgs, kn.coopmat2 = None, 256, False
+    kn.tiled_from, kn.split_k_wgs, kn.coopmat2, kn.xq8 = None, 256, False, False
     assert kn.scratch_bytes_bound(512, 4096) == 0
     kn.tiled_from = 64
     assert kn.scratch_bytes_bound(32, 4096) == 0
@@ -381,6 +382,8 @@ def test_matmul_scratch_bound(device):
     assert kn.scratch_bytes_bound(300, 14336) == Kernels.SPLIT_K_SCRATCH + 512 * 14336 * 2
     kn.split_k_wgs = 0
     assert kn.scratch_bytes_bound(300, 14336) == 512 * 14336 * 2
+    kn.xq8 = True   # + 63 rows (the matvec steps) of 8-bit x: 9 bytes per 8 values
+    assert kn.scratch_bytes_bound(300, 14336) == 512 * 14336 * 2 + 63 * 14336 * 9 // 8
 
 
 # -- corrupt and truncated model files ---------------------------------------------------------------

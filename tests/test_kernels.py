@@ -311,6 +311,74 @@ def test_mul_mat_columns_equal_single_rows(device, column_kernels, ws, rng, wt, 
         np.testing.assert_array_equal(got[c], ws.read(one), err_msg=f"column {c} of {n}")
 
 
+@pytest.fixture(scope="module")
+def xq8_kernels(device):
+    """column_kernels with the XQ8 matvecs: Q8_0 matrices take x as 8-bit
+    blocks through integer dot products (lavapipe and the H200 both have them)."""
+    from vkengine.kernels import Kernels
+    assert "shaderIntegerDotProduct" in device.features, "the XQ8 tests need integer dot products"
+    kn = Kernels(device, tiled_from=None)
+    kn.multi_column_from, kn.split_k, kn.xq8 = 2, True, True
+    return kn
+
+
+def test_quantize_q8(device, xq8_kernels, ws, rng):
+    """x rows -> 8-bit blocks and scales as numpy computes them (a block of
+    zeros gives zeros; a value may round one step differently where the
+    device's 1/d is not numpy's)."""
+    n, K, xs = 3, 128, 132
+    x = rng.standard_normal((n, K)).astype(np.float32) * np.array([1.0, 40.0, 1e-3], np.float32)[:, None]
+    x[1, 32:64] = 0.0
+    xr = ws.act_region(n * xs, np.pad(x, ((0, 0), (0, 4))))
+    out = device.buffer(n * (K // 4 + K // 32) * 4, "device", "xq-test")
+    prog = device.program()
+    xq8_kernels.quantize_q8(prog, xr, xs, K, n, out)
+    prog.run()
+    raw = device.download(out, 0, n * (K // 4 + K // 32) * 4).view(np.uint32)
+    q = raw[: n * K // 4].view(np.int8).reshape(n, K)
+    d = raw[n * K // 4:].view(np.float32).reshape(n, K // 32)
+    want_q, want_d = ref.quantize_q8(x)
+    np.testing.assert_allclose(d, want_d, rtol=1e-6)
+    assert np.abs(q.astype(np.int32) - want_q).max() <= 1 and (q == want_q).mean() > 0.99
+    assert (q[1, 32:64] == 0).all() and d[1, 1] == 0.0
+
+
+@pytest.mark.parametrize("reduce", ["subgroupAdd", "butterfly"])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8, 13])
+def test_mul_mat_xq8(device, xq8_kernels, ws, rng, n, reduce):
+    """The XQ8 matvecs (Q8_0 weights, x quantized by quantize_q8): within the
+    8-bit rounding of x of the float product (every value off by at most 1.5
+    steps of its block), and each column of the 2/4/8-column variants bit for
+    bit what the 1-column one gives that row alone."""
+    kn = xq8_kernels
+    n = _split_k_rows(device, kn, "q8_0", n, reduce)
+    M, K = 37, 256
+    raw, w = random_quantized("q8_0", M, K, rng)
+    mat = upload_matrix(ws, "q8_0", raw, M, K)
+    x = rng.standard_normal((n, K)).astype(np.float32)
+    xr = ws.act_region(n * K, x)
+    yr = ws.act_region(n * M)
+    prog = device.program()
+    kn.mul_mat(prog, mat, xr, K, yr, M, n)
+    labels = [op.label for op in prog.ops if op.kind == "dispatch"]
+    assert labels[0] == "quantize_q8" and labels[1].endswith("x_q8_0"), labels
+    prog.run()
+    got = ws.read(yr).reshape(n, M)
+    _, d = ref.quantize_q8(x)
+    step = np.repeat(d, 32, axis=1).astype(np.float64)          # each value's quantization step
+    bound = 1.5 * step @ np.abs(w).T.astype(np.float64) + 1e-5 * np.sqrt(K)
+    assert (np.abs(got - x.astype(np.float64) @ w.T.astype(np.float64)) <= bound).all()
+    xq, _ = ref.quantize_q8(x)
+    _close(got, (xq * np.repeat(d, 32, axis=1)).astype(np.float64) @ w.T.astype(np.float64), rtol=1e-3,
+           atol_scale=1e-3)
+    for c in range(n):
+        one = ws.act_region(M)
+        prog = device.program()
+        kn.mul_mat(prog, mat, xr.at(c * K, K), K, one, M, 1)
+        prog.run()
+        np.testing.assert_array_equal(got[c], ws.read(one), err_msg=f"column {c} of {n}")
+
+
 @pytest.mark.parametrize("reduce", ["subgroupAdd", "butterfly"])
 @pytest.mark.parametrize("wt", ["q4_0", "q4_1", "q8_0", "f16"])
 @pytest.mark.parametrize("n", [1, 3, 4, 8])

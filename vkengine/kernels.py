@@ -17,7 +17,8 @@ from pathlib import Path
 
 from shaders.variants import (ATTN_MC_HEAD_DIMS, ATTN_MC_NSG, MATMUL_COLS, MC2_ENGINE_TYPES, MC2_F32_FROM_ROWS,
                               MC2_FROM_ROWS, MC2_TILES, MC2_TYPES, MC2H_TILES, MC_TILE,
-                              MM_GPU_COLS, MV_BFLY_LANES, SG_ROWS, TILE, TILE_SMALL, UNIT_VALUES, mv_gpu_config)
+                              MM_GPU_COLS, MV_BFLY_LANES, SG_ROWS, TILE, TILE_SMALL, UNIT_VALUES, XQ8_TYPES,
+                              mv_gpu_config)
 
 from . import shaders
 from .device import Buffer, Device, Program
@@ -182,6 +183,14 @@ class Kernels:
         self.split_k_wgs = int(os.environ.get("VKENGINE_SPLITK_WGS", SPLIT_K_WGS))
         self.split_k_min = int(os.environ.get("VKENGINE_SPLITK_MIN", SPLIT_K_MIN))
         self._parts: list[Buffer] = []   # their partial sums' scratch buffers (the last is the largest)
+        # XQ8: Q8_0 matvecs (split-K variants) on integer dot products, x
+        # quantized to 8-bit blocks first (quantize_q8.comp, a dispatch per
+        # matvec). Opt-in (VKENGINE_XQ8=1) until measured on a GPU; every
+        # matvec of a Q8_0 matrix then takes it, so batched rows still equal
+        # single ones
+        self.xq8 = (self.split_k and "shaderIntegerDotProduct" in getattr(device, "features", ())
+                    and os.environ.get("VKENGINE_XQ8", "0") == "1")
+        self._xq: list[Buffer] = []   # x's 8-bit blocks (the last is the largest)
         # for which matrices (tests widen both to every type and size it takes)
         # (VKENGINE_MC2_FROM_ROWS=<rows> moves the threshold, to measure a rule)
         self.mc2_types = MC2_ENGINE_TYPES
@@ -335,6 +344,12 @@ class Kernels:
             # KV cache (any buffer when unused)
             bufs.append(norm.weight.buf if norm is not None else w.data.buf)
             bufs += [rope.table.buf, rope.params, rope.k_cache.buf] if rope is not None else [w.data.buf] * 3
+            if self.xq8 and w.type in XQ8_TYPES:   # binding 7: x as 8-bit blocks
+                qbuf = self._scratch(self._xq, n * (w.cols // 4 + w.cols // 32), "xq")
+                reads.append(self.quantize_q8(prog, x, x_stride, w.cols, n, qbuf))
+                variant = variant.replace(f"_{w.type}", f"x_{w.type}")
+                push += struct.pack("<2I", 0, n * w.cols // 4)
+                bufs.append(qbuf)
         alg = self._alg(variant, bufs, push, self.wg, rows_per_wg)
         # glu: a workgroup takes rows_per_wg / 2 gate rows and the same up rows
         row_groups = math.ceil(w.rows // 2 / (rows_per_wg // 2)) if glu else math.ceil(w.rows / rows_per_wg)
@@ -435,11 +450,16 @@ class Kernels:
     def scratch_bytes_bound(self, max_rows: int, max_cols: int) -> int:
         """An upper bound of the device memory _scratch takes for steps of up to
         max_rows rows of matrices of up to max_cols columns: split K's partial
-        sums (at most SPLIT_K_SCRATCH) and mul_mc2's halves of x (rows padded
-        to its widest token tile, 256), where this device runs them."""
+        sums (at most SPLIT_K_SCRATCH), mul_mc2's halves of x (rows padded to
+        its widest token tile, 256) and the XQ8 matvecs' 8-bit x, where this
+        device runs them."""
+        total = 0
+        if self.xq8:   # x as 8-bit blocks for the matvec steps (below the tiled threshold)
+            rows = max_rows if self.tiled_from is None else min(max_rows, self.tiled_from - 1)
+            total += rows * (max_cols // 4 + max_cols // 32) * 4
         if self.tiled_from is None or max_rows < self.tiled_from:
-            return 0
-        total = self.SPLIT_K_SCRATCH if self.split_k_wgs > 0 else 0
+            return total
+        total += self.SPLIT_K_SCRATCH if self.split_k_wgs > 0 else 0
         if self.coopmat2:
             total += math.ceil(max_rows / 256) * 256 * math.ceil(max_cols / 8) * 16
         return total
@@ -453,6 +473,20 @@ class Kernels:
         if not bufs or bufs[-1].nbytes < words * 4:
             bufs.append(self.device.buffer(max(words, 1 << 16) * 4, "device", f"{name}_{len(bufs)}"))
         return bufs[-1]
+
+    def quantize_q8(self, prog: Program, x: Region, x_stride: int, cols: int, n: int,
+                    out: Buffer) -> tuple[Buffer, int, int]:
+        """out (from word 0) = the n rows of x as 8-bit blocks of 32 (quantize_q8.comp:
+        n * cols / 4 words of int8, then n * cols / 32 scales). Returns the byte
+        range written."""
+        if cols % 32 or x.off % 4 or x_stride % 4:
+            raise ValueError("quantize_q8 needs 32-value blocks and 16-byte aligned rows")
+        push = struct.pack("<6I", x.off, x_stride, cols, n, 0, n * cols // 4)
+        alg = self._alg("quantize_q8", [x.buf, out], push, self.ew_wg, 1)
+        qr = (out, 0, n * (cols // 4 + cols // 32) * 4)
+        prog.dispatch(alg, push, self._grid(math.ceil(n * cols // 32 / self.ew_wg)),
+                      [_rows_range(x, n, x_stride, cols)], [qr], "quantize_q8")
+        return qr
 
     def to_f16(self, prog: Program, x: Region, x_stride: int, cols: int, n: int, n_pad: int,
                out: Buffer) -> tuple[Buffer, int, int]:
