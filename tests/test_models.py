@@ -166,13 +166,21 @@ def test_tiled_prefill_with_split_k(device, tiny_models, monkeypatch):
 
 def test_step_rows_buckets(device, tiny_models):
     """Steps of more than 8 rows run as buckets of 16 rows (64 past 128), at
-    most max_batch, never crossing the row count of the tiled matmuls."""
-    _, eng = _engine(device, tiny_models["q8_0"]["gguf"], max_batch=256)
-    eng.kernels.tiled_from = 64
+    most max_batch, never crossing a row count where the step's kernels change."""
+    _, eng = _engine(device, tiny_models["q8_0"]["gguf"], max_batch=256, max_out=4)
+    kn = eng.kernels
+    kn.tiled_from, kn.coopmat, kn.split_attention = 64, False, False
     got = {n: eng.step_rows(n) for n in (1, 8, 9, 16, 17, 49, 63, 64, 65, 128, 129, 200, 256)}
     assert got == {1: 1, 8: 8, 9: 16, 16: 16, 17: 32, 49: 63, 63: 63, 64: 64, 65: 80, 128: 128, 129: 192,
                    200: 256, 256: 256}
-    eng.kernels.tiled_from = None
+    # nor across attention's switches: cooperative matrices from 16 rows, split
+    # decode attention up to max_out rows
+    kn.coopmat, kn.attention_mc, kn.split_attention = True, True, True
+    assert [eng.step_rows(n) for n in (9, 15, 16, 17)] == [15, 15, 16, 32]
+    _, wide = _engine(device, tiny_models["q8_0"]["gguf"], max_batch=256, max_out=12)
+    wide.kernels.tiled_from, wide.kernels.coopmat, wide.kernels.split_attention = 64, False, True
+    assert [wide.step_rows(n) for n in (9, 12, 13)] == [12, 12, 16]
+    kn.tiled_from, kn.coopmat, kn.split_attention = None, False, False
     assert eng.step_rows(49) == 64 and eng.step_rows(250) == 256
     eng.pad_steps = False
     assert eng.step_rows(49) == 49

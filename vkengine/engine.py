@@ -177,21 +177,21 @@ class Engine:
 
     def step_rows(self, n: int) -> int:
         """The rows a step of n tokens runs: n up to STEP_EXACT, else n rounded
-        up to 16 (to 64 past 128 rows), at most max_batch, and never across the
-        row count where matmuls switch to the tiled kernels (Kernels.tiled_from).
-        Which kernel sums a row, and in what order, is the same for n and its
-        bucket (per row, the matvec and matmul variants do not depend on the
-        column count; split K's parts depend on the tile columns, whose
-        boundaries are multiples of 64), so a row's result does not change."""
+        up to 16 (to 64 past 128 rows), at most max_batch, and never across a row
+        count where the step's kernels change (Kernels.step_thresholds: the
+        tiled matmuls, attention on cooperative matrices, split decode
+        attention). Which kernel sums a row, and in what order, is then the same
+        for n and its bucket (per row, the matvec and matmul variants do not
+        depend on the column count; split K's parts depend on the tile columns,
+        whose boundaries are multiples of 64), so a row's result does not change."""
         if n <= self.STEP_EXACT or not self.pad_steps:
             return n
-        t = self.kernels.tiled_from
-        if t is not None and n < t:
-            b = min(-(-n // 16) * 16, t - 1)
-        else:
-            q = 16 if n <= 128 else 64
-            b = -(-n // q) * q
-        return max(n, min(b, self.max_batch))
+        q = 16 if n <= 128 else 64
+        b = min(-(-n // q) * q, self.max_batch)
+        for t in self.kernels.step_thresholds(self.max_out):
+            if n < t <= b:
+                b = t - 1
+        return max(n, b)
 
     def prepare_decode(self, max_rows: int, prompt_rows: int = 0) -> int:
         """Record ahead the decode steps a server runs (1..max_rows sequences, one
@@ -203,9 +203,15 @@ class Engine:
         With prompt_rows (a server's step size) and pad_steps, first the prompt
         steps of up to that many rows (step_rows' buckets) for up to 4 output
         rows, greedy or none, with either params buffer: the steps that admit a
-        newcomer, as many as fit a third of the program cache (recorded
-        first, so that they are the first the cache lets go).
+        newcomer, as many as the program cache holds beside the decode steps
+        (recorded first, so that they are the first it lets go).
         Returns the number of programs recorded."""
+        decode = [(n, 1, "argmax", 0, ()) for n in sorted({min(9, self.max_batch), self.max_batch})]
+        # four programs per row count; keep them within half the program cache
+        for n in range(1, min(max_rows, self.max_out, self.max_batch, self.cfg.program_cache // 8) + 1):
+            for buf in (0, 1):
+                for chain in ((), tuple(range(n))) if self.can_chain else ((),):
+                    decode.append((n, n, "argmax", buf, chain))   # the key order of _program's arguments
         prompt = []
         if self.pad_steps:
             top = min(prompt_rows, self.max_batch)
@@ -213,13 +219,7 @@ class Engine:
                 for buf in (0, 1):
                     prompt.append((n, 0, "none", buf, ()))
                     prompt += [(n, k, "argmax", buf, ()) for k in range(1, min(max_rows, self.max_out, 4) + 1)]
-        keys = prompt[:self.cfg.program_cache // 3]
-        keys += [(n, 1, "argmax", 0, ()) for n in sorted({min(9, self.max_batch), self.max_batch})]
-        # four programs per row count; keep them within half the program cache
-        for n in range(1, min(max_rows, self.max_out, self.max_batch, self.cfg.program_cache // 8) + 1):
-            for buf in (0, 1):
-                for chain in ((), tuple(range(n))) if self.can_chain else ((),):
-                    keys.append((n, n, "argmax", buf, chain))   # the key order of _program's arguments
+        keys = prompt[:max(0, self.cfg.program_cache - len(decode) - 8)] + decode
         n_rec = 0
         for key in keys:
             if key not in self._programs:

@@ -627,6 +627,18 @@ class Kernels:
         prog.dispatch(alg, push, self._grid(math.ceil(n_rows * n_head * n_parts / self.items)),
                       reads + [tmp, sync.range], out + [tmp, sync.range], label)
 
+    def step_thresholds(self, max_out: int) -> list[int]:
+        """Row counts from which a step's kernels change on this device (a step
+        of fewer rows runs others): the tiled matmuls, attention on cooperative
+        matrices (any head size: conservative), and the end of split decode
+        attention (steps of up to max_out rows, Graph.attention)."""
+        t = [self.tiled_from] if self.tiled_from is not None else []
+        if self.coopmat and self.attention_mc:
+            t.append(self.ATTN_MC_FROM)
+        if self.split_attention:
+            t.append(max_out + 1)
+        return t
+
     def attention_on_coopmat(self, n_rows: int, head_dim: int) -> bool:
         """Whether attention() runs on cooperative matrices (attention_mc: 16
         query rows a subgroup, fp16 Q and P): prompt-sized steps of the head
