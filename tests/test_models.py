@@ -165,23 +165,27 @@ def test_tiled_prefill_with_split_k(device, tiny_models, monkeypatch):
 
 
 def test_step_rows_buckets(device, tiny_models):
-    """Steps of more than 8 rows run as buckets of 16 rows (64 past 128), at
-    most max_batch, never crossing a row count where the step's kernels change."""
+    """GPUs: steps of more than 8 rows run as buckets of 8 rows (16 past 64, 64
+    past 128), at most max_batch, never crossing a row count where the step's
+    kernels change. Lavapipe keeps exact steps."""
     _, eng = _engine(device, tiny_models["q8_0"]["gguf"], max_batch=256, max_out=4)
     kn = eng.kernels
+    assert not eng.pad_steps or device.info.type != "cpu", "lavapipe keeps exact steps"
+    eng.pad_steps = True
     kn.tiled_from, kn.coopmat, kn.split_attention = 64, False, False
-    got = {n: eng.step_rows(n) for n in (1, 8, 9, 16, 17, 49, 63, 64, 65, 128, 129, 200, 256)}
-    assert got == {1: 1, 8: 8, 9: 16, 16: 16, 17: 32, 49: 63, 63: 63, 64: 64, 65: 80, 128: 128, 129: 192,
-                   200: 256, 256: 256}
+    got = {n: eng.step_rows(n) for n in (1, 8, 9, 16, 17, 49, 57, 63, 64, 65, 128, 129, 200, 256)}
+    assert got == {1: 1, 8: 8, 9: 16, 16: 16, 17: 24, 49: 56, 57: 63, 63: 63, 64: 64, 65: 80, 128: 128,
+                   129: 192, 200: 256, 256: 256}
     # nor across attention's switches: cooperative matrices from 16 rows, split
     # decode attention up to max_out rows
     kn.coopmat, kn.attention_mc, kn.split_attention = True, True, True
-    assert [eng.step_rows(n) for n in (9, 15, 16, 17)] == [15, 15, 16, 32]
+    assert [eng.step_rows(n) for n in (9, 15, 16, 17)] == [15, 15, 16, 24]
     _, wide = _engine(device, tiny_models["q8_0"]["gguf"], max_batch=256, max_out=12)
+    wide.pad_steps = True
     wide.kernels.tiled_from, wide.kernels.coopmat, wide.kernels.split_attention = 64, False, True
     assert [wide.step_rows(n) for n in (9, 12, 13)] == [12, 12, 16]
     kn.tiled_from, kn.coopmat, kn.split_attention = None, False, False
-    assert eng.step_rows(49) == 64 and eng.step_rows(250) == 256
+    assert eng.step_rows(49) == 56 and eng.step_rows(250) == 256
     eng.pad_steps = False
     assert eng.step_rows(49) == 49
 
@@ -194,7 +198,7 @@ def test_step_buckets_pad_rows_change_nothing(device, tiny_models):
     path = tiny_models["q8_0"]["gguf"]
     m, padded = _engine(device, path)
     _, exact = _engine(device, path)
-    exact.pad_steps = False
+    padded.pad_steps, exact.pad_steps = True, False   # (lavapipe keeps exact steps by default)
     ids = m.tokenizer.encode(PROMPT)
     other = m.tokenizer.encode("Once upon a time there was a")
     n = len(ids)

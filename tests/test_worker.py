@@ -305,6 +305,7 @@ def test_prepared_steps_cover_a_servers_prompt_steps(device, tiny_model, ref_eng
     cfg = CONFIGS["batch"]
     eng = Engine(tiny_model, device, EngineConfig(n_slots=cfg.n_slots, n_ctx=CTX, max_batch=cfg.step_tokens,
                                                   max_out=cfg.n_slots))
+    eng.pad_steps = True   # (GPUs only by default: lavapipe keeps exact steps)
     assert eng.prepare_decode(cfg.n_slots, cfg.step_tokens) > 0
     w = Worker(eng, cfg)
     reqs = [GenRequest(tok.encode(SYSTEM[:40 + 23 * i] + TEXTS[i]), 12, ignore_eos=True) for i in range(4)]

@@ -100,8 +100,11 @@ class Engine:
         self._programs: OrderedDict[tuple, object] = OrderedDict()
         # pad rows (step_rows) need a sequence's rows to depend on nothing past
         # its positions: true of attention, not of a recurrent state, which
-        # every row of a slot advances (hybrid models keep exact steps)
-        self.pad_steps = make_state is None and os.environ.get("VKENGINE_STEP_BUCKETS", "1") != "0"
+        # every row of a slot advances (hybrid models keep exact steps). GPUs
+        # only: on lavapipe a step's time grows with its rows (a 16-row prompt
+        # step of SmolLM2 takes about a second) and a recording is small beside it
+        self.pad_steps = (make_state is None and device.info.type != "cpu"
+                          and os.environ.get("VKENGINE_STEP_BUCKETS", "1") != "0")
         self._inflight: deque[_Submitted] = deque()   # oldest first
 
     def _check_memory(self, scratch_bytes: int) -> None:
@@ -167,8 +170,8 @@ class Engine:
             self._programs.popitem(last=False)
         return prog
 
-    # Steps of more than STEP_EXACT rows run as a bucket of rows (step_rows), the
-    # difference made up by pad rows, so that a server meets a few step shapes
+    # Steps of more than STEP_EXACT rows run as a bucket of rows (step_rows) on
+    # GPUs, the difference made up by pad rows, so that a server meets a few step shapes
     # instead of one per prompt length and chunk mix: recording a step costs
     # milliseconds of host time (SmolLM2's 30 layers: ~15 ms on a 2-core
     # machine), during which every stream waits (H200, 1B Q8_0 server at C = 4:
@@ -177,7 +180,9 @@ class Engine:
 
     def step_rows(self, n: int) -> int:
         """The rows a step of n tokens runs: n up to STEP_EXACT, else n rounded
-        up to 16 (to 64 past 128 rows), at most max_batch, and never across a row
+        up to 8 up to 64 rows (the matvec variants take 8 columns a workgroup, so
+        no workgroup is added), to 16 up to 128, to 64 beyond (whole tiles of the
+        tiled matmuls), at most max_batch, and never across a row
         count where the step's kernels change (Kernels.step_thresholds: the
         tiled matmuls, attention on cooperative matrices, split decode
         attention). Which kernel sums a row, and in what order, is then the same
@@ -186,7 +191,7 @@ class Engine:
         whose boundaries are multiples of 64), so a row's result does not change."""
         if n <= self.STEP_EXACT or not self.pad_steps:
             return n
-        q = 16 if n <= 128 else 64
+        q = 8 if n <= 64 else 16 if n <= 128 else 64
         b = min(-(-n // q) * q, self.max_batch)
         for t in self.kernels.step_thresholds(self.max_out):
             if n < t <= b:
