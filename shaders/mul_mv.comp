@@ -1,6 +1,7 @@
 #version 450
 #ifdef XQ8
 #extension GL_EXT_integer_dot_product : require
+#extension GL_KHR_shader_subgroup_clustered : require
 #endif
 // y[c][row] (+)= sum_k W[row][k] * x[c][k] for columns c < N.
 // RPS weight rows per subgroup; its lanes walk the rows' units (8 or 16
@@ -41,6 +42,13 @@ layout(binding = 3) readonly restrict buffer NW { vec4 nw4[]; };   // NORM's wei
 layout(binding = 4) readonly restrict buffer RopeT { float rtable[]; };   // ROPE's cos/sin table
 layout(binding = 5) readonly restrict buffer RParams { uint rparams[]; };  // ROPE: positions and slots
 layout(binding = 6) writeonly restrict buffer RKv { uint rkv[]; };        // ROPE: the KV cache
+#ifdef XQ8
+// NORM with flags & 16: h's rows also as 8-bit blocks (q8.glsl), from word 0:
+// N * M / 4 words of int8, then N * M / 32 scales; the next matvec reads them
+// instead of quantizing h itself (Program.q8_copies)
+layout(binding = 8) writeonly restrict buffer HQ { uint hq[]; };
+layout(binding = 8) writeonly restrict buffer HQD { float hqd[]; };
+#endif
 #else
 #define NORM_CODE 0
 layout(binding = 2) buffer Y { float act[]; };
@@ -61,7 +69,8 @@ layout(push_constant) uniform P {
     uint y_off, y_stride;   // floats
     uint flags;             // 1: add into y (fused residual); split-K variants:
                             // 2 gated linear unit (GLU below), 4 RMSNorm of y (NORM below),
-                            // 8 RoPE and KV-cache write instead of y (ROPE below)
+                            // 8 RoPE and KV-cache write instead of y (ROPE below),
+                            // 16 (XQ8, with 4) h also as 8-bit blocks (binding 8)
     uint h_off, h_stride;   // NORM: output rows (floats; multiples of 4)
     uint nw_off, sync_off;  // NORM: weight (vec4 binding 3, floats), counter (words of y's buffer)
     float eps;
@@ -77,6 +86,9 @@ layout(push_constant) uniform P {
 } p;
 
 #include "quant.glsl"
+#ifdef XQ8
+#include "q8.glsl"
+#endif
 
 #ifndef BFLY
 #define BFLY 0
@@ -379,7 +391,19 @@ void main() {
                         }
                         [[unroll]] for (uint k = 0; k < 4u; k++) {
                             uint i = i0 + k * S;
-                            if (i < n4) yv4[hb + i] = v[k] * scale[c] * w[k];
+                            if (i < n4) {
+                                vec4 hv = v[k] * scale[c] * w[k];
+                                yv4[hb + i] = hv;
+#ifdef XQ8
+                                // a block is 8 vec4 of consecutive lanes (n4 and
+                                // the workgroup a multiple of 8)
+                                if ((p.flags & 16u) != 0u) {
+                                    float d = q8_scale(subgroupClusteredMax(q8_amax4(hv), 8u));
+                                    hq[(c0 + c) * n4 + i] = q8_pack(hv, q8_inv(d));
+                                    if ((i & 7u) == 0u) hqd[p.N * n4 + (c0 + c) * (n4 / 8u) + i / 8u] = d;
+                                }
+#endif
+                            }
                         }
                     }
                 }

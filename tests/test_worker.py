@@ -50,10 +50,13 @@ def alone(eng, prompt, n, sp):
     return [s.token for s in steps], "".join(s.text for s in steps)
 
 
-def run_interleaved(device, model, cfg, reqs, gap=3):
-    """Submit one request every `gap` steps; returns (tokens, text, job) per request."""
+def run_interleaved(device, model, cfg, reqs, gap=3, setup=None):
+    """Submit one request every `gap` steps; returns (tokens, text, job) per request.
+    setup(engine) adjusts the engine first (e.g. its kernels)."""
     eng = Engine(model, device, EngineConfig(n_slots=cfg.n_slots, n_ctx=CTX, max_batch=cfg.step_tokens,
                                              max_out=cfg.n_slots))
+    if setup is not None:
+        setup(eng)
     w = Worker(eng, cfg)
     events: list[list[Event]] = [[] for _ in reqs]
     jobs = []
@@ -87,6 +90,27 @@ def test_interleaved_equals_alone(device, tiny_model, ref_engine, mode, sampling
     if sampling == "greedy":     # greedy decode steps ran chained (submitted before the previous one was read)
         assert w.chained_steps > 0
     print(f"{mode}/{sampling}: {w.chained_steps} chained steps")
+
+
+def _gpu_xq8(eng):
+    """The GPUs' decode path with the XQ8 matvecs, on whatever device runs the tests."""
+    eng.kernels.split_k, eng.kernels.multi_column_from, eng.kernels.xq8 = True, 2, True
+
+
+def test_xq8_interleaved_equals_alone(device, tiny_model):
+    """With the XQ8 matvecs (decode steps read the 8-bit blocks that the fused
+    RMSNorm writes beside h; steps of more rows quantize h with quantize_q8),
+    four sequences interleaved give the tokens each gives alone on the same
+    kernels: both ways of rounding h give the same blocks."""
+    tok = tiny_model.tokenizer
+    ref = Engine(tiny_model, device, EngineConfig(n_slots=1, n_ctx=CTX, max_batch=64, max_out=1))
+    _gpu_xq8(ref)
+    reqs = [GenRequest(tok.encode(t), n, ignore_eos=True) for t, n in zip(TEXTS, N_TOKENS)]
+    got, w = run_interleaved(device, tiny_model, CONFIGS["batch"], reqs, setup=_gpu_xq8)
+    for r, (toks, text, job) in zip(reqs, got):
+        assert toks == alone(ref, r.prompt, r.max_tokens, r.sampling)[0]
+    labels = [op.label for prog in w.eng._programs.values() for op in prog.ops]
+    assert "quantize_q8" in labels and any(lb.endswith("+rms_norm") for lb in labels)
 
 
 @pytest.mark.parametrize("mode", ["slices-q4", "batch"])

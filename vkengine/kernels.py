@@ -191,6 +191,7 @@ class Kernels:
         self.xq8 = (self.split_k and "shaderIntegerDotProduct" in getattr(device, "features", ())
                     and os.environ.get("VKENGINE_XQ8", "0") == "1")
         self._xq: list[Buffer] = []   # x's 8-bit blocks (the last is the largest)
+        self._xqc: list[Buffer] = []  # those the fused RMSNorm writes beside h
         # for which matrices (tests widen both to every type and size it takes)
         # (VKENGINE_MC2_FROM_ROWS=<rows> moves the threshold, to measure a rule)
         self.mc2_types = MC2_ENGINE_TYPES
@@ -305,7 +306,11 @@ class Kernels:
         if self.tiled(w, n):   # (no epilogues there: fuses_glu/norm/rope exclude tiled steps)
             self._mul_tiled(prog, w, x, x_stride, y, y_stride, n, accumulate, act, label)
             return
+        xq8 = self.split_k and self.xq8 and w.type in XQ8_TYPES
+        # XQ8 with the fused RMSNorm: h also as 8-bit blocks for the next matvec
+        h_q8 = xq8 and norm is not None and w.rows % 32 == 0
         flags = int(accumulate) | (2 if glu else 0) | (4 if norm is not None else 0) | (8 if rope is not None else 0)
+        flags |= 16 if h_q8 else 0
         push = struct.pack("<10I", w.data.off, w.scales.off if w.scales else 0, w.cols, w.rows, n,
                            x.off, x_stride, y.off, y_stride, flags)
         if norm is None:
@@ -344,17 +349,31 @@ class Kernels:
             # KV cache (any buffer when unused)
             bufs.append(norm.weight.buf if norm is not None else w.data.buf)
             bufs += [rope.table.buf, rope.params, rope.k_cache.buf] if rope is not None else [w.data.buf] * 3
-            if self.xq8 and w.type in XQ8_TYPES:   # binding 7: x as 8-bit blocks
-                qbuf = self._scratch(self._xq, n * (w.cols // 4 + w.cols // 32), "xq")
-                reads.append(self.quantize_q8(prog, x, x_stride, w.cols, n, qbuf))
+            if xq8:   # binding 7: x as 8-bit blocks, written beside x by its producer or quantized here
+                key = (x.buf.id, x.off, x_stride, n, w.cols)
+                if key in prog.q8_copies:
+                    qbuf, _, (_, q0, q1) = prog.q8_copies[key]
+                    reads.append((qbuf, q0, q1))
+                else:
+                    qbuf = self._scratch(self._xq, n * (w.cols // 4 + w.cols // 32), "xq")
+                    reads.append(self.quantize_q8(prog, x, x_stride, w.cols, n, qbuf))
                 variant = variant.replace(f"_{w.type}", f"x_{w.type}")
                 push += struct.pack("<2I", 0, n * w.cols // 4)
                 bufs.append(qbuf)
+                if ncols <= self.NORM_MAX_ROWS:   # binding 8 (the variants with the fused RMSNorm): h's blocks
+                    hbuf = self._scratch(self._xqc, n * (w.rows // 4 + w.rows // 32), "xqc") if h_q8 else qbuf
+                    bufs.append(hbuf)
+                    if h_q8:
+                        writes.append((hbuf, 0, n * (w.rows // 4 + w.rows // 32) * 4))
         alg = self._alg(variant, bufs, push, self.wg, rows_per_wg)
         # glu: a workgroup takes rows_per_wg / 2 gate rows and the same up rows
         row_groups = math.ceil(w.rows // 2 / (rows_per_wg // 2)) if glu else math.ceil(w.rows / rows_per_wg)
         groups = self._grid(row_groups, math.ceil(n / ncols))
         prog.dispatch(alg, push, groups, reads, writes, label or variant)
+        if h_q8:   # after the dispatch's own tracking: later writes to h or its blocks drop the entry
+            hr = _rows_range(norm.h, n, norm.h_stride, w.rows)
+            prog.q8_copies[(norm.h.buf.id, norm.h.off, norm.h_stride, n, w.rows)] = (
+                hbuf, (hr[0].id, hr[1], hr[2]), (hbuf.id, 0, n * (w.rows // 4 + w.rows // 32) * 4))
 
     def _mul_tiled(self, prog: Program, w: Matrix, x: Region, x_stride: int, y: Region, y_stride: int, n: int,
                    accumulate: bool, act: Buffer, label: str) -> None:
@@ -454,9 +473,10 @@ class Kernels:
         its widest token tile, 256) and the XQ8 matvecs' 8-bit x, where this
         device runs them."""
         total = 0
-        if self.xq8:   # x as 8-bit blocks for the matvec steps (below the tiled threshold)
+        if self.xq8:   # x as 8-bit blocks for the matvec steps (below the tiled threshold), and
+            # the fused RMSNorm's blocks of h (up to NORM_MAX_ROWS rows)
             rows = max_rows if self.tiled_from is None else min(max_rows, self.tiled_from - 1)
-            total += rows * (max_cols // 4 + max_cols // 32) * 4
+            total += (rows + self.NORM_MAX_ROWS) * (max_cols // 4 + max_cols // 32) * 4
         if self.tiled_from is None or max_rows < self.tiled_from:
             return total
         total += self.SPLIT_K_SCRATCH if self.split_k_wgs > 0 else 0
