@@ -308,7 +308,7 @@ class Kernels:
             return
         xq8 = self.split_k and self.xq8 and w.type in XQ8_TYPES
         # XQ8 with the fused RMSNorm: h also as 8-bit blocks for the next matvec
-        h_q8 = xq8 and norm is not None and w.rows % 32 == 0
+        h_q8 = xq8 and norm is not None and w.rows % 32 == 0 and self.wg % 8 == 0   # (blocks: 8 lanes)
         flags = int(accumulate) | (2 if glu else 0) | (4 if norm is not None else 0) | (8 if rope is not None else 0)
         flags |= 16 if h_q8 else 0
         push = struct.pack("<10I", w.data.off, w.scales.off if w.scales else 0, w.cols, w.rows, n,
