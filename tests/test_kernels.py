@@ -282,6 +282,17 @@ def _split_k_rows(device, kernels, wt: str, n: int, reduce: str) -> int:
     return 2 if kernels.bfly and mv_gpu_config(wt, ncols)[0] * ncols > device.info.subgroup_size else n
 
 
+def _assert_columns_equal_single(device, kernels, ws, mat, xr, K, got, rows, n, **kw):
+    """Each of the n columns of a batched mul_mat (got[c][:rows]) is bit for
+    bit what the matvec gives that column's x alone."""
+    for c in range(n):
+        one = ws.act_region(rows)
+        prog = device.program()
+        kernels.mul_mat(prog, mat, xr.at(c * K, K), K, one, rows, 1, **kw)
+        prog.run()
+        np.testing.assert_array_equal(got[c][:rows], ws.read(one), err_msg=f"column {c} of {n}")
+
+
 @pytest.mark.parametrize("reduce", ["subgroupAdd", "butterfly"])
 @pytest.mark.parametrize("wt", ["f32", "f16", "q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q6_k"])
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 8, 13])
@@ -303,12 +314,7 @@ def test_mul_mat_columns_equal_single_rows(device, column_kernels, ws, rng, wt, 
     prog.run()
     got = ws.read(yr).reshape(n, M)
     _close(got, x.astype(np.float64) @ w.T.astype(np.float64), atol_scale=1e-5 * np.sqrt(K))
-    for c in range(n):
-        one = ws.act_region(M)
-        prog = device.program()
-        column_kernels.mul_mat(prog, mat, xr.at(c * K, K), K, one, M, 1)
-        prog.run()
-        np.testing.assert_array_equal(got[c], ws.read(one), err_msg=f"column {c} of {n}")
+    _assert_columns_equal_single(device, column_kernels, ws, mat, xr, K, got, M, n)
 
 
 @pytest.fixture(scope="module")
@@ -368,15 +374,8 @@ def test_mul_mat_xq8(device, xq8_kernels, ws, rng, n, reduce):
     step = np.repeat(d, 32, axis=1).astype(np.float64)          # each value's quantization step
     bound = 1.5 * step @ np.abs(w).T.astype(np.float64) + 1e-5 * np.sqrt(K)
     assert (np.abs(got - x.astype(np.float64) @ w.T.astype(np.float64)) <= bound).all()
-    xq, _ = ref.quantize_q8(x)
-    _close(got, (xq * np.repeat(d, 32, axis=1)).astype(np.float64) @ w.T.astype(np.float64), rtol=1e-3,
-           atol_scale=1e-3)
-    for c in range(n):
-        one = ws.act_region(M)
-        prog = device.program()
-        kn.mul_mat(prog, mat, xr.at(c * K, K), K, one, M, 1)
-        prog.run()
-        np.testing.assert_array_equal(got[c], ws.read(one), err_msg=f"column {c} of {n}")
+    _close(got, ref.dequantize_q8(x).astype(np.float64) @ w.T.astype(np.float64), rtol=1e-3, atol_scale=1e-3)
+    _assert_columns_equal_single(device, kn, ws, mat, xr, K, got, M, n)
 
 
 @pytest.mark.parametrize("reduce", ["subgroupAdd", "butterfly"])
@@ -401,12 +400,7 @@ def test_mul_mat_glu(device, column_kernels, ws, rng, wt, n, reduce):
     assert np.isnan(out[:, F:]).all(), "wrote outside its rows"
     gu = x.astype(np.float64) @ w.T.astype(np.float64)
     _close(out[:, :F], ref.silu(gu[:, :F]) * gu[:, F:], atol_scale=1e-5 * np.sqrt(K))
-    for c in range(n):
-        one = ws.act_region(F)
-        prog = device.program()
-        column_kernels.mul_mat(prog, mat, xr.at(c * K, K), K, one, F, 1, glu=True)
-        prog.run()
-        np.testing.assert_array_equal(out[c, :F], ws.read(one), err_msg=f"column {c} of {n}")
+    _assert_columns_equal_single(device, column_kernels, ws, mat, xr, K, out, F, n, glu=True)
 
 
 @pytest.mark.parametrize("reduce", ["subgroupAdd", "butterfly"])
