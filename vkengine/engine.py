@@ -122,8 +122,8 @@ class Engine:
         if getattr(a, "rec_layers", None):
             kv += 4 * cfg.n_slots * len(a.rec_layers) * ((a.conv_kernel - 1) * a.conv_dim + a.nv * a.dv * a.dk)
         # the matmuls' own scratch (split K's partial sums, mul_mc2's halves of x)
-        max_cols = max((mf.tensor_info(n)[1][-1] for n in mf.tensor_names() if len(mf.tensor_info(n)[1]) == 2),
-                       default=0)
+        shapes = [mf.tensor_info(n)[1] for n in mf.tensor_names()]
+        max_cols = max((s[-1] for s in shapes if len(s) == 2), default=0)
         scratch_bytes += self.kernels.scratch_bytes_bound(self.max_batch, max_cols)
         budget = dev.memory_bytes
         need = weights + kv + scratch_bytes

@@ -110,6 +110,12 @@ def _rows_range(r: Region, n_rows: int, stride: int, width: int) -> tuple[Buffer
     return (r.buf, r.off * 4, (r.off + (n_rows - 1) * stride + width) * 4)
 
 
+def q8_words(n: int, cols: int) -> int:
+    """Words of n rows of `cols` values as 8-bit blocks (quantize_q8.comp): the
+    int8 values, 4 a word, then a float scale per 32."""
+    return n * (cols // 4 + cols // 32)
+
+
 # Split K of small tiled matmuls (Kernels.split_k_parts): the workgroups a
 # matmul's grid should reach, and the fewest K columns a part takes.
 SPLIT_K_WGS = 256
@@ -355,16 +361,16 @@ class Kernels:
                     qbuf, _, (_, q0, q1) = prog.q8_copies[key]
                     reads.append((qbuf, q0, q1))
                 else:
-                    qbuf = self._scratch(self._xq, n * (w.cols // 4 + w.cols // 32), "xq")
+                    qbuf = self._scratch(self._xq, q8_words(n, w.cols), "xq")
                     reads.append(self.quantize_q8(prog, x, x_stride, w.cols, n, qbuf))
                 variant = variant.replace(f"_{w.type}", f"x_{w.type}")
                 push += struct.pack("<2I", 0, n * w.cols // 4)
                 bufs.append(qbuf)
                 if ncols <= self.NORM_MAX_ROWS:   # binding 8 (the variants with the fused RMSNorm): h's blocks
-                    hbuf = self._scratch(self._xqc, n * (w.rows // 4 + w.rows // 32), "xqc") if h_q8 else qbuf
+                    hbuf = self._scratch(self._xqc, q8_words(n, w.rows), "xqc") if h_q8 else qbuf
                     bufs.append(hbuf)
                     if h_q8:
-                        writes.append((hbuf, 0, n * (w.rows // 4 + w.rows // 32) * 4))
+                        writes.append((hbuf, 0, q8_words(n, w.rows) * 4))
         alg = self._alg(variant, bufs, push, self.wg, rows_per_wg)
         # glu: a workgroup takes rows_per_wg / 2 gate rows and the same up rows
         row_groups = math.ceil(w.rows // 2 / (rows_per_wg // 2)) if glu else math.ceil(w.rows / rows_per_wg)
@@ -373,7 +379,7 @@ class Kernels:
         if h_q8:   # after the dispatch's own tracking: later writes to h or its blocks drop the entry
             hr = _rows_range(norm.h, n, norm.h_stride, w.rows)
             prog.q8_copies[(norm.h.buf.id, norm.h.off, norm.h_stride, n, w.rows)] = (
-                hbuf, (hr[0].id, hr[1], hr[2]), (hbuf.id, 0, n * (w.rows // 4 + w.rows // 32) * 4))
+                hbuf, (hr[0].id, hr[1], hr[2]), (hbuf.id, 0, q8_words(n, w.rows) * 4))
 
     def _mul_tiled(self, prog: Program, w: Matrix, x: Region, x_stride: int, y: Region, y_stride: int, n: int,
                    accumulate: bool, act: Buffer, label: str) -> None:
@@ -476,7 +482,7 @@ class Kernels:
         if self.xq8:   # x as 8-bit blocks for the matvec steps (below the tiled threshold), and
             # the fused RMSNorm's blocks of h (up to NORM_MAX_ROWS rows)
             rows = max_rows if self.tiled_from is None else min(max_rows, self.tiled_from - 1)
-            total += (rows + self.NORM_MAX_ROWS) * (max_cols // 4 + max_cols // 32) * 4
+            total += q8_words(rows + self.NORM_MAX_ROWS, max_cols) * 4
         if self.tiled_from is None or max_rows < self.tiled_from:
             return total
         total += self.SPLIT_K_SCRATCH if self.split_k_wgs > 0 else 0
@@ -486,7 +492,7 @@ class Kernels:
 
     def _scratch(self, bufs: list[Buffer], words: int, name: str) -> Buffer:
         """The last of `bufs` (mul_mc2's halves of x: self._x16; split K's
-        partial sums: self._parts), or a new device buffer of at least `words`
+        partial sums: self._parts; XQ8's 8-bit x: self._xq, self._xqc), or a new device buffer of at least `words`
         words appended to them where it is smaller. Recorded programs keep the
         buffers they were recorded with, so a larger one is added rather than
         swapped in."""
@@ -503,7 +509,7 @@ class Kernels:
             raise ValueError("quantize_q8 needs 32-value blocks and 16-byte aligned rows")
         push = struct.pack("<6I", x.off, x_stride, cols, n, 0, n * cols // 4)
         alg = self._alg("quantize_q8", [x.buf, out], push, self.ew_wg, 1)
-        qr = (out, 0, n * (cols // 4 + cols // 32) * 4)
+        qr = (out, 0, q8_words(n, cols) * 4)
         prog.dispatch(alg, push, self._grid(math.ceil(n * cols // 32 / self.ew_wg)),
                       [_rows_range(x, n, x_stride, cols)], [qr], "quantize_q8")
         return qr
