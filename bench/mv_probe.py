@@ -16,7 +16,10 @@ Kernels (mul_mv.comp, KSPLIT = 1, workgroup 128, butterfly reduction):
           instruction), lanes taking 8, 16 or 32 values at a time (reported as
           "unroll"); checked against x so quantized, and its distance from
           the float x's result reported as qerr
---rows also replaces base's rows per workgroup (the engine's otherwise).
+  xq8     the engine's XQ8 variant of mul_mv.comp (Q8_0 only; Kernels.xq8):
+          mvq's x blocks and arithmetic inside the engine's kernel
+--rows and --unroll also replace base's rows per workgroup and units in
+flight (the engine's otherwise).
 A third kind, Q4 rows stored in tiles so that a lane loads 16 bytes (4 units)
 at once, measured within noise of "hoist" (H200, 2026-11-30 21:20) and was
 not kept; so was x read as halves (half the bytes of every x load: within
@@ -47,28 +50,33 @@ SHAPES = {"q4_0": ["28672x4096", "4096x14336", "6144x4096", "16384x2048", "2048x
 # mvq: values a lane takes at a time (a quarter, half or whole block), in the
 # "unroll" slot of a configuration
 MVQ_VALS = (8, 16, 32)
-KINDS = {"base": {}, "magic": {"DQ_MAGIC": 1}, "hoist": {"DQ_MAGIC": 1, "HOIST": 1}, "mvq": {}}
+KINDS = {"base": {}, "magic": {"DQ_MAGIC": 1}, "hoist": {"DQ_MAGIC": 1, "HOIST": 1}, "mvq": {}, "xq8": {"XQ8": 1}}
+# kinds that read x as 8-bit blocks (quantized here, on the host)
+XQ_KINDS = ("mvq", "xq8")
 PUSH_BYTES = 116   # mul_mv.comp's push constants (the fused norm's and RoPE's unused here)
 
 
-def configs(wt: str, cols: list[int], rows: list[int] | None = None, kinds: list[str] | None = None):
+def configs(wt: str, cols: list[int], rows: list[int] | None = None, kinds: list[str] | None = None,
+            unrolls: list[int] | None = None):
     """(kind, columns, rows per workgroup, units in flight) to probe; rows
-    replaces the default rows per workgroup (2, 4, 8 for one column, 2, 4 else)."""
+    replaces the default rows per workgroup (2, 4, 8 for one column, 2, 4 else),
+    unrolls base's units in flight."""
     for kind, extra in KINDS.items():
         if kinds and kind not in kinds:
             continue
         if "DQ_MAGIC" in extra and "HOIST" not in extra and wt not in ("q4_0", "q4_1"):
             continue
-        if kind == "mvq" and wt != "q8_0":
+        if kind in XQ_KINDS and wt != "q8_0":
             continue
         for nc in cols:
             if kind == "base":
                 rps, un, _extra = mv_gpu_config(wt, nc)
                 for r in rows or (rps,):
-                    yield kind, nc, r, un
+                    for u in unrolls or (un,):
+                        yield kind, nc, r, u
                 continue
             for rps in rows or ((2, 4, 8) if nc == 1 else (2, 4)):
-                for un in (MVQ_VALS if kind == "mvq" else (1, 2)):
+                for un in (MVQ_VALS if kind == "mvq" else (1,) if kind in XQ_KINDS else (1, 2)):
                     yield kind, nc, rps, un
 
 
@@ -80,6 +88,9 @@ def variant(wt: str, kind: str, nc: int, rps: int, un: int) -> str:
         return name
     name = f"probe_mv_{wt}_{kind}_c{nc}_r{rps}_u{un}"
     extra = mv_gpu_config(wt, nc)[2] if kind == "base" else KINDS[kind]
+    if kind in XQ_KINDS:
+        from shaders.variants import EXT_DEFINE
+        extra = {**extra, EXT_DEFINE: 1}
     # the butterfly reduction needs a lane per sum (32-lane subgroups)
     VARIANTS.setdefault(name, ("mul_mv.comp", {f"WT_{wt.upper()}": 1, "NCOLS": nc, "UNROLL": un, "RPS": rps,
                                                "KSPLIT": 1, "BFLY": int(rps * nc <= 32), **extra}))
@@ -181,13 +192,15 @@ def main() -> int:
     ap.add_argument("--stream-mb", type=int, default=256, help="weight copies cycled through")
     ap.add_argument("--rows", type=lambda s: [int(x) for x in s.split(",")], default=None,
                     help="rows per workgroup to try (default 2,4,8 for one column, 2,4 for more)")
+    ap.add_argument("--unroll", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                    help="units in flight per lane to try for base (default: the engine's)")
     ap.add_argument("--kinds", type=lambda s: s.split(","), default=None, help=f"of {','.join(KINDS)}")
     ap.add_argument("--wg", type=lambda s: [int(x) for x in s.split(",")], default=[128],
                     help="workgroup sizes (the engine's: 4 subgroups)")
     args = parse_probe_args(ap, SHAPES)
     types = args.types
     from vkengine import shaders
-    names = sorted({variant(wt, *c) for wt in types for c in configs(wt, args.cols, args.rows, args.kinds)})
+    names = sorted({variant(wt, *c) for wt in types for c in configs(wt, args.cols, args.rows, args.kinds, args.unroll)})
     if args.compile_only:
         compile_probes(names)
         return 0
@@ -206,7 +219,7 @@ def main() -> int:
         wref = dequantize(wt, raw[:check], check, K).astype(np.float64).T
         ref = x.reshape(n, K).astype(np.float64) @ wref
         xq = None
-        if any(c[0] == "mvq" for c in configs(wt, args.cols, args.rows, args.kinds)):
+        if any(c[0] in XQ_KINDS for c in configs(wt, args.cols, args.rows, args.kinds, args.unroll)):
             q, d, xback = quantize_x(x.reshape(n, K))
             ref_q = xback.astype(np.float64) @ wref
             xq = dev.buffer(q.nbytes + d.nbytes + 64, "device", "xq")
@@ -218,15 +231,18 @@ def main() -> int:
         progs, bufs = [], []
         for _ in range(copies):
             bufs.append(weight_buffer(dev, data, scales, dw, sw))
-        for (kind, nc, rps, un), wg in ((c, wg) for c in configs(wt, args.cols, args.rows, args.kinds)
+        for (kind, nc, rps, un), wg in ((c, wg) for c in configs(wt, args.cols, args.rows, args.kinds, args.unroll)
                                          for wg in args.wg):
             name = variant(wt, kind, nc, rps, un)
             spv = shaders.spirv(name)
-            mvq = kind == "mvq"
-            if mvq:
+            mvq = kind in XQ_KINDS
+            if kind == "mvq":
                 if wg != 128:
                     continue
                 algs = [dev.algorithm(name, spv, [b, xq, act], (), 36) for b in bufs]
+            elif mvq:   # bindings 7 and 8: x's blocks (8 unused)
+                algs = [dev.algorithm(name, spv, [b, act, act, b, b, b, b, xq, xq], (wg, rps), PUSH_BYTES + 8)
+                        for b in bufs]
             else:
                 # bindings 3-6 (the fused norm's and RoPE's) unused: any buffer
                 algs = [dev.algorithm(name, spv, [b, act, act, b, b, b, b], (wg, rps), PUSH_BYTES) for b in bufs]
@@ -234,11 +250,13 @@ def main() -> int:
             for r in range(args.reps):
                 prog.barrier()
                 yoff = n * K + r * n * M
-                if mvq:
+                if kind == "mvq":
                     push = struct.pack("<9I", 0, dw, K, M, nc, 0, n * K // 4, yoff, M)
                 else:
                     push = struct.pack("<10I4If", 0, dw, K, M, nc, 0, K, yoff, M, 0, 0, 0, 0, 0, 0.0)
                     push += bytes(PUSH_BYTES - len(push))
+                    if mvq:   # xq_off, xd_off
+                        push += struct.pack("<2I", 0, n * K // 4)
                 prog.dispatch(algs[r % copies], push, (math.ceil(M / rps), 1, 1), [],
                               [(act, yoff * 4, (yoff + nc * M) * 4)], "mv")
             prog.run()
@@ -247,7 +265,7 @@ def main() -> int:
             err = float(np.abs(y[:, :check] - want[:nc]).max() / max(1.0, np.abs(want).max()))
             if mvq:
                 qerr = float(np.abs(y[:, :check] - ref[:nc]).max() / max(1.0, np.abs(ref).max()))
-                print(f"{wt} {shape} mvq cols {nc} rps {rps}: x quantization moves y by {qerr:.1e} (relative)")
+                print(f"{wt} {shape} {kind} cols {nc} rps {rps}: x quantization moves y by {qerr:.1e} (relative)")
             progs.append(((kind, nc, rps, un, wg), prog, algs, err, []))
         for _ in range(args.runs):
             for _cfg, prog, _algs, _err, times in progs:

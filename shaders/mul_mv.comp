@@ -56,11 +56,22 @@ layout(binding = 2) buffer Y { float act[]; };
 #ifdef XQ8
 // XQ8 (Q8_0 weights, split-K variants; Kernels.xq8): x comes as 8-bit blocks
 // (quantize_q8.comp: per column, K / 4 words of int8 from word xq_off, then
-// K / 32 block scales from xd_off) and each unit's 8 weights meet a column's 8
-// values in two integer dot products; the block scales multiply the sum
-layout(binding = 7) readonly restrict buffer XQ { uvec2 xq2[]; };
+// K / 32 block scales from xd_off) and a lane's 16 weights of a row meet a
+// column's 16 values in four integer dot products; the block scales multiply
+// the sum. Measured on the H200 (2026-12-01, run 16): slower than the float
+// kernel at 1 and 4 columns, so opt-in
+layout(binding = 7) readonly restrict buffer XQ4 { uvec4 xq4[]; };
 layout(binding = 7) readonly restrict buffer XQD { float xqd[]; };
 #endif
+// XFIRST (the GPU variants): every column's x loads of a unit are issued
+// before its first product (columns past N read column N - 1; their sums are
+// never stored), instead of one column at a time behind a branch on N. The
+// sums are the same, in the same order. H200 (run 16): 4-column matvecs 3-13%
+// faster, the 1B's 4-row decode step 1.52 -> 1.39 ms
+#ifndef XFIRST
+#define XFIRST 0
+#endif
+#define XCOL(c) min(col0 + (c), p.N - 1u)
 
 layout(push_constant) uniform P {
     uint w_off, w_off2;     // weight words / scale words
@@ -142,31 +153,28 @@ void rope_store(uint row, uint col, float s, float s2) {
 
 // one unit (index u) of each of the RPS rows, times every column
 void accum_unit(Raw r[RPS], uint u, uint col0, uint ncols, inout float acc[RPS][NCOLS]) {
-#if defined(XQ8) && defined(WT_Q8_0)
-    float dw[RPS];
-    [[unroll]] for (uint rr = 0; rr < RPS; rr++) dw[rr] = half_sel(r[rr].e.x, r[rr].e.y);
-    uint kq = p.K / 8u, nb = p.K / 32u;
-    [[unroll]] for (uint c = 0; c < NCOLS; c++) {
-        if (c >= ncols) continue;
-        uint col = col0 + c;
-        uvec2 xv = xq2[p.xq_off / 2u + col * kq + u];
-        float dx = xqd[p.xd_off + col * nb + (u >> 2)];
-        [[unroll]] for (uint rr = 0; rr < RPS; rr++) {
-            int s = dotPacked4x8EXT(int(r[rr].q.x), int(xv.x)) + dotPacked4x8EXT(int(r[rr].q.y), int(xv.y));
-            acc[rr][c] += float(s) * (dw[rr] * dx);
-        }
-    }
-#elif defined(HOIST) && defined(UNIT_SCALED)
+#if defined(HOIST) && defined(UNIT_SCALED)
     // the block scale once per unit and column instead of once per value
     vec4 v[RPS][UNIT_GROUPS];
     vec2 dm[RPS];
     uint xo[UNIT_GROUPS];
     [[unroll]] for (uint rr = 0; rr < RPS; rr++) unit_decode_s(r[rr], u, v[rr], xo, dm[rr]);
+#if XFIRST
+    vec4 xa[NCOLS][UNIT_GROUPS];
     [[unroll]] for (uint c = 0; c < NCOLS; c++) {
+        uint xb = (p.x_off + XCOL(c) * p.x_stride) >> 2;
+        [[unroll]] for (uint g = 0; g < UNIT_GROUPS; g++) xa[c][g] = act4[xb + (xo[g] >> 2)];
+    }
+#endif
+    [[unroll]] for (uint c = 0; c < NCOLS; c++) {
+#if XFIRST
+        vec4 xv[UNIT_GROUPS] = xa[c];
+#else
         if (c >= ncols) continue;
         uint xb = (p.x_off + (col0 + c) * p.x_stride) >> 2;
         vec4 xv[UNIT_GROUPS];
         [[unroll]] for (uint g = 0; g < UNIT_GROUPS; g++) xv[g] = act4[xb + (xo[g] >> 2)];
+#endif
 #if defined(WT_Q4_1)
         float sx = 0.0;
         [[unroll]] for (uint g = 0; g < UNIT_GROUPS; g++) sx += dot(xv[g], vec4(1.0));
@@ -186,11 +194,22 @@ void accum_unit(Raw r[RPS], uint u, uint col0, uint ncols, inout float acc[RPS][
     vec4 v[RPS][UNIT_GROUPS];
     uint xo[UNIT_GROUPS];
     [[unroll]] for (uint rr = 0; rr < RPS; rr++) unit_decode(r[rr], u, v[rr], xo);
+#if XFIRST
+    vec4 xa[NCOLS][UNIT_GROUPS];
     [[unroll]] for (uint c = 0; c < NCOLS; c++) {
+        uint xb = (p.x_off + XCOL(c) * p.x_stride) >> 2;
+        [[unroll]] for (uint g = 0; g < UNIT_GROUPS; g++) xa[c][g] = act4[xb + (xo[g] >> 2)];
+    }
+#endif
+    [[unroll]] for (uint c = 0; c < NCOLS; c++) {
+#if XFIRST
+        vec4 xv[UNIT_GROUPS] = xa[c];
+#else
         if (c >= ncols) continue;
         uint xb = (p.x_off + (col0 + c) * p.x_stride) >> 2;
         vec4 xv[UNIT_GROUPS];
         [[unroll]] for (uint g = 0; g < UNIT_GROUPS; g++) xv[g] = act4[xb + (xo[g] >> 2)];
+#endif
         [[unroll]] for (uint rr = 0; rr < RPS; rr++)
             [[unroll]] for (uint g = 0; g < UNIT_GROUPS; g++) acc[rr][c] += dot(v[rr][g], xv[g]);
     }
@@ -233,6 +252,42 @@ void main() {
         float acc[RPS][NCOLS];
         [[unroll]] for (uint rr = 0; rr < RPS; rr++)
             [[unroll]] for (uint c = 0; c < NCOLS; c++) acc[rr][c] = 0.0;
+#ifdef XQ8
+        // 16 values a lane (half a block: one uvec4 of weights and of each
+        // column's x), not the float path's 8-value units of Q8_0 (H200 probe:
+        // 16 beat 8 by 4-11% at 4 columns)
+        {
+            uint nb = p.K / 32u, halves = p.K / 16u;
+            for (uint u = LANE; u < halves; u += S) {
+                uint b = u >> 1;
+                uvec4 wv[RPS];
+                float dw[RPS];
+                [[unroll]] for (uint rr = 0; rr < RPS; rr++) {
+                    if (!pok[rr]) { wv[rr] = uvec4(0u); dw[rr] = 0.0; continue; }
+                    uint blk = prow[rr] * nb + b;
+                    wv[rr] = wq4[p.w_off / 4u + blk * 2u + (u & 1u)];
+                    dw[rr] = half_sel(wq[p.w_off2 + (blk >> 1)], blk);
+                }
+                // every column's x before the first product (XFIRST below)
+                uvec4 xa[NCOLS];
+                float da[NCOLS];
+                [[unroll]] for (uint c = 0; c < NCOLS; c++) {
+                    uint col = XCOL(c);
+                    xa[c] = xq4[p.xq_off / 4u + col * halves + u];
+                    da[c] = xqd[p.xd_off + col * nb + b];
+                }
+                [[unroll]] for (uint c = 0; c < NCOLS; c++) {
+                    uvec4 xv = xa[c];
+                    float dx = da[c];
+                    [[unroll]] for (uint rr = 0; rr < RPS; rr++) {
+                        int s = dotPacked4x8EXT(int(wv[rr].x), int(xv.x)) + dotPacked4x8EXT(int(wv[rr].y), int(xv.y))
+                              + dotPacked4x8EXT(int(wv[rr].z), int(xv.z)) + dotPacked4x8EXT(int(wv[rr].w), int(xv.w));
+                        acc[rr][c] += float(s) * (dw[rr] * dx);
+                    }
+                }
+            }
+        }
+#else
         // UNROLL units per lane per iteration: all their loads are issued
         // before the first is decoded, so each lane keeps several in flight
         for (uint u0 = LANE; u0 < units; u0 += S * UNROLL) {
@@ -249,6 +304,7 @@ void main() {
                 accum_unit(raw[k], u, col0, ncols, acc);
             }
         }
+#endif
 #if KSPLIT && BFLY
         // reduce-scatter across the subgroup: at each of the first log2(RPS *
         // NCOLS) steps a lane keeps half of its sums and adds its partner's

@@ -66,10 +66,10 @@ def mv_gpu_config(wt: str, ncols: int) -> tuple[int, int, dict[str, int]]:
     """(rows per workgroup, units in flight per lane, extra defines) of the GPU
     matvec variant of a weight type and column count."""
     if wt in MV_Q4_TYPES:
-        return MV_GPU_ROWS_Q4[ncols], MV_GPU_UNROLL_Q4[ncols], {"DQ_MAGIC": 1, "HOIST": 1}
+        return MV_GPU_ROWS_Q4[ncols], MV_GPU_UNROLL_Q4[ncols], {"DQ_MAGIC": 1, "HOIST": 1, "XFIRST": 1}
     if wt == "q8_0":
-        return MV_GPU_ROWS_Q8[ncols], MV_GPU_UNROLL_Q8[ncols], {"HOIST": 1}
-    return MV_GPU_ROWS[ncols], MV_GPU_UNROLL[ncols], {}
+        return MV_GPU_ROWS_Q8[ncols], MV_GPU_UNROLL_Q8[ncols], {"HOIST": 1, "XFIRST": 1}
+    return MV_GPU_ROWS[ncols], MV_GPU_UNROLL[ncols], {"XFIRST": 1}
 
 
 # The "b" variants (mul_mvkb, mul_mmb{2,4,8}) reduce a subgroup's RPS x NCOLS
