@@ -18,6 +18,8 @@ Kernels (mul_mv.comp, KSPLIT = 1, workgroup 128, butterfly reduction):
           the float x's result reported as qerr
   xq8     the engine's XQ8 variant of mul_mv.comp (Q8_0 only; Kernels.xq8):
           mvq's x blocks and arithmetic inside the engine's kernel
+  xq8_nb, xq8_ne, xq8_wg, xq8_all, base_nb, base_ne, base_wg: xq8 and base
+          with one difference from mvq removed (KNOBS below), or all of them
 --rows and --unroll also replace base's rows per workgroup and units in
 flight (the engine's otherwise).
 A third kind, Q4 rows stored in tiles so that a lane loads 16 bytes (4 units)
@@ -51,8 +53,16 @@ SHAPES = {"q4_0": ["28672x4096", "4096x14336", "6144x4096", "16384x2048", "2048x
 # "unroll" slot of a configuration
 MVQ_VALS = (8, 16, 32)
 KINDS = {"base": {}, "magic": {"DQ_MAGIC": 1}, "hoist": {"DQ_MAGIC": 1, "HOIST": 1}, "mvq": {}, "xq8": {"XQ8": 1}}
+# what separates mul_mv.comp from mvq, one at a time: the subgroupAdd reduction
+# instead of the butterfly (_nb), no fused epilogues compiled in (_ne), the
+# workgroup size fixed at compile time (_wg); base_* keep the engine's defines
+KNOBS = {"nb": {"BFLY": 0}, "ne": {"NO_EPI": 1}, "wg": {"FIXED_WG": 128}}
+for _k, _d in KNOBS.items():
+    KINDS[f"xq8_{_k}"] = {"XQ8": 1, **_d}
+    KINDS[f"base_{_k}"] = _d
+KINDS["xq8_all"] = {"XQ8": 1, **{k: v for d in KNOBS.values() for k, v in d.items()}}
 # kinds that read x as 8-bit blocks (quantized here, on the host)
-XQ_KINDS = ("mvq", "xq8")
+XQ_KINDS = ("mvq", "xq8", *(k for k in KINDS if k.startswith("xq8_")))
 PUSH_BYTES = 116   # mul_mv.comp's push constants (the fused norm's and RoPE's unused here)
 
 
@@ -69,7 +79,7 @@ def configs(wt: str, cols: list[int], rows: list[int] | None = None, kinds: list
         if kind in XQ_KINDS and wt != "q8_0":
             continue
         for nc in cols:
-            if kind == "base":
+            if kind == "base" or kind.startswith("base_"):
                 rps, un, _extra = mv_gpu_config(wt, nc)
                 for r in rows or (rps,):
                     for u in unrolls or (un,):
@@ -88,6 +98,8 @@ def variant(wt: str, kind: str, nc: int, rps: int, un: int) -> str:
         return name
     name = f"probe_mv_{wt}_{kind}_c{nc}_r{rps}_u{un}"
     extra = mv_gpu_config(wt, nc)[2] if kind == "base" else KINDS[kind]
+    if kind.startswith("base_"):
+        extra = {**mv_gpu_config(wt, nc)[2], **KINDS[kind]}
     if kind in XQ_KINDS:
         from shaders.variants import EXT_DEFINE
         extra = {**extra, EXT_DEFINE: 1}

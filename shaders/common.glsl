@@ -11,7 +11,11 @@
 #extension GL_KHR_shader_subgroup_arithmetic : require
 #extension GL_EXT_control_flow_attributes : require
 
+#ifdef FIXED_WG   // (probes: the workgroup size fixed at compile time)
+layout(local_size_x = FIXED_WG, local_size_y = 1, local_size_z = 1) in;
+#else
 layout(local_size_x_id = 0, local_size_y = 1, local_size_z = 1) in;
+#endif
 layout(constant_id = 1) const uint ITEMS_PER_WG = 4;
 
 // Grids larger than maxComputeWorkGroupCount[0] (65535 on lavapipe) are folded

@@ -1,7 +1,6 @@
 #version 450
 #ifdef XQ8
 #extension GL_EXT_integer_dot_product : require
-#extension GL_KHR_shader_subgroup_clustered : require
 #endif
 // y[c][row] (+)= sum_k W[row][k] * x[c][k] for columns c < N.
 // RPS weight rows per subgroup; its lanes walk the rows' units (8 or 16
@@ -33,7 +32,10 @@ layout(binding = 1) readonly restrict buffer X4 { vec4 act4[]; };
 // plain y binding. With it y is coherent: the last workgroup reads every
 // workgroup's rows.
 // ROPE (the fused RoPE and KV-cache write, below) likewise.
-#if KSPLIT && NCOLS <= 4
+// NO_EPI: no epilogues (the XQ8 variants, which take neither a norm nor RoPE:
+// with them compiled in, their 4-column kernel ran at 57 us against 33 without
+// on the H200, notes.md run 16)
+#if KSPLIT && NCOLS <= 4 && !defined(NO_EPI)
 #define NORM_CODE 1
 layout(binding = 2) coherent buffer Y { float act[]; };
 layout(binding = 2) coherent buffer Y4 { vec4 yv4[]; };
@@ -42,10 +44,13 @@ layout(binding = 3) readonly restrict buffer NW { vec4 nw4[]; };   // NORM's wei
 layout(binding = 4) readonly restrict buffer RopeT { float rtable[]; };   // ROPE's cos/sin table
 layout(binding = 5) readonly restrict buffer RParams { uint rparams[]; };  // ROPE: positions and slots
 layout(binding = 6) writeonly restrict buffer RKv { uint rkv[]; };        // ROPE: the KV cache
-#ifdef XQ8
-// NORM with flags & 16: h's rows also as 8-bit blocks (q8.glsl), from word 0:
-// N * M / 4 words of int8, then N * M / 32 scales; the next matvec reads them
-// instead of quantizing h itself (Program.q8_copies)
+#ifdef HQ8
+// HQ8 (the "h" variants, run with XQ8 on): NORM with flags & 16 also writes
+// h's rows as 8-bit blocks (q8.glsl), from word 0: N * M / 4 words of int8,
+// then N * M / 32 scales; the next matvec, if it is an XQ8 one, reads them
+// instead of quantizing h itself (Program.q8_copies). Binding 7 is unused here
+// (the XQ8 variants' x blocks)
+#extension GL_KHR_shader_subgroup_clustered : require
 layout(binding = 8) writeonly restrict buffer HQ { uint hq[]; };
 layout(binding = 8) writeonly restrict buffer HQD { float hqd[]; };
 #endif
@@ -81,7 +86,7 @@ layout(push_constant) uniform P {
     uint flags;             // 1: add into y (fused residual); split-K variants:
                             // 2 gated linear unit (GLU below), 4 RMSNorm of y (NORM below),
                             // 8 RoPE and KV-cache write instead of y (ROPE below),
-                            // 16 (XQ8, with 4) h also as 8-bit blocks (binding 8)
+                            // 16 (HQ8, with 4) h also as 8-bit blocks (binding 8)
     uint h_off, h_stride;   // NORM: output rows (floats; multiples of 4)
     uint nw_off, sync_off;  // NORM: weight (vec4 binding 3, floats), counter (words of y's buffer)
     float eps;
@@ -97,7 +102,7 @@ layout(push_constant) uniform P {
 } p;
 
 #include "quant.glsl"
-#ifdef XQ8
+#if defined(XQ8) || defined(HQ8)
 #include "q8.glsl"
 #endif
 
@@ -450,9 +455,9 @@ void main() {
                             if (i < n4) {
                                 vec4 hv = v[k] * scale[c] * w[k];
                                 yv4[hb + i] = hv;
-#ifdef XQ8
                                 // a block is 8 vec4 of consecutive lanes (n4 and
                                 // the workgroup a multiple of 8)
+#ifdef HQ8
                                 if ((p.flags & 16u) != 0u) {
                                     float d = q8_scale(subgroupClusteredMax(q8_amax4(hv), 8u));
                                     hq[(c0 + c) * n4 + i] = q8_pack(hv, q8_inv(d));

@@ -95,7 +95,9 @@ TILE_SMALL = (4, 4)
 EXT_DEFINE = "GLSLC_EXT"
 # Weight types whose split-K matvecs have XQ8 variants (mul_mvk{b}x_*,
 # mul_mm{b}{2,4,8}x_*: x quantized to 8 bits by quantize_q8.comp, integer dot
-# products; GL_EXT_integer_dot_product needs the newer glslc too)
+# products; GL_EXT_integer_dot_product needs the newer glslc too). They have
+# no epilogues but the SwiGLU (NO_EPI), so only matrices that never take a norm
+# or RoPE use them (Kernels.mul_mat)
 XQ8_TYPES = ("q8_0",)
 # mul_mc's tile: BM weight rows x BN tokens, its 8 subgroups in an SGM x SGN grid.
 # Measured on the H200 (bench/mm_probe.py, 512 tokens, 8B Q4_0 and 1B Q8_0
@@ -163,7 +165,10 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
                 t[name] = ("mul_mv.comp", {**d, **extra, "NCOLS": nc, "UNROLL": unroll, "RPS": rps, "KSPLIT": 1,
                                            "BFLY": bf})
                 if wt in XQ8_TYPES:   # x as 8-bit blocks, integer dot products (Kernels.xq8)
-                    t[name.replace(f"_{wt}", f"x_{wt}")] = ("mul_mv.comp", {**t[name][1], "XQ8": 1, EXT_DEFINE: 1})
+                    t[name.replace(f"_{wt}", f"x_{wt}")] = ("mul_mv.comp", {**t[name][1], "XQ8": 1, "NO_EPI": 1,
+                                                                             EXT_DEFINE: 1})
+                    if nc <= 4:   # with XQ8 on: the fused RMSNorm also writes h's 8-bit blocks
+                        t[name.replace(f"_{wt}", f"h_{wt}")] = ("mul_mv.comp", {**t[name][1], "HQ8": 1})
         t[f"mul_mt_{wt}"] = ("mul_mt.comp", {**d, "TM": TILE[0], "TN": TILE[1]})
         t[f"mul_mt64_{wt}"] = ("mul_mt.comp", {**d, "TM": TILE_SMALL[0], "TN": TILE_SMALL[1]})
         bm, bn, sgm, sgn = MC_TILE

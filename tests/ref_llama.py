@@ -28,8 +28,10 @@ class RefLlama:
 
     def logits(self, tokens: list[int], act_q8: bool = False) -> np.ndarray:
         """(len(tokens), n_vocab) logits of a sequence starting at position 0.
-        act_q8: every matrix product's input rounded to 8-bit blocks first, as
-        the XQ8 matvecs take it (ref.dequantize_q8)."""
+        act_q8: the inputs of the products that the XQ8 matvecs take (gate|up
+        and the output head: the matrices that never fuse a norm or RoPE)
+        rounded to 8-bit blocks first, as those kernels take them
+        (ref.dequantize_q8)."""
         a = self.a
         qa = ref.dequantize_q8 if act_q8 else (lambda t: t)
         n = len(tokens)
@@ -39,7 +41,7 @@ class RefLlama:
         pos = np.arange(n)
         for i in range(a.n_layer):
             p = f"blk.{i}."
-            h = qa(ref.rms_norm(x, self.W(p + "attn_norm.weight"), a.rms_eps).astype(np.float32))
+            h = ref.rms_norm(x, self.W(p + "attn_norm.weight"), a.rms_eps).astype(np.float32)
             q = (h @ self.W(p + "attn_q.weight").T).reshape(n, H, hd)
             k = (h @ self.W(p + "attn_k.weight").T).reshape(n, Hkv, hd)
             v = (h @ self.W(p + "attn_v.weight").T).reshape(n, Hkv, hd)
@@ -48,12 +50,12 @@ class RefLlama:
             k16 = k.astype(np.float16).astype(np.float32)
             v16 = v.astype(np.float16).astype(np.float32)
             att = np.stack([ref.attention(q[t], k16[: t + 1], v16[: t + 1], 1.0 / np.sqrt(hd)) for t in range(n)])
-            x = x + qa(att.reshape(n, H * hd).astype(np.float32)).astype(np.float64) @ self.W(p + "attn_output.weight").T.astype(np.float64)
+            x = x + att.reshape(n, H * hd).astype(np.float32).astype(np.float64) @ self.W(p + "attn_output.weight").T.astype(np.float64)
             h = qa(ref.rms_norm(x, self.W(p + "ffn_norm.weight"), a.rms_eps).astype(np.float32))
             g = h @ self.W(p + "ffn_gate.weight").T
             u = h @ self.W(p + "ffn_up.weight").T
             f = (ref.silu(g) * u).astype(np.float32)
-            x = x + qa(f).astype(np.float64) @ self.W(p + "ffn_down.weight").T.astype(np.float64)
+            x = x + f.astype(np.float64) @ self.W(p + "ffn_down.weight").T.astype(np.float64)
         h = ref.rms_norm(x, self.W("output_norm.weight"), a.rms_eps)
         if act_q8:
             h = qa(h.astype(np.float32)).astype(np.float64)

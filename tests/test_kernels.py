@@ -352,10 +352,12 @@ def test_quantize_q8(device, xq8_kernels, ws, rng):
 @pytest.mark.parametrize("reduce", ["subgroupAdd", "butterfly"])
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8, 13])
 def test_mul_mat_xq8(device, xq8_kernels, ws, rng, n, reduce):
-    """The XQ8 matvecs (Q8_0 weights, x quantized by quantize_q8): within the
-    8-bit rounding of x of the float product (every value off by at most 1.5
-    steps of its block), and each column of the 2/4/8-column variants bit for
-    bit what the 1-column one gives that row alone."""
+    """The XQ8 matvecs (Q8_0 weights, x quantized by quantize_q8; matrices
+    marked no_epilogues): within the 8-bit rounding of x of the float product
+    (every value off by at most 1.5 steps of its block), and each column of the
+    2/4/8-column variants bit for bit what the 1-column one gives that row
+    alone. An unmarked matrix (it may take a norm or RoPE at some step size)
+    stays on the float kernel."""
     kn = xq8_kernels
     n = _split_k_rows(device, kn, "q8_0", n, reduce)
     M, K = 37, 256
@@ -366,6 +368,11 @@ def test_mul_mat_xq8(device, xq8_kernels, ws, rng, n, reduce):
     yr = ws.act_region(n * M)
     prog = device.program()
     kn.mul_mat(prog, mat, xr, K, yr, M, n)
+    assert [op.label for op in prog.ops if op.kind == "dispatch"] == [f"mul_mvk{'b' * kn.bfly}_q8_0" if n == 1
+                                                                     else f"mul_mm{'b' * kn.bfly}"
+                                                                     f"{kn.split_k_columns(n)}_q8_0"]
+    prog = device.program()
+    kn.mul_mat(prog, mat, xr, K, yr, M, n, no_epilogues=True)
     labels = [op.label for op in prog.ops if op.kind == "dispatch"]
     assert labels[0] == "quantize_q8" and labels[1].endswith("x_q8_0"), labels
     prog.run()
@@ -375,7 +382,30 @@ def test_mul_mat_xq8(device, xq8_kernels, ws, rng, n, reduce):
     bound = 1.5 * step @ np.abs(w).T.astype(np.float64) + 1e-5 * np.sqrt(K)
     assert (np.abs(got - x.astype(np.float64) @ w.T.astype(np.float64)) <= bound).all()
     _close(got, ref.dequantize_q8(x).astype(np.float64) @ w.T.astype(np.float64), rtol=1e-3, atol_scale=1e-3)
-    _assert_columns_equal_single(device, kn, ws, mat, xr, K, got, M, n)
+    _assert_columns_equal_single(device, kn, ws, mat, xr, K, got, M, n, no_epilogues=True)
+
+
+@pytest.mark.parametrize("reduce", ["subgroupAdd", "butterfly"])
+@pytest.mark.parametrize("n", [1, 3, 4, 8])
+def test_mul_mat_xq8_glu(device, xq8_kernels, ws, rng, n, reduce):
+    """gate|up with the fused SwiGLU takes the XQ8 variants: silu(gate) * up of
+    x rounded to 8-bit blocks, each column bit for bit the row alone."""
+    kn = xq8_kernels
+    n = _split_k_rows(device, kn, "q8_0", n, reduce)
+    F, K = 37, 256
+    raw, w = random_quantized("q8_0", 2 * F, K, rng)
+    mat = upload_matrix(ws, "q8_0", raw, 2 * F, K)
+    x = rng.standard_normal((n, K)).astype(np.float32)
+    xr, yr = ws.act_region(n * K, x), ws.act_region(n * F)
+    prog = device.program()
+    kn.mul_mat(prog, mat, xr, K, yr, F, n, glu=True)
+    labels = [op.label for op in prog.ops if op.kind == "dispatch"]
+    assert labels[0] == "quantize_q8" and labels[1].endswith("x_q8_0"), labels
+    prog.run()
+    out = ws.read(yr).reshape(n, F)
+    gu = ref.dequantize_q8(x).astype(np.float64) @ w.T.astype(np.float64)
+    _close(out, ref.silu(gu[:, :F]) * gu[:, F:], rtol=1e-3, atol_scale=1e-3)
+    _assert_columns_equal_single(device, kn, ws, mat, xr, K, out, F, n, glu=True)
 
 
 @pytest.mark.parametrize("reduce", ["subgroupAdd", "butterfly"])
@@ -442,10 +472,10 @@ def test_mul_mat_norm(device, column_kernels, ws, rng, wt, n, reduce):
 @pytest.mark.parametrize("reduce", ["subgroupAdd", "butterfly"])
 @pytest.mark.parametrize("n", [1, 3, 4])
 def test_mul_mat_norm_xq8_blocks(device, xq8_kernels, ws, rng, n, reduce):
-    """XQ8 with the fused RMSNorm: the last workgroup also writes h as 8-bit
-    blocks, bit for bit what quantize_q8 makes of that h; the next matvec on h
-    in the same program reads them (no quantize_q8 of its own) and gives what
-    it gives on h quantized apart; a write to h in between drops them."""
+    """With XQ8 on, the fused RMSNorm's last workgroup also writes h as 8-bit
+    blocks, bit for bit what quantize_q8 makes of that h; the next XQ8 matvec
+    on h in the same program reads them (no quantize_q8 of its own) and gives
+    what it gives on h quantized apart; a write to h in between drops them."""
     from vkengine.kernels import NormOut
     kn = xq8_kernels
     n = _split_k_rows(device, kn, "q8_0", n, reduce)
@@ -464,9 +494,9 @@ def test_mul_mat_norm_xq8_blocks(device, xq8_kernels, ws, rng, n, reduce):
     kn.mul_mat(prog, mat, xr, K, yr, M, n, accumulate=True, norm=NormOut(nw, hr, hs, sync, eps))
     key = (hr.buf.id, hr.off, hs, n, M)
     hbuf = prog.q8_copies[key][0]
-    kn.mul_mat(prog, mat2, hr, hs, zr, 40, n)
+    kn.mul_mat(prog, mat2, hr, hs, zr, 40, n, no_epilogues=True)
     labels = [op.label for op in prog.ops if op.kind == "dispatch"]
-    assert labels.count("quantize_q8") == 1, labels        # the first matvec's x only
+    assert labels.count("quantize_q8") == 0, labels        # (the first matvec is a float one)
     prog.run()
     blocks = device.download(hbuf, 0, n * (M // 4 + M // 32) * 4).view(np.uint32)
     qbuf = device.buffer(n * (M // 4 + M // 32) * 4, "device", "xq-ref")
@@ -475,7 +505,7 @@ def test_mul_mat_norm_xq8_blocks(device, xq8_kernels, ws, rng, n, reduce):
     prog.run()
     np.testing.assert_array_equal(blocks, device.download(qbuf, 0, n * (M // 4 + M // 32) * 4).view(np.uint32))
     prog = device.program()
-    kn.mul_mat(prog, mat2, hr, hs, zref, 40, n)
+    kn.mul_mat(prog, mat2, hr, hs, zref, 40, n, no_epilogues=True)
     prog.run()
     np.testing.assert_array_equal(ws.read(zr), ws.read(zref))
     # a write to h after the fused norm: the blocks no longer describe h
@@ -483,9 +513,9 @@ def test_mul_mat_norm_xq8_blocks(device, xq8_kernels, ws, rng, n, reduce):
     kn.mul_mat(prog, mat, xr, K, yr, M, n, accumulate=True, norm=NormOut(nw, hr, hs, sync, eps))
     kn.mul_mat(prog, mat, xr, K, hr, hs, n)                 # writes h's rows
     assert key not in prog.q8_copies
-    kn.mul_mat(prog, mat2, hr, hs, zr, 40, n)
+    kn.mul_mat(prog, mat2, hr, hs, zr, 40, n, no_epilogues=True)
     labels = [op.label for op in prog.ops if op.kind == "dispatch"]
-    assert labels.count("quantize_q8") == 3, labels       # x twice, then h
+    assert labels.count("quantize_q8") == 1, labels       # h
 
 
 @pytest.mark.parametrize("reduce", ["subgroupAdd", "butterfly"])

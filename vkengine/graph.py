@@ -89,10 +89,12 @@ class Graph:
                         self.s.widths[x], rows, self.eps, self.params,
                         self.pl.out_rows if gather else None)
 
-    def matmul(self, w: Matrix, x: str, out: str, accumulate: bool = False, col: int = 0) -> None:
-        """out[r][col : col + w.rows] (+)= w @ x[r]"""
+    def matmul(self, w: Matrix, x: str, out: str, accumulate: bool = False, col: int = 0,
+               no_epilogues: bool = False) -> None:
+        """out[r][col : col + w.rows] (+)= w @ x[r]; no_epilogues: w never takes
+        a fused norm or RoPE (Kernels.mul_mat: the XQ8 matvecs may take it)"""
         self.k.mul_mat(self.p, w, self.s.region(x), self.s.stride(x), self.s.region(out, col), self.s.stride(out),
-                       self._rows(x), accumulate, label=f"mul_mat {out}<-{x}")
+                       self._rows(x), accumulate, label=f"mul_mat {out}<-{x}", no_epilogues=no_epilogues)
 
     def matmul_norm(self, w: Matrix, x: str, out: str, norm_w: Region, h: str) -> None:
         """out[r] += w @ x[r] (the residual stream), then h[r] = rms_norm(out[r])

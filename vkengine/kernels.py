@@ -290,22 +290,28 @@ class Kernels:
 
     def mul_mat(self, prog: Program, w: Matrix, x: Region, x_stride: int, y: Region, y_stride: int,
                 n: int, accumulate: bool = False, label: str = "", glu: bool = False,
-                norm: NormOut | None = None, rope: RopeOut | None = None) -> None:
+                norm: NormOut | None = None, rope: RopeOut | None = None, no_epilogues: bool = False) -> None:
         """y[c][:M] (+)= W @ x[c][:K] for c < n (x rows K floats, y rows M floats).
         glu: W is gate over up (M = 2F) and y[c][:F] = silu(gate @ x[c]) * (up @ x[c])
         (only where fuses_glu). norm (with accumulate, where fuses_norm): then
         norm.h[c] = rms_norm(y[c]) * norm.weight, as rms_norm gives it. rope
-        (where fuses_rope): rope_kv's writes instead of y's, as it gives them."""
+        (where fuses_rope): rope_kv's writes instead of y's, as it gives them.
+        no_epilogues: the caller never fuses a norm or RoPE into this matrix, at
+        any step size; with glu, such a matrix may take the XQ8 variants (which
+        have no other epilogue), and takes them at every step size, so batched
+        rows still equal single ones."""
         if glu and (accumulate or not self.fuses_glu(w, n)):
             raise ValueError("mul_mat: this matrix and step cannot fuse the gated linear unit")
         if norm is not None and (not accumulate or glu or not self.fuses_norm(w, n, y, y_stride, norm)):
             raise ValueError("mul_mat: this matrix and step cannot fuse the RMSNorm")
         if rope is not None and (accumulate or glu or norm is not None or not self.fuses_rope(w, n, rope)):
             raise ValueError("mul_mat: this matrix and step cannot fuse RoPE")
+        if no_epilogues and (norm is not None or rope is not None):
+            raise ValueError("mul_mat: no_epilogues with a norm or RoPE")
         if w.parts:       # split by rows: each part fills its rows of y
             for r0, part in w.parts:
                 self.mul_mat(prog, part, x, x_stride, y.at(r0, max(0, y.words - r0)), y_stride, n, accumulate,
-                             f"{label or 'mul_mat'}[{r0}:{r0 + part.rows}]")
+                             f"{label or 'mul_mat'}[{r0}:{r0 + part.rows}]", no_epilogues=no_epilogues)
             return
         act = self._same_buffer(x, y, *([rope.q_out] if rope is not None else []))
         if x.off % 4 or x_stride % 4 or w.cols % 8:
@@ -313,9 +319,13 @@ class Kernels:
         if self.tiled(w, n):   # (no epilogues there: fuses_glu/norm/rope exclude tiled steps)
             self._mul_tiled(prog, w, x, x_stride, y, y_stride, n, accumulate, act, label)
             return
-        xq8 = self.split_k and self.xq8 and w.type in XQ8_TYPES
-        # XQ8 with the fused RMSNorm: h also as 8-bit blocks for the next matvec
-        h_q8 = xq8 and norm is not None and w.rows % 32 == 0 and self.wg % 8 == 0   # (blocks: 8 lanes)
+        # XQ8 only where no norm or RoPE is ever fused (its variants have none):
+        # the SwiGLU's gate|up and matrices the caller marks (the output head)
+        xq8 = self.split_k and self.xq8 and w.type in XQ8_TYPES and (glu or no_epilogues)
+        # with XQ8 on, the fused RMSNorm of a Q8_0 matrix also writes h as 8-bit
+        # blocks (its "h" variants), for the next matvec if that is an XQ8 one
+        h_q8 = (self.split_k and self.xq8 and norm is not None and w.type in XQ8_TYPES and w.rows % 32 == 0
+                and self.wg % 8 == 0)   # (blocks: 8 lanes)
         flags = int(accumulate) | (2 if glu else 0) | (4 if norm is not None else 0) | (8 if rope is not None else 0)
         flags |= 16 if h_q8 else 0
         push = struct.pack("<10I", w.data.off, w.scales.off if w.scales else 0, w.cols, w.rows, n,
@@ -367,11 +377,11 @@ class Kernels:
                 variant = variant.replace(f"_{w.type}", f"x_{w.type}")
                 push += struct.pack("<2I", 0, n * w.cols // 4)
                 bufs.append(qbuf)
-                if ncols <= self.NORM_MAX_ROWS:   # binding 8 (the variants with the fused RMSNorm): h's blocks
-                    hbuf = self._scratch(self._xqc, q8_words(n, w.rows), "xqc") if h_q8 else qbuf
-                    bufs.append(hbuf)
-                    if h_q8:
-                        writes.append((hbuf, 0, q8_words(n, w.rows) * 4))
+            elif h_q8:   # the "h" variants: binding 7 unused, binding 8 h's blocks
+                hbuf = self._scratch(self._xqc, q8_words(n, w.rows), "xqc")
+                variant = variant.replace(f"_{w.type}", f"h_{w.type}")
+                bufs += [w.data.buf, hbuf]
+                writes.append((hbuf, 0, q8_words(n, w.rows) * 4))
         alg = self._alg(variant, bufs, push, self.wg, rows_per_wg)
         # glu: a workgroup takes rows_per_wg / 2 gate rows and the same up rows
         row_groups = math.ceil(w.rows // 2 / (rows_per_wg // 2)) if glu else math.ceil(w.rows / rows_per_wg)

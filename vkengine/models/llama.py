@@ -159,7 +159,7 @@ def forward(g: Graph, a: LlamaArgs, w: LlamaWeights) -> None:
             g.matmul(L.down, "ff", "x", accumulate=True)
     if g.n_out:
         g.rms_norm("x", w.out_norm, "out_h", gather=True)
-        g.matmul(w.output, "out_h", "out_logits")
+        g.matmul(w.output, "out_h", "out_logits", no_epilogues=True)
 
 
 # -- loading ----------------------------------------------------------------------

@@ -139,7 +139,7 @@ def forward(g: HybridGraph, a: Qwen35Args, w: Qwen35Weights, hidden_rows: bool =
         g.rms_norm_into("x", w.out_norm, "hn")
     if g.n_out:
         g.rms_norm("x", w.out_norm, "out_h", gather=True)
-        g.matmul(w.output, "out_h", "out_logits")
+        g.matmul(w.output, "out_h", "out_logits", no_epilogues=True)
 
 
 def forward_mtp(g: HybridGraph, a: Qwen35Args, w: Qwen35Weights, hidden: str, map_off: int,
@@ -161,7 +161,7 @@ def forward_mtp(g: HybridGraph, a: Qwen35Args, w: Qwen35Weights, hidden: str, ma
     g.rms_norm_into("x", m.head_norm, "mtp_hn")
     if g.n_out:
         g.rms_norm("x", m.head_norm, "out_h", gather=True)
-        g.matmul(m.head, "out_h", "out_logits")
+        g.matmul(m.head, "out_h", "out_logits", no_epilogues=True)
 
 
 def read_expert_choices(engine, n_rows: int, mtp: bool = False) -> np.ndarray:
