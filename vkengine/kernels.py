@@ -190,11 +190,12 @@ class Kernels:
         self.split_k_min = int(os.environ.get("VKENGINE_SPLITK_MIN", SPLIT_K_MIN))
         self._parts: list[Buffer] = []   # their partial sums' scratch buffers (the last is the largest)
         # XQ8: Q8_0 matvecs (split-K variants) on integer dot products, x
-        # quantized to 8-bit blocks first (quantize_q8.comp, a dispatch per
-        # matvec). Opt-in (VKENGINE_XQ8=1): on the H200 it is slower than the
-        # float kernel (notes.md run 16: the 1B's 4-row decode step 1.5 -> 2.8
-        # ms); every matvec of a Q8_0 matrix then takes it, so batched rows
-        # still equal single ones
+        # quantized to 8-bit blocks first (quantize_q8.comp, or the fused
+        # RMSNorm before it). Opt-in (VKENGINE_XQ8=1). Only matrices that
+        # never fuse a norm or RoPE take it (gate|up, the output head; mul_mat):
+        # its variants have no such epilogues, which made it slower than the
+        # float kernel on the H200 (notes.md run 16); the version without them
+        # is not yet measured in the engine
         self.xq8 = (self.split_k and "shaderIntegerDotProduct" in getattr(device, "features", ())
                     and os.environ.get("VKENGINE_XQ8", "0") == "1")
         self._xq: list[Buffer] = []   # x's 8-bit blocks (the last is the largest)
