@@ -63,8 +63,9 @@ layout(binding = 2) buffer Y { float act[]; };
 // (quantize_q8.comp: per column, K / 4 words of int8 from word xq_off, then
 // K / 32 block scales from xd_off) and a lane's 16 weights of a row meet a
 // column's 16 values in four integer dot products; the block scales multiply
-// the sum. Measured on the H200 (2026-12-01, run 16): slower than the float
-// kernel at 1 and 4 columns, so opt-in
+// the sum. H200 probe (notes.md run 16): with the norm and RoPE epilogues
+// compiled in it was slower than the float kernel, without them (NO_EPI, as
+// its variants are built) 5-30% faster; opt-in until measured in the engine
 layout(binding = 7) readonly restrict buffer XQ4 { uvec4 xq4[]; };
 layout(binding = 7) readonly restrict buffer XQD { float xqd[]; };
 #endif
@@ -273,7 +274,7 @@ void main() {
                     wv[rr] = wq4[p.w_off / 4u + blk * 2u + (u & 1u)];
                     dw[rr] = half_sel(wq[p.w_off2 + (blk >> 1)], blk);
                 }
-                // every column's x before the first product (XFIRST below)
+                // every column's x before the first product (as XFIRST does)
                 uvec4 xa[NCOLS];
                 float da[NCOLS];
                 [[unroll]] for (uint c = 0; c < NCOLS; c++) {
@@ -455,9 +456,9 @@ void main() {
                             if (i < n4) {
                                 vec4 hv = v[k] * scale[c] * w[k];
                                 yv4[hb + i] = hv;
+#ifdef HQ8
                                 // a block is 8 vec4 of consecutive lanes (n4 and
                                 // the workgroup a multiple of 8)
-#ifdef HQ8
                                 if ((p.flags & 16u) != 0u) {
                                     float d = q8_scale(subgroupClusteredMax(q8_amax4(hv), 8u));
                                     hq[(c0 + c) * n4 + i] = q8_pack(hv, q8_inv(d));

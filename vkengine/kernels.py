@@ -322,7 +322,9 @@ class Kernels:
             return
         # XQ8 only where no norm or RoPE is ever fused (its variants have none):
         # the SwiGLU's gate|up and matrices the caller marks (the output head)
-        xq8 = self.split_k and self.xq8 and w.type in XQ8_TYPES and (glu or no_epilogues)
+        # (its loads of 16 weights need 16-byte aligned rows: every arena array is)
+        xq8 = (self.split_k and self.xq8 and w.type in XQ8_TYPES and (glu or no_epilogues)
+               and w.data.off % 4 == 0)
         # with XQ8 on, the fused RMSNorm of a Q8_0 matrix also writes h as 8-bit
         # blocks (its "h" variants), for the next matvec if that is an XQ8 one
         h_q8 = (self.split_k and self.xq8 and norm is not None and w.type in XQ8_TYPES and w.rows % 32 == 0
