@@ -349,6 +349,16 @@ def test_quantize_q8(device, xq8_kernels, ws, rng):
     assert (q[1, 32:64] == 0).all() and d[1, 1] == 0.0
 
 
+def _run_xq8(device, kn, mat, xr, K, yr, ys, n, **kw):
+    """Run mul_mat(**kw) and check it took the XQ8 path: quantize_q8, then an
+    XQ8 variant."""
+    prog = device.program()
+    kn.mul_mat(prog, mat, xr, K, yr, ys, n, **kw)
+    labels = [op.label for op in prog.ops if op.kind == "dispatch"]
+    assert labels[0] == "quantize_q8" and labels[1].endswith("x_q8_0"), labels
+    prog.run()
+
+
 @pytest.mark.parametrize("reduce", ["subgroupAdd", "butterfly"])
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8, 13])
 def test_mul_mat_xq8(device, xq8_kernels, ws, rng, n, reduce):
@@ -371,11 +381,7 @@ def test_mul_mat_xq8(device, xq8_kernels, ws, rng, n, reduce):
     assert [op.label for op in prog.ops if op.kind == "dispatch"] == [f"mul_mvk{'b' * kn.bfly}_q8_0" if n == 1
                                                                      else f"mul_mm{'b' * kn.bfly}"
                                                                      f"{kn.split_k_columns(n)}_q8_0"]
-    prog = device.program()
-    kn.mul_mat(prog, mat, xr, K, yr, M, n, no_epilogues=True)
-    labels = [op.label for op in prog.ops if op.kind == "dispatch"]
-    assert labels[0] == "quantize_q8" and labels[1].endswith("x_q8_0"), labels
-    prog.run()
+    _run_xq8(device, kn, mat, xr, K, yr, M, n, no_epilogues=True)
     got = ws.read(yr).reshape(n, M)
     _, d = ref.quantize_q8(x)
     step = np.repeat(d, 32, axis=1).astype(np.float64)          # each value's quantization step
@@ -397,11 +403,7 @@ def test_mul_mat_xq8_glu(device, xq8_kernels, ws, rng, n, reduce):
     mat = upload_matrix(ws, "q8_0", raw, 2 * F, K)
     x = rng.standard_normal((n, K)).astype(np.float32)
     xr, yr = ws.act_region(n * K, x), ws.act_region(n * F)
-    prog = device.program()
-    kn.mul_mat(prog, mat, xr, K, yr, F, n, glu=True)
-    labels = [op.label for op in prog.ops if op.kind == "dispatch"]
-    assert labels[0] == "quantize_q8" and labels[1].endswith("x_q8_0"), labels
-    prog.run()
+    _run_xq8(device, kn, mat, xr, K, yr, F, n, glu=True)
     out = ws.read(yr).reshape(n, F)
     gu = ref.dequantize_q8(x).astype(np.float64) @ w.T.astype(np.float64)
     _close(out, ref.silu(gu[:, :F]) * gu[:, F:], rtol=1e-3, atol_scale=1e-3)
