@@ -298,9 +298,9 @@ class Kernels:
         norm.h[c] = rms_norm(y[c]) * norm.weight, as rms_norm gives it. rope
         (where fuses_rope): rope_kv's writes instead of y's, as it gives them.
         no_epilogues: the caller never fuses a norm or RoPE into this matrix, at
-        any step size; with glu, such a matrix may take the XQ8 variants (which
-        have no other epilogue), and takes them at every step size, so batched
-        rows still equal single ones."""
+        any step size. Such a matrix, and a gate|up with glu, may take the XQ8
+        variants (which have no epilogue but the SwiGLU) and then take them at
+        every step size, so batched rows still equal single ones."""
         if glu and (accumulate or not self.fuses_glu(w, n)):
             raise ValueError("mul_mat: this matrix and step cannot fuse the gated linear unit")
         if norm is not None and (not accumulate or glu or not self.fuses_norm(w, n, y, y_stride, norm)):
