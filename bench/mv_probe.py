@@ -79,7 +79,7 @@ def configs(wt: str, cols: list[int], rows: list[int] | None = None, kinds: list
         if kind in XQ_KINDS and wt != "q8_0":
             continue
         for nc in cols:
-            if kind == "base" or kind.startswith("base_"):
+            if kind.startswith("base"):   # base and base_*: the engine's configuration
                 rps, un, _extra = mv_gpu_config(wt, nc)
                 for r in rows or (rps,):
                     for u in unrolls or (un,):
@@ -97,9 +97,7 @@ def variant(wt: str, kind: str, nc: int, rps: int, un: int) -> str:
         VARIANTS.setdefault(name, ("mul_mvq.comp", {"NCOLS": nc, "RPS": rps, "VALS": un, EXT_DEFINE: 1}))
         return name
     name = f"probe_mv_{wt}_{kind}_c{nc}_r{rps}_u{un}"
-    extra = mv_gpu_config(wt, nc)[2] if kind == "base" else KINDS[kind]
-    if kind.startswith("base_"):
-        extra = {**mv_gpu_config(wt, nc)[2], **KINDS[kind]}
+    extra = {**(mv_gpu_config(wt, nc)[2] if kind.startswith("base") else {}), **KINDS[kind]}
     if kind in XQ_KINDS:
         from shaders.variants import EXT_DEFINE
         extra = {**extra, EXT_DEFINE: 1}
