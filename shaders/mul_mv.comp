@@ -58,6 +58,23 @@ layout(binding = 8) writeonly restrict buffer HQD { float hqd[]; };
 #define NORM_CODE 0
 layout(binding = 2) buffer Y { float act[]; };
 #endif
+// NORM_IN (the "n" variants, GPUs): x is the residual stream and
+// the matrix takes RMSNorm(x[c]) * w instead of x[c], the norm computed here:
+// every workgroup reads all of x's K values anyway, so each lane also sums the
+// squares of the values it loads and multiplies them by the norm's weight
+// (binding 3, from nw_off), and the workgroup's sums are scaled by
+// 1 / sqrt(mean square + eps) at the end. No rms_norm dispatch and no fused
+// norm in the producer (whose last workgroup normalized every column alone).
+// Every variant sums a column's squares in the same order (each lane over its
+// units in order, then the workgroup), so batched rows still equal single ones.
+#ifdef NORM_IN
+#if !KSPLIT || !XFIRST
+#error "NORM_IN needs the split-K variants with XFIRST"
+#endif
+#if !NORM_CODE
+layout(binding = 3) readonly restrict buffer NW { vec4 nw4[]; };
+#endif
+#endif
 #ifdef XQ8
 // XQ8 (Q8_0 weights, split-K variants; Kernels.xq8): x comes as 8-bit blocks
 // (quantize_q8.comp: per column, K / 4 words of int8 from word xq_off, then
@@ -120,6 +137,15 @@ layout(push_constant) uniform P {
 #define FIRST_ROW rows.x
 #define NEXT_ROWS ITEMS_PER_WG
 shared float red[32][RPS * NCOLS];   // per subgroup (at most 32 of them)
+#ifdef NORM_IN
+shared float nss[32][NCOLS];   // NORM_IN: each subgroup's sums of squares
+// the norm's scale of column c: the subgroups' sums added in order
+float norm_in_scale(uint c) {
+    float t = nss[0][c];
+    for (uint g = 1; g < gl_NumSubgroups; g++) t += nss[g][c];
+    return inversesqrt(t / float(p.K) + p.eps);
+}
+#endif
 #if NORM_CODE
 #define NORM_COLS 4u
 shared float npart[NORM_COLS][32];
@@ -157,8 +183,27 @@ void rope_store(uint row, uint col, float s, float s2) {
 }
 #endif
 
+#ifdef NORM_IN
+// NORM_IN: the squares of a unit's x values into ss, then x times the weight
+void norm_in_x(inout vec4 xa[NCOLS][UNIT_GROUPS], uint xo[UNIT_GROUPS], inout float ss[NCOLS]) {
+    vec4 nw[UNIT_GROUPS];
+    [[unroll]] for (uint g = 0; g < UNIT_GROUPS; g++) nw[g] = nw4[(p.nw_off >> 2) + (xo[g] >> 2)];
+    [[unroll]] for (uint c = 0; c < NCOLS; c++) {
+        [[unroll]] for (uint g = 0; g < UNIT_GROUPS; g++) {
+            ss[c] += dot(xa[c][g], xa[c][g]);
+            xa[c][g] *= nw[g];
+        }
+    }
+}
+#define SS_PARAM , inout float ss[NCOLS]
+#define SS_ARG , ss
+#else
+#define SS_PARAM
+#define SS_ARG
+#endif
+
 // one unit (index u) of each of the RPS rows, times every column
-void accum_unit(Raw r[RPS], uint u, uint col0, uint ncols, inout float acc[RPS][NCOLS]) {
+void accum_unit(Raw r[RPS], uint u, uint col0, uint ncols, inout float acc[RPS][NCOLS] SS_PARAM) {
 #if defined(HOIST) && defined(UNIT_SCALED)
     // the block scale once per unit and column instead of once per value
     vec4 v[RPS][UNIT_GROUPS];
@@ -171,6 +216,9 @@ void accum_unit(Raw r[RPS], uint u, uint col0, uint ncols, inout float acc[RPS][
         uint xb = (p.x_off + XCOL(c) * p.x_stride) >> 2;
         [[unroll]] for (uint g = 0; g < UNIT_GROUPS; g++) xa[c][g] = act4[xb + (xo[g] >> 2)];
     }
+#ifdef NORM_IN
+    norm_in_x(xa, xo, ss);
+#endif
 #endif
     [[unroll]] for (uint c = 0; c < NCOLS; c++) {
 #if XFIRST
@@ -206,6 +254,9 @@ void accum_unit(Raw r[RPS], uint u, uint col0, uint ncols, inout float acc[RPS][
         uint xb = (p.x_off + XCOL(c) * p.x_stride) >> 2;
         [[unroll]] for (uint g = 0; g < UNIT_GROUPS; g++) xa[c][g] = act4[xb + (xo[g] >> 2)];
     }
+#ifdef NORM_IN
+    norm_in_x(xa, xo, ss);
+#endif
 #endif
     [[unroll]] for (uint c = 0; c < NCOLS; c++) {
 #if XFIRST
@@ -258,6 +309,10 @@ void main() {
         float acc[RPS][NCOLS];
         [[unroll]] for (uint rr = 0; rr < RPS; rr++)
             [[unroll]] for (uint c = 0; c < NCOLS; c++) acc[rr][c] = 0.0;
+#ifdef NORM_IN
+        float ss[NCOLS];
+        [[unroll]] for (uint c = 0; c < NCOLS; c++) ss[c] = 0.0;
+#endif
 #ifdef XQ8
         // 16 values a lane (half a block: one uvec4 of weights and of each
         // column's x), not the float path's 8-value units of Q8_0 (H200 probe:
@@ -307,7 +362,7 @@ void main() {
             [[unroll]] for (uint k = 0; k < UNROLL; k++) {
                 uint u = u0 + k * S;
                 if (u >= units) continue;
-                accum_unit(raw[k], u, col0, ncols, acc);
+                accum_unit(raw[k], u, col0, ncols, acc SS_ARG);
             }
         }
 #endif
@@ -355,6 +410,12 @@ void main() {
         }
 #endif
 #if KSPLIT
+#ifdef NORM_IN
+        [[unroll]] for (uint c = 0; c < NCOLS; c++) {
+            float t = subgroupAdd(ss[c]);
+            if (subgroupElect()) nss[gl_SubgroupID][c] = t;
+        }
+#endif
         barrier();
         uint i = gl_LocalInvocationID.x;
         if (glu) {
@@ -363,6 +424,11 @@ void main() {
                 if (c < ncols && pok[i / NCOLS]) {
                     float g = red[0][i], u = red[0][i + H * NCOLS];
                     for (uint sg = 1; sg < gl_NumSubgroups; sg++) { g += red[sg][i]; u += red[sg][i + H * NCOLS]; }
+#ifdef NORM_IN
+                    float sc = norm_in_scale(c);
+                    g *= sc;
+                    u *= sc;
+#endif
                     act[p.y_off + (col0 + c) * p.y_stride + pfirst + i / NCOLS] = silu(g) * u;
                 }
             }
@@ -371,11 +437,18 @@ void main() {
             if (c < ncols && row < rows.y) {
                 float s = red[0][i];
                 for (uint g = 1; g < gl_NumSubgroups; g++) s += red[g][i];
+#ifdef NORM_IN
+                float sc = norm_in_scale(c);
+                s *= sc;
+#endif
 #if NORM_CODE
                 if ((p.flags & 8u) != 0u) {
                     uint j = i ^ NCOLS;   // row ^ 1, the same column (NCOLS a power of 2)
                     float s2 = red[0][j];
                     for (uint g = 1; g < gl_NumSubgroups; g++) s2 += red[g][j];
+#ifdef NORM_IN
+                    s2 *= sc;
+#endif
                     rope_store(row, col0 + c, s, s2);
                 } else
 #endif
@@ -387,7 +460,7 @@ void main() {
         }
 #endif
     }
-#if NORM_CODE
+#if NORM_CODE && !defined(NORM_IN)
     // NORM (flags & 4, with 1: y is the residual stream): h[c] = RMSNorm(y[c]) *
     // w for every column, by the workgroup that finishes last, instead of an
     // rms_norm dispatch of its own. Each workgroup makes its rows visible and

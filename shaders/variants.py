@@ -164,6 +164,8 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
                 name = f"mul_mvk{tag}_{wt}" if nc == 1 else f"mul_mm{tag}{nc}_{wt}"
                 t[name] = ("mul_mv.comp", {**d, **extra, "NCOLS": nc, "UNROLL": unroll, "RPS": rps, "KSPLIT": 1,
                                            "BFLY": bf})
+                # the input's RMSNorm computed in the matvec (Kernels.norm_in)
+                t[name.replace(f"_{wt}", f"n_{wt}")] = ("mul_mv.comp", {**t[name][1], "NORM_IN": 1})
                 if wt in XQ8_TYPES:   # x as 8-bit blocks, integer dot products (Kernels.xq8)
                     t[name.replace(f"_{wt}", f"x_{wt}")] = ("mul_mv.comp", {**t[name][1], "XQ8": 1, "NO_EPI": 1,
                                                                              EXT_DEFINE: 1})

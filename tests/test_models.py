@@ -115,15 +115,20 @@ def test_split_k_decode_path(device, tiny_models):
     RMSNorms, 2..8-column variants for batches) on whatever device runs the
     tests: decode steps match the numpy reference, and four sequences batched
     give bit for bit the logits each gives alone."""
-    for quant in ("q4_1", "q8_0"):
+    for quant, norm_in in (("q4_1", True), ("q8_0", True), ("q8_0", False)):
         m, eng = _engine(device, tiny_models[quant]["gguf"])
-        eng.kernels.split_k, eng.kernels.multi_column_from = True, 2
+        eng.kernels.split_k, eng.kernels.multi_column_from, eng.kernels.norm_in = True, 2, norm_in
         ids = m.tokenizer.encode(PROMPT)[:12]
         want = RefLlama(m.file, m.args).logits(ids)
         steps = np.stack([eng.step([t], [p], [1], [0], "logits")[0] for p, t in enumerate(ids)])
         _assert_logits_close(steps, want)
         both, alone = _batched_and_alone(m, eng)
         np.testing.assert_array_equal(both, alone, err_msg=quant)
+        if norm_in:   # the matvecs that read a norm take it: only the output norm is a dispatch
+            labels = [op.label for prog in eng._programs.values() for op in prog.ops if op.kind == "dispatch"]
+            assert labels.count("rms_norm") == len(eng._programs), labels
+            fused = [lb for lb in labels if "<-x+rms_norm" in lb]
+            assert len(fused) == len(eng._programs) * 2 * len(eng.weights.layers), labels
 
 
 def test_xq8_decode_path(device, tiny_models):
@@ -136,7 +141,7 @@ def test_xq8_decode_path(device, tiny_models):
     blocks as the kernels do."""
     m, eng = _engine(device, tiny_models["q8_0"]["gguf"])
     kn = eng.kernels
-    kn.split_k, kn.multi_column_from, kn.xq8 = True, 2, True
+    kn.split_k, kn.multi_column_from, kn.xq8, kn.norm_in = True, 2, True, False
     ids = m.tokenizer.encode(PROMPT)[:12]
     want = RefLlama(m.file, m.args).logits(ids, act_q8=True)
     steps = np.stack([eng.step([t], [p], [1], [0], "logits")[0] for p, t in enumerate(ids)])

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .device import Buffer, Program
-from .kernels import Kernels, Matrix, NormOut, Region, RopeOut
+from .kernels import Kernels, Matrix, NormIn, NormOut, Region, RopeOut
 from .state import KVCache
 
 
@@ -90,11 +90,22 @@ class Graph:
                         self.pl.out_rows if gather else None)
 
     def matmul(self, w: Matrix, x: str, out: str, accumulate: bool = False, col: int = 0,
-               no_epilogues: bool = False) -> None:
+               no_epilogues: bool = False, norm_in: Region | None = None) -> None:
         """out[r][col : col + w.rows] (+)= w @ x[r]; no_epilogues: w never takes
-        a fused norm or RoPE (Kernels.mul_mat: the XQ8 matvecs may take it)"""
+        a fused norm or RoPE (Kernels.mul_mat: the XQ8 matvecs may take it);
+        norm_in: w @ (rms_norm(x[r]) * norm_in) instead (where takes_norm)"""
         self.k.mul_mat(self.p, w, self.s.region(x), self.s.stride(x), self.s.region(out, col), self.s.stride(out),
-                       self._rows(x), accumulate, label=f"mul_mat {out}<-{x}", no_epilogues=no_epilogues)
+                       self._rows(x), accumulate, label=f"mul_mat {out}<-{x}" + ("+rms_norm" if norm_in else ""),
+                       no_epilogues=no_epilogues, norm_in=self._norm_in(norm_in))
+
+    def _norm_in(self, w: Region | None) -> NormIn | None:
+        return NormIn(w, self.eps) if w is not None else None
+
+    def takes_norm(self, pieces: list[tuple[Matrix, int]], x: str, norm_w: Region) -> bool:
+        """Whether every piece of a matrix can take the RMSNorm of its input x
+        itself (Kernels.fuses_norm_in: decode-sized steps on GPUs), so that no
+        normalized copy of x need be written."""
+        return all(self.k.fuses_norm_in(m, self._rows(x), norm_w) for m, _ in pieces)
 
     def matmul_norm(self, w: Matrix, x: str, out: str, norm_w: Region, h: str) -> None:
         """out[r] += w @ x[r] (the residual stream), then h[r] = rms_norm(out[r])
@@ -112,11 +123,11 @@ class Graph:
         self.rms_norm(out, norm_w, h)
 
     def qkv_rope(self, layer: int, pieces: list[tuple[Matrix, int]], x: str, qkv: str, q_out: str, n_head: int,
-                 n_kv: int, head_dim: int, n_rot: int, neox: bool) -> None:
+                 n_kv: int, head_dim: int, n_rot: int, neox: bool, norm_in: Region | None = None) -> None:
         """qkv[r] = the q|k|v matrix (or its pieces at their columns of qkv) @
-        x[r], then rope_kv; where the matvecs can take RoPE and the cache write
-        (decode-sized steps on GPUs, kernels.fuses_rope) they do, and qkv is
-        not written."""
+        x[r] (or @ rms_norm(x[r]) * norm_in, where takes_norm), then rope_kv;
+        where the matvecs can take RoPE and the cache write (decode-sized steps
+        on GPUs, kernels.fuses_rope) they do, and qkv is not written."""
         n = self._rows(x)
         ropes = [RopeOut(col, neox, n_head, n_kv, head_dim, n_rot, self.rope_table, self.s.region(q_out),
                          self.s.stride(q_out), self.kv.k(layer), self.kv.v(layer), self.kv.slot_stride,
@@ -124,10 +135,11 @@ class Graph:
         if all(self.k.fuses_rope(m, n, r) for (m, _), r in zip(pieces, ropes)):
             for (m, col), r in zip(pieces, ropes):
                 self.k.mul_mat(self.p, m, self.s.region(x), self.s.stride(x), self.s.region(qkv, col),
-                               self.s.stride(qkv), n, rope=r, label=f"mul_mat {qkv}<-{x}+rope_kv")
+                               self.s.stride(qkv), n, rope=r, norm_in=self._norm_in(norm_in),
+                               label=f"mul_mat {qkv}<-{x}" + ("+rms_norm" if norm_in else "") + "+rope_kv")
             return
         for m, col in pieces:
-            self.matmul(m, x, qkv, col=col)
+            self.matmul(m, x, qkv, col=col, norm_in=norm_in)
         self.rope_kv(layer, qkv, q_out, n_head, n_kv, head_dim, n_rot, neox)
 
     def rope_kv(self, layer: int, qkv: str, q_out: str, n_head: int, n_kv: int, head_dim: int, n_rot: int,
@@ -154,18 +166,21 @@ class Graph:
                          self.n, n_head, n_kv, head_dim, self.kv.k(layer), self.kv.v(layer), self.kv.slot_stride,
                          self.params, self.pl.positions, self.pl.slots, scale, split, self.kv.ctx, sync)
 
-    def gate_up_swiglu(self, pieces: list[tuple[Matrix, int]], x: str, gu: str, out: str) -> None:
+    def gate_up_swiglu(self, pieces: list[tuple[Matrix, int]], x: str, gu: str, out: str,
+                       norm_in: Region | None = None) -> None:
         """out[r] = silu(gate @ x[r]) * (up @ x[r]) for the gate|up matrix (or its
-        pieces at their columns of gu): one dispatch where the matvec can take the
-        SwiGLU (decode-sized steps on GPUs, kernels.fuses_glu), else the matmuls
-        into gu and a swiglu."""
+        pieces at their columns of gu; x[r] as rms_norm(x[r]) * norm_in, where
+        takes_norm): one dispatch where the matvec can take the SwiGLU
+        (decode-sized steps on GPUs, kernels.fuses_glu), else the matmuls into gu
+        and a swiglu."""
         n = self._rows(x)
         if len(pieces) == 1 and self.k.fuses_glu(pieces[0][0], n):
             self.k.mul_mat(self.p, pieces[0][0], self.s.region(x), self.s.stride(x), self.s.region(out),
-                           self.s.stride(out), n, glu=True, label=f"mul_mat {gu}+swiglu<-{x}")
+                           self.s.stride(out), n, glu=True, norm_in=self._norm_in(norm_in),
+                           label=f"mul_mat {gu}+swiglu<-{x}" + ("+rms_norm" if norm_in else ""))
             return
         for m, col in pieces:
-            self.matmul(m, x, gu, col=col)
+            self.matmul(m, x, gu, col=col, norm_in=norm_in)
         self.swiglu(gu, out)
 
     def swiglu(self, gu: str, out: str) -> None:

@@ -80,6 +80,14 @@ class NormOut:
 
 
 @dataclass(frozen=True)
+class NormIn:
+    """The RMSNorm mul_mat applies to its input (the "n" variants): it
+    multiplies rms_norm(x[r]) * weight instead of x[r]."""
+    weight: Region
+    eps: float
+
+
+@dataclass(frozen=True)
 class RopeOut:
     """What mul_mat's fused RoPE writes instead of y (rope_kv's work): y's rows
     are rows row0.. of each step row's qkv vector [q (n_head heads) | k (n_kv
@@ -198,6 +206,12 @@ class Kernels:
         # is not yet measured in the engine
         self.xq8 = (self.split_k and "shaderIntegerDotProduct" in getattr(device, "features", ())
                     and os.environ.get("VKENGINE_XQ8", "0") == "1")
+        # NORM_IN: decode-sized steps' matvecs compute their input's RMSNorm
+        # themselves (mul_mat's norm_in: every workgroup reads all of x anyway)
+        # instead of an rms_norm dispatch or the producer's fused norm, whose
+        # last workgroup normalizes every row alone (notes.md run 17).
+        # VKENGINE_NORM_IN=0 keeps the fused norm (to measure the gain)
+        self.norm_in = self.split_k and os.environ.get("VKENGINE_NORM_IN", "1") != "0"
         self._xq: list[Buffer] = []   # x's 8-bit blocks (the last is the largest)
         self._xqc: list[Buffer] = []  # those the fused RMSNorm writes beside h
         # for which matrices (tests widen both to every type and size it takes)
@@ -280,6 +294,12 @@ class Kernels:
                 and not (y.off % 4 or y_stride % 4 or norm.h.off % 4 or norm.h_stride % 4 or norm.weight.off % 4)
                 and norm.sync.buf is y.buf and norm.h.buf is y.buf)
 
+    def fuses_norm_in(self, w: Matrix, n: int, weight: Region) -> bool:
+        """Whether mul_mat(norm_in=...) can take the RMSNorm of its input (the
+        split-K matvecs, "n" variants: GPUs, decode-sized steps of any width;
+        a vec4-aligned weight)."""
+        return self.norm_in and not self.tiled(w, n) and w.cols % 4 == 0 and weight.off % 4 == 0
+
     def fuses_rope(self, w: Matrix, n: int, rope: RopeOut) -> bool:
         """Whether mul_mat(rope=...) can take RoPE and the KV-cache write of its
         rows (the split-K matvecs of up to 4 columns: GPUs, decode steps; RoPE
@@ -291,14 +311,17 @@ class Kernels:
 
     def mul_mat(self, prog: Program, w: Matrix, x: Region, x_stride: int, y: Region, y_stride: int,
                 n: int, accumulate: bool = False, label: str = "", glu: bool = False,
-                norm: NormOut | None = None, rope: RopeOut | None = None, no_epilogues: bool = False) -> None:
+                norm: NormOut | None = None, rope: RopeOut | None = None, no_epilogues: bool = False,
+                norm_in: NormIn | None = None) -> None:
         """y[c][:M] (+)= W @ x[c][:K] for c < n (x rows K floats, y rows M floats).
         glu: W is gate over up (M = 2F) and y[c][:F] = silu(gate @ x[c]) * (up @ x[c])
         (only where fuses_glu). norm (with accumulate, where fuses_norm): then
         norm.h[c] = rms_norm(y[c]) * norm.weight, as rms_norm gives it. rope
         (where fuses_rope): rope_kv's writes instead of y's, as it gives them.
-        no_epilogues: the caller never fuses a norm or RoPE into this matrix, at
-        any step size. Such a matrix, and a gate|up with glu, may take the XQ8
+        norm_in (where fuses_norm_in): W @ (rms_norm(x[c]) * norm_in.weight)
+        instead of W @ x[c], the norm computed in the matvec (and with glu or
+        rope too). no_epilogues: the caller never fuses a norm or RoPE into this
+        matrix, at any step size. Such a matrix, and a gate|up with glu, may take the XQ8
         variants (which have no epilogue but the SwiGLU) and then take them at
         every step size, so batched rows still equal single ones."""
         if glu and (accumulate or not self.fuses_glu(w, n)):
@@ -309,10 +332,13 @@ class Kernels:
             raise ValueError("mul_mat: this matrix and step cannot fuse RoPE")
         if no_epilogues and (norm is not None or rope is not None):
             raise ValueError("mul_mat: no_epilogues with a norm or RoPE")
+        if norm_in is not None and (norm is not None or not self.fuses_norm_in(w, n, norm_in.weight)):
+            raise ValueError("mul_mat: this matrix and step cannot take the RMSNorm of its input")
         if w.parts:       # split by rows: each part fills its rows of y
             for r0, part in w.parts:
                 self.mul_mat(prog, part, x, x_stride, y.at(r0, max(0, y.words - r0)), y_stride, n, accumulate,
-                             f"{label or 'mul_mat'}[{r0}:{r0 + part.rows}]", no_epilogues=no_epilogues)
+                             f"{label or 'mul_mat'}[{r0}:{r0 + part.rows}]", no_epilogues=no_epilogues,
+                             norm_in=norm_in)
             return
         act = self._same_buffer(x, y, *([rope.q_out] if rope is not None else []))
         if x.off % 4 or x_stride % 4 or w.cols % 8:
@@ -324,7 +350,7 @@ class Kernels:
         # the SwiGLU's gate|up and matrices the caller marks (the output head)
         # (its loads of 16 weights need 16-byte aligned rows: every arena array is)
         xq8 = (self.split_k and self.xq8 and w.type in XQ8_TYPES and (glu or no_epilogues)
-               and w.data.off % 4 == 0)
+               and w.data.off % 4 == 0 and norm_in is None)
         # with XQ8 on, the fused RMSNorm of a Q8_0 matrix also writes h as 8-bit
         # blocks (its "h" variants), for the next matvec if that is an XQ8 one
         h_q8 = (self.split_k and self.xq8 and norm is not None and w.type in XQ8_TYPES and w.rows % 32 == 0
@@ -333,7 +359,9 @@ class Kernels:
         flags |= 16 if h_q8 else 0
         push = struct.pack("<10I", w.data.off, w.scales.off if w.scales else 0, w.cols, w.rows, n,
                            x.off, x_stride, y.off, y_stride, flags)
-        if norm is None:
+        if norm_in is not None:
+            push += struct.pack("<4If", 0, 0, norm_in.weight.off, 0, norm_in.eps)
+        elif norm is None:
             push += struct.pack("<4If", 0, 0, 0, 0, 0.0)
         else:
             push += struct.pack("<4If", norm.h.off, norm.h_stride, norm.weight.off, norm.sync.off, norm.eps)
@@ -347,6 +375,8 @@ class Kernels:
         yr = _rows_range(y, n, y_stride, w.rows // 2 if glu else w.rows)
         reads = w.regions + [_rows_range(x, n, x_stride, w.cols)] + ([yr] if accumulate else [])
         writes = [yr]
+        if norm_in is not None:
+            reads.append(norm_in.weight.range)
         if norm is not None:
             reads += [norm.weight.range, norm.sync.range]
             writes += [_rows_range(norm.h, n, norm.h_stride, w.rows), norm.sync.range]
@@ -367,7 +397,8 @@ class Kernels:
         bufs = [w.data.buf, act, act]
         if self.split_k:   # bindings 3-6: the fused RMSNorm's weight, RoPE's table, params and
             # KV cache (any buffer when unused)
-            bufs.append(norm.weight.buf if norm is not None else w.data.buf)
+            nw = norm.weight if norm is not None else norm_in.weight if norm_in is not None else None
+            bufs.append(nw.buf if nw is not None else w.data.buf)
             bufs += [rope.table.buf, rope.params, rope.k_cache.buf] if rope is not None else [w.data.buf] * 3
             if xq8:   # binding 7: x as 8-bit blocks, written beside x by its producer or quantized here
                 key = (x.buf.id, x.off, x_stride, n, w.cols)
@@ -380,6 +411,8 @@ class Kernels:
                 variant = variant.replace(f"_{w.type}", f"x_{w.type}")
                 push += struct.pack("<2I", 0, n * w.cols // 4)
                 bufs.append(qbuf)
+            elif norm_in is not None:   # the "n" variants
+                variant = variant.replace(f"_{w.type}", f"n_{w.type}")
             elif h_q8:   # the "h" variants: binding 7 unused, binding 8 h's blocks
                 hbuf = self._scratch(self._xqc, q8_words(n, w.rows), "xqc")
                 variant = variant.replace(f"_{w.type}", f"h_{w.type}")
