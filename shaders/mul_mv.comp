@@ -58,22 +58,30 @@ layout(binding = 8) writeonly restrict buffer HQD { float hqd[]; };
 #define NORM_CODE 0
 layout(binding = 2) buffer Y { float act[]; };
 #endif
-// NORM_IN (the "n" variants, GPUs): x is the residual stream and
-// the matrix takes RMSNorm(x[c]) * w instead of x[c], the norm computed here:
-// every workgroup reads all of x's K values anyway, so each lane also sums the
-// squares of the values it loads and multiplies them by the norm's weight
-// (binding 3, from nw_off), and the workgroup's sums are scaled by
-// 1 / sqrt(mean square + eps) at the end. No rms_norm dispatch and no fused
-// norm in the producer (whose last workgroup normalized every column alone).
-// Every variant sums a column's squares in the same order (each lane over its
-// units in order, then the workgroup), so batched rows still equal single ones.
-#ifdef NORM_IN
-#if !KSPLIT || !XFIRST
-#error "NORM_IN needs the split-K variants with XFIRST"
+// The RMSNorm between a residual add (the producer) and the matvecs that read
+// its output (the consumers), on GPUs' decode steps, split so that no
+// workgroup normalizes a whole row alone (the fused NORM below does that):
+// NORM_PARTS (the "p" variants, plain accumulate, RPS = 4): besides y, each
+//   workgroup writes its rows of h' = y * w (w the norm's weight, binding 3,
+//   from nw_off) to h_off (rows h_stride apart) and, per column, the sum of
+//   its 4 rows' squares to word sync_off + column * sq_stride + workgroup.
+// NORM_IN (the "n" variants): x is h'; every workgroup adds the K / 4 sums of
+//   each column (from word sync_off, K / 4 words a column; each lane's first
+//   load issued before the products, so that it is there when they end) and
+//   scales its sums by 1 / sqrt(mean square + eps): W @ (y * w * scale),
+//   what W @ rms_norm(y) gives up to rounding.
+// Every variant adds a column's squares in the same order, batched or alone.
+#if defined(NORM_IN) || defined(NORM_PARTS)
+#if !KSPLIT
+#error "NORM_IN and NORM_PARTS need the split-K variants"
+#endif
+#if defined(NORM_PARTS) && RPS != 4
+#error "NORM_PARTS: the sums are of 4 rows"
 #endif
 #if !NORM_CODE
 layout(binding = 3) readonly restrict buffer NW { vec4 nw4[]; };
 #endif
+layout(binding = 3) readonly restrict buffer NWs { float nws[]; };
 #endif
 #ifdef XQ8
 // XQ8 (Q8_0 weights, split-K variants; Kernels.xq8): x comes as 8-bit blocks
@@ -117,6 +125,9 @@ layout(push_constant) uniform P {
 #ifdef XQ8
     uint xq_off, xd_off;    // words of binding 7 (xq_off even)
 #endif
+#ifdef NORM_PARTS
+    uint sq_stride;         // words between columns' sums of squares (all rows of y / 4)
+#endif
 } p;
 
 #include "quant.glsl"
@@ -137,8 +148,11 @@ layout(push_constant) uniform P {
 #define FIRST_ROW rows.x
 #define NEXT_ROWS ITEMS_PER_WG
 shared float red[32][RPS * NCOLS];   // per subgroup (at most 32 of them)
+#ifdef NORM_PARTS
+shared float nsq[RPS * NCOLS];   // NORM_PARTS: the squares of the workgroup's sums
+#endif
 #ifdef NORM_IN
-shared float nss[32][NCOLS];   // NORM_IN: each subgroup's sums of squares
+shared float nss[32][NCOLS];   // NORM_IN: each subgroup's sum of the columns' squares
 // the norm's scale of column c: the subgroups' sums added in order
 float norm_in_scale(uint c) {
     float t = nss[0][c];
@@ -183,27 +197,8 @@ void rope_store(uint row, uint col, float s, float s2) {
 }
 #endif
 
-#ifdef NORM_IN
-// NORM_IN: the squares of a unit's x values into ss, then x times the weight
-void norm_in_x(inout vec4 xa[NCOLS][UNIT_GROUPS], uint xo[UNIT_GROUPS], inout float ss[NCOLS]) {
-    vec4 nw[UNIT_GROUPS];
-    [[unroll]] for (uint g = 0; g < UNIT_GROUPS; g++) nw[g] = nw4[(p.nw_off >> 2) + (xo[g] >> 2)];
-    [[unroll]] for (uint c = 0; c < NCOLS; c++) {
-        [[unroll]] for (uint g = 0; g < UNIT_GROUPS; g++) {
-            ss[c] += dot(xa[c][g], xa[c][g]);
-            xa[c][g] *= nw[g];
-        }
-    }
-}
-#define SS_PARAM , inout float ss[NCOLS]
-#define SS_ARG , ss
-#else
-#define SS_PARAM
-#define SS_ARG
-#endif
-
 // one unit (index u) of each of the RPS rows, times every column
-void accum_unit(Raw r[RPS], uint u, uint col0, uint ncols, inout float acc[RPS][NCOLS] SS_PARAM) {
+void accum_unit(Raw r[RPS], uint u, uint col0, uint ncols, inout float acc[RPS][NCOLS]) {
 #if defined(HOIST) && defined(UNIT_SCALED)
     // the block scale once per unit and column instead of once per value
     vec4 v[RPS][UNIT_GROUPS];
@@ -216,9 +211,6 @@ void accum_unit(Raw r[RPS], uint u, uint col0, uint ncols, inout float acc[RPS][
         uint xb = (p.x_off + XCOL(c) * p.x_stride) >> 2;
         [[unroll]] for (uint g = 0; g < UNIT_GROUPS; g++) xa[c][g] = act4[xb + (xo[g] >> 2)];
     }
-#ifdef NORM_IN
-    norm_in_x(xa, xo, ss);
-#endif
 #endif
     [[unroll]] for (uint c = 0; c < NCOLS; c++) {
 #if XFIRST
@@ -254,9 +246,6 @@ void accum_unit(Raw r[RPS], uint u, uint col0, uint ncols, inout float acc[RPS][
         uint xb = (p.x_off + XCOL(c) * p.x_stride) >> 2;
         [[unroll]] for (uint g = 0; g < UNIT_GROUPS; g++) xa[c][g] = act4[xb + (xo[g] >> 2)];
     }
-#ifdef NORM_IN
-    norm_in_x(xa, xo, ss);
-#endif
 #endif
     [[unroll]] for (uint c = 0; c < NCOLS; c++) {
 #if XFIRST
@@ -310,8 +299,12 @@ void main() {
         [[unroll]] for (uint rr = 0; rr < RPS; rr++)
             [[unroll]] for (uint c = 0; c < NCOLS; c++) acc[rr][c] = 0.0;
 #ifdef NORM_IN
-        float ss[NCOLS];
-        [[unroll]] for (uint c = 0; c < NCOLS; c++) ss[c] = 0.0;
+        // the producer's sums of 4 rows' squares (K / 4 a column): each lane's
+        // first vec4 of every column now, the rest after the products
+        uint n4 = p.K / 16u;
+        vec4 sq0[NCOLS];
+        [[unroll]] for (uint c = 0; c < NCOLS; c++)
+            sq0[c] = LANE < n4 ? act4[p.sync_off / 4u + XCOL(c) * n4 + LANE] : vec4(0.0);
 #endif
 #ifdef XQ8
         // 16 values a lane (half a block: one uvec4 of weights and of each
@@ -362,7 +355,7 @@ void main() {
             [[unroll]] for (uint k = 0; k < UNROLL; k++) {
                 uint u = u0 + k * S;
                 if (u >= units) continue;
-                accum_unit(raw[k], u, col0, ncols, acc SS_ARG);
+                accum_unit(raw[k], u, col0, ncols, acc);
             }
         }
 #endif
@@ -411,9 +404,18 @@ void main() {
 #endif
 #if KSPLIT
 #ifdef NORM_IN
-        [[unroll]] for (uint c = 0; c < NCOLS; c++) {
-            float t = subgroupAdd(ss[c]);
-            if (subgroupElect()) nss[gl_SubgroupID][c] = t;
+        {   // the rest of the sums of squares, every column's loads side by side
+            float t[NCOLS];
+            [[unroll]] for (uint c = 0; c < NCOLS; c++) t[c] = (sq0[c].x + sq0[c].y) + (sq0[c].z + sq0[c].w);
+            for (uint v = LANE + S; v < n4; v += S) {
+                vec4 q[NCOLS];
+                [[unroll]] for (uint c = 0; c < NCOLS; c++) q[c] = act4[p.sync_off / 4u + XCOL(c) * n4 + v];
+                [[unroll]] for (uint c = 0; c < NCOLS; c++) t[c] += (q[c].x + q[c].y) + (q[c].z + q[c].w);
+            }
+            [[unroll]] for (uint c = 0; c < NCOLS; c++) {
+                float u = subgroupAdd(t[c]);
+                if (subgroupElect()) nss[gl_SubgroupID][c] = u;
+            }
         }
 #endif
         barrier();
@@ -434,6 +436,9 @@ void main() {
             }
         } else if (i < RPS * NCOLS) {
             uint rr = i / NCOLS, c = i % NCOLS, row = row0 + rr;
+#ifdef NORM_PARTS
+            nsq[i] = 0.0;
+#endif
             if (c < ncols && row < rows.y) {
                 float s = red[0][i];
                 for (uint g = 1; g < gl_NumSubgroups; g++) s += red[g][i];
@@ -454,13 +459,28 @@ void main() {
 #endif
                 {
                     uint yi = p.y_off + (col0 + c) * p.y_stride + row;
+#ifdef NORM_PARTS
+                    float yv = (p.flags & 1u) != 0u ? act[yi] + s : s;
+                    act[yi] = yv;
+                    act[p.h_off + (col0 + c) * p.h_stride + row] = yv * nws[p.nw_off + row];
+                    nsq[i] = yv * yv;
+#else
                     act[yi] = (p.flags & 1u) != 0u ? act[yi] + s : s;
+#endif
                 }
             }
         }
+#ifdef NORM_PARTS
+        barrier();
+        if (i < ncols) {
+            float t = nsq[i];
+            for (uint rr = 1; rr < RPS; rr++) t += nsq[rr * NCOLS + i];
+            act[p.sync_off + (col0 + i) * p.sq_stride + row0 / 4u] = t;
+        }
+#endif
 #endif
     }
-#if NORM_CODE && !defined(NORM_IN)
+#if NORM_CODE && !defined(NORM_IN) && !defined(NORM_PARTS)
     // NORM (flags & 4, with 1: y is the residual stream): h[c] = RMSNorm(y[c]) *
     // w for every column, by the workgroup that finishes last, instead of an
     // rms_norm dispatch of its own. Each workgroup makes its rows visible and

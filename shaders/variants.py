@@ -72,6 +72,12 @@ def mv_gpu_config(wt: str, ncols: int) -> tuple[int, int, dict[str, int]]:
     return MV_GPU_ROWS[ncols], MV_GPU_UNROLL[ncols], {"XFIRST": 1}
 
 
+# Weight types whose split-K matvecs take 4 rows a workgroup at every column
+# count: their "p" variants write a norm's sums of squares per 4 rows
+# (Kernels.norm_in), the same 4 rows batched or alone
+NORM_PARTS_TYPES = tuple(wt for wt in WEIGHT_TYPES if all(mv_gpu_config(wt, nc)[0] == 4 for nc in (1, *MM_GPU_COLS)))
+
+
 # The "b" variants (mul_mvkb, mul_mmb{2,4,8}) reduce a subgroup's RPS x NCOLS
 # sums with a butterfly reduce-scatter (1 shuffle per kept sum) instead of a
 # subgroupAdd per sum (5 shuffles each at 32 lanes); they need a lane for every
@@ -164,8 +170,10 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
                 name = f"mul_mvk{tag}_{wt}" if nc == 1 else f"mul_mm{tag}{nc}_{wt}"
                 t[name] = ("mul_mv.comp", {**d, **extra, "NCOLS": nc, "UNROLL": unroll, "RPS": rps, "KSPLIT": 1,
                                            "BFLY": bf})
-                # the input's RMSNorm computed in the matvec (Kernels.norm_in)
+                # the RMSNorm split between producer and consumers (Kernels.norm_in)
                 t[name.replace(f"_{wt}", f"n_{wt}")] = ("mul_mv.comp", {**t[name][1], "NORM_IN": 1})
+                if wt in NORM_PARTS_TYPES:
+                    t[name.replace(f"_{wt}", f"p_{wt}")] = ("mul_mv.comp", {**t[name][1], "NORM_PARTS": 1})
                 if wt in XQ8_TYPES:   # x as 8-bit blocks, integer dot products (Kernels.xq8)
                     t[name.replace(f"_{wt}", f"x_{wt}")] = ("mul_mv.comp", {**t[name][1], "XQ8": 1, "NO_EPI": 1,
                                                                              EXT_DEFINE: 1})

@@ -436,42 +436,77 @@ def test_mul_mat_glu(device, column_kernels, ws, rng, wt, n, reduce):
 
 
 @pytest.mark.parametrize("reduce", ["subgroupAdd", "butterfly"])
-@pytest.mark.parametrize("wt", ["f32", "f16", "q8_0", "q4_0", "q4_1", "q4_k", "q6_k"])
+@pytest.mark.parametrize("wp,wt", [("q8_0", "f32"), ("q4_0", "f16"), ("q4_1", "q8_0"), ("q8_0", "q4_0"),
+                                   ("q4_0", "q4_1"), ("q8_0", "q4_k"), ("q4_1", "q6_k")])
 @pytest.mark.parametrize("n", [1, 3, 4, 8, 13])
-def test_mul_mat_norm_in(device, column_kernels, ws, rng, wt, n, reduce):
-    """The "n" variants (norm_in): W @ (rms_norm(x[c]) * w) with the norm
-    computed in the matvec, plain and with the fused SwiGLU: close to numpy's,
-    and each column bit for bit what the matvec gives that column alone."""
-    from vkengine.kernels import NormIn
+def test_mul_mat_norm_split(device, column_kernels, ws, rng, wp, wt, n, reduce):
+    """The RMSNorm split between a residual add and its readers: the add's "p"
+    variant (weight type wp) writes y, h' = y * w and the sums of 4 squares;
+    a reader's "n" variant (wt), plain and with the fused SwiGLU, gives W @
+    rms_norm(y) * w, close to numpy's. Every column of both is bit for bit what
+    the matvec gives that column alone."""
+    from vkengine.kernels import NormIn, NormParts
     kn = column_kernels
-    n = _split_k_rows(device, kn, wt, n, reduce)
-    M, K, eps = 38, _cols(wt), 1e-5
-    raw, w = random_quantized(wt, M, K, rng)
-    mat = upload_matrix(ws, wt, raw, M, K)
-    x = (rng.standard_normal((n, K)) * rng.uniform(0.1, 10.0, (n, 1))).astype(np.float32)
-    nwv = rng.uniform(0.5, 1.5, K).astype(np.float32)
-    norm = NormIn(ws.weight_region(nwv), eps)
-    assert kn.fuses_norm_in(mat, n, norm.weight)
-    x64 = x.astype(np.float64)
-    h = x64 / np.sqrt((x64 ** 2).mean(axis=1, keepdims=True) + eps) * nwv
-    want = h @ w.T.astype(np.float64)
-    xr = ws.act_region(n * K, x)
+    n = min(_split_k_rows(device, kn, wp, n, reduce), _split_k_rows(device, kn, wt, n, reduce))
+    D, Kp, M, eps = 512, _cols(wp), 38, 1e-5
+    rawp, wpm = random_quantized(wp, D, Kp, rng)
+    pm = upload_matrix(ws, wp, rawp, D, Kp)
+    raw, w = random_quantized(wt, M, D, rng)
+    mat = upload_matrix(ws, wt, raw, M, D)
+    xp = rng.standard_normal((n, Kp)).astype(np.float32)
+    y0 = (rng.standard_normal((n, D)) * rng.uniform(0.1, 10.0, (n, 1))).astype(np.float32)
+    nwv = rng.uniform(0.5, 1.5, D).astype(np.float32)
+    nw = ws.weight_region(nwv)
+    xpr = ws.act_region(n * Kp, xp)
+
+    def produce(cols: int, c0: int):
+        yr, hr, sr = ws.act_region(cols * D, y0[c0:c0 + cols]), ws.act_region(cols * D), ws.act_region(cols * D // 4)
+        parts = NormParts(nw, hr, D, sr, D // 4)
+        assert kn.fuses_norm_parts(pm, cols, yr, parts)
+        prog = device.program()
+        kn.mul_mat(prog, pm, xpr.at(c0 * Kp, cols * Kp), Kp, yr, D, cols, accumulate=True, norm_parts=parts)
+        assert [op.label for op in prog.ops if op.kind == "dispatch"][0].endswith(f"p_{wp}")
+        prog.run()
+        return yr, hr, sr
+
+    yr, hr, sr = produce(n, 0)
+    y = ws.read(yr).reshape(n, D)
+    _close(y, y0 + xp.astype(np.float64) @ wpm.T, atol_scale=1e-4)
+    np.testing.assert_array_equal(ws.read(hr).reshape(n, D), y * nwv)
+    sq = (y.astype(np.float64) ** 2).reshape(n, D // 4, 4).sum(axis=2)
+    _close(ws.read(sr).reshape(n, D // 4), sq)
+    for c in range(n):   # the producer's columns alone
+        y1, h1, s1 = (ws.read(r) for r in produce(1, c))
+        np.testing.assert_array_equal(y1, y[c])
+        np.testing.assert_array_equal(h1, ws.read(hr).reshape(n, D)[c])
+        np.testing.assert_array_equal(s1, ws.read(sr).reshape(n, D // 4)[c])
+
+    y64 = y.astype(np.float64)
+    want = (y64 / np.sqrt((y64 ** 2).mean(axis=1, keepdims=True) + eps) * nwv) @ w.T.astype(np.float64)
     for glu in (False, True):
         rows = M // 2 if glu else M
         if glu and not kn.fuses_glu(mat, n):
             continue
         ys = rows + 3
-        yr = ws.act_region(n * ys)
-        prog = device.program()
-        kn.mul_mat(prog, mat, xr, K, yr, ys, n, glu=glu, norm_in=norm)
-        labels = [op.label for op in prog.ops if op.kind == "dispatch"]
-        assert len(labels) == 1 and labels[0].endswith(f"n_{wt}"), labels
-        prog.run()
-        out = ws.read(yr).reshape(n, ys)
-        assert np.isnan(out[:, rows:]).all(), "wrote outside its rows"
+
+        def consume(cols: int, c0: int):
+            norm = NormIn(sr.at(c0 * D // 4, cols * D // 4), eps)
+            assert kn.fuses_norm_in(mat, cols, norm.slots)
+            out = ws.act_region(cols * ys)
+            prog = device.program()
+            kn.mul_mat(prog, mat, hr.at(c0 * D, cols * D), D, out, ys, cols, glu=glu, norm_in=norm)
+            tag = "b" * kn.bfly
+            assert [op.label for op in prog.ops if op.kind == "dispatch"] == [
+                f"mul_mvk{tag}n_{wt}" if cols == 1 else f"mul_mm{tag}{kn.split_k_columns(cols)}n_{wt}"]
+            prog.run()
+            return ws.read(out).reshape(cols, ys)
+
+        got = consume(n, 0)
+        assert np.isnan(got[:, rows:]).all(), "wrote outside its rows"
         exp = ref.silu(want[:, :rows]) * want[:, rows:] if glu else want
-        _close(out[:, :rows], exp, atol_scale=1e-5 * np.sqrt(K))
-        _assert_columns_equal_single(device, kn, ws, mat, xr, K, out, rows, n, glu=glu, norm_in=norm)
+        _close(got[:, :rows], exp, atol_scale=1e-5 * np.sqrt(D))
+        for c in range(n):
+            np.testing.assert_array_equal(consume(1, c)[0, :rows], got[c, :rows], err_msg=f"column {c} of {n}")
 
 
 @pytest.mark.parametrize("reduce", ["subgroupAdd", "butterfly"])

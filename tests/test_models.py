@@ -74,10 +74,17 @@ def test_matrices_split_across_buffers(device, tiny_models, monkeypatch):
     assert len(w.tok_embd.parts) > 100 and len(w.layers[0].down.parts) > 1 and not whole.weights.tok_embd.parts
     assert w.tok_embd.parts[1][0] == w.tok_embd.parts[0][1].rows and w.tok_embd.rows == whole.weights.tok_embd.rows
     ids = m.tokenizer.encode(PROMPT)
-    for eng in (whole, split):
-        eng.out = _prefill_logits(eng, ids)
-        eng.dec = np.stack([eng.step([t], [len(ids) + i], [0], [0], "logits")[0] for i, t in enumerate(ids[:4])])
-    assert np.array_equal(split.out, whole.out) and np.array_equal(split.dec, whole.dec)
+    for gpu_path in (False, True):   # and the GPUs' decode path (split-K matvecs, the split RMSNorm)
+        for eng in (whole, split):
+            if gpu_path:
+                eng.kernels.split_k, eng.kernels.multi_column_from, eng.kernels.norm_in = True, 2, True
+                eng._programs.clear()
+            eng.out = _prefill_logits(eng, ids)
+            eng.dec = np.stack([eng.step([t], [len(ids) + i], [0], [0], "logits")[0] for i, t in enumerate(ids[:4])])
+        assert np.array_equal(split.out, whole.out) and np.array_equal(split.dec, whole.dec), gpu_path
+    labels = [op.label for prog in split._programs.values() for op in prog.ops]
+    assert any("+rms_norm_parts[" in lb for lb in labels), "a matrix in parts writes the norm's sums"
+    assert not any(lb.startswith("mul_mat x<-") and lb.endswith("+rms_norm") for lb in labels)
 
 
 def test_tiny_chunked_prefill_equals_single_prefill(device, tiny_models):
@@ -124,11 +131,12 @@ def test_split_k_decode_path(device, tiny_models):
         _assert_logits_close(steps, want)
         both, alone = _batched_and_alone(m, eng)
         np.testing.assert_array_equal(both, alone, err_msg=quant)
-        if norm_in:   # the matvecs that read a norm take it: only the output norm is a dispatch
+        if norm_in:   # every norm but the first and the output's split between the add and its reader
             labels = [op.label for prog in eng._programs.values() for op in prog.ops if op.kind == "dispatch"]
-            assert labels.count("rms_norm") == len(eng._programs), labels
-            fused = [lb for lb in labels if "<-x+rms_norm" in lb]
-            assert len(fused) == len(eng._programs) * 2 * len(eng.weights.layers), labels
+            split = 2 * len(eng.weights.layers) - 1
+            assert labels.count("rms_norm") == 2 * len(eng._programs), labels
+            assert sum(lb.endswith("+rms_norm_parts") for lb in labels) == split * len(eng._programs), labels
+            assert sum("<-h+rms_norm" in lb for lb in labels) == split * len(eng._programs), labels
 
 
 def test_xq8_decode_path(device, tiny_models):

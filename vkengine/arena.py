@@ -121,4 +121,6 @@ def row_parts(type_name: str, rows: int, cols: int, limit_words: int, unit: int 
         else:
             hi = mid - 1
     step = lo * unit
+    if unit == 1 and step > 4:   # whole groups of 4 rows (the GPU matvecs' norm sums: Kernels.fuses_norm_parts)
+        step -= step % 4
     return [(r, min(rows, r + step)) for r in range(0, rows, step)]

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .device import Buffer, Program
-from .kernels import Kernels, Matrix, NormIn, NormOut, Region, RopeOut
+from .kernels import Kernels, Matrix, NormIn, NormOut, NormParts, Region, RopeOut
 from .state import KVCache
 
 
@@ -93,19 +93,34 @@ class Graph:
                no_epilogues: bool = False, norm_in: Region | None = None) -> None:
         """out[r][col : col + w.rows] (+)= w @ x[r]; no_epilogues: w never takes
         a fused norm or RoPE (Kernels.mul_mat: the XQ8 matvecs may take it);
-        norm_in: w @ (rms_norm(x[r]) * norm_in) instead (where takes_norm)"""
+        norm_in: x is an h' of residual_norm, these its sums of squares"""
         self.k.mul_mat(self.p, w, self.s.region(x), self.s.stride(x), self.s.region(out, col), self.s.stride(out),
                        self._rows(x), accumulate, label=f"mul_mat {out}<-{x}" + ("+rms_norm" if norm_in else ""),
                        no_epilogues=no_epilogues, norm_in=self._norm_in(norm_in))
 
-    def _norm_in(self, w: Region | None) -> NormIn | None:
-        return NormIn(w, self.eps) if w is not None else None
+    def _norm_in(self, slots: Region | None) -> NormIn | None:
+        return NormIn(slots, self.eps) if slots is not None else None
 
-    def takes_norm(self, pieces: list[tuple[Matrix, int]], x: str, norm_w: Region) -> bool:
-        """Whether every piece of a matrix can take the RMSNorm of its input x
-        itself (Kernels.fuses_norm_in: decode-sized steps on GPUs), so that no
-        normalized copy of x need be written."""
-        return all(self.k.fuses_norm_in(m, self._rows(x), norm_w) for m, _ in pieces)
+    def residual_norm(self, w: Matrix, x: str, out: str, norm_w: Region, h: str,
+                      readers: list[list[tuple[Matrix, int]]]) -> Region | None:
+        """out[r] += w @ x[r] (the residual stream), then the RMSNorm of out
+        (weight norm_w) into h for the matrices `readers` (their pieces). Where
+        this matvec and all of them can (decode-sized steps on GPUs: Kernels.
+        fuses_norm_parts, fuses_norm_in) the norm is split between them: h gets
+        out * norm_w and the returned sums of squares go to the readers as
+        norm_in. Else matmul_norm, and None: h is the norm."""
+        n = self._rows(x)
+        if "norm_slots" in self.s.widths:
+            slots = Region(self.s.buf, self.s.offsets["norm_slots"], self.s.strides["norm_slots"] * self.s.max_rows)
+            parts = NormParts(norm_w, self.s.region(h), self.s.stride(h), slots, w.rows // 4)
+            if (self.k.fuses_norm_parts(w, n, self.s.region(out), parts)
+                    and all(self.k.fuses_norm_in(m, n, slots) for pieces in readers for m, _ in pieces)):
+                self.k.mul_mat(self.p, w, self.s.region(x), self.s.stride(x), self.s.region(out),
+                               self.s.stride(out), n, accumulate=True, norm_parts=parts,
+                               label=f"mul_mat {out}<-{x}+rms_norm_parts")
+                return slots
+        self.matmul_norm(w, x, out, norm_w, h)
+        return None
 
     def matmul_norm(self, w: Matrix, x: str, out: str, norm_w: Region, h: str) -> None:
         """out[r] += w @ x[r] (the residual stream), then h[r] = rms_norm(out[r])

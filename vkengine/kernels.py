@@ -16,9 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shaders.variants import (ATTN_MC_HEAD_DIMS, ATTN_MC_NSG, MATMUL_COLS, MC2_ENGINE_TYPES, MC2_F32_FROM_ROWS,
-                              MC2_FROM_ROWS, MC2_TILES, MC2_TYPES, MC2H_TILES, MC_TILE,
-                              MM_GPU_COLS, MV_BFLY_LANES, SG_ROWS, TILE, TILE_SMALL, UNIT_VALUES, XQ8_TYPES,
-                              mv_gpu_config)
+                              MC2_FROM_ROWS, MC2_TILES, MC2_TYPES, MC2H_TILES, MC_TILE, MM_GPU_COLS, MV_BFLY_LANES,
+                              NORM_PARTS_TYPES, SG_ROWS, TILE, TILE_SMALL, UNIT_VALUES, XQ8_TYPES, mv_gpu_config)
 
 from . import shaders
 from .device import Buffer, Device, Program
@@ -80,10 +79,29 @@ class NormOut:
 
 
 @dataclass(frozen=True)
-class NormIn:
-    """The RMSNorm mul_mat applies to its input (the "n" variants): it
-    multiplies rms_norm(x[r]) * weight instead of x[r]."""
+class NormParts:
+    """What a residual add's matvec writes for the RMSNorm after it (the "p"
+    variants): h'[r] = y[r] * weight (rows h_stride apart) and, per row r,
+    the sums of y[r]'s squares 4 values at a time into `slots` (r *
+    slot_stride words on; slot_stride = M / 4), for the matvecs that read h'
+    (NormIn)."""
     weight: Region
+    h: Region
+    h_stride: int
+    slots: Region
+    slot_stride: int
+
+    def rows_from(self, r0: int) -> "NormParts":
+        """what a part of the matrix from row r0 (a multiple of 4) writes"""
+        return NormParts(self.weight.at(r0, self.weight.words - r0), self.h.at(r0, max(0, self.h.words - r0)),
+                         self.h_stride, self.slots.at(r0 // 4, self.slots.words - r0 // 4), self.slot_stride)
+
+
+@dataclass(frozen=True)
+class NormIn:
+    """What a matvec reading h' (NormParts) needs to take x[r] as
+    rms_norm(y[r]) * weight (the "n" variants): the sums of squares."""
+    slots: Region
     eps: float
 
 
@@ -202,14 +220,19 @@ class Kernels:
         # RMSNorm before it). Opt-in (VKENGINE_XQ8=1). Only matrices that
         # never fuse a norm or RoPE take it (gate|up, the output head; mul_mat):
         # its variants have no such epilogues, which made it slower than the
-        # float kernel on the H200 (notes.md run 16); the version without them
-        # is not yet measured in the engine
+        # float kernel on the H200 (notes.md run 16). Without them (run 17,
+        # 1B Q8_0) it took the 4-row step from 1.40 to 1.33 ms with gate|up's x
+        # quantized by its own dispatch, but the 1-row step lost 2%, and the
+        # fused norm writing the blocks ("h" variants) made the 4-row step
+        # 1.65 ms. Since the split RMSNorm (norm_in), gate|up reads a norm's h'
+        # and stays float; only the head can take it
         self.xq8 = (self.split_k and "shaderIntegerDotProduct" in getattr(device, "features", ())
                     and os.environ.get("VKENGINE_XQ8", "0") == "1")
-        # NORM_IN: decode-sized steps' matvecs compute their input's RMSNorm
-        # themselves (mul_mat's norm_in: every workgroup reads all of x anyway)
-        # instead of an rms_norm dispatch or the producer's fused norm, whose
-        # last workgroup normalizes every row alone (notes.md run 17).
+        # NORM_IN: on decode-sized steps the RMSNorm after a residual add is
+        # split between the add's matvec (norm_parts: y * weight and sums of
+        # 4 squares) and the matvecs that read it (norm_in: they add the sums
+        # and scale their results), instead of the add's fused norm, whose last
+        # workgroup normalizes every row alone (notes.md run 17).
         # VKENGINE_NORM_IN=0 keeps the fused norm (to measure the gain)
         self.norm_in = self.split_k and os.environ.get("VKENGINE_NORM_IN", "1") != "0"
         self._xq: list[Buffer] = []   # x's 8-bit blocks (the last is the largest)
@@ -294,11 +317,21 @@ class Kernels:
                 and not (y.off % 4 or y_stride % 4 or norm.h.off % 4 or norm.h_stride % 4 or norm.weight.off % 4)
                 and norm.sync.buf is y.buf and norm.h.buf is y.buf)
 
-    def fuses_norm_in(self, w: Matrix, n: int, weight: Region) -> bool:
-        """Whether mul_mat(norm_in=...) can take the RMSNorm of its input (the
-        split-K matvecs, "n" variants: GPUs, decode-sized steps of any width;
-        a vec4-aligned weight)."""
-        return self.norm_in and not self.tiled(w, n) and w.cols % 4 == 0 and weight.off % 4 == 0
+    def fuses_norm_in(self, w: Matrix, n: int, slots: Region) -> bool:
+        """Whether mul_mat(norm_in=...) can read a NormParts' h' as its norm
+        (the split-K matvecs' "n" variants: GPUs, decode-sized steps of any
+        width; the sums of squares 16-byte aligned)."""
+        return (self.norm_in and self.split_k and not self.tiled(w, n) and w.cols % 16 == 0
+                and slots.off % 4 == 0 and slots.words >= n * w.cols // 4)
+
+    def fuses_norm_parts(self, w: Matrix, n: int, y: Region, parts: NormParts) -> bool:
+        """Whether mul_mat(accumulate=True, norm_parts=...) can write h' and
+        the sums of squares (the "p" variants: weight types whose matvecs take
+        4 rows a workgroup at every width, NORM_PARTS_TYPES)."""
+        return (self.norm_in and self.split_k and not self.tiled(w, n) and w.type in NORM_PARTS_TYPES
+                and w.rows % 4 == 0 and all(part.rows % 4 == 0 for _, part in w.parts)
+                and parts.h.buf is y.buf and parts.slots.buf is y.buf and parts.slot_stride * 4 >= w.rows
+                and parts.slots.words >= (n - 1) * parts.slot_stride + w.rows // 4)
 
     def fuses_rope(self, w: Matrix, n: int, rope: RopeOut) -> bool:
         """Whether mul_mat(rope=...) can take RoPE and the KV-cache write of its
@@ -312,18 +345,20 @@ class Kernels:
     def mul_mat(self, prog: Program, w: Matrix, x: Region, x_stride: int, y: Region, y_stride: int,
                 n: int, accumulate: bool = False, label: str = "", glu: bool = False,
                 norm: NormOut | None = None, rope: RopeOut | None = None, no_epilogues: bool = False,
-                norm_in: NormIn | None = None) -> None:
+                norm_in: NormIn | None = None, norm_parts: NormParts | None = None) -> None:
         """y[c][:M] (+)= W @ x[c][:K] for c < n (x rows K floats, y rows M floats).
         glu: W is gate over up (M = 2F) and y[c][:F] = silu(gate @ x[c]) * (up @ x[c])
         (only where fuses_glu). norm (with accumulate, where fuses_norm): then
         norm.h[c] = rms_norm(y[c]) * norm.weight, as rms_norm gives it. rope
         (where fuses_rope): rope_kv's writes instead of y's, as it gives them.
-        norm_in (where fuses_norm_in): W @ (rms_norm(x[c]) * norm_in.weight)
-        instead of W @ x[c], the norm computed in the matvec (and with glu or
-        rope too). no_epilogues: the caller never fuses a norm or RoPE into this
-        matrix, at any step size. Such a matrix, and a gate|up with glu, may take the XQ8
-        variants (which have no epilogue but the SwiGLU) and then take them at
-        every step size, so batched rows still equal single ones."""
+        norm_parts (with accumulate, where fuses_norm_parts): also the h' and
+        sums of squares of the RMSNorm after y (NormParts). norm_in (where
+        fuses_norm_in): x is such an h', and W @ rms_norm(y[c]) * weight is
+        what the matvec gives (with glu or rope too). no_epilogues: the caller
+        never fuses a norm or RoPE into this matrix, at any step size. Such a
+        matrix, and a gate|up with glu, may take the XQ8 variants (which have
+        no epilogue but the SwiGLU) and then take them at every step size, so
+        batched rows still equal single ones."""
         if glu and (accumulate or not self.fuses_glu(w, n)):
             raise ValueError("mul_mat: this matrix and step cannot fuse the gated linear unit")
         if norm is not None and (not accumulate or glu or not self.fuses_norm(w, n, y, y_stride, norm)):
@@ -332,13 +367,16 @@ class Kernels:
             raise ValueError("mul_mat: this matrix and step cannot fuse RoPE")
         if no_epilogues and (norm is not None or rope is not None):
             raise ValueError("mul_mat: no_epilogues with a norm or RoPE")
-        if norm_in is not None and (norm is not None or not self.fuses_norm_in(w, n, norm_in.weight)):
+        if norm_in is not None and (norm is not None or not self.fuses_norm_in(w, n, norm_in.slots)):
             raise ValueError("mul_mat: this matrix and step cannot take the RMSNorm of its input")
+        if norm_parts is not None and (not accumulate or glu or rope is not None or norm is not None
+                                       or norm_in is not None or not self.fuses_norm_parts(w, n, y, norm_parts)):
+            raise ValueError("mul_mat: this matrix and step cannot write the RMSNorm's parts")
         if w.parts:       # split by rows: each part fills its rows of y
             for r0, part in w.parts:
                 self.mul_mat(prog, part, x, x_stride, y.at(r0, max(0, y.words - r0)), y_stride, n, accumulate,
                              f"{label or 'mul_mat'}[{r0}:{r0 + part.rows}]", no_epilogues=no_epilogues,
-                             norm_in=norm_in)
+                             norm_in=norm_in, norm_parts=norm_parts.rows_from(r0) if norm_parts else None)
             return
         act = self._same_buffer(x, y, *([rope.q_out] if rope is not None else []))
         if x.off % 4 or x_stride % 4 or w.cols % 8:
@@ -360,7 +398,10 @@ class Kernels:
         push = struct.pack("<10I", w.data.off, w.scales.off if w.scales else 0, w.cols, w.rows, n,
                            x.off, x_stride, y.off, y_stride, flags)
         if norm_in is not None:
-            push += struct.pack("<4If", 0, 0, norm_in.weight.off, 0, norm_in.eps)
+            push += struct.pack("<4If", 0, 0, 0, norm_in.slots.off, norm_in.eps)
+        elif norm_parts is not None:
+            np_ = norm_parts
+            push += struct.pack("<4If", np_.h.off, np_.h_stride, np_.weight.off, np_.slots.off, 0.0)
         elif norm is None:
             push += struct.pack("<4If", 0, 0, 0, 0, 0.0)
         else:
@@ -375,8 +416,14 @@ class Kernels:
         yr = _rows_range(y, n, y_stride, w.rows // 2 if glu else w.rows)
         reads = w.regions + [_rows_range(x, n, x_stride, w.cols)] + ([yr] if accumulate else [])
         writes = [yr]
-        if norm_in is not None:
-            reads.append(norm_in.weight.range)
+        if norm_in is not None:   # the producer's sums of squares
+            s0 = norm_in.slots.off
+            reads.append((norm_in.slots.buf, s0 * 4, (s0 + n * w.cols // 4) * 4))
+        if norm_parts is not None:
+            s0, ss = norm_parts.slots.off, norm_parts.slot_stride
+            reads.append(norm_parts.weight.at(0, w.rows).range)
+            writes += [_rows_range(norm_parts.h, n, norm_parts.h_stride, w.rows),
+                       (norm_parts.slots.buf, s0 * 4, (s0 + (n - 1) * ss + w.rows // 4) * 4)]
         if norm is not None:
             reads += [norm.weight.range, norm.sync.range]
             writes += [_rows_range(norm.h, n, norm.h_stride, w.rows), norm.sync.range]
@@ -397,7 +444,7 @@ class Kernels:
         bufs = [w.data.buf, act, act]
         if self.split_k:   # bindings 3-6: the fused RMSNorm's weight, RoPE's table, params and
             # KV cache (any buffer when unused)
-            nw = norm.weight if norm is not None else norm_in.weight if norm_in is not None else None
+            nw = norm.weight if norm is not None else norm_parts.weight if norm_parts is not None else None
             bufs.append(nw.buf if nw is not None else w.data.buf)
             bufs += [rope.table.buf, rope.params, rope.k_cache.buf] if rope is not None else [w.data.buf] * 3
             if xq8:   # binding 7: x as 8-bit blocks, written beside x by its producer or quantized here
@@ -413,6 +460,9 @@ class Kernels:
                 bufs.append(qbuf)
             elif norm_in is not None:   # the "n" variants
                 variant = variant.replace(f"_{w.type}", f"n_{w.type}")
+            elif norm_parts is not None:   # the "p" variants
+                variant = variant.replace(f"_{w.type}", f"p_{w.type}")
+                push += struct.pack("<I", norm_parts.slot_stride)
             elif h_q8:   # the "h" variants: binding 7 unused, binding 8 h's blocks
                 hbuf = self._scratch(self._xqc, q8_words(n, w.rows), "xqc")
                 variant = variant.replace(f"_{w.type}", f"h_{w.type}")

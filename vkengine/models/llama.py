@@ -138,7 +138,8 @@ class LlamaWeights:
 def scratch_widths(a: LlamaArgs) -> dict[str, int]:
     return {"x": a.n_embd, "h": a.n_embd, "qkv": a.qkv_width, "q": a.n_head * a.head_dim,
             "att": a.n_head * a.head_dim, "gu": 2 * a.n_ff, "ff": a.n_ff,
-            "out_h": a.n_embd, "out_logits": a.n_vocab}
+            "out_h": a.n_embd, "out_logits": a.n_vocab,
+            "norm_slots": -(-a.n_embd // 4)}   # sums of squares per 4 values (Graph.residual_norm)
 
 
 def forward(g: Graph, a: LlamaArgs, w: LlamaWeights) -> None:
@@ -146,33 +147,21 @@ def forward(g: Graph, a: LlamaArgs, w: LlamaWeights) -> None:
     g.n_out requested rows into out_logits."""
     g.embed(w.tok_embd, "x")
     scale = 1.0 / math.sqrt(a.head_dim)
-    # Each RMSNorm goes where it is cheapest: into the matvecs that read its
-    # output where they can take it (decode steps on GPUs: Graph.takes_norm),
-    # else into the residual add before it (Graph.matmul_norm), else its own
-    # dispatch. att_in/ffn_in: the norm's weight when the reader takes it.
-    def norm_in(pieces: list, norm_w):
-        return norm_w if g.takes_norm(pieces, "x", norm_w) else None
-
-    att_in = norm_in(w.layers[0].qkv, w.layers[0].attn_norm)
-    if att_in is None:
-        g.rms_norm("x", w.layers[0].attn_norm, "h")
+    # The RMSNorms after the residual adds: split between the add's matvec and
+    # the matvecs that read them where they can (Graph.residual_norm: decode
+    # steps on GPUs; att_in/ffn_in the sums of squares those take), else fused
+    # into the add, else dispatches of their own
+    g.rms_norm("x", w.layers[0].attn_norm, "h")
+    att_in = None
     for i, L in enumerate(w.layers):
-        g.qkv_rope(i, L.qkv, "x" if att_in is not None else "h", "qkv", "q", a.n_head, a.n_head_kv, a.head_dim,
-                   a.n_rot, a.rope_neox, norm_in=att_in)
+        g.qkv_rope(i, L.qkv, "h", "qkv", "q", a.n_head, a.n_head_kv, a.head_dim, a.n_rot, a.rope_neox,
+                   norm_in=att_in)
         g.attention(i, "q", "att", a.n_head, a.n_head_kv, a.head_dim, scale)
-        ffn_in = norm_in(L.gate_up, L.ffn_norm)
-        if ffn_in is not None:
-            g.matmul(L.wo, "att", "x", accumulate=True)
-        else:
-            g.matmul_norm(L.wo, "att", "x", L.ffn_norm, "h")
-        g.gate_up_swiglu(L.gate_up, "x" if ffn_in is not None else "h", "gu", "ff", norm_in=ffn_in)
+        ffn_in = g.residual_norm(L.wo, "att", "x", L.ffn_norm, "h", [L.gate_up])
+        g.gate_up_swiglu(L.gate_up, "h", "gu", "ff", norm_in=ffn_in)
         if i + 1 < len(w.layers):
             nxt = w.layers[i + 1]
-            att_in = norm_in(nxt.qkv, nxt.attn_norm)
-            if att_in is not None:
-                g.matmul(L.down, "ff", "x", accumulate=True)
-            else:
-                g.matmul_norm(L.down, "ff", "x", nxt.attn_norm, "h")
+            att_in = g.residual_norm(L.down, "ff", "x", nxt.attn_norm, "h", [nxt.qkv])
         else:
             g.matmul(L.down, "ff", "x", accumulate=True)
     if g.n_out:
