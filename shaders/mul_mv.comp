@@ -44,16 +44,6 @@ layout(binding = 3) readonly restrict buffer NW { vec4 nw4[]; };   // NORM's wei
 layout(binding = 4) readonly restrict buffer RopeT { float rtable[]; };   // ROPE's cos/sin table
 layout(binding = 5) readonly restrict buffer RParams { uint rparams[]; };  // ROPE: positions and slots
 layout(binding = 6) writeonly restrict buffer RKv { uint rkv[]; };        // ROPE: the KV cache
-#ifdef HQ8
-// HQ8 (the "h" variants, run with XQ8 on): NORM with flags & 16 also writes
-// h's rows as 8-bit blocks (q8.glsl), from word 0: N * M / 4 words of int8,
-// then N * M / 32 scales; the next matvec, if it is an XQ8 one, reads them
-// instead of quantizing h itself (Program.q8_copies). Binding 7 is unused here
-// (the XQ8 variants' x blocks)
-#extension GL_KHR_shader_subgroup_clustered : require
-layout(binding = 8) writeonly restrict buffer HQ { uint hq[]; };
-layout(binding = 8) writeonly restrict buffer HQD { float hqd[]; };
-#endif
 #else
 #define NORM_CODE 0
 layout(binding = 2) buffer Y { float act[]; };
@@ -111,8 +101,7 @@ layout(push_constant) uniform P {
     uint y_off, y_stride;   // floats
     uint flags;             // 1: add into y (fused residual); split-K variants:
                             // 2 gated linear unit (GLU below), 4 RMSNorm of y (NORM below),
-                            // 8 RoPE and KV-cache write instead of y (ROPE below),
-                            // 16 (HQ8, with 4) h also as 8-bit blocks (binding 8)
+                            // 8 RoPE and KV-cache write instead of y (ROPE below)
     uint h_off, h_stride;   // NORM: output rows (floats; multiples of 4)
     uint nw_off, sync_off;  // NORM: weight (vec4 binding 3, floats), counter (words of y's buffer)
     float eps;
@@ -131,7 +120,7 @@ layout(push_constant) uniform P {
 } p;
 
 #include "quant.glsl"
-#if defined(XQ8) || defined(HQ8)
+#ifdef XQ8
 #include "q8.glsl"
 #endif
 
@@ -549,15 +538,6 @@ void main() {
                             if (i < n4) {
                                 vec4 hv = v[k] * scale[c] * w[k];
                                 yv4[hb + i] = hv;
-#ifdef HQ8
-                                // a block is 8 vec4 of consecutive lanes (n4 and
-                                // the workgroup a multiple of 8)
-                                if ((p.flags & 16u) != 0u) {
-                                    float d = q8_scale(subgroupClusteredMax(q8_amax4(hv), 8u));
-                                    hq[(c0 + c) * n4 + i] = q8_pack(hv, q8_inv(d));
-                                    if ((i & 7u) == 0u) hqd[p.N * n4 + (c0 + c) * (n4 / 8u) + i / 8u] = d;
-                                }
-#endif
                             }
                         }
                     }

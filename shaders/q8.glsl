@@ -1,8 +1,7 @@
-// 8-bit blocks of x for the XQ8 matvecs, shared by every kernel that writes
-// them (quantize_q8.comp, mul_mv.comp's fused RMSNorm), so that the same
-// floats give the same blocks whichever kernel rounds them: per block of 32
-// values, d = max|x| / 127 and q = roundEven(x * (1 / d)), clamped to +-127
-// (q = 0 where d = 0)
+// 8-bit blocks of x for the XQ8 matvecs (quantize_q8.comp writes them; any
+// other kernel that rounds x to blocks must use these so that the same floats
+// give the same blocks): per block of 32 values, d = max|x| / 127 and
+// q = roundEven(x * (1 / d)), clamped to +-127 (q = 0 where d = 0)
 float q8_scale(float amax) { return amax / 127.0; }
 
 float q8_inv(float d) { return d > 0.0 ? 1.0 / d : 0.0; }

@@ -177,8 +177,6 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
                 if wt in XQ8_TYPES:   # x as 8-bit blocks, integer dot products (Kernels.xq8)
                     t[name.replace(f"_{wt}", f"x_{wt}")] = ("mul_mv.comp", {**t[name][1], "XQ8": 1, "NO_EPI": 1,
                                                                              EXT_DEFINE: 1})
-                    if nc <= 4:   # with XQ8 on: the fused RMSNorm also writes h's 8-bit blocks
-                        t[name.replace(f"_{wt}", f"h_{wt}")] = ("mul_mv.comp", {**t[name][1], "HQ8": 1})
         t[f"mul_mt_{wt}"] = ("mul_mt.comp", {**d, "TM": TILE[0], "TN": TILE[1]})
         t[f"mul_mt64_{wt}"] = ("mul_mt.comp", {**d, "TM": TILE_SMALL[0], "TN": TILE_SMALL[1]})
         bm, bn, sgm, sgn = MC_TILE

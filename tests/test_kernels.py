@@ -546,55 +546,6 @@ def test_mul_mat_norm(device, column_kernels, ws, rng, wt, n, reduce):
 
 
 @pytest.mark.parametrize("reduce", ["subgroupAdd", "butterfly"])
-@pytest.mark.parametrize("n", [1, 3, 4])
-def test_mul_mat_norm_xq8_blocks(device, xq8_kernels, ws, rng, n, reduce):
-    """With XQ8 on, the fused RMSNorm's last workgroup also writes h as 8-bit
-    blocks, bit for bit what quantize_q8 makes of that h; the next XQ8 matvec
-    on h in the same program reads them (no quantize_q8 of its own) and gives
-    what it gives on h quantized apart; a write to h in between drops them."""
-    from vkengine.kernels import NormOut
-    kn = xq8_kernels
-    n = _split_k_rows(device, kn, "q8_0", n, reduce)
-    M, K, eps = 1056, 256, 1e-5
-    raw, w = random_quantized("q8_0", M, K, rng)
-    mat = upload_matrix(ws, "q8_0", raw, M, K)
-    raw2, _ = random_quantized("q8_0", 40, M, rng)
-    mat2 = upload_matrix(ws, "q8_0", raw2, 40, M)
-    x = rng.standard_normal((n, K)).astype(np.float32)
-    nw = ws.weight_region(rng.uniform(0.5, 1.5, M).astype(np.float32))
-    sync = ws.act_region(4, np.zeros(4, np.uint32))
-    xr, hs = ws.act_region(n * K, x), M + 4
-    yr, hr = ws.act_region(n * M, rng.standard_normal((n, M)).astype(np.float32)), ws.act_region(n * hs)
-    zr, zref = ws.act_region(n * 40), ws.act_region(n * 40)
-    prog = device.program()
-    kn.mul_mat(prog, mat, xr, K, yr, M, n, accumulate=True, norm=NormOut(nw, hr, hs, sync, eps))
-    key = (hr.buf.id, hr.off, hs, n, M)
-    hbuf = prog.q8_copies[key][0]
-    kn.mul_mat(prog, mat2, hr, hs, zr, 40, n, no_epilogues=True)
-    labels = [op.label for op in prog.ops if op.kind == "dispatch"]
-    assert labels.count("quantize_q8") == 0, labels        # (the first matvec is a float one)
-    prog.run()
-    blocks = device.download(hbuf, 0, n * (M // 4 + M // 32) * 4).view(np.uint32)
-    qbuf = device.buffer(n * (M // 4 + M // 32) * 4, "device", "xq-ref")
-    prog = device.program()
-    kn.quantize_q8(prog, hr, hs, M, n, qbuf)
-    prog.run()
-    np.testing.assert_array_equal(blocks, device.download(qbuf, 0, n * (M // 4 + M // 32) * 4).view(np.uint32))
-    prog = device.program()
-    kn.mul_mat(prog, mat2, hr, hs, zref, 40, n, no_epilogues=True)
-    prog.run()
-    np.testing.assert_array_equal(ws.read(zr), ws.read(zref))
-    # a write to h after the fused norm: the blocks no longer describe h
-    prog = device.program()
-    kn.mul_mat(prog, mat, xr, K, yr, M, n, accumulate=True, norm=NormOut(nw, hr, hs, sync, eps))
-    kn.mul_mat(prog, mat, xr, K, hr, hs, n)                 # writes h's rows
-    assert key not in prog.q8_copies
-    kn.mul_mat(prog, mat2, hr, hs, zr, 40, n, no_epilogues=True)
-    labels = [op.label for op in prog.ops if op.kind == "dispatch"]
-    assert labels.count("quantize_q8") == 1, labels       # h
-
-
-@pytest.mark.parametrize("reduce", ["subgroupAdd", "butterfly"])
 @pytest.mark.parametrize("wt", ["q4_0", "q8_0"])
 @pytest.mark.parametrize("n", [1, 3, 4])
 @pytest.mark.parametrize("pieces", [1, 2])

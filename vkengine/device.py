@@ -187,12 +187,6 @@ class Program:
         self._timestamps = timestamps
         self._seq = None
         self.n_barriers = 0
-        # 8-bit copies of activation rows that a dispatch wrote beside the rows
-        # (Kernels.mul_mat's fused RMSNorm under XQ8), for the next matvec that
-        # reads those rows: key (buffer id, offset, stride, rows, columns) of the
-        # float rows -> (copy buffer, source byte range, copy byte range). Any
-        # later write to either range drops the entry (_track)
-        self.q8_copies: dict[tuple, tuple] = {}
 
     @staticmethod
     def _overlaps(ranges, buf_id, a, b) -> bool:
@@ -212,10 +206,6 @@ class Program:
             raise RuntimeError("program already recorded")
         if self._hazard(reads, writes):
             self.barrier()
-        if self.q8_copies:
-            for key, (cbuf, src, dst) in list(self.q8_copies.items()):
-                if any(self._overlaps([src, dst], buf.id, a, b) for buf, a, b in writes):
-                    del self.q8_copies[key]
         self._reads.extend((buf.id, a, b) for buf, a, b in reads)
         self._writes.extend((buf.id, a, b) for buf, a, b in writes)
 

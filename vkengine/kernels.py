@@ -216,16 +216,16 @@ class Kernels:
         self.split_k_min = int(os.environ.get("VKENGINE_SPLITK_MIN", SPLIT_K_MIN))
         self._parts: list[Buffer] = []   # their partial sums' scratch buffers (the last is the largest)
         # XQ8: Q8_0 matvecs (split-K variants) on integer dot products, x
-        # quantized to 8-bit blocks first (quantize_q8.comp, or the fused
-        # RMSNorm before it). Opt-in (VKENGINE_XQ8=1). Only matrices that
-        # never fuse a norm or RoPE take it (gate|up, the output head; mul_mat):
-        # its variants have no such epilogues, which made it slower than the
-        # float kernel on the H200 (notes.md run 16). Without them (run 17,
-        # 1B Q8_0) it took the 4-row step from 1.40 to 1.33 ms with gate|up's x
-        # quantized by its own dispatch, but the 1-row step lost 2%, and the
-        # fused norm writing the blocks ("h" variants) made the 4-row step
-        # 1.65 ms. Since the split RMSNorm (norm_in), gate|up reads a norm's h'
-        # and stays float; only the head can take it
+        # quantized to 8-bit blocks first (quantize_q8.comp, a dispatch).
+        # Opt-in (VKENGINE_XQ8=1). Only matrices that never fuse a norm or
+        # RoPE take it (gate|up, the output head; mul_mat): its variants have
+        # no such epilogues, which made it slower than the float kernel on the
+        # H200 (notes.md run 16). Without them (run 17, 1B Q8_0, the split norm
+        # off) the 4-row step went 1.40 -> 1.33 ms but the 1-row step lost 2%
+        # (the quantize dispatches); h's blocks written by the fused norm
+        # instead (removed since) made the 4-row step 1.65 ms. With the split
+        # RMSNorm (norm_in) gate|up reads a norm's h' and stays float, so only
+        # the head takes it
         self.xq8 = (self.split_k and "shaderIntegerDotProduct" in getattr(device, "features", ())
                     and os.environ.get("VKENGINE_XQ8", "0") == "1")
         # NORM_IN: on decode-sized steps the RMSNorm after a residual add is
@@ -236,7 +236,6 @@ class Kernels:
         # VKENGINE_NORM_IN=0 keeps the fused norm (to measure the gain)
         self.norm_in = self.split_k and os.environ.get("VKENGINE_NORM_IN", "1") != "0"
         self._xq: list[Buffer] = []   # x's 8-bit blocks (the last is the largest)
-        self._xqc: list[Buffer] = []  # those the fused RMSNorm writes beside h
         # for which matrices (tests widen both to every type and size it takes)
         # (VKENGINE_MC2_FROM_ROWS=<rows> moves the threshold, to measure a rule)
         self.mc2_types = MC2_ENGINE_TYPES
@@ -389,12 +388,7 @@ class Kernels:
         # (its loads of 16 weights need 16-byte aligned rows: every arena array is)
         xq8 = (self.split_k and self.xq8 and w.type in XQ8_TYPES and (glu or no_epilogues)
                and w.data.off % 4 == 0 and norm_in is None)
-        # with XQ8 on, the fused RMSNorm of a Q8_0 matrix also writes h as 8-bit
-        # blocks (its "h" variants), for the next matvec if that is an XQ8 one
-        h_q8 = (self.split_k and self.xq8 and norm is not None and w.type in XQ8_TYPES and w.rows % 32 == 0
-                and self.wg % 8 == 0)   # (blocks: 8 lanes)
         flags = int(accumulate) | (2 if glu else 0) | (4 if norm is not None else 0) | (8 if rope is not None else 0)
-        flags |= 16 if h_q8 else 0
         push = struct.pack("<10I", w.data.off, w.scales.off if w.scales else 0, w.cols, w.rows, n,
                            x.off, x_stride, y.off, y_stride, flags)
         if norm_in is not None:
@@ -447,14 +441,9 @@ class Kernels:
             nw = norm.weight if norm is not None else norm_parts.weight if norm_parts is not None else None
             bufs.append(nw.buf if nw is not None else w.data.buf)
             bufs += [rope.table.buf, rope.params, rope.k_cache.buf] if rope is not None else [w.data.buf] * 3
-            if xq8:   # binding 7: x as 8-bit blocks, written beside x by its producer or quantized here
-                key = (x.buf.id, x.off, x_stride, n, w.cols)
-                if key in prog.q8_copies:
-                    qbuf, _, (_, q0, q1) = prog.q8_copies[key]
-                    reads.append((qbuf, q0, q1))
-                else:
-                    qbuf = self._scratch(self._xq, q8_words(n, w.cols), "xq")
-                    reads.append(self.quantize_q8(prog, x, x_stride, w.cols, n, qbuf))
+            if xq8:   # binding 7: x as 8-bit blocks, quantized here
+                qbuf = self._scratch(self._xq, q8_words(n, w.cols), "xq")
+                reads.append(self.quantize_q8(prog, x, x_stride, w.cols, n, qbuf))
                 variant = variant.replace(f"_{w.type}", f"x_{w.type}")
                 push += struct.pack("<2I", 0, n * w.cols // 4)
                 bufs.append(qbuf)
@@ -463,20 +452,11 @@ class Kernels:
             elif norm_parts is not None:   # the "p" variants
                 variant = variant.replace(f"_{w.type}", f"p_{w.type}")
                 push += struct.pack("<I", norm_parts.slot_stride)
-            elif h_q8:   # the "h" variants: binding 7 unused, binding 8 h's blocks
-                hbuf = self._scratch(self._xqc, q8_words(n, w.rows), "xqc")
-                variant = variant.replace(f"_{w.type}", f"h_{w.type}")
-                bufs += [w.data.buf, hbuf]
-                writes.append((hbuf, 0, q8_words(n, w.rows) * 4))
         alg = self._alg(variant, bufs, push, self.wg, rows_per_wg)
         # glu: a workgroup takes rows_per_wg / 2 gate rows and the same up rows
         row_groups = math.ceil(w.rows // 2 / (rows_per_wg // 2)) if glu else math.ceil(w.rows / rows_per_wg)
         groups = self._grid(row_groups, math.ceil(n / ncols))
         prog.dispatch(alg, push, groups, reads, writes, label or variant)
-        if h_q8:   # after the dispatch's own tracking: later writes to h or its blocks drop the entry
-            hr = _rows_range(norm.h, n, norm.h_stride, w.rows)
-            prog.q8_copies[(norm.h.buf.id, norm.h.off, norm.h_stride, n, w.rows)] = (
-                hbuf, (hr[0].id, hr[1], hr[2]), (hbuf.id, 0, q8_words(n, w.rows) * 4))
 
     def _mul_tiled(self, prog: Program, w: Matrix, x: Region, x_stride: int, y: Region, y_stride: int, n: int,
                    accumulate: bool, act: Buffer, label: str) -> None:
@@ -576,10 +556,9 @@ class Kernels:
         its widest token tile, 256) and the XQ8 matvecs' 8-bit x, where this
         device runs them."""
         total = 0
-        if self.xq8:   # x as 8-bit blocks for the matvec steps (below the tiled threshold), and
-            # the fused RMSNorm's blocks of h (up to NORM_MAX_ROWS rows)
+        if self.xq8:   # x as 8-bit blocks for the matvec steps (below the tiled threshold)
             rows = max_rows if self.tiled_from is None else min(max_rows, self.tiled_from - 1)
-            total += q8_words(rows + self.NORM_MAX_ROWS, max_cols) * 4
+            total += q8_words(rows, max_cols) * 4
         if self.tiled_from is None or max_rows < self.tiled_from:
             return total
         total += self.SPLIT_K_SCRATCH if self.split_k_wgs > 0 else 0
@@ -589,7 +568,7 @@ class Kernels:
 
     def _scratch(self, bufs: list[Buffer], words: int, name: str) -> Buffer:
         """The last of `bufs` (mul_mc2's halves of x: self._x16; split K's
-        partial sums: self._parts; XQ8's 8-bit x: self._xq, self._xqc), or a new device buffer of at least `words`
+        partial sums: self._parts; XQ8's 8-bit x: self._xq), or a new device buffer of at least `words`
         words appended to them where it is smaller. Recorded programs keep the
         buffers they were recorded with, so a larger one is added rather than
         swapped in."""
