@@ -140,9 +140,10 @@ class Graph:
     def qkv_rope(self, layer: int, pieces: list[tuple[Matrix, int]], x: str, qkv: str, q_out: str, n_head: int,
                  n_kv: int, head_dim: int, n_rot: int, neox: bool, norm_in: Region | None = None) -> None:
         """qkv[r] = the q|k|v matrix (or its pieces at their columns of qkv) @
-        x[r] (or @ rms_norm(x[r]) * norm_in, where takes_norm), then rope_kv;
-        where the matvecs can take RoPE and the cache write (decode-sized steps
-        on GPUs, kernels.fuses_rope) they do, and qkv is not written."""
+        x[r], then rope_kv; where the matvecs can take RoPE and the cache write
+        (decode-sized steps on GPUs, kernels.fuses_rope) they do, and qkv is
+        not written. norm_in: x is an h' of residual_norm, these its sums of
+        squares (the product is then with the normalized rows)."""
         n = self._rows(x)
         ropes = [RopeOut(col, neox, n_head, n_kv, head_dim, n_rot, self.rope_table, self.s.region(q_out),
                          self.s.stride(q_out), self.kv.k(layer), self.kv.v(layer), self.kv.slot_stride,
@@ -184,10 +185,9 @@ class Graph:
     def gate_up_swiglu(self, pieces: list[tuple[Matrix, int]], x: str, gu: str, out: str,
                        norm_in: Region | None = None) -> None:
         """out[r] = silu(gate @ x[r]) * (up @ x[r]) for the gate|up matrix (or its
-        pieces at their columns of gu; x[r] as rms_norm(x[r]) * norm_in, where
-        takes_norm): one dispatch where the matvec can take the SwiGLU
-        (decode-sized steps on GPUs, kernels.fuses_glu), else the matmuls into gu
-        and a swiglu."""
+        pieces at their columns of gu): one dispatch where the matvec can take the
+        SwiGLU (decode-sized steps on GPUs, kernels.fuses_glu), else the matmuls
+        into gu and a swiglu. norm_in: as in qkv_rope."""
         n = self._rows(x)
         if len(pieces) == 1 and self.k.fuses_glu(pieces[0][0], n):
             self.k.mul_mat(self.p, pieces[0][0], self.s.region(x), self.s.stride(x), self.s.region(out),
