@@ -80,7 +80,8 @@ layout(binding = 3) readonly restrict buffer NWs { float nws[]; };
 // column's 16 values in four integer dot products; the block scales multiply
 // the sum. H200 probe (notes.md run 16): with the norm and RoPE epilogues
 // compiled in it was slower than the float kernel, without them (NO_EPI, as
-// its variants are built) 5-30% faster; opt-in until measured in the engine
+// its variants are built) 5-30% faster; in the engine (run 17) the quantize
+// dispatches cost the 1-row step 2%, so it stays opt-in
 layout(binding = 7) readonly restrict buffer XQ4 { uvec4 xq4[]; };
 layout(binding = 7) readonly restrict buffer XQD { float xqd[]; };
 #endif
@@ -120,9 +121,6 @@ layout(push_constant) uniform P {
 } p;
 
 #include "quant.glsl"
-#ifdef XQ8
-#include "q8.glsl"
-#endif
 
 #ifndef BFLY
 #define BFLY 0
