@@ -55,11 +55,14 @@ layout(binding = 2) buffer Y { float act[]; };
 //   workgroup writes its rows of h' = y * w (w the norm's weight, binding 3,
 //   from nw_off) to h_off (rows h_stride apart) and, per column, the sum of
 //   its 4 rows' squares to word sync_off + column * sq_stride + workgroup.
-// NORM_IN (the "n" variants): x is h'; every workgroup adds the K / 4 sums of
-//   each column (from word sync_off, K / 4 words a column; each lane's first
-//   load issued before the products, so that it is there when they end) and
-//   scales its sums by 1 / sqrt(mean square + eps): W @ (y * w * scale),
-//   what W @ rms_norm(y) gives up to rounding.
+// NORM_IN (the "n" variants): x is h'; every workgroup first adds the K / 4
+//   sums of each column (from word sync_off, K / 4 words a column) into
+//   shared memory, then runs the products and scales its sums by
+//   1 / sqrt(mean square + eps): W @ (y * w * scale), what W @ rms_norm(y)
+//   gives up to rounding. H200 (notes.md run 18): the 1B's 4-row step 1.33
+//   -> 1.27-1.28 ms against the sums loaded beside the products (the first
+//   vec4 of each column before them, the rest after), which held 4 vec4 a
+//   lane through the products
 // Every variant adds a column's squares in the same order, batched or alone.
 #if defined(NORM_IN) || defined(NORM_PARTS)
 #if !KSPLIT
@@ -259,6 +262,24 @@ void main() {
 #else
     uint S = gl_SubgroupSize;
 #endif
+#ifdef NORM_IN
+    {   // the producer's sums of 4 rows' squares (K / 4 a column), every
+        // column's loads side by side; each subgroup's sums to nss, read after
+        // the products' barrier
+        uint n4 = p.K / 16u;
+        float t[NCOLS];
+        [[unroll]] for (uint c = 0; c < NCOLS; c++) t[c] = 0.0;
+        for (uint v = LANE; v < n4; v += S) {
+            vec4 q[NCOLS];
+            [[unroll]] for (uint c = 0; c < NCOLS; c++) q[c] = act4[p.sync_off / 4u + XCOL(c) * n4 + v];
+            [[unroll]] for (uint c = 0; c < NCOLS; c++) t[c] += (q[c].x + q[c].y) + (q[c].z + q[c].w);
+        }
+        [[unroll]] for (uint c = 0; c < NCOLS; c++) {
+            float u = subgroupAdd(t[c]);
+            if (subgroupElect()) nss[gl_SubgroupID][c] = u;
+        }
+    }
+#endif
     // a subgroup (KSPLIT: the workgroup) takes RPS consecutive rows; every x
     // vec4 it loads serves them all
     for (uint row0 = FIRST_ROW; row0 < rows.y; row0 += NEXT_ROWS) {
@@ -285,14 +306,6 @@ void main() {
         float acc[RPS][NCOLS];
         [[unroll]] for (uint rr = 0; rr < RPS; rr++)
             [[unroll]] for (uint c = 0; c < NCOLS; c++) acc[rr][c] = 0.0;
-#ifdef NORM_IN
-        // the producer's sums of 4 rows' squares (K / 4 a column): each lane's
-        // first vec4 of every column now, the rest after the products
-        uint n4 = p.K / 16u;
-        vec4 sq0[NCOLS];
-        [[unroll]] for (uint c = 0; c < NCOLS; c++)
-            sq0[c] = LANE < n4 ? act4[p.sync_off / 4u + XCOL(c) * n4 + LANE] : vec4(0.0);
-#endif
 #ifdef XQ8
         // 16 values a lane (half a block: one uvec4 of weights and of each
         // column's x), not the float path's 8-value units of Q8_0 (H200 probe:
@@ -390,21 +403,6 @@ void main() {
         }
 #endif
 #if KSPLIT
-#ifdef NORM_IN
-        {   // the rest of the sums of squares, every column's loads side by side
-            float t[NCOLS];
-            [[unroll]] for (uint c = 0; c < NCOLS; c++) t[c] = (sq0[c].x + sq0[c].y) + (sq0[c].z + sq0[c].w);
-            for (uint v = LANE + S; v < n4; v += S) {
-                vec4 q[NCOLS];
-                [[unroll]] for (uint c = 0; c < NCOLS; c++) q[c] = act4[p.sync_off / 4u + XCOL(c) * n4 + v];
-                [[unroll]] for (uint c = 0; c < NCOLS; c++) t[c] += (q[c].x + q[c].y) + (q[c].z + q[c].w);
-            }
-            [[unroll]] for (uint c = 0; c < NCOLS; c++) {
-                float u = subgroupAdd(t[c]);
-                if (subgroupElect()) nss[gl_SubgroupID][c] = u;
-            }
-        }
-#endif
         barrier();
         uint i = gl_LocalInvocationID.x;
         if (glu) {
