@@ -35,6 +35,14 @@ layout(binding = 3) readonly restrict buffer Kv4 { uvec4 kv4[]; };
 
 // words (f16 pairs) of a V row that one lane owns: ceil(head_dim / 2 / subgroup)
 layout(constant_id = 2) const uint WPL = 1;
+// The head size (also p.head_dim) as a specialization constant, so that the
+// driver unrolls the q.k loop and issues a lane's K loads together, and the V
+// rows loaded ahead of their use (VB x WPL words a lane; the host takes up to
+// 32 words). H200, 1B Q8_0 (notes.md run 18): decode attention at position 128
+// 19.4 -> 16.9 us a layer (head size and 8 V rows from push constants before),
+// tg512 945-952 -> 995-996 tok/s
+layout(constant_id = 3) const uint HD = 64;
+layout(constant_id = 4) const uint VB = 8;
 
 layout(push_constant) uniform P {
     uint q_off, q_stride, o_off, o_stride;
@@ -81,13 +89,11 @@ void merge(uint r, uint h, uint rh, uint used) {
 }
 #endif
 
-#define VB 8u   // V rows loaded ahead of their use
-
 void main() {
     uint split = p.chunk == 0u ? 1u : p.n_parts;
     uvec2 items = workgroup_items(p.n_rows * p.n_head * split);
-    uint hd2 = p.head_dim / 2u;
-    uint hd8 = p.head_dim / 8u;
+    const uint hd2 = HD / 2u;
+    const uint hd8 = HD / 8u;
     uint lane = gl_SubgroupInvocationID;
     uint S = gl_SubgroupSize;
     uint row_words = p.n_kv * hd2;
@@ -115,7 +121,7 @@ void main() {
             if (t <= last) {
                 uint k4 = (kb + t * row_words) / 4u;
                 float d = 0.0;
-                for (uint i = 0u; i < hd8; i++) {
+                [[unroll]] for (uint i = 0u; i < hd8; i++) {
                     uvec4 kw = kv4[k4 + i];
                     d += dot(act4[qb4 + 2u * i], vec4(unpackHalf2x16(kw.x), unpackHalf2x16(kw.y)))
                        + dot(act4[qb4 + 2u * i + 1u], vec4(unpackHalf2x16(kw.z), unpackHalf2x16(kw.w)));

@@ -658,7 +658,9 @@ class Kernels:
         writes = [_rows_range(q_out, n_rows, q_stride, n_head * head_dim), k_cache.range, v_cache.range]
         prog.dispatch(alg, push, self._grid(math.ceil(n_rows * per_row / self.ew_wg)), reads, writes, label)
 
-    ATTN_CHUNK = 64   # positions per slice in split-K attention
+    # positions per slice in split-K attention; H200, 1B Q8_0 (notes.md run 18):
+    # tg512 990 tok/s with 32, 995 with 64, 926-932 with 128
+    ATTN_CHUNK = 64
     ATTN_MC_FROM = 16   # rows from which attention runs on cooperative matrices (where it can)
 
     @classmethod
@@ -714,9 +716,12 @@ class Kernels:
         # V words per lane; sized for the smallest subgroup the device may use
         sg = self.sg if self.device.info.subgroups_fixed else min(self.sg, 8)
         wpl = -(-(head_dim // 2) // sg)
+        # V rows a lane loads ahead of their use: up to 32 words, at least 8 rows
+        vb = max(8, min(32, 32 // wpl))
         name = "attention_split" if split is not None else "attention"
         spv = shaders.spirv(name, self._spirv_cache)
-        alg = self.device.algorithm(name, spv, [act, act, params, kv], (self.wg, self.items, wpl), len(push))
+        alg = self.device.algorithm(name, spv, [act, act, params, kv], (self.wg, self.items, wpl, head_dim, vb),
+                                    len(push))
         if split is None:
             prog.dispatch(alg, push, self._grid(math.ceil(n_rows * n_head / self.items)), reads, out, label)
             return
