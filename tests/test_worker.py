@@ -212,6 +212,32 @@ def test_bench_decode_chains_the_same_tokens(device, tiny_model):
     assert eng.in_flight == 0
 
 
+def test_bench_times_no_recording(device, tiny_model):
+    """vkengine bench's warm-up records every program its timed repetitions
+    run (both params buffers, plain and chained, odd step counts too), so no
+    repetition pays for a recording."""
+    from vkengine import bench
+    eng = Engine(tiny_model, device, EngineConfig(n_slots=2, n_ctx=CTX, max_batch=16, max_out=2))
+    counts = []
+    real_decode, real_prefill = bench.decode, eng.prefill
+
+    def counted(f):
+        def g(*a, **k):
+            out = f(*a, **k)
+            counts.append(eng.n_programs)
+            return out
+        return g
+    bench.decode, eng.prefill = counted(real_decode), counted(real_prefill)
+    try:
+        bench.run_bench(eng, 5, 5, reps=3)                # 2 warm-up + 3 timed prefills, then decodes
+        assert counts[2:5] == [counts[1]] * 3 and counts[7:10] == [counts[6]] * 3
+        counts.clear()
+        bench.run_batched(eng, 2, 3, reps=3)
+        assert counts[2:] == [counts[1]] * 3
+    finally:
+        bench.decode = real_decode
+
+
 @pytest.mark.parametrize("sampling", list(SAMPLING))
 @pytest.mark.parametrize("mode", ["slices-q4", "batch", "batch-preempt"])
 @pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
