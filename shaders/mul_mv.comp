@@ -189,7 +189,49 @@ void rope_store(uint row, uint col, float s, float s2) {
 
 // one unit (index u) of each of the RPS rows, times every column
 void accum_unit(Raw r[RPS], uint u, uint col0, uint ncols, inout float acc[RPS][NCOLS]) {
-#if defined(HOIST) && defined(UNIT_SCALED)
+#if defined(HOIST) && defined(UNIT_SCALED) && XFIRST && defined(ROWFIRST)
+    // the block scale once per unit and column instead of once per value;
+    // ROWFIRST (the batched GPU variants of Q8_0 and Q4): every column's x
+    // first, then one row at a time (decoded, then its products with every
+    // column), so only one row's values are live. The products and sums are
+    // those of the rows-first order below, in the same order, so a batched
+    // row still equals the row alone. H200 (notes.md run 19): the 8B Q4_0's
+    // 4-row decode step 5.95-5.98 -> 5.37-5.40 ms, the 1B Q8_0's 1.24-1.26 ->
+    // 1.23; one column kept the order below (8B tg64 295 against 300-302)
+    uint xo[UNIT_GROUPS];
+    {
+        vec4 v0[UNIT_GROUPS];
+        vec2 d0;
+        unit_decode_s(r[0], u, v0, xo, d0);   // xo depends on u only
+    }
+    vec4 xa[NCOLS][UNIT_GROUPS];
+    [[unroll]] for (uint c = 0; c < NCOLS; c++) {
+        uint xb = (p.x_off + XCOL(c) * p.x_stride) >> 2;
+        [[unroll]] for (uint g = 0; g < UNIT_GROUPS; g++) xa[c][g] = act4[xb + (xo[g] >> 2)];
+    }
+#if defined(WT_Q4_1)
+    float sx[NCOLS];
+    [[unroll]] for (uint c = 0; c < NCOLS; c++) {
+        sx[c] = 0.0;
+        [[unroll]] for (uint g = 0; g < UNIT_GROUPS; g++) sx[c] += dot(xa[c][g], vec4(1.0));
+    }
+#endif
+    [[unroll]] for (uint rr = 0; rr < RPS; rr++) {
+        vec4 v[UNIT_GROUPS];
+        vec2 dm;
+        uint xo2[UNIT_GROUPS];
+        unit_decode_s(r[rr], u, v, xo2, dm);
+        [[unroll]] for (uint c = 0; c < NCOLS; c++) {
+            float s = 0.0;
+            [[unroll]] for (uint g = 0; g < UNIT_GROUPS; g++) s += dot(v[g], xa[c][g]);
+#if defined(WT_Q4_1)
+            acc[rr][c] += dm.x * s + dm.y * sx[c];
+#else
+            acc[rr][c] += dm.x * s;
+#endif
+        }
+    }
+#elif defined(HOIST) && defined(UNIT_SCALED)
     // the block scale once per unit and column instead of once per value
     vec4 v[RPS][UNIT_GROUPS];
     vec2 dm[RPS];

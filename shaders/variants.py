@@ -65,10 +65,12 @@ MV_GPU_UNROLL_Q8 = {1: 1, 2: 1, 4: 1, 8: 1}
 def mv_gpu_config(wt: str, ncols: int) -> tuple[int, int, dict[str, int]]:
     """(rows per workgroup, units in flight per lane, extra defines) of the GPU
     matvec variant of a weight type and column count."""
+    # ROWFIRST (mul_mv.comp): the batched variants decode one row at a time
+    rf = {"ROWFIRST": 1} if ncols > 1 else {}
     if wt in MV_Q4_TYPES:
-        return MV_GPU_ROWS_Q4[ncols], MV_GPU_UNROLL_Q4[ncols], {"DQ_MAGIC": 1, "HOIST": 1, "XFIRST": 1}
+        return MV_GPU_ROWS_Q4[ncols], MV_GPU_UNROLL_Q4[ncols], {"DQ_MAGIC": 1, "HOIST": 1, "XFIRST": 1, **rf}
     if wt == "q8_0":
-        return MV_GPU_ROWS_Q8[ncols], MV_GPU_UNROLL_Q8[ncols], {"HOIST": 1, "XFIRST": 1}
+        return MV_GPU_ROWS_Q8[ncols], MV_GPU_UNROLL_Q8[ncols], {"HOIST": 1, "XFIRST": 1, **rf}
     return MV_GPU_ROWS[ncols], MV_GPU_UNROLL[ncols], {"XFIRST": 1}
 
 
