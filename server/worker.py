@@ -24,7 +24,7 @@ import numpy as np
 from vkengine.engine import Engine
 from vkengine.errors import VkEngineError
 from vkengine.generate import OutputStream
-from vkengine.sampling import Sampler, SamplingParams
+from vkengine.sampling import Sampler, SamplingParams, top_order
 
 from .scheduler import Batch, Scheduler, SchedulerConfig, Seq
 
@@ -139,8 +139,7 @@ def top_logprobs(row: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
     x = row.astype(np.float64)
     lp = x - x.max()
     lp -= np.log(np.exp(lp).sum())
-    ids = np.argsort(-x, kind="stable")[:n]
-    return ids, lp
+    return top_order(x, n) if n > 0 else np.zeros(0, np.int64), lp
 
 
 class Worker:
