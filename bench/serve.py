@@ -71,10 +71,13 @@ def prompt(rng: random.Random, n_words: int) -> str:
     return "Tell me about " + " ".join(rng.choice(WORDS) for _ in range(n_words)) + "."
 
 
-def one_stream(client: httpx.Client, url: str, text: str, n_predict: int) -> Stream:
+def one_stream(client: httpx.Client, url: str, text: str, n_predict: int, temperature: float = 0.0,
+               seed: int = 0) -> Stream:
     s = Stream()
-    body = {"prompt": text, "n_predict": n_predict, "stream": True, "ignore_eos": True, "temperature": 0,
-            "cache_prompt": False}
+    body = {"prompt": text, "n_predict": n_predict, "stream": True, "ignore_eos": True,
+            "temperature": temperature, "cache_prompt": False}
+    if temperature > 0:   # sampled (the servers' top-k 40, top-p 0.95, min-p 0.05), reproducibly
+        body["seed"] = seed
     t0 = last = time.perf_counter()
     try:
         with client.stream("POST", url + "/completion", json=body) as r:
@@ -99,7 +102,8 @@ def one_stream(client: httpx.Client, url: str, text: str, n_predict: int) -> Str
     return s
 
 
-def run_load(url: str, clients: int, requests: int, n_predict: int, prompt_words: int, seed: int) -> dict:
+def run_load(url: str, clients: int, requests: int, n_predict: int, prompt_words: int, seed: int,
+             temperature: float = 0.0) -> dict:
     rng = random.Random(seed)
     prompts = [[prompt(rng, prompt_words) for _ in range(requests)] for _ in range(clients)]
     results: list[list[Stream]] = [[] for _ in range(clients)]
@@ -110,8 +114,8 @@ def run_load(url: str, clients: int, requests: int, n_predict: int, prompt_words
     conns = [httpx.Client(timeout=600) for _ in range(clients)]
 
     def client(i):
-        for p in prompts[i]:
-            results[i].append(one_stream(conns[i], url, p, n_predict))
+        for j, p in enumerate(prompts[i]):
+            results[i].append(one_stream(conns[i], url, p, n_predict, temperature, seed * 1000 + i * requests + j))
     threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
     t0 = time.perf_counter()
     for t in threads:
@@ -196,6 +200,8 @@ def main(argv=None) -> int:
     ap.add_argument("--llama-threads", type=int, default=None)
     ap.add_argument("--llama-args", default="", help="extra llama-server arguments (e.g. '-ngl 99' on a GPU)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="> 0: sampled replies (each request its own seed) instead of greedy ones")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
 
@@ -216,7 +222,8 @@ def main(argv=None) -> int:
         url = args.llama_url if srv is None else srv.url
         try:
             run_load(url, 1, 1, 8, 4, seed=999)                        # warm-up
-            r = run_load(url, args.clients, args.requests, args.n_predict, args.prompt_words, args.seed)
+            r = run_load(url, args.clients, args.requests, args.n_predict, args.prompt_words, args.seed,
+                         args.temperature)
         finally:
             if srv is not None:
                 srv.stop()
@@ -225,7 +232,8 @@ def main(argv=None) -> int:
         print(f"{r['config']}: {r['tok_s']:.1f} tok/s, TTFT p50 {r['ttft_p50_ms']:.0f} ms, "
               f"ITL p50 {r['itl_p50_ms']:.1f} ms, errors {r['errors']}", file=sys.stderr)
 
-    print(f"\nC = {args.clients} clients x {args.requests} requests, {args.n_predict} tokens each, "
+    print(f"\nC = {args.clients} clients x {args.requests} requests, {args.n_predict} tokens each"
+          f"{f', sampled at temperature {args.temperature}' if args.temperature > 0 else ''}, "
           f"model {Path(args.model).name if args.model else 'SmolLM2-135M-Instruct Q4_1 (default)'}\n")
     print("| config | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | tok/s | errors |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")

@@ -15,6 +15,7 @@
 #   bench   bench/bench.py: ours vs llama-bench on synthetic models (BENCH_MODELS=none: only BENCH_QWEN)
 #   parity  parity run against llama-server's Vulkan build on synthetic llama/qwen35/qwen35moe
 #   serve-bench  bench/serve.py: C = 1, 4, 16 streaming clients, ours vs llama-server
+#           (SERVE_TEMP=0.8: sampled replies instead of greedy ones)
 #   cmd     run $GPU_CMD (e.g. python3 bench/mv_probe.py --out $OUT/mv-probe.json)
 #   qwen35  the hybrid models' tests, and tests/gpu/hf_oracle_qwen35.py (transformers as oracle)
 # Everything the GPU machine lacks travels in .vk/: the Vulkan loader and the
@@ -140,7 +141,7 @@ run_stage() {
         case $C in 1) cfg=batch ;; 4) cfg=serial,slices,batch ;; *) cfg=serial,batch ;; esac
         cfg=${SERVE_CONFIGS:-$cfg}
         python3 bench/serve.py --model "$f" --clients "$C" --requests "${SERVE_REQUESTS:-2}" -n "${SERVE_TOKENS:-64}" \
-          --configs "$cfg" --llama-server /tmp/llb/bin/llama-server --llama-args="-ngl 99" \
+          --configs "$cfg" --llama-server /tmp/llb/bin/llama-server --llama-args="-ngl 99" ${SERVE_TEMP:+--temperature $SERVE_TEMP} \
           --json "$OUT/serve-c$C.json" 2>&1 | tee -a "$OUT/serve-bench.log" | tail -8
       done
       ;;
