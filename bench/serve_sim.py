@@ -3,7 +3,7 @@
 scheduler, tokenizer, SSE) whose engine computes nothing and takes the time a
 measured GPU step takes. Each step is "on the device" from when it is
 submitted (or the previous step ends, if later) for step_us(rows) and returns
-fixed greedy tokens; collect() sleeps until its step is done. So the aggregate
+fixed greedy tokens (or random logits rows, for sampled replies); collect() sleeps until its step is done. So the aggregate
 tok/s of serial and batch mode can be compared with what the simulated device
 allows (1 / step time x rows), and the server's losses found and fixed on a
 machine without the GPU.
@@ -44,6 +44,9 @@ def sim_engine_class():
             self.sim_stats = {"busy_s": 0.0, "idle_s": 0.0, "steps": 0, "chained": 0, "rows": {}, "trace": []}
             self._sim_busy = 0.0
             self._sim_tok = int(self.model.tokenizer.encode(" the")[-1])
+            # logits rows for sampled steps: random, so that the host's sampling
+            # costs what it costs on real rows (a sort of equal values is cheaper)
+            self._sim_logits = (np.random.default_rng(0).standard_normal((8, self.n_vocab)) * 3).astype(np.float32)
 
         def submit(self, tokens, positions, slots, out_rows=(), readback="argmax", chain=None):
             if len(self._sim_q) >= 2:
@@ -67,8 +70,7 @@ def sim_engine_class():
             if readback == "argmax":
                 res = np.full(len(out_rows), self._sim_tok, np.int64)
             elif readback == "logits":
-                res = np.zeros((len(out_rows), self.n_vocab), np.float32)
-                res[:, self._sim_tok] = 1.0
+                res = self._sim_logits[(np.arange(len(out_rows)) + st["steps"]) % len(self._sim_logits)]
             self._sim_q.append((self._sim_busy, res))
 
         def collect(self):
@@ -131,6 +133,8 @@ def main() -> int:
     ap.add_argument("--prompt-row-us", type=float, default=30.0)
     ap.add_argument("--configs", default="serial,batch")
     ap.add_argument("--model", default=None, help="GGUF for the tokenizer and KV cache (default: a tiny synth)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="> 0: sampled replies (logits read back, tokens drawn on the host, steps not chained)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--trace", default=None,
                     help="write every simulated step (submitted, device start and end in s, rows, chained) of "
@@ -170,7 +174,7 @@ def main() -> int:
         srv = Server(cmd, f"http://127.0.0.1:{port}", cwd=ROOT)
         try:
             run_load(srv.url, 1, 1, 8, args.prompt_words, 99)     # warm-up
-            r = run_load(srv.url, args.clients, args.requests, args.n, args.prompt_words, 0)
+            r = run_load(srv.url, args.clients, args.requests, args.n, args.prompt_words, 0, args.temperature)
         finally:
             srv.stop()
         for line in srv.log.read_text().splitlines():
