@@ -26,6 +26,40 @@ def _rows(rng):
     yield np.zeros(n, np.float32)                                     # all equal
 
 
+def _long_rows(rng):
+    """Vocabulary-sized rows (top_order's subsampled path)."""
+    n = 49152
+    yield (rng.standard_normal(n) * 3).astype(np.float32)
+    yield rng.integers(-3, 3, n).astype(np.float32)                   # thousands of ties at the top
+    x = rng.standard_normal(n)
+    x[rng.choice(n, 40, replace=False)] = 50.0                        # a tie across k = 40
+    yield x
+    x = rng.standard_normal(n).astype(np.float32)
+    x[np.arange(0, n, 16)[:50]] = np.nan                              # NaN among the sampled values
+    x[1::97] = np.nan                                                 # and elsewhere
+    yield x
+    x = rng.standard_normal(n).astype(np.float32)
+    x[3::16] = np.inf                                                 # the top is off the sample
+    x[rng.choice(n, 100, replace=False)] = -np.inf
+    yield x
+    x = np.full(n, np.nan, np.float32)                                # fewer non-NaN values than k
+    x[rng.choice(n, 20, replace=False)] = rng.standard_normal(20)
+    yield x
+    x = np.full(n, -np.inf, np.float32)
+    x[5] = 0.0
+    yield x
+    x = rng.standard_normal(n).astype(np.float32)                     # NaN on k - 1 sampled values and
+    x[np.arange(0, n, 16)[:39]] = np.nan                              # the row's maximum sampled: the
+    x[16 * 100] = 100.0                                               # cut keeps fewer than k = 40
+    yield x
+
+
+@pytest.mark.parametrize("k", [1, 40, 700])
+def test_top_order_equals_the_stable_sort_on_long_rows(rng, k):
+    for x in _long_rows(rng):
+        np.testing.assert_array_equal(top_order(x, k), np.argsort(-x, kind="stable")[:k])
+
+
 @pytest.mark.parametrize("k", [1, 2, 7, 40, 299, 300, 301, 0, -1])
 def test_top_order_equals_the_stable_sort(rng, k):
     for x in _rows(rng):
@@ -67,7 +101,7 @@ def test_sampler_draws_what_the_full_sort_drew(rng, params):
     s = Sampler(p)
     ref_rng = np.random.default_rng(p.seed)
     for i in range(60):
-        x = (rng.standard_normal(2000) * 2).astype(np.float32)
+        x = (rng.standard_normal(2000 if i % 2 else 49152) * 2).astype(np.float32)
         if i % 3 == 1:
             x = np.round(x).astype(np.float32)                         # ties at the top-k boundary
         assert s(x, []) == _reference_draw(p, ref_rng, x)

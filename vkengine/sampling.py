@@ -11,15 +11,8 @@ import numpy as np
 from .errors import VkEngineError
 
 
-def top_order(x: np.ndarray, k: int) -> np.ndarray:
-    """The indices of x's k largest values, largest first, ties in index order:
-    exactly np.argsort(-x, kind="stable")[:k] (k <= 0: every index), in O(n)
-    for the k-selection instead of a full sort. A 49,152-token vocabulary:
-    5.8 ms -> ~0.2 ms a row on this project's 2-core machine, which the engine
-    thread pays for every sampled row of every step (nothing else runs then)."""
-    n = x.shape[0]
-    if k <= 0 or k >= n:
-        return np.argsort(-x, kind="stable")[: (k if k > 0 else n)]
+def _top_exact(x: np.ndarray, k: int) -> np.ndarray:
+    """top_order by argpartition of the whole of x (0 < k < len(x))."""
     part = np.argpartition(-x, k - 1)[:k]
     thr = x[part].min()
     if np.isnan(thr):                     # fewer than k non-NaN values: the sort's order
@@ -28,6 +21,31 @@ def top_order(x: np.ndarray, k: int) -> np.ndarray:
     ties = np.flatnonzero(x == thr)[: k - above.size]
     cand = np.union1d(above, ties)        # sorted by index
     return cand[np.argsort(-x[cand], kind="stable")]
+
+
+def top_order(x: np.ndarray, k: int) -> np.ndarray:
+    """The indices of x's k largest values, largest first, ties in index order:
+    exactly np.argsort(-x, kind="stable")[:k] (k <= 0: every index), without
+    sorting x. A long row is first cut to the values at or above a threshold
+    lo, the k-th largest of every 16th value (about 16k values pass): when at
+    least k values are >= lo, x's k-th largest is too, so the cut keeps the
+    top k and every tie of the k-th, in index order, and selecting among them
+    gives the same order. (A NaN lo passes nothing: the exact path runs.) A
+    49,152-token vocabulary, k = 40: 5.8 ms (the full sort) -> ~0.1 ms a row
+    on this project's 2-core machine; the engine thread pays it for every
+    sampled row of every step."""
+    n = x.shape[0]
+    if k <= 0 or k >= n:
+        return np.argsort(-x, kind="stable")[: (k if k > 0 else n)]
+    if n >= 64 * k:
+        smp = x[::16]
+        lo = np.partition(smp, smp.size - k)[smp.size - k]
+        cand = np.flatnonzero(x >= lo)    # index order; NaN never passes
+        if cand.size > k:
+            return cand[_top_exact(x[cand], k)]
+        if cand.size == k:
+            return cand[np.argsort(-x[cand], kind="stable")]
+    return _top_exact(x, k)
 
 
 @dataclass(frozen=True)
