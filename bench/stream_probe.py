@@ -172,12 +172,11 @@ def main(argv=None) -> int:
         total = sum(b for _, b in ops)
         arena = Arena(dev, total // 2, min(1 << 30, dev.max_buffer_bytes) // 4096 * 4096)
         row = {"model": Path(m).name, "dispatches": len(ops), "bytes": total, "position": args.position,
-               "repeat": args.repeat,
-               "modes": {}}
-        modes = ("step", "no-barrier", "per-layer", "one")
-        progs = {mode: (build(dev, kn, arena, ops, mode, args.repeat), build(dev, kn, arena, ops, mode, args.repeat)[0])
-                 for mode in modes}
-        progs = {mode: (a, b, n) for mode, ((a, n), b) in progs.items()}
+               "repeat": args.repeat, "modes": {}}
+        progs = {}   # mode -> (the program, its twin for chaining, dispatches a step)
+        for mode in ("step", "no-barrier", "per-layer", "one"):
+            a, n = build(dev, kn, arena, ops, mode, args.repeat)
+            progs[mode] = (a, build(dev, kn, arena, ops, mode, args.repeat)[0], n)
         times = {mode: [] for mode in progs}
         for a, b, _ in progs.values():
             a.run()
