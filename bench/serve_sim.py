@@ -49,8 +49,8 @@ def sim_engine_class():
             self._sim_logits = (np.random.default_rng(0).standard_normal((8, self.n_vocab)) * 3).astype(np.float32)
 
         def submit(self, tokens, positions, slots, out_rows=(), readback="argmax", chain=None):
-            if len(self._sim_q) >= 2:
-                raise RuntimeError("two steps are already in flight")
+            if len(self._sim_q) >= self.max_in_flight:
+                raise RuntimeError(f"{self.max_in_flight} steps are already in flight")
             n = len(tokens)
             us = self.step_us[0] + self.step_us[1] * min(n, self.n_slots) + self.prompt_row_us * max(0, n - self.n_slots)
             now = time.perf_counter()
@@ -110,7 +110,7 @@ def serve(args) -> int:
     SimEngine.prompt_row_us = args.prompt_row_us
     SimEngine.trace = bool(args.trace)
     eng = SimEngine(model, Device(0), EngineConfig(n_slots=n_slots, n_ctx=args.ctx, max_batch=cfg.step_tokens,
-                                                   max_out=n_slots))
+                                                   max_out=n_slots, max_in_flight=args.in_flight))
     eng._sim_init()
     metrics = Metrics(n_slots, cfg.max_live)
     worker = Worker(eng, cfg, metrics)
@@ -145,6 +145,7 @@ def main() -> int:
     ap.add_argument("--parallel", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--mode", default="batch", help=argparse.SUPPRESS)
     ap.add_argument("--ctx", type=int, default=1024, help=argparse.SUPPRESS)
+    ap.add_argument("--in-flight", type=int, default=3, help="steps the engine may have in flight (the server's 3)")
     ap.add_argument("--quantum", type=int, default=8, help=argparse.SUPPRESS)
     ap.add_argument("--step-tokens", type=int, default=64, help=argparse.SUPPRESS)
     ap.add_argument("--max-queue", type=int, default=64, help=argparse.SUPPRESS)
@@ -168,7 +169,8 @@ def main() -> int:
         port = free_port()
         cmd = [sys.executable, __file__, "--serve", "--port", str(port), "--parallel", str(par), "--mode",
                "batch" if cfgname == "serial" else cfgname, "--model", model, "--step-us", args.step_us,
-               "--prompt-row-us", str(args.prompt_row_us), "--max-queue", str(max(64, args.clients))]
+               "--prompt-row-us", str(args.prompt_row_us), "--max-queue", str(max(64, args.clients)),
+               "--in-flight", str(args.in_flight)]
         if args.trace:
             cmd.append("--trace=1")
         srv = Server(cmd, f"http://127.0.0.1:{port}", cwd=ROOT)

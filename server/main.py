@@ -67,7 +67,7 @@ def build(args):
     model = load_model(args.model)
     dev = Device(_device_index(args))
     eng = Engine(model, dev, EngineConfig(n_slots=n_slots, n_ctx=args.ctx, max_batch=cfg.step_tokens,
-                                          max_out=n_slots))
+                                          max_out=n_slots, max_in_flight=3))
     if eng.max_batch < cfg.step_tokens:
         raise VkEngineError(f"--step-tokens {cfg.step_tokens} does not fit the device's buffers; "
                             f"use at most {eng.max_batch}")

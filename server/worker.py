@@ -156,6 +156,8 @@ class Worker:
         self._deadline: float | None = None
         self._inflight: deque[Step] = deque()  # steps on the device, oldest first
         self.chain = engine.can_chain        # chain greedy decode steps (see run_once)
+        # steps on the device at once: the running one and the chained ones queued behind it
+        self.depth = max(1, getattr(engine, "max_in_flight", 2)) if self.chain else 1
         self.chained_steps = 0
         self._finish_after: list[Seq] = []    # failed while their row was on the device
         self._stopping = False
@@ -258,19 +260,21 @@ class Worker:
         before the next step is composed, so a finished sequence never enters
         it.
 
-        Chaining: when the step on the device is greedy decode of running
-        sequences only and nobody waits to be admitted, the step after it is
-        submitted before this one is collected, reading its tokens from the
-        device's greedy output, so the GPU goes from step to step without
-        waiting for the host. A sequence whose token turns out to end it had a
-        row in that next step: the row is computed, its token dropped, and its
-        slot records one more position (Scheduler.finish). False when there was
-        nothing to run."""
+        Chaining: when the newest step on the device is greedy decode of
+        running sequences only and nobody waits to be admitted, the step after
+        it is submitted before the oldest is collected, reading its tokens
+        from the device's greedy output, so the GPU goes from step to step
+        without waiting for the host; up to the engine's max_in_flight steps
+        (the server's engine: 3, so two wait behind the running one and a
+        host that is late by up to a step costs the GPU nothing). A sequence
+        whose token turns out to end it had a row in each chained step: the
+        rows are computed, their tokens dropped; its slot keeps the tokens it
+        has (Scheduler.finish). False when there was nothing to run."""
         late: list[tuple[Job, int, Event, float]] = []
         ran = bool(self._inflight)
         if ran:
-            if len(self._inflight) == 1:
-                self._chain()
+            while len(self._inflight) < self.depth and self._chain():
+                pass
             self._collect_oldest(late)
         self._drain_inbox()
         if self._deadline is not None and time.monotonic() >= self._deadline:
@@ -297,26 +301,29 @@ class Worker:
         self._publish()
         return ran or batch is not None
 
-    def _chain(self) -> None:
-        """Submit the decode step that follows the one in flight, if it may (run_once)."""
-        batch, outs, readback, _, _ = self._inflight[0]
+    def _chain(self) -> bool:
+        """Submit the decode step that follows the newest one in flight, if it
+        may (run_once); whether it did."""
+        batch, outs, readback, _, _ = self._inflight[-1]
         if not self.chain or readback != "argmax" or self._inbox or \
                 (self.sched.waiting and len(self.sched.live) < self.cfg.max_live):
-            return
+            return False
 
-        def done(seq: Seq) -> bool:       # the token in flight is certainly its last
+        def done(seq: Seq) -> bool:       # the newest token in flight is certainly its last
             job = seq.data
-            made = len(seq.tokens) - seq.n_prompt + 1
-            return job.done or made >= job.req.max_tokens or len(seq.tokens) >= self.eng.n_ctx
+            ahead = sum(1 for st in self._inflight for s in st.outs if s is seq)   # its tokens in flight
+            made = len(seq.tokens) - seq.n_prompt + ahead
+            return job.done or made >= job.req.max_tokens or len(seq.tokens) + ahead - 1 >= self.eng.n_ctx
         nxt = self.sched.chain(batch, done)
         if nxt is None:
-            return
+            return False
         index = {id(s): j for j, s in enumerate(outs)}
         chain = [index[id(w.seq)] for w in nxt.work]
         n = len(nxt.work)
         self.eng.submit([0] * n, nxt.positions, nxt.slots, list(range(n)), "argmax", chain=chain)
         self._inflight.append(Step(nxt, nxt.out_seqs, "argmax", time.perf_counter(), True))
         self.chained_steps += 1
+        return True
 
     def _collect_oldest(self, late: list) -> None:
         """Wait for the oldest step on the device, account for its rows, and

@@ -50,11 +50,12 @@ def alone(eng, prompt, n, sp):
     return [s.token for s in steps], "".join(s.text for s in steps)
 
 
-def run_interleaved(device, model, cfg, reqs, gap=3, setup=None):
+def run_interleaved(device, model, cfg, reqs, gap=3, setup=None, in_flight=3):
     """Submit one request every `gap` steps; returns (tokens, text, job) per request.
-    setup(engine) adjusts the engine first (e.g. its kernels)."""
+    setup(engine) adjusts the engine first (e.g. its kernels). in_flight: the
+    engine's max_in_flight (the server's 3 by default)."""
     eng = Engine(model, device, EngineConfig(n_slots=cfg.n_slots, n_ctx=CTX, max_batch=cfg.step_tokens,
-                                             max_out=cfg.n_slots))
+                                             max_out=cfg.n_slots, max_in_flight=in_flight))
     if setup is not None:
         setup(eng)
     w = Worker(eng, cfg)
@@ -95,6 +96,51 @@ def test_interleaved_equals_alone(device, tiny_model, ref_engine, mode, sampling
 def _gpu_xq8(eng):
     """The GPUs' decode path with the XQ8 matvecs, on whatever device runs the tests."""
     eng.kernels.split_k, eng.kernels.multi_column_from, eng.kernels.xq8 = True, 2, True
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLING))
+def test_two_in_flight_equals_alone(device, tiny_model, ref_engine, sampling):
+    """The engine's default of two steps in flight (one chained step queued
+    behind the running one) gives the same tokens as three."""
+    tok = tiny_model.tokenizer
+    reqs = [GenRequest(tok.encode(t), n, sp, ignore_eos=True) for t, n, sp in zip(TEXTS, N_TOKENS, SAMPLING[sampling])]
+    got, w = run_interleaved(device, tiny_model, CONFIGS["batch"], reqs, in_flight=2)
+    assert w.depth == 2
+    for r, (toks, text, job) in zip(reqs, got):
+        assert (toks, text) == alone(ref_engine, r.prompt, r.max_tokens, r.sampling)
+
+
+def test_rows_past_a_stop_leave_the_cached_prefix_right(device, tiny_model, ref_engine):
+    """With three steps in flight, a stream that a stop string ends had two
+    chained rows past its last token on the device; the second one's input is
+    a token the stream never gets. The slot keeps only the stream's tokens, so
+    the next request, whose prompt is that whole stream and more, reuses all
+    of it and still gets the tokens of its own run alone."""
+    tok = tiny_model.tokenizer
+    eng = Engine(tiny_model, device, EngineConfig(n_slots=1, n_ctx=CTX, max_batch=16, max_out=1, max_in_flight=3))
+    w = Worker(eng, CONFIGS["batch"].__class__(n_slots=1, max_live=1, step_tokens=16))
+    assert w.depth == 3
+    deepest, submit = [0], eng.submit
+
+    def counting_submit(*a, **k):
+        submit(*a, **k)
+        deepest[0] = max(deepest[0], eng.in_flight)
+    eng.submit = counting_submit
+    p = tok.encode(TEXTS[0])
+    _, full_text = alone(ref_engine, p, 30, SamplingParams())
+    stop = full_text[12:15]
+    events: list[Event] = []
+    job = w.submit(GenRequest(p, 30, stop=(stop,)), events.append)
+    w.run_until_idle()
+    assert job.finish == "stop" and deepest[0] == 3
+    first = list(job.seq.tokens)
+    assert len(first) - len(p) < 29                  # it ended early, with rows still chained
+    p2 = first + tok.encode(" and then")
+    events2: list[Event] = []
+    job2 = w.submit(GenRequest(p2, 8, ignore_eos=True), events2.append)
+    w.run_until_idle()
+    assert job2.seq.cache_hit >= len(first) - 1      # the whole first stream, from the slot
+    assert [e.token for e in events2 if e.token is not None] == alone(ref_engine, p2, 8, SamplingParams())[0]
 
 
 def test_xq8_interleaved_equals_alone(device, tiny_model):

@@ -37,7 +37,9 @@ class EngineConfig:
     n_ctx: int | None = None  # positions per slot (default: min(training context, 4096))
     max_batch: int = 256      # token rows per step (prefill chunk size)
     max_out: int = 16         # rows whose logits one step can produce
-    program_cache: int = 160  # recorded steps kept (LRU)
+    program_cache: int = 0    # recorded steps kept (LRU); 0: 80 per step that may be in flight
+    max_in_flight: int = 2    # steps submitted and not yet collected (2 or 3; models with
+                              # recurrent state take 2: see Engine.max_in_flight)
 
 
 class _Submitted(NamedTuple):
@@ -90,11 +92,22 @@ class Engine:
                 device.upload(self.scratch.buf, np.zeros(self.scratch.strides[name] * self.max_out, np.uint32),
                               self.scratch.offsets[name] * 4)
         self.layout = ParamsLayout(max_rows, self.max_out)
-        # two host params buffers, used in turn, so that a step can be written
-        # and submitted while the previous one still runs (chained steps)
-        self._params = [device.buffer(self.layout.words * 4, "host", f"params-{i}") for i in range(2)]
+        # a host params buffer per step that may be in flight, used in turn, so
+        # that a step can be written and submitted while the ones before it
+        # still run (chained steps). Three in flight (a server: two steps queued
+        # behind the running one) only without recurrent state: a sequence that
+        # ends has up to two chained rows past its last token, and the second
+        # one's input is a token the sequence never gets; a KV row at a position
+        # past the sequence is never read (Scheduler.finish keeps the tokens it
+        # has), but a recurrent state would have taken that token in.
+        if cfg.max_in_flight not in (2, 3):
+            raise VkEngineError("max_in_flight is 2 or 3")
+        self.max_in_flight = 2 if getattr(self.kv, "begin_step", None) is not None else cfg.max_in_flight
+        self._params = [device.buffer(self.layout.words * 4, "host", f"params-{i}")
+                        for i in range(self.max_in_flight)]
         self.params = self._params[0]
         self._next_params = 0
+        self.program_cache = cfg.program_cache or 80 * self.max_in_flight
         self.params_dev = device.buffer(self.layout.words * 4, "device", "params-dev")
         self.logits_host = device.buffer(self.max_out * a.n_vocab * 4, "host", "logits")
         self._programs: OrderedDict[tuple, object] = OrderedDict()
@@ -150,7 +163,7 @@ class Engine:
 
     @property
     def n_programs(self) -> int:
-        """Recorded steps kept (one per shape, at most cfg.program_cache): host memory that grows with
+        """Recorded steps kept (one per shape, at most program_cache): host memory that grows with
         the shapes a server meets, then levels off."""
         return len(self._programs)
 
@@ -166,7 +179,7 @@ class Engine:
             return prog
         prog = self._record(n, n_out, readback, buf=buf, chain=chain)
         self._programs[key] = prog
-        if len(self._programs) > self.cfg.program_cache:
+        if len(self._programs) > self.program_cache:
             self._programs.popitem(last=False)
         return prog
 
@@ -212,19 +225,20 @@ class Engine:
         (recorded first, so that they are the first it lets go).
         Returns the number of programs recorded."""
         decode = [(n, 1, "argmax", 0, ()) for n in sorted({min(9, self.max_batch), self.max_batch})]
-        # four programs per row count; keep them within half the program cache
-        for n in range(1, min(max_rows, self.max_out, self.max_batch, self.cfg.program_cache // 8) + 1):
-            for buf in (0, 1):
+        # two programs per row count and params buffer; keep them within half the program cache
+        top = min(max_rows, self.max_out, self.max_batch, self.program_cache // (4 * len(self._params)))
+        for n in range(1, top + 1):
+            for buf in range(len(self._params)):
                 for chain in ((), tuple(range(n))) if self.can_chain else ((),):
                     decode.append((n, n, "argmax", buf, chain))   # the key order of _program's arguments
         prompt = []
         if self.pad_steps:
             top = min(prompt_rows, self.max_batch)
             for n in sorted({self.step_rows(n) for n in range(self.STEP_EXACT + 1, top + 1)}):
-                for buf in (0, 1):
+                for buf in range(len(self._params)):
                     prompt.append((n, 0, "none", buf, ()))
                     prompt += [(n, k, "argmax", buf, ()) for k in range(1, min(max_rows, self.max_out, 4) + 1)]
-        keys = prompt[:max(0, self.cfg.program_cache - len(decode) - 8)] + decode
+        keys = prompt[:max(0, self.program_cache - len(decode) - 8)] + decode
         n_rec = 0
         for key in keys:
             if key not in self._programs:
@@ -310,7 +324,7 @@ class Engine:
 
     @property
     def in_flight(self) -> int:
-        """Steps submitted and not yet collected (0, 1 or 2)."""
+        """Steps submitted and not yet collected (0 .. max_in_flight)."""
         return len(self._inflight)
 
     def submit(self, tokens, positions, slots, out_rows=(), readback: str = "argmax",
@@ -320,13 +334,13 @@ class Engine:
         delivering the previous step's text) overlaps the GPU's; collect()
         waits and returns the steps' readbacks in submission order.
 
-        A second step may be submitted while one is in flight (neither reading
-        logits back), so the GPU goes from one to the next without waiting for
-        the host. chain[i] = j makes row i's token the greedy token of output
-        row j of the step in flight (tokens[i] is then ignored): the next decode
+        Up to max_in_flight steps may be in flight (none reading logits back),
+        so the GPU goes from one to the next without waiting for the host.
+        chain[i] = j makes row i's token the greedy token of output row j of
+        the newest step in flight (tokens[i] is then ignored): the next decode
         step of running sequences can start before their tokens reach the host."""
-        if len(self._inflight) >= 2:
-            raise RuntimeError("two steps are already in flight: collect() one first")
+        if len(self._inflight) >= self.max_in_flight:
+            raise RuntimeError(f"{self.max_in_flight} steps are already in flight: collect() one first")
         if self._inflight and (self._inflight[-1].readback == "logits" or readback == "logits"):
             raise RuntimeError("a step that reads logits back runs alone: collect() the step in flight first")
         n, n_out = len(tokens), len(out_rows)
@@ -376,7 +390,7 @@ class Engine:
                 slt = np.concatenate([slt, np.full(n_run - n, s, np.int64)])
                 n = n_run
         buf = self._next_params
-        self._next_params ^= 1
+        self._next_params = (buf + 1) % len(self._params)
         pl, prm = self.layout, self._params[buf].array()
         prm[pl.tokens:pl.tokens + n] = tok
         prm[pl.positions:pl.positions + n] = pos
