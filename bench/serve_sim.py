@@ -3,10 +3,10 @@
 scheduler, tokenizer, SSE) whose engine computes nothing and takes the time a
 measured GPU step takes. Each step is "on the device" from when it is
 submitted (or the previous step ends, if later) for step_us(rows) and returns
-fixed greedy tokens (or random logits rows, for sampled replies); collect() sleeps until its step is done. So the aggregate
-tok/s of serial and batch mode can be compared with what the simulated device
-allows (1 / step time x rows), and the server's losses found and fixed on a
-machine without the GPU.
+fixed greedy tokens (or random logits rows, for sampled replies); collect()
+sleeps until its step is done. So the aggregate tok/s of serial and batch mode
+can be compared with what the simulated device allows (1 / step time x rows),
+and the server's losses found and fixed on a machine without the GPU.
 
     .venv/bin/python bench/serve_sim.py --clients 4 -n 256
     (default timings: the H200's 1B Q8_0 figures of docs/bench/notes.md run 10:

@@ -157,7 +157,7 @@ class Worker:
         self._inflight: deque[Step] = deque()  # steps on the device, oldest first
         self.chain = engine.can_chain        # chain greedy decode steps (see run_once)
         # steps on the device at once: the running one and the chained ones queued behind it
-        self.depth = max(1, getattr(engine, "max_in_flight", 2)) if self.chain else 1
+        self.depth = engine.max_in_flight if self.chain else 1
         self.chained_steps = 0
         self._finish_after: list[Seq] = []    # failed while their row was on the device
         self._stopping = False
