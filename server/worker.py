@@ -23,6 +23,7 @@ import numpy as np
 
 from vkengine.engine import Engine
 from vkengine.errors import VkEngineError
+from vkengine.kernels import Kernels
 from vkengine.generate import OutputStream
 from vkengine.sampling import Sampler, SamplingParams, top_order
 
@@ -75,10 +76,22 @@ class Job:
     finish: str | None = None
     stop_type: str = "none"               # llama-server's: eos | word | limit | none
     done: bool = False
+    on_device: bool = False               # its tokens are drawn on the device (Worker.submit)
 
     @property
     def needs_logits(self) -> bool:
-        return self.req.sampling.needs_logits or self.req.n_probs > 0
+        """Its rows read their logits back (the host samples or reports log-probabilities)."""
+        return not self.on_device and (self.req.sampling.needs_logits or self.req.n_probs > 0)
+
+    def sampling_row(self) -> tuple[float, int, float, float, float]:
+        """Its output row's sampling params for Engine.submit(sampling=...): a
+        draw on the device takes the next uniform of the request's generator
+        (one a token, as Sampler's draw takes), so its tokens do not depend on
+        the steps it shares; other rows are greedy there (their token is taken
+        on the host when they need one)."""
+        if not self.on_device:
+            return (0.0, 1, 1.0, 0.0, 0.0)
+        return self.req.sampling.device_row(self.sampler.uniform())
 
 
 class Step(NamedTuple):
@@ -159,6 +172,7 @@ class Worker:
         # steps on the device at once: the running one and the chained ones queued behind it
         self.depth = engine.max_in_flight if self.chain else 1
         self.chained_steps = 0
+        self.device_sampling = getattr(engine, "can_sample", False)   # sampled replies drawn on the device
         self._finish_after: list[Seq] = []    # failed while their row was on the device
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -173,6 +187,9 @@ class Worker:
             raise VkEngineError(f"the prompt has {len(prompt)} tokens; the context length is {self.eng.n_ctx}")
         out = OutputStream(self.eng.model.tokenizer, req.max_tokens, req.stop, req.ignore_eos)
         job = Job(req, emit, Seq(prompt, use_cache=req.use_cache), Sampler(req.sampling), out)
+        # drawn on the device, where steps chain (no log-probabilities: they need the logits)
+        job.on_device = (self.device_sampling and req.sampling.drawn_on_device(Kernels.SAMPLE_K)
+                         and req.n_probs == 0)
         job.seq.data = job
         with self._cv:
             if not self._accepting:
@@ -293,19 +310,30 @@ class Worker:
             batch = self.sched.schedule()
         if batch is not None:
             outs = batch.out_seqs
-            readback = "logits" if any(s.data.needs_logits for s in outs) else "argmax"
-            self.eng.submit(batch.tokens, batch.positions, batch.slots, batch.out_rows, readback)
+            readback, sampling = self._readback(outs)
+            if any(s.data.needs_logits for s in outs):
+                readback = "sample+logits" if readback == "sample" else "logits"
+            self.eng.submit(batch.tokens, batch.positions, batch.slots, batch.out_rows, readback,
+                            sampling=sampling)
             self._inflight.append(Step(batch, outs, readback, time.perf_counter(), False))
         for job, tok, ev, now in late:
             self._guard(job.seq, self._deliver, job, tok, ev, now)
         self._publish()
         return ran or batch is not None
 
+    @staticmethod
+    def _readback(outs: list[Seq]) -> tuple[str, list | None]:
+        """A step's readback as far as its rows' tokens go ("sample" when one
+        is drawn on the device, else "argmax") and its sampling rows."""
+        if any(s.data.on_device for s in outs):
+            return "sample", [s.data.sampling_row() for s in outs]
+        return "argmax", None
+
     def _chain(self) -> bool:
         """Submit the decode step that follows the newest one in flight, if it
         may (run_once); whether it did."""
         batch, outs, readback, _, _ = self._inflight[-1]
-        if not self.chain or readback != "argmax" or self._inbox or \
+        if not self.chain or readback not in ("argmax", "sample") or self._inbox or \
                 (self.sched.waiting and len(self.sched.live) < self.cfg.max_live):
             return False
 
@@ -320,8 +348,9 @@ class Worker:
         index = {id(s): j for j, s in enumerate(outs)}
         chain = [index[id(w.seq)] for w in nxt.work]
         n = len(nxt.work)
-        self.eng.submit([0] * n, nxt.positions, nxt.slots, list(range(n)), "argmax", chain=chain)
-        self._inflight.append(Step(nxt, nxt.out_seqs, "argmax", time.perf_counter(), True))
+        readback, sampling = self._readback(nxt.out_seqs)
+        self.eng.submit([0] * n, nxt.positions, nxt.slots, list(range(n)), readback, chain=chain, sampling=sampling)
+        self._inflight.append(Step(nxt, nxt.out_seqs, readback, time.perf_counter(), True))
         self.chained_steps += 1
         return True
 
@@ -339,6 +368,8 @@ class Worker:
             if not any(w.seq is seq for st in self._inflight for w in st.batch.work):
                 self.sched.finish(seq)
         self._finish_after = [q for q in self._finish_after if q.state != "finished"]
+        if readback == "sample+logits":      # (tokens, logits): a pair a row
+            res = list(zip(*res))
         for seq, r in zip(outs, res if res is not None else ()):
             self._guard(seq, self._take, seq.data, r, readback, now, late)
         if self._inflight and self._inflight[0].chained:    # the chained step now knows its tokens
@@ -390,7 +421,11 @@ class Worker:
         if job.done:
             return
         ev = Event()
-        if readback == "argmax":
+        if readback == "sample+logits":
+            t, r = r
+            if job.on_device:
+                readback, r = "sample", t
+        if readback in ("argmax", "sample"):
             tok = int(r)
         else:
             tok = job.sampler(r, seq.tokens) if job.req.sampling.needs_logits else int(np.argmax(r))

@@ -193,6 +193,7 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
     for hd in ATTN_MC_HEAD_DIMS:
         t[f"attention_mc_d{hd}"] = ("attention_mc.comp", {"HD": hd, "NSG": ATTN_MC_NSG, EXT_DEFINE: 1})
     for op in ("rms_norm", "rope_kv", "attention", "swiglu", "add", "softmax", "argmax_part", "argmax", "copy",
+               "topk_part", "sample",
                "to_f16", "reduce_k"):
         t[op] = (f"{op}.comp", {})
     t["quantize_q8"] = ("quantize_q8.comp", {})   # x for the XQ8 matvecs

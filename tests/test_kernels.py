@@ -900,3 +900,87 @@ def test_copy(device, kernels, rng):
     assert (got[8:8 + n] == data).all() and (got[:8] == 7).all() and (got[8 + n:] == 7).all()
     device.free(a)
     device.free(b)
+
+
+# -- sampling on the device (topk_part.comp + sample.comp) ------------------------
+
+def _sample_ref(x: np.ndarray, temp: float, top_k: int, top_p: float, min_p: float, u: float):
+    """Sampler's draw (vkengine/sampling.py) with the uniform u given: the token,
+    and the candidates' cdf (to keep u away from a boundary)."""
+    from vkengine.sampling import top_order
+    idx = top_order(x, top_k)
+    if temp <= 0:
+        return int(idx[0]), None
+    lg = x[idx].astype(np.float64)
+    probs = np.exp(lg - lg[0])
+    probs /= probs.sum()
+    if top_p < 1.0:
+        keep = int(np.searchsorted(np.cumsum(probs), top_p) + 1)
+        idx, lg, probs = idx[:keep], lg[:keep], probs[:keep]
+    if min_p > 0.0:
+        keep = probs >= min_p * probs[0]
+        idx, lg = idx[keep], lg[keep]
+    pr = np.exp(lg / temp - (lg / temp).max())
+    cdf = np.cumsum(pr / pr.sum())
+    cdf /= cdf[-1]
+    return int(idx[np.searchsorted(cdf, u, side="right")]), cdf
+
+
+def _run_sample(device, kernels, ws, x, n, stride, rows_params):
+    rows = len(rows_params)
+    xr = ws.act_region(rows * stride, x)
+    tmp = ws.act_region(kernels.sample_tmp_words(n, rows))
+    samp_off, out_off = 1000, 600
+    words = np.zeros(kernels.SAMPLE_WORDS * rows, np.uint32)
+    for r, (t, k, tp, mp, u) in enumerate(rows_params):
+        w = words[r * kernels.SAMPLE_WORDS:]
+        w[0], w[2], w[3], w[4] = (np.float32(v).view(np.uint32) for v in (t, tp, mp, u))
+        w[1] = k
+    ws.params.array()[samp_off:samp_off + words.size] = words
+    prog = device.program()
+    kernels.sample(prog, xr, stride, n, rows, ws.params, samp_off, out_off, tmp)
+    prog.run()
+    return ws.params.array()[out_off:out_off + rows].astype(np.int64)
+
+
+def test_sample_greedy_and_top_k(device, kernels, ws, rng):
+    """temperature 0: the argmax (ties: lowest index); a tiny top_p keeps only
+    the best; the k candidates and their order match top_order."""
+    n, stride = 49157, 49160
+    rows = 6
+    x = np.zeros((rows, stride), np.float32)
+    x[:, :n] = rng.standard_normal((rows, n)) * 3
+    x[:, n:] = 1e9                                   # beyond n: ignored
+    x[1, 777] = x[1, 30000] = 40.0                   # tie: lowest index
+    x[2, :n] = -2.0                                  # all equal
+    x[3, 5:n:7] = np.nan                             # NaN never taken
+    params = [(0.0, 40, 0.95, 0.05, 0.5), (0.0, 40, 0.95, 0.05, 0.5), (0.0, 40, 0.95, 0.05, 0.5),
+              (0.0, 40, 0.95, 0.05, 0.5), (1.0, 64, 1e-6, 0.0, 0.99), (0.7, 1, 1.0, 0.0, 0.99)]
+    got = _run_sample(device, kernels, ws, x, n, stride, params)
+    xs = np.where(np.isnan(x[:, :n]), -np.inf, x[:, :n])
+    assert list(got) == [int(r.argmax()) for r in xs]
+
+
+def test_sample_draw_matches_sampler(device, kernels, ws, rng):
+    """Sampled rows (temperature, top-k, top-p, min-p) draw Sampler's token for
+    the same u; u is put mid-way between two cdf values so that float32 and
+    float64 sums cannot disagree."""
+    from vkengine.kernels import Kernels
+    n = 49152
+    cases = [(0.8, 40, 0.95, 0.05), (1.0, 64, 1.0, 0.0), (0.3, 10, 0.9, 0.0), (1.5, 50, 1.0, 0.1),
+             (2.0, 64, 0.5, 0.0), (1e-30, 40, 0.95, 0.05), (1.0, 3, 1.0, 0.0), (0.9, 64, 0.99, 0.01)]
+    rows = len(cases)
+    x = (rng.standard_normal((rows, n)) * 2.5).astype(np.float32)
+    x[:, rng.integers(0, n, 20)] += 6.0              # a few strong candidates, spread over the slices
+    params, want = [], []
+    for r, (t, k, tp, mp) in enumerate(cases):
+        _, cdf = _sample_ref(x[r], t, k, tp, mp, 0.0)
+        width = np.diff(cdf, prepend=0.0)
+        ok = np.flatnonzero(width > 1e-4)             # intervals float32 cannot blur
+        j = int(ok[rng.integers(0, ok.size)])
+        u = cdf[j] - width[j] / 2                    # inside candidate j's interval
+        params.append((t, k, tp, mp, u))
+        want.append(_sample_ref(x[r], t, k, tp, mp, u)[0])
+    assert Kernels.SAMPLE_K == 64
+    got = _run_sample(device, kernels, ws, x, n, n, params)
+    assert list(got) == want

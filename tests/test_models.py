@@ -311,3 +311,63 @@ def test_smollm2_generates_paris(smollm):
     ids = m.tokenizer.encode("The capital of France is")
     text = "".join(s.text for s in generate(eng, ids, 4))
     assert "Paris" in text
+
+
+def test_sampling_on_the_device_matches_the_host(device, tiny_models):
+    """Engine readback "sample": temperature 0 gives the argmax; sampled rows
+    draw what Sampler draws from the same logits with the same uniform (put
+    inside a candidate's cdf interval); a chained step reads sampled tokens as
+    it reads greedy ones; "sample+logits" returns both."""
+    from vkengine.kernels import Kernels
+    from .test_kernels import _sample_ref
+    m, eng = _engine(device, tiny_models["q8_0"]["gguf"])
+    assert eng.can_sample
+    ids = m.tokenizer.encode(PROMPT)
+    n = len(ids)
+    lg = eng.step(ids, range(n), [0] * n, [n - 3, n - 2, n - 1], "logits")
+    rng = np.random.default_rng(5)
+    params = [(0.0, 40, 0.95, 0.05), (0.8, 40, 0.95, 0.05), (1.2, Kernels.SAMPLE_K, 1.0, 0.0)]
+    rows, want = [], []
+    for r, (t, k, tp, mp) in zip(lg, params):
+        if t == 0:
+            rows.append((t, k, tp, mp, 0.5))
+            want.append(int(np.argmax(r)))
+            continue
+        _, cdf = _sample_ref(r, t, k, tp, mp, 0.0)
+        width = np.diff(cdf, prepend=0.0)
+        ok = np.flatnonzero(width > 1e-4)
+        j = int(ok[rng.integers(0, ok.size)])
+        u = float(cdf[j] - width[j] / 2)
+        rows.append((t, k, tp, mp, u))
+        want.append(_sample_ref(r, t, k, tp, mp, u)[0])
+    got = eng.step(ids, range(n), [0] * n, [n - 3, n - 2, n - 1], "sample", sampling=rows)
+    assert list(got) == want
+    toks, lg2 = eng.step(ids, range(n), [0] * n, [n - 3, n - 2, n - 1], "sample+logits", sampling=rows)
+    assert list(toks) == want
+    np.testing.assert_array_equal(lg2, lg)
+    # chained: the next step's row reads the sampled token of output row 2
+    eng.submit(ids, range(n), [0] * n, [n - 1], "sample", sampling=[rows[2]])
+    eng.submit([0], [n], [0], [0], "argmax", chain=[0])
+    first, second = eng.collect(), eng.collect()
+    assert int(first[0]) == want[2]
+    assert int(second[0]) == int(eng.step([want[2]], [n], [0], [0])[0])
+    with pytest.raises(ValueError):
+        eng.step([1], [0], [0], [0], "sample", sampling=[(0.8, 0, 0.95, 0.05, 0.5)])   # top_k 0
+    with pytest.raises(ValueError):
+        eng.step([1], [0], [0], [0], "sample")                                        # no sampling rows
+
+
+def test_device_and_host_sampling_agree(device, tiny_models):
+    """A seeded sampled reply drawn on the device is the one the host's Sampler
+    draws (same uniforms; float32 against float64 sums could differ only when
+    a uniform falls within rounding of a boundary, which these seeds do not)."""
+    m, eng = _engine(device, tiny_models["q4_1"]["gguf"])
+    ids = m.tokenizer.encode(PROMPT)
+    for sp in (SamplingParams(temperature=0.9, seed=3), SamplingParams(temperature=1.4, top_k=64, top_p=0.9,
+                                                                      min_p=0.02, seed=4)):
+        eng.can_sample = True
+        dev = [s.token for s in generate(eng, ids, 24, sp, ignore_eos=True)]
+        eng.can_sample = False
+        host = [s.token for s in generate(eng, ids, 24, sp, ignore_eos=True)]
+        assert dev == host
+        assert len(set(dev)) > 3         # sampled, not one token over and over

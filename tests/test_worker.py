@@ -37,6 +37,10 @@ SAMPLING = {
     "sampled": [SamplingParams(temperature=0.9, seed=11), SamplingParams(),
                 SamplingParams(temperature=1.3, top_k=0, top_p=0.9, min_p=0.0, seed=12),
                 SamplingParams(temperature=0.7, repeat_penalty=1.3, seed=13)],
+    # every token drawn on the device (Engine readback "sample"): steps chain as greedy ones do
+    "on-device": [SamplingParams(temperature=0.9, seed=21), SamplingParams(temperature=0.6, top_k=10, seed=22),
+                  SamplingParams(temperature=1.2, top_p=0.8, min_p=0.0, seed=23),
+                  SamplingParams(temperature=0.8, top_k=64, min_p=0.1, seed=24)],
 }
 
 
@@ -88,7 +92,7 @@ def test_interleaved_equals_alone(device, tiny_model, ref_engine, mode, sampling
         assert job.finish == "length" and job.n_generated == r.max_tokens
     if mode == "batch-preempt" or mode.startswith("slices"):
         assert w.sched.stats["preemptions"] > 0
-    if sampling == "greedy":     # greedy decode steps ran chained (submitted before the previous one was read)
+    if sampling != "sampled":    # decode steps ran chained (submitted before the previous one was read)
         assert w.chained_steps > 0
     print(f"{mode}/{sampling}: {w.chained_steps} chained steps")
 
@@ -392,11 +396,13 @@ def test_staggered_streams_share_one_step(device, tiny_model, ref_engine):
     assert rows.count(4) >= 10, str(rows)
 
 
-def test_prepared_steps_cover_a_servers_prompt_steps(device, tiny_model, ref_engine):
+@pytest.mark.parametrize("sampling", ["greedy", "on-device"])
+def test_prepared_steps_cover_a_servers_prompt_steps(device, tiny_model, ref_engine, sampling):
     """After prepare_decode(slots, step_tokens), as the server calls it, four
     prompts of different lengths arriving together run their steps of more than
     8 rows (prompt chunks beside decode rows) as prepared buckets: nothing of
-    that size is recorded while the streams wait. Tokens as alone."""
+    that size is recorded while the streams wait (greedy replies, or replies
+    sampled on the device). Tokens as alone."""
     tok = tiny_model.tokenizer
     cfg = CONFIGS["batch"]
     eng = Engine(tiny_model, device, EngineConfig(n_slots=cfg.n_slots, n_ctx=CTX, max_batch=cfg.step_tokens,
@@ -404,7 +410,8 @@ def test_prepared_steps_cover_a_servers_prompt_steps(device, tiny_model, ref_eng
     eng.pad_steps = True   # (GPUs only by default: lavapipe keeps exact steps)
     assert eng.prepare_decode(cfg.n_slots, cfg.step_tokens) > 0
     w = Worker(eng, cfg)
-    reqs = [GenRequest(tok.encode(SYSTEM[:40 + 23 * i] + TEXTS[i]), 12, ignore_eos=True) for i in range(4)]
+    reqs = [GenRequest(tok.encode(SYSTEM[:40 + 23 * i] + TEXTS[i]), 12, SAMPLING[sampling][i], ignore_eos=True)
+            for i in range(4)]
     recorded: list[int] = []
     rows: list[int] = []
     record, submit = eng._record, eng.submit

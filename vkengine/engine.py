@@ -45,7 +45,7 @@ class EngineConfig:
 class _Submitted(NamedTuple):
     """A step submitted and not yet collected."""
     program: object
-    readback: str       # argmax | logits | none
+    readback: str       # argmax | sample | logits | sample+logits | none
     n_out: int
     params: int         # which host params buffer it reads and writes back to
 
@@ -62,6 +62,10 @@ class Engine:
         self.arch = model.arch
         widths = dict(self.arch.scratch_widths(a))
         widths["out_argmax"] = Kernels.argmax_tmp_words(a.n_vocab, 1)   # per output row
+        # sampling on the device (readback "sample"): the slices' candidates
+        self.can_sample = self.kernels.can_sample(a.n_vocab)
+        if self.can_sample:
+            widths["out_sample"] = Kernels.sample_tmp_words(a.n_vocab, 1)
         if device.info.type != "cpu":   # split-K decode attention (Graph.attention) and its zeroed counters
             widths["out_attn_split"] = Kernels.attention_tmp_words(1, a.n_head, a.head_dim, self.n_ctx)
             widths["out_attn_sync"] = Kernels.attention_sync_words(1, a.n_head)
@@ -213,16 +217,19 @@ class Engine:
 
     def prepare_decode(self, max_rows: int, prompt_rows: int = 0) -> int:
         """Record ahead the decode steps a server runs (1..max_rows sequences, one
-        row each, greedy, plain and chained, with either params buffer), so that
-        no stream waits for a recording when others join or leave, and a prompt
-        step of 9 and of max_batch rows, which creates the pipelines of the
-        8-column and the tiled matmuls (drivers compile a pipeline on creation:
-        tens of milliseconds each, otherwise paid by the first requests).
+        row each, greedy, plain and chained, with either params buffer; where
+        the device samples, the sampled ones too, within a quarter of the
+        program cache), so that no stream waits for a recording when others
+        join or leave, and a prompt step of 9 and of max_batch rows, which
+        creates the pipelines of the 8-column and the tiled matmuls (drivers
+        compile a pipeline on creation: tens of milliseconds each, otherwise
+        paid by the first requests).
         With prompt_rows (a server's step size) and pad_steps, first the prompt
         steps of up to that many rows (step_rows' buckets) for up to 4 output
-        rows, greedy or none, with either params buffer: the steps that admit a
-        newcomer, as many as the program cache holds beside the decode steps
-        (recorded first, so that they are the first it lets go).
+        rows, greedy, sampled or none, with either params buffer:
+        the steps that admit a newcomer, as many as the program cache holds
+        beside the decode steps (recorded first, so that they are the first it
+        lets go).
         Returns the number of programs recorded."""
         decode = [(n, 1, "argmax", 0, ()) for n in sorted({min(9, self.max_batch), self.max_batch})]
         # two programs per row count and params buffer; keep them within half the program cache
@@ -231,13 +238,20 @@ class Engine:
             for buf in range(len(self._params)):
                 for chain in ((), tuple(range(n))) if self.can_chain else ((),):
                     decode.append((n, n, "argmax", buf, chain))   # the key order of _program's arguments
+        if self.can_sample:   # sampled replies' steps (their tokens drawn on the device), within a quarter
+            top_s = min(top, self.program_cache // (8 * len(self._params)))
+            for n in range(1, top_s + 1):
+                for buf in range(len(self._params)):
+                    for chain in ((), tuple(range(n))) if self.can_chain else ((),):
+                        decode.append((n, n, "sample", buf, chain))
         prompt = []
         if self.pad_steps:
             top = min(prompt_rows, self.max_batch)
             for n in sorted({self.step_rows(n) for n in range(self.STEP_EXACT + 1, top + 1)}):
                 for buf in range(len(self._params)):
                     prompt.append((n, 0, "none", buf, ()))
-                    prompt += [(n, k, "argmax", buf, ()) for k in range(1, min(max_rows, self.max_out, 4) + 1)]
+                    for mode in ("argmax", "sample") if self.can_sample else ("argmax",):
+                        prompt += [(n, k, mode, buf, ()) for k in range(1, min(max_rows, self.max_out, 4) + 1)]
         keys = prompt[:max(0, self.program_cache - len(decode) - 8)] + decode
         n_rec = 0
         for key in keys:
@@ -270,7 +284,10 @@ class Engine:
         if n_out and readback == "argmax":
             g.argmax("out_logits")
             prog.copy(self.params_dev, params, pl.argmax * 4, pl.argmax * 4, n_out * 4, "argmax")
-        elif n_out and readback == "logits":
+        elif n_out and readback in ("sample", "sample+logits"):
+            g.sample("out_logits")
+            prog.copy(self.params_dev, params, pl.argmax * 4, pl.argmax * 4, n_out * 4, "sample")
+        if n_out and readback in ("logits", "sample+logits"):
             r = self.scratch.region("out_logits")
             stride = self.scratch.stride("out_logits")
             V = self.args.n_vocab
@@ -279,7 +296,7 @@ class Engine:
         return prog
 
     def profile(self, n: int, n_out: int = 1, runs: int = 5, start_pos: int = 0,
-                batched: bool = False) -> list[tuple[str, float, int]]:
+                batched: bool = False, readback: str = "argmax") -> list[tuple[str, float, int]]:
         """GPU time per op kind of one step of n rows: [(label, microseconds per
         step, count)], slowest first. The rows are a prompt chunk in slot 0 at
         positions from start_pos, or (batched=True) n sequences in slots 0..n-1
@@ -291,7 +308,12 @@ class Engine:
         prm[pl.positions:pl.positions + n] = start_pos if batched else np.arange(start_pos, start_pos + n)
         prm[pl.slots:pl.slots + n] = np.arange(n) if batched else 0
         prm[pl.out_rows:pl.out_rows + n_out] = np.arange(n - n_out, n)
-        prog = self._record(n, n_out, "argmax" if n_out else "none", timestamps=True)
+        if readback == "sample":   # the server's default sampling (temperature 0.8, top-k 40, ...)
+            w = np.tile(np.array([0.8, 0, 0.95, 0.05, 0.5, 0, 0, 0], np.float32), (n_out, 1))
+            wu = w.view(np.uint32)
+            wu[:, 1] = 40
+            prm[pl.sampling:pl.sampling + wu.size] = wu.reshape(-1)
+        prog = self._record(n, n_out, readback if n_out else "none", timestamps=True)
         totals: dict[str, list[float]] = {}
         for i in range(runs + 1):
             prog.run()
@@ -307,11 +329,13 @@ class Engine:
         rows = [(k, float(np.median(v)), counts[k]) for k, v in totals.items()]
         return sorted(rows, key=lambda r: -r[1])
 
-    def step(self, tokens, positions, slots, out_rows=(), readback: str = "argmax") -> np.ndarray | None:
+    def step(self, tokens, positions, slots, out_rows=(), readback: str = "argmax", sampling=None):
         """Run tokens[i] at positions[i] in slots[i]; return, for each index in
-        out_rows, the greedy token (readback="argmax") or the logits row
-        (readback="logits"); readback="none" returns None."""
-        self.submit(tokens, positions, slots, out_rows, readback)
+        out_rows, the greedy token (readback="argmax"), the token drawn with
+        sampling[j] (readback="sample", see submit) or the logits row
+        (readback="logits"); "sample+logits" returns (tokens, logits);
+        readback="none" returns None."""
+        self.submit(tokens, positions, slots, out_rows, readback, sampling=sampling)
         return self.collect()
 
     @property
@@ -328,7 +352,7 @@ class Engine:
         return len(self._inflight)
 
     def submit(self, tokens, positions, slots, out_rows=(), readback: str = "argmax",
-               chain: Sequence[int] | None = None) -> None:
+               chain: Sequence[int] | None = None, sampling=None) -> None:
         """The first half of step(): check, write the params, start the step on
         the device and return at once, so that the caller's host work (a server
         delivering the previous step's text) overlaps the GPU's; collect()
@@ -338,10 +362,19 @@ class Engine:
         so the GPU goes from one to the next without waiting for the host.
         chain[i] = j makes row i's token the greedy token of output row j of
         the newest step in flight (tokens[i] is then ignored): the next decode
-        step of running sequences can start before their tokens reach the host."""
+        step of running sequences can start before their tokens reach the host.
+
+        readback="sample" (and "sample+logits", which also reads the logits
+        back) draws each output row's token on the device: sampling[j] =
+        (temperature, top_k, top_p, min_p, u) of output row j, as Sampler with
+        the uniform u in [0, 1) (temperature 0: the greedy token; top_k in
+        1..Kernels.SAMPLE_K). Its tokens can be chained like greedy ones."""
         if len(self._inflight) >= self.max_in_flight:
             raise RuntimeError(f"{self.max_in_flight} steps are already in flight: collect() one first")
-        if self._inflight and (self._inflight[-1].readback == "logits" or readback == "logits"):
+        if readback not in ("argmax", "sample", "logits", "sample+logits", "none"):
+            raise ValueError(f"unknown readback {readback!r}")
+        logits = ("logits", "sample+logits")
+        if self._inflight and (self._inflight[-1].readback in logits or readback in logits):
             raise RuntimeError("a step that reads logits back runs alone: collect() the step in flight first")
         n, n_out = len(tokens), len(out_rows)
         if not 0 < n <= self.max_batch:
@@ -356,8 +389,8 @@ class Engine:
         chain_key: tuple[int, ...] = ()
         if chain is not None:
             prev = self._inflight[-1] if self._inflight else None
-            if prev is None or prev.readback != "argmax":
-                raise RuntimeError("a chained step needs a step in flight that reads greedy tokens back")
+            if prev is None or prev.readback not in ("argmax", "sample"):
+                raise RuntimeError("a chained step needs a step in flight that reads its tokens back")
             chain_key = tuple(int(j) for j in chain)
             if len(chain_key) != n or min(chain_key) < 0 or max(chain_key) >= prev.n_out:
                 raise ValueError(f"chain must give, for each of the {n} rows, an output row of the step in flight")
@@ -375,6 +408,17 @@ class Engine:
         if begin_step is not None:
             begin_step(pos, slt)
         mode = readback if n_out else "none"
+        samp = None
+        if mode in ("sample", "sample+logits"):
+            if not self.can_sample:
+                raise VkEngineError(f"this device cannot sample rows of {self.n_vocab} logits")
+            samp = np.asarray(sampling, np.float64) if sampling is not None else None
+            if samp is None or samp.shape != (n_out, 5):
+                raise ValueError("sampling needs (temperature, top_k, top_p, min_p, u) for each output row")
+            k = samp[:, 1]
+            if not (np.isfinite(samp).all() and (k == np.round(k)).all() and (k >= 1).all()
+                    and (k <= Kernels.SAMPLE_K).all() and (samp[:, 4] >= 0).all() and (samp[:, 4] < 1).all()):
+                raise ValueError(f"sampling: finite values, top_k in 1..{Kernels.SAMPLE_K}, u in [0, 1)")
         n_run = self.step_rows(n) if not chain_key else n
         if n_run > n and (n, n_out, mode, self._next_params, chain_key) not in self._programs:
             # pad rows: token 0 in the last row's slot at the positions after that
@@ -396,6 +440,13 @@ class Engine:
         prm[pl.positions:pl.positions + n] = pos
         prm[pl.slots:pl.slots + n] = slt
         prm[pl.out_rows:pl.out_rows + n_out] = outs
+        if samp is not None:
+            w = np.zeros((n_out, Kernels.SAMPLE_WORDS), np.float32)
+            w[:, [0, 2, 3, 4]] = samp[:, [0, 2, 3, 4]]
+            w[:, 4] = np.minimum(w[:, 4], np.float32(1.0 - 2.0 ** -24))   # u < 1 in float32 too
+            wu = w.view(np.uint32)
+            wu[:, 1] = samp[:, 1].astype(np.uint32)
+            prm[pl.sampling:pl.sampling + wu.size] = wu.reshape(-1)
         prog = self._program(n, n_out, mode, buf, chain_key)
         prog.submit()
         self._inflight.append(_Submitted(prog, mode, n_out, buf))
@@ -407,16 +458,17 @@ class Engine:
         prog, mode, n_out, buf = self._inflight.popleft()
         prog.wait()
         pl, prm = self.layout, self._params[buf].array()
-        if mode == "argmax":
+        if mode in ("argmax", "sample"):
             return prm[pl.argmax:pl.argmax + n_out].astype(np.int64)
-        if mode == "logits":
+        if mode in ("logits", "sample+logits"):
             V = self.n_vocab
-            return self.logits_host.array(np.float32)[: n_out * V].reshape(n_out, V).copy()
+            lg = self.logits_host.array(np.float32)[: n_out * V].reshape(n_out, V).copy()
+            return (prm[pl.argmax:pl.argmax + n_out].astype(np.int64), lg) if mode == "sample+logits" else lg
         return None
 
-    def prefill(self, tokens, slot: int, start: int = 0, readback: str = "argmax"):
+    def prefill(self, tokens, slot: int, start: int = 0, readback: str = "argmax", sampling=None):
         """Run a prompt through a slot in chunks of max_batch; returns the last
-        token's readback."""
+        token's readback (sampling: its row, for readback "sample")."""
         tokens = list(tokens)
         if not tokens:
             raise VkEngineError("empty prompt")
@@ -428,7 +480,8 @@ class Engine:
             chunk = tokens[c:c + self.max_batch]
             last = c + len(chunk) == len(tokens)
             out = self.step(chunk, range(start + c, start + c + len(chunk)), [slot] * len(chunk),
-                            [len(chunk) - 1] if last else (), readback if last else "none")
+                            [len(chunk) - 1] if last else (), readback if last else "none",
+                            sampling if last else None)
         return out[0] if out is not None else None
 
     def close(self) -> None:

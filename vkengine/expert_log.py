@@ -23,8 +23,8 @@ class RecordingEngine(Engine):
         super().__init__(*args, **kwargs)
         self.log = log
 
-    def submit(self, tokens, positions, slots, out_rows=(), readback: str = "argmax"):
-        super().submit(tokens, positions, slots, out_rows, readback)
+    def submit(self, tokens, positions, slots, out_rows=(), readback: str = "argmax", chain=None, sampling=None):
+        super().submit(tokens, positions, slots, out_rows, readback, chain=chain, sampling=sampling)
         self._rows = (list(tokens), list(positions), list(slots))
 
     def collect(self):

@@ -16,6 +16,7 @@ import numpy as np
 
 from .engine import Engine
 from .errors import VkEngineError
+from .kernels import Kernels
 from .sampling import Sampler, SamplingParams
 from .tokenizer import Tokenizer
 
@@ -123,14 +124,19 @@ def generate(engine: Engine, prompt: Sequence[int], max_tokens: int = 128,
     st.prompt_tokens = len(prompt)
     if max_tokens == 0:
         return
-    readback = "logits" if sampling.needs_logits else "argmax"
+    # sampled tokens are drawn on the device when it can (the server's rule)
+    on_device = getattr(engine, "can_sample", False) and sampling.drawn_on_device(Kernels.SAMPLE_K)
+    readback = "sample" if on_device else "logits" if sampling.needs_logits else "argmax"
     history = list(prompt)
 
+    def row():
+        return [sampling.device_row(sampler.uniform())] if on_device else None
+
     def pick(r) -> int:
-        return int(r) if readback == "argmax" else sampler(r, history)
+        return int(r) if readback in ("argmax", "sample") else sampler(r, history)
 
     t0 = time.perf_counter()
-    tok = pick(engine.prefill(prompt, slot, 0, readback))
+    tok = pick(engine.prefill(prompt, slot, 0, readback, sampling=row()))
     st.prefill_s = time.perf_counter() - t0
     pos = len(prompt)
     t1 = time.perf_counter()
@@ -144,7 +150,7 @@ def generate(engine: Engine, prompt: Sequence[int], max_tokens: int = 128,
         yield Step(tok, text, finish)
         if finish is not None:
             break
-        r = engine.step([tok], [pos], [slot], [0], readback)
+        r = engine.step([tok], [pos], [slot], [0], readback, sampling=row())
         pos += 1
         tok = pick(r[0])
         st.decode_s = time.perf_counter() - t1

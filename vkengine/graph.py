@@ -31,9 +31,11 @@ class ParamsLayout:
     @property
     def out_rows(self) -> int: return 3 * self.max_rows
     @property
-    def argmax(self) -> int: return 3 * self.max_rows + self.max_out
+    def sampling(self) -> int: return 3 * self.max_rows + self.max_out   # Kernels.SAMPLE_WORDS an output row
     @property
-    def words(self) -> int: return 3 * self.max_rows + 2 * self.max_out
+    def argmax(self) -> int: return self.sampling + Kernels.SAMPLE_WORDS * self.max_out
+    @property
+    def words(self) -> int: return self.argmax + self.max_out
 
 
 class Scratch:
@@ -205,6 +207,13 @@ class Graph:
     def add(self, a: str, b: str, out: str) -> None:
         self.k.add(self.p, self.s.region(a), self.s.stride(a), self.s.region(b), self.s.stride(b),
                    self.s.region(out), self.s.stride(out), self.s.widths[out], self._rows(out))
+
+    def sample(self, logits: str, tmp: str = "out_sample") -> None:
+        """each output row's token drawn with its sampling params (the params
+        buffer's sampling words), into the params buffer where argmax puts it"""
+        self.k.sample(self.p, self.s.region(logits), self.s.stride(logits), self.s.widths[logits], self.n_out,
+                      self.params, self.pl.sampling, self.pl.argmax,
+                      Region(self.s.buf, self.s.offsets[tmp], self.s.stride(tmp) * self.n_out))
 
     def argmax(self, logits: str, tmp: str = "out_argmax") -> None:
         """greedy token of each output row, into the params buffer"""

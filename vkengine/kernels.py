@@ -804,6 +804,48 @@ class Kernels:
         prog.dispatch(alg, push, self._grid(math.ceil(rows / self.items)), [tmp_range],
                       [(params, out_off * 4, (out_off + rows) * 4)], label)
 
+    # sampling on the device (topk_part.comp, sample.comp): slices of
+    # SAMPLE_WG * SAMPLE_VPL logits, the SAMPLE_K best of each, merged per row
+    # by one workgroup that holds SAMPLE_WG * SAMPLE_VPL candidates
+    SAMPLE_WG, SAMPLE_VPL, SAMPLE_K = 256, 16, 64
+    SAMPLE_WORDS = 8        # params words a row: temperature, top_k, top_p, min_p, u
+
+    @classmethod
+    def sample_slices(cls, n: int) -> int:
+        return -(-n // (cls.SAMPLE_WG * cls.SAMPLE_VPL))
+
+    @classmethod
+    def sample_tmp_words(cls, n: int, rows: int) -> int:
+        return 2 * rows * cls.sample_slices(n) * cls.SAMPLE_K
+
+    def can_sample(self, n: int) -> bool:
+        """Whether rows of n logits can be sampled on this device (sample())."""
+        return (self.device.info.max_workgroup_invocations >= self.SAMPLE_WG
+                and self.sample_slices(n) * self.SAMPLE_K <= self.SAMPLE_WG * self.SAMPLE_VPL)
+
+    def sample(self, prog: Program, x: Region, x_stride: int, n: int, rows: int, params: Buffer, samp_off: int,
+               out_off: int, tmp: Region, label: str = "sample") -> None:
+        """params[out_off + r] = the token drawn from x[r][:n] with row r's
+        sampling params (params words samp_off + SAMPLE_WORDS * r: temperature,
+        top_k in 1..SAMPLE_K, top_p, min_p, uniform u), as Sampler draws it;
+        temperature <= 0: the argmax. The K best of each slice into tmp
+        (sample_tmp_words), then one workgroup per row."""
+        act = self._same_buffer(x, tmp)
+        if not self.can_sample(n):
+            raise ValueError(f"rows of {n} values cannot be sampled on this device")
+        if tmp.words < self.sample_tmp_words(n, rows):
+            raise ValueError("sample needs a large enough tmp region")
+        n_sl, K = self.sample_slices(n), self.SAMPLE_K
+        push = struct.pack("<6I", x.off, x_stride, n, rows, tmp.off, K)
+        alg = self._alg("topk_part", [act], push, self.SAMPLE_WG, 1)
+        tmp_range = (tmp.buf, tmp.off * 4, (tmp.off + self.sample_tmp_words(n, rows)) * 4)
+        prog.dispatch(alg, push, self._grid(rows * n_sl), [_rows_range(x, rows, x_stride, n)], [tmp_range], label)
+        push = struct.pack("<5I", tmp.off, n_sl * K, rows, samp_off, out_off)
+        alg = self._alg("sample", [act, params], push, self.SAMPLE_WG, 1)
+        prog.dispatch(alg, push, self._grid(rows), [tmp_range, (params, samp_off * 4,
+                                                                (samp_off + self.SAMPLE_WORDS * rows) * 4)],
+                      [(params, out_off * 4, (out_off + rows) * 4)], label)
+
     def copy(self, prog: Program, src: Region, dst: Region, label: str = "copy") -> None:
         """dst = src (word counts a multiple of 4, 16-byte aligned), by a shader."""
         if src.off % 4 or dst.off % 4 or src.words % 4 or dst.words < src.words:

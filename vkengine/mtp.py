@@ -40,11 +40,11 @@ class MtpLayout(ParamsLayout):
 
     @property
     def hmap(self) -> int:
-        return 3 * self.max_rows + 2 * self.max_out
+        return self.argmax + self.max_out
 
     @property
     def words(self) -> int:
-        return 4 * self.max_rows + 2 * self.max_out
+        return self.hmap + self.max_rows
 
 
 @dataclass

@@ -81,11 +81,27 @@ class SamplingParams:
     def needs_logits(self) -> bool:
         return not self.greedy or self.repeat_penalty != 1.0
 
+    def drawn_on_device(self, top_k_max: int) -> bool:
+        """Whether a device's sampler (Engine readback "sample", top_k up to
+        top_k_max) can draw these tokens: sampled, top-k on, no repetition
+        penalty. It draws what Sampler draws, with the same uniform (one a
+        token), in float32 instead of float64."""
+        return not self.greedy and self.repeat_penalty == 1.0 and 1 <= self.top_k <= top_k_max
+
+    def device_row(self, u: float) -> tuple[float, int, float, float, float]:
+        """Engine.submit's sampling row with the uniform u."""
+        return (self.temperature, self.top_k, self.top_p, self.min_p, u)
+
 
 class Sampler:
     def __init__(self, params: SamplingParams):
         self.p = params.validate()
         self.rng = np.random.default_rng(params.seed)
+
+    def uniform(self) -> float:
+        """The next uniform in [0, 1) of this sampler's generator: the one its
+        next draw would take (a draw on the device takes it instead)."""
+        return float(self.rng.random())
 
     def penalize(self, logits: np.ndarray, history: list[int]) -> np.ndarray:
         """llama.cpp's repetition penalty: positive logits divided, negative multiplied."""
