@@ -9,9 +9,9 @@
 // its next value. Fewer than K values (or non-NaN ones) leave the rest of the
 // list as (-inf, NONE).
 #include "common.glsl"
+#include "topk.glsl"
 
 #define VPL 16
-#define NONE 0xffffffffu
 
 layout(binding = 0) buffer Act { float act[]; };
 layout(binding = 0) buffer ActU { uint actu[]; };
@@ -24,7 +24,6 @@ layout(push_constant) uniform P {
 shared float sv[2][64];     // each subgroup's winner of a round (rounds alternate halves)
 shared uint si[2][64];
 
-bool before(float av, uint ai, float bv, uint bi) { return av > bv || (av == bv && ai < bi); }
 
 void main() {
     uint WG = gl_WorkGroupSize.x, lid = gl_LocalInvocationID.x;
@@ -43,7 +42,7 @@ void main() {
     uint bi = NONE;
     [[unroll]] for (uint j = 0; j < VPL; j++) {
         uint i = lo + j * WG + lid;
-        if (!isnan(v[j]) && before(v[j], i, bv, bi)) { bv = v[j]; bi = i; }
+        if (!is_nan(v[j]) && before(v[j], i, bv, bi)) { bv = v[j]; bi = i; }
     }
     uint out0 = p.tmp_off + 2u * item * p.k;
     for (uint k = 0; k < p.k; k++) {
@@ -62,7 +61,7 @@ void main() {
             bi = NONE;
             [[unroll]] for (uint j = 0; j < VPL; j++) {
                 uint i = lo + j * WG + lid;
-                if (!isnan(v[j]) && before(wv, wi, v[j], i) && before(v[j], i, bv, bi)) { bv = v[j]; bi = i; }
+                if (!is_nan(v[j]) && before(wv, wi, v[j], i) && before(v[j], i, bv, bi)) { bv = v[j]; bi = i; }
             }
         }
     }

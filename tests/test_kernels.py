@@ -944,8 +944,8 @@ def _run_sample(device, kernels, ws, x, n, stride, rows_params):
 
 
 def test_sample_greedy_and_top_k(device, kernels, ws, rng):
-    """temperature 0: the argmax (ties: lowest index); a tiny top_p keeps only
-    the best; the k candidates and their order match top_order."""
+    """temperature 0: the argmax (ties: lowest index, NaN skipped); a tiny
+    top_p keeps only the best; top_k 1 the best."""
     n, stride = 49157, 49160
     rows = 6
     x = np.zeros((rows, stride), np.float32)

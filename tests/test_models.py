@@ -320,7 +320,8 @@ def test_sampling_on_the_device_matches_the_host(device, tiny_models):
     it reads greedy ones; "sample+logits" returns both."""
     from vkengine.kernels import Kernels
     from .test_kernels import _sample_ref
-    m, eng = _engine(device, tiny_models["q8_0"]["gguf"])
+    assert _engine(device, tiny_models["q8_0"]["gguf"])[1].can_sample == (device.info.type != "cpu")   # the default
+    m, eng = _engine(device, tiny_models["q8_0"]["gguf"], device_sampling=True)
     assert eng.can_sample
     ids = m.tokenizer.encode(PROMPT)
     n = len(ids)
@@ -361,7 +362,7 @@ def test_device_and_host_sampling_agree(device, tiny_models):
     """A seeded sampled reply drawn on the device is the one the host's Sampler
     draws (same uniforms; float32 against float64 sums could differ only when
     a uniform falls within rounding of a boundary, which these seeds do not)."""
-    m, eng = _engine(device, tiny_models["q4_1"]["gguf"])
+    m, eng = _engine(device, tiny_models["q4_1"]["gguf"], device_sampling=True)
     ids = m.tokenizer.encode(PROMPT)
     for sp in (SamplingParams(temperature=0.9, seed=3), SamplingParams(temperature=1.4, top_k=64, top_p=0.9,
                                                                       min_p=0.02, seed=4)):

@@ -46,7 +46,8 @@ SAMPLING = {
 
 @pytest.fixture(scope="module")
 def ref_engine(device, tiny_model):
-    return Engine(tiny_model, device, EngineConfig(n_slots=1, n_ctx=CTX, max_batch=64, max_out=1))
+    return Engine(tiny_model, device, EngineConfig(n_slots=1, n_ctx=CTX, max_batch=64, max_out=1,
+                                                   device_sampling=True))
 
 
 def alone(eng, prompt, n, sp):
@@ -59,7 +60,8 @@ def run_interleaved(device, model, cfg, reqs, gap=3, setup=None, in_flight=3):
     setup(engine) adjusts the engine first (e.g. its kernels). in_flight: the
     engine's max_in_flight (the server's 3 by default)."""
     eng = Engine(model, device, EngineConfig(n_slots=cfg.n_slots, n_ctx=CTX, max_batch=cfg.step_tokens,
-                                             max_out=cfg.n_slots, max_in_flight=in_flight))
+                                             max_out=cfg.n_slots, max_in_flight=in_flight,
+                                             device_sampling=True))   # as on GPUs (lavapipe: off by default)
     if setup is not None:
         setup(eng)
     w = Worker(eng, cfg)
@@ -406,7 +408,7 @@ def test_prepared_steps_cover_a_servers_prompt_steps(device, tiny_model, ref_eng
     tok = tiny_model.tokenizer
     cfg = CONFIGS["batch"]
     eng = Engine(tiny_model, device, EngineConfig(n_slots=cfg.n_slots, n_ctx=CTX, max_batch=cfg.step_tokens,
-                                                  max_out=cfg.n_slots))
+                                                  max_out=cfg.n_slots, device_sampling=True))
     eng.pad_steps = True   # (GPUs only by default: lavapipe keeps exact steps)
     assert eng.prepare_decode(cfg.n_slots, cfg.step_tokens) > 0
     w = Worker(eng, cfg)

@@ -38,6 +38,9 @@ class EngineConfig:
     max_batch: int = 256      # token rows per step (prefill chunk size)
     max_out: int = 16         # rows whose logits one step can produce
     program_cache: int = 0    # recorded steps kept (LRU); 0: 80 per step that may be in flight
+    device_sampling: bool | None = None   # sampled tokens drawn on the device (readback "sample");
+                              # None: on GPUs (lavapipe's barriers make its 64 rounds ~0.1 s a row,
+                              # where the host's sampler takes ~0.1 ms)
     max_in_flight: int = 2    # steps submitted and not yet collected (2 or 3; models with
                               # recurrent state take 2: see Engine.max_in_flight)
 
@@ -63,7 +66,8 @@ class Engine:
         widths = dict(self.arch.scratch_widths(a))
         widths["out_argmax"] = Kernels.argmax_tmp_words(a.n_vocab, 1)   # per output row
         # sampling on the device (readback "sample"): the slices' candidates
-        self.can_sample = self.kernels.can_sample(a.n_vocab)
+        on = cfg.device_sampling if cfg.device_sampling is not None else device.info.type != "cpu"
+        self.can_sample = bool(on) and self.kernels.can_sample(a.n_vocab)
         if self.can_sample:
             widths["out_sample"] = Kernels.sample_tmp_words(a.n_vocab, 1)
         if device.info.type != "cpu":   # split-K decode attention (Graph.attention) and its zeroed counters

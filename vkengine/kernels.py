@@ -833,6 +833,7 @@ class Kernels:
         act = self._same_buffer(x, tmp)
         if not self.can_sample(n):
             raise ValueError(f"rows of {n} values cannot be sampled on this device")
+        samp_range = (params, samp_off * 4, (samp_off + self.SAMPLE_WORDS * rows) * 4)
         if tmp.words < self.sample_tmp_words(n, rows):
             raise ValueError("sample needs a large enough tmp region")
         n_sl, K = self.sample_slices(n), self.SAMPLE_K
@@ -842,8 +843,7 @@ class Kernels:
         prog.dispatch(alg, push, self._grid(rows * n_sl), [_rows_range(x, rows, x_stride, n)], [tmp_range], label)
         push = struct.pack("<5I", tmp.off, n_sl * K, rows, samp_off, out_off)
         alg = self._alg("sample", [act, params], push, self.SAMPLE_WG, 1)
-        prog.dispatch(alg, push, self._grid(rows), [tmp_range, (params, samp_off * 4,
-                                                                (samp_off + self.SAMPLE_WORDS * rows) * 4)],
+        prog.dispatch(alg, push, self._grid(rows), [tmp_range, samp_range],
                       [(params, out_off * 4, (out_off + rows) * 4)], label)
 
     def copy(self, prog: Program, src: Region, dst: Region, label: str = "copy") -> None:
