@@ -312,6 +312,8 @@ class Engine:
         prm[pl.positions:pl.positions + n] = start_pos if batched else np.arange(start_pos, start_pos + n)
         prm[pl.slots:pl.slots + n] = np.arange(n) if batched else 0
         prm[pl.out_rows:pl.out_rows + n_out] = np.arange(n - n_out, n)
+        if readback == "sample" and not self.can_sample:
+            raise VkEngineError("this engine does not sample on the device (EngineConfig.device_sampling)")
         if readback == "sample":   # the server's default sampling (temperature 0.8, top-k 40, ...)
             w = np.tile(np.array([0.8, 0, 0.95, 0.05, 0.5, 0, 0, 0], np.float32), (n_out, 1))
             wu = w.view(np.uint32)

@@ -840,11 +840,12 @@ class Kernels:
         push = struct.pack("<6I", x.off, x_stride, n, rows, tmp.off, K)
         alg = self._alg("topk_part", [act], push, self.SAMPLE_WG, 1)
         tmp_range = (tmp.buf, tmp.off * 4, (tmp.off + self.sample_tmp_words(n, rows)) * 4)
-        prog.dispatch(alg, push, self._grid(rows * n_sl), [_rows_range(x, rows, x_stride, n)], [tmp_range], label)
+        prog.dispatch(alg, push, self._grid(rows * n_sl), [_rows_range(x, rows, x_stride, n)], [tmp_range],
+                      f"{label} top-k")
         push = struct.pack("<5I", tmp.off, n_sl * K, rows, samp_off, out_off)
         alg = self._alg("sample", [act, params], push, self.SAMPLE_WG, 1)
         prog.dispatch(alg, push, self._grid(rows), [tmp_range, samp_range],
-                      [(params, out_off * 4, (out_off + rows) * 4)], label)
+                      [(params, out_off * 4, (out_off + rows) * 4)], f"{label} draw")
 
     def copy(self, prog: Program, src: Region, dst: Region, label: str = "copy") -> None:
         """dst = src (word counts a multiple of 4, 16-byte aligned), by a shader."""
