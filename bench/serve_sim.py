@@ -3,7 +3,7 @@
 scheduler, tokenizer, SSE) whose engine computes nothing and takes the time a
 measured GPU step takes. Each step is "on the device" from when it is
 submitted (or the previous step ends, if later) for step_us(rows) and returns
-fixed greedy tokens (or random logits rows, for sampled replies); collect()
+fixed tokens (or random logits rows, for replies sampled on the host); collect()
 sleeps until its step is done. So the aggregate tok/s of serial and batch mode
 can be compared with what the simulated device allows (1 / step time x rows),
 and the server's losses found and fixed on a machine without the GPU.
@@ -37,7 +37,9 @@ def sim_engine_class():
         """Engine whose steps take simulated device time and return fixed tokens."""
         step_us = (890.0, 170.0)       # a decode step: fixed + per row
         prompt_row_us = 30.0           # each row of a step with more rows than slots
+        sample_us = 95.0               # drawing the rows' tokens on the device (--sample-us)
         trace = False                  # record every step (--trace)
+        host_sampling = False          # --host-sampling
 
         def _sim_init(self):
             self._sim_q: deque = deque()
@@ -47,12 +49,15 @@ def sim_engine_class():
             # logits rows for sampled steps: random, so that the host's sampling
             # costs what it costs on real rows (a sort of equal values is cheaper)
             self._sim_logits = (np.random.default_rng(0).standard_normal((8, self.n_vocab)) * 3).astype(np.float32)
+            self.can_sample = not self.host_sampling   # sampled tokens drawn "on the device", as on GPUs
 
-        def submit(self, tokens, positions, slots, out_rows=(), readback="argmax", chain=None):
+        def submit(self, tokens, positions, slots, out_rows=(), readback="argmax", chain=None, sampling=None):
             if len(self._sim_q) >= self.max_in_flight:
                 raise RuntimeError(f"{self.max_in_flight} steps are already in flight")
             n = len(tokens)
             us = self.step_us[0] + self.step_us[1] * min(n, self.n_slots) + self.prompt_row_us * max(0, n - self.n_slots)
+            if readback.startswith("sample") and out_rows:
+                us += self.sample_us
             now = time.perf_counter()
             start = max(now, self._sim_busy)
             st = self.sim_stats
@@ -67,10 +72,14 @@ def sim_engine_class():
                                     chain is not None))
             self._sim_busy = start + us * 1e-6
             res = None
-            if readback == "argmax":
-                res = np.full(len(out_rows), self._sim_tok, np.int64)
+            toks = np.full(len(out_rows), self._sim_tok, np.int64)
+            lg = self._sim_logits[(np.arange(len(out_rows)) + st["steps"]) % len(self._sim_logits)]
+            if readback in ("argmax", "sample"):
+                res = toks
             elif readback == "logits":
-                res = self._sim_logits[(np.arange(len(out_rows)) + st["steps"]) % len(self._sim_logits)]
+                res = lg
+            elif readback == "sample+logits":
+                res = (toks, lg)
             self._sim_q.append((self._sim_busy, res))
 
         def collect(self):
@@ -108,6 +117,8 @@ def serve(args) -> int:
     SimEngine = sim_engine_class()
     SimEngine.step_us = tuple(float(x) for x in args.step_us.split(","))
     SimEngine.prompt_row_us = args.prompt_row_us
+    SimEngine.host_sampling = args.host_sampling
+    SimEngine.sample_us = args.sample_us
     SimEngine.trace = bool(args.trace)
     eng = SimEngine(model, Device(0), EngineConfig(n_slots=n_slots, n_ctx=args.ctx, max_batch=cfg.step_tokens,
                                                    max_out=n_slots, max_in_flight=args.in_flight))
@@ -134,7 +145,11 @@ def main() -> int:
     ap.add_argument("--configs", default="serial,batch")
     ap.add_argument("--model", default=None, help="GGUF for the tokenizer and KV cache (default: a tiny synth)")
     ap.add_argument("--temperature", type=float, default=0.0,
-                    help="> 0: sampled replies (logits read back, tokens drawn on the host, steps not chained)")
+                    help="> 0: sampled replies (tokens drawn on the device, sample_us more a step, chained; "
+                         "--host-sampling: logits read back and drawn on the host, steps not chained)")
+    ap.add_argument("--host-sampling", action="store_true", help="sampled replies drawn on the host")
+    ap.add_argument("--sample-us", type=float, default=95.0,
+                    help="device time of drawing a step's tokens (H200, 1B: 104 against the argmax's 14)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--trace", default=None,
                     help="write every simulated step (submitted, device start and end in s, rows, chained) of "
@@ -173,6 +188,9 @@ def main() -> int:
                "--in-flight", str(args.in_flight)]
         if args.trace:
             cmd.append("--trace=1")
+        if args.host_sampling:
+            cmd.append("--host-sampling")
+        cmd += ["--sample-us", str(args.sample_us)]
         srv = Server(cmd, f"http://127.0.0.1:{port}", cwd=ROOT)
         try:
             run_load(srv.url, 1, 1, 8, args.prompt_words, 99)     # warm-up
@@ -189,7 +207,8 @@ def main() -> int:
                 print(f"  device: {d['steps']} steps ({d['chained']} chained), busy {d['busy_s']:.3f} s, waited "
                       f"for the host {d['idle_s']:.3f} s (between steps while it had work), rows {d['rows']}")
         rows = min(par, args.clients)
-        r["config"], r["device_tok_s"] = cfgname, rows / ((a + b * rows) * 1e-6)
+        drawn = args.sample_us if args.temperature > 0 and not args.host_sampling else 0.0
+        r["config"], r["device_tok_s"] = cfgname, rows / ((a + b * rows + drawn) * 1e-6)
         r["of_device"] = r["tok_s"] / r["device_tok_s"]
         out.append(r)
         print(f"{cfgname:7s} C={args.clients}: {r['tok_s']:8.1f} tok/s ({r['of_device']:.0%} of the simulated "

@@ -468,3 +468,31 @@ def test_bench_decode_chains_a_hybrid(device, qwen35_loaded):
         toks = [int(t) for t in eng.step(toks, [pos] * 2, [0, 1], [0, 1])]
         plain.append(toks)
     assert decode(eng, [7, 700], 5) == plain
+
+
+@pytest.mark.parametrize("host_sampling", [False, True], ids=["device-draws", "host-draws"])
+def test_serve_sim_engine_drives_the_worker(device, tiny_model, host_sampling):
+    """bench/serve_sim.py's simulated engine (steps that take a set time and
+    return fixed tokens or logits rows) drives the real worker through greedy
+    and sampled replies: drawn "on the device" (steps chained, as on GPUs) or
+    on the host from logits rows. Every reply gets its tokens."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from serve_sim import sim_engine_class
+    sim = sim_engine_class()
+    sim.step_us, sim.host_sampling, sim.sample_us = (10.0, 1.0), host_sampling, 5.0
+    eng = sim(tiny_model, device, EngineConfig(n_slots=4, n_ctx=CTX, max_batch=16, max_out=4, max_in_flight=3))
+    eng._sim_init()
+    w = Worker(eng, CONFIGS["batch"])
+    tok = tiny_model.tokenizer
+    sps = [SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=0.7, top_k=20, seed=2)] * 2
+    if host_sampling:
+        sps[1] = SamplingParams()     # greedy beside the host's draws
+    events: list[list[Event]] = [[] for _ in sps]
+    for i, sp in enumerate(sps):
+        w.submit(GenRequest(tok.encode(TEXTS[i]), 12, sp, ignore_eos=True), events[i].append)
+    w.run_until_idle()
+    for evs in events:
+        assert len([e for e in evs if e.token is not None]) == 12 and evs[-1].finish == "length"
+    assert (w.chained_steps > 0) == (not host_sampling)   # the host's draws need each step's logits first
