@@ -51,7 +51,8 @@ def sim_engine_class():
             self._sim_logits = (np.random.default_rng(0).standard_normal((8, self.n_vocab)) * 3).astype(np.float32)
             self.can_sample = not self.host_sampling   # sampled tokens drawn "on the device", as on GPUs
 
-        def submit(self, tokens, positions, slots, out_rows=(), readback="argmax", chain=None, sampling=None):
+        def submit(self, tokens, positions, slots, out_rows=(), readback="argmax", chain=None,
+                   sampling=None):
             if len(self._sim_q) >= self.max_in_flight:
                 raise RuntimeError(f"{self.max_in_flight} steps are already in flight")
             n = len(tokens)

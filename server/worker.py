@@ -23,8 +23,8 @@ import numpy as np
 
 from vkengine.engine import Engine
 from vkengine.errors import VkEngineError
-from vkengine.kernels import Kernels
 from vkengine.generate import OutputStream
+from vkengine.kernels import Kernels
 from vkengine.sampling import Sampler, SamplingParams, top_order
 
 from .scheduler import Batch, Scheduler, SchedulerConfig, Seq

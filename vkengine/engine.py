@@ -304,7 +304,10 @@ class Engine:
         """GPU time per op kind of one step of n rows: [(label, microseconds per
         step, count)], slowest first. The rows are a prompt chunk in slot 0 at
         positions from start_pos, or (batched=True) n sequences in slots 0..n-1
-        all at position start_pos, as in the server's batched decode."""
+        all at position start_pos, as in the server's batched decode;
+        readback="sample": the output rows' tokens drawn on the device with the
+        server's default sampling (temperature 0.8, top-k 40, top-p 0.95,
+        min-p 0.05) instead of the argmax."""
         if batched and n > self.n_slots:
             raise VkEngineError(f"a batched step of {n} rows needs {n} slots, the engine has {self.n_slots}")
         pl, prm = self.layout, self.params.array()
@@ -410,9 +413,6 @@ class Engine:
         outs = np.asarray(out_rows, np.int64)
         if n_out and (outs.min() < 0 or outs.max() >= n):
             raise ValueError("output row out of range")
-        begin_step = getattr(self.kv, "begin_step", None)   # recurrent state: checks and bookkeeping
-        if begin_step is not None:
-            begin_step(pos, slt)
         mode = readback if n_out else "none"
         samp = None
         if mode in ("sample", "sample+logits"):
@@ -425,6 +425,9 @@ class Engine:
             if not (np.isfinite(samp).all() and (k == np.round(k)).all() and (k >= 1).all()
                     and (k <= Kernels.SAMPLE_K).all() and (samp[:, 4] >= 0).all() and (samp[:, 4] < 1).all()):
                 raise ValueError(f"sampling: finite values, top_k in 1..{Kernels.SAMPLE_K}, u in [0, 1)")
+        begin_step = getattr(self.kv, "begin_step", None)   # recurrent state: checks and bookkeeping
+        if begin_step is not None:
+            begin_step(pos, slt)
         n_run = self.step_rows(n) if not chain_key else n
         if n_run > n and (n, n_out, mode, self._next_params, chain_key) not in self._programs:
             # pad rows: token 0 in the last row's slot at the positions after that
