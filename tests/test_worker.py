@@ -496,3 +496,31 @@ def test_serve_sim_engine_drives_the_worker(device, tiny_model, host_sampling):
     for evs in events:
         assert len([e for e in evs if e.token is not None]) == 12 and evs[-1].finish == "length"
     assert (w.chained_steps > 0) == (not host_sampling)   # the host's draws need each step's logits first
+
+
+def test_which_replies_are_drawn_on_the_device(device, tiny_model):
+    """Sampled replies go to the device's sampler when it can draw them as the
+    host would (top_k 1..64, no repetition penalty, no log-probabilities); the
+    others read their logits back. Greedy replies take the argmax."""
+    from vkengine.kernels import Kernels
+    cfg = CONFIGS["batch"]
+    eng = Engine(tiny_model, device, EngineConfig(n_slots=cfg.n_slots, n_ctx=CTX, max_batch=16, max_out=cfg.n_slots,
+                                                  device_sampling=True))
+    w = Worker(eng, cfg)
+    prompt = tiny_model.tokenizer.encode(TEXTS[0])
+    cases = [(SamplingParams(temperature=0.8), 0, True),
+             (SamplingParams(temperature=0.8, top_k=Kernels.SAMPLE_K), 0, True),
+             (SamplingParams(temperature=0.8, top_k=Kernels.SAMPLE_K + 1), 0, False),
+             (SamplingParams(temperature=0.8, top_k=0), 0, False),
+             (SamplingParams(temperature=0.8, repeat_penalty=1.1), 0, False),
+             (SamplingParams(temperature=0.8), 3, False),           # n_probs: the logits
+             (SamplingParams(), 0, False)]                          # greedy: the argmax
+    for sp, n_probs, want in cases:
+        job = w.submit(GenRequest(prompt, 4, sp, n_probs=n_probs), lambda ev: None)
+        assert job.on_device == want, (sp, n_probs)
+        assert job.needs_logits == (not want and (sp.needs_logits or n_probs > 0))
+    w.run_until_idle()
+    off = Worker(Engine(tiny_model, device, EngineConfig(n_slots=cfg.n_slots, n_ctx=CTX, max_batch=16,
+                                                         max_out=cfg.n_slots, device_sampling=False)), cfg)
+    assert not off.submit(GenRequest(prompt, 1, SamplingParams(temperature=0.8)), lambda ev: None).on_device
+    off.run_until_idle()
