@@ -318,10 +318,8 @@ class Engine:
         if readback == "sample" and not self.can_sample:
             raise VkEngineError("this engine does not sample on the device (EngineConfig.device_sampling)")
         if readback == "sample":   # the server's default sampling (temperature 0.8, top-k 40, ...)
-            w = np.tile(np.array([0.8, 0, 0.95, 0.05, 0.5, 0, 0, 0], np.float32), (n_out, 1))
-            wu = w.view(np.uint32)
-            wu[:, 1] = 40
-            prm[pl.sampling:pl.sampling + wu.size] = wu.reshape(-1)
+            words = self._sampling_words(np.tile([0.8, 40, 0.95, 0.05, 0.5], (n_out, 1)))
+            prm[pl.sampling:pl.sampling + words.size] = words
         prog = self._record(n, n_out, readback if n_out else "none", timestamps=True)
         totals: dict[str, list[float]] = {}
         for i in range(runs + 1):
@@ -337,6 +335,17 @@ class Engine:
                 totals.setdefault(k, []).append(v)
         rows = [(k, float(np.median(v)), counts[k]) for k, v in totals.items()]
         return sorted(rows, key=lambda r: -r[1])
+
+    @staticmethod
+    def _sampling_words(samp: np.ndarray) -> np.ndarray:
+        """The params words (Kernels.SAMPLE_WORDS a row) of sampling rows
+        (temperature, top_k, top_p, min_p, u): floats as bits, top_k an integer."""
+        w = np.zeros((len(samp), Kernels.SAMPLE_WORDS), np.float32)
+        w[:, [0, 2, 3, 4]] = samp[:, [0, 2, 3, 4]]
+        w[:, 4] = np.minimum(w[:, 4], np.float32(1.0 - 2.0 ** -24))   # u < 1 in float32 too
+        wu = w.view(np.uint32)
+        wu[:, 1] = samp[:, 1].astype(np.uint32)
+        return wu.reshape(-1)
 
     def step(self, tokens, positions, slots, out_rows=(), readback: str = "argmax", sampling=None):
         """Run tokens[i] at positions[i] in slots[i]; return, for each index in
@@ -450,12 +459,8 @@ class Engine:
         prm[pl.slots:pl.slots + n] = slt
         prm[pl.out_rows:pl.out_rows + n_out] = outs
         if samp is not None:
-            w = np.zeros((n_out, Kernels.SAMPLE_WORDS), np.float32)
-            w[:, [0, 2, 3, 4]] = samp[:, [0, 2, 3, 4]]
-            w[:, 4] = np.minimum(w[:, 4], np.float32(1.0 - 2.0 ** -24))   # u < 1 in float32 too
-            wu = w.view(np.uint32)
-            wu[:, 1] = samp[:, 1].astype(np.uint32)
-            prm[pl.sampling:pl.sampling + wu.size] = wu.reshape(-1)
+            words = self._sampling_words(samp)
+            prm[pl.sampling:pl.sampling + words.size] = words
         prog = self._program(n, n_out, mode, buf, chain_key)
         prog.submit()
         self._inflight.append(_Submitted(prog, mode, n_out, buf))
