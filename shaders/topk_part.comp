@@ -1,68 +1,43 @@
 #version 450
-// First pass of sampling on the device: the K best values of each slice of
-// WG * VPL values of each row (largest first, equal values by lowest index,
-// as numpy's stable sort of -x; NaN is never taken), as (value, index) pairs;
-// sample.comp merges a row's slices. A workgroup per (row, slice). Each
-// invocation holds its VPL values in registers and knows its own best; each
-// of the K rounds finds the workgroup's best (subgroup reductions, then the
-// subgroups' winners in shared memory), writes it, and its owner moves on to
-// its next value. Fewer than K values (or non-NaN ones) leave the rest of the
-// list as (-inf, NONE).
+// First pass of sampling on the device: the R best values of each slice of
+// WG * VPL values of each row (R: the row's top_k, one for a greedy row; at
+// most k), largest first, equal values by lowest index (as numpy's stable
+// sort of -x; NaN is never taken), as (value, index) pairs at a stride of k
+// a slice; sample.comp merges a row's slices. A workgroup per (row, slice),
+// each invocation holding VPL values; topk.glsl's topk_wg takes the R best.
+// Fewer than R values (or non-NaN ones) leave the rest of the list as
+// (-inf, NONE).
 #include "common.glsl"
+#define TOPK_VPL 16
 #include "topk.glsl"
-
-#define VPL 16
-
 layout(binding = 0) buffer Act { float act[]; };
 layout(binding = 0) buffer ActU { uint actu[]; };
-
+layout(binding = 1) readonly buffer Params { uint params[]; };
 layout(push_constant) uniform P {
     uint x_off, x_stride, n, rows;
     uint tmp_off, k;        // tmp: per (row, slice) k pairs (value, index)
+    uint samp_off;          // params words of the rows' sampling (sample.comp)
 } p;
-
-shared float sv[2][64];     // each subgroup's winner of a round (rounds alternate halves)
-shared uint si[2][64];
-
-
 void main() {
     uint WG = gl_WorkGroupSize.x, lid = gl_LocalInvocationID.x;
-    uint chunk = WG * VPL;
+    uint chunk = WG * TOPK_VPL;
     uint n_sl = (p.n + chunk - 1u) / chunk;
     uint item = workgroup_linear();
     if (item >= p.rows * n_sl) return;                 // the whole workgroup
     uint r = item / n_sl, lo = (item % n_sl) * chunk;
+    // the row's rounds: its top_k (sample.comp reads no more of each list),
+    // one for a greedy row
+    uint sp = p.samp_off + 8u * r;
+    uint R = uintBitsToFloat(params[sp]) > 0.0 ? clamp(params[sp + 1u], 1u, p.k) : 1u;
     uint xb = p.x_off + r * p.x_stride;
-    float v[VPL];
-    [[unroll]] for (uint j = 0; j < VPL; j++) {
+    float v[TOPK_VPL];
+    uint ix[TOPK_VPL];
+    [[unroll]] for (uint j = 0; j < TOPK_VPL; j++) {
         uint i = lo + j * WG + lid;
-        v[j] = i < p.n ? act[xb + i] : uintBitsToFloat(0x7fc00000u);
+        v[j] = i < p.n ? act[xb + i] : -1.0 / 0.0;
+        ix[j] = i < p.n && !is_nan(v[j]) ? i : NONE;
     }
-    float bv = -1.0 / 0.0;
-    uint bi = NONE;
-    [[unroll]] for (uint j = 0; j < VPL; j++) {
-        uint i = lo + j * WG + lid;
-        if (!is_nan(v[j]) && before(v[j], i, bv, bi)) { bv = v[j]; bi = i; }
-    }
+    if (!topk_wg(v, ix, R)) return;
     uint out0 = p.tmp_off + 2u * item * p.k;
-    for (uint k = 0; k < p.k; k++) {
-        float m = subgroupMax(bv);
-        uint mi = subgroupMin(bv == m ? bi : NONE);
-        uint h = k & 1u;
-        if (subgroupElect()) { sv[h][gl_SubgroupID] = m; si[h][gl_SubgroupID] = mi; }
-        barrier();
-        float wv = sv[h][0];
-        uint wi = si[h][0];
-        for (uint g = 1; g < gl_NumSubgroups; g++)
-            if (before(sv[h][g], si[h][g], wv, wi)) { wv = sv[h][g]; wi = si[h][g]; }
-        if (lid == 0u) { act[out0 + 2u * k] = wv; actu[out0 + 2u * k + 1u] = wi; }
-        if (wi != NONE && bi == wi) {                  // the owner: its best after the one taken
-            bv = -1.0 / 0.0;
-            bi = NONE;
-            [[unroll]] for (uint j = 0; j < VPL; j++) {
-                uint i = lo + j * WG + lid;
-                if (!is_nan(v[j]) && before(wv, wi, v[j], i) && before(v[j], i, bv, bi)) { bv = v[j]; bi = i; }
-            }
-        }
-    }
+    for (uint k = 0; k < R; k++) { act[out0 + 2u * k] = tk_v[k]; actu[out0 + 2u * k + 1u] = tk_i[k]; }
 }

@@ -926,10 +926,10 @@ def _sample_ref(x: np.ndarray, temp: float, top_k: int, top_p: float, min_p: flo
     return int(idx[np.searchsorted(cdf, u, side="right")]), cdf
 
 
-def _run_sample(device, kernels, ws, x, n, stride, rows_params):
+def _run_sample(device, kernels, ws, x, n, stride, rows_params, tmp=None):
     rows = len(rows_params)
     xr = ws.act_region(rows * stride, x)
-    tmp = ws.act_region(kernels.sample_tmp_words(n, rows))
+    tmp = tmp or ws.act_region(kernels.sample_tmp_words(n, rows))
     samp_off, out_off = 1000, 600
     words = np.zeros(kernels.SAMPLE_WORDS * rows, np.uint32)
     for r, (t, k, tp, mp, u) in enumerate(rows_params):
@@ -972,6 +972,7 @@ def test_sample_draw_matches_sampler(device, kernels, ws, rng):
     rows = len(cases)
     x = (rng.standard_normal((rows, n)) * 2.5).astype(np.float32)
     x[:, rng.integers(0, n, 20)] += 6.0              # a few strong candidates, spread over the slices
+    x[1] = np.round(x[1] * 2) / 2                    # ties everywhere: equal values by lowest index
     params, want = [], []
     for r, (t, k, tp, mp) in enumerate(cases):
         _, cdf = _sample_ref(x[r], t, k, tp, mp, 0.0)
@@ -984,3 +985,41 @@ def test_sample_draw_matches_sampler(device, kernels, ws, rng):
     assert Kernels.SAMPLE_K == 64
     got = _run_sample(device, kernels, ws, x, n, n, params)
     assert list(got) == want
+
+
+def test_sample_reads_only_its_rows_top_k(device, kernels, ws, rng):
+    """The first pass writes a row's top_k pairs a slice and the second reads
+    no more: a step with smaller top_k than the last one's, on the same
+    scratch, draws what a fresh scratch gives (the stale pairs past top_k,
+    here better than every logit, are never read)."""
+    n, rows = 20000, 3
+    tmp = ws.act_region(kernels.sample_tmp_words(n, rows))
+    high = np.full((rows, n), 50.0, np.float32)
+    _run_sample(device, kernels, ws, high, n, n, [(1.0, 64, 1.0, 0.0, 0.5)] * rows, tmp)
+    x = (rng.standard_normal((rows, n)) * 2).astype(np.float32)
+    params = [(1.0, 5, 1.0, 0.0, 0.7), (0.0, 64, 1.0, 0.0, 0.5), (0.5, 1, 1.0, 0.0, 0.2)]
+    got = _run_sample(device, kernels, ws, x, n, n, params, tmp)
+    want = [_sample_ref(x[r], *params[r])[0] for r in range(rows)]
+    assert list(got) == want == list(_run_sample(device, kernels, ws, x, n, n, params))
+
+
+def test_topk_part_lists(device, kernels, ws, rng):
+    """The first pass's list of each slice: the row's top_k best of the
+    slice's 4,096 logits (ties among them: lowest index first), in numpy's
+    stable order of -x; a greedy row's list is its slice's best alone."""
+    n, rows = 49152, 3
+    x = (rng.standard_normal((rows, n)) * 2.5).astype(np.float32)
+    x[2] = np.round(x[2] * 4) / 4                    # ties everywhere
+    tmp = ws.act_region(kernels.sample_tmp_words(n, rows))
+    params = [(1.0, 64, 1.0, 0.0, 0.5), (0.0, 40, 1.0, 0.0, 0.5), (1.0, 40, 1.0, 0.0, 0.5)]
+    _run_sample(device, kernels, ws, x, n, n, params, tmp)
+    lists = ws.read(tmp).reshape(rows, kernels.sample_slices(n), kernels.SAMPLE_K, 2)
+    chunk = kernels.SAMPLE_WG * kernels.SAMPLE_VPL
+    for r, (t, k, *_rest) in enumerate(params):
+        R = k if t > 0 else 1
+        for s in range(lists.shape[1]):
+            sl = x[r, s * chunk:(s + 1) * chunk]
+            want = np.argsort(-sl, kind="stable")[:R]
+            np.testing.assert_array_equal(lists[r, s, :R, 1].view(np.uint32), want + s * chunk,
+                                          err_msg=f"row {r} slice {s}")
+            np.testing.assert_array_equal(lists[r, s, :R, 0], sl[want])

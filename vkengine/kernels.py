@@ -820,7 +820,8 @@ class Kernels:
 
     def can_sample(self, n: int) -> bool:
         """Whether rows of n logits can be sampled on this device (sample())."""
-        return (self.device.info.max_workgroup_invocations >= self.SAMPLE_WG
+        # (topk.glsl's merge: at most 32 subgroups a workgroup, 4 lists a lane)
+        return (self.device.info.max_workgroup_invocations >= self.SAMPLE_WG and self.sg >= 8
                 and self.sample_slices(n) * self.SAMPLE_K <= self.SAMPLE_WG * self.SAMPLE_VPL)
 
     def sample(self, prog: Program, x: Region, x_stride: int, n: int, rows: int, params: Buffer, samp_off: int,
@@ -837,11 +838,11 @@ class Kernels:
         if tmp.words < self.sample_tmp_words(n, rows):
             raise ValueError("sample needs a large enough tmp region")
         n_sl, K = self.sample_slices(n), self.SAMPLE_K
-        push = struct.pack("<6I", x.off, x_stride, n, rows, tmp.off, K)
-        alg = self._alg("topk_part", [act], push, self.SAMPLE_WG, 1)
+        push = struct.pack("<7I", x.off, x_stride, n, rows, tmp.off, K, samp_off)
+        alg = self._alg("topk_part", [act, params], push, self.SAMPLE_WG, 1)
         tmp_range = (tmp.buf, tmp.off * 4, (tmp.off + self.sample_tmp_words(n, rows)) * 4)
-        prog.dispatch(alg, push, self._grid(rows * n_sl), [_rows_range(x, rows, x_stride, n)], [tmp_range],
-                      f"{label} top-k")
+        prog.dispatch(alg, push, self._grid(rows * n_sl), [_rows_range(x, rows, x_stride, n), samp_range],
+                      [tmp_range], f"{label} top-k")
         push = struct.pack("<5I", tmp.off, n_sl * K, rows, samp_off, out_off)
         alg = self._alg("sample", [act, params], push, self.SAMPLE_WG, 1)
         prog.dispatch(alg, push, self._grid(rows), [tmp_range, samp_range],
