@@ -44,6 +44,13 @@ layout(binding = 3) readonly restrict buffer NW { vec4 nw4[]; };   // NORM's wei
 layout(binding = 4) readonly restrict buffer RopeT { float rtable[]; };   // ROPE's cos/sin table
 layout(binding = 5) readonly restrict buffer RParams { uint rparams[]; };  // ROPE: positions and slots
 layout(binding = 6) writeonly restrict buffer RKv { uint rkv[]; };        // ROPE: the KV cache
+#elif defined(PARTS_Q8)
+// PARTS_Q8 (below) without the epilogues (the 8-column "pq" variants): y
+// coherent all the same, the last workgroup of a block reads its h'
+#define NORM_CODE 0
+layout(binding = 2) coherent buffer Y { float act[]; };
+layout(binding = 2) coherent buffer Y4 { vec4 yv4[]; };
+layout(binding = 2) coherent buffer Yu { uint actu[]; };
 #else
 #define NORM_CODE 0
 layout(binding = 2) buffer Y { float act[]; };
@@ -64,6 +71,33 @@ layout(binding = 2) buffer Y { float act[]; };
 //   vec4 of each column before them, the rest after), which held 4 vec4 a
 //   lane through the products
 // Every variant adds a column's squares in the same order, batched or alone.
+// PARTS_Q8 (with NORM_PARTS: the "pq" variants): h' also as 8-bit blocks of
+//   32 rows for an XQ8 reader (the SwiGLU's gate|up on integer dot products,
+//   "nx" variants: NORM_IN with XQ8), so that it needs no quantize dispatch.
+//   The 32 / RPS workgroups of a block count themselves on a zeroed word
+//   (pc_off + grid z * M / 32 + block); the last one reads the block's h'
+//   of every column through the coherent binding and writes its int8 words
+//   (pq_off + column * M / 4 + block * 8) and scale (pd_off + column * M /
+//   32 + block) with q8.glsl's rounding, what quantize_q8.comp writes for
+//   those floats, then zeroes the word. It also adds the block's 8 sums of
+//   4 squares (in order) into one per block (ps_off + column * M / 32 +
+//   block), which the reader adds instead of the K / 4 sums (NORM_IN_BLK).
+//   Its offsets ride in the RoPE words (a p variant takes no RoPE).
+#ifdef PARTS_Q8
+#ifndef NORM_PARTS
+#error "PARTS_Q8 needs NORM_PARTS"
+#endif
+#include "q8.glsl"
+#define PQ_OFF p.rope_row0
+#define PD_OFF p.n_q
+#define PC_OFF p.n_k
+#define PS_OFF p.head_dim
+#endif
+// NORM_IN_BLK (with NORM_IN, the "nx" variants): the producer's sums come one
+// per 32 values (PARTS_Q8's block sums, K / 32 a column from sync_off)
+#ifdef NORM_IN_BLK
+layout(binding = 1) readonly restrict buffer X1 { float act1[]; };
+#endif
 #if defined(NORM_IN) || defined(NORM_PARTS)
 #if !KSPLIT
 #error "NORM_IN and NORM_PARTS need the split-K variants"
@@ -140,6 +174,10 @@ layout(push_constant) uniform P {
 shared float red[32][RPS * NCOLS];   // per subgroup (at most 32 of them)
 #ifdef NORM_PARTS
 shared float nsq[RPS * NCOLS];   // NORM_PARTS: the squares of the workgroup's sums
+#endif
+#ifdef PARTS_Q8
+shared uint s_lastq;
+shared float qmax[NCOLS * 8u];   // the block's largest |h'| per column, 4 values at a time
 #endif
 #ifdef NORM_IN
 shared float nss[32][NCOLS];   // NORM_IN: each subgroup's sum of the columns' squares
@@ -305,17 +343,26 @@ void main() {
     uint S = gl_SubgroupSize;
 #endif
 #ifdef NORM_IN
-    {   // the producer's sums of 4 rows' squares (K / 4 a column), every
-        // column's loads side by side; each subgroup's sums to nss, read after
-        // the products' barrier
-        uint n4 = p.K / 16u;
+    {   // the producer's sums of 4 rows' squares (K / 4 a column; NORM_IN_BLK:
+        // of 32, K / 32), every column's loads side by side; each subgroup's
+        // sums to nss, read after the products' barrier
         float t[NCOLS];
         [[unroll]] for (uint c = 0; c < NCOLS; c++) t[c] = 0.0;
+#ifdef NORM_IN_BLK
+        uint nb32 = p.K / 32u;
+        for (uint v = LANE; v < nb32; v += S) {
+            float q[NCOLS];
+            [[unroll]] for (uint c = 0; c < NCOLS; c++) q[c] = act1[p.sync_off + XCOL(c) * nb32 + v];
+            [[unroll]] for (uint c = 0; c < NCOLS; c++) t[c] += q[c];
+        }
+#else
+        uint n4 = p.K / 16u;
         for (uint v = LANE; v < n4; v += S) {
             vec4 q[NCOLS];
             [[unroll]] for (uint c = 0; c < NCOLS; c++) q[c] = act4[p.sync_off / 4u + XCOL(c) * n4 + v];
             [[unroll]] for (uint c = 0; c < NCOLS; c++) t[c] += (q[c].x + q[c].y) + (q[c].z + q[c].w);
         }
+#endif
         [[unroll]] for (uint c = 0; c < NCOLS; c++) {
             float u = subgroupAdd(t[c]);
             if (subgroupElect()) nss[gl_SubgroupID][c] = u;
@@ -507,6 +554,44 @@ void main() {
 #endif
 #endif
     }
+#ifdef PARTS_Q8
+    if (rows.x < p.M) {   // (workgroup-uniform: the grid may hold workgroups past M)
+        memoryBarrierBuffer();
+        barrier();
+        uint nbk = p.M / 32u, b = rows.x / 32u, cw = PC_OFF + gl_WorkGroupID.z * nbk + b;
+        if (gl_LocalInvocationID.x == 0u)
+            s_lastq = atomicAdd(actu[cw], 1u) == 32u / RPS - 1u ? 1u : 0u;
+        barrier();
+        if (s_lastq != 0u) {
+            memoryBarrierBuffer();
+            uint L = gl_LocalInvocationID.x, S = gl_WorkGroupSize.x;
+            // invocation i: column i / 8, values 4 (i % 8) .. of the block
+            for (uint i = L; i < NCOLS * 8u; i += S) {
+                uint c = i / 8u;
+                vec4 v = c < ncols ? yv4[(p.h_off + (col0 + c) * p.h_stride) / 4u + b * 8u + i % 8u] : vec4(0.0);
+                qmax[i] = q8_amax4(v);
+            }
+            barrier();
+            for (uint i = L; i < NCOLS * 8u; i += S) {
+                uint c = i / 8u, k = i % 8u;
+                if (c >= ncols) continue;
+                vec4 v = yv4[(p.h_off + (col0 + c) * p.h_stride) / 4u + b * 8u + k];
+                float amax = 0.0;
+                for (uint j = 0u; j < 8u; j++) amax = max(amax, qmax[c * 8u + j]);
+                float d = q8_scale(amax);
+                actu[PQ_OFF + (col0 + c) * (p.M / 4u) + b * 8u + k] = q8_pack(v, q8_inv(d));
+                if (k == 0u) {
+                    act[PD_OFF + (col0 + c) * nbk + b] = d;
+                    uint so = p.sync_off + (col0 + c) * p.sq_stride + b * 8u;
+                    float t = act[so];
+                    for (uint j = 1u; j < 8u; j++) t += act[so + j];
+                    act[PS_OFF + (col0 + c) * nbk + b] = t;
+                }
+            }
+            if (L == 0u) actu[cw] = 0u;
+        }
+    }
+#endif
 #if NORM_CODE && !defined(NORM_IN) && !defined(NORM_PARTS)
     // NORM (flags & 4, with 1: y is the residual stream): h[c] = RMSNorm(y[c]) *
     // w for every column, by the workgroup that finishes last, instead of an

@@ -26,12 +26,14 @@ class RefLlama:
             self.w[name] = self.mf.tensor(name).as_f32().astype(np.float32)
         return self.w[name]
 
-    def logits(self, tokens: list[int], act_q8: bool = False) -> np.ndarray:
+    def logits(self, tokens: list[int], act_q8: bool = False, ffn_q8_parts: bool = False) -> np.ndarray:
         """(len(tokens), n_vocab) logits of a sequence starting at position 0.
         act_q8: the inputs of the products that the XQ8 matvecs take (gate|up
         and the output head: the matrices that never fuse a norm or RoPE)
         rounded to 8-bit blocks first, as those kernels take them
-        (ref.dequantize_q8)."""
+        (ref.dequantize_q8). ffn_q8_parts: gate|up's input as the XQ8_IN path
+        takes it (Kernels.xq8_in): h' = x * ffn_norm's weight rounded to 8-bit
+        blocks, then times the norm's scale 1 / rms(x)."""
         a = self.a
         qa = ref.dequantize_q8 if act_q8 else (lambda t: t)
         n = len(tokens)
@@ -51,7 +53,12 @@ class RefLlama:
             v16 = v.astype(np.float16).astype(np.float32)
             att = np.stack([ref.attention(q[t], k16[: t + 1], v16[: t + 1], 1.0 / np.sqrt(hd)) for t in range(n)])
             x = x + att.reshape(n, H * hd).astype(np.float32).astype(np.float64) @ self.W(p + "attn_output.weight").T.astype(np.float64)
-            h = qa(ref.rms_norm(x, self.W(p + "ffn_norm.weight"), a.rms_eps).astype(np.float32))
+            if ffn_q8_parts:
+                x32 = x.astype(np.float32)
+                scale = 1.0 / np.sqrt((x32.astype(np.float64) ** 2).mean(axis=1, keepdims=True) + a.rms_eps)
+                h = ref.dequantize_q8(x32 * self.W(p + "ffn_norm.weight")).astype(np.float64) * scale
+            else:
+                h = qa(ref.rms_norm(x, self.W(p + "ffn_norm.weight"), a.rms_eps).astype(np.float32))
             g = h @ self.W(p + "ffn_gate.weight").T
             u = h @ self.W(p + "ffn_up.weight").T
             f = (ref.silu(g) * u).astype(np.float32)

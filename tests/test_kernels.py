@@ -509,6 +509,109 @@ def test_mul_mat_norm_split(device, column_kernels, ws, rng, wp, wt, n, reduce):
             np.testing.assert_array_equal(consume(1, c)[0, :rows], got[c, :rows], err_msg=f"column {c} of {n}")
 
 
+@pytest.fixture(scope="module")
+def xq8_in_kernels(device):
+    """column_kernels with the split norm's 8-bit blocks (Kernels.xq8_in): a
+    "pq" producer writes h' as blocks, a Q8_0 gate|up reads them ("nx")."""
+    from vkengine.kernels import Kernels
+    assert "shaderIntegerDotProduct" in device.features, "the XQ8 tests need integer dot products"
+    kn = Kernels(device, tiled_from=None)
+    kn.multi_column_from, kn.split_k, kn.norm_in, kn.xq8_in = 2, True, True, True
+    return kn
+
+
+@pytest.mark.parametrize("reduce", ["subgroupAdd", "butterfly"])
+@pytest.mark.parametrize("wp", ["q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("n", [1, 3, 4, 8, 13])
+def test_mul_mat_norm_split_q8(device, xq8_in_kernels, ws, rng, wp, n, reduce):
+    """The split norm with h' as 8-bit blocks: the "pq" producer (weight type
+    wp) writes what the "p" variant writes and h' as blocks bit for bit what
+    quantize_q8 makes of that h', twice in a row (its counters are left
+    zero); a Q8_0 gate|up ("nx": the fused SwiGLU on integer dot products)
+    gives silu(gate) * up of the blocks times the norm's scale, each column
+    bit for bit what it gives that column alone."""
+    from vkengine.kernels import NormIn, NormParts, Q8Out
+    kn = xq8_in_kernels
+    n = min(_split_k_rows(device, kn, wp, n, reduce), _split_k_rows(device, kn, "q8_0", n, reduce))
+    D, Kp, F, eps = 512, _cols(wp), 37, 1e-5
+    rawp, wpm = random_quantized(wp, D, Kp, rng)
+    pm = upload_matrix(ws, wp, rawp, D, Kp)
+    raw, w = random_quantized("q8_0", 2 * F, D, rng)
+    mat = upload_matrix(ws, "q8_0", raw, 2 * F, D)
+    xp = rng.standard_normal((n, Kp)).astype(np.float32)
+    y0 = (rng.standard_normal((n, D)) * rng.uniform(0.1, 10.0, (n, 1))).astype(np.float32)
+    nwv = rng.uniform(0.5, 1.5, D).astype(np.float32)
+    nw = ws.weight_region(nwv)
+    xpr = ws.act_region(n * Kp, xp)
+    qwords = n * D // 4
+    qr = ws.act_region(qwords + n * D // 32)
+    blk_sums = ws.act_region(n * D // 32)
+    sync = ws.act_region(n * D // 32, np.zeros(n * D // 32, np.uint32))
+
+    def produce(cols: int, c0: int, q8: bool):
+        yr, hr, sr = ws.act_region(cols * D, y0[c0:c0 + cols]), ws.act_region(cols * D), ws.act_region(cols * D // 4)
+        q = Q8Out(qr.at(c0 * D // 4, cols * D // 4), qr.off + qwords + c0 * D // 32,
+                  blk_sums.off + c0 * D // 32, sync) if q8 else None
+        parts = NormParts(nw, hr, D, sr, D // 4, q)
+        assert kn.fuses_norm_parts(pm, cols, yr, parts) and (not q8 or kn.fuses_norm_parts_q8(pm, cols, q))
+        prog = device.program()
+        kn.mul_mat(prog, pm, xpr.at(c0 * Kp, cols * Kp), Kp, yr, D, cols, accumulate=True, norm_parts=parts)
+        assert [op.label for op in prog.ops if op.kind == "dispatch"][0].endswith(f"{'pq' if q8 else 'p'}_{wp}")
+        prog.run()
+        return [ws.read(r) for r in (yr, hr, sr)]
+
+    plain = produce(n, 0, False)
+    for _ in range(2):
+        qr_init = np.full(qwords + n * D // 32, np.nan, np.float32)
+        device.upload(qr.buf, qr_init.view(np.uint32), qr.off * 4)
+        got = produce(n, 0, True)
+        for a, b in zip(got, plain):
+            np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(ws.read(sync, np.uint32), 0)
+        h = got[1].reshape(n, D)
+        want = device.buffer(n * (D // 4 + D // 32) * 4, "device", "q8-want")
+        prog = device.program()
+        kn.quantize_q8(prog, ws.act_region(n * D, h), D, D, n, want)
+        prog.run()
+        want_words = device.download(want, 0, n * (D // 4 + D // 32) * 4, np.uint8).view(np.uint32)
+        np.testing.assert_array_equal(ws.read(qr, np.uint32), want_words)
+        sq = (got[0].reshape(n, D).astype(np.float64) ** 2).reshape(n, D // 32, 32).sum(axis=2)
+        _close(ws.read(blk_sums).reshape(n, D // 32), sq)
+    bs = ws.read(blk_sums)
+    for c in range(n):   # a column alone writes the same blocks
+        produce(1, c, True)
+    np.testing.assert_array_equal(ws.read(qr, np.uint32), want_words)
+    np.testing.assert_array_equal(ws.read(blk_sums), bs)
+
+    y, sr = got[0].reshape(n, D), ws.act_region(n * D // 4, got[2])
+    y64 = y.astype(np.float64)
+    scale = 1.0 / np.sqrt((y64 ** 2).mean(axis=1, keepdims=True) + eps)
+    hq = ref.dequantize_q8(h).astype(np.float64) * scale
+    gu = hq @ w.T.astype(np.float64)
+    exp = ref.silu(gu[:, :F]) * gu[:, F:]
+    ys = F + 3
+
+    def consume(cols: int, c0: int):
+        q = Q8Out(qr.at(c0 * D // 4, cols * D // 4), qr.off + qwords + c0 * D // 32,
+                  blk_sums.off + c0 * D // 32, sync)
+        norm = NormIn(sr.at(c0 * D // 4, cols * D // 4), eps, q)
+        assert kn.takes_q8_in(mat, cols)
+        out = ws.act_region(cols * ys)
+        prog = device.program()
+        kn.mul_mat(prog, mat, ws.act_region(cols * D), D, out, ys, cols, glu=True, norm_in=norm)
+        tag = "b" * kn.bfly
+        assert [op.label for op in prog.ops if op.kind == "dispatch"] == [
+            f"mul_mvk{tag}nx_q8_0" if cols == 1 else f"mul_mm{tag}{kn.split_k_columns(cols)}nx_q8_0"]
+        prog.run()
+        return ws.read(out).reshape(cols, ys)
+
+    out = consume(n, 0)
+    assert np.isnan(out[:, F:]).all(), "wrote outside its rows"
+    _close(out[:, :F], exp, rtol=1e-3, atol_scale=1e-3)
+    for c in range(n):
+        np.testing.assert_array_equal(consume(1, c)[0, :F], out[c, :F], err_msg=f"column {c} of {n}")
+
+
 @pytest.mark.parametrize("reduce", ["subgroupAdd", "butterfly"])
 @pytest.mark.parametrize("wt", ["q4_0", "q8_0"])
 @pytest.mark.parametrize("n", [1, 3, 4])

@@ -27,10 +27,16 @@ def tiny_models(tmp_path_factory, tokenizer_source):
                           tokenizer_from=tokenizer_source) for q in ("q8_0", "q4_1", "f16")}
 
 
-def _engine(device, path, **kw):
+def _engine(device, path, xq8_in: bool = False, **kw):
+    """The model and an engine; xq8_in: keep the GPUs' default of gate|up on
+    8-bit blocks of its input (Kernels.xq8_in), which the float reference
+    does not model (test_xq8_in_decode_path checks it against the reference
+    that does)."""
     m = load_model(path)
     cfg = EngineConfig(**{"n_slots": 4, "n_ctx": 256, "max_batch": 64, "max_out": 64, **kw})
-    return m, Engine(m, device, cfg)
+    eng = Engine(m, device, cfg)
+    eng.kernels.xq8_in = eng.kernels.xq8_in and xq8_in
+    return m, eng
 
 
 def _prefill_logits(eng, ids, slot=0):
@@ -158,6 +164,31 @@ def test_xq8_decode_path(device, tiny_models):
     assert labels.count("quantize_q8") == len(eng._programs) * (len(eng.weights.layers) + 1), labels
     both, alone = _batched_and_alone(m, eng)
     np.testing.assert_array_equal(both, alone)
+
+
+def test_xq8_in_decode_path(device, tiny_models):
+    """The GPUs' decode path with the split RMSNorm's 8-bit blocks (Kernels.
+    xq8_in): every layer's attention-output add ("pq") writes h' as 8-bit
+    blocks and gate|up (Q8_0, the fused SwiGLU) takes them on integer dot
+    products. Decode steps match the numpy reference that rounds gate|up's
+    input so, and four sequences batched give bit for bit the logits each
+    gives alone."""
+    m, eng = _engine(device, tiny_models["q8_0"]["gguf"])
+    kn = eng.kernels
+    kn.split_k, kn.multi_column_from, kn.norm_in, kn.xq8_in = True, 2, True, True
+    ids = m.tokenizer.encode(PROMPT)[:12]
+    want = RefLlama(m.file, m.args).logits(ids, ffn_q8_parts=True)
+    steps = np.stack([eng.step([t], [p], [1], [0], "logits")[0] for p, t in enumerate(ids)])
+    _assert_logits_close(steps, want)
+    both, alone = _batched_and_alone(m, eng)
+    np.testing.assert_array_equal(both, alone)
+    labels = [op.label for prog in eng._programs.values() for op in prog.ops if op.kind == "dispatch"]
+    # every split norm before a gate|up (decode steps) writes the blocks, and every such gate|up reads them
+    adds = [lb for lb in labels if lb.startswith("mul_mat x<-att+rms_norm_parts")]
+    assert adds and all(lb.endswith("+q8") for lb in adds), labels
+    assert sum(lb.startswith("mul_mat gu+swiglu<-h+rms_norm") for lb in labels) == len(adds), labels
+    assert sum(lb.endswith("+rms_norm+q8") for lb in labels) == len(adds), labels
+    assert "quantize_q8" not in labels
 
 
 def test_tiled_prefill_with_split_k(device, tiny_models, monkeypatch):

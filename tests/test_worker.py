@@ -165,6 +165,29 @@ def test_xq8_interleaved_equals_alone(device, tiny_model):
     assert "quantize_q8" in labels and any(lb.endswith("+rms_norm") for lb in labels)
 
 
+def _gpu_xq8_in(eng):
+    """The GPUs' decode path with the split norm's 8-bit blocks (Kernels.xq8_in)."""
+    kn = eng.kernels
+    kn.split_k, kn.multi_column_from, kn.norm_in, kn.xq8_in = True, 2, True, True
+
+
+def test_xq8_in_interleaved_equals_alone(device, tiny_model):
+    """With gate|up on the producer's 8-bit blocks of h' (Kernels.xq8_in), four
+    sequences interleaved, greedy and sampled, give the tokens each gives
+    alone on the same kernels."""
+    tok = tiny_model.tokenizer
+    ref = Engine(tiny_model, device, EngineConfig(n_slots=1, n_ctx=CTX, max_batch=64, max_out=1))
+    _gpu_xq8_in(ref)
+    for sampling in ("greedy", "sampled"):
+        reqs = [GenRequest(tok.encode(t), n, sp, ignore_eos=True)
+                for t, n, sp in zip(TEXTS, N_TOKENS, SAMPLING[sampling])]
+        got, w = run_interleaved(device, tiny_model, CONFIGS["batch"], reqs, setup=_gpu_xq8_in)
+        for r, (toks, text, job) in zip(reqs, got):
+            assert toks == alone(ref, r.prompt, r.max_tokens, r.sampling)[0], sampling
+        labels = [op.label for prog in w.eng._programs.values() for op in prog.ops]
+        assert any(lb.endswith("+rms_norm+q8") for lb in labels)
+
+
 @pytest.mark.parametrize("mode", ["slices-q4", "batch"])
 def test_prefix_cache_on_the_real_engine(device, tiny_model, ref_engine, mode):
     """A shared system prompt is reused (copied between slots, restored from the

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .device import Buffer, Program
-from .kernels import Kernels, Matrix, NormIn, NormOut, NormParts, Region, RopeOut
+from .kernels import Kernels, Matrix, NormIn, NormOut, NormParts, Q8Out, Region, RopeOut
 from .state import KVCache
 
 
@@ -92,37 +92,59 @@ class Graph:
                         self.pl.out_rows if gather else None)
 
     def matmul(self, w: Matrix, x: str, out: str, accumulate: bool = False, col: int = 0,
-               no_epilogues: bool = False, norm_in: Region | None = None) -> None:
+               no_epilogues: bool = False, norm_in: NormIn | None = None) -> None:
         """out[r][col : col + w.rows] (+)= w @ x[r]; no_epilogues: w never takes
         a fused norm or RoPE (Kernels.mul_mat: the XQ8 matvecs may take it);
-        norm_in: x is an h' of residual_norm, these its sums of squares"""
+        norm_in: x is an h' of residual_norm, which returned this"""
         self.k.mul_mat(self.p, w, self.s.region(x), self.s.stride(x), self.s.region(out, col), self.s.stride(out),
                        self._rows(x), accumulate, label=f"mul_mat {out}<-{x}" + ("+rms_norm" if norm_in else ""),
-                       no_epilogues=no_epilogues, norm_in=self._norm_in(norm_in))
+                       no_epilogues=no_epilogues, norm_in=self._plain(norm_in))
 
-    def _norm_in(self, slots: Region | None) -> NormIn | None:
-        return NormIn(slots, self.eps) if slots is not None else None
+    @staticmethod
+    def _plain(norm_in: NormIn | None) -> NormIn | None:
+        """norm_in without the 8-bit blocks (for readers that take h' as floats)"""
+        return NormIn(norm_in.slots, norm_in.eps) if norm_in is not None else None
 
     def residual_norm(self, w: Matrix, x: str, out: str, norm_w: Region, h: str,
-                      readers: list[list[tuple[Matrix, int]]]) -> Region | None:
+                      readers: list[list[tuple[Matrix, int]]], glu_reader: bool = False) -> NormIn | None:
         """out[r] += w @ x[r] (the residual stream), then the RMSNorm of out
         (weight norm_w) into h for the matrices `readers` (their pieces). Where
         this matvec and all of them can (decode-sized steps on GPUs: Kernels.
         fuses_norm_parts, fuses_norm_in) the norm is split between them: h gets
-        out * norm_w and the returned sums of squares go to the readers as
-        norm_in. Else matmul_norm, and None: h is the norm."""
+        out * norm_w, and the returned NormIn (its sums of squares) goes to
+        the readers as norm_in; where the only reader is a gate|up with the
+        SwiGLU (glu_reader: gate_up_swiglu) that takes h' as 8-bit blocks
+        (Kernels.takes_q8_in) the producer writes those too (in `norm_q8`).
+        Else matmul_norm, and None: h is the norm."""
         n = self._rows(x)
         if "norm_slots" in self.s.widths:
             slots = Region(self.s.buf, self.s.offsets["norm_slots"], self.s.strides["norm_slots"] * self.s.max_rows)
             parts = NormParts(norm_w, self.s.region(h), self.s.stride(h), slots, w.rows // 4)
             if (self.k.fuses_norm_parts(w, n, self.s.region(out), parts)
                     and all(self.k.fuses_norm_in(m, n, slots) for pieces in readers for m, _ in pieces)):
+                q8 = self._q8_out(w.rows)
+                if not (q8 is not None and glu_reader and len(readers) == 1 and len(readers[0]) == 1
+                        and self.k.takes_q8_in(readers[0][0][0], n) and self.k.fuses_norm_parts_q8(w, n, q8)):
+                    q8 = None
                 self.k.mul_mat(self.p, w, self.s.region(x), self.s.stride(x), self.s.region(out),
-                               self.s.stride(out), n, accumulate=True, norm_parts=parts,
-                               label=f"mul_mat {out}<-{x}+rms_norm_parts")
-                return slots
+                               self.s.stride(out), n, accumulate=True,
+                               norm_parts=NormParts(norm_w, parts.h, parts.h_stride, slots, w.rows // 4, q8),
+                               label=f"mul_mat {out}<-{x}+rms_norm_parts" + ("+q8" if q8 else ""))
+                return NormIn(slots, self.eps, q8)
         self.matmul_norm(w, x, out, norm_w, h)
         return None
+
+    def _q8_out(self, rows: int) -> Q8Out | None:
+        """Where a producer of `rows`-value rows of h' writes their 8-bit blocks
+        (the scratch's norm_q8: int8 words of every row, then the scales, then
+        the sums of squares a block)."""
+        if "norm_q8" not in self.s.widths or rows % 32 or rows // 4 + rows // 16 > self.s.widths["norm_q8"]:
+            return None
+        mr = self.s.max_rows
+        base = self.s.offsets["norm_q8"]
+        sync = Region(self.s.buf, self.s.offsets["norm_q8_sync"], self.s.strides["norm_q8_sync"] * mr)
+        d = base + mr * rows // 4
+        return Q8Out(Region(self.s.buf, base, mr * rows // 4), d, d + mr * rows // 32, sync)
 
     def matmul_norm(self, w: Matrix, x: str, out: str, norm_w: Region, h: str) -> None:
         """out[r] += w @ x[r] (the residual stream), then h[r] = rms_norm(out[r])
@@ -140,7 +162,7 @@ class Graph:
         self.rms_norm(out, norm_w, h)
 
     def qkv_rope(self, layer: int, pieces: list[tuple[Matrix, int]], x: str, qkv: str, q_out: str, n_head: int,
-                 n_kv: int, head_dim: int, n_rot: int, neox: bool, norm_in: Region | None = None) -> None:
+                 n_kv: int, head_dim: int, n_rot: int, neox: bool, norm_in: NormIn | None = None) -> None:
         """qkv[r] = the q|k|v matrix (or its pieces at their columns of qkv) @
         x[r], then rope_kv; where the matvecs can take RoPE and the cache write
         (decode-sized steps on GPUs, kernels.fuses_rope) they do, and qkv is
@@ -153,7 +175,7 @@ class Graph:
         if all(self.k.fuses_rope(m, n, r) for (m, _), r in zip(pieces, ropes)):
             for (m, col), r in zip(pieces, ropes):
                 self.k.mul_mat(self.p, m, self.s.region(x), self.s.stride(x), self.s.region(qkv, col),
-                               self.s.stride(qkv), n, rope=r, norm_in=self._norm_in(norm_in),
+                               self.s.stride(qkv), n, rope=r, norm_in=self._plain(norm_in),
                                label=f"mul_mat {qkv}<-{x}" + ("+rms_norm" if norm_in else "") + "+rope_kv")
             return
         for m, col in pieces:
@@ -185,16 +207,18 @@ class Graph:
                          self.params, self.pl.positions, self.pl.slots, scale, split, self.kv.ctx, sync)
 
     def gate_up_swiglu(self, pieces: list[tuple[Matrix, int]], x: str, gu: str, out: str,
-                       norm_in: Region | None = None) -> None:
+                       norm_in: NormIn | None = None) -> None:
         """out[r] = silu(gate @ x[r]) * (up @ x[r]) for the gate|up matrix (or its
         pieces at their columns of gu): one dispatch where the matvec can take the
         SwiGLU (decode-sized steps on GPUs, kernels.fuses_glu), else the matmuls
-        into gu and a swiglu. norm_in: as in qkv_rope."""
+        into gu and a swiglu. norm_in: as in qkv_rope (with 8-bit blocks of h':
+        the XQ8 variants take those)."""
         n = self._rows(x)
         if len(pieces) == 1 and self.k.fuses_glu(pieces[0][0], n):
+            q8 = norm_in is not None and norm_in.q8 is not None
             self.k.mul_mat(self.p, pieces[0][0], self.s.region(x), self.s.stride(x), self.s.region(out),
-                           self.s.stride(out), n, glu=True, norm_in=self._norm_in(norm_in),
-                           label=f"mul_mat {gu}+swiglu<-{x}" + ("+rms_norm" if norm_in else ""))
+                           self.s.stride(out), n, glu=True, norm_in=norm_in,
+                           label=f"mul_mat {gu}+swiglu<-{x}" + ("+rms_norm" if norm_in else "") + ("+q8" if q8 else ""))
             return
         for m, col in pieces:
             self.matmul(m, x, gu, col=col, norm_in=norm_in)

@@ -90,6 +90,7 @@ class NormParts:
     h_stride: int
     slots: Region
     slot_stride: int
+    q8: "Q8Out | None" = None   # h' also as 8-bit blocks (the "pq" variants; Kernels.xq8_in)
 
     def rows_from(self, r0: int) -> "NormParts":
         """what a part of the matrix from row r0 (a multiple of 4) writes"""
@@ -98,11 +99,28 @@ class NormParts:
 
 
 @dataclass(frozen=True)
+class Q8Out:
+    """h' (NormParts) as 8-bit blocks of 32 values for an XQ8 reader
+    (Kernels.xq8_in): row r's int8 words from q.off + r * M / 4, its scales
+    (floats) from d_off + r * M / 32 and its sums of squares a block from
+    s_off + r * M / 32, all in q's buffer (the activation buffer); `sync`
+    holds a zeroed word per block of 32 rows and grid z of the producer (M /
+    32 * max rows words at most), which its workgroups count themselves on."""
+    q: Region
+    d_off: int
+    s_off: int
+    sync: Region
+
+
+@dataclass(frozen=True)
 class NormIn:
     """What a matvec reading h' (NormParts) needs to take x[r] as
-    rms_norm(y[r]) * weight (the "n" variants): the sums of squares."""
+    rms_norm(y[r]) * weight (the "n" variants): the sums of squares; q8:
+    where the producer also wrote h' as 8-bit blocks (the XQ8 "nx" variants
+    read those)."""
     slots: Region
     eps: float
+    q8: Q8Out | None = None
 
 
 @dataclass(frozen=True)
@@ -235,6 +253,18 @@ class Kernels:
         # workgroup normalizes every row alone (notes.md run 17).
         # VKENGINE_NORM_IN=0 keeps the fused norm (to measure the gain)
         self.norm_in = self.split_k and os.environ.get("VKENGINE_NORM_IN", "1") != "0"
+        # XQ8_IN: with the split norm, the producer of gate|up's input (the
+        # attention output's residual add, a "pq" variant) also writes h' as
+        # 8-bit blocks (the last workgroup of each 32 rows, which also adds the
+        # block's sums of squares), and a Q8_0 gate|up takes them through the
+        # XQ8 "nx" variants: integer dot products, no quantize dispatch, a
+        # 32nd of the sums to add. H200, 1B Q8_0 (notes.md run 23): the 4-row
+        # decode step 1.23 -> 1.13-1.15 ms, the 1-row step's GPU time 1,170 ->
+        # 1,168 us. gate|up's input is rounded to 8 bits (llama.cpp's CUDA
+        # backend rounds every quantized matvec's input so).
+        # VKENGINE_XQ8_IN=0 keeps it float
+        self.xq8_in = (self.norm_in and "shaderIntegerDotProduct" in getattr(device, "features", ())
+                       and os.environ.get("VKENGINE_XQ8_IN", "1") != "0")
         self._xq: list[Buffer] = []   # x's 8-bit blocks (the last is the largest)
         # for which matrices (tests widen both to every type and size it takes)
         # (VKENGINE_MC2_FROM_ROWS=<rows> moves the threshold, to measure a rule)
@@ -332,6 +362,21 @@ class Kernels:
                 and parts.h.buf is y.buf and parts.slots.buf is y.buf and parts.slot_stride * 4 >= w.rows
                 and parts.slots.words >= (n - 1) * parts.slot_stride + w.rows // 4)
 
+    def fuses_norm_parts_q8(self, w: Matrix, n: int, q8: Q8Out) -> bool:
+        """Whether a "p" producer (fuses_norm_parts) of n rows can also write
+        its h' as 8-bit blocks (Q8Out) for an XQ8 reader (xq8_in)."""
+        z = math.ceil(n / self.split_k_columns(n))
+        return (self.xq8_in and w.rows % 32 == 0 and not w.parts and q8.q.off % 4 == 0
+                and q8.q.buf is q8.sync.buf and q8.sync.words >= z * w.rows // 32
+                and q8.d_off >= q8.q.off + n * w.rows // 4)
+
+    def takes_q8_in(self, w: Matrix, n: int) -> bool:
+        """Whether a gate|up with the SwiGLU (fuses_glu) reading h' can take it
+        as a "pq" producer's 8-bit blocks (the XQ8 "nx" variants: Q8_0
+        weights, 16-byte aligned rows)."""
+        return (self.xq8_in and w.type in XQ8_TYPES and not w.parts and w.data.off % 4 == 0
+                and w.cols % 32 == 0 and self.fuses_glu(w, n) and not self.tiled(w, n))
+
     def fuses_rope(self, w: Matrix, n: int, rope: RopeOut) -> bool:
         """Whether mul_mat(rope=...) can take RoPE and the KV-cache write of its
         rows (the split-K matvecs of up to 4 columns: GPUs, decode steps; RoPE
@@ -371,6 +416,10 @@ class Kernels:
         if norm_parts is not None and (not accumulate or glu or rope is not None or norm is not None
                                        or norm_in is not None or not self.fuses_norm_parts(w, n, y, norm_parts)):
             raise ValueError("mul_mat: this matrix and step cannot write the RMSNorm's parts")
+        if norm_parts is not None and norm_parts.q8 is not None and not self.fuses_norm_parts_q8(w, n, norm_parts.q8):
+            raise ValueError("mul_mat: this matrix and step cannot write the RMSNorm's parts as 8-bit blocks")
+        if norm_in is not None and norm_in.q8 is not None and not (glu and self.takes_q8_in(w, n)):
+            raise ValueError("mul_mat: this matrix and step cannot read x as a producer's 8-bit blocks")
         if w.parts:       # split by rows: each part fills its rows of y
             for r0, part in w.parts:
                 self.mul_mat(prog, part, x, x_stride, y.at(r0, max(0, y.words - r0)), y_stride, n, accumulate,
@@ -391,8 +440,9 @@ class Kernels:
         flags = int(accumulate) | (2 if glu else 0) | (4 if norm is not None else 0) | (8 if rope is not None else 0)
         push = struct.pack("<10I", w.data.off, w.scales.off if w.scales else 0, w.cols, w.rows, n,
                            x.off, x_stride, y.off, y_stride, flags)
-        if norm_in is not None:
-            push += struct.pack("<4If", 0, 0, 0, norm_in.slots.off, norm_in.eps)
+        if norm_in is not None:   # (the "nx" variants add the producer's sums a block)
+            sums = norm_in.q8.s_off if norm_in.q8 is not None else norm_in.slots.off
+            push += struct.pack("<4If", 0, 0, 0, sums, norm_in.eps)
         elif norm_parts is not None:
             np_ = norm_parts
             push += struct.pack("<4If", np_.h.off, np_.h_stride, np_.weight.off, np_.slots.off, 0.0)
@@ -400,7 +450,10 @@ class Kernels:
             push += struct.pack("<4If", 0, 0, 0, 0, 0.0)
         else:
             push += struct.pack("<4If", norm.h.off, norm.h_stride, norm.weight.off, norm.sync.off, norm.eps)
-        if rope is None:
+        pq = norm_parts.q8 if norm_parts is not None else None
+        if pq is not None:   # the "pq" variants: its offsets in the RoPE words
+            push += struct.pack("<4I", pq.q.off, pq.d_off, pq.sync.off, pq.s_off) + bytes(10 * 4)
+        elif rope is None:
             push += bytes(14 * 4)
         else:
             r = rope
@@ -410,7 +463,7 @@ class Kernels:
         yr = _rows_range(y, n, y_stride, w.rows // 2 if glu else w.rows)
         reads = w.regions + [_rows_range(x, n, x_stride, w.cols)] + ([yr] if accumulate else [])
         writes = [yr]
-        if norm_in is not None:   # the producer's sums of squares
+        if norm_in is not None and norm_in.q8 is None:   # the producer's sums of squares
             s0 = norm_in.slots.off
             reads.append((norm_in.slots.buf, s0 * 4, (s0 + n * w.cols // 4) * 4))
         if norm_parts is not None:
@@ -418,6 +471,15 @@ class Kernels:
             reads.append(norm_parts.weight.at(0, w.rows).range)
             writes += [_rows_range(norm_parts.h, n, norm_parts.h_stride, w.rows),
                        (norm_parts.slots.buf, s0 * 4, (s0 + (n - 1) * ss + w.rows // 4) * 4)]
+            if pq is not None:   # the blocks, their scales and the counters
+                writes += [_rows_range(pq.q, n, w.rows // 4, w.rows // 4),
+                           (pq.q.buf, pq.d_off * 4, (pq.d_off + n * w.rows // 32) * 4),
+                           (pq.q.buf, pq.s_off * 4, (pq.s_off + n * w.rows // 32) * 4), pq.sync.range]
+        xq8_in = norm_in.q8 if norm_in is not None else None
+        if xq8_in is not None:   # the producer's blocks and scales
+            reads += [_rows_range(xq8_in.q, n, w.cols // 4, w.cols // 4),
+                      (xq8_in.q.buf, xq8_in.d_off * 4, (xq8_in.d_off + n * w.cols // 32) * 4),
+                      (xq8_in.q.buf, xq8_in.s_off * 4, (xq8_in.s_off + n * w.cols // 32) * 4)]
         if norm is not None:
             reads += [norm.weight.range, norm.sync.range]
             writes += [_rows_range(norm.h, n, norm.h_stride, w.rows), norm.sync.range]
@@ -441,7 +503,11 @@ class Kernels:
             nw = norm.weight if norm is not None else norm_parts.weight if norm_parts is not None else None
             bufs.append(nw.buf if nw is not None else w.data.buf)
             bufs += [rope.table.buf, rope.params, rope.k_cache.buf] if rope is not None else [w.data.buf] * 3
-            if xq8:   # binding 7: x as 8-bit blocks, quantized here
+            if xq8_in is not None:   # binding 7: x as the producer's 8-bit blocks (the "nx" variants)
+                variant = variant.replace(f"_{w.type}", f"nx_{w.type}")
+                push += struct.pack("<2I", xq8_in.q.off, xq8_in.d_off)
+                bufs.append(xq8_in.q.buf)
+            elif xq8:   # binding 7: x as 8-bit blocks, quantized here
                 qbuf = self._scratch(self._xq, q8_words(n, w.cols), "xq")
                 reads.append(self.quantize_q8(prog, x, x_stride, w.cols, n, qbuf))
                 variant = variant.replace(f"_{w.type}", f"x_{w.type}")
@@ -449,8 +515,8 @@ class Kernels:
                 bufs.append(qbuf)
             elif norm_in is not None:   # the "n" variants
                 variant = variant.replace(f"_{w.type}", f"n_{w.type}")
-            elif norm_parts is not None:   # the "p" variants
-                variant = variant.replace(f"_{w.type}", f"p_{w.type}")
+            elif norm_parts is not None:   # the "p" variants ("pq": and h' as 8-bit blocks)
+                variant = variant.replace(f"_{w.type}", f"{'pq' if pq is not None else 'p'}_{w.type}")
                 push += struct.pack("<I", norm_parts.slot_stride)
         alg = self._alg(variant, bufs, push, self.wg, rows_per_wg)
         # glu: a workgroup takes rows_per_wg / 2 gate rows and the same up rows

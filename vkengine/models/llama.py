@@ -139,7 +139,9 @@ def scratch_widths(a: LlamaArgs) -> dict[str, int]:
     return {"x": a.n_embd, "h": a.n_embd, "qkv": a.qkv_width, "q": a.n_head * a.head_dim,
             "att": a.n_head * a.head_dim, "gu": 2 * a.n_ff, "ff": a.n_ff,
             "out_h": a.n_embd, "out_logits": a.n_vocab,
-            "norm_slots": -(-a.n_embd // 4)}   # sums of squares per 4 values (Graph.residual_norm)
+            "norm_slots": -(-a.n_embd // 4),   # sums of squares per 4 values (Graph.residual_norm)
+            # h' as 8-bit blocks for an XQ8 gate|up (Graph._q8_out) and its producer's zeroed counters
+            "norm_q8": a.n_embd // 4 + a.n_embd // 16, "norm_q8_sync": -(-a.n_embd // 32)}
 
 
 def forward(g: Graph, a: LlamaArgs, w: LlamaWeights) -> None:
@@ -157,7 +159,7 @@ def forward(g: Graph, a: LlamaArgs, w: LlamaWeights) -> None:
         g.qkv_rope(i, L.qkv, "h", "qkv", "q", a.n_head, a.n_head_kv, a.head_dim, a.n_rot, a.rope_neox,
                    norm_in=att_in)
         g.attention(i, "q", "att", a.n_head, a.n_head_kv, a.head_dim, scale)
-        ffn_in = g.residual_norm(L.wo, "att", "x", L.ffn_norm, "h", [L.gate_up])
+        ffn_in = g.residual_norm(L.wo, "att", "x", L.ffn_norm, "h", [L.gate_up], glu_reader=True)
         g.gate_up_swiglu(L.gate_up, "h", "gu", "ff", norm_in=ffn_in)
         if i + 1 < len(w.layers):
             nxt = w.layers[i + 1]
