@@ -79,7 +79,13 @@ layout(binding = 2) buffer Y { float act[]; };
 //   of every column through the coherent binding and writes its int8 words
 //   (pq_off + column * M / 4 + block * 8) and scale (pd_off + column * M /
 //   32 + block) with q8.glsl's rounding, what quantize_q8.comp writes for
-//   those floats, then zeroes the word. It also adds the block's 8 sums of
+//   those floats, then zeroes the word. A second plane of int8 words
+//   (pq2_off + column * M / 4 + block * 8) holds what the first leaves of
+//   each value in steps of d / 254 (rounded: |x - q d| <= d / 2 keeps it
+//   within +-127), so that the two give h' to within d / 508 (the first
+//   alone: d / 2); 8-bit blocks
+//   alone moved the 1B's mean KL against llama.cpp from 5.5e-05 to 4.9e-04
+//   (notes.md run 23). It also adds the block's 8 sums of
 //   4 squares (in order) into one per block (ps_off + column * M / 32 +
 //   block), which the reader adds instead of the K / 4 sums (NORM_IN_BLK).
 //   Its offsets ride in the RoPE words (a p variant takes no RoPE).
@@ -92,6 +98,7 @@ layout(binding = 2) buffer Y { float act[]; };
 #define PD_OFF p.n_q
 #define PC_OFF p.n_k
 #define PS_OFF p.head_dim
+#define PQ2_OFF p.n_rot
 #endif
 // NORM_IN_BLK (with NORM_IN, the "nx" variants): the producer's sums come one
 // per 32 values (PARTS_Q8's block sums, K / 32 a column from sync_off)
@@ -121,6 +128,12 @@ layout(binding = 3) readonly restrict buffer NWs { float nws[]; };
 // dispatches cost the 1-row step 2%, so it stays opt-in
 layout(binding = 7) readonly restrict buffer XQ4 { uvec4 xq4[]; };
 layout(binding = 7) readonly restrict buffer XQD { float xqd[]; };
+// XQ2 (the "nx" variants): x in two planes of int8, the second in steps of
+// the block's scale / 254 (PARTS_Q8 below), from word XQ2_OFF (a RoPE word:
+// the XQ8 variants take no RoPE)
+#ifdef XQ2
+#define XQ2_OFF p.rope_row0
+#endif
 #endif
 // XFIRST (the GPU variants): every column's x loads of a unit are issued
 // before its first product (columns past N read column N - 1; their sums are
@@ -414,10 +427,16 @@ void main() {
                 // every column's x before the first product (as XFIRST does)
                 uvec4 xa[NCOLS];
                 float da[NCOLS];
+#ifdef XQ2
+                uvec4 xa2[NCOLS];
+#endif
                 [[unroll]] for (uint c = 0; c < NCOLS; c++) {
                     uint col = XCOL(c);
                     xa[c] = xq4[p.xq_off / 4u + col * halves + u];
                     da[c] = xqd[p.xd_off + col * nb + b];
+#ifdef XQ2
+                    xa2[c] = xq4[XQ2_OFF / 4u + col * halves + u];
+#endif
                 }
                 [[unroll]] for (uint c = 0; c < NCOLS; c++) {
                     uvec4 xv = xa[c];
@@ -425,7 +444,15 @@ void main() {
                     [[unroll]] for (uint rr = 0; rr < RPS; rr++) {
                         int s = dotPacked4x8EXT(int(wv[rr].x), int(xv.x)) + dotPacked4x8EXT(int(wv[rr].y), int(xv.y))
                               + dotPacked4x8EXT(int(wv[rr].z), int(xv.z)) + dotPacked4x8EXT(int(wv[rr].w), int(xv.w));
+#ifdef XQ2
+                        // the second plane, in steps of dx / 254: 254 s + s2 (at most 16 x 127 x 127 x 255 < 2^31)
+                        uvec4 x2 = xa2[c];
+                        int s2 = dotPacked4x8EXT(int(wv[rr].x), int(x2.x)) + dotPacked4x8EXT(int(wv[rr].y), int(x2.y))
+                               + dotPacked4x8EXT(int(wv[rr].z), int(x2.z)) + dotPacked4x8EXT(int(wv[rr].w), int(x2.w));
+                        acc[rr][c] += float(s * 254 + s2) * (dw[rr] * (dx * (1.0 / 254.0)));
+#else
                         acc[rr][c] += float(s) * (dw[rr] * dx);
+#endif
                     }
                 }
             }
@@ -578,8 +605,12 @@ void main() {
                 vec4 v = yv4[(p.h_off + (col0 + c) * p.h_stride) / 4u + b * 8u + k];
                 float amax = 0.0;
                 for (uint j = 0u; j < 8u; j++) amax = max(amax, qmax[c * 8u + j]);
-                float d = q8_scale(amax);
-                actu[PQ_OFF + (col0 + c) * (p.M / 4u) + b * 8u + k] = q8_pack(v, q8_inv(d));
+                float d = q8_scale(amax), id = q8_inv(d);
+                uint w1 = q8_pack(v, id);
+                // the second plane: what the first leaves, in steps of d / 254
+                precise vec4 r = v - vec4(clamp(ivec4(roundEven(v * id)), ivec4(-127), ivec4(127))) * d;
+                actu[PQ_OFF + (col0 + c) * (p.M / 4u) + b * 8u + k] = w1;
+                actu[PQ2_OFF + (col0 + c) * (p.M / 4u) + b * 8u + k] = q8_pack(r, id * 254.0);
                 if (k == 0u) {
                     act[PD_OFF + (col0 + c) * nbk + b] = d;
                     uint so = p.sync_off + (col0 + c) * p.sq_stride + b * 8u;

@@ -184,7 +184,7 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
                                                                              EXT_DEFINE: 1})
                     # the same reading a "pq" producer's blocks of h' and its sums of squares
                     t[name.replace(f"_{wt}", f"nx_{wt}")] = ("mul_mv.comp", {**t[name][1], "XQ8": 1, "NO_EPI": 1,
-                                                                              "NORM_IN": 1, "NORM_IN_BLK": 1,
+                                                                              "NORM_IN": 1, "NORM_IN_BLK": 1, "XQ2": 1,
                                                                               EXT_DEFINE: 1})
         t[f"mul_mt_{wt}"] = ("mul_mt.comp", {**d, "TM": TILE[0], "TN": TILE[1]})
         t[f"mul_mt64_{wt}"] = ("mul_mt.comp", {**d, "TM": TILE_SMALL[0], "TN": TILE_SMALL[1]})

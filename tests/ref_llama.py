@@ -32,8 +32,8 @@ class RefLlama:
         and the output head: the matrices that never fuse a norm or RoPE)
         rounded to 8-bit blocks first, as those kernels take them
         (ref.dequantize_q8). ffn_q8_parts: gate|up's input as the XQ8_IN path
-        takes it (Kernels.xq8_in): h' = x * ffn_norm's weight rounded to 8-bit
-        blocks, then times the norm's scale 1 / rms(x)."""
+        takes it (Kernels.xq8_in): h' = x * ffn_norm's weight as two planes of
+        8-bit blocks, then times the norm's scale 1 / rms(x)."""
         a = self.a
         qa = ref.dequantize_q8 if act_q8 else (lambda t: t)
         n = len(tokens)
@@ -56,7 +56,7 @@ class RefLlama:
             if ffn_q8_parts:
                 x32 = x.astype(np.float32)
                 scale = 1.0 / np.sqrt((x32.astype(np.float64) ** 2).mean(axis=1, keepdims=True) + a.rms_eps)
-                h = ref.dequantize_q8(x32 * self.W(p + "ffn_norm.weight")).astype(np.float64) * scale
+                h = ref.dequantize_q8x2(x32 * self.W(p + "ffn_norm.weight")).astype(np.float64) * scale
             else:
                 h = qa(ref.rms_norm(x, self.W(p + "ffn_norm.weight"), a.rms_eps).astype(np.float32))
             g = h @ self.W(p + "ffn_gate.weight").T

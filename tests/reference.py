@@ -69,3 +69,22 @@ def dequantize_q8(x: np.ndarray) -> np.ndarray:
     """x as the XQ8 matvecs see it: quantize_q8, then back to floats."""
     q, d = quantize_q8(x)
     return (q.astype(np.float32) * np.repeat(d, 32, axis=-1)).astype(np.float32)
+
+
+def quantize_q8x2(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """mul_mv.comp's PARTS_Q8 blocks: quantize_q8's (q, d) and a second plane
+    q2 = roundEven((x - q d) / (d / 254)), clamped to +-127."""
+    q, d = quantize_q8(x)
+    b = np.asarray(x, np.float32).reshape(*x.shape[:-1], -1, 32)
+    dd = d[..., None]
+    inv = np.where(dd > 0, np.float32(1) / np.where(dd > 0, dd, 1), 0).astype(np.float32)
+    r = (b - q.reshape(b.shape).astype(np.float32) * dd).astype(np.float32)
+    q2 = np.clip(np.rint(r * (inv * np.float32(254))), -127, 127).astype(np.int8)
+    return q, q2.reshape(x.shape), d
+
+
+def dequantize_q8x2(x: np.ndarray) -> np.ndarray:
+    """x as the XQ8 "nx" matvecs see it: both planes, back to floats."""
+    q, q2, d = quantize_q8x2(x)
+    dr = np.repeat(d, 32, axis=-1).astype(np.float64)
+    return (q.astype(np.float64) * dr + q2.astype(np.float64) * (dr / 254)).astype(np.float32)

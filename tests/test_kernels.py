@@ -545,12 +545,13 @@ def test_mul_mat_norm_split_q8(device, xq8_in_kernels, ws, rng, wp, n, reduce):
     xpr = ws.act_region(n * Kp, xp)
     qwords = n * D // 4
     qr = ws.act_region(qwords + n * D // 32)
+    q2r = ws.act_region(qwords)
     blk_sums = ws.act_region(n * D // 32)
     sync = ws.act_region(n * D // 32, np.zeros(n * D // 32, np.uint32))
 
     def produce(cols: int, c0: int, q8: bool):
         yr, hr, sr = ws.act_region(cols * D, y0[c0:c0 + cols]), ws.act_region(cols * D), ws.act_region(cols * D // 4)
-        q = Q8Out(qr.at(c0 * D // 4, cols * D // 4), qr.off + qwords + c0 * D // 32,
+        q = Q8Out(qr.at(c0 * D // 4, cols * D // 4), q2r.off + c0 * D // 4, qr.off + qwords + c0 * D // 32,
                   blk_sums.off + c0 * D // 32, sync) if q8 else None
         parts = NormParts(nw, hr, D, sr, D // 4, q)
         assert kn.fuses_norm_parts(pm, cols, yr, parts) and (not q8 or kn.fuses_norm_parts_q8(pm, cols, q))
@@ -575,24 +576,32 @@ def test_mul_mat_norm_split_q8(device, xq8_in_kernels, ws, rng, wp, n, reduce):
         prog.run()
         want_words = device.download(want, 0, n * (D // 4 + D // 32) * 4, np.uint8).view(np.uint32)
         np.testing.assert_array_equal(ws.read(qr, np.uint32), want_words)
+        # the second plane: what the first leaves, in 254ths of the scale
+        q1, q2, d = ref.quantize_q8x2(h)
+        g2 = ws.read(q2r, np.int8).reshape(n, D)
+        assert (g2 == q2).mean() > 0.99   # (where the first plane rounds the other way, q2 moves by 254)
+        dr = np.repeat(ws.read(qr)[qwords:].reshape(n, D // 32), 32, axis=1).astype(np.float64)
+        back = ws.read(qr, np.int8)[:4 * qwords].reshape(n, D) * dr + g2 * dr / 254
+        assert (np.abs(back - h) <= dr / 508 * 1.01 + 1e-30).all()
         sq = (got[0].reshape(n, D).astype(np.float64) ** 2).reshape(n, D // 32, 32).sum(axis=2)
         _close(ws.read(blk_sums).reshape(n, D // 32), sq)
-    bs = ws.read(blk_sums)
+    bs, b2 = ws.read(blk_sums), ws.read(q2r, np.uint32)
     for c in range(n):   # a column alone writes the same blocks
         produce(1, c, True)
     np.testing.assert_array_equal(ws.read(qr, np.uint32), want_words)
     np.testing.assert_array_equal(ws.read(blk_sums), bs)
+    np.testing.assert_array_equal(ws.read(q2r, np.uint32), b2)
 
     y, sr = got[0].reshape(n, D), ws.act_region(n * D // 4, got[2])
     y64 = y.astype(np.float64)
     scale = 1.0 / np.sqrt((y64 ** 2).mean(axis=1, keepdims=True) + eps)
-    hq = ref.dequantize_q8(h).astype(np.float64) * scale
+    hq = back * scale
     gu = hq @ w.T.astype(np.float64)
     exp = ref.silu(gu[:, :F]) * gu[:, F:]
     ys = F + 3
 
     def consume(cols: int, c0: int):
-        q = Q8Out(qr.at(c0 * D // 4, cols * D // 4), qr.off + qwords + c0 * D // 32,
+        q = Q8Out(qr.at(c0 * D // 4, cols * D // 4), q2r.off + c0 * D // 4, qr.off + qwords + c0 * D // 32,
                   blk_sums.off + c0 * D // 32, sync)
         norm = NormIn(sr.at(c0 * D // 4, cols * D // 4), eps, q)
         assert kn.takes_q8_in(mat, cols)

@@ -136,15 +136,16 @@ class Graph:
 
     def _q8_out(self, rows: int) -> Q8Out | None:
         """Where a producer of `rows`-value rows of h' writes their 8-bit blocks
-        (the scratch's norm_q8: int8 words of every row, then the scales, then
-        the sums of squares a block)."""
-        if "norm_q8" not in self.s.widths or rows % 32 or rows // 4 + rows // 16 > self.s.widths["norm_q8"]:
+        (the scratch's norm_q8: both planes' int8 words of every row, then the
+        scales, then the sums of squares a block)."""
+        if "norm_q8" not in self.s.widths or rows % 32 or rows // 2 + rows // 16 > self.s.widths["norm_q8"]:
             return None
         mr = self.s.max_rows
         base = self.s.offsets["norm_q8"]
         sync = Region(self.s.buf, self.s.offsets["norm_q8_sync"], self.s.strides["norm_q8_sync"] * mr)
-        d = base + mr * rows // 4
-        return Q8Out(Region(self.s.buf, base, mr * rows // 4), d, d + mr * rows // 32, sync)
+        q2 = base + mr * rows // 4
+        d = q2 + mr * rows // 4
+        return Q8Out(Region(self.s.buf, base, mr * rows // 4), q2, d, d + mr * rows // 32, sync)
 
     def matmul_norm(self, w: Matrix, x: str, out: str, norm_w: Region, h: str) -> None:
         """out[r] += w @ x[r] (the residual stream), then h[r] = rms_norm(out[r])

@@ -101,12 +101,15 @@ class NormParts:
 @dataclass(frozen=True)
 class Q8Out:
     """h' (NormParts) as 8-bit blocks of 32 values for an XQ8 reader
-    (Kernels.xq8_in): row r's int8 words from q.off + r * M / 4, its scales
-    (floats) from d_off + r * M / 32 and its sums of squares a block from
-    s_off + r * M / 32, all in q's buffer (the activation buffer); `sync`
+    (Kernels.xq8_in), in two planes: row r's int8 words from q.off + r * M /
+    4 and, what those leave in steps of a 254th of the block's scale, from
+    q2_off + r * M / 4; its scales (floats) from d_off + r * M / 32 and its
+    sums of squares a block from s_off + r * M / 32, all in q's buffer (the
+    activation buffer); `sync`
     holds a zeroed word per block of 32 rows and grid z of the producer (M /
     32 * max rows words at most), which its workgroups count themselves on."""
     q: Region
+    q2_off: int
     d_off: int
     s_off: int
     sync: Region
@@ -255,13 +258,14 @@ class Kernels:
         self.norm_in = self.split_k and os.environ.get("VKENGINE_NORM_IN", "1") != "0"
         # XQ8_IN: with the split norm, the producer of gate|up's input (the
         # attention output's residual add, a "pq" variant) also writes h' as
-        # 8-bit blocks (the last workgroup of each 32 rows, which also adds the
-        # block's sums of squares), and a Q8_0 gate|up takes them through the
-        # XQ8 "nx" variants: integer dot products, no quantize dispatch, a
-        # 32nd of the sums to add. H200, 1B Q8_0 (notes.md run 23): the 4-row
-        # decode step 1.23 -> 1.13-1.15 ms, the 1-row step's GPU time 1,170 ->
-        # 1,168 us. gate|up's input is rounded to 8 bits (llama.cpp's CUDA
-        # backend rounds every quantized matvec's input so).
+        # two planes of 8-bit blocks (the last workgroup of each 32 rows,
+        # which also adds the block's sums of squares), and a Q8_0 gate|up
+        # takes them through the XQ8 "nx" variants: integer dot products, no
+        # quantize dispatch, a 32nd of the sums to add. H200, 1B Q8_0 (notes.md
+        # run 23): decode steps of 4 rows 1.22-1.24 -> 1.16 ms, 8 rows 2.16 ->
+        # 1.97, 16 rows 3.52 -> 3.05; 1 row within noise (GPU time +1%); the
+        # same parity figures against llama.cpp as the float path (one plane
+        # alone: mean KL 9x, teacher-forced top-1 below 99%).
         # VKENGINE_XQ8_IN=0 keeps it float
         self.xq8_in = (self.norm_in and "shaderIntegerDotProduct" in getattr(device, "features", ())
                        and os.environ.get("VKENGINE_XQ8_IN", "1") != "0")
@@ -368,7 +372,7 @@ class Kernels:
         z = math.ceil(n / self.split_k_columns(n))
         return (self.xq8_in and w.rows % 32 == 0 and not w.parts and q8.q.off % 4 == 0
                 and q8.q.buf is q8.sync.buf and q8.sync.words >= z * w.rows // 32
-                and q8.d_off >= q8.q.off + n * w.rows // 4)
+                and q8.q2_off % 4 == 0)
 
     def takes_q8_in(self, w: Matrix, n: int) -> bool:
         """Whether a gate|up with the SwiGLU (fuses_glu) reading h' can take it
@@ -452,7 +456,9 @@ class Kernels:
             push += struct.pack("<4If", norm.h.off, norm.h_stride, norm.weight.off, norm.sync.off, norm.eps)
         pq = norm_parts.q8 if norm_parts is not None else None
         if pq is not None:   # the "pq" variants: its offsets in the RoPE words
-            push += struct.pack("<4I", pq.q.off, pq.d_off, pq.sync.off, pq.s_off) + bytes(10 * 4)
+            push += struct.pack("<5I", pq.q.off, pq.d_off, pq.sync.off, pq.s_off, pq.q2_off) + bytes(9 * 4)
+        elif norm_in is not None and norm_in.q8 is not None:   # "nx": the second plane in the RoPE words
+            push += struct.pack("<I", norm_in.q8.q2_off) + bytes(13 * 4)
         elif rope is None:
             push += bytes(14 * 4)
         else:
@@ -473,11 +479,13 @@ class Kernels:
                        (norm_parts.slots.buf, s0 * 4, (s0 + (n - 1) * ss + w.rows // 4) * 4)]
             if pq is not None:   # the blocks, their scales and the counters
                 writes += [_rows_range(pq.q, n, w.rows // 4, w.rows // 4),
+                           (pq.q.buf, pq.q2_off * 4, (pq.q2_off + n * w.rows // 4) * 4),
                            (pq.q.buf, pq.d_off * 4, (pq.d_off + n * w.rows // 32) * 4),
                            (pq.q.buf, pq.s_off * 4, (pq.s_off + n * w.rows // 32) * 4), pq.sync.range]
         xq8_in = norm_in.q8 if norm_in is not None else None
         if xq8_in is not None:   # the producer's blocks and scales
             reads += [_rows_range(xq8_in.q, n, w.cols // 4, w.cols // 4),
+                      (xq8_in.q.buf, xq8_in.q2_off * 4, (xq8_in.q2_off + n * w.cols // 4) * 4),
                       (xq8_in.q.buf, xq8_in.d_off * 4, (xq8_in.d_off + n * w.cols // 32) * 4),
                       (xq8_in.q.buf, xq8_in.s_off * 4, (xq8_in.s_off + n * w.cols // 32) * 4)]
         if norm is not None:

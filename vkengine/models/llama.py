@@ -141,7 +141,7 @@ def scratch_widths(a: LlamaArgs) -> dict[str, int]:
             "out_h": a.n_embd, "out_logits": a.n_vocab,
             "norm_slots": -(-a.n_embd // 4),   # sums of squares per 4 values (Graph.residual_norm)
             # h' as 8-bit blocks for an XQ8 gate|up (Graph._q8_out) and its producer's zeroed counters
-            "norm_q8": a.n_embd // 4 + a.n_embd // 16, "norm_q8_sync": -(-a.n_embd // 32)}
+            "norm_q8": a.n_embd // 2 + a.n_embd // 16, "norm_q8_sync": -(-a.n_embd // 32)}
 
 
 def forward(g: Graph, a: LlamaArgs, w: LlamaWeights) -> None:
