@@ -83,12 +83,12 @@ layout(binding = 2) buffer Y { float act[]; };
 //   (pq2_off + column * M / 4 + block * 8) holds what the first leaves of
 //   each value in steps of d / 254 (rounded: |x - q d| <= d / 2 keeps it
 //   within +-127), so that the two give h' to within d / 508 (the first
-//   alone: d / 2); 8-bit blocks
-//   alone moved the 1B's mean KL against llama.cpp from 5.5e-05 to 4.9e-04
-//   (notes.md run 23). It also adds the block's 8 sums of
-//   4 squares (in order) into one per block (ps_off + column * M / 32 +
-//   block), which the reader adds instead of the K / 4 sums (NORM_IN_BLK).
-//   Its offsets ride in the RoPE words (a p variant takes no RoPE).
+//   alone: d / 2; one plane moved the 1B's mean KL against llama.cpp from
+//   5.5e-05 to 4.9e-04, two keep it: notes.md run 23). It also adds the
+//   block's 8 sums of 4 squares (in order) into one per block (ps_off +
+//   column * M / 32 + block), which the reader adds instead of the K / 4
+//   sums (NORM_IN_BLK). Its offsets ride in the RoPE words (a p variant
+//   takes no RoPE).
 #ifdef PARTS_Q8
 #ifndef NORM_PARTS
 #error "PARTS_Q8 needs NORM_PARTS"

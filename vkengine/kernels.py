@@ -105,9 +105,9 @@ class Q8Out:
     4 and, what those leave in steps of a 254th of the block's scale, from
     q2_off + r * M / 4; its scales (floats) from d_off + r * M / 32 and its
     sums of squares a block from s_off + r * M / 32, all in q's buffer (the
-    activation buffer); `sync`
-    holds a zeroed word per block of 32 rows and grid z of the producer (M /
-    32 * max rows words at most), which its workgroups count themselves on."""
+    activation buffer); `sync` holds a zeroed word per block of 32 rows and
+    grid z of the producer (M / 32 * max rows words at most), which its
+    workgroups count themselves on."""
     q: Region
     q2_off: int
     d_off: int
