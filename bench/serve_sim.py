@@ -37,6 +37,10 @@ def sim_engine_class():
         """Engine whose steps take simulated device time and return fixed tokens."""
         step_us = (890.0, 170.0)       # a decode step: fixed + per row
         prompt_row_us = 30.0           # each row of a step with more rows than slots
+        # (--wide-us) steps of more rows than slots and fewer than 64 run the
+        # GPUs' 8-column matvecs once per 8 rows (grid z): wide_us[0] for the
+        # first 8 rows, wide_us[1] for each further 8; None: the linear model
+        wide_us: tuple[float, float] | None = None
         sample_us = 95.0               # drawing the rows' tokens on the device (--sample-us)
         trace = False                  # record every step (--trace)
         host_sampling = False          # --host-sampling
@@ -56,7 +60,11 @@ def sim_engine_class():
             if len(self._sim_q) >= self.max_in_flight:
                 raise RuntimeError(f"{self.max_in_flight} steps are already in flight")
             n = len(tokens)
-            us = self.step_us[0] + self.step_us[1] * min(n, self.n_slots) + self.prompt_row_us * max(0, n - self.n_slots)
+            if self.wide_us is not None and self.n_slots < n < 64:
+                us = self.wide_us[0] + self.wide_us[1] * (-(-n // 8) - 1)
+            else:
+                us = (self.step_us[0] + self.step_us[1] * min(n, self.n_slots)
+                      + self.prompt_row_us * max(0, n - self.n_slots))
             if readback.startswith("sample") and out_rows:
                 us += self.sample_us
             now = time.perf_counter()
@@ -118,6 +126,7 @@ def serve(args) -> int:
     SimEngine = sim_engine_class()
     SimEngine.step_us = tuple(float(x) for x in args.step_us.split(","))
     SimEngine.prompt_row_us = args.prompt_row_us
+    SimEngine.wide_us = tuple(float(x) for x in args.wide_us.split(",")) if args.wide_us else None
     SimEngine.host_sampling = args.host_sampling
     SimEngine.sample_us = args.sample_us
     SimEngine.trace = bool(args.trace)
@@ -143,6 +152,9 @@ def main() -> int:
     ap.add_argument("--prompt-words", type=int, default=8)
     ap.add_argument("--step-us", default="890,170", help="simulated decode step: fixed us, us per row")
     ap.add_argument("--prompt-row-us", type=float, default=30.0)
+    ap.add_argument("--wide-us", default=None,
+                    help="steps of more rows than slots and fewer than 64: us for the first 8 rows, us for each "
+                         "further 8 (the 8-column matvecs run once per 8 rows; H200 1B Q8_0: 1970,1080)")
     ap.add_argument("--configs", default="serial,batch")
     ap.add_argument("--model", default=None, help="GGUF for the tokenizer and KV cache (default: a tiny synth)")
     ap.add_argument("--temperature", type=float, default=0.0,
@@ -186,6 +198,7 @@ def main() -> int:
         cmd = [sys.executable, __file__, "--serve", "--port", str(port), "--parallel", str(par), "--mode",
                "batch" if cfgname == "serial" else cfgname, "--model", model, "--step-us", args.step_us,
                "--prompt-row-us", str(args.prompt_row_us), "--max-queue", str(max(64, args.clients)),
+               *(["--wide-us", args.wide_us] if args.wide_us else []),
                "--in-flight", str(args.in_flight)]
         if args.trace:
             cmd.append("--trace=1")
