@@ -9,7 +9,7 @@ nothing of buffers, offsets or kp.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .device import Buffer, Program
 from .kernels import Kernels, Matrix, NormIn, NormOut, NormParts, Q8Out, Region, RopeOut
@@ -128,7 +128,7 @@ class Graph:
                     q8 = None
                 self.k.mul_mat(self.p, w, self.s.region(x), self.s.stride(x), self.s.region(out),
                                self.s.stride(out), n, accumulate=True,
-                               norm_parts=NormParts(norm_w, parts.h, parts.h_stride, slots, w.rows // 4, q8),
+                               norm_parts=replace(parts, q8=q8),
                                label=f"mul_mat {out}<-{x}+rms_norm_parts" + ("+q8" if q8 else ""))
                 return NormIn(slots, self.eps, q8)
         self.matmul_norm(w, x, out, norm_w, h)
