@@ -12,7 +12,9 @@ the next step.
 """
 from __future__ import annotations
 
+import json
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -176,6 +178,12 @@ class Worker:
         self._finish_after: list[Seq] = []    # failed while their row was on the device
         self._stopping = False
         self._thread: threading.Thread | None = None
+        # VKENGINE_STEP_LOG=PATH: a JSON line per collected step (rows, prompt rows, outputs,
+        # chained, submit -> collected and the wait inside collect, in ms): where a server's
+        # time goes between steps (the host late, the device busy, newcomers' prompt steps)
+        path = os.environ.get("VKENGINE_STEP_LOG")
+        self._step_log = open(path, "a", buffering=1 << 16) if path else None
+        self._t0 = time.perf_counter()
         self._publish()
 
     # -- called from any thread (the event loop) ---------------------------
@@ -239,12 +247,16 @@ class Worker:
         while True:
             with self._cv:
                 while not self._inbox and self.sched.idle and not self._inflight and not self._stopping:
+                    if self._step_log is not None:
+                        self._step_log.flush()   # idle: the lines so far reach the file
                     self._cv.wait()
                 stopping = self._stopping
             if stopping:
                 self._settle()
                 self._drain_inbox()
                 self._cancel_all("the server is shutting down")
+                if self._step_log is not None:
+                    self._step_log.close()
                 return
             try:
                 if not self.run_once():
@@ -358,9 +370,12 @@ class Worker:
         """Wait for the oldest step on the device, account for its rows, and
         choose and append its tokens (those that may end a sequence are
         delivered at once, the others queued in `late`)."""
-        batch, outs, readback, t0, _ = self._inflight.popleft()
+        batch, outs, readback, t0, chained = self._inflight.popleft()
+        t_wait = time.perf_counter()
         res = self.eng.collect()
         now = time.perf_counter()
+        if self._step_log is not None:
+            self._log_step(batch, outs, chained, t0, t_wait, now)
         if self.metrics:
             self.metrics.step(sum(len(w.tokens) for w in batch.work), now - t0)
         self.sched.postprocess(batch)
@@ -376,6 +391,15 @@ class Worker:
             for w in self._inflight[0].batch.work:
                 if w.tokens == [None] and len(w.seq.tokens) > w.start:
                     w.tokens = [w.seq.tokens[w.start]]
+
+    def _log_step(self, batch: Batch, outs: list[Seq], chained: bool, t0: float, t_wait: float,
+                  now: float) -> None:
+        rows = sum(len(w.tokens) for w in batch.work)
+        prompt = sum(len(w.tokens) for w in batch.work if w.start < w.seq.n_prompt)
+        self._step_log.write(json.dumps({
+            "t_ms": round((t0 - self._t0) * 1e3, 3), "rows": rows, "prompt_rows": prompt, "outs": len(outs),
+            "chained": chained, "in_flight": len(self._inflight) + 1, "dt_ms": round((now - t0) * 1e3, 3),
+            "wait_ms": round((now - t_wait) * 1e3, 3)}) + "\n")
 
     def _guard(self, seq: Seq, fn, *args) -> None:
         """One request's sampling or detokenizing failed: fail it alone, the others run on."""

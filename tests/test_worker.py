@@ -547,3 +547,37 @@ def test_which_replies_are_drawn_on_the_device(device, tiny_model):
                                                          max_out=cfg.n_slots, device_sampling=False)), cfg)
     assert not off.submit(GenRequest(prompt, 1, SamplingParams(temperature=0.8)), lambda ev: None).on_device
     off.run_until_idle()
+
+
+def test_step_log_records_every_step(device, tiny_model, tmp_path, monkeypatch):
+    """VKENGINE_STEP_LOG: one JSON line per collected step, whose rows, prompt
+    rows, outputs and chaining are those of the steps the engine ran (counted
+    at Engine.submit); times are non-negative and in submit order."""
+    import json
+    path = tmp_path / "steps.jsonl"
+    monkeypatch.setenv("VKENGINE_STEP_LOG", str(path))
+    tok = tiny_model.tokenizer
+    cfg = CONFIGS["batch"]
+    eng = Engine(tiny_model, device, EngineConfig(n_slots=cfg.n_slots, n_ctx=CTX, max_batch=cfg.step_tokens,
+                                                  max_out=cfg.n_slots, max_in_flight=3))
+    w = Worker(eng, cfg)
+    ran: list[tuple[int, int, bool]] = []
+    submit = eng.submit
+
+    def counting_submit(tokens, positions, slots, out_rows=(), *a, chain=None, **k):
+        ran.append((len(tokens), len(out_rows), chain is not None))
+        return submit(tokens, positions, slots, out_rows, *a, chain=chain, **k)
+    eng.submit = counting_submit
+    prompts = [tok.encode(t) for t in TEXTS[:2]]
+    for p in prompts:
+        w.submit(GenRequest(p, 6, SamplingParams(), ignore_eos=True), lambda ev: None)
+    w.run_until_idle()
+    w._step_log.close()
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [(r["rows"], r["outs"], r["chained"]) for r in lines] == ran
+    # the first step holds both prompts whole (16 rows fit them), the last ones single decode rows
+    assert lines[0]["prompt_rows"] == lines[0]["rows"] == sum(map(len, prompts))
+    assert all(r["prompt_rows"] == 0 for r in lines[1:])
+    assert any(r["chained"] for r in lines)
+    assert all(r["dt_ms"] >= r["wait_ms"] >= 0 for r in lines)
+    assert [r["t_ms"] for r in lines] == sorted(r["t_ms"] for r in lines)
