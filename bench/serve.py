@@ -1,7 +1,9 @@
 """Concurrent streaming clients against the server, over real HTTP (httpx).
 
 For each configuration it starts a server (ours, or llama-server on the same
-GGUF), warms it up, then runs C clients at once; each sends `--requests`
+GGUF), warms it up (`warm_up`: a first request, then the same C clients with
+shorter replies for at least `--warmup-s` seconds), then runs C clients at once
+(`--repeat` times; the run of median tok/s is reported); each sends `--requests`
 streaming /completion requests one after another (distinct prompts, greedy,
 `--n-predict` tokens, EOS ignored). Reported per configuration: time to first
 token (p50, p99), inter-token latency (p50, p99, gaps between consecutive token
@@ -184,6 +186,26 @@ def _default_model() -> str:
     return str(default_model_path())
 
 
+def warm_up(url: str, args) -> int:
+    """Bring a server to the state its measured runs should see: a first
+    request (pipelines, recorded steps), then the measured load's C clients with
+    replies of at most 64 tokens until `args.warmup_s` seconds have passed (at
+    least once). A GPU that idled while the server started runs at low clocks
+    for a while: on the H200 a batch server's first ~30 decode steps under load
+    took 5.2 ms against 1.3 ms later (VKENGINE_STEP_LOG, docs/bench/notes.md run
+    24), which a single 8-token warm-up request did not cover, so whichever
+    configuration met the GPU cold lost ~13% of its rate. Returns the number of
+    warm-up loads run."""
+    run_load(url, 1, 1, 8, 4, seed=999)
+    t, n = time.perf_counter(), 0
+    while True:
+        run_load(url, args.clients, 1, min(args.n_predict, 64), args.prompt_words, seed=998 - n,
+                 temperature=args.temperature)
+        n += 1
+        if time.perf_counter() - t >= args.warmup_s:
+            return n
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="GGUF (default: the embedded SmolLM2-135M)")
@@ -202,8 +224,14 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="> 0: sampled replies (each request its own seed) instead of greedy ones")
+    ap.add_argument("--warmup-s", type=float, default=2.0,
+                    help="warm-up: the C clients with short replies for at least this long before measuring")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="measured runs per configuration (same server); the run of median tok/s is reported")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
+    if args.repeat < 1 or args.warmup_s < 0:
+        raise SystemExit("--repeat must be >= 1 and --warmup-s >= 0")
 
     rows = []
     plan = [c.strip() for c in args.configs.split(",") if c.strip()]
@@ -221,15 +249,18 @@ def main(argv=None) -> int:
             raise SystemExit(f"unknown config {name!r}")
         url = args.llama_url if srv is None else srv.url
         try:
-            run_load(url, 1, 1, 8, 4, seed=999)                        # warm-up
-            r = run_load(url, args.clients, args.requests, args.n_predict, args.prompt_words, args.seed,
-                         args.temperature)
+            n_warm = warm_up(url, args)
+            runs = [run_load(url, args.clients, args.requests, args.n_predict, args.prompt_words, args.seed + i,
+                             args.temperature) for i in range(args.repeat)]
         finally:
             if srv is not None:
                 srv.stop()
+        r = sorted(runs, key=lambda x: x["tok_s"])[(len(runs) - 1) // 2]
+        r["tok_s_runs"] = [x["tok_s"] for x in runs]
+        r["warmup_loads"] = n_warm
         r["config"] = name if name != "serial" else "serial (--parallel 1)"
         rows.append(r)
-        print(f"{r['config']}: {r['tok_s']:.1f} tok/s, TTFT p50 {r['ttft_p50_ms']:.0f} ms, "
+        print(f"{r['config']}: {r['tok_s']:.1f} tok/s (runs: {', '.join(f'{x:.0f}' for x in r['tok_s_runs'])}), TTFT p50 {r['ttft_p50_ms']:.0f} ms, "
               f"ITL p50 {r['itl_p50_ms']:.1f} ms, errors {r['errors']}", file=sys.stderr)
 
     print(f"\nC = {args.clients} clients x {args.requests} requests, {args.n_predict} tokens each"

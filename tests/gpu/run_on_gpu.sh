@@ -142,6 +142,7 @@ run_stage() {
         cfg=${SERVE_CONFIGS:-$cfg}
         python3 bench/serve.py --model "$f" --clients "$C" --requests "${SERVE_REQUESTS:-2}" -n "${SERVE_TOKENS:-64}" \
           --configs "$cfg" --llama-server /tmp/llb/bin/llama-server --llama-args="-ngl 99" ${SERVE_TEMP:+--temperature $SERVE_TEMP} \
+          ${SERVE_REPEAT:+--repeat $SERVE_REPEAT} \
           --json "$OUT/serve-c$C.json" 2>&1 | tee -a "$OUT/serve-bench.log" | tail -8
       done
       ;;
