@@ -127,6 +127,21 @@ class Engine:
         # step of SmolLM2 takes about a second) and a recording is small beside it
         self.pad_steps = (make_state is None and device.info.type != "cpu"
                           and os.environ.get("VKENGINE_STEP_BUCKETS", "1") != "0")
+        # Prompt rows on the tiled matmuls whatever their number: a step of
+        # prompt rows (submit(prompt=True), prefill) is padded to the tiled
+        # threshold, so a prompt row takes the same kernels in a chunk of 1 or
+        # of 64 rows, and a server that runs its decode rows in steps of their
+        # own (the matvecs, as alone) gives every sequence the tokens it gets
+        # alone however its prompt was chunked and whatever else ran (without
+        # it, a 64-row step of one newcomer's prompt and three decode rows put
+        # those rows on the tiled kernels). Also cheaper: on the H200 (1B Q8_0)
+        # a 64-row tiled step took 4.3 ms against 5.6-9.5 ms for 24-63 rows of
+        # 8-column matvec passes (notes.md run 24), though a prompt of a few
+        # tokens pays the 64-row step (4.2 against 1.6-2.6 ms for 1-8 rows).
+        # Needs pad rows (no recurrent state) and max_batch >= the threshold;
+        # a step so near the end of the context that its pad rows do not fit
+        # runs unpadded. VKENGINE_TILED_PROMPTS=0 turns it off
+        self._tiled_prompts = self.pad_steps and os.environ.get("VKENGINE_TILED_PROMPTS", "1") != "0"
         self._inflight: deque[_Submitted] = deque()   # oldest first
 
     def _check_memory(self, scratch_bytes: int) -> None:
@@ -200,8 +215,15 @@ class Engine:
     # batch TTFT p50 51 -> 20 ms, bench/serve.py)
     STEP_EXACT = 8
 
-    def step_rows(self, n: int) -> int:
-        """The rows a step of n tokens runs: n up to STEP_EXACT, else n rounded
+    @property
+    def tiled_prompts(self) -> bool:
+        """Whether steps of prompt rows run at least the tiled threshold's rows (see __init__)."""
+        tf = self.kernels.tiled_from
+        return self._tiled_prompts and tf is not None and self.max_batch >= tf
+
+    def step_rows(self, n: int, prompt: bool = False) -> int:
+        """The rows a step of n tokens runs. Prompt rows where tiled_prompts:
+        at least the tiled threshold. Otherwise n up to STEP_EXACT, else n rounded
         up to 8 up to 64 rows (the matvec variants take 8 columns a workgroup, so
         no workgroup is added), to 16 up to 128, to 64 beyond (whole tiles of the
         tiled matmuls), at most max_batch, and never across a row
@@ -211,6 +233,8 @@ class Engine:
         for n and its bucket (per row, the matvec and matmul variants do not
         depend on the column count; split K's parts depend on the tile columns,
         whose boundaries are multiples of 64), so a row's result does not change."""
+        if prompt and self.tiled_prompts and n < self.kernels.tiled_from:
+            return self.kernels.tiled_from
         if n <= self.STEP_EXACT or not self.pad_steps:
             return n
         q = 8 if n <= 64 else 16 if n <= 128 else 64
@@ -252,7 +276,8 @@ class Engine:
         prompt = []
         if self.pad_steps:
             top = min(prompt_rows, self.max_batch)
-            for n in sorted({self.step_rows(n) for n in range(self.STEP_EXACT + 1, top + 1)}):
+            first = 1 if self.tiled_prompts else self.STEP_EXACT + 1
+            for n in sorted({self.step_rows(n, prompt=True) for n in range(first, top + 1)}):
                 for buf in range(len(self._params)):
                     prompt.append((n, 0, "none", buf, ()))
                     for mode in ("argmax", "sample") if self.can_sample else ("argmax",):
@@ -348,13 +373,14 @@ class Engine:
         wu[:, 1] = samp[:, 1].astype(np.uint32)
         return wu.reshape(-1)
 
-    def step(self, tokens, positions, slots, out_rows=(), readback: str = "argmax", sampling=None):
+    def step(self, tokens, positions, slots, out_rows=(), readback: str = "argmax", sampling=None,
+             prompt: bool = False):
         """Run tokens[i] at positions[i] in slots[i]; return, for each index in
         out_rows, the greedy token (readback="argmax"), the token drawn with
         sampling[j] (readback="sample", see submit) or the logits row
         (readback="logits"); "sample+logits" returns (tokens, logits);
         readback="none" returns None."""
-        self.submit(tokens, positions, slots, out_rows, readback, sampling=sampling)
+        self.submit(tokens, positions, slots, out_rows, readback, sampling=sampling, prompt=prompt)
         return self.collect()
 
     @property
@@ -371,7 +397,7 @@ class Engine:
         return len(self._inflight)
 
     def submit(self, tokens, positions, slots, out_rows=(), readback: str = "argmax",
-               chain: Sequence[int] | None = None, sampling=None) -> None:
+               chain: Sequence[int] | None = None, sampling=None, prompt: bool = False) -> None:
         """The first half of step(): check, write the params, start the step on
         the device and return at once, so that the caller's host work (a server
         delivering the previous step's text) overlaps the GPU's; collect()
@@ -387,7 +413,13 @@ class Engine:
         back) draws each output row's token on the device: sampling[j] =
         (temperature, top_k, top_p, min_p, u) of output row j, as Sampler with
         the uniform u in [0, 1) (temperature 0: the greedy token; top_k in
-        1..Kernels.SAMPLE_K). Its tokens can be chained like greedy ones."""
+        1..Kernels.SAMPLE_K). Its tokens can be chained like greedy ones.
+
+        prompt=True: the rows are prompt tokens; where tiled_prompts, the step
+        is padded to the tiled matmuls' rows (step_rows), so that each row's
+        result does not depend on how the prompt was chunked. A caller that
+        wants a sequence's tokens independent of what else runs keeps prompt
+        rows and decode rows in separate steps (the server's worker does)."""
         if len(self._inflight) >= self.max_in_flight:
             raise RuntimeError(f"{self.max_in_flight} steps are already in flight: collect() one first")
         if readback not in ("argmax", "sample", "logits", "sample+logits", "none"):
@@ -438,8 +470,9 @@ class Engine:
         begin_step = getattr(self.kv, "begin_step", None)   # recurrent state: checks and bookkeeping
         if begin_step is not None:
             begin_step(pos, slt)
-        n_run = self.step_rows(n) if not chain_key else n
-        if n_run > n and (n, n_out, mode, self._next_params, chain_key) not in self._programs:
+        n_run = self.step_rows(n, prompt) if not chain_key else n
+        tiled_prompt = prompt and self.tiled_prompts
+        if n_run > n and (tiled_prompt or (n, n_out, mode, self._next_params, chain_key) not in self._programs):
             # pad rows: token 0 in the last row's slot at the positions after that
             # slot's last one in this step. Their KV rows lie past the sequence
             # (no row of this step reads them, a later step writes each before
@@ -496,7 +529,7 @@ class Engine:
             last = c + len(chunk) == len(tokens)
             out = self.step(chunk, range(start + c, start + c + len(chunk)), [slot] * len(chunk),
                             [len(chunk) - 1] if last else (), readback if last else "none",
-                            sampling if last else None)
+                            sampling if last else None, prompt=True)
         return out[0] if out is not None else None
 
     def close(self) -> None:
