@@ -56,7 +56,7 @@ def sim_engine_class():
             self.can_sample = not self.host_sampling   # sampled tokens drawn "on the device", as on GPUs
 
         def submit(self, tokens, positions, slots, out_rows=(), readback="argmax", chain=None,
-                   sampling=None):
+                   sampling=None, prompt=False):   # (prompt: the step's time model does not change)
             if len(self._sim_q) >= self.max_in_flight:
                 raise RuntimeError(f"{self.max_in_flight} steps are already in flight")
             n = len(tokens)

@@ -57,6 +57,10 @@ class SchedulerConfig:
     newcomer_first: bool = False
     min_prefix: int = 8         # shortest prefix worth copying from another slot or the host
     host_cache: int = 0         # finished sequences kept parked on the host for the prefix cache
+    # prompt rows run in a step of their own (Batch.split; the worker does it where the engine pads
+    # prompt steps to its tiled matmuls, Engine.tiled_prompts): prompt chunks then share all of
+    # step_tokens, not what the decode rows leave
+    prompt_apart: bool = False
 
     def validate(self) -> "SchedulerConfig":
         if self.n_slots < 1 or self.max_live < 1 or self.quantum < 1 or self.max_queue < 0:
@@ -132,6 +136,17 @@ class Batch:
     @property
     def out_seqs(self) -> list[Seq]:
         return [w.seq for w in self.work if w.output]
+
+    @property
+    def has_prompt(self) -> bool:
+        """Whether a row of this batch is a prompt token."""
+        return any(w.start < w.seq.n_prompt for w in self.work)
+
+    def split(self) -> tuple["Batch | None", "Batch | None"]:
+        """(decode rows, prompt rows): this batch as two, either None when empty."""
+        dec = [w for w in self.work if w.start >= w.seq.n_prompt]
+        pro = [w for w in self.work if w.start < w.seq.n_prompt]
+        return (Batch(dec) if dec else None), (Batch(pro) if pro else None)
 
 
 @dataclass
@@ -342,9 +357,10 @@ class Scheduler:
 
     def _compose(self) -> Batch | None:
         residents = [s for s in self.live if s.slot is not None and s.pending > 0]
-        decoding = [s for s in residents if s.pending == 1]            # running streams: a row every step
-        prefilling = sorted((s for s in residents if s.pending > 1), key=lambda s: s.ready)
-        budget = self.cfg.step_tokens - len(decoding)
+        # running streams: a row every step (a prompt's last token is a prompt row, not one of these)
+        decoding = [s for s in residents if s.pending == 1 and s.taken >= s.n_prompt]
+        prefilling = sorted((s for s in residents if s.pending > 1 or s.taken < s.n_prompt), key=lambda s: s.ready)
+        budget = self.cfg.step_tokens - (0 if self.cfg.prompt_apart else len(decoding))
         # prompt rows are shared out evenly (water-filling, unused shares go round again), so that a
         # short newcomer's first token does not wait for a long prompt that arrived before it
         rows = {id(s): 0 for s in prefilling}

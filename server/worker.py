@@ -12,6 +12,7 @@ the next step.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -103,6 +104,7 @@ class Step(NamedTuple):
     readback: str                 # argmax | logits | none
     t_submit: float
     chained: bool                 # its tokens come from the step before it, on the device
+    prompt: bool = False          # prompt rows only (Engine.tiled_prompts: decode rows ran apart)
 
 
 class EngineKV:
@@ -160,6 +162,12 @@ def top_logprobs(row: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
 class Worker:
     def __init__(self, engine: Engine, cfg: SchedulerConfig, metrics=None):
         self.eng = engine
+        # where the engine pads prompt steps to its tiled matmuls, a step's
+        # decode rows and prompt rows run as two engine steps (decode rows on
+        # the matvecs, as alone: tokens independent of who else runs)
+        self.prompt_apart = bool(getattr(engine, "tiled_prompts", False))
+        if self.prompt_apart and not cfg.prompt_apart:
+            cfg = dataclasses.replace(cfg, prompt_apart=True)
         self.cfg = cfg
         self.kv = EngineKV(engine)
         self.sched = Scheduler(cfg, self.kv)
@@ -321,17 +329,29 @@ class Worker:
             # rate). Running streams keep the device busy through chained steps.
             batch = self.sched.schedule()
         if batch is not None:
-            outs = batch.out_seqs
-            readback, sampling = self._readback(outs)
-            if any(s.data.needs_logits for s in outs):
-                readback = "sample+logits" if readback == "sample" else "logits"
-            self.eng.submit(batch.tokens, batch.positions, batch.slots, batch.out_rows, readback,
-                            sampling=sampling)
-            self._inflight.append(Step(batch, outs, readback, time.perf_counter(), False))
+            if self.prompt_apart:
+                for part, prompt in zip(batch.split(), (False, True)):
+                    if part is not None:
+                        self._submit(part, prompt, late)
+            else:
+                self._submit(batch, batch.has_prompt, late)
         for job, tok, ev, now in late:
             self._guard(job.seq, self._deliver, job, tok, ev, now)
         self._publish()
         return ran or batch is not None
+
+    def _submit(self, batch: Batch, prompt: bool, late: list) -> None:
+        """Submit a composed step (or one of its two parts: Batch.split)."""
+        outs = batch.out_seqs
+        readback, sampling = self._readback(outs)
+        if any(s.data.needs_logits for s in outs):
+            readback = "sample+logits" if readback == "sample" else "logits"
+        logits = ("logits", "sample+logits")
+        if self._inflight and (readback in logits or self._inflight[-1].readback in logits):
+            self._collect_oldest(late)     # a step that reads logits back runs alone (the other part)
+        self.eng.submit(batch.tokens, batch.positions, batch.slots, batch.out_rows, readback,
+                        sampling=sampling, prompt=prompt)
+        self._inflight.append(Step(batch, outs, readback, time.perf_counter(), False, prompt))
 
     @staticmethod
     def _readback(outs: list[Seq]) -> tuple[str, list | None]:
@@ -344,8 +364,8 @@ class Worker:
     def _chain(self) -> bool:
         """Submit the decode step that follows the newest one in flight, if it
         may (run_once); whether it did."""
-        batch, outs, readback, _, _ = self._inflight[-1]
-        if not self.chain or readback not in ("argmax", "sample") or self._inbox or \
+        batch, outs, readback, _, _, prompt = self._inflight[-1]
+        if not self.chain or prompt or readback not in ("argmax", "sample") or self._inbox or \
                 (self.sched.waiting and len(self.sched.live) < self.cfg.max_live):
             return False
 
@@ -370,7 +390,7 @@ class Worker:
         """Wait for the oldest step on the device, account for its rows, and
         choose and append its tokens (those that may end a sequence are
         delivered at once, the others queued in `late`)."""
-        batch, outs, readback, t0, chained = self._inflight.popleft()
+        batch, outs, readback, t0, chained, _ = self._inflight.popleft()
         t_wait = time.perf_counter()
         res = self.eng.collect()
         now = time.perf_counter()

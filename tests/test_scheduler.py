@@ -88,7 +88,10 @@ def drive(cfg: SchedulerConfig, requests, cancel_at=None, check=None):
                 break
             step += 1
             continue
-        assert len(batch.tokens) <= cfg.step_tokens
+        if cfg.prompt_apart:   # decode rows and prompt rows each within the budget (two engine steps)
+            assert all(len(b.tokens) <= cfg.step_tokens for b in batch.split() if b is not None)
+        else:
+            assert len(batch.tokens) <= cfg.step_tokens
         res = fr.step(batch.tokens, batch.positions, batch.slots, batch.out_rows)
         sch.postprocess(batch)
         if check:
@@ -112,6 +115,7 @@ def _prompts(rng: random.Random, n: int, shared: list[int] = ()) -> list[list[in
 MODES = {
     "batch": SchedulerConfig(n_slots=4, max_live=4, step_tokens=16, quantum=8),
     "batch-preempt": SchedulerConfig(n_slots=2, max_live=4, step_tokens=16, quantum=3),
+    "batch-apart": SchedulerConfig(n_slots=4, max_live=4, step_tokens=16, quantum=8, prompt_apart=True),
     "slices-q1": SchedulerConfig(n_slots=1, max_live=4, step_tokens=16, quantum=1, newcomer_first=True,
                                  host_cache=2),
     "slices-q4": SchedulerConfig(n_slots=1, max_live=4, step_tokens=16, quantum=4, newcomer_first=True,
@@ -153,6 +157,39 @@ def test_same_prompt_twice_reuses_all_but_the_last_token():
     assert out[0] == out[1] == alone(p, 4)
     assert sch.stats["cache_tokens"] == 49
     assert sch.stats["copies"] == 0            # the finished slot itself was taken
+
+
+def test_a_prompts_last_token_is_a_prompt_row():
+    """A prompt whose cached prefix leaves one token: that row is a prompt row
+    (Batch.split puts it with the prompt chunks, which the worker runs on the
+    prompt path), not a decode row."""
+    cfg = MODES["batch-apart"]
+    p = list(range(50))
+    parts = []
+
+    def check(sch, batch):
+        parts.append(tuple(None if b is None else [(w.seq.data, len(w.tokens)) for w in b.work]
+                           for b in batch.split()))
+    out, fr, sch = drive(cfg, [(0, p, 4), (40, p, 4)], check=check)
+    assert out[0] == out[1] == alone(p, 4)
+    assert sch.stats["cache_tokens"] == 49
+    assert (None, [(1, 1)]) in parts            # the second request's one prompt row, on its own
+
+
+def test_prompt_chunks_take_the_whole_budget_when_apart():
+    """prompt_apart: decode rows run in a step of their own, so a newcomer's
+    chunks take all of step_tokens beside them (not what the decode rows leave)."""
+    for apart, want in ((False, 8 - 2), (True, 8)):
+        cfg = SchedulerConfig(n_slots=4, max_live=4, step_tokens=8, quantum=8, prompt_apart=apart)
+        chunks = []
+
+        def check(sch, batch):
+            dec, pro = batch.split()
+            if dec is not None and pro is not None:
+                chunks.append(len(pro.tokens))
+        out, fr, sch = drive(cfg, [(0, [1, 2, 3], 30), (1, [4, 5], 30), (5, list(range(100)), 3)], check=check)
+        assert out[2] == alone(list(range(100)), 3)
+        assert max(chunks) == want, (apart, chunks)
 
 
 def test_decoders_advance_in_every_step_of_a_long_prefill():

@@ -16,6 +16,10 @@ from vkengine.sampling import SamplingParams
 from .serving import CTX, tiny_gguf, tiny_model  # noqa: F401  (fixtures)
 from .test_models_qwen35 import qwen35_loaded, qwen35_models  # noqa: F401  (fixtures)
 
+# every engine here takes steps of up to 64 rows (the schedulers' steps are smaller): on GPUs an
+# engine of fewer rows than the tiled threshold keeps prompt rows on the matvecs
+# (Engine.tiled_prompts), and a sequence's tokens equal the reference's only where both pad alike
+ENGINE_ROWS = 64
 N_TOKENS = (24, 9, 17, 30)
 TEXTS = ("The history of the city begins", "Once upon a time",
          "Write a list of ten fruits, one per line:\n1.", "Q: 2+2=? A:")
@@ -46,7 +50,7 @@ SAMPLING = {
 
 @pytest.fixture(scope="module")
 def ref_engine(device, tiny_model):
-    return Engine(tiny_model, device, EngineConfig(n_slots=1, n_ctx=CTX, max_batch=64, max_out=1,
+    return Engine(tiny_model, device, EngineConfig(n_slots=1, n_ctx=CTX, max_batch=ENGINE_ROWS, max_out=1,
                                                    device_sampling=True))
 
 
@@ -59,7 +63,7 @@ def run_interleaved(device, model, cfg, reqs, gap=3, setup=None, in_flight=3):
     """Submit one request every `gap` steps; returns (tokens, text, job) per request.
     setup(engine) adjusts the engine first (e.g. its kernels). in_flight: the
     engine's max_in_flight (the server's 3 by default)."""
-    eng = Engine(model, device, EngineConfig(n_slots=cfg.n_slots, n_ctx=CTX, max_batch=cfg.step_tokens,
+    eng = Engine(model, device, EngineConfig(n_slots=cfg.n_slots, n_ctx=CTX, max_batch=ENGINE_ROWS,
                                              max_out=cfg.n_slots, max_in_flight=in_flight,
                                              device_sampling=True))   # as on GPUs (lavapipe: off by default)
     if setup is not None:
@@ -116,6 +120,75 @@ def test_two_in_flight_equals_alone(device, tiny_model, ref_engine, sampling):
         assert (toks, text) == alone(ref_engine, r.prompt, r.max_tokens, r.sampling)
 
 
+def _tiled_prompts(eng, rows: int = 16) -> None:
+    """A GPU's prompt path on lavapipe: tiled matmuls (mul_mt) from `rows` rows
+    and prompt steps padded to them (Engine.tiled_prompts; GPUs: 64 rows)."""
+    eng.kernels.tiled_from = rows
+    eng._tiled_prompts = True
+    assert eng.tiled_prompts
+
+
+def test_prompt_rows_do_not_depend_on_the_chunking(device, tiny_model):
+    """With prompt steps padded to the tiled matmuls (Engine.tiled_prompts: on
+    GPUs by default, on lavapipe from 16 rows here), a prompt's last logits
+    row is bit-equal whether the prompt ran at once or in chunks of 1, 5, 16
+    or 23 rows (each chunk's pad rows overwritten by the next)."""
+    import numpy as np
+    eng = Engine(tiny_model, device, EngineConfig(n_slots=2, n_ctx=CTX, max_batch=ENGINE_ROWS, max_out=1))
+    if not eng.tiled_prompts:
+        _tiled_prompts(eng)
+    prompt = tiny_model.tokenizer.encode(SYSTEM + TEXTS[0])
+    assert 23 < len(prompt) < ENGINE_ROWS
+    want = eng.prefill(prompt, 0, readback="logits")
+    for chunk in (1, 5, 16, 23):
+        out = None
+        for c in range(0, len(prompt), chunk):
+            part = prompt[c:c + chunk]
+            last = c + len(part) == len(prompt)
+            out = eng.step(part, range(c, c + len(part)), [1] * len(part), [len(part) - 1] if last else (),
+                           "logits" if last else "none", prompt=True)
+        assert np.array_equal(out[0], want), chunk
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLING))
+def test_prompt_rows_apart_equal_alone(device, tiny_model, sampling):
+    """Where the engine pads prompt steps to its tiled matmuls, the worker runs
+    a step's decode rows and prompt rows as two engine steps: decode rows on
+    the matvecs as alone, prompt rows (chunked 16 at a time here, the whole
+    prompt at once alone) on the tiled kernels, padded. Every token as alone,
+    with greedy replies, replies drawn on the device, and replies sampled on
+    the host (their logits steps run alone: the other part is collected first)."""
+    tok = tiny_model.tokenizer
+    ref = Engine(tiny_model, device, EngineConfig(n_slots=1, n_ctx=CTX, max_batch=ENGINE_ROWS, max_out=1,
+                                                  device_sampling=True))
+    _tiled_prompts(ref)
+    prompts = [tok.encode((SYSTEM if i % 2 == 0 else "") + TEXTS[i]) for i in range(4)]
+    assert max(map(len, prompts)) > 16
+    reqs = [GenRequest(p, n, sp, ignore_eos=True) for p, n, sp in zip(prompts, N_TOKENS, SAMPLING[sampling])]
+    steps: list[tuple[int, bool]] = []
+
+    def setup(eng):
+        _tiled_prompts(eng)
+        submit = eng.submit
+
+        def recording_submit(tokens, *a, prompt=False, **k):
+            steps.append((len(tokens), prompt))
+            return submit(tokens, *a, prompt=prompt, **k)
+        eng.submit = recording_submit
+    got, w = run_interleaved(device, tiny_model, CONFIGS["batch"], reqs, gap=2, setup=setup)
+    assert w.prompt_apart and w.sched.cfg.prompt_apart
+    for r, (toks, text, job) in zip(reqs, got):
+        want_toks, want_text = alone(ref, r.prompt, r.max_tokens, r.sampling)
+        assert toks == want_toks
+        assert text == want_text
+    # prompt steps and decode steps alternate while newcomers arrive; none mixes them
+    assert any(p for _, p in steps) and any(not p for _, p in steps)
+    assert all(n <= CONFIGS["batch"].n_slots for n, p in steps if not p), steps
+    # (the third prompt reuses the first one's rows of SYSTEM: prefix cache)
+    assert sum(n for n, p in steps if p) == sum(map(len, prompts)) - sum(job.seq.cache_hit for _, _, job in got)
+    assert got[2][2].seq.cache_hit > 0
+
+
 def test_rows_past_a_stop_leave_the_cached_prefix_right(device, tiny_model, ref_engine):
     """With three steps in flight, a stream that a stop string ends had two
     chained rows past its last token on the device; the second one's input is
@@ -123,7 +196,7 @@ def test_rows_past_a_stop_leave_the_cached_prefix_right(device, tiny_model, ref_
     the next request, whose prompt is that whole stream and more, reuses all
     of it and still gets the tokens of its own run alone."""
     tok = tiny_model.tokenizer
-    eng = Engine(tiny_model, device, EngineConfig(n_slots=1, n_ctx=CTX, max_batch=16, max_out=1, max_in_flight=3))
+    eng = Engine(tiny_model, device, EngineConfig(n_slots=1, n_ctx=CTX, max_batch=ENGINE_ROWS, max_out=1, max_in_flight=3))
     w = Worker(eng, CONFIGS["batch"].__class__(n_slots=1, max_live=1, step_tokens=16))
     assert w.depth == 3
     deepest, submit = [0], eng.submit
@@ -155,14 +228,15 @@ def test_xq8_interleaved_equals_alone(device, tiny_model):
     four sequences interleaved give the tokens each gives alone on the same
     kernels: both ways of rounding h give the same blocks."""
     tok = tiny_model.tokenizer
-    ref = Engine(tiny_model, device, EngineConfig(n_slots=1, n_ctx=CTX, max_batch=64, max_out=1))
+    ref = Engine(tiny_model, device, EngineConfig(n_slots=1, n_ctx=CTX, max_batch=ENGINE_ROWS, max_out=1))
     _gpu_xq8(ref)
     reqs = [GenRequest(tok.encode(t), n, ignore_eos=True) for t, n in zip(TEXTS, N_TOKENS)]
     got, w = run_interleaved(device, tiny_model, CONFIGS["batch"], reqs, setup=_gpu_xq8)
     for r, (toks, text, job) in zip(reqs, got):
         assert toks == alone(ref, r.prompt, r.max_tokens, r.sampling)[0]
-    labels = [op.label for prog in w.eng._programs.values() for op in prog.ops]
-    assert "quantize_q8" in labels and any(lb.endswith("+rms_norm") for lb in labels)
+    if not w.prompt_apart:   # (GPUs: prompt rows run apart on the tiled matmuls, decode steps split the norm)
+        labels = [op.label for prog in w.eng._programs.values() for op in prog.ops]
+        assert "quantize_q8" in labels and any(lb.endswith("+rms_norm") for lb in labels)
 
 
 def _gpu_xq8_in(eng):
@@ -176,7 +250,7 @@ def test_xq8_in_interleaved_equals_alone(device, tiny_model):
     sequences interleaved, greedy and sampled, give the tokens each gives
     alone on the same kernels."""
     tok = tiny_model.tokenizer
-    ref = Engine(tiny_model, device, EngineConfig(n_slots=1, n_ctx=CTX, max_batch=64, max_out=1))
+    ref = Engine(tiny_model, device, EngineConfig(n_slots=1, n_ctx=CTX, max_batch=ENGINE_ROWS, max_out=1))
     _gpu_xq8_in(ref)
     for sampling in ("greedy", "sampled"):
         reqs = [GenRequest(tok.encode(t), n, sp, ignore_eos=True)
@@ -221,7 +295,7 @@ def test_n_probs_report_the_distribution(device, tiny_model):
     import math
     tok = tiny_model.tokenizer
     events = []
-    eng = Engine(tiny_model, device, EngineConfig(n_slots=1, n_ctx=CTX, max_batch=16, max_out=1))
+    eng = Engine(tiny_model, device, EngineConfig(n_slots=1, n_ctx=CTX, max_batch=ENGINE_ROWS, max_out=1))
     w = Worker(eng, CONFIGS["batch"].__class__(n_slots=1, max_live=1, step_tokens=16))
     w.submit(GenRequest(tok.encode(TEXTS[2]), 4, n_probs=5), events.append)
     w.run_until_idle()
@@ -239,7 +313,7 @@ def test_chained_steps_equal_plain_steps(device, tiny_model):
     step still on the device (rows in any order) gives the tokens that plain
     steps give; two steps in flight at once, collected in order."""
     tok = tiny_model.tokenizer
-    eng = Engine(tiny_model, device, EngineConfig(n_slots=2, n_ctx=CTX, max_batch=16, max_out=2))
+    eng = Engine(tiny_model, device, EngineConfig(n_slots=2, n_ctx=CTX, max_batch=ENGINE_ROWS, max_out=2))
     prompts = [tok.encode(TEXTS[0]), tok.encode(TEXTS[1])]
 
     def start():
@@ -276,7 +350,7 @@ def test_chained_steps_equal_plain_steps(device, tiny_model):
 def test_bench_decode_chains_the_same_tokens(device, tiny_model):
     """vkengine bench's decode loop (chained steps) generates what plain steps do."""
     from vkengine.bench import decode
-    eng = Engine(tiny_model, device, EngineConfig(n_slots=3, n_ctx=CTX, max_batch=16, max_out=3))
+    eng = Engine(tiny_model, device, EngineConfig(n_slots=3, n_ctx=CTX, max_batch=ENGINE_ROWS, max_out=3))
     start = [5, 500, 5000]
     toks, plain = list(start), []
     for pos in range(6):
@@ -292,7 +366,7 @@ def test_bench_times_no_recording(device, tiny_model):
     run (both params buffers, plain and chained, odd step counts too), so no
     repetition pays for a recording."""
     from vkengine import bench
-    eng = Engine(tiny_model, device, EngineConfig(n_slots=2, n_ctx=CTX, max_batch=16, max_out=2))
+    eng = Engine(tiny_model, device, EngineConfig(n_slots=2, n_ctx=CTX, max_batch=ENGINE_ROWS, max_out=2))
     counts = []
     real_decode, real_prefill = bench.decode, eng.prefill
 
@@ -323,7 +397,7 @@ def test_hybrid_interleaved_equals_alone(device, qwen35_loaded, arch, mode, samp
     sampled, some sharing a system prompt) get the tokens of each alone."""
     model = qwen35_loaded(arch)
     tok = model.tokenizer
-    ref = Engine(model, device, EngineConfig(n_slots=1, n_ctx=CTX, max_batch=64, max_out=1, device_sampling=True))
+    ref = Engine(model, device, EngineConfig(n_slots=1, n_ctx=CTX, max_batch=ENGINE_ROWS, max_out=1, device_sampling=True))
     texts = [TEXTS[0], SYSTEM + TEXTS[1], SYSTEM + TEXTS[2], TEXTS[3]]
     reqs = [GenRequest(tok.encode(t), n, sp, ignore_eos=True)
             for t, n, sp in zip(texts, (12, 7, 10, 9), SAMPLING[sampling])]
@@ -346,7 +420,7 @@ def test_hybrid_next_turn_reuses_the_state(device, qwen35_loaded, mode):
     state instead of prefilling again, with the tokens it gets alone."""
     model = qwen35_loaded("qwen35")
     tok = model.tokenizer
-    ref = Engine(model, device, EngineConfig(n_slots=1, n_ctx=CTX, max_batch=64, max_out=1))
+    ref = Engine(model, device, EngineConfig(n_slots=1, n_ctx=CTX, max_batch=ENGINE_ROWS, max_out=1))
     cfg = CONFIGS[mode]
     eng = Engine(model, device, EngineConfig(n_slots=cfg.n_slots, n_ctx=CTX, max_batch=cfg.step_tokens,
                                              max_out=cfg.n_slots))
@@ -393,7 +467,7 @@ def test_staggered_streams_share_one_step(device, tiny_model, ref_engine):
     The last two requests arrive during the device wait of the first two's
     third step, as HTTP requests do. Tokens as alone."""
     tok = tiny_model.tokenizer
-    eng = Engine(tiny_model, device, EngineConfig(n_slots=4, n_ctx=CTX, max_batch=16, max_out=4))
+    eng = Engine(tiny_model, device, EngineConfig(n_slots=4, n_ctx=CTX, max_batch=ENGINE_ROWS, max_out=4))
     w = Worker(eng, CONFIGS["batch"])
     reqs = [GenRequest(tok.encode(TEXTS[i]), 16, ignore_eos=True) for i in (0, 2, 1, 3)]   # short ones last
     events: list[list[Event]] = [[] for _ in reqs]
@@ -430,7 +504,7 @@ def test_prepared_steps_cover_a_servers_prompt_steps(device, tiny_model, ref_eng
     sampled on the device). Tokens as alone."""
     tok = tiny_model.tokenizer
     cfg = CONFIGS["batch"]
-    eng = Engine(tiny_model, device, EngineConfig(n_slots=cfg.n_slots, n_ctx=CTX, max_batch=cfg.step_tokens,
+    eng = Engine(tiny_model, device, EngineConfig(n_slots=cfg.n_slots, n_ctx=CTX, max_batch=ENGINE_ROWS,
                                                   max_out=cfg.n_slots, device_sampling=True))
     eng.pad_steps = True   # (GPUs only by default: lavapipe keeps exact steps)
     assert eng.prepare_decode(cfg.n_slots, cfg.step_tokens) > 0
@@ -468,7 +542,7 @@ def test_logits_step_waits_for_the_chained_one(device, tiny_model, ref_engine):
     from server.scheduler import SchedulerConfig
     tok = tiny_model.tokenizer
     cfg = SchedulerConfig(n_slots=2, max_live=2, step_tokens=16, quantum=64)
-    eng = Engine(tiny_model, device, EngineConfig(n_slots=2, n_ctx=CTX, max_batch=16, max_out=2))
+    eng = Engine(tiny_model, device, EngineConfig(n_slots=2, n_ctx=CTX, max_batch=ENGINE_ROWS, max_out=2))
     w = Worker(eng, cfg)
     reqs = [GenRequest(tok.encode(TEXTS[0]), 20, ignore_eos=True),
             GenRequest(tok.encode(TEXTS[3]), 6, ignore_eos=True),
@@ -485,7 +559,7 @@ def test_logits_step_waits_for_the_chained_one(device, tiny_model, ref_engine):
 def test_bench_decode_chains_a_hybrid(device, qwen35_loaded):
     """The chained decode loop on a hybrid model (recurrent state carried from step to step on the device)."""
     from vkengine.bench import decode
-    eng = Engine(qwen35_loaded("qwen35moe"), device, EngineConfig(n_slots=2, n_ctx=CTX, max_batch=16, max_out=2))
+    eng = Engine(qwen35_loaded("qwen35moe"), device, EngineConfig(n_slots=2, n_ctx=CTX, max_batch=ENGINE_ROWS, max_out=2))
     toks, plain = [7, 700], []
     for pos in range(5):
         toks = [int(t) for t in eng.step(toks, [pos] * 2, [0, 1], [0, 1])]
@@ -505,7 +579,7 @@ def test_serve_sim_engine_drives_the_worker(device, tiny_model, host_sampling):
     from serve_sim import sim_engine_class
     sim = sim_engine_class()
     sim.step_us, sim.host_sampling, sim.sample_us = (10.0, 1.0), host_sampling, 5.0
-    eng = sim(tiny_model, device, EngineConfig(n_slots=4, n_ctx=CTX, max_batch=16, max_out=4, max_in_flight=3))
+    eng = sim(tiny_model, device, EngineConfig(n_slots=4, n_ctx=CTX, max_batch=ENGINE_ROWS, max_out=4, max_in_flight=3))
     eng._sim_init()
     w = Worker(eng, CONFIGS["batch"])
     tok = tiny_model.tokenizer
@@ -527,7 +601,7 @@ def test_which_replies_are_drawn_on_the_device(device, tiny_model):
     others read their logits back. Greedy replies take the argmax."""
     from vkengine.kernels import Kernels
     cfg = CONFIGS["batch"]
-    eng = Engine(tiny_model, device, EngineConfig(n_slots=cfg.n_slots, n_ctx=CTX, max_batch=16, max_out=cfg.n_slots,
+    eng = Engine(tiny_model, device, EngineConfig(n_slots=cfg.n_slots, n_ctx=CTX, max_batch=ENGINE_ROWS, max_out=cfg.n_slots,
                                                   device_sampling=True))
     w = Worker(eng, cfg)
     prompt = tiny_model.tokenizer.encode(TEXTS[0])
@@ -543,7 +617,7 @@ def test_which_replies_are_drawn_on_the_device(device, tiny_model):
         assert job.on_device == want, (sp, n_probs)
         assert job.needs_logits == (not want and (sp.needs_logits or n_probs > 0))
     w.run_until_idle()
-    off = Worker(Engine(tiny_model, device, EngineConfig(n_slots=cfg.n_slots, n_ctx=CTX, max_batch=16,
+    off = Worker(Engine(tiny_model, device, EngineConfig(n_slots=cfg.n_slots, n_ctx=CTX, max_batch=ENGINE_ROWS,
                                                          max_out=cfg.n_slots, device_sampling=False)), cfg)
     assert not off.submit(GenRequest(prompt, 1, SamplingParams(temperature=0.8)), lambda ev: None).on_device
     off.run_until_idle()
