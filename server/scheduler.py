@@ -107,6 +107,11 @@ class Work:
     tokens: list[int]
     output: bool                     # this chunk ends at the sequence's last token: sample the next
 
+    @property
+    def prompt(self) -> bool:
+        """Whether these are prompt tokens (a chunk never spans prompt and generated ones)."""
+        return self.start < self.seq.n_prompt
+
 
 @dataclass
 class Batch:
@@ -140,12 +145,12 @@ class Batch:
     @property
     def has_prompt(self) -> bool:
         """Whether a row of this batch is a prompt token."""
-        return any(w.start < w.seq.n_prompt for w in self.work)
+        return any(w.prompt for w in self.work)
 
     def split(self) -> tuple["Batch | None", "Batch | None"]:
         """(decode rows, prompt rows): this batch as two, either None when empty."""
-        dec = [w for w in self.work if w.start >= w.seq.n_prompt]
-        pro = [w for w in self.work if w.start < w.seq.n_prompt]
+        dec = [w for w in self.work if not w.prompt]
+        pro = [w for w in self.work if w.prompt]
         return (Batch(dec) if dec else None), (Batch(pro) if pro else None)
 
 

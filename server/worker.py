@@ -415,7 +415,7 @@ class Worker:
     def _log_step(self, batch: Batch, outs: list[Seq], chained: bool, t0: float, t_wait: float,
                   now: float) -> None:
         rows = sum(len(w.tokens) for w in batch.work)
-        prompt = sum(len(w.tokens) for w in batch.work if w.start < w.seq.n_prompt)
+        prompt = sum(len(w.tokens) for w in batch.work if w.prompt)
         self._step_log.write(json.dumps({
             "t_ms": round((t0 - self._t0) * 1e3, 3), "rows": rows, "prompt_rows": prompt, "outs": len(outs),
             "chained": chained, "in_flight": len(self._inflight) + 1, "dt_ms": round((now - t0) * 1e3, 3),
