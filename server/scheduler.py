@@ -363,8 +363,11 @@ class Scheduler:
     def _compose(self) -> Batch | None:
         residents = [s for s in self.live if s.slot is not None and s.pending > 0]
         # running streams: a row every step (a prompt's last token is a prompt row, not one of these)
-        decoding = [s for s in residents if s.pending == 1 and s.taken >= s.n_prompt]
-        prefilling = sorted((s for s in residents if s.pending > 1 or s.taken < s.n_prompt), key=lambda s: s.ready)
+        decoding: list[Seq] = []
+        prefilling: list[Seq] = []
+        for s in residents:
+            (decoding if s.pending == 1 and s.taken >= s.n_prompt else prefilling).append(s)
+        prefilling.sort(key=lambda s: s.ready)
         budget = self.cfg.step_tokens - (0 if self.cfg.prompt_apart else len(decoding))
         # prompt rows are shared out evenly (water-filling, unused shares go round again), so that a
         # short newcomer's first token does not wait for a long prompt that arrived before it

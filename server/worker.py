@@ -165,8 +165,7 @@ class Worker:
         # where the engine pads prompt steps to its tiled matmuls, a step's
         # decode rows and prompt rows run as two engine steps (decode rows on
         # the matvecs, as alone: tokens independent of who else runs)
-        self.prompt_apart = bool(getattr(engine, "tiled_prompts", False))
-        if self.prompt_apart and not cfg.prompt_apart:
+        if getattr(engine, "tiled_prompts", False) and not cfg.prompt_apart:
             cfg = dataclasses.replace(cfg, prompt_apart=True)
         self.cfg = cfg
         self.kv = EngineKV(engine)
@@ -193,6 +192,11 @@ class Worker:
         self._step_log = open(path, "a", buffering=1 << 16) if path else None
         self._t0 = time.perf_counter()
         self._publish()
+
+    @property
+    def prompt_apart(self) -> bool:
+        """Whether a step's decode rows and prompt rows run as two engine steps."""
+        return self.cfg.prompt_apart
 
     # -- called from any thread (the event loop) ---------------------------
     def submit(self, req: GenRequest, emit: Callable[[Event], None]) -> Job:
