@@ -96,7 +96,7 @@ def run_llama_bench(exe: str, model: Path, n_prompt: int, n_gen: int, reps: int)
 
 def _ours(path: str, device: int | None, n_prompt: int, n_gen: int, reps: int, par: list[int]):
     """Our pp/tg (and batched decode) on one model, in the calling process."""
-    from vkengine.bench import run_batched, run_bench
+    from vkengine.tools.bench import run_batched, run_bench
     from vkengine.device import Device
     from vkengine.engine import Engine, EngineConfig
     from vkengine.model import load_model
@@ -127,10 +127,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tokenizer-from", default=None, help="tokenizer GGUF for synth (default: embedded SmolLM2)")
     args = ap.parse_args(argv)
 
-    from vkengine.bench import parse_parallel
+    from vkengine.tools.bench import parse_parallel
     from vkengine.device import Device
     from vkengine.kernels import Kernels
-    from vkengine.synth import config_for, synth_llama
+    from vkengine.tools.synth.llama import config_for, synth_llama
 
     par = [b for b in parse_parallel(args.parallel) if b > 1]   # batched decode: sequence counts
     dev = Device(args.device)

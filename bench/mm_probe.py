@@ -86,7 +86,7 @@ def main() -> int:
     ap.add_argument("-n", type=int, default=512, help="tokens")
     args = parse_probe_args(ap, SHAPES)
     types, kinds = args.types, args.kinds.split(",")
-    from vkengine import shaders
+    from vkengine import spirv
     runs = {wt: [k for k in kinds if not k.startswith("mc2") or wt in MC2_TYPES] for wt in types}
     names = sorted({variant(wt, k) for wt in types for k in runs[wt]})
     if args.compile_only:
@@ -123,7 +123,7 @@ def main() -> int:
                 bufs, grid_n = [wbuf, xbuf, act], n_pad // bn
             else:
                 bufs, grid_n = [wbuf, act, act], math.ceil(n / bn)
-            alg = dev.algorithm(name, shaders.spirv(name), bufs, (), 40)
+            alg = dev.algorithm(name, spirv.spirv(name), bufs, (), 40)
             prog = dev.program()
             push = struct.pack("<10I", 0, dw, K, M, n, 0, K, n * K, M, 0)
             for _ in range(args.reps):

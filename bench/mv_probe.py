@@ -159,9 +159,9 @@ def compile_probes(names: list[str]) -> None:
     """--compile-only: the probe variants into the SPIR-V cache (on a machine with glslc)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from vkengine import shaders
+    from vkengine import spirv
     with ThreadPoolExecutor() as ex:
-        list(ex.map(shaders.compile_variant, names))
+        list(ex.map(spirv.compile_variant, names))
     print(f"{len(names)} probe variants compiled")
 
 
@@ -209,7 +209,7 @@ def main() -> int:
                     help="workgroup sizes (the engine's: 4 subgroups)")
     args = parse_probe_args(ap, SHAPES)
     types = args.types
-    from vkengine import shaders
+    from vkengine import spirv
     names = sorted({variant(wt, *c) for wt in types for c in configs(wt, args.cols, args.rows, args.kinds, args.unroll)})
     if args.compile_only:
         compile_probes(names)
@@ -244,7 +244,7 @@ def main() -> int:
         for (kind, nc, rps, un), wg in ((c, wg) for c in configs(wt, args.cols, args.rows, args.kinds, args.unroll)
                                          for wg in args.wg):
             name = variant(wt, kind, nc, rps, un)
-            spv = shaders.spirv(name)
+            spv = spirv.spirv(name)
             mvq = kind in XQ_KINDS
             if kind == "mvq":
                 if wg != 128:

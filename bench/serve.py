@@ -163,7 +163,7 @@ class Server:
 
 def ours(args, parallel: int, mode: str) -> Server:
     port = free_port()
-    cmd = [sys.executable, "-m", "vkengine.cli", "serve", "--port", str(port), "--parallel", str(parallel),
+    cmd = [sys.executable, "-m", "server", "--port", str(port), "--parallel", str(parallel),
            "--mode", mode, "--ctx", str(args.ctx), "--quantum", str(args.quantum),
            "--step-tokens", str(args.step_tokens), "--max-queue", str(max(64, args.clients))]
     if args.model:

@@ -187,7 +187,7 @@ def main() -> int:
     from serve import Server, free_port, run_load
     model = args.model
     if model is None:
-        from vkengine.synth import config_for, synth_llama
+        from vkengine.tools.synth.llama import config_for, synth_llama
         d = Path(tempfile.mkdtemp(prefix="serve-sim-"))
         model = str(synth_llama(config_for("tiny", None), "q8_0", 0, d, "tiny", formats=("gguf",))["gguf"])
     a, b = (float(x) for x in args.step_us.split(","))

@@ -409,7 +409,7 @@ class Server:
         self.url = f"http://127.0.0.1:{port}"
         self.log = Path(tempfile.mkstemp(prefix="soak-serve-", suffix=".log")[1])
         self._fh = open(self.log, "wb")
-        cmd = [sys.executable, "-m", "vkengine.cli", "serve", "--model", model, "--host", "127.0.0.1",
+        cmd = [sys.executable, "-m", "server", "--model", model, "--host", "127.0.0.1",
                "--port", str(port), *serve_args]
         self.cmd = cmd
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._fh, stderr=subprocess.STDOUT)
@@ -441,7 +441,7 @@ class Server:
 
 def synth_tiny(out: Path) -> str:
     sys.path.insert(0, str(ROOT))
-    from vkengine.synth import config_for, synth_llama
+    from vkengine.tools.synth.llama import config_for, synth_llama
     return str(synth_llama(config_for("tiny", None), "q8_0", 0, out, "tiny", formats=("gguf",), workers=1)["gguf"])
 
 

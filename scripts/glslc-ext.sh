@@ -8,7 +8,7 @@
 # it is linked against glibc 2.38 and libstdc++ 13, newer than Debian 12's, so
 # its packages and those two libraries are unpacked side by side (nothing is
 # installed system-wide) and a wrapper runs the compiler through Debian 13's own
-# dynamic loader. vkengine.shaders uses it (VKENGINE_GLSLC_EXT overrides) for
+# dynamic loader. vkengine.spirv uses it (VKENGINE_GLSLC_EXT overrides) for
 # the variants that need it; every other shader keeps the system glslc.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -9,6 +9,7 @@ import time
 import uvicorn
 
 from vkengine.errors import VkEngineError
+from vkengine.options import device_index
 
 from .app import ServerState, create_app
 from .metrics import Metrics
@@ -59,13 +60,12 @@ class _Server(uvicorn.Server):
 
 def build(args):
     """(app, state) for the flags: the model and engine are loaded here."""
-    from vkengine.cli import _device_index
     from vkengine.device import Device
     from vkengine.engine import Engine, EngineConfig
     from vkengine.model import load_model
     cfg, n_slots = scheduler_config(args)
     model = load_model(args.model)
-    dev = Device(_device_index(args))
+    dev = Device(device_index(args))
     eng = Engine(model, dev, EngineConfig(n_slots=n_slots, n_ctx=args.ctx, max_batch=cfg.step_tokens,
                                           max_out=n_slots, max_in_flight=3))
     if eng.max_batch < cfg.step_tokens:

@@ -1,5 +1,22 @@
-"""Command-line options of `vkengine serve`."""
+"""Command-line options of `vkengine serve` (registered into the vkengine CLI
+through the entry point `vkengine.commands: serve`) and `python -m server`.
+Nothing heavy is imported here: `vkengine --help` loads this module."""
 import os
+
+from vkengine.options import add_model_args
+
+
+def register(sub) -> None:
+    """The `serve` subcommand of the vkengine CLI."""
+    p = sub.add_parser("serve", help="HTTP server (llama-server and OpenAI compatible)")
+    add_model_args(p)
+    add_serve_args(p)
+    p.set_defaults(fn=serve)
+
+
+def serve(args) -> int:
+    from .main import serve_main
+    return serve_main(args)
 
 
 def add_serve_args(p) -> None:

@@ -1,1 +1,1 @@
-"""GLSL compute shaders of vkengine (sources only; vkengine.shaders compiles them)."""
+"""GLSL compute shaders of vkengine (sources only; vkengine.spirv compiles them)."""

@@ -1,6 +1,6 @@
 """The one table of shader variants: name -> (source file, preprocessor defines).
 
-vkengine.shaders compiles every entry with glslc into a cache keyed by a hash of
+vkengine.spirv compiles every entry with glslc into a cache keyed by a hash of
 the sources and defines. Kernel wrappers (vkengine/kernels.py) refer to entries
 by name; workgroup size and items per workgroup are specialization constants
 set at pipeline creation, not variants.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from vkengine.model import load_model
-from vkengine.synth import config_for, synth_llama
+from vkengine.tools.synth.llama import config_for, synth_llama
 
 CTX = 512
 

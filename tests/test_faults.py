@@ -327,7 +327,7 @@ def test_kv_cache_larger_than_the_device_is_refused_at_startup(tmp_path, device)
     layer's cache fits in a buffer) is twice the device's memory: `vkengine serve` exits with a message
     that says what to reduce, before allocating it (lavapipe would grant it lazily, and the process
     would be killed later, mid-request)."""
-    from vkengine.synth import SynthConfig, synth_llama
+    from vkengine.tools.synth.llama import SynthConfig, synth_llama
     parallel, row = 16, 2 * 16 * 2                     # bytes of one position's K (2 kv heads x 16 dims, f16)
     ctx = device.max_buffer_bytes // (2 * parallel * row) // 256 * 256
     per_layer = 2 * parallel * ctx * row
@@ -445,7 +445,7 @@ def test_truncated_and_corrupt_gguf(tiny_gguf, tmp_path, device):
 
 @pytest.fixture(scope="module")
 def tiny_hf(tmp_path_factory):
-    from vkengine.synth import config_for, synth_llama
+    from vkengine.tools.synth.llama import config_for, synth_llama
     return synth_llama(config_for("tiny", None), "f16", 0, tmp_path_factory.mktemp("tinyhf"), "tiny",
                        formats=("hf",), workers=1)["hf"]
 

@@ -24,8 +24,8 @@ from vkengine.engine import Engine, EngineConfig
 from vkengine.generate import generate
 from vkengine.gguf_file import GGUFFile
 from vkengine.model import load_model
-from vkengine.synth import _tokenizer_meta
-from vkengine.synth_qwen35 import SHAPES, synth_qwen35
+from vkengine.tools.synth.writer import tokenizer_meta
+from vkengine.tools.synth.qwen35 import SHAPES, synth_qwen35
 
 ARCHES = ["qwen35", "qwen35moe"]
 PROMPT = "The quick brown fox jumps over the lazy dog. 1234567, and then"
@@ -106,7 +106,7 @@ def expected_tensors(f: GGUFFile) -> dict[str, tuple[tuple[int, ...], str | None
 
 @pytest.fixture(scope="module")
 def tmeta(tokenizer_source):
-    return _tokenizer_meta(tokenizer_source)
+    return tokenizer_meta(tokenizer_source)
 
 
 @pytest.fixture(scope="module")

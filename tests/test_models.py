@@ -11,7 +11,7 @@ from vkengine.errors import VkEngineError
 from vkengine.generate import generate
 from vkengine.model import load_model
 from vkengine.sampling import SamplingParams
-from vkengine.synth import SynthConfig, synth_llama
+from vkengine.tools.synth.llama import SynthConfig, synth_llama
 
 from .ref_llama import RefLlama
 

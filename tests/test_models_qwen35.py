@@ -14,8 +14,8 @@ from vkengine.engine import Engine, EngineConfig
 from vkengine.errors import VkEngineError
 from vkengine.generate import generate
 from vkengine.model import load_model
-from vkengine.synth import _tokenizer_meta
-from vkengine.synth_qwen35 import SHAPES, synth_qwen35
+from vkengine.tools.synth.writer import tokenizer_meta
+from vkengine.tools.synth.qwen35 import SHAPES, synth_qwen35
 
 from .ref_qwen35 import RefQwen35
 
@@ -27,7 +27,7 @@ ARCHES = ["qwen35", "qwen35moe"]
 def qwen35_models(tmp_path_factory, tokenizer_source):
     """Tiny random models (GGUF q8_0 + HF copy) of both architectures."""
     out = tmp_path_factory.mktemp("synth-qwen35")
-    tmeta = _tokenizer_meta(tokenizer_source)
+    tmeta = tokenizer_meta(tokenizer_source)
     return {arch: synth_qwen35(SHAPES[(arch, "tiny")], "q8_0", seed=11, out_dir=out, name=f"{arch}-tiny",
                                workers=1, tmeta=tmeta) for arch in ARCHES}
 

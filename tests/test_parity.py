@@ -350,7 +350,7 @@ def test_harness_on_default_prompts(reference_server, reference_server_b, smollm
 def test_model_mismatch_is_refused(reference_client, tmp_path):
     from parity.reference import check_model
     from vkengine.model import load_model
-    from vkengine.synth import config_for, synth_llama
+    from vkengine.tools.synth.llama import config_for, synth_llama
     path = synth_llama(config_for("tiny", None), "q8_0", 0, tmp_path, formats=("gguf",), workers=1)["gguf"]
     with pytest.raises(VkEngineError, match="model mismatch: .* serves SmolLM2-135M-Instruct.Q4_1.gguf"):
         check_model(reference_client, load_model(path))

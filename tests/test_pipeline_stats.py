@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from vkengine import shaders
+from vkengine import spirv
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,7 +30,7 @@ def test_usage_errors(tool):
 
 
 def test_statistics_or_clear_error(tool, device):
-    spv = shaders.compile_variant("mul_mvk_q8_0")
+    spv = spirv.compile_variant("mul_mvk_q8_0")
     r = subprocess.run([str(tool), "128", "4", str(spv)], capture_output=True, text=True, timeout=120)
     if r.returncode == 0:
         line = r.stdout.strip().splitlines()[-1]

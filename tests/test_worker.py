@@ -349,7 +349,7 @@ def test_chained_steps_equal_plain_steps(device, tiny_model):
 
 def test_bench_decode_chains_the_same_tokens(device, tiny_model):
     """vkengine bench's decode loop (chained steps) generates what plain steps do."""
-    from vkengine.bench import decode
+    from vkengine.tools.bench import decode
     eng = Engine(tiny_model, device, EngineConfig(n_slots=3, n_ctx=CTX, max_batch=ENGINE_ROWS, max_out=3))
     start = [5, 500, 5000]
     toks, plain = list(start), []
@@ -365,7 +365,7 @@ def test_bench_times_no_recording(device, tiny_model):
     """vkengine bench's warm-up records every program its timed repetitions
     run (both params buffers, plain and chained, odd step counts too), so no
     repetition pays for a recording."""
-    from vkengine import bench
+    from vkengine.tools import bench
     eng = Engine(tiny_model, device, EngineConfig(n_slots=2, n_ctx=CTX, max_batch=ENGINE_ROWS, max_out=2))
     counts = []
     real_decode, real_prefill = bench.decode, eng.prefill
@@ -558,7 +558,7 @@ def test_logits_step_waits_for_the_chained_one(device, tiny_model, ref_engine):
 
 def test_bench_decode_chains_a_hybrid(device, qwen35_loaded):
     """The chained decode loop on a hybrid model (recurrent state carried from step to step on the device)."""
-    from vkengine.bench import decode
+    from vkengine.tools.bench import decode
     eng = Engine(qwen35_loaded("qwen35moe"), device, EngineConfig(n_slots=2, n_ctx=CTX, max_batch=ENGINE_ROWS, max_out=2))
     toks, plain = [7, 700], []
     for pos in range(5):

@@ -1,29 +1,21 @@
-"""`vkengine` command line: devices, build-shaders, generate, bench, synth, serve.
+"""`vkengine` command line: devices, build-shaders, generate, bench, synth, and
+the commands that applications register under the entry-point group
+`vkengine.commands` (the server's `serve`: pyproject.toml), so that the
+library never imports them.
 
-Configuration enters here (flags, VKENGINE_DEVICE) and is passed down; user
-errors (VkEngineError) print one line without a traceback and exit with 2.
+Configuration enters here (flags, VKENGINE_* variables: vkengine.options) and
+is passed down; user errors (VkEngineError) print one line without a traceback
+and exit with 2.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
 from .errors import VkEngineError
-
-
-def _device_index(args) -> int | None:
-    if getattr(args, "device", None) is not None:
-        return args.device
-    env = os.environ.get("VKENGINE_DEVICE")
-    if env:
-        try:
-            return int(env)
-        except ValueError:
-            raise VkEngineError(f"VKENGINE_DEVICE={env!r} is not a device index") from None
-    return None
+from .options import add_model_args, device_index
 
 
 def _open(args, n_slots: int = 1, max_batch: int | None = None, max_out: int = 16):
@@ -31,11 +23,11 @@ def _open(args, n_slots: int = 1, max_batch: int | None = None, max_out: int = 1
     from .engine import Engine, EngineConfig
     from .model import load_model
     model = _model_options(args, load_model(args.model))
-    dev = Device(_device_index(args))
+    dev = Device(device_index(args))
     cfg = EngineConfig(n_slots=n_slots, n_ctx=args.ctx, max_batch=max_batch or args.batch, max_out=max_out)
     log = getattr(args, "experts_log", None)
     if log:
-        from .expert_log import RecordingEngine
+        from .tools.expert_log import RecordingEngine
         return model, dev, RecordingEngine(model, dev, cfg, log=open(log, "w"))
     return model, dev, Engine(model, dev, cfg)
 
@@ -60,7 +52,7 @@ def _model_options(args, model):
 def cmd_devices(args) -> int:
     from .device import list_devices, pick_device
     devs = list_devices()
-    chosen = pick_device(devs, _device_index(args)).index if devs else None
+    chosen = pick_device(devs, device_index(args)).index if devs else None
     if args.brief:
         for d in devs:
             print(f"{d.index}{'*' if d.index == chosen else ' '} {d.name} ({d.type}, {d.driver_name})")
@@ -83,10 +75,10 @@ def cmd_devices(args) -> int:
 
 
 def cmd_build_shaders(args) -> int:
-    from . import shaders
+    from . import spirv
     t = time.perf_counter()
-    files = shaders.build_all()
-    print(f"{len(files)} shader variants in {shaders.default_cache_dir()} ({time.perf_counter() - t:.1f} s)")
+    files = spirv.build_all()
+    print(f"{len(files)} shader variants in {spirv.default_cache_dir()} ({time.perf_counter() - t:.1f} s)")
     return 0
 
 
@@ -163,23 +155,16 @@ def cmd_bench(args) -> int:
 
 
 def cmd_synth(args) -> int:
-    from .synth import synth_main
+    from .tools.synth import synth_main
     return synth_main(args)
 
 
-def cmd_serve(args) -> int:
-    from server.main import serve_main
-    return serve_main(args)
-
-
-def _common(p, model=True):
-    if model:
-        p.add_argument("--model", "-m", default=None,
-                       help="GGUF file or Hugging Face folder (default: embedded SmolLM2-135M-Instruct Q4_1)")
-        p.add_argument("--ctx", type=int, default=None, help="context length per sequence (default min(train, 4096))")
-        p.add_argument("--batch", type=int, default=256, help="tokens per prefill step")
-    p.add_argument("--device", type=int, default=None, help="Vulkan device index (see `vkengine devices`); "
-                   "VKENGINE_DEVICE also works")
+def _plugins(sub) -> None:
+    """Subcommands registered by installed applications: entry points of the
+    group `vkengine.commands`, each a function register(subparsers)."""
+    from importlib.metadata import entry_points
+    for ep in entry_points(group="vkengine.commands"):
+        ep.load()(sub)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -187,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("devices", help="list Vulkan devices")
-    _common(p, model=False)
+    add_model_args(p, model=False)
     p.add_argument("--brief", action="store_true")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_devices)
@@ -196,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_build_shaders)
 
     p = sub.add_parser("generate", help="generate text from a prompt, streamed to the terminal")
-    _common(p)
+    add_model_args(p)
     p.add_argument("prompt")
     p.add_argument("-n", "--n-predict", type=int, default=64)
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
@@ -219,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_generate)
 
     p = sub.add_parser("bench", help="prefill (pp) and decode (tg) speed")
-    _common(p)
+    add_model_args(p)
     p.add_argument("-p", "--n-prompt", type=int, default=512)
     p.add_argument("-n", "--n-gen", type=int, default=128)
     p.add_argument("-r", "--reps", type=int, default=3)
@@ -231,20 +216,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_bench)
 
     p = sub.add_parser("synth", help="write a deterministic random-weight model (GGUF and safetensors)")
-    from .synth import add_synth_args
+    from .tools.synth import add_synth_args
     add_synth_args(p)
     p.set_defaults(fn=cmd_synth)
 
-    p = sub.add_parser("serve", help="HTTP server (llama-server and OpenAI compatible)")
-    _common(p)
-    from server.options import add_serve_args
-    add_serve_args(p)
-    p.set_defaults(fn=cmd_serve)
+    _plugins(sub)
     return ap
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+def run(parser: argparse.ArgumentParser, argv=None) -> int:
+    """Parse argv and run its command: user errors print one line and give 2."""
+    args = parser.parse_args(argv)
     try:
         return args.fn(args) or 0
     except VkEngineError as e:
@@ -252,6 +234,10 @@ def main(argv=None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def main(argv=None) -> int:
+    return run(build_parser(), argv)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from shaders.variants import (ATTN_MC_HEAD_DIMS, ATTN_MC_NSG, MATMUL_COLS, MC2_E
                               MC2_FROM_ROWS, MC2_TILES, MC2_TYPES, MC2H_TILES, MC_TILE, MM_GPU_COLS, MV_BFLY_LANES,
                               NORM_PARTS_TYPES, SG_ROWS, TILE, TILE_SMALL, UNIT_VALUES, XQ8_TYPES, mv_gpu_config)
 
-from . import shaders
+from . import spirv
 from .device import Buffer, Device, Program
 from .errors import VkEngineError
 
@@ -299,7 +299,7 @@ class Kernels:
 
     # -- helpers -----------------------------------------------------------
     def _alg(self, name: str, buffers: list[Buffer], push: bytes, wg: int, items: int | None = None):
-        spv = shaders.spirv(name, self._spirv_cache)
+        spv = spirv.spirv(name, self._spirv_cache)
         return self.device.algorithm(name, spv, buffers, (wg, items or self.items), len(push))
 
     def _grid(self, n_groups: int, z: int = 1) -> tuple[int, int, int]:
@@ -575,7 +575,7 @@ class Kernels:
             bufs, reads = [w.data.buf, scratch, out], w.regions + [hr]
         else:
             bufs, reads = [w.data.buf, act, out], w.regions + [_rows_range(x, n, x_stride, w.cols)]
-        spv = shaders.spirv(variant, self._spirv_cache)
+        spv = spirv.spirv(variant, self._spirv_cache)
         alg = self.device.algorithm(variant, spv, bufs, (), len(push))
         prog.dispatch(alg, push, (gm, gn, parts), reads + ([yr] if out_acc else []), [out_range], name)
         if parts > 1:
@@ -774,7 +774,7 @@ class Kernels:
             push = struct.pack("<13If", q.off, q_stride, o.off, o_stride, n_rows, n_head, n_kv, head_dim,
                                k_cache.off, v_cache.off, slot_stride, pos_off, slot_off, scale)
             name = self.attention_mc_variant.format(hd=head_dim)
-            spv = shaders.spirv(name, self._spirv_cache)
+            spv = spirv.spirv(name, self._spirv_cache)
             alg = self.device.algorithm(name, spv, [act, act, params, kv], (), len(push))
             # NSG 16-row blocks of one KV group's heads a workgroup (the shader's comment)
             blocks = math.ceil(n_rows / 16) * (n_head // n_kv)
@@ -793,7 +793,7 @@ class Kernels:
         # V rows a lane loads ahead of their use: up to 32 words, at least 8 rows
         vb = max(8, min(32, 32 // wpl))
         name = "attention_split" if split is not None else "attention"
-        spv = shaders.spirv(name, self._spirv_cache)
+        spv = spirv.spirv(name, self._spirv_cache)
         alg = self.device.algorithm(name, spv, [act, act, params, kv], (self.wg, self.items, wpl, head_dim, vb),
                                     len(push))
         if split is None:

@@ -98,7 +98,7 @@ def main() -> int:
 
     from vkengine.device import Device
     from vkengine.model import load_model
-    from vkengine.synth_qwen35 import config_for, synth_qwen35
+    from vkengine.tools.synth.qwen35 import config_for, synth_qwen35
     tok_src = args.tokenizer_from or (Path(os.environ["VKENGINE_TOKENIZER_GGUF"])
                                       if os.environ.get("VKENGINE_TOKENIZER_GGUF") else None)
     device = Device(args.device)

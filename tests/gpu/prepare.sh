@@ -23,7 +23,7 @@ ls .vk/gguf-*.whl >/dev/null 2>&1 || .venv/bin/python -m pip download -q --no-de
 # the server's packages that the GPU machine's image lacks (pure Python)
 ls .vk/starlette-*.whl >/dev/null 2>&1 || .venv/bin/python -m pip download -q --no-deps --only-binary=:all: -d .vk starlette uvicorn
 [ -f .vk/smollm2-tokenizer.gguf ] || .venv/bin/python -c \
-  "from pathlib import Path; from vkengine.synth import write_tokenizer_gguf; write_tokenizer_gguf(Path('.vk/smollm2-tokenizer.gguf'))"
+  "from pathlib import Path; from vkengine.tools.synth.writer import write_tokenizer_gguf; write_tokenizer_gguf(Path('.vk/smollm2-tokenizer.gguf'))"
 # llama.cpp 11434 source, trimmed (no docs/models/tests/other backends), and
 # Debian 13's glslc (int-dot and cooperative-matrix shaders) for its Vulkan build
 if [ ! -f .vk/llama.cpp.tar.gz ]; then

@@ -1,4 +1,4 @@
-"""Deterministic random-weight models with the shapes of real ones, written as a
+"""Deterministic random-weight llama models with the shapes of real ones, written as a
 GGUF file (that llama.cpp loads) and as a Hugging Face folder (config.json +
 safetensors + tokenizer.json) holding exactly the same function.
 
@@ -15,18 +15,16 @@ weights, so both files compute the same logits.
 """
 from __future__ import annotations
 
-import hashlib
-import itertools
 import json
 import os
-from collections import deque
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
-from .errors import VkEngineError
+from ...errors import VkEngineError
+from .writer import (FILE_TYPES, add_meta, check_quant, config_json, iter_tensors, make_tensors, rng_for,
+                     tokenizer_meta, write_gguf_tensors, write_hf_tokenizer)
 
 SHAPES = {
     # name: (n_embd, n_layer, n_head, n_head_kv, n_ff)
@@ -36,7 +34,6 @@ SHAPES = {
     "1b": (2048, 16, 32, 8, 8192),
     "8b": (4096, 32, 32, 8, 14336),
 }
-QUANTS = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 
 
 @dataclass(frozen=True)
@@ -57,22 +54,17 @@ class SynthConfig:
         return self.n_embd // self.n_head
 
 
-def config_for(shape: str | None, config_json: str | None) -> SynthConfig:
-    if config_json:
+def config_for(shape: str | None, config: str | None = None) -> SynthConfig:
+    """The config of a named shape, or of --config's JSON fields."""
+    if config:
         try:
-            d = json.loads(Path(config_json).read_text()) if os.path.exists(config_json) else json.loads(config_json)
-            return SynthConfig(**d)
-        except (json.JSONDecodeError, TypeError) as e:
+            return SynthConfig(**config_json(config))
+        except TypeError as e:
             raise VkEngineError(f"--config: {e}") from e
     if shape not in SHAPES:
         raise VkEngineError(f"unknown shape {shape!r} (shapes: {', '.join(SHAPES)})")
     e, L, h, kv, f = SHAPES[shape]
     return SynthConfig(e, L, h, kv, f)
-
-
-def _rng(seed: int, name: str) -> np.random.Generator:
-    h = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
-    return np.random.default_rng([seed, h])
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -115,8 +107,8 @@ def _make_tensor(job):
     from gguf import GGMLQuantizationType as T
     from gguf import quants
 
-    from .quant import BY_NAME, dequantize
-    rng = _rng(seed, name)
+    from ...quant import BY_NAME, dequantize
+    rng = rng_for(seed, name)
     if std == 0.0:   # norm weights stay f32, near 1
         w = (1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
         return name, w.view(np.uint8).reshape(-1), "f32", w if want_hf else None
@@ -141,96 +133,6 @@ def _make_tensor(job):
         elif name.endswith("attn_k.weight"):
             hf = _unpermute(hf, n_head_kv)
     return name, raw, quant, hf
-
-
-TOKENIZER_KEYS = [
-    "tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
-    "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
-    "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id",
-    "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_space_prefix", "tokenizer.chat_template"]
-
-
-def iter_tensors(fn, jobs: list, workers: int | None = None):
-    """Yield fn(job) -> (name, ...) for every job, in job order, from worker
-    processes when there are several; at most 2 x workers results are pending,
-    so a model larger than memory streams through. Each tensor seeds its own
-    generator, so the result does not depend on the number of workers."""
-    workers = workers or min(len(jobs), os.cpu_count() or 1)
-    if workers <= 1:
-        yield from map(fn, jobs)
-        return
-    with ProcessPoolExecutor(workers) as ex:
-        todo = iter(jobs)
-        pending = deque(ex.submit(fn, j) for j in itertools.islice(todo, 2 * workers))
-        while pending:
-            r = pending.popleft().result()
-            nxt = next(todo, None)
-            if nxt is not None:
-                pending.append(ex.submit(fn, nxt))
-            yield r
-
-
-def make_tensors(fn, jobs: list, workers: int | None = None) -> dict[str, tuple]:
-    """{name: fn(job)} for every job (iter_tensors, all held in memory)."""
-    return {r[0]: r for r in iter_tensors(fn, jobs, workers)}
-
-
-def write_gguf_tensors(w, specs: list[tuple[str, tuple[int, ...], str]], results) -> None:
-    """Finish GGUFWriter w (metadata already added): specs = (name, numpy shape,
-    type name) of every tensor in file order; results = (name, raw bytes, ...)
-    in the same order, from a dict or streamed (iter_tensors): each tensor's data
-    is written as it arrives and then dropped."""
-    from gguf.quants import quant_shape_to_byte_shape
-
-    from .quant import BY_NAME
-    for n, s, t in specs:
-        if t == "f32":
-            w.add_tensor_info(n, s, np.dtype(np.float32), 4 * int(np.prod(s)))
-        else:   # the logical shape, with the storage type given as raw_dtype
-            qt = BY_NAME[t]
-            w.add_tensor_info(n, s, np.dtype(np.float32), int(np.prod(quant_shape_to_byte_shape(s, qt))),
-                              raw_dtype=qt)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    for (n, _, t), r in zip(specs, results, strict=True):
-        if r[0] != n or r[2] != t:
-            raise AssertionError(f"synth: tensor {r[0]} ({r[2]}) arrived where {n} ({t}) was planned")
-        w.write_tensor_data(np.ascontiguousarray(r[1]).view(np.uint8).reshape(-1))
-    w.close()
-
-
-def _tokenizer_meta(source: Path | None = None):
-    """Tokenizer fields of a GGUF (default: the embedded SmolLM2)."""
-    from .gguf_file import GGUFFile
-    from .model import default_model_path
-    src = GGUFFile(source or default_model_path())
-    return {k: src.meta(k) for k in TOKENIZER_KEYS if src.meta(k, None) is not None}
-
-
-def _add_meta(w, meta: dict) -> None:
-    for k, v in meta.items():
-        if isinstance(v, list):
-            w.add_array(k, v)
-        elif isinstance(v, bool):
-            w.add_bool(k, v)
-        elif isinstance(v, int):
-            w.add_uint32(k, v)
-        else:
-            w.add_string(k, v)
-
-
-def write_tokenizer_gguf(path: Path, source: Path | None = None) -> Path:
-    """A GGUF holding only the tokenizer (about 2 MB): lets `synth` run where the
-    embedded model cannot be carried (the GPU machine)."""
-    import gguf
-    w = gguf.GGUFWriter(str(path), "llama")
-    _add_meta(w, _tokenizer_meta(source))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 HF_NAME_OF = {
@@ -262,11 +164,10 @@ def synth_llama(c: SynthConfig, quant: str, seed: int, out_dir: Path, name: str 
     """Write the model; returns {"gguf": file, "hf": folder} for what was written."""
     import gguf
 
-    if quant not in QUANTS:
-        raise VkEngineError(f"synth quant {quant!r} is not supported (choose from {', '.join(QUANTS)})")
+    check_quant(quant)
     if c.n_embd % c.n_head or c.n_head % c.n_head_kv or c.head_dim % 2:
         raise VkEngineError("n_embd must divide into n_head heads of even size, and n_head by n_head_kv")
-    tmeta = _tokenizer_meta(tokenizer_from)
+    tmeta = tokenizer_meta(tokenizer_from)
     n_vocab = len(tmeta["tokenizer.ggml.tokens"])
     out_dir.mkdir(parents=True, exist_ok=True)
     want_hf = "hf" in formats
@@ -291,11 +192,10 @@ def synth_llama(c: SynthConfig, quant: str, seed: int, out_dir: Path, name: str 
         w.add_layer_norm_rms_eps(c.rms_eps)
         w.add_rope_dimension_count(c.head_dim)
         w.add_vocab_size(n_vocab)
-        w.add_file_type({"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9,
-                         "bf16": 32}[quant])
+        w.add_file_type(FILE_TYPES[quant])
         w.add_string("vkengine.synth.seed", str(seed))
         w.add_string("vkengine.synth.config", json.dumps(asdict(c)))
-        _add_meta(w, tmeta)
+        add_meta(w, tmeta)
         specs = [(n, s, "f32" if std == 0.0 else quant) for n, s, std in plan]
         write_gguf_tensors(w, specs, (results[n] for n, _, _ in plan) if results is not None
                            else iter_tensors(_make_tensor, jobs, workers))
@@ -322,50 +222,3 @@ def synth_llama(c: SynthConfig, quant: str, seed: int, out_dir: Path, name: str 
     return written
 
 
-def write_hf_tokenizer(folder: Path, tmeta: dict) -> None:
-    """tokenizer.json and tokenizer_config.json of a Hugging Face folder, from
-    the tokenizer fields of a GGUF (_tokenizer_meta)."""
-    from .tokenizer import from_gguf
-    tok = from_gguf(lambda k, d=None: tmeta.get(k, d))
-    tok.hf.save(str(folder / "tokenizer.json"))
-    toks = tmeta["tokenizer.ggml.tokens"]
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": toks[tmeta["tokenizer.ggml.bos_token_id"]],
-        "eos_token": toks[tmeta["tokenizer.ggml.eos_token_id"]],
-        "add_bos_token": bool(tmeta.get("tokenizer.ggml.add_bos_token", False)),
-        "chat_template": tmeta.get("tokenizer.chat_template"),
-    }, indent=1))
-
-
-def add_synth_args(p) -> None:
-    p.add_argument("--arch", default="llama", choices=["llama", "qwen35", "qwen35moe"])
-    p.add_argument("--shape", default="tiny", help=f"llama: one of {', '.join(SHAPES)}; qwen35: tiny, 0.8B, 4B; "
-                   "qwen35moe: tiny, 35B-A3B")
-    p.add_argument("--config", default=None, help="JSON (inline or a file) of SynthConfig fields instead of --shape")
-    p.add_argument("--quant", default="q8_0", help=f"one of {', '.join(QUANTS)}")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--name", default=None, help="file name stem (default: <arch>-<shape>)")
-    p.add_argument("--formats", default="gguf,hf", help="gguf, hf or both (comma separated)")
-    p.add_argument("--workers", type=int, default=None)
-    p.add_argument("--tokenizer-from", default=None,
-                   help="GGUF whose tokenizer to copy (default: the embedded SmolLM2)")
-
-
-def synth_main(args) -> int:
-    formats = tuple(f.strip() for f in args.formats.split(",") if f.strip())
-    bad = set(formats) - {"gguf", "hf"}
-    if bad or not formats:
-        raise VkEngineError(f"--formats takes gguf and/or hf, got {args.formats!r}")
-    name = args.name or f"{args.arch}-{args.shape if not args.config else 'custom'}"
-    tok = Path(args.tokenizer_from) if args.tokenizer_from else None
-    if args.arch in ("qwen35", "qwen35moe"):
-        from . import synth_qwen35
-        qc = synth_qwen35.config_for(args.arch, args.shape, args.config)
-        out = synth_qwen35.synth_qwen35(qc, args.quant, args.seed, Path(args.out), name, formats, args.workers, tok)
-    else:
-        out = synth_llama(config_for(args.shape, args.config), args.quant, args.seed, Path(args.out), name, formats,
-                          args.workers, tok)
-    for k, v in out.items():
-        print(f"{k}: {v}")
-    return 0

@@ -13,8 +13,8 @@ import time
 
 import numpy as np
 
-from .engine import Engine
-from .errors import VkEngineError
+from ..engine import Engine
+from ..errors import VkEngineError
 
 
 def warm_up(eng: Engine, run) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import TextIO
 
-from .engine import Engine
+from ..engine import Engine
 
 
 class RecordingEngine(Engine):
@@ -23,12 +23,14 @@ class RecordingEngine(Engine):
         super().__init__(*args, **kwargs)
         self.log = log
 
-    def submit(self, tokens, positions, slots, out_rows=(), readback: str = "argmax", chain=None, sampling=None):
-        super().submit(tokens, positions, slots, out_rows, readback, chain=chain, sampling=sampling)
+    def submit(self, tokens, positions, slots, out_rows=(), readback="argmax", **kw) -> None:
+        if self.in_flight:   # the next step would overwrite the choices before they are read
+            raise RuntimeError("the expert log records one step at a time: collect() the step in flight first")
+        super().submit(tokens, positions, slots, out_rows, readback, **kw)
         self._rows = (list(tokens), list(positions), list(slots))
 
     def collect(self):
-        from .models.qwen35 import read_expert_choices
+        from ..models.qwen35 import read_expert_choices
         out = super().collect()
         tokens, positions, slots = self._rows
         choices = read_expert_choices(self, len(tokens))

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import VkEngineError
-from .synth import (QUANTS, _add_meta, _rng, _tokenizer_meta, iter_tensors, make_tensors, write_gguf_tensors,
-                    write_hf_tokenizer)
+from ...errors import VkEngineError
+from .writer import (FILE_TYPES, add_meta, check_quant, config_json, iter_tensors, make_tensors, rng_for,
+                     tokenizer_meta, write_gguf_tensors, write_hf_tokenizer)
 
 
 @dataclass(frozen=True)
@@ -205,8 +205,8 @@ def _make_tensor(job):
     name, shape, init, quantized, reorder, seed, quant, nk, nv, want_hf = job
     from gguf import quants
 
-    from .quant import BY_NAME, dequantize
-    rng = _rng(seed, name)
+    from ...quant import BY_NAME, dequantize
+    rng = rng_for(seed, name)
     kind = init[0]
     if kind == "norm":      # GGUF value (the +1 folded in), times an optional gain
         w = (init[1] if len(init) > 1 else 1.0) * (1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32))
@@ -320,10 +320,10 @@ def _write_gguf(path: Path, c: Qwen35SynthConfig, quant: str, seed: int, name: s
         w.add_expert_feed_forward_length(c.n_ff_exp)
         w.add_expert_shared_feed_forward_length(c.n_ff_shexp)
     w.add_vocab_size(n_vocab)
-    w.add_file_type({"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9, "bf16": 32}[quant])
+    w.add_file_type(FILE_TYPES[quant])
     w.add_string("vkengine.synth.seed", str(seed))
     w.add_string("vkengine.synth.config", json.dumps(asdict(c)))
-    _add_meta(w, tmeta)
+    add_meta(w, tmeta)
     write_gguf_tensors(w, [(n, s, quant if quantized else "f32") for n, s, _, quantized, _ in plan], results)
 
 
@@ -331,13 +331,12 @@ def synth_qwen35(c: Qwen35SynthConfig, quant: str, seed: int, out_dir: Path, nam
                  formats=("gguf", "hf"), workers: int | None = None,
                  tokenizer_from: Path | None = None, tmeta: dict | None = None) -> dict[str, Path]:
     """Write the model; returns {"gguf": file, "hf": folder} for what was written.
-    tmeta: tokenizer fields already read (synth._tokenizer_meta) to reuse."""
-    if quant not in QUANTS:
-        raise VkEngineError(f"synth quant {quant!r} is not supported (choose from {', '.join(QUANTS)})")
+    tmeta: tokenizer fields already read (writer.tokenizer_meta) to reuse."""
+    check_quant(quant)
     if c.nv % c.nk or c.n_embd % 32 or (c.nv * c.dv) % 32 or (c.n_ff or c.n_ff_exp) % 32:
         raise VkEngineError("shapes must divide value heads among key heads and keep matrix columns "
                             "multiples of 32")
-    tmeta = tmeta or _tokenizer_meta(tokenizer_from)
+    tmeta = tmeta or tokenizer_meta(tokenizer_from)
     n_vocab = len(tmeta["tokenizer.ggml.tokens"])
     out_dir.mkdir(parents=True, exist_ok=True)
     want_hf = "hf" in formats
@@ -366,14 +365,15 @@ def synth_qwen35(c: Qwen35SynthConfig, quant: str, seed: int, out_dir: Path, nam
     return written
 
 
-def config_for(arch: str, shape: str | None, config_json: str | None) -> Qwen35SynthConfig:
-    if config_json:
+def config_for(arch: str, shape: str | None, config: str | None = None) -> Qwen35SynthConfig:
+    """The config of a named shape of arch, or of --config's JSON fields."""
+    if config:
+        d = config_json(config)
+        if "sections" in d:
+            d["sections"] = tuple(d["sections"])
         try:
-            d = json.loads(Path(config_json).read_text()) if os.path.exists(config_json) else json.loads(config_json)
-            if "sections" in d:
-                d["sections"] = tuple(d["sections"])
             return Qwen35SynthConfig(**{"arch": arch, **d})
-        except (json.JSONDecodeError, TypeError) as e:
+        except TypeError as e:
             raise VkEngineError(f"--config: {e}") from e
     key = (arch, shape)
     if key not in SHAPES:
