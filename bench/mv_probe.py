@@ -6,17 +6,17 @@ timestamps: the timestamped figures of the script it replaces (mv_tune.py)
 did not match the decode steps they were meant to model (docs/bench/notes.md,
 run 7).
 
-Kernels (mul_mv.comp, KSPLIT = 1, workgroup 128, butterfly reduction):
+Kernels (mul_mvk.comp, workgroup 128, butterfly reduction):
   base    the defines the engine uses now (shaders/variants.py)
   magic   + DQ_MAGIC: nibbles to floats without int -> float conversions (Q4)
   hoist   + HOIST: the block scale once per unit instead of once per value
           (Q4 with DQ_MAGIC)
-  mvq     mul_mvq.comp (Q8_0 only): x quantized to 8 bits per 32-value block
+  mvq     bench/shaders/mul_mvq.comp (Q8_0 only): x quantized to 8 bits per 32-value block
           (here, on the host), integer dot products (4 multiply-adds a
           instruction), lanes taking 8, 16 or 32 values at a time (reported as
           "unroll"); checked against x so quantized, and its distance from
           the float x's result reported as qerr
-  xq8     the engine's XQ8 variant of mul_mv.comp (Q8_0 only; Kernels.xq8):
+  xq8     the engine's XQ8 variant of mul_mvk.comp (Q8_0 only; Caps.xq8):
           mvq's x blocks and arithmetic inside the engine's kernel
   xq8_nb, xq8_ne, xq8_wg, xq8_all, base_nb, base_ne, base_wg: xq8 and base
           with one difference from mvq removed (KNOBS below), or all of them
@@ -53,7 +53,7 @@ SHAPES = {"q4_0": ["28672x4096", "4096x14336", "6144x4096", "16384x2048", "2048x
 # "unroll" slot of a configuration
 MVQ_VALS = (8, 16, 32)
 KINDS = {"base": {}, "magic": {"DQ_MAGIC": 1}, "hoist": {"DQ_MAGIC": 1, "HOIST": 1}, "mvq": {}, "xq8": {"XQ8": 1}}
-# what separates mul_mv.comp from mvq, one at a time: the subgroupAdd reduction
+# what separates mul_mvk.comp from mvq, one at a time: the subgroupAdd reduction
 # instead of the butterfly (_nb), no fused epilogues compiled in (_ne), the
 # workgroup size fixed at compile time (_wg); base_* keep the engine's defines
 KNOBS = {"nb": {"BFLY": 0}, "ne": {"NO_EPI": 1}, "wg": {"FIXED_WG": 128}}
@@ -63,7 +63,7 @@ for _k, _d in KNOBS.items():
 KINDS["xq8_all"] = {"XQ8": 1, **{k: v for d in KNOBS.values() for k, v in d.items()}}
 # kinds that read x as 8-bit blocks (quantized here, on the host)
 XQ_KINDS = ("mvq", "xq8", *(k for k in KINDS if k.startswith("xq8_")))
-PUSH_BYTES = 116   # mul_mv.comp's push constants (the fused norm's and RoPE's unused here)
+PUSH_BYTES = 116   # mul_mvk.comp's push constants (the fused norm's and RoPE's unused here)
 
 
 def configs(wt: str, cols: list[int], rows: list[int] | None = None, kinds: list[str] | None = None,
@@ -94,7 +94,8 @@ def variant(wt: str, kind: str, nc: int, rps: int, un: int) -> str:
     if kind == "mvq":
         from shaders.variants import EXT_DEFINE
         name = f"probe_mvq_{wt}_c{nc}_r{rps}_v{un}"
-        VARIANTS.setdefault(name, ("mul_mvq.comp", {"NCOLS": nc, "RPS": rps, "VALS": un, EXT_DEFINE: 1}))
+        VARIANTS.setdefault(name, (str(ROOT / "bench" / "shaders" / "mul_mvq.comp"),
+                                   {"NCOLS": nc, "RPS": rps, "VALS": un, EXT_DEFINE: 1}))
         return name
     name = f"probe_mv_{wt}_{kind}_c{nc}_r{rps}_u{un}"
     extra = {**(mv_gpu_config(wt, nc)[2] if kind.startswith("base") else {}), **KINDS[kind]}
@@ -102,8 +103,8 @@ def variant(wt: str, kind: str, nc: int, rps: int, un: int) -> str:
         from shaders.variants import EXT_DEFINE
         extra = {**extra, EXT_DEFINE: 1}
     # the butterfly reduction needs a lane per sum (32-lane subgroups)
-    VARIANTS.setdefault(name, ("mul_mv.comp", {f"WT_{wt.upper()}": 1, "NCOLS": nc, "UNROLL": un, "RPS": rps,
-                                               "KSPLIT": 1, "BFLY": int(rps * nc <= 32), **extra}))
+    VARIANTS.setdefault(name, ("mul_mvk.comp", {f"WT_{wt.upper()}": 1, "NCOLS": nc, "UNROLL": un, "RPS": rps,
+                                                "BFLY": int(rps * nc <= 32), **extra}))
     return name
 
 

@@ -170,22 +170,21 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
             for nc in (1, *MM_GPU_COLS):
                 rps, unroll, extra = mv_gpu_config(wt, nc)
                 name = f"mul_mvk{tag}_{wt}" if nc == 1 else f"mul_mm{tag}{nc}_{wt}"
-                t[name] = ("mul_mv.comp", {**d, **extra, "NCOLS": nc, "UNROLL": unroll, "RPS": rps, "KSPLIT": 1,
-                                           "BFLY": bf})
-                # the RMSNorm split between producer and consumers (Kernels.norm_in)
-                t[name.replace(f"_{wt}", f"n_{wt}")] = ("mul_mv.comp", {**t[name][1], "NORM_IN": 1})
+                t[name] = ("mul_mvk.comp", {**d, **extra, "NCOLS": nc, "UNROLL": unroll, "RPS": rps, "BFLY": bf})
+                # the RMSNorm split between producer and consumers (Caps.norm_in)
+                t[name.replace(f"_{wt}", f"n_{wt}")] = ("mul_mvk.comp", {**t[name][1], "NORM_IN": 1})
                 if wt in NORM_PARTS_TYPES:
-                    t[name.replace(f"_{wt}", f"p_{wt}")] = ("mul_mv.comp", {**t[name][1], "NORM_PARTS": 1})
-                    # and h' as 8-bit blocks for an XQ8 reader (Kernels.xq8_in)
-                    t[name.replace(f"_{wt}", f"pq_{wt}")] = ("mul_mv.comp", {**t[name][1], "NORM_PARTS": 1,
-                                                                              "PARTS_Q8": 1})
-                if wt in XQ8_TYPES:   # x as 8-bit blocks, integer dot products (Kernels.xq8)
-                    t[name.replace(f"_{wt}", f"x_{wt}")] = ("mul_mv.comp", {**t[name][1], "XQ8": 1, "NO_EPI": 1,
-                                                                             EXT_DEFINE: 1})
-                    # the same reading a "pq" producer's blocks of h' and its sums of squares
-                    t[name.replace(f"_{wt}", f"nx_{wt}")] = ("mul_mv.comp", {**t[name][1], "XQ8": 1, "NO_EPI": 1,
-                                                                              "NORM_IN": 1, "NORM_IN_BLK": 1, "XQ2": 1,
+                    t[name.replace(f"_{wt}", f"p_{wt}")] = ("mul_mvk.comp", {**t[name][1], "NORM_PARTS": 1})
+                    # and h' as 8-bit blocks for an XQ8 reader (Caps.xq8_in)
+                    t[name.replace(f"_{wt}", f"pq_{wt}")] = ("mul_mvk.comp", {**t[name][1], "NORM_PARTS": 1,
+                                                                               "PARTS_Q8": 1})
+                if wt in XQ8_TYPES:   # x as 8-bit blocks, integer dot products (Caps.xq8)
+                    t[name.replace(f"_{wt}", f"x_{wt}")] = ("mul_mvk.comp", {**t[name][1], "XQ8": 1, "NO_EPI": 1,
                                                                               EXT_DEFINE: 1})
+                    # the same reading a "pq" producer's blocks of h' and its sums of squares
+                    t[name.replace(f"_{wt}", f"nx_{wt}")] = ("mul_mvk.comp", {**t[name][1], "XQ8": 1, "NO_EPI": 1,
+                                                                               "NORM_IN": 1, "NORM_IN_BLK": 1,
+                                                                               "XQ2": 1, EXT_DEFINE: 1})
         t[f"mul_mt_{wt}"] = ("mul_mt.comp", {**d, "TM": TILE[0], "TN": TILE[1]})
         t[f"mul_mt64_{wt}"] = ("mul_mt.comp", {**d, "TM": TILE_SMALL[0], "TN": TILE_SMALL[1]})
         bm, bn, sgm, sgn = MC_TILE

@@ -72,7 +72,7 @@ def dequantize_q8(x: np.ndarray) -> np.ndarray:
 
 
 def quantize_q8x2(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """mul_mv.comp's PARTS_Q8 blocks: quantize_q8's (q, d) and a second plane
+    """mul_mvk.comp's PARTS_Q8 blocks: quantize_q8's (q, d) and a second plane
     q2 = roundEven((x - q d) / (d / 254)), clamped to +-127."""
     q, d = quantize_q8(x)
     b = np.asarray(x, np.float32).reshape(*x.shape[:-1], -1, 32)

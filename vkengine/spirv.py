@@ -74,6 +74,8 @@ def variant_key(name: str) -> str:
     h = hashlib.sha256()
     h.update(_sources_digest().encode())
     h.update(src.encode())
+    if Path(src).is_absolute():   # a probe's shader, kept beside its probe (bench/shaders)
+        h.update(Path(src).read_bytes())
     h.update(repr(sorted(defines.items())).encode())
     h.update(repr(glslc_flags(name)).encode())
     return f"{name}-{h.hexdigest()[:16]}"

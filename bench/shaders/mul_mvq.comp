@@ -1,5 +1,6 @@
 #version 450
-// Probe kernel (bench/mvq_probe.py; not used by the engine yet): the decode
+// Probe kernel (bench/mv_probe.py, kind mvq; the engine runs mul_mvk.comp's XQ8
+// variants instead): the decode
 // matvec of Q8_0 weights with x quantized to 8 bits per 32-value block (as
 // llama.cpp's batched decode does), summed with integer dot products:
 //   y[c][row] = sum_b d_w[row][b] * d_x[c][b] * sum_i q_w[row][b][i] * q_x[c][b][i]
