@@ -23,6 +23,7 @@ that had run the spilling variant measured every kernel after it 2-5x slower.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -35,7 +36,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from mv_probe import compile_probes, probe_device  # noqa: E402 (same dir)
-from vkengine.kernels import Kernels, Region  # noqa: E402
+
+from vkengine.kernels import Caps, Kernels, Region  # noqa: E402
 
 # name -> (query heads, kv heads, head dim)
 LAYOUTS = {"8b": (32, 8, 128), "1b": (32, 8, 64), "qwen35-4b": (16, 4, 256)}
@@ -69,7 +71,7 @@ def main() -> int:
 
     import reference as ref
     dev, rng = probe_device()
-    kn = Kernels(dev)
+    caps = Caps.detect(dev)
     n, results = args.n, []
     for lay in args.layouts.split(","):
         nh, nkv, hd = LAYOUTS[lay]
@@ -87,13 +89,13 @@ def main() -> int:
         kc, vc = Region(act, qw + ow, slot_stride), Region(act, qw + ow + slot_stride, slot_stride)
         check = [0, 1, n // 2, n - 1]
         for kind in ("simt", "mc", "mc2sg"):
-            kn.attention_mc = kind != "simt"
             if kind == "mc2sg" and hd not in ATTN_MC_HEAD_DIMS:
                 continue
-            kn.attention_mc_variant = ("attention_mc_d{hd}" if kind == "mc" and hd in ATTN_MC_HEAD_DIMS else
-                                       "probe_attention_mc2sg_d{hd}" if kind == "mc2sg" else "probe_attention_mc_d{hd}")
-            kn.attention_mc_nsg = ATTN_MC_NSG if kind == "mc" and hd in ATTN_MC_HEAD_DIMS else probe_nsg
-            kn.attention_mc_head_dims = tuple(hds)
+            kn = Kernels(dev, dataclasses.replace(
+                caps, attention_mc=kind != "simt", attention_mc_head_dims=tuple(hds),
+                attention_mc_variant=("attention_mc_d{hd}" if kind == "mc" and hd in ATTN_MC_HEAD_DIMS else
+                                      "probe_attention_mc2sg_d{hd}" if kind == "mc2sg" else "probe_attention_mc_d{hd}"),
+                attention_mc_nsg=ATTN_MC_NSG if kind == "mc" and hd in ATTN_MC_HEAD_DIMS else probe_nsg))
             if kind != "simt" and not kn.attention_on_coopmat(n, hd):
                 continue
             prog = dev.program()

@@ -96,13 +96,15 @@ def run_llama_bench(exe: str, model: Path, n_prompt: int, n_gen: int, reps: int)
 
 def _ours(path: str, device: int | None, n_prompt: int, n_gen: int, reps: int, par: list[int]):
     """Our pp/tg (and batched decode) on one model, in the calling process."""
-    from vkengine.tools.bench import run_batched, run_bench
     from vkengine.device import Device
     from vkengine.engine import Engine, EngineConfig
     from vkengine.model import load_model
+    from vkengine.options import Options
+    from vkengine.tools.bench import run_batched, run_bench
     eng = Engine(load_model(Path(path)), Device(device),
                  EngineConfig(n_slots=max(par, default=1), n_ctx=n_prompt + n_gen + 8,
-                              max_batch=max([n_prompt] + par), max_out=max(par, default=1)))
+                              max_batch=max([n_prompt] + par), max_out=max(par, default=1),
+                              options=Options.from_env()))
     ours = run_bench(eng, n_prompt, n_gen, reps)
     return ours, [run_batched(eng, b, n_gen, reps) for b in par]
 
@@ -127,14 +129,15 @@ def main(argv=None) -> int:
     ap.add_argument("--tokenizer-from", default=None, help="tokenizer GGUF for synth (default: embedded SmolLM2)")
     args = ap.parse_args(argv)
 
-    from vkengine.tools.bench import parse_parallel
     from vkengine.device import Device
-    from vkengine.kernels import Kernels
+    from vkengine.kernels import Caps, Kernels
+    from vkengine.options import Options
+    from vkengine.tools.bench import parse_parallel
     from vkengine.tools.synth.llama import config_for, synth_llama
 
     par = [b for b in parse_parallel(args.parallel) if b > 1]   # batched decode: sequence counts
     dev = Device(args.device)
-    kn = Kernels(dev)
+    kn = Kernels(dev, Caps.detect(dev, Options.from_env()))
     bw = copy_bandwidth(dev, kn)
     print(f"device {dev.info.name}: copy bandwidth {bw['gbps']:.0f} GB/s (read+write)", flush=True)
     results = []
@@ -175,16 +178,17 @@ def main(argv=None) -> int:
         results.append(row)
         print(json.dumps(row), flush=True)
 
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     date = now.strftime("%Y-%m-%d")
     dev_slug = re.sub(r"[^a-z0-9]+", "-", dev.info.name.lower()).strip("-")[:40]
     doc = {"date": date, "device": dev.info.name, "driver": f"{dev.info.driver_name} {dev.info.driver_info}",
            "features": list(dev.features),
-           "prefill_kernel": "none (matvecs)" if kn.tiled_from is None
+           "prefill_kernel": "none (matvecs)" if kn.caps.tiled_from is None
            else ("mul_mc (cooperative matrices, fp16 tiles)"
                  + ("; mul_mc2 (NV cooperative matrix 2) for the "
-                    f"{'/'.join(t.upper() for t in kn.mc2_types)} matrices of {kn.mc2_from_rows}+ rows"
-                    + (", fp16 sums" if kn.mc2_f16acc else "") if kn.coopmat2 else "")) if kn.coopmat else "mul_mt (fp32)",
+                    f"{'/'.join(t.upper() for t in kn.caps.mc2_types)} matrices of {kn.caps.mc2_from_rows}+ rows"
+                    + (", fp16 sums" if kn.caps.mc2_f16acc else "") if kn.caps.coopmat2 else "")) if kn.caps.coopmat
+                                                else "mul_mt (fp32)",
            "copy_bandwidth": bw, "n_prompt": args.n_prompt, "n_gen": args.n_gen,
            "reps": args.reps, "peer": args.llama_label, "note": args.note, "results": results}
     out = Path(args.out)
@@ -201,14 +205,16 @@ def table(doc: dict) -> str:
              f"{doc['copy_bandwidth']['gbps']:.0f} GB/s; peer: {doc.get('peer', 'llama.cpp')}; "
              f"pp{doc.get('n_prompt', 512)}, tg{doc.get('n_gen', 128)}"
              + (f"; our prefill matmul: {doc['prefill_kernel']}" if doc.get("prefill_kernel") else ""),
-             "", "| model | weights | pp ours | pp peer | pp ratio | tg ours | tg peer | tg ratio | tg GB/s | of copy bw |",
+             "", "| model | weights | pp ours | pp peer | pp ratio | tg ours | tg peer | tg ratio | tg GB/s "
+                 "| of copy bw |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in doc["results"]:
         lp = r.get("llama") or {}
         f = lambda v, d=1: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
         lines.append(
-            f"| {r['model']} | {r['weight_bytes'] / 2**30:.2f} GiB | {f(r['ours']['pp_tps'])} | {f(lp.get('pp_tps'))} | "
-            f"{f(r.get('pp_ratio'), 2)} | {f(r['ours']['tg_tps'])} | {f(lp.get('tg_tps'))} | {f(r.get('tg_ratio'), 2)} | "
+            f"| {r['model']} | {r['weight_bytes'] / 2**30:.2f} GiB | {f(r['ours']['pp_tps'])} "
+            f"| {f(lp.get('pp_tps'))} | {f(r.get('pp_ratio'), 2)} | {f(r['ours']['tg_tps'])} "
+            f"| {f(lp.get('tg_tps'))} | {f(r.get('tg_ratio'), 2)} | "
             f"{r['tg_weight_gbps']:.{0 if r['tg_weight_gbps'] >= 10 else 2}f} | {100 * r['tg_frac_copy_bw']:.0f}% |")
     batched = [r for r in doc["results"] if r.get("batched")]
     if batched:

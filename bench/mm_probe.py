@@ -34,8 +34,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mv_probe import (compile_probes, parse_probe_args, probe_device, probe_matrices,  # noqa: E402 (same dir)
-                      probe_parser, weight_buffer)
+from mv_probe import compile_probes, parse_probe_args, probe_device, probe_matrices, probe_parser, weight_buffer  # noqa: E402 (same dir)
+
 from shaders.variants import EXT_DEFINE, MC2_TYPES, VARIANTS  # noqa: E402
 
 SHAPES = {"q4_0": ["6144x4096", "4096x4096", "28672x4096", "4096x14336"],
@@ -96,10 +96,10 @@ def main() -> int:
     from vkengine.quant import dequantize
 
     dev, rng = probe_device()
-    from vkengine.kernels import Kernels
-    if any(k.startswith("mc2") for k in kinds) and not Kernels.device_has_coopmat2(dev):
+    from vkengine.kernels.caps import COOPMAT2_FEATURES, device_has_coopmat2
+    if any(k.startswith("mc2") for k in kinds) and not device_has_coopmat2(dev):
         print(f"mc2 kinds need VK_NV_cooperative_matrix2: {dev.info.name} lacks "
-              f"{sorted(Kernels.COOPMAT2_FEATURES - set(dev.features))}", file=sys.stderr)
+              f"{sorted(COOPMAT2_FEATURES - set(dev.features))}", file=sys.stderr)
         return 2
     n = args.n
     results = []

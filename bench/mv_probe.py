@@ -211,7 +211,8 @@ def main() -> int:
     args = parse_probe_args(ap, SHAPES)
     types = args.types
     from vkengine import spirv
-    names = sorted({variant(wt, *c) for wt in types for c in configs(wt, args.cols, args.rows, args.kinds, args.unroll)})
+    names = sorted({variant(wt, *c) for wt in types
+                    for c in configs(wt, args.cols, args.rows, args.kinds, args.unroll)})
     if args.compile_only:
         compile_probes(names)
         return 0

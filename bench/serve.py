@@ -260,7 +260,8 @@ def main(argv=None) -> int:
         r["warmup_loads"] = n_warm
         r["config"] = name if name != "serial" else "serial (--parallel 1)"
         rows.append(r)
-        print(f"{r['config']}: {r['tok_s']:.1f} tok/s (runs: {', '.join(f'{x:.0f}' for x in r['tok_s_runs'])}), TTFT p50 {r['ttft_p50_ms']:.0f} ms, "
+        runs = ", ".join(f"{x:.0f}" for x in r["tok_s_runs"])
+        print(f"{r['config']}: {r['tok_s']:.1f} tok/s (runs: {runs}), TTFT p50 {r['ttft_p50_ms']:.0f} ms, "
               f"ITL p50 {r['itl_p50_ms']:.1f} ms, errors {r['errors']}", file=sys.stderr)
 
     print(f"\nC = {args.clients} clients x {args.requests} requests, {args.n_predict} tokens each"

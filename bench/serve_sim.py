@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,7 +30,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 
 def sim_engine_class():
-    from vkengine.engine import Engine
+    from vkengine.engine import Engine, Readback
 
     class SimEngine(Engine):
         """Engine whose steps take simulated device time and return fixed tokens."""
@@ -55,7 +54,7 @@ def sim_engine_class():
             self._sim_logits = (np.random.default_rng(0).standard_normal((8, self.n_vocab)) * 3).astype(np.float32)
             self.can_sample = not self.host_sampling   # sampled tokens drawn "on the device", as on GPUs
 
-        def submit(self, tokens, positions, slots, out_rows=(), readback="argmax", chain=None,
+        def submit(self, tokens, positions, slots, out_rows=(), readback=Readback.ARGMAX, chain=None,
                    sampling=None, prompt=False):   # (prompt: the step's time model does not change)
             if len(self._sim_q) >= self.max_in_flight:
                 raise RuntimeError(f"{self.max_in_flight} steps are already in flight")
@@ -65,7 +64,7 @@ def sim_engine_class():
             else:
                 us = (self.step_us[0] + self.step_us[1] * min(n, self.n_slots)
                       + self.prompt_row_us * max(0, n - self.n_slots))
-            if readback.startswith("sample") and out_rows:
+            if readback & Readback.SAMPLE and out_rows:
                 us += self.sample_us
             now = time.perf_counter()
             start = max(now, self._sim_busy)
@@ -83,12 +82,10 @@ def sim_engine_class():
             res = None
             toks = np.full(len(out_rows), self._sim_tok, np.int64)
             lg = self._sim_logits[(np.arange(len(out_rows)) + st["steps"]) % len(self._sim_logits)]
-            if readback in ("argmax", "sample"):
+            if readback & Readback.LOGITS:
+                res = (toks, lg) if readback.tokens else lg
+            elif readback.tokens:
                 res = toks
-            elif readback == "logits":
-                res = lg
-            elif readback == "sample+logits":
-                res = (toks, lg)
             self._sim_q.append((self._sim_busy, res))
 
         def collect(self):

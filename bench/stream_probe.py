@@ -19,8 +19,9 @@ Each is timed on the host the way decode steps run: two copies of the
 program submitted in turn, the next one before waiting for the last, so the
 GPU never waits for the host (--runs programs a timing, the fastest of
 --rounds timings); a program holds --repeat steps, so that its GPU time is
-well above the host's round trip (H200: ~0.45 ms for an empty program). An empty program, submitted and awaited alone, is
-reported too: that host round trip is what the chaining hides. If `step` moves the bytes at well under the copy
+well above the host's round trip (H200: ~0.45 ms for an empty program). An empty
+program, submitted and awaited alone, is reported too: that host round trip is
+what the chaining hides. If `step` moves the bytes at well under the copy
 bandwidth, no kernel design with these dependencies can reach it: the
 shortfall is the barriers' (drain and refill of the GPU) and the small
 dispatches', not the matvecs'.
@@ -188,7 +189,8 @@ def main(argv=None) -> int:
         for mode, (_a, _b, n) in progs.items():
             us = min(times[mode]) / args.repeat
             gbps = total / (us * 1e-6) / 1e9
-            row["modes"][mode] = {"dispatches": n, "us": us, "us_median": sorted(times[mode])[len(times[mode]) // 2] / args.repeat,
+            med = sorted(times[mode])[len(times[mode]) // 2] / args.repeat
+            row["modes"][mode] = {"dispatches": n, "us": us, "us_median": med,
                                   "gbps": gbps, "frac_copy": gbps / bw["gbps"]}
             print(f"  {mode:10s} {n:4d} dispatches: {us:8.1f} us (median {row['modes'][mode]['us_median']:8.1f}), "
                   f"{gbps:6.0f} GB/s = {100 * gbps / bw['gbps']:4.1f}% of copy bandwidth", flush=True)

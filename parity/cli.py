@@ -77,7 +77,7 @@ def cmd_note(args) -> int:
     if not text:
         raise VkEngineError("the note is empty")
     doc["note"] = text
-    doc["note_written"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    doc["note_written"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     write_atomic(path, doc)
     print(f"noted {path}")
     return 0
@@ -108,7 +108,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--server-args", default="", help="extra llama-server arguments for both modes, given as "
                    "--server-args='-ngl 99'")
     r.add_argument("--note", help="deviation note recorded in the artifact (required reading when below a bar)")
-    r.add_argument("--device", type=int, default=None, help="Vulkan device index (default: VKENGINE_DEVICE or the best)")
+    r.add_argument("--device", type=int, default=None,
+                   help="Vulkan device index (default: VKENGINE_DEVICE or the best)")
     r.set_defaults(fn=cmd_run)
 
     s = sub.add_parser("serve-reference", help="build (once) and start llama-server on the CPU",

@@ -1,27 +1,29 @@
 """Our engine's side of a parity case: a greedy free run and a teacher-forced
 pass along llama.cpp's tokens, sharing one prefill of the prompt.
 
-1. prefill(prompt) with the last row's logits -> first token (and the
-   teacher-forced row for position 0: same prefix);
-2. N-1 decode steps (Engine.step, the same call `generate` makes) -> free run;
-3. llama.cpp's tokens 0..N-2 as one batch at positions len(prompt)... on top
+1. the free run: `generate` (the runner every user's request goes through)
+   with the logits of each token's row -> N greedy tokens, and the prompt's
+   last row (the teacher-forced row for position 0: same prefix);
+2. llama.cpp's tokens 0..N-2 as one batch at positions len(prompt)... on top
    of the prompt's KV rows from step 1 (the free run's own rows get
    overwritten) -> logits at every later position. Hybrid models, whose
    recurrent state cannot be rewound, prefill the prompt again first.
 
 Greedy picks exclude llama.cpp's end-of-generation tokens: the reference runs
 with ignore_eos, which llama-server implements as a -inf logit bias on them
-(server-schema.cpp), so it never emits one. `generate(ignore_eos=True)` would
-emit EOS and carry on; mirroring llama.cpp is what makes the tokens comparable.
+(server-schema.cpp), so it never emits one; the free run suppresses them the
+same way (generate(suppress=...)), which is what makes the tokens comparable.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import numpy as np
 
-from vkengine.engine import Engine, EngineConfig
+from vkengine.engine import Engine, EngineConfig, Readback
+from vkengine.options import Options
+from vkengine.serving.generate import generate
 from vkengine.tokenizer import Tokenizer
 
 # control tokens that llama.cpp treats as end of generation (src/llama-vocab.cpp,
@@ -50,14 +52,14 @@ class EngineCase:
     tf_logprobs: list[dict[int, float]]   # teacher-forced log-softmax at the kept ids
 
 
-def engine_config(max_prompt: int, n_predict: int, n_ctx_train: int) -> EngineConfig:
+def engine_config(max_prompt: int, n_predict: int, n_ctx_train: int, options: Options = Options()) -> EngineConfig:
     """One slot with room for the longest prompt plus N, rounded up to 256 so
     that prompt sets of similar size share KV sizes. 32-row steps: the N-1
     teacher-forced rows of a 32-token case are one step of the same shape for
     every prompt, so it is recorded once."""
     need = max_prompt + n_predict + 1
     n_ctx = min(n_ctx_train, -(-need // 256) * 256)
-    return EngineConfig(n_slots=1, n_ctx=n_ctx, max_batch=32, max_out=32)
+    return EngineConfig(n_slots=1, n_ctx=n_ctx, max_batch=32, max_out=32, options=options)
 
 
 def _log_softmax(row: np.ndarray) -> np.ndarray:
@@ -76,13 +78,10 @@ def pick(row: np.ndarray, banned: Sequence[int]) -> int:
 
 def greedy(eng: Engine, prompt: Sequence[int], n: int, banned: Sequence[int] = (),
            slot: int = 0) -> tuple[list[int], np.ndarray]:
-    """n greedy tokens; also returns the prompt's last logits row."""
-    first = eng.prefill(prompt, slot, 0, "logits")
-    toks = [pick(first, banned)]
-    for i in range(n - 1):
-        row = eng.step([toks[-1]], [len(prompt) + i], [slot], [0], "logits")[0]
-        toks.append(pick(row, banned))
-    return toks, first
+    """n greedy tokens, never a banned one; also returns the prompt's last logits row."""
+    steps = list(generate(eng, prompt, n, slot=slot, ignore_eos=True, suppress=banned, logits=True))
+    assert steps[0].logits is not None
+    return [s.token for s in steps], steps[0].logits
 
 
 def teacher_forced(eng: Engine, tokens: Sequence[int], start: int, keep: Sequence[Iterable[int]],
@@ -96,7 +95,7 @@ def teacher_forced(eng: Engine, tokens: Sequence[int], start: int, keep: Sequenc
     for c in range(0, len(tokens), step):
         chunk = list(tokens[c:c + step])
         rows = eng.step(chunk, range(start + c, start + c + len(chunk)), [slot] * len(chunk),
-                        range(len(chunk)), "logits")
+                        range(len(chunk)), Readback.LOGITS)
         for j, r in enumerate(rows):
             best = pick(r, banned)
             top1.append(best)
@@ -121,7 +120,7 @@ def run_case(eng: Engine, prompt: Sequence[int], ref: Sequence[int],
     if n > 1:
         if not eng.kv.rewindable:
             # a recurrent state now covers the free run: start the slot again
-            eng.prefill(prompt, slot, 0, "none")
+            eng.prefill(prompt, slot, 0, Readback.NONE)
         t, lp = teacher_forced(eng, ref[:n - 1], len(prompt), keep[1:], banned, slot)
         top1 += t
         lps += lp

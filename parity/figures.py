@@ -10,8 +10,8 @@ log-softmax at the ids that matter there).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Sequence
 
 # A first divergence is a TIE-BREAK when llama.cpp itself puts the two tokens
 # this close (nats = logit difference); the calibration in parity.md saw its own
@@ -140,7 +140,8 @@ def case_figures(engine: Sequence[int], mode_a: Sequence[int], mode_a2: Sequence
         self_agreement=agree(mode_a, mode_b), mode_a_repeat=agree(mode_a, mode_a2),
         mode_b_repeat=agree(mode_b, mode_b2), first_divergence=d,
         first_divergence_b=first_divergence(engine, mode_b),
-        teacher_forced_top1=agree(tf_top1, mode_a), teacher_forced_near=near, kl_topn=kl, flips=flips, classification=cls)
+        teacher_forced_top1=agree(tf_top1, mode_a), teacher_forced_near=near, kl_topn=kl, flips=flips,
+        classification=cls)
 
 
 def _flip(i, source, token, mode_a, top_a, tf_logprobs) -> Flip:

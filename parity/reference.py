@@ -8,10 +8,10 @@ llama-server itself, once per mode.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
 from urllib.parse import urlparse
 
 from vkengine.errors import VkEngineError

@@ -23,6 +23,7 @@ from vkengine.device import Device
 from vkengine.engine import Engine
 from vkengine.errors import VkEngineError
 from vkengine.model import load_model
+from vkengine.options import Options
 
 from . import figures, reference
 from .engine_side import engine_config, eog_ids, run_case
@@ -105,7 +106,8 @@ def run_parity(cfg: RunConfig, log: Log = stderr_log, engine: Engine | None = No
     t_ref = time.monotonic() - t0
     if engine is None:
         dev = Device(cfg.device)
-        engine = Engine(model, dev, engine_config(max(map(len, ids)), cfg.n_predict, model.args.n_ctx_train))
+        engine = Engine(model, dev, engine_config(max(map(len, ids)), cfg.n_predict, model.args.n_ctx_train,
+                                                  Options.from_env()))
     need = max(map(len, ids)) + cfg.n_predict
     if need > engine.n_ctx:
         raise VkEngineError(f"the longest prompt plus N needs {need} positions; the engine has {engine.n_ctx}")
@@ -133,7 +135,7 @@ def run_parity(cfg: RunConfig, log: Log = stderr_log, engine: Engine | None = No
     info = engine.device.info
     art = {
         "schema": SCHEMA,
-        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "engine": {"name": "vkengine", "version": vkengine.__version__, "git_commit": commit, "git_dirty": dirty},
         "device": {"name": info.name, "type": info.type, "driver": info.driver_name,
                    "driver_info": info.driver_info, "vulkan_api": info.api_version},

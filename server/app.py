@@ -14,6 +14,7 @@ import json
 import logging
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 from starlette.applications import Starlette
@@ -121,7 +122,7 @@ def _prompt_ids(st: ServerState, gen: Generation) -> tuple[list[int], str, bool]
     elif isinstance(gen.prompt, str):
         text, ids = gen.prompt, tok.encode(gen.prompt)
     else:
-        ids = list(gen.prompt)
+        ids = list(gen.prompt or [])
         text = tok.decode(ids)
     if not ids:
         raise schemas.bad("prompt", "is empty (it has no tokens)")
@@ -229,8 +230,8 @@ async def v1_chat(request: Request) -> Response:
 async def tokenize(request: Request) -> Response:
     st = _st(request)
     f = schemas.Fields(await read_json(request, st.max_body))
-    content = f.str("content", required=True)
-    add_special, with_pieces = f.bool("add_special", False), f.bool("with_pieces", False)
+    content = f.required_text("content")
+    add_special, with_pieces = f.flag("add_special", False), f.flag("with_pieces", False)
     tok = st.model.tokenizer
 
     def run():                                 # a body-limit's worth of text takes ~1 s: off the event loop
@@ -383,8 +384,9 @@ def create_app(st: ServerState, api_key: str | None = None, cors: str | None = N
                                      allow_headers=["Authorization", "Content-Type"]))
     if api_key:
         middleware.append(Middleware(AuthMiddleware, key=api_key))
-    app = Starlette(routes=ROUTES, middleware=middleware, lifespan=lifespan, exception_handlers={
+    handlers: dict[Any, Any] = {   # (Starlette types a handler by Exception, not by its own class)
         HTTPError: on_http_error, QueueFull: on_busy, Unavailable: on_busy, VkEngineError: on_user_error,
-        HTTPException: on_starlette, Exception: on_crash})
+        HTTPException: on_starlette, Exception: on_crash}
+    app = Starlette(routes=ROUTES, middleware=middleware, lifespan=lifespan, exception_handlers=handlers)
     app.state.server = st
     return app

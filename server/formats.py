@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 from .worker import Event, Job
 
@@ -41,8 +42,9 @@ class Reply:
     def timings(self) -> dict:
         j = self.job
         n_cached = j.seq.cache_hit if j else 0
-        out = {"cache_n": n_cached, "prompt_n": self.n_prompt - n_cached, "predicted_n": len(self.tokens)}
-        if j and j.t_first is not None:
+        out: dict[str, Any] = {"cache_n": n_cached, "prompt_n": self.n_prompt - n_cached,
+                               "predicted_n": len(self.tokens)}
+        if j and j.t_first is not None and j.t_last is not None:
             pm = (j.t_first - j.t_submit) * 1e3
             dm = (j.t_last - j.t_first) * 1e3
             out.update(prompt_ms=pm, prompt_per_second=out["prompt_n"] / pm * 1e3 if pm > 0 else 0.0,
@@ -82,11 +84,11 @@ class Format:
         def one(t, lp):
             p = self.piece(t)
             return {"id": t, "token": p, "logprob": lp, "bytes": list(p.encode())}
-        return {**one(ev.token, ev.logprob), "top_logprobs": [one(t, lp) for t, lp in ev.top]}
+        return {**one(ev.token, ev.logprob), "top_logprobs": [one(t, lp) for t, lp in ev.top or ()]}
 
 
 def finish_reason(finish: str | None) -> str | None:
-    return {"stop": "stop", "length": "length"}.get(finish, finish)
+    return finish   # ours are OpenAI's: stop, length (and cancelled, error)
 
 
 class LlamaCompletion(Format):
@@ -126,7 +128,7 @@ class OpenAICompletion(Format):
         if not evs:
             return None
         return {"tokens": [self.piece(e.token) for e in evs], "token_logprobs": [e.logprob for e in evs],
-                "top_logprobs": [{self.piece(t): lp for t, lp in e.top} for e in evs]}
+                "top_logprobs": [{self.piece(t): lp for t, lp in e.top or ()} for e in evs]}
 
     def event(self, ev: Event) -> list[dict]:
         if ev.finish is not None:
@@ -159,7 +161,7 @@ class OpenAIChat(Format):
         def one(t, lp):
             p = self.piece(t)
             return {"token": p, "logprob": lp, "bytes": list(p.encode())}
-        return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+        return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top or ()]}
                             for e in evs]}
 
     def start(self) -> list[dict]:

@@ -9,11 +9,11 @@ import time
 import uvicorn
 
 from vkengine.errors import VkEngineError
-from vkengine.options import device_index
+from vkengine.options import Options, device_index
+from vkengine.serving.scheduler import SchedulerConfig
 
 from .app import ServerState, create_app
 from .metrics import Metrics
-from .scheduler import SchedulerConfig
 from .worker import Worker
 
 log = logging.getLogger("vkengine.server")
@@ -67,7 +67,7 @@ def build(args):
     model = load_model(args.model)
     dev = Device(device_index(args))
     eng = Engine(model, dev, EngineConfig(n_slots=n_slots, n_ctx=args.ctx, max_batch=cfg.step_tokens,
-                                          max_out=n_slots, max_in_flight=3))
+                                          max_out=n_slots, max_in_flight=3, options=Options.from_env()))
     if eng.max_batch < cfg.step_tokens:
         raise VkEngineError(f"--step-tokens {cfg.step_tokens} does not fit the device's buffers; "
                             f"use at most {eng.max_batch}")
@@ -75,7 +75,7 @@ def build(args):
     n_rec = eng.prepare_decode(n_slots, cfg.step_tokens)
     log.info("recorded %d decode and prompt steps ahead in %.2f s", n_rec, time.perf_counter() - t0)
     metrics = Metrics(n_slots, cfg.max_live)
-    worker = Worker(eng, cfg, metrics)
+    worker = Worker(eng, cfg, metrics, step_log=args.step_log)
     st = ServerState(worker=worker, model=model, n_ctx=eng.n_ctx, metrics=metrics, max_tokens=args.max_tokens,
                      max_body=args.max_body, parallel=args.parallel, mode=args.mode)
     return create_app(st, api_key=args.api_key, cors=args.cors), st, dev

@@ -47,5 +47,8 @@ def add_serve_args(p) -> None:
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond --parallel (then 503)")
     p.add_argument("--max-tokens", type=int, default=4096, help="upper bound of n_predict/max_tokens")
     p.add_argument("--max-body", type=int, default=1 << 20, help="request body limit in bytes")
+    p.add_argument("--step-log", default=os.environ.get("VKENGINE_STEP_LOG"), metavar="PATH",
+                   help="append a JSON line per engine step (rows, prompt rows, chained, submit -> collected and "
+                        "wait times in ms) to PATH: where a server's time goes (default: $VKENGINE_STEP_LOG)")
     p.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds in-flight requests may finish after SIGINT/SIGTERM before they are cancelled")

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 
 from vkengine.errors import VkEngineError
-from vkengine.sampling import SamplingParams
+from vkengine.serving.sampling import SamplingParams
 
 
 class HTTPError(VkEngineError):
@@ -69,7 +69,7 @@ class Fields:
     def name(self, name: str) -> str:
         return self.prefix + name
 
-    def int(self, name: str, default, lo=None, hi=None, hint: str = ""):
+    def integer(self, name: str, default, lo=None, hi=None, hint: str = ""):
         v = self._get(name)
         if v is None:
             return default
@@ -94,7 +94,7 @@ class Fields:
             raise bad(self.name(name), f"must be {rng}, got {v}")
         return float(v)
 
-    def bool(self, name: str, default: bool) -> bool:
+    def flag(self, name: str, default: bool) -> bool:
         v = self._get(name)
         if v is None:
             return default
@@ -102,14 +102,18 @@ class Fields:
             raise bad(self.name(name), f"must be true or false, got {json.dumps(v)}")
         return v
 
-    def str(self, name: str, default: str | None = None, required: bool = False) -> str | None:
+    def text(self, name: str, default: str | None = None) -> str | None:
         v = self._get(name)
         if v is None:
-            if required:
-                raise bad(self.name(name), "is required")
             return default
         if not isinstance(v, str):
             raise bad(self.name(name), f"must be a string, got {type(v).__name__}")
+        return v
+
+    def required_text(self, name: str) -> str:
+        v = self.text(name)
+        if v is None:
+            raise bad(self.name(name), "is required")
         return v
 
     def stop(self, name: str = "stop", max_n: int = 16) -> tuple[str, ...]:
@@ -124,12 +128,10 @@ class Fields:
             raise bad(self.name(name), f"takes at most {max_n} strings, got {len(v)}")
         return tuple(s for s in v if s)
 
-    def token_ids(self, name: str, n_vocab: int, required: bool = True) -> list[int] | None:
+    def token_ids(self, name: str, n_vocab: int) -> list[int]:
         v = self._get(name)
         if v is None:
-            if required:
-                raise bad(self.name(name), "is required")
-            return None
+            raise bad(self.name(name), "is required")
         if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
             raise bad(self.name(name), "must be a list of token ids (integers)")
         for t in v:
@@ -157,24 +159,24 @@ class Generation:
 
 
 def _sampling(f: Fields) -> SamplingParams:
-    seed = f.int("seed", None)
+    seed = f.integer("seed", None)
     return SamplingParams(
         temperature=f.num("temperature", 0.8, lo=0.0),
-        top_k=f.int("top_k", 40, lo=0),
+        top_k=f.integer("top_k", 40, lo=0),
         top_p=f.num("top_p", 0.95, lo=0.0, hi=1.0, lo_open=True),
         min_p=f.num("min_p", 0.05, lo=0.0, hi=1.0),
         repeat_penalty=f.num("repeat_penalty", 1.0, lo=0.0, lo_open=True),
-        repeat_last_n=f.int("repeat_last_n", 64, lo=0),
+        repeat_last_n=f.integer("repeat_last_n", 64, lo=0),
         seed=None if seed is None or seed < 0 else seed)         # -1: random, as llama-server
 
 
 def _limit(f: Fields, name: str, max_tokens: int, allow_minus_one: bool) -> int | None:
-    v = f.int(name, None, lo=-1 if allow_minus_one else 0, hi=max_tokens, hint=" (the server's --max-tokens)")
+    v = f.integer(name, None, lo=-1 if allow_minus_one else 0, hi=max_tokens, hint=" (the server's --max-tokens)")
     return None if v is None or v < 0 else v
 
 
 def _unsupported(f: Fields) -> None:
-    if f.int("n", 1) != 1:
+    if f.integer("n", 1) != 1:
         raise bad("n", "must be 1: one completion per request is supported")
     for name in ("presence_penalty", "frequency_penalty"):
         if f.num(name, 0.0) != 0.0:
@@ -199,10 +201,10 @@ def completion(body: dict, n_vocab: int, max_tokens: int) -> Generation:
     f = Fields(body)
     return Generation(
         prompt=_prompt(f, n_vocab), max_tokens=_limit(f, "n_predict", max_tokens, True),
-        sampling=_sampling(f), stop=f.stop(), stream=f.bool("stream", False),
-        n_probs=f.int("n_probs", 0, lo=0, hi=20), ignore_eos=f.bool("ignore_eos", False),
-        cache_prompt=f.bool("cache_prompt", True), truncate=f.bool("truncate", False),
-        n_keep=f.int("n_keep", 0, lo=-1), return_tokens=f.bool("return_tokens", False))
+        sampling=_sampling(f), stop=f.stop(), stream=f.flag("stream", False),
+        n_probs=f.integer("n_probs", 0, lo=0, hi=20), ignore_eos=f.flag("ignore_eos", False),
+        cache_prompt=f.flag("cache_prompt", True), truncate=f.flag("truncate", False),
+        n_keep=f.integer("n_keep", 0, lo=-1), return_tokens=f.flag("return_tokens", False))
 
 
 def _stream_options(f: Fields) -> bool:
@@ -211,7 +213,7 @@ def _stream_options(f: Fields) -> bool:
         return False
     if not isinstance(so, dict):
         raise bad("stream_options", "must be an object")
-    return Fields(so, "stream_options.").bool("include_usage", False)
+    return Fields(so, "stream_options.").flag("include_usage", False)
 
 
 def _openai_common(f: Fields, max_tokens: int) -> dict:
@@ -219,16 +221,16 @@ def _openai_common(f: Fields, max_tokens: int) -> dict:
     mt = _limit(f, "max_tokens", max_tokens, False)
     if f.body.get("max_completion_tokens") is not None:
         mt = _limit(f, "max_completion_tokens", max_tokens, False)
-    return dict(max_tokens=mt, sampling=_sampling(f), stop=f.stop(), stream=f.bool("stream", False),
-                include_usage=_stream_options(f), ignore_eos=f.bool("ignore_eos", False),
-                cache_prompt=f.bool("cache_prompt", True), truncate=f.bool("truncate", False),
-                n_keep=f.int("n_keep", 0, lo=-1))
+    return dict(max_tokens=mt, sampling=_sampling(f), stop=f.stop(), stream=f.flag("stream", False),
+                include_usage=_stream_options(f), ignore_eos=f.flag("ignore_eos", False),
+                cache_prompt=f.flag("cache_prompt", True), truncate=f.flag("truncate", False),
+                n_keep=f.integer("n_keep", 0, lo=-1))
 
 
 def openai_completion(body: dict, n_vocab: int, max_tokens: int) -> Generation:
     f = Fields(body)
     # llama-server's default max_tokens (none: up to the limits), not OpenAI's legacy 16
-    return Generation(prompt=_prompt(f, n_vocab), n_probs=f.int("logprobs", 0, lo=0, hi=20),
+    return Generation(prompt=_prompt(f, n_vocab), n_probs=f.integer("logprobs", 0, lo=0, hi=20),
                       **_openai_common(f, max_tokens))
 
 
@@ -243,15 +245,15 @@ def chat_completion(body: dict, max_tokens: int) -> Generation:
         if not isinstance(m, dict):
             raise bad(name, "must be an object with 'role' and 'content'")
         mf = Fields(m, name + ".")
-        role = mf.str("role", required=True)
+        role = mf.required_text("role")
         content = m.get("content")
         if isinstance(content, list):              # [{"type": "text", "text": ...}, ...]
             parts = []
             for j, part in enumerate(content):
                 pf = Fields(part if isinstance(part, dict) else {}, f"{name}.content[{j}].")
-                if not isinstance(part, dict) or pf.str("type", required=True) != "text":
+                if not isinstance(part, dict) or pf.required_text("type") != "text":
                     raise bad(f"{name}.content[{j}]", "must be a text part: only text is supported")
-                parts.append(pf.str("text", required=True))
+                parts.append(pf.required_text("text"))
             content = "".join(parts)
         elif content is None and role == "assistant":
             content = ""
@@ -259,6 +261,6 @@ def chat_completion(body: dict, max_tokens: int) -> Generation:
             raise bad(name + ".content", "must be a string or a list of text parts")
         out.append({"role": role, "content": content})
     n_probs = 0
-    if f.bool("logprobs", False):
-        n_probs = max(1, f.int("top_logprobs", 1, lo=0, hi=20))
+    if f.flag("logprobs", False):
+        n_probs = max(1, f.integer("top_logprobs", 1, lo=0, hi=20))
     return Generation(messages=out, n_probs=n_probs, **_openai_common(f, max_tokens))

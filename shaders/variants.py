@@ -1,9 +1,10 @@
 """The one table of shader variants: name -> (source file, preprocessor defines).
 
 vkengine.spirv compiles every entry with glslc into a cache keyed by a hash of
-the sources and defines. Kernel wrappers (vkengine/kernels.py) refer to entries
+the sources and defines. Kernel wrappers (vkengine/kernels/) refer to entries
 by name; workgroup size and items per workgroup are specialization constants
-set at pipeline creation, not variants.
+set at pipeline creation, not variants. The measurements behind the numbers
+here are in docs/bench/notes.md (the run each comment names).
 """
 
 # Weight storage types understood by quant.glsl, by GGUF type name (lower case).
@@ -17,13 +18,9 @@ UNIT_VALUES = {"f32": 4, "f16": 8, "bf16": 8, "q8_0": 8, "q4_0": 8, "q4_1": 8, "
 MV_ROWS = 2
 
 # Weight rows per subgroup in the subgroup kernels that lavapipe runs (mul_mv for
-# one column, mul_mm for 8). llvmpipe (Mesa 22.3) turns every storage-buffer
-# load whose address differs across lanes into a loop over the lanes, a scalar
-# load each, so it reads under 1 GB/s however the loads are shaped
-# (bench/lavapipe_probe.py); the kernels
-# win by loading less: 16 rows share each x load (x was 8 of the 12 words a
-# lane loaded per unit of 2 rows). Measured on SmolLM2-135M's shapes (Q4_1,
-# 2 cores): the matvec 2x, the 8-column matmul 7x, against 2 rows and 1 row.
+# one column, mul_mm for 8): llvmpipe pays per loaded word whatever the loads'
+# shape (bench/lavapipe_probe.py), so 16 rows share each x load (notes.md,
+# Lavapipe: 2x the matvec's speed, 7x the 8-column matmul's).
 SG_ROWS = 16
 # Types whose subgroup kernels (lavapipe) take a whole 32-value block per unit:
 # one scale word per 32 values instead of per 8 (quant.glsl's UNIT32)
@@ -33,8 +30,8 @@ UNIT32_TYPES = ("q4_0", "q4_1")
 # in the batched matmul variant.
 MATMUL_COLS = 8
 
-# GPU matvec variants (mul_mv.comp with KSPLIT: a workgroup's invocations split
-# each row group's K between them): the decode matvec (1 column) and, for
+# GPU matvec variants (mul_mvk.comp: a workgroup's invocations split each row
+# group's K between them): the decode matvec (1 column) and, for
 # batched decode (a server's running sequences, one row each), 2, 4 or 8
 # columns that stream the weights once for all rows. MV_ROWS rows per
 # workgroup; units in flight per lane by column count. Every variant sums a
@@ -46,18 +43,13 @@ MV_GPU_UNROLL = {1: 2, 2: 2, 4: 1, 8: 1}
 MV_GPU_ROWS = {1: MV_ROWS, 2: MV_ROWS, 4: 4, 8: 4}
 # Q4_0/Q4_1 on GPUs: nibbles become floats without int -> float conversions
 # (quant.glsl DQ_MAGIC) and the block scale multiplies a unit's sum once instead
-# of every value (mul_mv.comp HOIST), with 4 rows per workgroup. Measured on the
-# H200 (bench/mv_probe.py, wall time of 48 dispatches): the 1-column matvec
-# 5-20% faster on the 8B and 1B Q4_0 shapes (28672x4096: 67 -> 54 us), the
-# 4-column one 0-20%; Q8_0 gained nothing and keeps the table above.
+# of every value (mul_mv_unit.glsl HOIST), with 4 rows per workgroup: 5-20%
+# faster on the H200 (notes.md run 8).
 MV_Q4_TYPES = ("q4_0", "q4_1")
 MV_GPU_ROWS_Q4 = {1: 4, 2: 4, 4: 4, 8: 4}
 MV_GPU_UNROLL_Q4 = {1: 1, 2: 1, 4: 2, 8: 1}
 # Q8_0 takes HOIST too, 4 rows per workgroup and one unit in flight at every
-# column count. Measured on the H200 (bench/mv_probe.py, 2026-12-01 01:45, 1B
-# Q8_0 shapes against the table above's 2 rows and 2 units): one column 2-17%
-# faster (the 49152-row output matrix 60 -> 50 us), 4 columns the same but the
-# 2048x8192 down projection 13% faster, 8 columns 2-30% faster.
+# column count (faster at every column count on the H200: notes.md run 10).
 MV_GPU_ROWS_Q8 = {1: 4, 2: 4, 4: 4, 8: 4}
 MV_GPU_UNROLL_Q8 = {1: 1, 2: 1, 4: 1, 8: 1}
 
@@ -76,7 +68,7 @@ def mv_gpu_config(wt: str, ncols: int) -> tuple[int, int, dict[str, int]]:
 
 # Weight types whose split-K matvecs take 4 rows a workgroup at every column
 # count: their "p" variants write a norm's sums of squares per 4 rows
-# (Kernels.norm_in), the same 4 rows batched or alone
+# (Caps.norm_in), the same 4 rows batched or alone
 NORM_PARTS_TYPES = tuple(wt for wt in WEIGHT_TYPES if all(mv_gpu_config(wt, nc)[0] == 4 for nc in (1, *MM_GPU_COLS)))
 
 
@@ -84,9 +76,7 @@ NORM_PARTS_TYPES = tuple(wt for wt in WEIGHT_TYPES if all(mv_gpu_config(wt, nc)[
 # sums with a butterfly reduce-scatter (1 shuffle per kept sum) instead of a
 # subgroupAdd per sum (5 shuffles each at 32 lanes); they need a lane for every
 # sum, so devices whose subgroups are fixed at >= MV_BFLY_LANES lanes use them
-# (NVIDIA). Measured on the H200 (bench/mv_tune.py, since replaced by
-# bench/mv_probe.py): the 4-column matvec 10-40% faster on a 1B model's
-# shapes, the 1-column one 0-8%.
+# (NVIDIA: up to 40% faster; notes.md, "From code comments": MV_BFLY_LANES).
 MV_BFLY_LANES = max(mv_gpu_config(wt, c)[0] * c for wt in ("f32", "q8_0", *MV_Q4_TYPES) for c in (1, *MM_GPU_COLS))
 
 # Invocation tile (weight rows, tokens) of the shared-memory matmul (mul_mt):
@@ -99,63 +89,42 @@ TILE_SMALL = (4, 4)
 
 # Variants that only the newer glslc compiles (scripts/glslc-ext.sh), marked by
 # this define: the cooperative-matrix kernels (mul_mc.comp, attention_mc.comp),
-# run where Kernels.coopmat says the device can.
+# run where Caps.coopmat says the device can.
 EXT_DEFINE = "GLSLC_EXT"
 # Weight types whose split-K matvecs have XQ8 variants (mul_mvk{b}x_*,
 # mul_mm{b}{2,4,8}x_*: x quantized to 8 bits by quantize_q8.comp, integer dot
 # products; GL_EXT_integer_dot_product needs the newer glslc too). They have
 # no epilogues but the SwiGLU (NO_EPI), so only matrices that never take a norm
-# or RoPE use them (Kernels.mul_mat)
+# or RoPE use them (MatmulKernels.mul_mat)
 XQ8_TYPES = ("q8_0",)
-# mul_mc's tile: BM weight rows x BN tokens, its 8 subgroups in an SGM x SGN grid.
-# Measured on the H200 (bench/mm_probe.py, 512 tokens, 8B Q4_0 and 1B Q8_0
-# shapes, 2026-11-30): 64 x 128 with each subgroup on 64 rows x 16 tokens 93-98
-# TFLOPS on the 8B FFN shapes and 66 on its qkv (6144 x 4096); 128 x 64 (32 x 16
-# a subgroup) within 5% of it; 64 x 64 60-66; 128 x 128 80; any layout giving a
-# subgroup more than 16 tokens 25-35, as slow as the fp32 kernel (mul_mt).
+# mul_mc's tile: BM weight rows x BN tokens, its 8 subgroups in an SGM x SGN grid
+# (the fastest layout measured; notes.md, "From code comments": MC_TILE).
 MC_TILE = (64, 128, 1, 8)
 # mul_mc2's tiles with fp32 sums (VK_NV_cooperative_matrix2: one workgroup-scope
 # BM x BN matrix a workgroup) by the rows they start from, their chunks, and the
-# weight types it loads. Measured on the H200 (bench/mm_probe.py, 512 tokens,
-# Q4_0, 2026-12-01 06:10; run 11 of docs/bench/notes.md): 6144 x 4096 128 x 256
-# 285 us against 128 x 128 364; 4096 x 14336 766 against 616; 4096 x 4096 about
-# even.
+# weight types it loads (notes.md run 11).
 MC2_TILES = ((6144, (128, 256)), (0, (128, 128)))
 MC2_UNROLL = {(128, 256): 4, (128, 128): 8}   # slices per chunk (the shader's UNROLL)
 MC2_TYPES = ("f16", "q4_0", "q4_1", "q8_0")
 # its fp16-accumulator tiles (ACC_F16: what llama.cpp's Vulkan backend runs by
 # default on such devices, matmul_*_f16acc_cm2; half the accumulator registers,
-# so a 256 x 256 tile fits) and their chunks, by the rows they start from;
-# bench/mm_probe.py (H200, 512 tokens, Q4_0, 2026-12-01 09:05): 4096 x 14336
-# 64 x 256 591 us, 128 x 128 604, 128 x 256 791, mul_mc 627; 4096 x 4096 204,
-# 217, 267 and 234; 64 x 128 and 128 x 64 slower than all of them
+# so a 256 x 256 tile fits) and their chunks, by the rows they start from
+# (notes.md run 13; "From code comments": MC2H_TILES)
 MC2H_TILES = ((16384, (256, 256)), (6144, (128, 256)), (0, (64, 256)))
 MC2H_UNROLL = {(256, 256): 4, (128, 256): 4, (128, 128): 8, (64, 256): 4}
-# Where the engine takes it: the matrices where it measured faster than mul_mc.
-# 8B Q4_0 prefill profile (H200, 512 tokens, GPU time of the 32 layers): with
-# fp32 sums (2026-12-01 run 11) gate|up 28672 x 4096 34.2 -> 27.3 ms, down
-# 4096 x 14336 -3%, about what its x conversion costs, q, k, v and o 4-11%
-# slower; with fp16 sums (run 13, MC2H_TILES) gate|up 24.4-24.9 ms, qkv 6144 x
-# 4096 8.7 -> 6.8 ms, and with the 64 x 256 tile down 17.2 -> 16.1 ms and o
-# 4096 x 4096 5.2 -> 4.6 ms, less 0.7 ms more x conversion (59.3 against 60.0
-# ms a step; 128 x 128 there: 17.0 and 5.8 ms). Not Q8_0: the 1B Q8_0 prefill
-# was 4-6% slower end to end with every matrix on it (fp32 sums, run 11).
+# Where the engine takes it: the matrices where it measured faster than mul_mc
+# (F16 and Q4_0 of 4096+ rows with fp16 sums; not Q8_0: notes.md runs 11 and
+# 13, "From code comments": MC2_ENGINE_TYPES).
 MC2_ENGINE_TYPES = ("f16", "q4_0")
 MC2_FROM_ROWS = 4096
 MC2_F32_FROM_ROWS = 16384   # with fp32 sums (VKENGINE_MC2_F16ACC=0)
-# Head sizes of the cooperative-matrix attention (attention_mc.comp). Measured
-# on the H200 (bench/attn_probe.py, a 512-token prefill, per layer) against
-# attention.comp: with 4 subgroups sharing K/V (2026-12-01 05:55-06:00) 64 (1B
-# layout) 344 -> 102 us, 128 (8B) 528-540 -> 134-143 us (one subgroup a
-# workgroup before: 203-209 and 494-506). 256 (Qwen3.5's) keeps attention.comp:
-# with 4 subgroups it needs 47 of the 48 KB of shared memory and 128 registers
-# a lane for its output alone, and its probe variant (2 subgroups,
-# 16-position blocks) was measured only in a disturbed process (657 us, with
-# attention.comp at 2,732 there against its usual 538-543): not yet compared.
+# Head sizes of the cooperative-matrix attention (attention_mc.comp): 64 and
+# 128 measured 3-4x faster than attention.comp; 256 (Qwen3.5's) keeps
+# attention.comp, as its shared memory and registers do not fit 4 subgroups
+# (notes.md run 12, "From code comments": ATTN_MC_HEAD_DIMS).
 ATTN_MC_HEAD_DIMS = (64, 128)
 # Subgroups a workgroup of attention_mc.comp (each on 16 query rows of one
-# head; they share the staged keys and values of their KV head). 2 measured
-# 117 us on the 1B layout (against 102) and 557-735 on the 8B's (spilled).
+# head; they share the staged keys and values of their KV head; notes.md run 12).
 ATTN_MC_NSG = 4
 
 

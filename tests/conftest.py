@@ -2,6 +2,7 @@
 needs Vulkan fails (never skips) when there is no device: CI must run them."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from vkengine.device import Device
-from vkengine.kernels import Kernels, Region
+from vkengine.kernels import Caps, Kernels, Region
 
 POISON = np.uint32(0x7FC00000)   # a quiet NaN: unwritten outputs fail comparisons
 
@@ -34,6 +35,17 @@ def tokenizer_source():
 @pytest.fixture(scope="session")
 def kernels(device):
     return Kernels(device)
+
+
+def kernels_for(device, tiled_from: int | None = -1, **caps) -> Kernels:
+    """Kernels of the device with some capabilities set (Caps fields), e.g. the
+    GPUs' split-K matvecs on lavapipe; tiled_from as Caps.detect takes it."""
+    return Kernels(device, dataclasses.replace(Caps.detect(device, tiled_from=tiled_from), **caps))
+
+
+def with_caps(kernels: Kernels, **caps) -> Kernels:
+    """The same kernels with some capabilities changed."""
+    return Kernels(kernels.device, dataclasses.replace(kernels.caps, **caps))
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGMLQuantizationType as T
 from gguf import quants
 
 from vkengine.kernels import Matrix

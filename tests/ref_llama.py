@@ -10,7 +10,6 @@ from __future__ import annotations
 import numpy as np
 
 from vkengine.gguf_file import ModelFile
-from vkengine.rope import rope_table
 
 from . import reference as ref
 
@@ -52,7 +51,8 @@ class RefLlama:
             k16 = k.astype(np.float16).astype(np.float32)
             v16 = v.astype(np.float16).astype(np.float32)
             att = np.stack([ref.attention(q[t], k16[: t + 1], v16[: t + 1], 1.0 / np.sqrt(hd)) for t in range(n)])
-            x = x + att.reshape(n, H * hd).astype(np.float32).astype(np.float64) @ self.W(p + "attn_output.weight").T.astype(np.float64)
+            wo = self.W(p + "attn_output.weight").T.astype(np.float64)
+            x = x + att.reshape(n, H * hd).astype(np.float32).astype(np.float64) @ wo
             if ffn_q8_parts:
                 x32 = x.astype(np.float32)
                 scale = 1.0 / np.sqrt((x32.astype(np.float64) ** 2).mean(axis=1, keepdims=True) + a.rms_eps)

@@ -20,13 +20,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.scheduler import SchedulerConfig
 from server.worker import GenRequest, Worker
 from vkengine.engine import Engine, EngineConfig
 from vkengine.errors import VkEngineError
-from vkengine.generate import generate
 from vkengine.model import load_model
-from vkengine.sampling import SamplingParams
+from vkengine.serving.generate import generate
+from vkengine.serving.sampling import SamplingParams
+from vkengine.serving.scheduler import SchedulerConfig
 
 from .httpcheck import RawRequest, assert_idle_and_no_leak, metric, scrape, slots, soak, wait_for
 from .serving import serve, tiny_gguf, tiny_model  # noqa: F401  (fixtures)
@@ -281,7 +281,7 @@ def test_one_request_failing_does_not_end_the_others(device, tiny_model):
         [s.token for s in generate(ref, good_ids, 20, ignore_eos=True)]
     assert good[-1].finish == "length"
     assert bad[-1].finish == "error" and len([e for e in bad if e.token is not None]) == 2
-    assert w.active == 0 and w.sched.idle and not w.kv.held
+    assert w.active == 0 and w.sched.idle and not w.runner.kv.held
 
 
 def test_detokenizing_failure_while_the_next_step_runs(device, tiny_model):
@@ -294,7 +294,7 @@ def test_detokenizing_failure_while_the_next_step_runs(device, tiny_model):
     def failing(token):
         calls[0] += 1
         if calls[0] == 4:
-            inflight.append(w._inflight is not None)
+            inflight.append(bool(w.runner.inflight))
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
         return real(token)
     job.out.push = failing
@@ -305,7 +305,7 @@ def test_detokenizing_failure_while_the_next_step_runs(device, tiny_model):
         [s.token for s in generate(ref, good_ids, 20, ignore_eos=True)]
     assert good[-1].finish == "length"
     assert bad[-1].finish == "error" and len([e for e in bad if e.token is not None]) == 3
-    assert w.active == 0 and w.sched.idle and not w.kv.held and not w._finish_after
+    assert w.active == 0 and w.sched.idle and not w.runner.kv.held and not w.runner._finish_after
 
 
 # -- a model that does not fit ---------------------------------------------------------------------
@@ -374,18 +374,20 @@ def test_matmul_scratch_bound(device):
     mul_mc2's halves of x (rows padded to 256) where it runs, and the XQ8
     matvecs' 8-bit x where they run."""
     from vkengine.kernels import Kernels
-    kn = Kernels(device)
-    kn.tiled_from, kn.split_k_wgs, kn.coopmat2, kn.xq8 = None, 256, False, False
-    assert kn.scratch_bytes_bound(512, 4096) == 0
-    kn.tiled_from = 64
-    assert kn.scratch_bytes_bound(32, 4096) == 0
-    assert kn.scratch_bytes_bound(512, 4096) == Kernels.SPLIT_K_SCRATCH
-    kn.coopmat2 = True
-    assert kn.scratch_bytes_bound(300, 14336) == Kernels.SPLIT_K_SCRATCH + 512 * 14336 * 2
-    kn.split_k_wgs = 0
-    assert kn.scratch_bytes_bound(300, 14336) == 512 * 14336 * 2
-    kn.xq8 = True   # + 63 rows (the matvec steps) of 8-bit x: 9 bytes per 8 values
-    assert kn.scratch_bytes_bound(300, 14336) == 512 * 14336 * 2 + 63 * 14336 * 9 // 8
+
+    from .conftest import kernels_for
+    base = {"tiled_from": None, "split_k_wgs": 256, "coopmat2": False, "xq8": False}
+
+    def bound(rows: int, cols: int, **caps) -> int:
+        return kernels_for(device, **{**base, **caps}).scratch_bytes_bound(rows, cols)
+    assert bound(512, 4096) == 0
+    assert bound(32, 4096, tiled_from=64) == 0
+    assert bound(512, 4096, tiled_from=64) == Kernels.SPLIT_K_SCRATCH
+    assert bound(300, 14336, tiled_from=64, coopmat2=True) == Kernels.SPLIT_K_SCRATCH + 512 * 14336 * 2
+    assert bound(300, 14336, tiled_from=64, coopmat2=True, split_k_wgs=0) == 512 * 14336 * 2
+    # + 63 rows (the matvec steps) of 8-bit x: 9 bytes per 8 values
+    assert (bound(300, 14336, tiled_from=64, coopmat2=True, split_k_wgs=0, xq8=True)
+            == 512 * 14336 * 2 + 63 * 14336 * 9 // 8)
 
 
 # -- corrupt and truncated model files ---------------------------------------------------------------

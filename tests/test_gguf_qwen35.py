@@ -20,12 +20,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vkengine.engine import Engine, EngineConfig
-from vkengine.generate import generate
+from vkengine.engine import Engine, EngineConfig, Readback
 from vkengine.gguf_file import GGUFFile
 from vkengine.model import load_model
-from vkengine.tools.synth.writer import tokenizer_meta
+from vkengine.serving.generate import generate
 from vkengine.tools.synth.qwen35 import SHAPES, synth_qwen35
+from vkengine.tools.synth.writer import tokenizer_meta
 
 ARCHES = ["qwen35", "qwen35moe"]
 PROMPT = "The quick brown fox jumps over the lazy dog. 1234567, and then"
@@ -179,7 +179,7 @@ def test_llama_server_agrees_with_engine(device, gguf_models, llama_server_exe, 
     m = load_model(path)
     eng = Engine(m, device, EngineConfig(n_slots=1, n_ctx=256, max_batch=64, max_out=64))
     ids = m.tokenizer.encode(PROMPT)
-    lg = eng.step(ids, range(len(ids)), [0] * len(ids), range(len(ids)), "logits").astype(np.float64)
+    lg = eng.step(ids, range(len(ids)), [0] * len(ids), range(len(ids)), Readback.LOGITS).astype(np.float64)
     lsm = lg - lg.max(-1, keepdims=True)
     lsm -= np.log(np.exp(lsm).sum(-1, keepdims=True))
     greedy = [s.token for s in generate(eng, ids, 12, ignore_eos=True)]

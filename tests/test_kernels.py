@@ -10,10 +10,11 @@ import math
 import numpy as np
 import pytest
 
-from shaders.variants import MC2_TYPES, MC2H_UNROLL, WEIGHT_TYPES
-from vkengine.kernels import Region
+from shaders.variants import MC2_TYPES, MC2H_TILES, MC2H_UNROLL, WEIGHT_TYPES
+from vkengine.kernels import Region, device_has_coopmat2
 
 from . import reference as ref
+from .conftest import kernels_for, with_caps
 from .quant_util import K_QUANTS, random_quantized, upload_matrix
 
 
@@ -115,19 +116,15 @@ def tiled_kernels(device):
     """Kernels that use the shared-memory tiled fp32 matmul (mul_mt) for every
     batch size (by default only GPUs use it, from 64 tokens, and those with
     cooperative matrices take mul_mc instead)."""
-    from vkengine.kernels import Kernels
-    kn = Kernels(device, tiled_from=2)
-    kn.coopmat = False
-    return kn
+    return kernels_for(device, tiled_from=2, coopmat=False)
 
 
 @pytest.fixture(scope="module")
 def coopmat_kernels(device):
     """Kernels whose tiled matmuls run on cooperative matrices (mul_mc) for
     every batch size: GPUs with 16 x 16 x 16 f16 matrices (lavapipe has none)."""
-    from vkengine.kernels import Kernels
-    kn = Kernels(device, tiled_from=2)
-    if not kn.coopmat:
+    kn = kernels_for(device, tiled_from=2)
+    if not kn.caps.coopmat:
         pytest.skip("the device has no 16x16x16 f16 cooperative matrices (the GPU kernel tests run these)")
     return kn
 
@@ -136,8 +133,8 @@ def coopmat_kernels(device):
 @pytest.mark.parametrize("n,M", [(3, 37), (130, 131)])
 @pytest.mark.parametrize("tile", ["128", "64"])
 def test_mul_mat_tiled(device, tiled_kernels, ws, rng, wt, n, M, tile):
-    tiled_kernels.small_tiles_below = 0 if tile == "128" else 1 << 30
-    _check_mul_mat(device, tiled_kernels, ws, rng, wt, n, M, 512 if wt in K_QUANTS else 96)
+    kn = with_caps(tiled_kernels, small_tiles_below=0 if tile == "128" else 1 << 30)
+    _check_mul_mat(device, kn, ws, rng, wt, n, M, 512 if wt in K_QUANTS else 96)
 
 
 @pytest.mark.parametrize("wt", ["f32", "f16", "q8_0", "q4_0", "q4_k"])
@@ -147,35 +144,24 @@ def test_mul_mat_split_k(device, tiled_kernels, ws, rng, wt, n, M, K, min_cols):
     1280 = 5 x 256; 2304 = 1280 + 1024) and the parts added by reduce_k, into
     y (the 70-row case adds to it). mul_mt here; the cooperative-matrix
     kernels take the same parameters (test_mul_mat_coopmat's long case)."""
-    kn = tiled_kernels
-    saved = kn.split_k_wgs, kn.split_k_min, kn.small_tiles_below
-    kn.split_k_wgs, kn.split_k_min, kn.small_tiles_below = 1 << 30, min_cols, 0
-    try:
-        assert kn.split_k_parts(1, K, n, M)[0] == (5 if K == 1280 else 2)
-        _check_mul_mat(device, kn, ws, rng, wt, n, M, K, accumulate=n == 70)
-    finally:
-        kn.split_k_wgs, kn.split_k_min, kn.small_tiles_below = saved
+    kn = with_caps(tiled_kernels, split_k_wgs=1 << 30, split_k_min=min_cols, small_tiles_below=0)
+    assert kn.split_k_parts(1, K, n, M)[0] == (5 if K == 1280 else 2)
+    _check_mul_mat(device, kn, ws, rng, wt, n, M, K, accumulate=n == 70)
 
 
 def test_split_k_parts_rule(device, kernels):
     """Split only grids below split_k_wgs workgroups, into parts of at least
     split_k_min columns (multiples of 256) that together reach about
     split_k_wgs workgroups; never beyond the scratch cap."""
-    kn = kernels
-    saved = kn.split_k_wgs, kn.split_k_min
-    kn.split_k_wgs, kn.split_k_min = 256, 512
-    try:
-        assert kn.split_k_parts(32, 8192, 64, 2048) == (8, 1024)     # a 1B model's down projection, 64 rows
-        assert kn.split_k_parts(32, 2048, 64, 2048) == (4, 512)      # its o projection
-        assert kn.split_k_parts(64, 14336, 64, 4096) == (4, 3584)    # an 8B's down projection
-        assert kn.split_k_parts(256, 2048, 64, 16384) == (1, 0)      # grid big enough
-        assert kn.split_k_parts(8, 768, 64, 512) == (1, 0)           # K too short for two parts
-        parts, klen = kn.split_k_parts(1, 1 << 20, 4096, 4096)       # capped by the scratch
-        assert parts * 4 * 4096 * 4096 <= kn.SPLIT_K_SCRATCH and klen % 256 == 0
-        kn.split_k_wgs = 0
-        assert kn.split_k_parts(1, 8192, 64, 2048) == (1, 0)
-    finally:
-        kn.split_k_wgs, kn.split_k_min = saved
+    kn = with_caps(kernels, split_k_wgs=256, split_k_min=512)
+    assert kn.split_k_parts(32, 8192, 64, 2048) == (8, 1024)     # a 1B model's down projection, 64 rows
+    assert kn.split_k_parts(32, 2048, 64, 2048) == (4, 512)      # its o projection
+    assert kn.split_k_parts(64, 14336, 64, 4096) == (4, 3584)    # an 8B's down projection
+    assert kn.split_k_parts(256, 2048, 64, 16384) == (1, 0)      # grid big enough
+    assert kn.split_k_parts(8, 768, 64, 512) == (1, 0)           # K too short for two parts
+    parts, klen = kn.split_k_parts(1, 1 << 20, 4096, 4096)       # capped by the scratch
+    assert parts * 4 * 4096 * 4096 <= kn.SPLIT_K_SCRATCH and klen % 256 == 0
+    assert with_caps(kn, split_k_wgs=0).split_k_parts(1, 8192, 64, 2048) == (1, 0)
 
 
 # mul_mc for every weight type; mul_mc2, with fp32 sums and with fp16 sums in
@@ -192,20 +178,14 @@ def test_mul_mat_coopmat(device, coopmat_kernels, ws, rng, wt, n, M, K, kernel):
     parts, 1280 + 1024 columns added by reduce_k; mul_mc2 does not split), and
     adding to y (the residual projections of a prefill: the 130-token case).
     mul_mc2 where the device has VK_NV_cooperative_matrix2."""
-    if kernel != "mul_mc" and not coopmat_kernels.device_has_coopmat2(device):
+    if kernel != "mul_mc" and not device_has_coopmat2(device):
         pytest.skip("mul_mc2: VK_NV_cooperative_matrix2 devices")
-    kn = coopmat_kernels
-    saved = kn.coopmat2, kn.mc2_types, kn.mc2_from_rows, kn.mc2_f16acc, kn.mc2h_tiles, kn.split_k_wgs, kn.split_k_min
-    kn.coopmat2, kn.mc2_types, kn.mc2_from_rows = kernel != "mul_mc", MC2_TYPES, 0
-    kn.split_k_wgs, kn.split_k_min = (1 << 30, 1024) if K > 1024 else (0, 512)
-    kn.mc2_f16acc = kernel.startswith("mul_mc2h")
-    if kn.mc2_f16acc:
-        kn.mc2h_tiles = ((0, tuple(int(v) for v in kernel.split("_")[-1].split("x"))),)
-    try:
-        _check_mul_mat(device, kn, ws, rng, wt, n, M, max(K, 512) if wt in K_QUANTS else K, accumulate=n == 130)
-    finally:
-        (kn.coopmat2, kn.mc2_types, kn.mc2_from_rows, kn.mc2_f16acc, kn.mc2h_tiles, kn.split_k_wgs,
-         kn.split_k_min) = saved
+    f16acc = kernel.startswith("mul_mc2h")
+    tiles = ((0, tuple(int(v) for v in kernel.split("_")[-1].split("x"))),) if f16acc else MC2H_TILES
+    wgs, kmin = (1 << 30, 1024) if K > 1024 else (0, 512)
+    kn = with_caps(coopmat_kernels, coopmat2=kernel != "mul_mc", mc2_types=MC2_TYPES, mc2_from_rows=0,
+                   split_k_wgs=wgs, split_k_min=kmin, mc2_f16acc=f16acc, mc2h_tiles=tiles)
+    _check_mul_mat(device, kn, ws, rng, wt, n, M, max(K, 512) if wt in K_QUANTS else K, accumulate=n == 130)
 
 
 @pytest.mark.parametrize("n,cols,n_pad", [(3, 96, 128), (130, 100, 256)])
@@ -246,12 +226,12 @@ def _check_mul_mat(device, kernels, ws, rng, wt, n, M, K, accumulate=False):
     got = ws.read(yr).reshape(n, ys)[:, :M]
     if accumulate:
         got = got.astype(np.float64) - y0[:, :M]
-    if kernels.coopmat and kernels.tiled(mat, n):
+    if kernels.caps.coopmat and kernels.tiled(mat, n):
         # fp16 operands (x and the dequantized W rounded to halves), fp32 sums;
         # a device may round to half differently than numpy: one half ulp per operand
         want = x.astype(np.float16).astype(np.float64) @ w.astype(np.float16).T.astype(np.float64)
         bound = 2.0 ** -10 * (np.abs(x).astype(np.float64) @ np.abs(w).T.astype(np.float64))
-        if kernels.coopmat2 and kernels.mc2_f16acc and kernels.on_coopmat2(mat):
+        if kernels.caps.coopmat2 and kernels.caps.mc2_f16acc and kernels.on_coopmat2(mat):
             # fp16 sums: at most one rounding (half an ulp) a 16-deep k step
             bound *= 1 + math.ceil(K / 16)
         assert (np.abs(got - want) <= bound + 1e-5 * np.sqrt(K) * max(1.0, float(np.abs(want).max()))).all()
@@ -266,20 +246,18 @@ def column_kernels(device):
     """Kernels that take matvecs through the GPU's split-K variants (mul_mvk,
     and mul_mm{2,4,8} for 2..63 rows), whatever the device (lavapipe uses the
     subgroup kernels by default)."""
-    from vkengine.kernels import Kernels
-    kn = Kernels(device, tiled_from=None)
-    kn.multi_column_from, kn.split_k, kn.norm_in = 2, True, True
-    return kn
+    return kernels_for(device, tiled_from=None, multi_column_from=2, split_k=True, norm_in=True)
 
 
-def _split_k_rows(device, kernels, wt: str, n: int, reduce: str) -> int:
-    """Set the split-K kernels' reduction; the rows to test: n, or 2 where the
-    butterfly has no lane for every sum of n rows' variant (lavapipe's 8 lanes:
-    only the 1- and 2-column variants), the widest variant it can reduce so."""
+def _split_k_rows(device, kernels, wt: str, n: int, reduce: str):
+    """The split-K kernels with that reduction, and the rows to test: n, or 2
+    where the butterfly has no lane for every sum of n rows' variant
+    (lavapipe's 8 lanes: only the 1- and 2-column variants), the widest
+    variant it can reduce so."""
     from shaders.variants import mv_gpu_config
-    kernels.bfly = reduce == "butterfly"
-    ncols = kernels.split_k_columns(n)
-    return 2 if kernels.bfly and mv_gpu_config(wt, ncols)[0] * ncols > device.info.subgroup_size else n
+    kn = with_caps(kernels, bfly=reduce == "butterfly")
+    ncols = kn.split_k_columns(n)
+    return kn, 2 if kn.caps.bfly and mv_gpu_config(wt, ncols)[0] * ncols > device.info.subgroup_size else n
 
 
 def _assert_columns_equal_single(device, kernels, ws, mat, xr, K, got, rows, n, **kw):
@@ -302,7 +280,7 @@ def test_mul_mat_columns_equal_single_rows(device, column_kernels, ws, rng, wt, 
     a sequence's tokens do not depend on which others share its step. Both
     reductions (the butterfly needs a lane per sum: on lavapipe's 8 lanes only
     the 1- and 2-column variants can run it)."""
-    n = _split_k_rows(device, column_kernels, wt, n, reduce)
+    kn, n = _split_k_rows(device, column_kernels, wt, n, reduce)
     M, K = 37, _cols(wt)
     raw, w = random_quantized(wt, M, K, rng)
     mat = upload_matrix(ws, wt, raw, M, K)
@@ -310,22 +288,19 @@ def test_mul_mat_columns_equal_single_rows(device, column_kernels, ws, rng, wt, 
     xr = ws.act_region(n * K, x)
     yr = ws.act_region(n * M)
     prog = device.program()
-    column_kernels.mul_mat(prog, mat, xr, K, yr, M, n)
+    kn.mul_mat(prog, mat, xr, K, yr, M, n)
     prog.run()
     got = ws.read(yr).reshape(n, M)
     _close(got, x.astype(np.float64) @ w.T.astype(np.float64), atol_scale=1e-5 * np.sqrt(K))
-    _assert_columns_equal_single(device, column_kernels, ws, mat, xr, K, got, M, n)
+    _assert_columns_equal_single(device, kn, ws, mat, xr, K, got, M, n)
 
 
 @pytest.fixture(scope="module")
 def xq8_kernels(device):
     """column_kernels with the XQ8 matvecs: Q8_0 matrices take x as 8-bit
     blocks through integer dot products (lavapipe and the H200 both have them)."""
-    from vkengine.kernels import Kernels
     assert "shaderIntegerDotProduct" in device.features, "the XQ8 tests need integer dot products"
-    kn = Kernels(device, tiled_from=None)
-    kn.multi_column_from, kn.split_k, kn.xq8 = 2, True, True
-    return kn
+    return kernels_for(device, tiled_from=None, multi_column_from=2, split_k=True, xq8=True)
 
 
 def test_quantize_q8(device, xq8_kernels, ws, rng):
@@ -368,8 +343,7 @@ def test_mul_mat_xq8(device, xq8_kernels, ws, rng, n, reduce):
     2/4/8-column variants bit for bit what the 1-column one gives that row
     alone. An unmarked matrix (it may take a norm or RoPE at some step size)
     stays on the float kernel."""
-    kn = xq8_kernels
-    n = _split_k_rows(device, kn, "q8_0", n, reduce)
+    kn, n = _split_k_rows(device, xq8_kernels, "q8_0", n, reduce)
     M, K = 37, 256
     raw, w = random_quantized("q8_0", M, K, rng)
     mat = upload_matrix(ws, "q8_0", raw, M, K)
@@ -378,8 +352,8 @@ def test_mul_mat_xq8(device, xq8_kernels, ws, rng, n, reduce):
     yr = ws.act_region(n * M)
     prog = device.program()
     kn.mul_mat(prog, mat, xr, K, yr, M, n)
-    assert [op.label for op in prog.ops if op.kind == "dispatch"] == [f"mul_mvk{'b' * kn.bfly}_q8_0" if n == 1
-                                                                     else f"mul_mm{'b' * kn.bfly}"
+    assert [op.label for op in prog.ops if op.kind == "dispatch"] == [f"mul_mvk{'b' * kn.caps.bfly}_q8_0" if n == 1
+                                                                     else f"mul_mm{'b' * kn.caps.bfly}"
                                                                      f"{kn.split_k_columns(n)}_q8_0"]
     _run_xq8(device, kn, mat, xr, K, yr, M, n, no_epilogues=True)
     got = ws.read(yr).reshape(n, M)
@@ -396,8 +370,7 @@ def test_mul_mat_xq8(device, xq8_kernels, ws, rng, n, reduce):
 def test_mul_mat_xq8_glu(device, xq8_kernels, ws, rng, n, reduce):
     """gate|up with the fused SwiGLU takes the XQ8 variants: silu(gate) * up of
     x rounded to 8-bit blocks, each column bit for bit the row alone."""
-    kn = xq8_kernels
-    n = _split_k_rows(device, kn, "q8_0", n, reduce)
+    kn, n = _split_k_rows(device, xq8_kernels, "q8_0", n, reduce)
     F, K = 37, 256
     raw, w = random_quantized("q8_0", 2 * F, K, rng)
     mat = upload_matrix(ws, "q8_0", raw, 2 * F, K)
@@ -416,23 +389,23 @@ def test_mul_mat_xq8_glu(device, xq8_kernels, ws, rng, n, reduce):
 def test_mul_mat_glu(device, column_kernels, ws, rng, wt, n, reduce):
     """The split-K matvecs' fused SwiGLU (gate over up in one matrix): right,
     each column bit for bit the row alone, and only F values a row written."""
-    n = _split_k_rows(device, column_kernels, wt, n, reduce)
+    kn, n = _split_k_rows(device, column_kernels, wt, n, reduce)
     F, K = 37, _cols(wt)
     raw, w = random_quantized(wt, 2 * F, K, rng)
     mat = upload_matrix(ws, wt, raw, 2 * F, K)
-    assert column_kernels.fuses_glu(mat, n)
+    assert kn.fuses_glu(mat, n)
     x = rng.standard_normal((n, K)).astype(np.float32)
     xr = ws.act_region(n * K, x)
     ys = F + 3
     yr = ws.act_region(n * ys)
     prog = device.program()
-    column_kernels.mul_mat(prog, mat, xr, K, yr, ys, n, glu=True)
+    kn.mul_mat(prog, mat, xr, K, yr, ys, n, glu=True)
     prog.run()
     out = ws.read(yr).reshape(n, ys)
     assert np.isnan(out[:, F:]).all(), "wrote outside its rows"
     gu = x.astype(np.float64) @ w.T.astype(np.float64)
     _close(out[:, :F], ref.silu(gu[:, :F]) * gu[:, F:], atol_scale=1e-5 * np.sqrt(K))
-    _assert_columns_equal_single(device, column_kernels, ws, mat, xr, K, out, F, n, glu=True)
+    _assert_columns_equal_single(device, kn, ws, mat, xr, K, out, F, n, glu=True)
 
 
 @pytest.mark.parametrize("reduce", ["subgroupAdd", "butterfly"])
@@ -446,8 +419,8 @@ def test_mul_mat_norm_split(device, column_kernels, ws, rng, wp, wt, n, reduce):
     rms_norm(y) * w, close to numpy's. Every column of both is bit for bit what
     the matvec gives that column alone."""
     from vkengine.kernels import NormIn, NormParts
-    kn = column_kernels
-    n = min(_split_k_rows(device, kn, wp, n, reduce), _split_k_rows(device, kn, wt, n, reduce))
+    kn, n1 = _split_k_rows(device, column_kernels, wp, n, reduce)
+    n = min(n1, _split_k_rows(device, column_kernels, wt, n, reduce)[1])
     D, Kp, M, eps = 512, _cols(wp), 38, 1e-5
     rawp, wpm = random_quantized(wp, D, Kp, rng)
     pm = upload_matrix(ws, wp, rawp, D, Kp)
@@ -495,7 +468,7 @@ def test_mul_mat_norm_split(device, column_kernels, ws, rng, wp, wt, n, reduce):
             out = ws.act_region(cols * ys)
             prog = device.program()
             kn.mul_mat(prog, mat, hr.at(c0 * D, cols * D), D, out, ys, cols, glu=glu, norm_in=norm)
-            tag = "b" * kn.bfly
+            tag = "b" * kn.caps.bfly
             assert [op.label for op in prog.ops if op.kind == "dispatch"] == [
                 f"mul_mvk{tag}n_{wt}" if cols == 1 else f"mul_mm{tag}{kn.split_k_columns(cols)}n_{wt}"]
             prog.run()
@@ -513,11 +486,8 @@ def test_mul_mat_norm_split(device, column_kernels, ws, rng, wp, wt, n, reduce):
 def xq8_in_kernels(device):
     """column_kernels with the split norm's 8-bit blocks (Kernels.xq8_in): a
     "pq" producer writes h' as blocks, a Q8_0 gate|up reads them ("nx")."""
-    from vkengine.kernels import Kernels
     assert "shaderIntegerDotProduct" in device.features, "the XQ8 tests need integer dot products"
-    kn = Kernels(device, tiled_from=None)
-    kn.multi_column_from, kn.split_k, kn.norm_in, kn.xq8_in = 2, True, True, True
-    return kn
+    return kernels_for(device, tiled_from=None, multi_column_from=2, split_k=True, norm_in=True, xq8_in=True)
 
 
 @pytest.mark.parametrize("reduce", ["subgroupAdd", "butterfly"])
@@ -531,8 +501,8 @@ def test_mul_mat_norm_split_q8(device, xq8_in_kernels, ws, rng, wp, n, reduce):
     gives silu(gate) * up of the blocks times the norm's scale, each column
     bit for bit what it gives that column alone."""
     from vkengine.kernels import NormIn, NormParts, Q8Out
-    kn = xq8_in_kernels
-    n = min(_split_k_rows(device, kn, wp, n, reduce), _split_k_rows(device, kn, "q8_0", n, reduce))
+    kn, n1 = _split_k_rows(device, xq8_in_kernels, wp, n, reduce)
+    n = min(n1, _split_k_rows(device, xq8_in_kernels, "q8_0", n, reduce)[1])
     D, Kp, F, eps = 512, _cols(wp), 37, 1e-5
     rawp, wpm = random_quantized(wp, D, Kp, rng)
     pm = upload_matrix(ws, wp, rawp, D, Kp)
@@ -608,7 +578,7 @@ def test_mul_mat_norm_split_q8(device, xq8_in_kernels, ws, rng, wp, n, reduce):
         out = ws.act_region(cols * ys)
         prog = device.program()
         kn.mul_mat(prog, mat, ws.act_region(cols * D), D, out, ys, cols, glu=True, norm_in=norm)
-        tag = "b" * kn.bfly
+        tag = "b" * kn.caps.bfly
         assert [op.label for op in prog.ops if op.kind == "dispatch"] == [
             f"mul_mvk{tag}nx_q8_0" if cols == 1 else f"mul_mm{tag}{kn.split_k_columns(cols)}nx_q8_0"]
         prog.run()
@@ -629,7 +599,7 @@ def test_mul_mat_norm(device, column_kernels, ws, rng, wt, n, reduce):
     normalizes every column): y as the plain accumulate gives it, h bit for bit
     what rms_norm gives on that y, twice in a row (the counter is reset)."""
     from vkengine.kernels import NormOut
-    n = _split_k_rows(device, column_kernels, wt, n, reduce)
+    kn, n = _split_k_rows(device, column_kernels, wt, n, reduce)
     M, K, eps = 1036, _cols(wt), 1e-5
     raw, w = random_quantized(wt, M, K, rng)
     mat = upload_matrix(ws, wt, raw, M, K)
@@ -641,15 +611,15 @@ def test_mul_mat_norm(device, column_kernels, ws, rng, wt, n, reduce):
     for _ in range(2):
         yr, hr, href = ws.act_region(n * M, y0), ws.act_region(n * hs), ws.act_region(n * hs)
         norm = NormOut(nw, hr, hs, sync, eps)
-        assert column_kernels.fuses_norm(mat, n, yr, M, norm)
-        assert not column_kernels.fuses_norm(mat, column_kernels.NORM_MAX_ROWS + 1, yr, M, norm)
+        assert kn.fuses_norm(mat, n, yr, M, norm)
+        assert not kn.fuses_norm(mat, kn.NORM_MAX_ROWS + 1, yr, M, norm)
         prog = device.program()
-        column_kernels.mul_mat(prog, mat, xr, K, yr, M, n, accumulate=True, norm=norm)
+        kn.mul_mat(prog, mat, xr, K, yr, M, n, accumulate=True, norm=norm)
         prog.run()
         y = ws.read(yr).reshape(n, M)
         _close(y, y0 + x.astype(np.float64) @ w.T, atol_scale=1e-4)
         prog = device.program()
-        column_kernels.rms_norm(prog, nw, yr, M, href, hs, M, n, eps, ws.params)
+        kn.rms_norm(prog, nw, yr, M, href, hs, M, n, eps, ws.params)
         prog.run()
         h = ws.read(hr).reshape(n, hs)
         assert np.isnan(h[:, M:]).all(), "wrote outside its rows"
@@ -668,7 +638,7 @@ def test_mul_mat_rope(device, column_kernels, ws, rng, wt, n, reduce, pieces):
     (partial rotary dims, rows of different slots), and right against numpy."""
     from vkengine.kernels import RopeOut
     from vkengine.rope import rope_table
-    n = _split_k_rows(device, column_kernels, wt, n, reduce)
+    kn, n = _split_k_rows(device, column_kernels, wt, n, reduce)
     n_head, n_kv, hd, n_rot, ctx, n_slots = 4, 2, 32, 16, 40, 3
     K = _cols(wt)
     M = (n_head + 2 * n_kv) * hd
@@ -696,15 +666,15 @@ def test_mul_mat_rope(device, column_kernels, ws, rng, wt, n, reduce, pieces):
         for m, col in mats:
             rope = RopeOut(col, False, n_head, n_kv, hd, n_rot, table, qo, n_head * hd, kc, vc, ss, ws.params, 0, 50)
             if fused:
-                assert column_kernels.fuses_rope(m, n, rope)
-                assert not column_kernels.fuses_rope(m, n, dataclasses.replace(rope, neox=True))
-                column_kernels.mul_mat(prog, m, xr, K, qkv.at(col, qkv.words - col), M, n, rope=rope)
+                assert kn.fuses_rope(m, n, rope)
+                assert not kn.fuses_rope(m, n, dataclasses.replace(rope, neox=True))
+                kn.mul_mat(prog, m, xr, K, qkv.at(col, qkv.words - col), M, n, rope=rope)
             else:
-                column_kernels.mul_mat(prog, m, xr, K, qkv.at(col, qkv.words - col), M, n)
+                kn.mul_mat(prog, m, xr, K, qkv.at(col, qkv.words - col), M, n)
         if not fused:
             prog.barrier()
-            column_kernels.rope_kv(prog, table, qkv, M, qo, n_head * hd, n, n_head, n_kv, hd, n_rot, False,
-                                   kc, vc, ss, ws.params, 0, 50)
+            kn.rope_kv(prog, table, qkv, M, qo, n_head * hd, n, n_head, n_kv, hd, n_rot, False,
+                       kc, vc, ss, ws.params, 0, 50)
         prog.run()
         outs.append((ws.read(qo).reshape(n, n_head, hd), _read_cache(ws, kc, n_slots, ctx, n_kv, hd),
                      _read_cache(ws, vc, n_slots, ctx, n_kv, hd)))
@@ -739,9 +709,7 @@ def test_mul_mat_accumulate(device, kernels, ws, rng, wt):
 def test_grids_fold_into_two_dimensions(device, ws, rng):
     """Grids beyond maxComputeWorkGroupCount[0] are folded into (x, y); a tiny
     limit forces the fold here for a matmul, an elementwise op and argmax."""
-    from vkengine.kernels import Kernels
-    kn = Kernels(device)
-    kn.max_x = 3
+    kn = kernels_for(device, max_x=3)
     M, K = 70, 32
     raw, w = random_quantized("q4_0", M, K, rng)
     mat = upload_matrix(ws, "q4_0", raw, M, K)
@@ -1019,7 +987,7 @@ def test_copy(device, kernels, rng):
 def _sample_ref(x: np.ndarray, temp: float, top_k: int, top_p: float, min_p: float, u: float):
     """Sampler's draw (vkengine/sampling.py) with the uniform u given: the token,
     and the candidates' cdf (to keep u away from a boundary)."""
-    from vkengine.sampling import top_order
+    from vkengine.serving.sampling import top_order
     idx = top_order(x, top_k)
     if temp <= 0:
         return int(idx[0]), None

@@ -8,7 +8,7 @@ import pytest
 from parity.engine_side import eog_ids
 from parity.figures import NEAR_TIE_NATS, first_divergence, pick_margin, top2_margin
 from parity.reference import piece_bytes
-from vkengine.generate import generate
+from vkengine.serving.generate import generate
 
 pytestmark = pytest.mark.slow
 

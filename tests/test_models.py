@@ -3,14 +3,17 @@ against step-by-step decode, batched rows against sequential ones, the GGUF file
 against its Hugging Face copy, and the embedded SmolLM2 generating text."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
-from vkengine.engine import Engine, EngineConfig
+from vkengine.engine import Engine, EngineConfig, Readback
 from vkengine.errors import VkEngineError
-from vkengine.generate import generate
+from vkengine.kernels import Caps
 from vkengine.model import load_model
-from vkengine.sampling import SamplingParams
+from vkengine.serving.generate import generate
+from vkengine.serving.sampling import SamplingParams
 from vkengine.tools.synth.llama import SynthConfig, synth_llama
 
 from .ref_llama import RefLlama
@@ -27,20 +30,23 @@ def tiny_models(tmp_path_factory, tokenizer_source):
                           tokenizer_from=tokenizer_source) for q in ("q8_0", "q4_1", "f16")}
 
 
-def _engine(device, path, xq8_in: bool = False, **kw):
-    """The model and an engine; xq8_in: keep the GPUs' default of gate|up on
-    8-bit blocks of its input (Kernels.xq8_in), which the float reference
-    does not model (test_xq8_in_decode_path checks it against the reference
-    that does)."""
+def _engine(device, path, xq8_in: bool = False, caps: dict | None = None, **kw):
+    """The model and an engine; caps: capabilities set (e.g. the GPUs' split-K
+    matvecs on lavapipe); xq8_in: keep the GPUs' default of gate|up on 8-bit
+    blocks of its input (Caps.xq8_in), which the float reference does not
+    model (test_xq8_in_decode_path checks it against the reference that does)."""
     m = load_model(path)
     cfg = EngineConfig(**{"n_slots": 4, "n_ctx": 256, "max_batch": 64, "max_out": 64, **kw})
-    eng = Engine(m, device, cfg)
-    eng.kernels.xq8_in = eng.kernels.xq8_in and xq8_in
-    return m, eng
+    c = Caps.detect(device)
+    c = dataclasses.replace(c, **{"xq8_in": c.xq8_in and xq8_in, **(caps or {})})
+    return m, Engine(m, device, cfg, caps=c)
+
+
+GPU_DECODE = {"split_k": True, "multi_column_from": 2, "norm_in": True}   # the GPUs' decode path
 
 
 def _prefill_logits(eng, ids, slot=0):
-    return eng.step(ids, range(len(ids)), [slot] * len(ids), range(len(ids)), "logits")
+    return eng.step(ids, range(len(ids)), [slot] * len(ids), range(len(ids)), Readback.LOGITS)
 
 
 def _assert_logits_close(got, want, rel=2e-3):
@@ -63,7 +69,7 @@ def test_tiny_prefill_equals_step_by_step_decode(device, tiny_models):
     m, eng = _engine(device, tiny_models["q4_1"]["gguf"])
     ids = m.tokenizer.encode(PROMPT)
     pre = _prefill_logits(eng, ids, slot=1)
-    steps = np.stack([eng.step([t], [p], [2], [0], "logits")[0] for p, t in enumerate(ids)])
+    steps = np.stack([eng.step([t], [p], [2], [0], Readback.LOGITS)[0] for p, t in enumerate(ids)])
     np.testing.assert_allclose(steps, pre, rtol=0, atol=1e-4 * float(np.abs(pre).max()))
 
 
@@ -73,20 +79,21 @@ def test_matrices_split_across_buffers(device, tiny_models, monkeypatch):
     whole rows, one dispatch each: logits equal the one-part engine's bit for bit."""
     from vkengine import arena
     path = tiny_models["q4_1"]["gguf"]
-    m, whole = _engine(device, path)
-    monkeypatch.setattr(arena, "SPLIT_BYTES", 4096)
-    _, split = _engine(device, path)
-    w = split.weights
-    assert len(w.tok_embd.parts) > 100 and len(w.layers[0].down.parts) > 1 and not whole.weights.tok_embd.parts
-    assert w.tok_embd.parts[1][0] == w.tok_embd.parts[0][1].rows and w.tok_embd.rows == whole.weights.tok_embd.rows
-    ids = m.tokenizer.encode(PROMPT)
+    ids = load_model(path).tokenizer.encode(PROMPT)
     for gpu_path in (False, True):   # and the GPUs' decode path (split-K matvecs, the split RMSNorm)
+        caps = GPU_DECODE if gpu_path else None
+        monkeypatch.setattr(arena, "SPLIT_BYTES", None)
+        m, whole = _engine(device, path, caps=caps)
+        monkeypatch.setattr(arena, "SPLIT_BYTES", 4096)
+        _, split = _engine(device, path, caps=caps)
+        w = split.weights
+        assert len(w.tok_embd.parts) > 100 and len(w.layers[0].down.parts) > 1 and not whole.weights.tok_embd.parts
+        assert (w.tok_embd.parts[1][0] == w.tok_embd.parts[0][1].rows
+                and w.tok_embd.rows == whole.weights.tok_embd.rows)
         for eng in (whole, split):
-            if gpu_path:
-                eng.kernels.split_k, eng.kernels.multi_column_from, eng.kernels.norm_in = True, 2, True
-                eng._programs.clear()
             eng.out = _prefill_logits(eng, ids)
-            eng.dec = np.stack([eng.step([t], [len(ids) + i], [0], [0], "logits")[0] for i, t in enumerate(ids[:4])])
+            eng.dec = np.stack([eng.step([t], [len(ids) + i], [0], [0], Readback.LOGITS)[0]
+                                for i, t in enumerate(ids[:4])])
         assert np.array_equal(split.out, whole.out) and np.array_equal(split.dec, whole.dec), gpu_path
     labels = [op.label for prog in split._programs.values() for op in prog.ops]
     assert any("+rms_norm_parts[" in lb for lb in labels), "a matrix in parts writes the norm's sums"
@@ -97,11 +104,11 @@ def test_tiny_chunked_prefill_equals_single_prefill(device, tiny_models):
     m, eng = _engine(device, tiny_models["q8_0"]["gguf"], max_batch=5)
     ids = m.tokenizer.encode(PROMPT)
     assert len(ids) > 10
-    last_chunked = eng.prefill(ids, 0, readback="logits")
+    last_chunked = eng.prefill(ids, 0, readback=Readback.LOGITS)
     # the whole prompt in one step of its size (an engine of more rows pads prompt steps to its
     # tiled matmuls on GPUs: Engine.tiled_prompts, fp16 tiles)
     _, eng2 = _engine(device, tiny_models["q8_0"]["gguf"], max_batch=len(ids))
-    last_whole = eng2.prefill(ids, 0, readback="logits")
+    last_whole = eng2.prefill(ids, 0, readback=Readback.LOGITS)
     np.testing.assert_allclose(last_chunked, last_whole, rtol=0, atol=1e-4 * float(np.abs(last_whole).max()))
 
 
@@ -112,8 +119,8 @@ def _batched_and_alone(m, eng) -> tuple[np.ndarray, np.ndarray]:
     alone = []
     for s, ids in enumerate(prompts):
         eng.prefill(ids, s)
-        alone.append(eng.step([ids[-1]], [len(ids) - 1], [s], [0], "logits")[0])
-    both = eng.step([p[-1] for p in prompts], [len(p) - 1 for p in prompts], [0, 1, 2, 3], range(4), "logits")
+        alone.append(eng.step([ids[-1]], [len(ids) - 1], [s], [0], Readback.LOGITS)[0])
+    both = eng.step([p[-1] for p in prompts], [len(p) - 1 for p in prompts], [0, 1, 2, 3], range(4), Readback.LOGITS)
     return both, np.stack(alone)
 
 
@@ -131,11 +138,10 @@ def test_split_k_decode_path(device, tiny_models):
     tests: decode steps match the numpy reference, and four sequences batched
     give bit for bit the logits each gives alone."""
     for quant, norm_in in (("q4_1", True), ("q8_0", True), ("q8_0", False)):
-        m, eng = _engine(device, tiny_models[quant]["gguf"])
-        eng.kernels.split_k, eng.kernels.multi_column_from, eng.kernels.norm_in = True, 2, norm_in
+        m, eng = _engine(device, tiny_models[quant]["gguf"], caps={**GPU_DECODE, "norm_in": norm_in})
         ids = m.tokenizer.encode(PROMPT)[:12]
         want = RefLlama(m.file, m.args).logits(ids)
-        steps = np.stack([eng.step([t], [p], [1], [0], "logits")[0] for p, t in enumerate(ids)])
+        steps = np.stack([eng.step([t], [p], [1], [0], Readback.LOGITS)[0] for p, t in enumerate(ids)])
         _assert_logits_close(steps, want)
         both, alone = _batched_and_alone(m, eng)
         np.testing.assert_array_equal(both, alone, err_msg=quant)
@@ -157,12 +163,10 @@ def test_xq8_decode_path(device, tiny_models):
     match the numpy reference, and four sequences batched give bit for bit the
     logits each gives alone. The reference rounds those two products' inputs
     to 8-bit blocks as the kernels do."""
-    m, eng = _engine(device, tiny_models["q8_0"]["gguf"])
-    kn = eng.kernels
-    kn.split_k, kn.multi_column_from, kn.xq8, kn.norm_in = True, 2, True, False
+    m, eng = _engine(device, tiny_models["q8_0"]["gguf"], caps={**GPU_DECODE, "xq8": True, "norm_in": False})
     ids = m.tokenizer.encode(PROMPT)[:12]
     want = RefLlama(m.file, m.args).logits(ids, act_q8=True)
-    steps = np.stack([eng.step([t], [p], [1], [0], "logits")[0] for p, t in enumerate(ids)])
+    steps = np.stack([eng.step([t], [p], [1], [0], Readback.LOGITS)[0] for p, t in enumerate(ids)])
     _assert_logits_close(steps, want)
     labels = [op.label for prog in eng._programs.values() for op in prog.ops]
     assert labels.count("quantize_q8") == len(eng._programs) * (len(eng.weights.layers) + 1), labels
@@ -177,12 +181,10 @@ def test_xq8_in_decode_path(device, tiny_models):
     products. Decode steps match the numpy reference that rounds gate|up's
     input so, and four sequences batched give bit for bit the logits each
     gives alone."""
-    m, eng = _engine(device, tiny_models["q8_0"]["gguf"])
-    kn = eng.kernels
-    kn.split_k, kn.multi_column_from, kn.norm_in, kn.xq8_in = True, 2, True, True
+    m, eng = _engine(device, tiny_models["q8_0"]["gguf"], xq8_in=True, caps={**GPU_DECODE, "xq8_in": True})
     ids = m.tokenizer.encode(PROMPT)[:12]
     want = RefLlama(m.file, m.args).logits(ids, ffn_q8_parts=True)
-    steps = np.stack([eng.step([t], [p], [1], [0], "logits")[0] for p, t in enumerate(ids)])
+    steps = np.stack([eng.step([t], [p], [1], [0], Readback.LOGITS)[0] for p, t in enumerate(ids)])
     _assert_logits_close(steps, want)
     both, alone = _batched_and_alone(m, eng)
     np.testing.assert_array_equal(both, alone)
@@ -203,9 +205,9 @@ def test_tiled_prefill_with_split_k(device, tiny_models, monkeypatch):
     from vkengine.kernels import Kernels
     monkeypatch.setattr(Kernels, "SPLIT_K_ALIGN", 32)
     for quant in ("q8_0", "f16"):
-        m, eng = _engine(device, tiny_models[quant]["gguf"])
+        m, eng = _engine(device, tiny_models[quant]["gguf"],
+                         caps={"tiled_from": 2, "split_k_wgs": 1 << 30, "split_k_min": 32, "coopmat2": False})
         kn = eng.kernels
-        kn.tiled_from, kn.split_k_wgs, kn.split_k_min, kn.coopmat2 = 2, 1 << 30, 32, False
         ids = m.tokenizer.encode(PROMPT)
         lw = eng.weights.layers[0]
         assert all(kn.tiled(w, len(ids)) and kn.split_k_parts(1, w.cols, len(ids), w.rows)[0] > 1
@@ -218,23 +220,24 @@ def test_step_rows_buckets(device, tiny_models):
     """GPUs: steps of more than 8 rows run as buckets of 8 rows (16 past 64, 64
     past 128), at most max_batch, never crossing a row count where the step's
     kernels change. Lavapipe keeps exact steps."""
-    _, eng = _engine(device, tiny_models["q8_0"]["gguf"], max_batch=256, max_out=4)
-    kn = eng.kernels
-    assert not eng.pad_steps or device.info.type != "cpu", "lavapipe keeps exact steps"
-    eng.pad_steps = True
-    kn.tiled_from, kn.coopmat, kn.split_attention = 64, False, False
+    path = tiny_models["q8_0"]["gguf"]
+
+    def padded(caps: dict, max_out: int = 4):
+        eng = _engine(device, path, caps=caps, max_batch=256, max_out=max_out)[1]
+        eng.pad_steps = True
+        return eng
+    assert not _engine(device, path)[1].pad_steps or device.info.type != "cpu", "lavapipe keeps exact steps"
+    eng = padded({"tiled_from": 64, "coopmat": False, "split_attention": False})
     got = {n: eng.step_rows(n) for n in (1, 8, 9, 16, 17, 49, 57, 63, 64, 65, 128, 129, 200, 256)}
     assert got == {1: 1, 8: 8, 9: 16, 16: 16, 17: 24, 49: 56, 57: 63, 63: 63, 64: 64, 65: 80, 128: 128,
                    129: 192, 200: 256, 256: 256}
     # nor across attention's switches: cooperative matrices from 16 rows, split
     # decode attention up to max_out rows
-    kn.coopmat, kn.attention_mc, kn.split_attention = True, True, True
+    eng = padded({"tiled_from": 64, "coopmat": True, "attention_mc": True, "split_attention": True})
     assert [eng.step_rows(n) for n in (9, 15, 16, 17)] == [15, 15, 16, 24]
-    _, wide = _engine(device, tiny_models["q8_0"]["gguf"], max_batch=256, max_out=12)
-    wide.pad_steps = True
-    wide.kernels.tiled_from, wide.kernels.coopmat, wide.kernels.split_attention = 64, False, True
+    wide = padded({"tiled_from": 64, "coopmat": False, "split_attention": True}, max_out=12)
     assert [wide.step_rows(n) for n in (9, 12, 13)] == [12, 12, 16]
-    kn.tiled_from, kn.coopmat, kn.split_attention = None, False, False
+    eng = padded({"tiled_from": None, "coopmat": False, "split_attention": False})
     assert eng.step_rows(49) == 56 and eng.step_rows(250) == 256
     eng.pad_steps = False
     assert eng.step_rows(49) == 49
@@ -254,12 +257,12 @@ def test_step_buckets_pad_rows_change_nothing(device, tiny_models):
     n = len(ids)
     assert padded.step_rows(n) > n and padded.step_rows(n + 1) > n + 1
     for eng in (padded, exact):
-        eng.got = [eng.prefill(other, 1, readback="logits")]
+        eng.got = [eng.prefill(other, 1, readback=Readback.LOGITS)]
         p1 = len(other)
         # a mixed step: slot 1's next token, then slot 0's whole prompt
-        eng.got += list(eng.step([other[-1]] + ids, [p1] + list(range(n)), [1] + [0] * n, [0, n], "logits"))
+        eng.got += list(eng.step([other[-1]] + ids, [p1] + list(range(n)), [1] + [0] * n, [0, n], Readback.LOGITS))
         for i in range(3):
-            eng.got += list(eng.step([ids[i], other[i]], [n + i, p1 + 1 + i], [0, 1], [0, 1], "logits"))
+            eng.got += list(eng.step([ids[i], other[i]], [n + i, p1 + 1 + i], [0, 1], [0, 1], Readback.LOGITS))
     for a, b in zip(padded.got, exact.got):
         np.testing.assert_array_equal(a, b)
     shapes = {k[0] for k in padded._programs}
@@ -349,18 +352,19 @@ def test_smollm2_generates_paris(smollm):
 
 
 def test_sampling_on_the_device_matches_the_host(device, tiny_models):
-    """Engine readback "sample": temperature 0 gives the argmax; sampled rows
+    """Engine readback SAMPLE: temperature 0 gives the argmax; sampled rows
     draw what Sampler draws from the same logits with the same uniform (put
     inside a candidate's cdf interval); a chained step reads sampled tokens as
-    it reads greedy ones; "sample+logits" returns both."""
+    it reads greedy ones; SAMPLE | LOGITS returns both."""
     from vkengine.kernels import Kernels
+
     from .test_kernels import _sample_ref
     assert _engine(device, tiny_models["q8_0"]["gguf"])[1].can_sample == (device.info.type != "cpu")   # the default
     m, eng = _engine(device, tiny_models["q8_0"]["gguf"], device_sampling=True)
     assert eng.can_sample
     ids = m.tokenizer.encode(PROMPT)
     n = len(ids)
-    lg = eng.step(ids, range(n), [0] * n, [n - 3, n - 2, n - 1], "logits")
+    lg = eng.step(ids, range(n), [0] * n, [n - 3, n - 2, n - 1], Readback.LOGITS)
     rng = np.random.default_rng(5)
     params = [(0.0, 40, 0.95, 0.05), (0.8, 40, 0.95, 0.05), (1.2, Kernels.SAMPLE_K, 1.0, 0.0)]
     rows, want = [], []
@@ -376,21 +380,22 @@ def test_sampling_on_the_device_matches_the_host(device, tiny_models):
         u = float(cdf[j] - width[j] / 2)
         rows.append((t, k, tp, mp, u))
         want.append(_sample_ref(r, t, k, tp, mp, u)[0])
-    got = eng.step(ids, range(n), [0] * n, [n - 3, n - 2, n - 1], "sample", sampling=rows)
+    got = eng.step(ids, range(n), [0] * n, [n - 3, n - 2, n - 1], Readback.SAMPLE, sampling=rows)
     assert list(got) == want
-    toks, lg2 = eng.step(ids, range(n), [0] * n, [n - 3, n - 2, n - 1], "sample+logits", sampling=rows)
+    toks, lg2 = eng.step(ids, range(n), [0] * n, [n - 3, n - 2, n - 1], Readback.SAMPLE | Readback.LOGITS,
+                         sampling=rows)
     assert list(toks) == want
     np.testing.assert_array_equal(lg2, lg)
     # chained: the next step's row reads the sampled token of output row 2
-    eng.submit(ids, range(n), [0] * n, [n - 1], "sample", sampling=[rows[2]])
-    eng.submit([0], [n], [0], [0], "argmax", chain=[0])
+    eng.submit(ids, range(n), [0] * n, [n - 1], Readback.SAMPLE, sampling=[rows[2]])
+    eng.submit([0], [n], [0], [0], Readback.ARGMAX, chain=[0])
     first, second = eng.collect(), eng.collect()
     assert int(first[0]) == want[2]
     assert int(second[0]) == int(eng.step([want[2]], [n], [0], [0])[0])
     with pytest.raises(ValueError):
-        eng.step([1], [0], [0], [0], "sample", sampling=[(0.8, 0, 0.95, 0.05, 0.5)])   # top_k 0
+        eng.step([1], [0], [0], [0], Readback.SAMPLE, sampling=[(0.8, 0, 0.95, 0.05, 0.5)])   # top_k 0
     with pytest.raises(ValueError):
-        eng.step([1], [0], [0], [0], "sample")                                        # no sampling rows
+        eng.step([1], [0], [0], [0], Readback.SAMPLE)                                 # no sampling rows
 
 
 def test_device_and_host_sampling_agree(device, tiny_models):

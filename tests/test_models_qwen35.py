@@ -10,12 +10,12 @@ import dataclasses
 import numpy as np
 import pytest
 
-from vkengine.engine import Engine, EngineConfig
+from vkengine.engine import Engine, EngineConfig, Readback
 from vkengine.errors import VkEngineError
-from vkengine.generate import generate
 from vkengine.model import load_model
-from vkengine.tools.synth.writer import tokenizer_meta
+from vkengine.serving.generate import generate
 from vkengine.tools.synth.qwen35 import SHAPES, synth_qwen35
+from vkengine.tools.synth.writer import tokenizer_meta
 
 from .ref_qwen35 import RefQwen35
 
@@ -51,7 +51,7 @@ def _engine(device, model, args_change=None, **kw):
 
 
 def _prefill_logits(eng, ids, slot=0, start=0):
-    return eng.step(ids, range(start, start + len(ids)), [slot] * len(ids), range(len(ids)), "logits")
+    return eng.step(ids, range(start, start + len(ids)), [slot] * len(ids), range(len(ids)), Readback.LOGITS)
 
 
 def _assert_logits_close(got, want, rel=2e-3):
@@ -79,7 +79,7 @@ def test_prefill_equals_step_by_step_decode(device, qwen35_loaded, arch):
     m, eng = _engine(device, qwen35_loaded(arch, "gguf"))
     ids = m.tokenizer.encode(PROMPT)
     pre = _prefill_logits(eng, ids, slot=1)
-    steps = np.stack([eng.step([t], [p], [2], [0], "logits")[0] for p, t in enumerate(ids)])
+    steps = np.stack([eng.step([t], [p], [2], [0], Readback.LOGITS)[0] for p, t in enumerate(ids)])
     _close(steps, pre)
 
 
@@ -89,9 +89,9 @@ def test_chunked_prefill_equals_single_prefill(device, qwen35_loaded, arch):
     m, eng = _engine(device, qwen35_loaded(arch, "gguf"), max_batch=5)
     ids = m.tokenizer.encode(PROMPT)
     assert len(ids) > 10
-    chunked = eng.prefill(ids, 3, readback="logits")
+    chunked = eng.prefill(ids, 3, readback=Readback.LOGITS)
     _, eng2 = _engine(device, qwen35_loaded(arch, "gguf"))
-    whole = eng2.prefill(ids, 0, readback="logits")
+    whole = eng2.prefill(ids, 0, readback=Readback.LOGITS)
     _close(chunked, whole)
 
 
@@ -104,19 +104,19 @@ def test_batched_rows_equal_sequential(device, qwen35_loaded, arch):
     alone = []
     for s, ids in enumerate(prompts):
         eng.prefill(ids[:-1], s)
-        alone.append(eng.step([ids[-1]], [len(ids) - 1], [s], [0], "logits")[0])
+        alone.append(eng.step([ids[-1]], [len(ids) - 1], [s], [0], Readback.LOGITS)[0])
     for s, ids in enumerate(prompts):   # rebuild the states up to the last token
         eng.prefill(ids[:-1], s)
-    both = eng.step([p[-1] for p in prompts], [len(p) - 1 for p in prompts], [0, 1, 2, 3], range(4), "logits")
+    both = eng.step([p[-1] for p in prompts], [len(p) - 1 for p in prompts], [0, 1, 2, 3], range(4), Readback.LOGITS)
     _close(both, np.stack(alone))
     # slot 0 prefills its whole prompt while slot 1 decodes, in one step
     a, b = prompts[1], prompts[2]
     eng.prefill(b[:-1], 1)
     rows = a + [b[-1]]
-    out = eng.step(rows, list(range(len(a))) + [len(b) - 1], [0] * len(a) + [1], [len(a) - 1, len(a)], "logits")
+    out = eng.step(rows, list(range(len(a))) + [len(b) - 1], [0] * len(a) + [1], [len(a) - 1, len(a)], Readback.LOGITS)
     _close(out[1], alone[2])
     _, eng2 = _engine(device, qwen35_loaded(arch, "gguf"))
-    _close(out[0], eng2.prefill(a, 0, readback="logits"))
+    _close(out[0], eng2.prefill(a, 0, readback=Readback.LOGITS))
 
 
 @pytest.mark.parametrize("arch", ARCHES)
@@ -176,10 +176,10 @@ def test_park_restore_moves_kv_and_recurrent_state(device, qwen35_loaded):
     ids = m.tokenizer.encode(PROMPT)
     eng.prefill(ids, 0)
     parked = eng.kv.park(0, len(ids))
-    want = eng.step([42], [len(ids)], [0], [0], "logits")[0]
+    want = eng.step([42], [len(ids)], [0], [0], Readback.LOGITS)[0]
     eng.prefill(m.tokenizer.encode("something else entirely"), 0)    # overwrite slot 0
     eng.kv.restore(parked, 2)
-    got = eng.step([42], [len(ids)], [2], [0], "logits")[0]
+    got = eng.step([42], [len(ids)], [2], [0], Readback.LOGITS)[0]
     _close(got, want)
 
 
@@ -190,9 +190,9 @@ def test_copy_prefix_reuses_state_only_at_its_length(device, qwen35_loaded):
     eng.prefill(ids[:n], 0)
     assert eng.kv.reusable_prefix(0, n) == n
     eng.kv.copy_prefix(0, 1, n)
-    got = eng.prefill(ids[n:], 1, start=n, readback="logits")
+    got = eng.prefill(ids[n:], 1, start=n, readback=Readback.LOGITS)
     _, eng2 = _engine(device, qwen35_loaded("qwen35", "gguf"))
-    _close(got, eng2.prefill(ids, 0, readback="logits"))
+    _close(got, eng2.prefill(ids, 0, readback=Readback.LOGITS))
     # slot 0 has moved on: its prefix of n positions is no longer reusable
     eng.prefill(ids[n:], 0, start=n)
     assert eng.kv.reusable_prefix(0, n) == 0
@@ -229,6 +229,34 @@ def test_fixed_experts_match_reference_choices(device, qwen35_loaded):
     _close(_prefill_logits(eng2, ids), got, 1e-3)        # the normal router chooses the same experts here
 
 
+def test_generate_experts_log(qwen35_models, tmp_path, capsys):
+    """`vkengine generate --experts-log` on a MoE model: one JSON line per row
+    of every step (the prompt's, then one per generated token but the last),
+    each with the experts of every MoE layer, as the fixed-expert engine
+    chooses them for that prompt."""
+    import json
+
+    from vkengine.cli import main
+    path = qwen35_models["qwen35moe"]["gguf"]
+    log = tmp_path / "experts.jsonl"
+    assert main(["generate", PROMPT, "-m", str(path), "-n", "5", "--ctx", "128", "--ignore-eos",
+                 "--experts-log", str(log)]) == 0
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    m = load_model(path)
+    ids = m.tokenizer.encode(PROMPT)
+    assert [r["pos"] for r in rows] == list(range(len(ids) + 4))
+    assert [r["token"] for r in rows[:len(ids)]] == ids and {r["slot"] for r in rows} == {0}
+    a = m.args
+    assert all(len(r["experts"]) == a.n_layer and all(len(e) == a.n_expert_used for e in r["experts"])
+               for r in rows)
+    ref = RefQwen35(m.file, dataclasses.replace(m.args, fixed_experts=True))
+    ref.logits(ids)
+    want = np.stack(ref.expert_choices, 1)
+    got = np.array([r["experts"] for r in rows[:len(ids)]])
+    assert (got == want).mean() > 0.99
+    assert "error" not in capsys.readouterr().err
+
+
 def test_weights_split_across_buffers(device, qwen35_loaded, monkeypatch):
     """A device whose storage-buffer range is smaller than one layer's expert stack
     (lavapipe's 128 MiB against the 35B-A3B shape's 288 MiB gate|up stack) or than
@@ -252,5 +280,5 @@ def test_weights_split_across_buffers(device, qwen35_loaded, monkeypatch):
     assert not whole.weights.layers[0].ffn.gate_up.parts
     for eng in (whole, split):
         eng.out = _prefill_logits(eng, ids)
-        eng.dec = np.stack([eng.step([t], [len(ids) + i], [0], [0], "logits")[0] for i, t in enumerate(ids[:4])])
+        eng.dec = np.stack([eng.step([t], [len(ids) + i], [0], [0], Readback.LOGITS)[0] for i, t in enumerate(ids[:4])])
     assert np.array_equal(split.out, whole.out) and np.array_equal(split.dec, whole.dec)

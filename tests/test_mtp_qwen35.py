@@ -9,9 +9,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from vkengine.engine import Engine, EngineConfig
-from vkengine.generate import generate
-from vkengine.mtp import MtpRunner, MtpStats, generate_mtp
+from vkengine.engine import Engine, EngineConfig, Readback
+from vkengine.serving.generate import generate
+from vkengine.serving.mtp import MtpRunner, MtpStats, generate_mtp
 
 from .ref_qwen35 import RefQwen35
 from .test_models_qwen35 import ARCHES, PROMPT, qwen35_loaded, qwen35_models  # noqa: F401 (shared fixtures)
@@ -36,7 +36,7 @@ def test_mtp_head_matches_reference(device, qwen35_loaded, arch):
     n = len(ids)
     run.main(ids, 0, 0, [])
     hmap = [0] + list(range(n - 1))                        # position p reads h_{p-1}; zeros at 0
-    got = run.mtp(ids, 0, 0, "hn", hmap, list(range(n)), zero_first=True, readback="logits")
+    got = run.mtp(ids, 0, 0, "hn", hmap, list(range(n)), zero_first=True, readback=Readback.LOGITS)
     ref = RefQwen35(m.file, m.args)
     _, hidden = ref.forward(ids)
     want = ref.mtp_logits(ids, hidden)

@@ -19,6 +19,7 @@ from parity.prompts import load_prompt_set
 from parity.reference import check_tokens
 from parity.report import render
 from parity.run import RunConfig, run_parity, to_json, write_atomic
+from vkengine.engine import Readback
 from vkengine.errors import VkEngineError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -168,7 +169,7 @@ class TableEngine:
 
     def step(self, tokens, positions, slots, out_rows, readback):
         tokens, positions, out_rows = list(tokens), list(positions), list(out_rows)
-        assert len(tokens) <= self.max_batch and len(out_rows) <= self.max_out and readback == "logits"
+        assert len(tokens) <= self.max_batch and len(out_rows) <= self.max_out and readback == Readback.LOGITS
         self.calls.append(positions)
         return np.stack([self.row(tokens[r], positions[r]) for r in out_rows])
 
@@ -306,7 +307,8 @@ def test_cli_unreachable_endpoint_is_one_line():
 # -- against the real llama-server ----------------------------------------------
 
 TOP_LEVEL = {"schema", "created", "engine", "device", "llama_cpp", "model", "prompts", "n_predict", "n_probs",
-             "repeats", "near_tie_nats", "excluded_from_greedy", "definitions", "seconds", "summary", "bars", "verdict", "note", "cases"}
+             "repeats", "near_tie_nats", "excluded_from_greedy", "definitions", "seconds", "summary", "bars", "verdict",
+             "note", "cases"}
 CASE_KEYS = {"id", "chat", "n", "prompt_ids", "engine", "mode_a", "mode_b", "mode_a_run2", "mode_b_run2", "text",
             "probs_refetched", "mode_a_repeat", "mode_b_repeat", "teacher_forced_near",
              "first_divergence", "first_divergence_b", "flips", "classification", "strict", "either_mode",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vkengine.sampling import Sampler, SamplingParams, top_order
+from vkengine.serving.sampling import Sampler, SamplingParams, top_order
 
 
 def _rows(rng):

@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from server.scheduler import Scheduler, SchedulerConfig, Seq
+from vkengine.serving.scheduler import Scheduler, SchedulerConfig, Seq
 
 V = 1000
 
@@ -55,6 +55,9 @@ class FakeRunner:
 
     def release(self, handle):
         del self.handles[handle]
+
+    def reusable(self, source, n):   # a KV cache: any prefix of its rows
+        return n
 
     # the engine
     def step(self, tokens, positions, slots, out_rows):

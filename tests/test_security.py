@@ -153,7 +153,8 @@ def test_no_path_from_a_request_is_opened(audited):
                 ("POST", "/v1/chat/completions", chat), ("POST", "/v1/chat/completions", {**chat, "messages":
                                                                                        chat["messages"][:1]}),
                 ("POST", "/tokenize", {"content": p}), ("POST", "/detokenize", {"tokens": [1], "path": p}),
-                ("POST", "/slots/0?action=save", {"filename": p}), ("POST", f"/slots/0?action=restore&filename={p}", {}),
+                ("POST", "/slots/0?action=save", {"filename": p}),
+                ("POST", f"/slots/0?action=restore&filename={p}", {}),
                 ("POST", "/lora-adapters", [{"id": 0, "path": p}]), ("POST", "/load", {"model": p}),
                 ("GET", f"/props?model={p}", None), ("GET", f"/v1/models/{p}", None), ("GET", f"/static/{p}", None),
                 ("GET", f"/..%2f..%2f{p}", None), ("GET", "/" + "../" * 8 + p.lstrip("/"), None)]:

@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from vkengine.engine import Engine, EngineConfig
-from vkengine.generate import generate
-from vkengine.sampling import SamplingParams
+from vkengine.serving.generate import generate
+from vkengine.serving.sampling import SamplingParams
 
 from .httpcheck import soak
 from .serving import CTX, serve, tiny_gguf, tiny_model  # noqa: F401  (fixtures)
@@ -212,7 +212,7 @@ def test_concurrent_clients_get_their_alone_tokens(request, ref, which):
 
 
 def test_prefix_cache_over_http(batch_server, ref, tiny_model):
-    from server.scheduler import common_prefix
+    from vkengine.serving.scheduler import common_prefix
     system = "You are a helpful assistant who answers questions about geography. " * 3
     prompts = [system + "Where is Paris?", system + "Where is Lima?"]
     shared = common_prefix(*[tiny_model.tokenizer.encode(p) for p in prompts])

@@ -5,13 +5,16 @@ some are parked and resumed); every token and every byte of text must equal
 what `vkengine.generate.generate` gives for the sequence alone."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from server.scheduler import SchedulerConfig
 from server.worker import Event, GenRequest, Worker
-from vkengine.engine import Engine, EngineConfig
-from vkengine.generate import generate
-from vkengine.sampling import SamplingParams
+from vkengine.engine import Engine, EngineConfig, Readback
+from vkengine.kernels import Caps
+from vkengine.serving.generate import generate
+from vkengine.serving.sampling import SamplingParams
+from vkengine.serving.scheduler import SchedulerConfig
 
 from .serving import CTX, tiny_gguf, tiny_model  # noqa: F401  (fixtures)
 from .test_models_qwen35 import qwen35_loaded, qwen35_models  # noqa: F401  (fixtures)
@@ -41,7 +44,7 @@ SAMPLING = {
     "sampled": [SamplingParams(temperature=0.9, seed=11), SamplingParams(),
                 SamplingParams(temperature=1.3, top_k=0, top_p=0.9, min_p=0.0, seed=12),
                 SamplingParams(temperature=0.7, repeat_penalty=1.3, seed=13)],
-    # every token drawn on the device (Engine readback "sample"): steps chain as greedy ones do
+    # every token drawn on the device (Readback.SAMPLE): steps chain as greedy ones do
     "on-device": [SamplingParams(temperature=0.9, seed=21), SamplingParams(temperature=0.6, top_k=10, seed=22),
                   SamplingParams(temperature=1.2, top_p=0.8, min_p=0.0, seed=23),
                   SamplingParams(temperature=0.8, top_k=64, min_p=0.1, seed=24)],
@@ -59,13 +62,23 @@ def alone(eng, prompt, n, sp):
     return [s.token for s in steps], "".join(s.text for s in steps)
 
 
-def run_interleaved(device, model, cfg, reqs, gap=3, setup=None, in_flight=3):
+def _caps(device, **changes) -> Caps:
+    return dataclasses.replace(Caps.detect(device), **changes)
+
+
+# the GPUs' decode paths, on whatever device runs the tests
+GPU_XQ8 = {"split_k": True, "multi_column_from": 2, "xq8": True}      # the XQ8 matvecs
+GPU_XQ8_IN = {"split_k": True, "multi_column_from": 2, "norm_in": True, "xq8_in": True}   # the split norm's blocks
+
+
+def run_interleaved(device, model, cfg, reqs, gap=3, setup=None, in_flight=3, caps: dict | None = None):
     """Submit one request every `gap` steps; returns (tokens, text, job) per request.
-    setup(engine) adjusts the engine first (e.g. its kernels). in_flight: the
-    engine's max_in_flight (the server's 3 by default)."""
+    caps: the engine's kernels' capabilities to set; setup(engine) adjusts the
+    engine first. in_flight: the engine's max_in_flight (the server's 3 by default)."""
     eng = Engine(model, device, EngineConfig(n_slots=cfg.n_slots, n_ctx=CTX, max_batch=ENGINE_ROWS,
                                              max_out=cfg.n_slots, max_in_flight=in_flight,
-                                             device_sampling=True))   # as on GPUs (lavapipe: off by default)
+                                             device_sampling=True),   # as on GPUs (lavapipe: off by default)
+                 caps=_caps(device, **(caps or {})))
     if setup is not None:
         setup(eng)
     w = Worker(eng, cfg)
@@ -99,13 +112,8 @@ def test_interleaved_equals_alone(device, tiny_model, ref_engine, mode, sampling
     if mode == "batch-preempt" or mode.startswith("slices"):
         assert w.sched.stats["preemptions"] > 0
     if sampling != "sampled":    # decode steps ran chained (submitted before the previous one was read)
-        assert w.chained_steps > 0
-    print(f"{mode}/{sampling}: {w.chained_steps} chained steps")
-
-
-def _gpu_xq8(eng):
-    """The GPUs' decode path with the XQ8 matvecs, on whatever device runs the tests."""
-    eng.kernels.split_k, eng.kernels.multi_column_from, eng.kernels.xq8 = True, 2, True
+        assert w.runner.chained_steps > 0
+    print(f"{mode}/{sampling}: {w.runner.chained_steps} chained steps")
 
 
 @pytest.mark.parametrize("sampling", list(SAMPLING))
@@ -115,15 +123,16 @@ def test_two_in_flight_equals_alone(device, tiny_model, ref_engine, sampling):
     tok = tiny_model.tokenizer
     reqs = [GenRequest(tok.encode(t), n, sp, ignore_eos=True) for t, n, sp in zip(TEXTS, N_TOKENS, SAMPLING[sampling])]
     got, w = run_interleaved(device, tiny_model, CONFIGS["batch"], reqs, in_flight=2)
-    assert w.depth == 2
+    assert w.runner.depth == 2
     for r, (toks, text, job) in zip(reqs, got):
         assert (toks, text) == alone(ref_engine, r.prompt, r.max_tokens, r.sampling)
 
 
-def _tiled_prompts(eng, rows: int = 16) -> None:
-    """A GPU's prompt path on lavapipe: tiled matmuls (mul_mt) from `rows` rows
-    and prompt steps padded to them (Engine.tiled_prompts; GPUs: 64 rows)."""
-    eng.kernels.tiled_from = rows
+TILED16 = {"tiled_from": 16}   # a GPU's prompt path on lavapipe: tiled matmuls (mul_mt) from 16 rows
+
+
+def _tiled_prompts(eng) -> None:
+    """... and prompt steps padded to them (Engine.tiled_prompts; GPUs: 64 rows)."""
     eng._tiled_prompts = True
     assert eng.tiled_prompts
 
@@ -136,17 +145,19 @@ def test_prompt_rows_do_not_depend_on_the_chunking(device, tiny_model):
     import numpy as np
     eng = Engine(tiny_model, device, EngineConfig(n_slots=2, n_ctx=CTX, max_batch=ENGINE_ROWS, max_out=1))
     if not eng.tiled_prompts:
+        eng = Engine(tiny_model, device, EngineConfig(n_slots=2, n_ctx=CTX, max_batch=ENGINE_ROWS, max_out=1),
+                     caps=_caps(device, **TILED16))
         _tiled_prompts(eng)
     prompt = tiny_model.tokenizer.encode(SYSTEM + TEXTS[0])
     assert 23 < len(prompt) < ENGINE_ROWS
-    want = eng.prefill(prompt, 0, readback="logits")
+    want = eng.prefill(prompt, 0, readback=Readback.LOGITS)
     for chunk in (1, 5, 16, 23):
         out = None
         for c in range(0, len(prompt), chunk):
             part = prompt[c:c + chunk]
             last = c + len(part) == len(prompt)
             out = eng.step(part, range(c, c + len(part)), [1] * len(part), [len(part) - 1] if last else (),
-                           "logits" if last else "none", prompt=True)
+                           Readback.LOGITS if last else Readback.NONE, prompt=True)
         assert np.array_equal(out[0], want), chunk
 
 
@@ -160,7 +171,7 @@ def test_prompt_rows_apart_equal_alone(device, tiny_model, sampling):
     the host (their logits steps run alone: the other part is collected first)."""
     tok = tiny_model.tokenizer
     ref = Engine(tiny_model, device, EngineConfig(n_slots=1, n_ctx=CTX, max_batch=ENGINE_ROWS, max_out=1,
-                                                  device_sampling=True))
+                                                  device_sampling=True), caps=_caps(device, **TILED16))
     _tiled_prompts(ref)
     prompts = [tok.encode((SYSTEM if i % 2 == 0 else "") + TEXTS[i]) for i in range(4)]
     assert max(map(len, prompts)) > 16
@@ -175,8 +186,8 @@ def test_prompt_rows_apart_equal_alone(device, tiny_model, sampling):
             steps.append((len(tokens), prompt))
             return submit(tokens, *a, prompt=prompt, **k)
         eng.submit = recording_submit
-    got, w = run_interleaved(device, tiny_model, CONFIGS["batch"], reqs, gap=2, setup=setup)
-    assert w.prompt_apart and w.sched.cfg.prompt_apart
+    got, w = run_interleaved(device, tiny_model, CONFIGS["batch"], reqs, gap=2, setup=setup, caps=TILED16)
+    assert w.runner.prompt_apart and w.sched.cfg.prompt_apart
     for r, (toks, text, job) in zip(reqs, got):
         want_toks, want_text = alone(ref, r.prompt, r.max_tokens, r.sampling)
         assert toks == want_toks
@@ -196,9 +207,10 @@ def test_rows_past_a_stop_leave_the_cached_prefix_right(device, tiny_model, ref_
     the next request, whose prompt is that whole stream and more, reuses all
     of it and still gets the tokens of its own run alone."""
     tok = tiny_model.tokenizer
-    eng = Engine(tiny_model, device, EngineConfig(n_slots=1, n_ctx=CTX, max_batch=ENGINE_ROWS, max_out=1, max_in_flight=3))
+    eng = Engine(tiny_model, device, EngineConfig(n_slots=1, n_ctx=CTX, max_batch=ENGINE_ROWS, max_out=1,
+                                                  max_in_flight=3))
     w = Worker(eng, CONFIGS["batch"].__class__(n_slots=1, max_live=1, step_tokens=16))
-    assert w.depth == 3
+    assert w.runner.depth == 3
     deepest, submit = [0], eng.submit
 
     def counting_submit(*a, **k):
@@ -228,34 +240,28 @@ def test_xq8_interleaved_equals_alone(device, tiny_model):
     four sequences interleaved give the tokens each gives alone on the same
     kernels: both ways of rounding h give the same blocks."""
     tok = tiny_model.tokenizer
-    ref = Engine(tiny_model, device, EngineConfig(n_slots=1, n_ctx=CTX, max_batch=ENGINE_ROWS, max_out=1))
-    _gpu_xq8(ref)
+    ref = Engine(tiny_model, device, EngineConfig(n_slots=1, n_ctx=CTX, max_batch=ENGINE_ROWS, max_out=1),
+                 caps=_caps(device, **GPU_XQ8))
     reqs = [GenRequest(tok.encode(t), n, ignore_eos=True) for t, n in zip(TEXTS, N_TOKENS)]
-    got, w = run_interleaved(device, tiny_model, CONFIGS["batch"], reqs, setup=_gpu_xq8)
+    got, w = run_interleaved(device, tiny_model, CONFIGS["batch"], reqs, caps=GPU_XQ8)
     for r, (toks, text, job) in zip(reqs, got):
         assert toks == alone(ref, r.prompt, r.max_tokens, r.sampling)[0]
-    if not w.prompt_apart:   # (GPUs: prompt rows run apart on the tiled matmuls, decode steps split the norm)
+    if not w.runner.prompt_apart:   # (GPUs: prompt rows run apart on the tiled matmuls, decode steps split the norm)
         labels = [op.label for prog in w.eng._programs.values() for op in prog.ops]
         assert "quantize_q8" in labels and any(lb.endswith("+rms_norm") for lb in labels)
 
 
-def _gpu_xq8_in(eng):
-    """The GPUs' decode path with the split norm's 8-bit blocks (Kernels.xq8_in)."""
-    kn = eng.kernels
-    kn.split_k, kn.multi_column_from, kn.norm_in, kn.xq8_in = True, 2, True, True
-
-
 def test_xq8_in_interleaved_equals_alone(device, tiny_model):
-    """With gate|up on the producer's 8-bit blocks of h' (Kernels.xq8_in), four
+    """With gate|up on the producer's 8-bit blocks of h' (Caps.xq8_in), four
     sequences interleaved, greedy and sampled, give the tokens each gives
     alone on the same kernels."""
     tok = tiny_model.tokenizer
-    ref = Engine(tiny_model, device, EngineConfig(n_slots=1, n_ctx=CTX, max_batch=ENGINE_ROWS, max_out=1))
-    _gpu_xq8_in(ref)
+    ref = Engine(tiny_model, device, EngineConfig(n_slots=1, n_ctx=CTX, max_batch=ENGINE_ROWS, max_out=1),
+                 caps=_caps(device, **GPU_XQ8_IN))
     for sampling in ("greedy", "sampled"):
         reqs = [GenRequest(tok.encode(t), n, sp, ignore_eos=True)
                 for t, n, sp in zip(TEXTS, N_TOKENS, SAMPLING[sampling])]
-        got, w = run_interleaved(device, tiny_model, CONFIGS["batch"], reqs, setup=_gpu_xq8_in)
+        got, w = run_interleaved(device, tiny_model, CONFIGS["batch"], reqs, caps=GPU_XQ8_IN)
         for r, (toks, text, job) in zip(reqs, got):
             assert toks == alone(ref, r.prompt, r.max_tokens, r.sampling)[0], sampling
         labels = [op.label for prog in w.eng._programs.values() for op in prog.ops]
@@ -397,7 +403,8 @@ def test_hybrid_interleaved_equals_alone(device, qwen35_loaded, arch, mode, samp
     sampled, some sharing a system prompt) get the tokens of each alone."""
     model = qwen35_loaded(arch)
     tok = model.tokenizer
-    ref = Engine(model, device, EngineConfig(n_slots=1, n_ctx=CTX, max_batch=ENGINE_ROWS, max_out=1, device_sampling=True))
+    ref = Engine(model, device, EngineConfig(n_slots=1, n_ctx=CTX, max_batch=ENGINE_ROWS, max_out=1,
+                                             device_sampling=True))
     texts = [TEXTS[0], SYSTEM + TEXTS[1], SYSTEM + TEXTS[2], TEXTS[3]]
     reqs = [GenRequest(tok.encode(t), n, sp, ignore_eos=True)
             for t, n, sp in zip(texts, (12, 7, 10, 9), SAMPLING[sampling])]
@@ -409,7 +416,7 @@ def test_hybrid_interleaved_equals_alone(device, qwen35_loaded, arch, mode, samp
     if mode != "batch":
         assert w.sched.stats["preemptions"] > 0
     if sampling != "sampled":    # decode steps ran chained, the recurrent state too
-        assert w.chained_steps > 0
+        assert w.runner.chained_steps > 0
 
 
 @pytest.mark.parametrize("mode", ["slices-q4", "batch"])
@@ -539,7 +546,7 @@ def test_logits_step_waits_for_the_chained_one(device, tiny_model, ref_engine):
     (logits, which runs alone) is composed only once the chained step on the
     device is collected (no step is composed beside one in flight): every
     stream keeps its tokens, in order, once each."""
-    from server.scheduler import SchedulerConfig
+    from vkengine.serving.scheduler import SchedulerConfig
     tok = tiny_model.tokenizer
     cfg = SchedulerConfig(n_slots=2, max_live=2, step_tokens=16, quantum=64)
     eng = Engine(tiny_model, device, EngineConfig(n_slots=2, n_ctx=CTX, max_batch=ENGINE_ROWS, max_out=2))
@@ -551,7 +558,7 @@ def test_logits_step_waits_for_the_chained_one(device, tiny_model, ref_engine):
     for r, evs in zip(reqs, events):
         w.submit(r, evs.append)
     w.run_until_idle()
-    assert w.chained_steps > 0
+    assert w.runner.chained_steps > 0
     for r, evs in zip(reqs, events):
         assert [e.token for e in evs if e.token is not None] == alone(ref_engine, r.prompt, r.max_tokens, r.sampling)[0]
 
@@ -559,7 +566,8 @@ def test_logits_step_waits_for_the_chained_one(device, tiny_model, ref_engine):
 def test_bench_decode_chains_a_hybrid(device, qwen35_loaded):
     """The chained decode loop on a hybrid model (recurrent state carried from step to step on the device)."""
     from vkengine.tools.bench import decode
-    eng = Engine(qwen35_loaded("qwen35moe"), device, EngineConfig(n_slots=2, n_ctx=CTX, max_batch=ENGINE_ROWS, max_out=2))
+    eng = Engine(qwen35_loaded("qwen35moe"), device,
+                 EngineConfig(n_slots=2, n_ctx=CTX, max_batch=ENGINE_ROWS, max_out=2))
     toks, plain = [7, 700], []
     for pos in range(5):
         toks = [int(t) for t in eng.step(toks, [pos] * 2, [0, 1], [0, 1])]
@@ -592,7 +600,7 @@ def test_serve_sim_engine_drives_the_worker(device, tiny_model, host_sampling):
     w.run_until_idle()
     for evs in events:
         assert len([e for e in evs if e.token is not None]) == 12 and evs[-1].finish == "length"
-    assert (w.chained_steps > 0) == (not host_sampling)   # the host's draws need each step's logits first
+    assert (w.runner.chained_steps > 0) == (not host_sampling)   # the host's draws need each step's logits first
 
 
 def test_which_replies_are_drawn_on_the_device(device, tiny_model):
@@ -601,7 +609,8 @@ def test_which_replies_are_drawn_on_the_device(device, tiny_model):
     others read their logits back. Greedy replies take the argmax."""
     from vkengine.kernels import Kernels
     cfg = CONFIGS["batch"]
-    eng = Engine(tiny_model, device, EngineConfig(n_slots=cfg.n_slots, n_ctx=CTX, max_batch=ENGINE_ROWS, max_out=cfg.n_slots,
+    eng = Engine(tiny_model, device, EngineConfig(n_slots=cfg.n_slots, n_ctx=CTX, max_batch=ENGINE_ROWS,
+                                                  max_out=cfg.n_slots,
                                                   device_sampling=True))
     w = Worker(eng, cfg)
     prompt = tiny_model.tokenizer.encode(TEXTS[0])
@@ -623,18 +632,17 @@ def test_which_replies_are_drawn_on_the_device(device, tiny_model):
     off.run_until_idle()
 
 
-def test_step_log_records_every_step(device, tiny_model, tmp_path, monkeypatch):
-    """VKENGINE_STEP_LOG: one JSON line per collected step, whose rows, prompt
+def test_step_log_records_every_step(device, tiny_model, tmp_path):
+    """--step-log: one JSON line per collected step, whose rows, prompt
     rows, outputs and chaining are those of the steps the engine ran (counted
     at Engine.submit); times are non-negative and in submit order."""
     import json
     path = tmp_path / "steps.jsonl"
-    monkeypatch.setenv("VKENGINE_STEP_LOG", str(path))
     tok = tiny_model.tokenizer
     cfg = CONFIGS["batch"]
     eng = Engine(tiny_model, device, EngineConfig(n_slots=cfg.n_slots, n_ctx=CTX, max_batch=cfg.step_tokens,
                                                   max_out=cfg.n_slots, max_in_flight=3))
-    w = Worker(eng, cfg)
+    w = Worker(eng, cfg, step_log=str(path))
     ran: list[tuple[int, int, bool]] = []
     submit = eng.submit
 
@@ -646,7 +654,7 @@ def test_step_log_records_every_step(device, tiny_model, tmp_path, monkeypatch):
     for p in prompts:
         w.submit(GenRequest(p, 6, SamplingParams(), ignore_eos=True), lambda ev: None)
     w.run_until_idle()
-    w._step_log.close()
+    w._log_file.close()
     lines = [json.loads(x) for x in path.read_text().splitlines()]
     assert [(r["rows"], r["outs"], r["chained"]) for r in lines] == ran
     # the first step holds both prompts whole (16 rows fit them), the last ones single decode rows

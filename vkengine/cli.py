@@ -13,18 +13,24 @@ import argparse
 import json
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from .errors import VkEngineError
 from .options import add_model_args, device_index
+
+if TYPE_CHECKING:
+    from .model import Model
 
 
 def _open(args, n_slots: int = 1, max_batch: int | None = None, max_out: int = 16):
     from .device import Device
     from .engine import Engine, EngineConfig
     from .model import load_model
+    from .options import Options
     model = _model_options(args, load_model(args.model))
     dev = Device(device_index(args))
-    cfg = EngineConfig(n_slots=n_slots, n_ctx=args.ctx, max_batch=max_batch or args.batch, max_out=max_out)
+    cfg = EngineConfig(n_slots=n_slots, n_ctx=args.ctx, max_batch=max_batch or args.batch, max_out=max_out,
+                       options=Options.from_env())
     log = getattr(args, "experts_log", None)
     if log:
         from .tools.expert_log import RecordingEngine
@@ -32,16 +38,16 @@ def _open(args, n_slots: int = 1, max_batch: int | None = None, max_out: int = 1
     return model, dev, Engine(model, dev, cfg)
 
 
-def _model_options(args, model):
-    """Run-time choices of the hybrid/MoE models (--fixed-experts, --mtp --draft)."""
+def _model_options(args: argparse.Namespace, model: Model) -> Model:
+    """Run-time choices of the MoE and MTP models (--fixed-experts, --mtp --draft)."""
     import dataclasses
-    change = {}
+    change: dict = {}
     if getattr(args, "fixed_experts", False) or getattr(args, "experts_log", None):
-        if not getattr(model.args, "n_expert", 0):
+        if not model.args.n_expert:
             raise VkEngineError("--fixed-experts and --experts-log need a mixture-of-experts model")
         change["fixed_experts"] = True
     if getattr(args, "mtp", False):
-        if not getattr(model.args, "n_nextn", 0):
+        if not model.args.n_nextn:
             raise VkEngineError(f"{model.name} has no MTP block (nextn tensors): drop --mtp")
         if getattr(args, "experts_log", None):
             raise VkEngineError("--experts-log records plain engine steps; drop --mtp to use it")
@@ -66,7 +72,8 @@ def cmd_devices(args) -> int:
         print(f"    type {d.type}, Vulkan {d.api_version}, driver {d.driver_name} ({d.driver_info})")
         print(f"    subgroup size {d.subgroup_size}, max storage buffer {d.max_storage_buffer_range / 2**20:.0f} MiB, "
               f"shared memory {d.max_shared_memory // 1024} KiB, workgroup <= {d.max_workgroup_invocations}")
-        print(f"    device-local memory {d.device_local_bytes / 2**30:.1f} GiB, push constants {d.max_push_constants_size} B, "
+        print(f"    device-local memory {d.device_local_bytes / 2**30:.1f} GiB, "
+              f"push constants {d.max_push_constants_size} B, "
               f"timestamps {d.timestamp_period_ns:g} ns/tick")
         if d.cooperative_matrix:
             f16 = "yes" if d.COOPMAT_F16 in d.cooperative_matrix else "no"
@@ -83,13 +90,13 @@ def cmd_build_shaders(args) -> int:
 
 
 def _sampling(args):
-    from .sampling import SamplingParams
+    from .serving.sampling import SamplingParams
     return SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                           repeat_penalty=args.repeat_penalty, seed=args.seed).validate()
 
 
 def cmd_generate(args) -> int:
-    from .generate import GenStats, generate
+    from .serving.generate import GenStats, generate
     model, dev, eng = _open(args)
     tok = model.tokenizer
     text = args.prompt
@@ -98,13 +105,14 @@ def cmd_generate(args) -> int:
     ids = tok.encode(text)
     st = GenStats()
     sampling = _sampling(args)
+    mtp = None
     if args.mtp:
-        from .mtp import MtpRunner, MtpStats, generate_mtp
+        from .serving.mtp import MtpRunner, MtpStats, generate_mtp
         if sampling.needs_logits:
             raise VkEngineError("--mtp decodes greedily: use --temp 0 (and no repeat penalty)")
-        st = MtpStats()
+        st = mtp = MtpStats()
         steps = generate_mtp(MtpRunner(eng), ids, args.n_predict, args.draft, args.stop,
-                             ignore_eos=args.ignore_eos, stats=st)
+                             ignore_eos=args.ignore_eos, stats=mtp)
     else:
         steps = generate(eng, ids, args.n_predict, sampling, args.stop, ignore_eos=args.ignore_eos, stats=st)
     if not args.chat:
@@ -115,15 +123,15 @@ def cmd_generate(args) -> int:
     sys.stdout.write("\n")
     print(f"[{dev.info.name}] prompt {st.prompt_tokens} tokens, {st.prefill_tps:.1f} tok/s prefill; "
           f"generated {st.generated} tokens, {st.decode_tps:.1f} tok/s decode", file=sys.stderr)
-    if args.mtp:
-        print(f"[mtp] {st.verify_steps} verify steps, drafts accepted {st.accepted}/{st.drafted} "
-              f"({100 * st.acceptance:.0f}%), {st.generated / max(st.verify_steps, 1):.2f} tokens per step",
+    if mtp is not None:
+        print(f"[mtp] {mtp.verify_steps} verify steps, drafts accepted {mtp.accepted}/{mtp.drafted} "
+              f"({100 * mtp.acceptance:.0f}%), {mtp.generated / max(mtp.verify_steps, 1):.2f} tokens per step",
               file=sys.stderr)
     return 0
 
 
 def cmd_bench(args) -> int:
-    from .bench import parse_parallel, run_batched, run_bench
+    from .tools.bench import parse_parallel, run_batched, run_bench
     parallel = parse_parallel(args.parallel)
     n_seq = max(parallel, default=1)
     model, dev, eng = _open(args, n_slots=n_seq, max_batch=max(args.n_prompt, n_seq, 1), max_out=max(16, n_seq))

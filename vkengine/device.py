@@ -17,8 +17,9 @@ from __future__ import annotations
 import itertools
 import os
 import struct
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -87,7 +88,7 @@ class DeviceInfo:
     COOPMAT_F16 = (16, 16, 16, 0, 0, 1, 1, 3)
 
     @classmethod
-    def from_kp(cls, index: int, d: dict) -> "DeviceInfo":
+    def from_kp(cls, index: int, d: dict) -> DeviceInfo:
         return cls(
             index=index, name=d["name"], type=d["type"], api_version=d["api_version"],
             driver_name=d["driver_name"], driver_info=d["driver_info"], vendor_id=d["vendor_id"],
@@ -179,13 +180,13 @@ class Program:
     submissions and ends with one that makes device writes visible to the host.
     """
 
-    def __init__(self, device: "Device", timestamps: bool = False):
+    def __init__(self, device: Device, timestamps: bool = False):
         self.device = device
         self.ops: list[_Op] = [_Op("barrier", (_GPU_STAGES, _GPU_STAGES, _GPU_WRITES, _GPU_ACCESS), "start")]
         self._reads: list[tuple[int, int, int]] = []
         self._writes: list[tuple[int, int, int]] = []
         self._timestamps = timestamps
-        self._seq = None
+        self._seq: Any = None   # the kp Sequence, once recorded
         self.n_barriers = 0
 
     @staticmethod

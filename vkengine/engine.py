@@ -1,29 +1,64 @@
-"""The engine: one model's weights, KV cache and scratch on one device, and
-`step`, one forward pass over a batch of (token, slot, position) rows.
+"""The engine: one model's weights, per-sequence state and scratch on one
+device, and `step`, one forward pass over a batch of (token, slot, position)
+rows.
 
 A step is recorded once per shape (rows, output rows, what is read back) and
-replayed: per-token values (token ids, positions, slots, output rows) live in the
+replayed: per-token values (token ids, positions, slots, output rows) live in a
 host-visible params buffer and are written just before the submit; each step
-starts by copying them to a device-local twin, because kernels reading host
-memory across PCIe in every workgroup is slow on discrete GPUs. Prefill
-chunks, decode steps and mixed batches of several sequences are all steps.
+starts by copying them to a device-local twin (kernels reading host memory
+across PCIe in every workgroup is slow on discrete GPUs). Prefill chunks,
+decode steps and mixed batches of several sequences are all steps.
 """
 from __future__ import annotations
 
-import os
+import enum
 from collections import OrderedDict, deque
-from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from .device import Device
+from .device import Device, Program
 from .errors import VkEngineError
 from .graph import Graph, ParamsLayout, Scratch
-from .kernels import Kernels
+from .kernels import Caps, Kernels
 from .model import Model
+from .options import Options
 from .quant import row_bytes
-from .state import KVCache
+
+
+class Readback(enum.Flag):
+    """What a step reads back for its output rows."""
+    NONE = 0
+    ARGMAX = enum.auto()     # the greedy token (one word a row)
+    SAMPLE = enum.auto()     # the token drawn on the device with each row's sampling params
+    LOGITS = enum.auto()     # the logits rows (with SAMPLE: the drawn tokens too)
+
+    @property
+    def tokens(self) -> bool:
+        """Whether the step chooses its rows' tokens on the device (so a chained step can take them)."""
+        return bool(self & (Readback.ARGMAX | Readback.SAMPLE))
+
+
+_READBACKS = (Readback.NONE, Readback.ARGMAX, Readback.SAMPLE, Readback.LOGITS, Readback.SAMPLE | Readback.LOGITS)
+
+
+@dataclass(frozen=True)
+class Pass:
+    """Which forward a step records: the model's (MAIN); the model's keeping
+    every row's final-normed hidden state (hidden_rows) and, with snapshots,
+    its recurrent state after each row (an MTP verify step); or the model's
+    multi-token-prediction block (mtp), whose row r reads hidden[hmap[r]]
+    (zero_first: zeros for row 0, position 0 having no previous state)."""
+    mtp: bool = False
+    hidden_rows: bool = False
+    snapshots: bool = False
+    hidden: str = ""
+    zero_first: bool = False
+
+
+MAIN = Pass()
 
 
 def _tensor_bytes(type_name: str, shape: tuple[int, ...]) -> int:
@@ -33,44 +68,54 @@ def _tensor_bytes(type_name: str, shape: tuple[int, ...]) -> int:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    n_slots: int = 1          # sequences whose KV cache is resident on the device
+    n_slots: int = 1          # sequences whose state is resident on the device
     n_ctx: int | None = None  # positions per slot (default: min(training context, 4096))
     max_batch: int = 256      # token rows per step (prefill chunk size)
     max_out: int = 16         # rows whose logits one step can produce
     program_cache: int = 0    # recorded steps kept (LRU); 0: 80 per step that may be in flight
-    device_sampling: bool | None = None   # sampled tokens drawn on the device (readback "sample");
-                              # None: on GPUs (lavapipe's barriers make its 64 rounds ~0.1 s a row,
-                              # where the host's sampler takes ~0.1 ms)
-    max_in_flight: int = 2    # steps submitted and not yet collected (2 or 3; models with
-                              # recurrent state take 2: see Engine.max_in_flight)
+    # sampled tokens drawn on the device (Readback.SAMPLE); None: on GPUs (on lavapipe
+    # its barrier rounds cost ~0.1 s a row, the host's sampler ~0.1 ms)
+    device_sampling: bool | None = None
+    max_in_flight: int = 2    # steps submitted and not yet collected (2 or 3; see Engine.max_in_flight)
+    options: Options = field(default_factory=Options)   # kernel path switches (Options.from_env at the edge)
 
 
 class _Submitted(NamedTuple):
     """A step submitted and not yet collected."""
-    program: object
-    readback: str       # argmax | sample | logits | sample+logits | none
+    program: Program
+    readback: Readback
     n_out: int
     params: int         # which host params buffer it reads and writes back to
 
 
 class Engine:
-    def __init__(self, model: Model, device: Device, cfg: EngineConfig = EngineConfig()):
+    # Steps of more than STEP_EXACT rows run as a bucket of rows (step_rows) on
+    # GPUs, so that a server meets a few step shapes instead of one per prompt
+    # length and chunk mix: each new shape is a recording that holds every
+    # stream for milliseconds (notes.md run 15)
+    STEP_EXACT = 8
+
+    def __init__(self, model: Model, device: Device, cfg: EngineConfig = EngineConfig(),
+                 caps: Caps | None = None):
+        """caps: what the kernels may do (default: decided from the device and cfg.options)."""
         self.model, self.device, self.cfg = model, device, cfg
         a = model.args
         self.args = a
         self.n_ctx = int(cfg.n_ctx or min(a.n_ctx_train, 4096))
         if self.n_ctx <= 0 or cfg.n_slots <= 0:
             raise VkEngineError("context length and slot count must be positive")
-        self.kernels = Kernels(device)
+        if cfg.max_in_flight not in (2, 3):
+            raise VkEngineError("max_in_flight is 2 or 3")
+        self.kernels = Kernels(device, caps if caps is not None else Caps.detect(device, cfg.options))
+        k = self.kernels
         self.arch = model.arch
         widths = dict(self.arch.scratch_widths(a))
         widths["out_argmax"] = Kernels.argmax_tmp_words(a.n_vocab, 1)   # per output row
-        # sampling on the device (readback "sample"): the slices' candidates
         on = cfg.device_sampling if cfg.device_sampling is not None else device.info.type != "cpu"
-        self.can_sample = bool(on) and self.kernels.can_sample(a.n_vocab)
-        if self.can_sample:
+        self.can_sample = bool(on) and k.can_sample(a.n_vocab)
+        if self.can_sample:   # the slices' candidates
             widths["out_sample"] = Kernels.sample_tmp_words(a.n_vocab, 1)
-        if device.info.type != "cpu":   # split-K decode attention (Graph.attention) and its zeroed counters
+        if k.caps.split_attention:   # split decode attention's partial results and zeroed counters
             widths["out_attn_split"] = Kernels.attention_tmp_words(1, a.n_head, a.head_dim, self.n_ctx)
             widths["out_attn_sync"] = Kernels.attention_sync_words(1, a.n_head)
         widths["out_sync"] = 4          # zeroed counter of fused RMSNorms (Graph.matmul_norm)
@@ -85,12 +130,8 @@ class Engine:
         words = Scratch.words_needed(widths, max_rows, self.max_out)
         self._check_memory(words * 4)
         self.weights = self.arch.load_weights(model.file, a, device, self.n_ctx)
-        # per-sequence state: the architecture's own (hybrid models: KV rows plus
-        # recurrent state) or a KV cache of every layer
-        make_state = getattr(self.arch, "make_state", None)
         try:
-            self.kv = make_state(device, a, cfg.n_slots, self.n_ctx) if make_state is not None \
-                else KVCache(device, a.n_layer, cfg.n_slots, self.n_ctx, a.n_kv_heads, a.head_dim)
+            self.kv = self.arch.make_state(device, a, cfg.n_slots, self.n_ctx)
         except VkEngineError as e:
             raise VkEngineError(f"{e}: reduce the context length (--ctx) or the sequences held on the "
                                 "device at once (--parallel, --slots)") from e
@@ -101,17 +142,14 @@ class Engine:
                 device.upload(self.scratch.buf, np.zeros(self.scratch.strides[name] * rows, np.uint32),
                               self.scratch.offsets[name] * 4)
         self.layout = ParamsLayout(max_rows, self.max_out)
-        # a host params buffer per step that may be in flight, used in turn, so
+        # A host params buffer per step that may be in flight, used in turn, so
         # that a step can be written and submitted while the ones before it
-        # still run (chained steps). Three in flight (a server: two steps queued
-        # behind the running one) only without recurrent state: a sequence that
-        # ends has up to two chained rows past its last token, and the second
-        # one's input is a token the sequence never gets; a KV row at a position
-        # past the sequence is never read (Scheduler.finish keeps the tokens it
-        # has), but a recurrent state would have taken that token in.
-        if cfg.max_in_flight not in (2, 3):
-            raise VkEngineError("max_in_flight is 2 or 3")
-        self.max_in_flight = 2 if getattr(self.kv, "begin_step", None) is not None else cfg.max_in_flight
+        # still run. Three (a server: two chained steps queued behind the
+        # running one) only where the state rewinds: a sequence that ends has
+        # up to two chained rows past its last token, and the second one's
+        # input is a token the sequence never gets, which a recurrent state
+        # would have taken in (a KV row past the sequence is never read).
+        self.max_in_flight = cfg.max_in_flight if self.kv.rewindable else 2
         self._params = [device.buffer(self.layout.words * 4, "host", f"params-{i}")
                         for i in range(self.max_in_flight)]
         self.params = self._params[0]
@@ -119,45 +157,28 @@ class Engine:
         self.program_cache = cfg.program_cache or 80 * self.max_in_flight
         self.params_dev = device.buffer(self.layout.words * 4, "device", "params-dev")
         self.logits_host = device.buffer(self.max_out * a.n_vocab * 4, "host", "logits")
-        self._programs: OrderedDict[tuple, object] = OrderedDict()
-        # pad rows (step_rows) need a sequence's rows to depend on nothing past
-        # its positions: true of attention, not of a recurrent state, which
-        # every row of a slot advances (hybrid models keep exact steps). GPUs
-        # only: on lavapipe a step's time grows with its rows (a 16-row prompt
-        # step of SmolLM2 takes about a second) and a recording is small beside it
-        self.pad_steps = (make_state is None and device.info.type != "cpu"
-                          and os.environ.get("VKENGINE_STEP_BUCKETS", "1") != "0")
-        # Prompt rows on the tiled matmuls whatever their number: a step of
-        # prompt rows (submit(prompt=True), prefill) is padded to the tiled
-        # threshold, so a prompt row takes the same kernels in a chunk of 1 or
-        # of 64 rows, and a server that runs its decode rows in steps of their
-        # own (the matvecs, as alone) gives every sequence the tokens it gets
-        # alone however its prompt was chunked and whatever else ran (without
-        # it, a 64-row step of one newcomer's prompt and three decode rows put
-        # those rows on the tiled kernels). Also cheaper: on the H200 (1B Q8_0)
-        # a 64-row tiled step took 4.3 ms against 5.6-9.5 ms for 24-63 rows of
-        # 8-column matvec passes (notes.md run 24), though a prompt of a few
-        # tokens pays the 64-row step (4.2 against 1.6-2.6 ms for 1-8 rows).
-        # Needs pad rows (no recurrent state) and max_batch >= the threshold;
-        # a step so near the end of the context that its pad rows do not fit
-        # runs unpadded. VKENGINE_TILED_PROMPTS=0 turns it off
-        self._tiled_prompts = self.pad_steps and os.environ.get("VKENGINE_TILED_PROMPTS", "1") != "0"
+        self._programs: OrderedDict[tuple, Program] = OrderedDict()
+        # Pad rows (step_rows) need a sequence's rows to depend on nothing past
+        # its positions: true of attention, not of a recurrent state. GPUs only:
+        # on lavapipe a step's time grows with its rows, and a recording is
+        # small beside it.
+        self.pad_steps = self.kv.rewindable and device.info.type != "cpu" and cfg.options.step_buckets
+        # Prompt rows on the tiled matmuls whatever their number (tiled_prompts):
+        # a prompt row then takes the same kernels in a chunk of 1 or of 64
+        # rows, so (with decode rows in steps of their own) a sequence's tokens
+        # do not depend on how its prompt was chunked or on who else ran.
+        self._tiled_prompts = self.pad_steps and cfg.options.tiled_prompts
         self._inflight: deque[_Submitted] = deque()   # oldest first
 
     def _check_memory(self, scratch_bytes: int) -> None:
-        """Refuse, before allocating anything, a configuration whose weights, KV
-        cache and activations exceed the device's memory: some drivers (lavapipe)
+        """Refuse, before allocating anything, a configuration whose weights, state
+        and activations exceed the device's memory: some drivers (lavapipe)
         grant such allocations lazily and the process is killed later, mid-request."""
-        a, cfg, dev = self.args, self.cfg, self.device
+        cfg, dev = self.cfg, self.device
         mf = self.model.file
         weights = sum(_tensor_bytes(*mf.tensor_info(n)) for n in mf.tensor_names())
-        # hybrid models keep KV rows for their attention layers only, plus a
-        # fixed-size recurrent state per slot for the others
-        kv_layers = len(getattr(a, "attn_layers", range(a.n_layer)))
-        per_pos = KVCache.bytes_needed(kv_layers, 1, 1, a.n_kv_heads, a.head_dim)
-        kv = per_pos * cfg.n_slots * self.n_ctx
-        if getattr(a, "rec_layers", None):
-            kv += 4 * cfg.n_slots * len(a.rec_layers) * ((a.conv_kernel - 1) * a.conv_dim + a.nv * a.dv * a.dk)
+        per_pos, per_slot = self.arch.state_bytes(self.args, cfg.n_slots, self.n_ctx)
+        kv = (per_pos * self.n_ctx + per_slot) * cfg.n_slots
         # the matmuls' own scratch (split K's partial sums, mul_mc2's halves of x)
         shapes = [mf.tensor_info(n)[1] for n in mf.tensor_names()]
         max_cols = max((s[-1] for s in shapes if len(s) == 2), default=0)
@@ -195,30 +216,23 @@ class Engine:
     def n_vocab(self) -> int:
         return self.args.n_vocab
 
-    def _program(self, n: int, n_out: int, readback: str, buf: int = 0, chain: tuple[int, ...] = ()):
-        key = (n, n_out, readback, buf, chain)
-        prog = self._programs.get(key)
-        if prog is not None:
-            self._programs.move_to_end(key)
-            return prog
-        prog = self._record(n, n_out, readback, buf=buf, chain=chain)
-        self._programs[key] = prog
-        if len(self._programs) > self.program_cache:
-            self._programs.popitem(last=False)
-        return prog
+    @property
+    def can_chain(self) -> bool:
+        """Whether a caller may chain decode steps (submit(chain=...)). A chained
+        row of a sequence that has just ended still runs: its KV row and, in a
+        hybrid model, the recurrent state then cover one more position, which
+        the scheduler records when it frees the slot (Scheduler.finish)."""
+        return True
 
-    # Steps of more than STEP_EXACT rows run as a bucket of rows (step_rows) on
-    # GPUs, the difference made up by pad rows, so that a server meets a few step shapes
-    # instead of one per prompt length and chunk mix: recording a step costs
-    # milliseconds of host time (SmolLM2's 30 layers: ~15 ms on a 2-core
-    # machine), during which every stream waits (H200, 1B Q8_0 server at C = 4:
-    # batch TTFT p50 51 -> 20 ms, bench/serve.py)
-    STEP_EXACT = 8
+    @property
+    def in_flight(self) -> int:
+        """Steps submitted and not yet collected (0 .. max_in_flight)."""
+        return len(self._inflight)
 
     @property
     def tiled_prompts(self) -> bool:
         """Whether steps of prompt rows run at least the tiled threshold's rows (see __init__)."""
-        tf = self.kernels.tiled_from
+        tf = self.kernels.caps.tiled_from
         return self._tiled_prompts and tf is not None and self.max_batch >= tf
 
     def step_rows(self, n: int, prompt: bool = False) -> int:
@@ -233,8 +247,9 @@ class Engine:
         for n and its bucket (per row, the matvec and matmul variants do not
         depend on the column count; split K's parts depend on the tile columns,
         whose boundaries are multiples of 64), so a row's result does not change."""
-        if prompt and self.tiled_prompts and n < self.kernels.tiled_from:
-            return self.kernels.tiled_from
+        tf = self.kernels.caps.tiled_from
+        if prompt and self.tiled_prompts and tf is not None and n < tf:
+            return tf
         if n <= self.STEP_EXACT or not self.pad_steps:
             return n
         q = 8 if n <= 64 else 16 if n <= 128 else 64
@@ -243,6 +258,20 @@ class Engine:
             if n < t <= b:
                 b = t - 1
         return max(n, b)
+
+    # -- recorded programs ------------------------------------------------------------
+    def _program(self, n: int, n_out: int, readback: Readback, buf: int = 0, chain: tuple[int, ...] = (),
+                 pass_: Pass = MAIN) -> Program:
+        key = (n, n_out, readback, buf, chain, pass_)
+        prog = self._programs.get(key)
+        if prog is not None:
+            self._programs.move_to_end(key)
+            return prog
+        prog = self._record(n, n_out, readback, buf=buf, chain=chain, pass_=pass_)
+        self._programs[key] = prog
+        if len(self._programs) > self.program_cache:
+            self._programs.popitem(last=False)
+        return prog
 
     def prepare_decode(self, max_rows: int, prompt_rows: int = 0) -> int:
         """Record ahead the decode steps a server runs (1..max_rows sequences, one
@@ -260,42 +289,46 @@ class Engine:
         beside the decode steps (recorded first, so that they are the first it
         lets go).
         Returns the number of programs recorded."""
-        decode = [(n, 1, "argmax", 0, ()) for n in sorted({min(9, self.max_batch), self.max_batch})]
+        A, S = Readback.ARGMAX, Readback.SAMPLE
+        key = tuple[int, int, Readback, int, tuple[int, ...]]
+        decode: list[key] = [(n, 1, A, 0, ()) for n in sorted({min(9, self.max_batch), self.max_batch})]
         # two programs per row count and params buffer; keep them within half the program cache
         top = min(max_rows, self.max_out, self.max_batch, self.program_cache // (4 * len(self._params)))
         for n in range(1, top + 1):
             for buf in range(len(self._params)):
                 for chain in ((), tuple(range(n))) if self.can_chain else ((),):
-                    decode.append((n, n, "argmax", buf, chain))   # the key order of _program's arguments
+                    decode.append((n, n, A, buf, chain))   # the key order of _program's arguments
         if self.can_sample:   # sampled replies' steps (their tokens drawn on the device), within a quarter
             top_s = min(top, self.program_cache // (8 * len(self._params)))
             for n in range(1, top_s + 1):
                 for buf in range(len(self._params)):
                     for chain in ((), tuple(range(n))) if self.can_chain else ((),):
-                        decode.append((n, n, "sample", buf, chain))
-        prompt = []
+                        decode.append((n, n, S, buf, chain))
+        prompt: list[key] = []
         if self.pad_steps:
             top = min(prompt_rows, self.max_batch)
             first = 1 if self.tiled_prompts else self.STEP_EXACT + 1
             for n in sorted({self.step_rows(n, prompt=True) for n in range(first, top + 1)}):
                 for buf in range(len(self._params)):
-                    prompt.append((n, 0, "none", buf, ()))
-                    for mode in ("argmax", "sample") if self.can_sample else ("argmax",):
+                    prompt.append((n, 0, Readback.NONE, buf, ()))
+                    for mode in (A, S) if self.can_sample else (A,):
                         prompt += [(n, k, mode, buf, ()) for k in range(1, min(max_rows, self.max_out, 4) + 1)]
         keys = prompt[:max(0, self.program_cache - len(decode) - 8)] + decode
         n_rec = 0
-        for key in keys:
-            if key not in self._programs:
-                self._program(*key).prepare()
+        for k in keys:
+            if (*k, MAIN) not in self._programs:
+                self._program(*k).prepare()
                 n_rec += 1
         return n_rec
 
-    def _record(self, n: int, n_out: int, readback: str, timestamps: bool = False, buf: int = 0,
-                chain: tuple[int, ...] = ()):
+    def _record(self, n: int, n_out: int, readback: Readback, timestamps: bool = False, buf: int = 0,
+                chain: tuple[int, ...] = (), pass_: Pass = MAIN) -> Program:
         pl = self.layout
         params = self._params[buf]
         prog = self.device.program(timestamps)
         prog.copy(params, self.params_dev, 0, 0, pl.argmax * 4, "params")
+        if pass_.mtp:   # the rows of the hidden states the MTP block reads
+            prog.copy(params, self.params_dev, pl.hmap * 4, pl.hmap * 4, n * 4, "hmap")
         # chained step: row i's token is output j = chain[i] of the step before it,
         # whose greedy tokens are still in the device's params (runs of consecutive
         # rows copied at once)
@@ -307,17 +340,19 @@ class Engine:
             prog.copy(self.params_dev, self.params_dev, (pl.argmax + chain[i]) * 4, (pl.tokens + i) * 4,
                       (k - i) * 4, "chain")
             i = k
-        graph_cls = getattr(self.arch, "GRAPH", Graph)   # an architecture may need more ops
-        g = graph_cls(self.kernels, prog, self.scratch, self.params_dev, pl, self.kv, n, n_out,
-                      self.weights.rope, self.args.rms_eps)
-        self.arch.forward(g, self.args, self.weights)
-        if n_out and readback == "argmax":
+        g = Graph(self.kernels, prog, self.scratch, self.params_dev, pl, self.kv, n, n_out, self.weights.rope,
+                  self.args.rms_eps, snap_rows=n if pass_.snapshots else 0)
+        if pass_.mtp:
+            self.arch.forward_mtp(g, self.args, self.weights, pass_.hidden, pl.hmap, pass_.zero_first)
+        else:
+            self.arch.forward(g, self.args, self.weights, hidden_rows=pass_.hidden_rows)
+        if n_out and readback & Readback.ARGMAX:
             g.argmax("out_logits")
             prog.copy(self.params_dev, params, pl.argmax * 4, pl.argmax * 4, n_out * 4, "argmax")
-        elif n_out and readback in ("sample", "sample+logits"):
+        elif n_out and readback & Readback.SAMPLE:
             g.sample("out_logits")
             prog.copy(self.params_dev, params, pl.argmax * 4, pl.argmax * 4, n_out * 4, "sample")
-        if n_out and readback in ("logits", "sample+logits"):
+        if n_out and readback & Readback.LOGITS:
             r = self.scratch.region("out_logits")
             stride = self.scratch.stride("out_logits")
             V = self.args.n_vocab
@@ -326,12 +361,12 @@ class Engine:
         return prog
 
     def profile(self, n: int, n_out: int = 1, runs: int = 5, start_pos: int = 0,
-                batched: bool = False, readback: str = "argmax") -> list[tuple[str, float, int]]:
+                batched: bool = False, readback: Readback = Readback.ARGMAX) -> list[tuple[str, float, int]]:
         """GPU time per op kind of one step of n rows: [(label, microseconds per
         step, count)], slowest first. The rows are a prompt chunk in slot 0 at
         positions from start_pos, or (batched=True) n sequences in slots 0..n-1
         all at position start_pos, as in the server's batched decode;
-        readback="sample": the output rows' tokens drawn on the device with the
+        readback=SAMPLE: the output rows' tokens drawn on the device with the
         server's default sampling (temperature 0.8, top-k 40, top-p 0.95,
         min-p 0.05) instead of the argmax."""
         if batched and n > self.n_slots:
@@ -341,19 +376,20 @@ class Engine:
         prm[pl.positions:pl.positions + n] = start_pos if batched else np.arange(start_pos, start_pos + n)
         prm[pl.slots:pl.slots + n] = np.arange(n) if batched else 0
         prm[pl.out_rows:pl.out_rows + n_out] = np.arange(n - n_out, n)
-        if readback == "sample" and not self.can_sample:
+        if readback == Readback.SAMPLE and not self.can_sample:
             raise VkEngineError("this engine does not sample on the device (EngineConfig.device_sampling)")
-        if readback == "sample":   # the server's default sampling (temperature 0.8, top-k 40, ...)
+        if readback == Readback.SAMPLE:   # the server's default sampling (temperature 0.8, top-k 40, ...)
             words = self._sampling_words(np.tile([0.8, 40, 0.95, 0.05, 0.5], (n_out, 1)))
             prm[pl.sampling:pl.sampling + words.size] = words
-        prog = self._record(n, n_out, readback if n_out else "none", timestamps=True)
+        prog = self._record(n, n_out, readback if n_out else Readback.NONE, timestamps=True)
         totals: dict[str, list[float]] = {}
+        counts: dict[str, int] = {}
         for i in range(runs + 1):
             prog.run()
             if i == 0:
                 continue   # warm-up
             step: dict[str, float] = {}
-            counts: dict[str, int] = {}
+            counts = {}
             for label, us in prog.timings():
                 step[label] = step.get(label, 0.0) + us
                 counts[label] = counts.get(label, 0) + 1
@@ -373,31 +409,20 @@ class Engine:
         wu[:, 1] = samp[:, 1].astype(np.uint32)
         return wu.reshape(-1)
 
-    def step(self, tokens, positions, slots, out_rows=(), readback: str = "argmax", sampling=None,
-             prompt: bool = False):
+    # -- steps --------------------------------------------------------------------------
+    def step(self, tokens, positions, slots, out_rows=(), readback: Readback = Readback.ARGMAX, sampling=None,
+             prompt: bool = False, pass_: Pass = MAIN, hmap=None) -> Any:
         """Run tokens[i] at positions[i] in slots[i]; return, for each index in
-        out_rows, the greedy token (readback="argmax"), the token drawn with
-        sampling[j] (readback="sample", see submit) or the logits row
-        (readback="logits"); "sample+logits" returns (tokens, logits);
-        readback="none" returns None."""
-        self.submit(tokens, positions, slots, out_rows, readback, sampling=sampling, prompt=prompt)
+        out_rows, the greedy token (ARGMAX), the token drawn with sampling[j]
+        (SAMPLE, see submit) or the logits row (LOGITS); SAMPLE | LOGITS
+        returns (tokens, logits); NONE returns None."""
+        self.submit(tokens, positions, slots, out_rows, readback, sampling=sampling, prompt=prompt, pass_=pass_,
+                    hmap=hmap)
         return self.collect()
 
-    @property
-    def can_chain(self) -> bool:
-        """Whether a caller may chain decode steps (submit(chain=...)). A chained
-        row of a sequence that has just ended still runs: its KV row and, in a
-        hybrid model, the recurrent state then cover one more position, which
-        the scheduler records when it frees the slot (Scheduler.finish)."""
-        return True
-
-    @property
-    def in_flight(self) -> int:
-        """Steps submitted and not yet collected (0 .. max_in_flight)."""
-        return len(self._inflight)
-
-    def submit(self, tokens, positions, slots, out_rows=(), readback: str = "argmax",
-               chain: Sequence[int] | None = None, sampling=None, prompt: bool = False) -> None:
+    def submit(self, tokens, positions, slots, out_rows=(), readback: Readback = Readback.ARGMAX,
+               chain: Sequence[int] | None = None, sampling=None, prompt: bool = False, pass_: Pass = MAIN,
+               hmap=None) -> None:
         """The first half of step(): check, write the params, start the step on
         the device and return at once, so that the caller's host work (a server
         delivering the previous step's text) overlaps the GPU's; collect()
@@ -405,27 +430,29 @@ class Engine:
 
         Up to max_in_flight steps may be in flight (none reading logits back),
         so the GPU goes from one to the next without waiting for the host.
-        chain[i] = j makes row i's token the greedy token of output row j of
+        chain[i] = j makes row i's token the token chosen for output row j of
         the newest step in flight (tokens[i] is then ignored): the next decode
         step of running sequences can start before their tokens reach the host.
 
-        readback="sample" (and "sample+logits", which also reads the logits
-        back) draws each output row's token on the device: sampling[j] =
-        (temperature, top_k, top_p, min_p, u) of output row j, as Sampler with
-        the uniform u in [0, 1) (temperature 0: the greedy token; top_k in
+        SAMPLE (and SAMPLE | LOGITS, which also reads the logits back) draws
+        each output row's token on the device: sampling[j] = (temperature,
+        top_k, top_p, min_p, u) of output row j, as Sampler with the uniform u
+        in [0, 1) (temperature 0: the greedy token; top_k in
         1..Kernels.SAMPLE_K). Its tokens can be chained like greedy ones.
 
         prompt=True: the rows are prompt tokens; where tiled_prompts, the step
         is padded to the tiled matmuls' rows (step_rows), so that each row's
         result does not depend on how the prompt was chunked. A caller that
         wants a sequence's tokens independent of what else runs keeps prompt
-        rows and decode rows in separate steps (the server's worker does)."""
+        rows and decode rows in separate steps (the server's runner does).
+
+        pass_ (MTP, vkengine.serving.mtp): which forward the step runs; hmap:
+        for an MTP pass, the hidden-state row each row reads."""
         if len(self._inflight) >= self.max_in_flight:
             raise RuntimeError(f"{self.max_in_flight} steps are already in flight: collect() one first")
-        if readback not in ("argmax", "sample", "logits", "sample+logits", "none"):
+        if readback not in _READBACKS:
             raise ValueError(f"unknown readback {readback!r}")
-        logits = ("logits", "sample+logits")
-        if self._inflight and (self._inflight[-1].readback in logits or readback in logits):
+        if self._inflight and (self._inflight[-1].readback & Readback.LOGITS or readback & Readback.LOGITS):
             raise RuntimeError("a step that reads logits back runs alone: collect() the step in flight first")
         n, n_out = len(tokens), len(out_rows)
         if not 0 < n <= self.max_batch:
@@ -434,13 +461,15 @@ class Engine:
             raise VkEngineError(f"a step produces at most {self.max_out} logit rows, asked for {n_out}")
         if len(positions) != n or len(slots) != n:
             raise ValueError("tokens, positions and slots differ in length")
+        if pass_.mtp != (hmap is not None) or (hmap is not None and len(hmap) != n):
+            raise ValueError("an MTP pass needs hmap, a hidden-state row for each row (and only it does)")
         tok = np.asarray(tokens, np.int64)
         pos = np.asarray(positions, np.int64)
         slt = np.asarray(slots, np.int64)
         chain_key: tuple[int, ...] = ()
         if chain is not None:
             prev = self._inflight[-1] if self._inflight else None
-            if prev is None or prev.readback not in ("argmax", "sample"):
+            if prev is None or prev.readback not in (Readback.ARGMAX, Readback.SAMPLE):
                 raise RuntimeError("a chained step needs a step in flight that reads its tokens back")
             chain_key = tuple(int(j) for j in chain)
             if len(chain_key) != n or min(chain_key) < 0 or max(chain_key) >= prev.n_out:
@@ -455,9 +484,9 @@ class Engine:
         outs = np.asarray(out_rows, np.int64)
         if n_out and (outs.min() < 0 or outs.max() >= n):
             raise ValueError("output row out of range")
-        mode = readback if n_out else "none"
+        mode = readback if n_out else Readback.NONE
         samp = None
-        if mode in ("sample", "sample+logits"):
+        if mode & Readback.SAMPLE:
             if not self.can_sample:
                 raise VkEngineError(f"this device cannot sample rows of {self.n_vocab} logits")
             samp = np.asarray(sampling, np.float64) if sampling is not None else None
@@ -467,12 +496,11 @@ class Engine:
             if not (np.isfinite(samp).all() and (k == np.round(k)).all() and (k >= 1).all()
                     and (k <= Kernels.SAMPLE_K).all() and (samp[:, 4] >= 0).all() and (samp[:, 4] < 1).all()):
                 raise ValueError(f"sampling: finite values, top_k in 1..{Kernels.SAMPLE_K}, u in [0, 1)")
-        begin_step = getattr(self.kv, "begin_step", None)   # recurrent state: checks and bookkeeping
-        if begin_step is not None:
-            begin_step(pos, slt)
+        if not pass_.mtp:   # (the MTP block keeps KV rows only, in its own layer)
+            self.kv.begin_step(pos, slt)   # a recurrent state checks and accounts for the rows
         n_run = self.step_rows(n, prompt) if not chain_key else n
         tiled_prompt = prompt and self.tiled_prompts
-        if n_run > n and (tiled_prompt or (n, n_out, mode, self._next_params, chain_key) not in self._programs):
+        if n_run > n and (tiled_prompt or (n, n_out, mode, self._next_params, chain_key, pass_) not in self._programs):
             # pad rows: token 0 in the last row's slot at the positions after that
             # slot's last one in this step. Their KV rows lie past the sequence
             # (no row of this step reads them, a later step writes each before
@@ -492,31 +520,32 @@ class Engine:
         prm[pl.positions:pl.positions + n] = pos
         prm[pl.slots:pl.slots + n] = slt
         prm[pl.out_rows:pl.out_rows + n_out] = outs
+        if hmap is not None:
+            prm[pl.hmap:pl.hmap + n] = hmap
         if samp is not None:
             words = self._sampling_words(samp)
             prm[pl.sampling:pl.sampling + words.size] = words
-        prog = self._program(n, n_out, mode, buf, chain_key)
+        prog = self._program(n, n_out, mode, buf, chain_key, pass_)
         prog.submit()
         self._inflight.append(_Submitted(prog, mode, n_out, buf))
 
-    def collect(self) -> np.ndarray | None:
+    def collect(self) -> Any:
         """Wait for the oldest step in flight; its readback as step() returns it."""
         if not self._inflight:
             raise RuntimeError("no step in flight")
         prog, mode, n_out, buf = self._inflight.popleft()
         prog.wait()
         pl, prm = self.layout, self._params[buf].array()
-        if mode in ("argmax", "sample"):
-            return prm[pl.argmax:pl.argmax + n_out].astype(np.int64)
-        if mode in ("logits", "sample+logits"):
+        tokens = prm[pl.argmax:pl.argmax + n_out].astype(np.int64) if mode.tokens else None
+        if mode & Readback.LOGITS:
             V = self.n_vocab
             lg = self.logits_host.array(np.float32)[: n_out * V].reshape(n_out, V).copy()
-            return (prm[pl.argmax:pl.argmax + n_out].astype(np.int64), lg) if mode == "sample+logits" else lg
-        return None
+            return (tokens, lg) if tokens is not None else lg
+        return tokens
 
-    def prefill(self, tokens, slot: int, start: int = 0, readback: str = "argmax", sampling=None):
+    def prefill(self, tokens, slot: int, start: int = 0, readback: Readback = Readback.ARGMAX, sampling=None):
         """Run a prompt through a slot in chunks of max_batch; returns the last
-        token's readback (sampling: its row, for readback "sample")."""
+        token's readback (sampling: its row, for readback SAMPLE)."""
         tokens = list(tokens)
         if not tokens:
             raise VkEngineError("empty prompt")
@@ -528,7 +557,7 @@ class Engine:
             chunk = tokens[c:c + self.max_batch]
             last = c + len(chunk) == len(tokens)
             out = self.step(chunk, range(start + c, start + c + len(chunk)), [slot] * len(chunk),
-                            [len(chunk) - 1] if last else (), readback if last else "none",
+                            [len(chunk) - 1] if last else (), readback if last else Readback.NONE,
                             sampling if last else None, prompt=True)
         return out[0] if out is not None else None
 

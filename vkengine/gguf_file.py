@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,15 +38,20 @@ class TensorData:
         return dequantize(self.type, self.raw, self.rows, self.cols).reshape(self.shape)
 
 
-class ModelFile:
+class ModelFile(ABC):
     """Common interface of GGUFFile and SafetensorsFolder."""
     path: Path
     arch: str
 
+    @abstractmethod
     def meta(self, key: str, default: Any = _REQUIRED) -> Any: ...
+    @abstractmethod
     def has(self, name: str) -> bool: ...
+    @abstractmethod
     def tensor(self, name: str) -> TensorData: ...
+    @abstractmethod
     def tensor_info(self, name: str) -> tuple[str, tuple[int, ...]]: ...
+    @abstractmethod
     def tensor_names(self) -> list[str]: ...
 
 

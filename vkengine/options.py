@@ -5,6 +5,8 @@ module below reads the environment."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, fields
+from typing import Any
 
 from .errors import VkEngineError
 
@@ -31,3 +33,37 @@ def device_index(args) -> int | None:
         except ValueError:
             raise VkEngineError(f"VKENGINE_DEVICE={env!r} is not a device index") from None
     return None
+
+
+@dataclass(frozen=True)
+class Options:
+    """Switches that choose between kernel paths, each to measure one path
+    against its alternative (docs/bench/notes.md); the defaults are what
+    measured fastest. `from_env()` reads them, at the edge, from
+    VKENGINE_<NAME> (0/1, or a number)."""
+    coopmat: bool = True          # tiled matmuls and prompt attention on cooperative matrices where the device can
+    coopmat2: bool = True         # mul_mc2 (VK_NV_cooperative_matrix2) where the device can
+    mc2_f16acc: bool = True       # mul_mc2 with fp16 sums (llama.cpp's default there); 0: fp32 sums
+    mc2_from_rows: int | None = None   # matrices of at least this many rows on mul_mc2 (None: the table's)
+    attn_mc: bool = True          # prompt attention on cooperative matrices (attention_mc.comp)
+    splitk_wgs: int = 256         # split K of tiled matmuls whose grid has fewer workgroups (0: off)
+    splitk_min: int = 512         # the fewest K columns a part of split K takes
+    xq8: bool = False             # Q8_0 matvecs on integer dot products, x quantized first (opt-in)
+    norm_in: bool = True          # decode steps' RMSNorm split between the residual add and its readers
+    xq8_in: bool = True           # ... with h' also as 8-bit blocks for a Q8_0 gate|up
+    step_buckets: bool = True     # steps of more than 8 rows padded to a few shapes (GPUs)
+    tiled_prompts: bool = True    # prompt steps padded to the tiled matmuls' rows (GPUs)
+
+    @classmethod
+    def from_env(cls, env=None) -> Options:
+        env = os.environ if env is None else env
+        kw: dict[str, Any] = {}
+        for f in fields(cls):
+            v = env.get(f"VKENGINE_{f.name.upper()}")
+            if v is None or v == "":
+                continue
+            try:
+                kw[f.name] = v != "0" if f.type == "bool" else int(v)
+            except ValueError:
+                raise VkEngineError(f"VKENGINE_{f.name.upper()}={v!r} is not a number") from None
+        return cls(**kw)

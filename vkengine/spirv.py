@@ -19,7 +19,7 @@ import shutil
 import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 from shaders.variants import EXT_DEFINE, VARIANTS
@@ -115,7 +115,7 @@ def compile_variant(name: str, cache_dir: Path | None = None) -> Path:
     return out
 
 
-@lru_cache(maxsize=None)
+@cache
 def _load(name: str, cache_dir: str) -> bytes:
     return compile_variant(name, Path(cache_dir)).read_bytes()
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from .arena import Arena, ArenaPlan
 from .device import Buffer, Device
+from .errors import VkEngineError
 from .kernels import Region
 
 
@@ -28,9 +29,16 @@ class Parked:
 
 
 class KVCache:
-    # A step may start a slot at any position its rows cover (KV rows are
-    # simply overwritten); recurrent state (HybridState) cannot be rewound.
+    """Per-sequence state of an attention-only model, and the interface every
+    state offers the engine and the scheduler (HybridState adds recurrent
+    state behind the same methods).
+
+    A step may start a slot at any position its rows cover (KV rows are
+    simply overwritten), so every cached prefix is reusable, and pad rows past
+    a sequence's end change nothing it reads."""
     rewindable = True
+    snap_rows = 0      # rows of a speculative step whose state can be rolled back to
+
     def __init__(self, device: Device, n_layer: int, n_slots: int, ctx: int, n_kv: int, head_dim: int,
                  layers: list[int] | None = None):
         self.device = device
@@ -107,6 +115,17 @@ class KVCache:
             p.copy(r.buf, r.buf, ws * 4, wd * 4, n * 4, "prefix")
         p.run()
 
+    def begin_step(self, positions: np.ndarray, slots: np.ndarray) -> None:
+        """Check and account for a step's rows before it is submitted (KV rows need nothing)."""
+
+    def reusable_prefix(self, src_slot: int, length: int) -> int:
+        """How many of the first `length` positions of src_slot copy_prefix can reuse."""
+        return length
+
+    def reusable_parked(self, parked: Parked, length: int) -> int:
+        """How many of the first `length` positions of a parked sequence restore can reuse."""
+        return min(length, parked.length)
+
     def read(self, layer: int, slot: int, length: int) -> tuple[np.ndarray, np.ndarray]:
         """(K, V) float32 (length, n_kv, head_dim) of one slot (tests, debugging)."""
         out = []
@@ -154,13 +173,15 @@ class HybridState(KVCache):
                  snap_rows: int = 0):
         super().__init__(device, 0, n_slots, ctx, n_kv, head_dim, layers=attn_layers)
         self.rec_layers = list(rec_layers)
-        self.conv_words, self.ssm_words, self.snap_rows = conv_words, ssm_words, snap_rows
+        self.conv_words, self.ssm_words = conv_words, ssm_words
+        self.snap_rows = snap_rows
         plan = ArenaPlan(device.max_buffer_bytes // 4)
         sizes = [n_slots * conv_words, n_slots * ssm_words, snap_rows * conv_words, snap_rows * ssm_words]
         self._rgroups = {layer: plan.add(sizes, f"recurrent state of one layer ({n_slots} slots)")
                          for layer in self.rec_layers}
         self.rec_arena = Arena(device, plan, "device", "recurrent") if self.rec_layers else None
-        self._rregions = {layer: self.rec_arena.regions(g) for layer, g in self._rgroups.items()}
+        arena = self.rec_arena
+        self._rregions = {layer: arena.regions(g) for layer, g in self._rgroups.items()} if arena is not None else {}
         self.length = np.full(n_slots, -1, np.int64)
 
     @property
@@ -193,7 +214,6 @@ class HybridState(KVCache):
     def begin_step(self, positions: np.ndarray, slots: np.ndarray) -> None:
         """Check that each slot's rows are contiguous and continue its state (or
         restart it at 0), then account for them. Raises VkEngineError otherwise."""
-        from .errors import VkEngineError
         n = len(slots)
         starts = [0] + [i for i in range(1, n) if slots[i] != slots[i - 1]]
         seen: set[int] = set()
@@ -220,10 +240,9 @@ class HybridState(KVCache):
         """How many of the first `length` positions of src_slot copy_prefix can reuse."""
         return length if self.length[src_slot] == length else 0
 
-    @staticmethod
-    def reusable_parked(parked: Parked, length: int) -> int:
+    def reusable_parked(self, parked: Parked, length: int) -> int:
         """How many of the first `length` positions of a parked sequence restore can reuse."""
-        return length if getattr(parked, "state_length", -1) == length <= parked.length else 0
+        return length if isinstance(parked, HybridParked) and parked.state_length == length <= parked.length else 0
 
     def commit_snapshot(self, slot: int, row: int, length: int) -> None:
         """Roll slot's recurrent state back to the snapshot of row `row` of the last

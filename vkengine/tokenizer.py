@@ -5,9 +5,10 @@ a streaming detokenizer that never emits half a UTF-8 character."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Any
 
 from .errors import VkEngineError
 
@@ -38,7 +39,7 @@ TOKEN_TYPE_USER_DEFINED = 4
 
 @dataclass
 class Tokenizer:
-    hf: object                       # tokenizers.Tokenizer
+    hf: Any                          # tokenizers.Tokenizer
     bos_id: int | None
     eos_id: int | None
     add_bos: bool
@@ -82,7 +83,7 @@ class Tokenizer:
         except TemplateError as e:
             raise VkEngineError(f"chat template failed to render: {e}") from e
 
-    def stream(self) -> "StreamDecoder":
+    def stream(self) -> StreamDecoder:
         return StreamDecoder(self)
 
 

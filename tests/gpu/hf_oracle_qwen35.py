@@ -61,13 +61,13 @@ def hf_logits(folder: Path, ids: list[int]) -> np.ndarray:
 
 
 def vk_logits(path: Path, ids: list[int], device) -> np.ndarray:
-    from vkengine.engine import Engine, EngineConfig
+    from vkengine.engine import Engine, EngineConfig, Readback
     from vkengine.model import load_model
     m = load_model(path)
     eng = Engine(m, device, EngineConfig(n_slots=1, n_ctx=max(256, len(ids) + 1), max_batch=max(64, len(ids)),
                                          max_out=len(ids)))
     try:
-        return eng.step(ids, range(len(ids)), [0] * len(ids), range(len(ids)), "logits")
+        return eng.step(ids, range(len(ids)), [0] * len(ids), range(len(ids)), Readback.LOGITS)
     finally:
         eng.close()
 

@@ -8,21 +8,17 @@ halves (NEOX). Both load as they are and pick the matching RoPE mode.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
+from typing import Any
 
-import numpy as np
-
-from ..arena import Arena, ArenaPlan, packed_words, row_parts, split_limit_words
+from ..arena import Arena
 from ..errors import VkEngineError
 from ..gguf_file import ModelFile, SafetensorsFolder
 from ..graph import Graph
 from ..kernels import Matrix, Region
-from ..quant import check_shape, repack, row_slice
 from ..rope import rope_table
-
-ARCH = "llama"
-HF_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+from .base import Architecture, ModelArgs
+from .loader import WeightPlanner
 
 # Hugging Face tensor names -> GGUF names (data; applied when a folder is opened)
 HF_NAMES = {
@@ -39,34 +35,16 @@ HF_NAMES = {
     r"model\.layers\.(\d+)\.mlp\.up_proj\.weight": r"blk.\1.ffn_up.weight",
     r"model\.layers\.(\d+)\.mlp\.down_proj\.weight": r"blk.\1.ffn_down.weight",
 }
-_HF_RE = [(re.compile(k + "$"), v) for k, v in HF_NAMES.items()]
 
 
-def hf_to_gguf_name(name: str) -> str | None:
-    for pat, repl in _HF_RE:
-        if pat.match(name):
-            return pat.sub(repl, name)
-    return None
-
-
-@dataclass(frozen=True)
-class LlamaArgs:
-    n_vocab: int
-    n_embd: int
-    n_layer: int
+@dataclass(frozen=True, kw_only=True)
+class LlamaArgs(ModelArgs):
     n_ff: int
-    n_head: int
-    n_head_kv: int
-    head_dim: int
-    n_rot: int
-    rope_base: float
     rope_freq_scale: float
-    rms_eps: float
-    n_ctx_train: int
     rope_neox: bool           # True for Hugging Face layout
 
     @classmethod
-    def from_file(cls, mf: ModelFile) -> "LlamaArgs":
+    def from_file(cls, mf: ModelFile) -> LlamaArgs:
         if isinstance(mf, SafetensorsFolder):
             c = mf.config
             n_head = int(c["num_attention_heads"])
@@ -110,10 +88,6 @@ class LlamaArgs:
     def qkv_width(self) -> int:
         return (self.n_head + 2 * self.n_head_kv) * self.head_dim
 
-    @property
-    def n_kv_heads(self) -> int:
-        return self.n_head_kv
-
 
 @dataclass
 class Layer:
@@ -135,7 +109,7 @@ class LlamaWeights:
     arena: Arena
 
 
-def scratch_widths(a: LlamaArgs) -> dict[str, int]:
+def _scratch_widths(a: LlamaArgs) -> dict[str, int]:
     return {"x": a.n_embd, "h": a.n_embd, "qkv": a.qkv_width, "q": a.n_head * a.head_dim,
             "att": a.n_head * a.head_dim, "gu": 2 * a.n_ff, "ff": a.n_ff,
             "out_h": a.n_embd, "out_logits": a.n_vocab,
@@ -144,9 +118,9 @@ def scratch_widths(a: LlamaArgs) -> dict[str, int]:
             "norm_q8": a.n_embd // 2 + a.n_embd // 16, "norm_q8_sync": -(-a.n_embd // 32)}
 
 
-def forward(g: Graph, a: LlamaArgs, w: LlamaWeights) -> None:
-    """Record one step: g.n token rows through every layer; logits for the
-    g.n_out requested rows into out_logits."""
+def _forward(g: Graph, a: LlamaArgs, w: LlamaWeights) -> None:
+    """One step: g.n token rows through every layer; logits for the g.n_out
+    requested rows into out_logits."""
     g.embed(w.tok_embd, "x")
     scale = 1.0 / math.sqrt(a.head_dim)
     # The RMSNorms after the residual adds: split between the add's matvec and
@@ -173,110 +147,53 @@ def forward(g: Graph, a: LlamaArgs, w: LlamaWeights) -> None:
 
 # -- loading ----------------------------------------------------------------------
 
-def _check(mf: ModelFile, name: str, shape: tuple[int, ...]) -> str:
-    t, s = mf.tensor_info(name)
-    if tuple(s) != tuple(shape):
-        raise VkEngineError(f"{mf.path.name}: tensor {name} has shape {s}, expected {shape}")
-    return t
-
-
-def load_weights(mf: ModelFile, a: LlamaArgs, device, n_ctx: int) -> LlamaWeights:
+def _load_weights(mf: ModelFile, a: LlamaArgs, device, n_ctx: int) -> LlamaWeights:
     """Plan, allocate and upload every weight (kept quantized)."""
     D, F, hd = a.n_embd, a.n_ff, a.head_dim
-    tied = not mf.has("output.weight")
-    plan = ArenaPlan(device.max_buffer_bytes // 4)
-    # group, kind (vector | matrix | part | split), names, rows (matrix, part: (first, end); split:
-    # [(first row, part item)]), cols, type
-    items: list[tuple] = []
-
-    def matrix(names: list[str], rows_each: list[int], cols: int) -> int:
-        types = {_check(mf, n, (r, cols)) for n, r in zip(names, rows_each)}
-        if len(types) != 1:
-            raise VkEngineError(f"internal: mixed types fused: {names}")
-        t = types.pop()
-        rows = sum(rows_each)
-        check_shape(t, rows, cols, names[0])
-        spans = row_parts(t, rows, cols, split_limit_words(plan), 1, names[0])
-        parts = []
-        for r0, r1 in spans:     # one span unless one storage buffer cannot hold the matrix
-            vw, sw = packed_words(t, r1 - r0, cols)
-            g = plan.add([vw, sw] if sw else [vw], names[0])
-            items.append((g, "matrix" if len(spans) == 1 else "part", names, (r0, r1), cols, t))
-            parts.append((r0, len(items) - 1))
-        if len(parts) > 1:
-            items.append((-1, "split", names, parts, cols, t))
-        return len(items) - 1
-
-    def vector(name: str, n: int) -> int:
-        _, s = mf.tensor_info(name)
-        if int(np.prod(s)) != n:
-            raise VkEngineError(f"{mf.path.name}: tensor {name} has shape {s}, expected ({n},)")
-        g = plan.add([n], name)
-        items.append((g, "vector", [name], 1, n, "f32"))
-        return len(items) - 1
-
-    def fused(names: list[str], rows_each: list[int], cols: int) -> list[tuple[int, int]]:
-        """One matmul when the parts share a type, else one each (with column offsets)."""
-        types = [mf.tensor_info(n)[0] for n in names]
-        if len(set(types)) == 1:
-            return [(matrix(names, rows_each, cols), 0)]
-        out, col = [], 0
-        for n, r in zip(names, rows_each):
-            out.append((matrix([n], [r], cols), col))
-            col += r
-        return out
-
-    i_embd = matrix(["token_embd.weight"], [a.n_vocab], D)
-    i_onorm = vector("output_norm.weight", D)
-    i_out = i_embd if tied else matrix(["output.weight"], [a.n_vocab], D)
+    p = WeightPlanner(mf, device)
+    i_embd = p.matrix(["token_embd.weight"], [a.n_vocab], D)
+    i_onorm = p.vector("output_norm.weight", D)
+    i_out = p.matrix(["output.weight"], [a.n_vocab], D) if mf.has("output.weight") else i_embd
     freq_factors = mf.tensor("rope_freqs.weight").as_f32() if mf.has("rope_freqs.weight") else None
     table = rope_table(n_ctx, a.n_rot, a.rope_base, a.rope_freq_scale, freq_factors)
-    g_rope = plan.add([table.size], "rope table")
-    layer_items = []
+    i_rope = p.vectors([("rope table", lambda: table, table.size)])[0]
+    layers: list[dict[str, Any]] = []
     for i in range(a.n_layer):
-        p = f"blk.{i}."
-        layer_items.append(dict(
-            attn_norm=vector(p + "attn_norm.weight", D),
-            qkv=fused([p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"],
-                      [a.n_head * hd, a.n_head_kv * hd, a.n_head_kv * hd], D),
-            wo=matrix([p + "attn_output.weight"], [D], a.n_head * hd),
-            ffn_norm=vector(p + "ffn_norm.weight", D),
-            gate_up=fused([p + "ffn_gate.weight", p + "ffn_up.weight"], [F, F], D),
-            down=matrix([p + "ffn_down.weight"], [D], F)))
-
-    arena = Arena(device, plan, "device", "weights")
-    built: list[Matrix | Region] = []
-    for g, kind, names, rows, cols, t in items:
-        if kind == "split":               # rows: [(first row, item of the part)], built before it
-            built.append(Matrix(t, sum(built[i].rows for _, i in rows), cols, None, None,
-                                tuple((r0, built[i]) for r0, i in rows)))
-            continue
-        regs = arena.regions(g)
-        if kind == "vector":
-            v = mf.tensor(names[0])
-            arr = v.raw.view(np.float32) if v.type == "f32" else v.as_f32().astype(np.float32)
-            arena.write(regs[0], arr)
-            built.append(regs[0])
-            continue
-        raw = np.concatenate([mf.tensor(n).raw for n in names]) if len(names) > 1 else mf.tensor(names[0]).raw
-        r0, r1 = rows
-        if kind == "part":               # rows [r0, r1) of a matrix split across buffers
-            raw = row_slice(raw, t, cols, r0, r1)
-        values, scales = repack(t, raw, r1 - r0, cols)
-        arena.write(regs[0], values)
-        if scales is not None:
-            arena.write(regs[1], scales)
-        built.append(Matrix(t, r1 - r0, cols, regs[0], regs[1] if scales is not None else None))
-    rope = arena.regions(g_rope)[0]
-    arena.write(rope, table)
-
-    layers = [Layer(attn_norm=built[L["attn_norm"]], qkv=[(built[i], c) for i, c in L["qkv"]],
-                    wo=built[L["wo"]], ffn_norm=built[L["ffn_norm"]],
-                    gate_up=[(built[i], c) for i, c in L["gate_up"]], down=built[L["down"]])
-              for L in layer_items]
-    return LlamaWeights(tok_embd=built[i_embd], out_norm=built[i_onorm], output=built[i_out],
-                        layers=layers, rope=rope, arena=arena)
+        pre = f"blk.{i}."
+        layers.append(dict(
+            attn_norm=p.vector(pre + "attn_norm.weight", D),
+            qkv=p.fused([pre + "attn_q.weight", pre + "attn_k.weight", pre + "attn_v.weight"],
+                        [a.n_head * hd, a.n_head_kv * hd, a.n_head_kv * hd], D),
+            wo=p.matrix([pre + "attn_output.weight"], [D], a.n_head * hd),
+            ffn_norm=p.vector(pre + "ffn_norm.weight", D),
+            gate_up=p.fused([pre + "ffn_gate.weight", pre + "ffn_up.weight"], [F, F], D),
+            down=p.matrix([pre + "ffn_down.weight"], [D], F)))
+    b, arena = p.build(device)
+    return LlamaWeights(
+        tok_embd=b[i_embd], out_norm=b[i_onorm], output=b[i_out], rope=b[i_rope], arena=arena,
+        layers=[Layer(attn_norm=b[L["attn_norm"]], qkv=[(b[h], c) for h, c in L["qkv"]], wo=b[L["wo"]],
+                      ffn_norm=b[L["ffn_norm"]], gate_up=[(b[h], c) for h, c in L["gate_up"]], down=b[L["down"]])
+                for L in layers])
 
 
-Args = LlamaArgs
-Weights = LlamaWeights
+class Llama(Architecture):
+    names = ("llama",)
+    hf_architectures = ("LlamaForCausalLM", "MistralForCausalLM")
+    hf_names = HF_NAMES
+
+    def args(self, mf: ModelFile) -> LlamaArgs:
+        return LlamaArgs.from_file(mf)
+
+    def scratch_widths(self, a: LlamaArgs) -> dict[str, int]:
+        return _scratch_widths(a)
+
+    def load_weights(self, mf: ModelFile, a: LlamaArgs, device, n_ctx: int) -> LlamaWeights:
+        return _load_weights(mf, a, device, n_ctx)
+
+    def forward(self, g: Graph, a: LlamaArgs, w: LlamaWeights, hidden_rows: bool = False) -> None:
+        if hidden_rows:
+            raise VkEngineError("llama models have no MTP block to feed hidden states to")
+        _forward(g, a, w)
+
+
+ARCHITECTURE = Llama()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Any
 
 import numpy as np
 
@@ -32,7 +33,8 @@ def warm_up(eng: Engine, run) -> None:
 def run_bench(eng: Engine, n_prompt: int, n_gen: int, reps: int = 3, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     V = eng.n_vocab
-    out = {"model": eng.model.name, "device": eng.device.info.name, "n_prompt": n_prompt, "n_gen": n_gen}
+    out: dict[str, Any] = {"model": eng.model.name, "device": eng.device.info.name, "n_prompt": n_prompt,
+                           "n_gen": n_gen}
     if n_prompt:
         toks = rng.integers(0, V, n_prompt).tolist()
         warm_up(eng, lambda: eng.prefill(toks, 0))
@@ -99,7 +101,7 @@ def parse_parallel(text: str) -> list[int]:
     try:
         vals = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise VkEngineError(f"--parallel takes comma-separated sequence counts such as 1,4,16, got {text!r}")
+        raise VkEngineError(f"--parallel takes comma-separated sequence counts such as 1,4,16, got {text!r}") from None
     if any(v < 1 or v > 256 for v in vals):
         raise VkEngineError(f"--parallel counts must be 1..256, got {text!r}")
     return vals

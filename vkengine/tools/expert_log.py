@@ -1,6 +1,6 @@
 """Recording the experts a MoE model chose, step by step (parity mode).
 
-With the fixed-expert mode (`--fixed-experts`: Qwen35Args.fixed_experts) the
+With the fixed-expert mode (`--fixed-experts`: ModelArgs.fixed_experts) the
 router computes its logits in one fixed fp32 order and breaks ties by the lower
 expert index (shaders/moe_router.comp), so the choice does not depend on the
 device or the batch; every step also stores the chosen ids. RecordingEngine
@@ -13,27 +13,30 @@ from __future__ import annotations
 import json
 from typing import TextIO
 
-from ..engine import Engine
+from ..engine import MAIN, Engine, Pass, Readback
 
 
 class RecordingEngine(Engine):
-    can_chain = False     # one step at a time: each collect() reads that step's choices
+    @property
+    def can_chain(self) -> bool:
+        return False     # one step at a time: each collect() reads that step's choices
 
     def __init__(self, *args, log: TextIO, **kwargs):
         super().__init__(*args, **kwargs)
         self.log = log
 
-    def submit(self, tokens, positions, slots, out_rows=(), readback="argmax", **kw) -> None:
+    def submit(self, tokens, positions, slots, out_rows=(), readback: Readback = Readback.ARGMAX,
+               chain=None, sampling=None, prompt: bool = False, pass_: Pass = MAIN, hmap=None) -> None:
         if self.in_flight:   # the next step would overwrite the choices before they are read
             raise RuntimeError("the expert log records one step at a time: collect() the step in flight first")
-        super().submit(tokens, positions, slots, out_rows, readback, **kw)
+        super().submit(tokens, positions, slots, out_rows, readback, chain=chain, sampling=sampling, prompt=prompt,
+                       pass_=pass_, hmap=hmap)
         self._rows = (list(tokens), list(positions), list(slots))
 
     def collect(self):
-        from ..models.qwen35 import read_expert_choices
         out = super().collect()
         tokens, positions, slots = self._rows
-        choices = read_expert_choices(self, len(tokens))
+        choices = self.arch.read_expert_choices(self, len(tokens))
         for t, p, s, c in zip(tokens, positions, slots, choices):
             self.log.write(json.dumps({"slot": int(s), "pos": int(p), "token": int(t),
                                        "experts": c.astype(int).tolist()}) + "\n")

@@ -23,8 +23,18 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import VkEngineError
-from .writer import (FILE_TYPES, add_meta, check_quant, config_json, iter_tensors, make_tensors, rng_for,
-                     tokenizer_meta, write_gguf_tensors, write_hf_tokenizer)
+from .writer import (
+    FILE_TYPES,
+    add_meta,
+    check_quant,
+    config_json,
+    iter_tensors,
+    make_tensors,
+    rng_for,
+    tokenizer_meta,
+    write_gguf_tensors,
+    write_hf_tokenizer,
+)
 
 SHAPES = {
     # name: (n_embd, n_layer, n_head, n_head_kv, n_ff)
@@ -63,8 +73,8 @@ def config_for(shape: str | None, config: str | None = None) -> SynthConfig:
             raise VkEngineError(f"--config: {e}") from e
     if shape not in SHAPES:
         raise VkEngineError(f"unknown shape {shape!r} (shapes: {', '.join(SHAPES)})")
-    e, L, h, kv, f = SHAPES[shape]
-    return SynthConfig(e, L, h, kv, f)
+    n_embd, n_layer, n_head, n_head_kv, n_ff = SHAPES[shape]
+    return SynthConfig(n_embd, n_layer, n_head, n_head_kv, n_ff)
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -201,7 +211,7 @@ def synth_llama(c: SynthConfig, quant: str, seed: int, out_dir: Path, name: str 
                            else iter_tensors(_make_tensor, jobs, workers))
         os.replace(tmp, path)
         written["gguf"] = path
-    if want_hf:
+    if results is not None:
         from safetensors.numpy import save_file
         folder = out_dir / f"{name}-{quant}-hf"
         folder.mkdir(parents=True, exist_ok=True)

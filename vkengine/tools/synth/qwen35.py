@@ -22,8 +22,18 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import VkEngineError
-from .writer import (FILE_TYPES, add_meta, check_quant, config_json, iter_tensors, make_tensors, rng_for,
-                     tokenizer_meta, write_gguf_tensors, write_hf_tokenizer)
+from .writer import (
+    FILE_TYPES,
+    add_meta,
+    check_quant,
+    config_json,
+    iter_tensors,
+    make_tensors,
+    rng_for,
+    tokenizer_meta,
+    write_gguf_tensors,
+    write_hf_tokenizer,
+)
 
 
 @dataclass(frozen=True)
@@ -128,8 +138,8 @@ def _tensor_plan(c: Qwen35SynthConfig, n_vocab: int) -> list[tuple]:
     # logits' scale.
     emb_std = 0.05 if c.tied else 1.0
     gain = c.logit_scale / (np.sqrt(D) * emb_std) if c.tied else 1.0
-    plan = [("token_embd.weight", (n_vocab, D), ("normal", emb_std), True, None),
-            ("output_norm.weight", (D,), ("norm", gain), False, None)]
+    plan: list[tuple] = [("token_embd.weight", (n_vocab, D), ("normal", emb_std), True, None),
+                         ("output_norm.weight", (D,), ("norm", gain), False, None)]
     if not c.tied:
         plan.append(("output.weight", (n_vocab, D), ("normal", c.logit_scale / np.sqrt(D)), True, None))
 

@@ -4,11 +4,11 @@ Greedy decoding (temperature <= 0, no penalty) never reaches here: the argmax
 runs on the device and one word is read back."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import VkEngineError
+from ..errors import VkEngineError
 
 
 def _top_exact(x: np.ndarray, k: int) -> np.ndarray:
@@ -58,7 +58,7 @@ class SamplingParams:
     repeat_last_n: int = 64
     seed: int | None = None
 
-    def validate(self) -> "SamplingParams":
+    def validate(self) -> SamplingParams:
         if not (self.temperature >= 0 and np.isfinite(self.temperature)):
             raise VkEngineError("temperature must be a finite number >= 0")
         if self.top_k < 0:

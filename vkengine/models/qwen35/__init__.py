@@ -20,35 +20,23 @@ Layouts that differ between the two file formats (the loader evens them out):
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import VkEngineError
-from ..graph_hybrid import HybridGraph
-from ..state import HybridState
-from .qwen35_args import (HF_NAMES, MTP_BLOCK, PLUS_ONE_NORMS, Qwen35Args,  # noqa: F401 (the module's interface)
-                          hf_to_gguf_name)
-from .qwen35_weights import FullAttn, Layer, LinearAttn, MoeFfn, Qwen35Weights, load_weights  # noqa: F401
+from ...errors import VkEngineError
+from ...gguf_file import ModelFile
+from ...graph import Graph
+from ...state import HybridState, KVCache
+from ..base import Architecture
+from .args import HF_NAMES, Qwen35Args
+from .weights import FullAttn, Layer, LinearAttn, MoeFfn, Qwen35Weights, load_weights
 
-ARCH = "qwen35"
-ARCHES = ("qwen35", "qwen35moe")   # GGUF general.architecture values served by this module
-HF_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
-                    "Qwen3_5MoeForConditionalGeneration")
-GRAPH = HybridGraph            # the Graph class this architecture's forward needs
-
-Args = Qwen35Args
-Weights = Qwen35Weights
+if TYPE_CHECKING:
+    from ...engine import Engine
 
 
-def make_state(device, a: Qwen35Args, n_slots: int, n_ctx: int) -> HybridState:
-    """KV rows of the attention layers (and the MTP block), conv and recurrent
-    states of the linear layers, with snapshot rows for speculative steps."""
-    return HybridState(device, n_slots, n_ctx, a.n_head_kv, a.head_dim, a.attn_layers, a.rec_layers,
-                       (a.conv_kernel - 1) * a.conv_dim, a.nv * a.dv * a.dk,
-                       a.mtp_snap_rows if a.n_nextn else 0)
-
-
-def scratch_widths(a: Qwen35Args) -> dict[str, int]:
+def _scratch_widths(a: Qwen35Args) -> dict[str, int]:
     D, k = a.n_embd, a.n_expert_used
     w = {"x": D, "h": D}
     if a.rec_layers:
@@ -70,7 +58,7 @@ def scratch_widths(a: Qwen35Args) -> dict[str, int]:
 
 # -- the graph ---------------------------------------------------------------------------
 
-def _linear_attn(g: HybridGraph, a: Qwen35Args, L: LinearAttn, layer: int) -> None:
+def _linear_attn(g: Graph, a: Qwen35Args, L: LinearAttn, layer: int) -> None:
     for m, col in L.lin_in:                                   # [qkv | z | beta | alpha]
         g.matmul(m, "h", "lin", col=col)
     g.conv1d(layer, "lin", "conv", L.conv, a.conv_dim, a.conv_kernel)
@@ -83,7 +71,7 @@ def _linear_attn(g: HybridGraph, a: Qwen35Args, L: LinearAttn, layer: int) -> No
     g.matmul(L.out, "o", "x", accumulate=True)
 
 
-def _full_attn(g: HybridGraph, a: Qwen35Args, L: FullAttn, layer: int, w: Qwen35Weights) -> None:
+def _full_attn(g: Graph, a: Qwen35Args, L: FullAttn, layer: int, w: Qwen35Weights) -> None:
     for m, col in L.qkv:                                      # [q0 g0 q1 g1 ... | k | v]
         g.matmul(m, "h", "aqkv", col=col)
     g.norm_rope_kv(layer, "aqkv", "q", w.rope, L.q_norm, L.k_norm, a.n_head, a.n_head_kv, a.head_dim, a.n_rot)
@@ -92,12 +80,13 @@ def _full_attn(g: HybridGraph, a: Qwen35Args, L: FullAttn, layer: int, w: Qwen35
     g.matmul(L.wo, "att", "x", accumulate=True)
 
 
-def _moe(g: HybridGraph, a: Qwen35Args, F: MoeFfn, record_col: int | None) -> None:
+def _moe(g: Graph, a: Qwen35Args, F: MoeFfn, record_col: int | None) -> None:
     k = a.n_expert_used
     record = ("rec", record_col) if record_col is not None else None
     if F.router_f32 is not None:                              # parity mode: fixed-order fp32 logits
         g.moe_route("rl", "route", a.n_expert, k, a.expert_weights_scale, fixed=(F.router_f32, "h"), record=record)
     else:
+        assert F.router is not None
         g.matmul(F.router, "h", "rl")
         g.moe_route("rl", "route", a.n_expert, k, a.expert_weights_scale, record=record)
     # expert-major batched matmuls once the step routes several rows per expert on average
@@ -114,7 +103,7 @@ def _moe(g: HybridGraph, a: Qwen35Args, F: MoeFfn, record_col: int | None) -> No
     g.matmul(F.sh_down, "ff_s", "x", accumulate=True)
 
 
-def _block(g: HybridGraph, a: Qwen35Args, L: Layer, layer: int, w: Qwen35Weights, moe_index: int) -> None:
+def _block(g: Graph, a: Qwen35Args, L: Layer, layer: int, w: Qwen35Weights, moe_index: int) -> None:
     g.rms_norm("x", L.attn_norm, "h")
     if isinstance(L.mixer, LinearAttn):
         _linear_attn(g, a, L.mixer, layer)
@@ -128,8 +117,8 @@ def _block(g: HybridGraph, a: Qwen35Args, L: Layer, layer: int, w: Qwen35Weights
         g.matmul(L.ffn.down, "ff", "x", accumulate=True)
 
 
-def forward(g: HybridGraph, a: Qwen35Args, w: Qwen35Weights, hidden_rows: bool = False) -> None:
-    """Record one step: g.n token rows through every layer; logits of the g.n_out
+def _forward(g: Graph, a: Qwen35Args, w: Qwen35Weights, hidden_rows: bool = False) -> None:
+    """One step: g.n token rows through every layer; logits of the g.n_out
     requested rows into out_logits. hidden_rows: also the final-normed hidden
     state of every row into `hn` (the MTP block's input)."""
     g.embed(w.tok_embd, "x")
@@ -142,14 +131,15 @@ def forward(g: HybridGraph, a: Qwen35Args, w: Qwen35Weights, hidden_rows: bool =
         g.matmul(w.output, "out_h", "out_logits", no_epilogues=True)
 
 
-def forward_mtp(g: HybridGraph, a: Qwen35Args, w: Qwen35Weights, hidden: str, map_off: int,
-                zero_first: bool) -> None:
+def _forward_mtp(g: Graph, a: Qwen35Args, w: Qwen35Weights, hidden: str, map_off: int,
+                 zero_first: bool) -> None:
     """Record one step of the MTP block: row r takes token r and the hidden state
     hidden[params[map_off + r]] (zeros for row 0 when zero_first: position 0 has
     no previous hidden state), and predicts the token after the next
     (llama.cpp qwen35.cpp graph_mtp). Writes its own final-normed hidden state of
     every row to `mtp_hn` (input of the next chained draft)."""
     m = w.mtp
+    assert m is not None
     D = a.n_embd
     g.embed(m.embed, "mtp_e")
     g.rms_norm_into("mtp_e", m.enorm, "mtp_cat", col=0)
@@ -164,11 +154,54 @@ def forward_mtp(g: HybridGraph, a: Qwen35Args, w: Qwen35Weights, hidden: str, ma
         g.matmul(m.head, "out_h", "out_logits", no_epilogues=True)
 
 
+class Qwen35(Architecture):
+    names = ("qwen35", "qwen35moe")
+    hf_architectures = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
+                        "Qwen3_5MoeForConditionalGeneration")
+    hf_names = HF_NAMES
+
+    def args(self, mf: ModelFile) -> Qwen35Args:
+        return Qwen35Args.from_file(mf)
+
+    def scratch_widths(self, a: Qwen35Args) -> dict[str, int]:
+        return _scratch_widths(a)
+
+    def load_weights(self, mf: ModelFile, a: Qwen35Args, device, n_ctx: int) -> Qwen35Weights:
+        return load_weights(mf, a, device, n_ctx)
+
+    def forward(self, g: Graph, a: Qwen35Args, w: Qwen35Weights, hidden_rows: bool = False) -> None:
+        _forward(g, a, w, hidden_rows)
+
+    def make_state(self, device, a: Qwen35Args, n_slots: int, n_ctx: int) -> KVCache:
+        """KV rows of the attention layers (and the MTP block), conv and recurrent
+        states of the linear layers, with snapshot rows for speculative steps."""
+        return HybridState(device, n_slots, n_ctx, a.n_head_kv, a.head_dim, a.attn_layers, a.rec_layers,
+                           (a.conv_kernel - 1) * a.conv_dim, a.nv * a.dv * a.dk,
+                           a.mtp_snap_rows if a.n_nextn else 0)
+
+    def state_bytes(self, a: Qwen35Args, n_slots: int, n_ctx: int) -> tuple[int, int]:
+        per_pos, _ = super().state_bytes(a, n_slots, n_ctx)
+        return per_pos, 4 * len(a.rec_layers) * ((a.conv_kernel - 1) * a.conv_dim + a.nv * a.dv * a.dk)
+
+    def has_mtp(self, a: Qwen35Args, w: Qwen35Weights) -> bool:
+        return a.n_nextn > 0 and w.mtp is not None
+
+    def forward_mtp(self, g: Graph, a: Qwen35Args, w: Qwen35Weights, hidden: str, map_off: int,
+                    zero_first: bool) -> None:
+        _forward_mtp(g, a, w, hidden, map_off, zero_first)
+
+    def read_expert_choices(self, engine: Engine, n_rows: int, mtp: bool = False) -> np.ndarray:
+        return read_expert_choices(engine, n_rows, mtp)
+
+
+ARCHITECTURE = Qwen35()
+
+
 def read_expert_choices(engine, n_rows: int, mtp: bool = False) -> np.ndarray:
     """Experts chosen for the first n_rows rows of the engine's last step in the
     fixed-expert mode: uint32 (rows, MoE layers, k) (the MTP block's with mtp=True)."""
     a = engine.args
-    if not (a.moe and a.fixed_experts):
+    if not (isinstance(a, Qwen35Args) and a.moe and a.fixed_experts):
         raise VkEngineError("expert choices are recorded only in the fixed-expert mode of a MoE model")
     s = engine.scratch
     r = s.region("rec")

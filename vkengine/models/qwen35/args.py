@@ -1,12 +1,14 @@
 """Qwen3.5 hyperparameters (from GGUF metadata or a Hugging Face config.json)
-and the Hugging Face -> GGUF tensor name map (data). See qwen35.py."""
+and the Hugging Face -> GGUF tensor name map (data). See __init__.py."""
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
-from ..errors import VkEngineError
-from ..gguf_file import ModelFile, SafetensorsFolder
+import numpy as np
+
+from ...errors import VkEngineError
+from ...gguf_file import ModelFile, SafetensorsFolder
+from ..base import ModelArgs
 
 _L = r"(?:model\.)?(?:language_model\.)?layers\.(\d+)\."
 _M = r"(?:model\.)?mtp\.layers\.0\."
@@ -55,7 +57,6 @@ HF_NAMES = {
     **{_L + k: r"blk.\1." + v for k, v in _LAYER_NAMES.items()},
     **{_M + k: f"blk.{MTP_BLOCK}." + v.replace(r"\2", r"\1") for k, v in _LAYER_NAMES.items()},
 }
-_HF_RE = [(re.compile(k + "$"), v) for k, v in HF_NAMES.items()]
 
 # RMSNorm weights that GGUF stores with the +1 of x*(1+w) folded in (added on
 # load from HF), by GGUF name suffix (convert_hf_to_gguf: Qwen3NextModel.modify_tensors)
@@ -64,27 +65,19 @@ PLUS_ONE_NORMS = ("attn_norm.weight", "post_attention_norm.weight", "output_norm
                   "nextn.shared_head_norm.weight")
 
 
-def hf_to_gguf_name(name: str) -> str | None:
-    for pat, repl in _HF_RE:
-        if pat.match(name):
-            return pat.sub(repl, name)
-    return None
+def hf_value(name: str, v: np.ndarray) -> np.ndarray:
+    """A Hugging Face vector in GGUF's convention (WeightPlanner's hf_value)."""
+    if name.endswith(PLUS_ONE_NORMS):
+        return v + np.float32(1.0)
+    if name.endswith(".ssm_a"):
+        return -np.exp(v)
+    return v
 
 
-@dataclass(frozen=True)
-class Qwen35Args:
+@dataclass(frozen=True, kw_only=True)
+class Qwen35Args(ModelArgs):
     arch: str                     # qwen35 | qwen35moe
-    n_vocab: int
-    n_embd: int
-    n_layer: int                  # main layers (the MTP block is extra)
-    layer_types: tuple[str, ...]  # "linear" | "full" per main layer
-    n_head: int
-    n_head_kv: int
-    head_dim: int
-    n_rot: int
-    rope_base: float
-    rms_eps: float
-    n_ctx_train: int
+    layer_types: tuple[str, ...]  # "linear" | "full" per main layer (n_layer: main layers; the MTP block is extra)
     conv_kernel: int
     nk: int                       # linear attention key heads (ssm.group_count)
     nv: int                       # value heads (ssm.time_step_rank)
@@ -92,15 +85,10 @@ class Qwen35Args:
     dv: int                       # value head size (ssm.inner_size / nv)
     v_heads_tiled: bool           # GGUF value-head order (see the module docstring)
     n_ff: int = 0                 # dense FFN
-    n_expert: int = 0
     n_expert_used: int = 0
     n_ff_exp: int = 0
     n_ff_shexp: int = 0
     expert_weights_scale: float = 1.0
-    n_nextn: int = 0              # MTP blocks in the file
-    # run-time choices, set at the edge (CLI) with dataclasses.replace
-    fixed_experts: bool = False   # parity mode: fixed-order fp32 router, choices recorded
-    mtp_snap_rows: int = 0        # rows of a speculative step that can be rolled back to (MTP: drafts + 1)
     rope_sections: tuple[int, ...] = field(default=(), compare=False)
 
     # -- derived ----------------------------------------------------------------
@@ -127,14 +115,14 @@ class Qwen35Args:
         return [i for i, t in enumerate(self.layer_types) if t == "linear"]
 
     @property
-    def n_kv_heads(self) -> int:
-        return self.n_head_kv
+    def kv_layers(self) -> list[int]:
+        return self.attn_layers
 
     @property
     def moe_layers(self) -> list[int]:
         return list(range(self.n_layer)) if self.moe else []
 
-    def validate(self) -> "Qwen35Args":
+    def validate(self) -> Qwen35Args:
         if len(self.layer_types) != self.n_layer or set(self.layer_types) - {"linear", "full"}:
             raise VkEngineError(f"layer types {self.layer_types} do not describe {self.n_layer} layers")
         if self.nv % self.nk:
@@ -152,7 +140,7 @@ class Qwen35Args:
         return self
 
     @classmethod
-    def from_file(cls, mf: ModelFile) -> "Qwen35Args":
+    def from_file(cls, mf: ModelFile) -> Qwen35Args:
         if isinstance(mf, SafetensorsFolder):
             return _args_from_hf(cls, mf).validate()
         return _args_from_gguf(cls, mf).validate()

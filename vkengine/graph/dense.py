@@ -1,84 +1,15 @@
-"""Named ops over the engine's buffers, recorded into one Program.
-
-A model's forward function (vkengine/models/<arch>.py) is written against this
-class: `g.rms_norm("x", w, "h")`, `g.matmul(w, "h", "qkv")`, ... Activations are
-named scratch arrays of shape (rows, width); rows are the batch's tokens (or, for
-the `out_*` arrays, the rows whose logits are wanted). The Graph knows where the
-params buffer keeps token ids, positions, slots and output rows; models know
-nothing of buffers, offsets or kp.
-"""
+"""The ops of decoder layers with attention: embeddings, norms, matmuls (with
+the fused epilogues the GPUs' decode steps take), RoPE and the KV cache,
+attention, the gated FFN, and the head's argmax or sampling."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-from .device import Buffer, Program
-from .kernels import Kernels, Matrix, NormIn, NormOut, NormParts, Q8Out, Region, RopeOut
-from .state import KVCache
-
-
-@dataclass(frozen=True)
-class ParamsLayout:
-    """Word offsets in the host-visible params buffer (written before each run)."""
-    max_rows: int
-    max_out: int
-
-    @property
-    def tokens(self) -> int: return 0
-    @property
-    def positions(self) -> int: return self.max_rows
-    @property
-    def slots(self) -> int: return 2 * self.max_rows
-    @property
-    def out_rows(self) -> int: return 3 * self.max_rows
-    @property
-    def sampling(self) -> int: return 3 * self.max_rows + self.max_out   # Kernels.SAMPLE_WORDS an output row
-    @property
-    def argmax(self) -> int: return self.sampling + Kernels.SAMPLE_WORDS * self.max_out
-    @property
-    def words(self) -> int: return self.argmax + self.max_out
+from ..kernels import Matrix, NormIn, NormOut, NormParts, Q8Out, Region, RopeOut
+from .core import GraphBase
 
 
-class Scratch:
-    """Activation arrays in one device buffer: each `name` of width w holds
-    `max_rows` rows of stride w rounded up to 4 floats (16-byte aligned rows for
-    vec4 reads); names starting with `out_` hold `max_out` rows."""
-
-    def __init__(self, buf: Buffer | None, widths: dict[str, int], max_rows: int, max_out: int):
-        self.widths = dict(widths)
-        self.strides = {k: (w + 3) // 4 * 4 for k, w in widths.items()}
-        self.offsets: dict[str, int] = {}
-        off = 0
-        for k, s in self.strides.items():
-            self.offsets[k] = off
-            off += s * (max_out if k.startswith("out_") else max_rows)
-        self.words = off
-        self.buf = buf
-        self.max_rows, self.max_out = max_rows, max_out
-
-    @staticmethod
-    def words_needed(widths: dict[str, int], max_rows: int, max_out: int) -> int:
-        return Scratch(None, widths, max_rows, max_out).words
-
-    def region(self, name: str, col: int = 0) -> Region:
-        return Region(self.buf, self.offsets[name] + col, self.strides[name])
-
-    def stride(self, name: str) -> int:
-        return self.strides[name]
-
-
-class Graph:
-    def __init__(self, kernels: Kernels, prog: Program, scratch: Scratch, params: Buffer, layout: ParamsLayout,
-                 kv: KVCache, n_rows: int, n_out: int, rope_table: Region, eps: float):
-        self.k, self.p, self.s = kernels, prog, scratch
-        self.params, self.pl, self.kv = params, layout, kv
-        self.n, self.n_out = n_rows, n_out
-        self.rope_table = rope_table
-        self.eps = eps
-
-    def _rows(self, name: str) -> int:
-        return self.n_out if name.startswith("out_") else self.n
-
-    # -- ops ---------------------------------------------------------------
+class DenseOps(GraphBase):
     def embed(self, w: Matrix, out: str) -> None:
         """out[r] = w[token r]"""
         self.k.get_rows(self.p, w, self.params, self.pl.tokens, self.s.region(out), self.s.stride(out), self.n)
@@ -196,7 +127,7 @@ class Graph:
         (decode) split the positions across subgroups when the scratch has room
         (`out_attn_split`, sized for max_out rows) and the device profits."""
         split = sync = None
-        if self.k.split_attention and "out_attn_split" in self.s.widths and self.n <= self.s.max_out:
+        if self.k.caps.split_attention and "out_attn_split" in self.s.widths and self.n <= self.s.max_out:
             need = self.k.attention_tmp_words(self.n, n_head, head_dim, self.kv.ctx)
             counters = self.k.attention_sync_words(self.n, n_head)
             if need <= self.s.strides["out_attn_split"] * self.s.max_out and \
@@ -245,3 +176,32 @@ class Graph:
         self.k.argmax(self.p, self.s.region(logits), self.s.stride(logits), self.s.widths[logits], self.n_out,
                       self.params, self.pl.argmax, Region(self.s.buf, self.s.offsets[tmp],
                                                           self.s.stride(tmp) * self.n_out))
+
+    def rms_norm_into(self, x: str, w: Region, out: str, col: int = 0, rows: int | None = None,
+                      map_off: int | None = None) -> None:
+        """out[r][col : col + width(x)] = rms_norm(x[src]) * w, src = r or params[map_off + r]."""
+        rows = self._rows(out) if rows is None else rows
+        self.k.rms_norm(self.p, w, self._r(x), self.s.stride(x), self._r(out, col), self.s.stride(out),
+                        self.s.widths[x], rows, self.eps, self.params, map_off)
+
+    def norm_rope_kv(self, layer: int, qkv: str, q_out: str, table: Region, wq: Region, wk: Region, n_head: int,
+                     n_kv: int, head_dim: int, n_rot: int) -> None:
+        """q/k RMSNorm + RoPE; q -> q_out, k, v -> the layer's KV cache. qkv rows are
+        [q0 g0 q1 g1 ... | k | v] (each head's gate after its query)."""
+        qc = 2 * n_head * head_dim
+        self.k.norm_rope_kv(self.p, table, wq, wk, self._r(qkv), self.s.stride(qkv), 2 * head_dim, qc,
+                             qc + n_kv * head_dim, self._r(q_out), self.s.stride(q_out), self.n, n_head, n_kv,
+                             head_dim, n_rot, self.kv.k(layer), self.kv.v(layer), self.kv.slot_stride,
+                             self.params, self.pl.positions, self.pl.slots, self.eps)
+
+    def head_gate(self, x: str, qkv: str, head_dim: int) -> None:
+        """x[r][h*hd + d] *= sigmoid(gate of head h), gates interleaved after each query in qkv."""
+        n = self.s.widths[x]
+        self.k.sigmoid_mul(self.p, self._r(x), self.s.stride(x), self._r(qkv, head_dim), self.s.stride(qkv),
+                            head_dim, 2 * head_dim, 1, self._r(x), self.s.stride(x), n, self._rows(x))
+
+    def row_gate(self, x: str, g: str) -> None:
+        """x[r] *= sigmoid(g[r][0])."""
+        n = self.s.widths[x]
+        self.k.sigmoid_mul(self.p, self._r(x), self.s.stride(x), self._r(g), self.s.stride(g), n, 0, 0,
+                            self._r(x), self.s.stride(x), n, self._rows(x))

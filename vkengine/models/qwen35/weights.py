@@ -8,18 +8,20 @@ dt_bias (delta_rule.comp). Experts are stacked per layer as E x rows matrices
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any
 
 import numpy as np
 
-from ..arena import Arena, ArenaPlan, packed_words, row_parts, split_limit_words
-from ..errors import VkEngineError
-from ..gguf_file import ModelFile, SafetensorsFolder
-from ..kernels import Matrix, Region
-from ..quant import check_shape, dequantize, repack, row_bytes, row_slice
-from ..rope import rope_table
-from .qwen35_args import MTP_BLOCK, PLUS_ONE_NORMS
+from ...arena import Arena
+from ...errors import VkEngineError
+from ...gguf_file import ModelFile, SafetensorsFolder
+from ...kernels import Matrix, Region
+from ...quant import dequantize, row_bytes
+from ...rope import rope_table
+from ..loader import WeightPlanner
+from .args import MTP_BLOCK, hf_value
 
 
 @dataclass
@@ -87,120 +89,7 @@ class Qwen35Weights:
     arena: Arena
 
 
-class _Planner:
-    """Reserve arena space from tensor headers; `build` uploads and returns the
-    Matrix/Region of every handle."""
-
-    def __init__(self, mf: ModelFile, device):
-        self.mf = mf
-        self.hf = isinstance(mf, SafetensorsFolder)
-        self.plan = ArenaPlan(device.max_buffer_bytes // 4)
-        self.jobs: list[tuple] = []      # (group, kind, payload)
-        self.handles: list[tuple[int, int]] = []   # handle -> (job, index inside the job)
-
-    def _shape(self, name: str) -> tuple[str, tuple[int, ...]]:
-        return self.mf.tensor_info(name)
-
-    def _job(self, group: int, kind: str, payload, n: int) -> list[int]:
-        self.jobs.append((group, kind, payload))
-        first = len(self.handles)
-        self.handles += [(len(self.jobs) - 1, i) for i in range(n)]
-        return list(range(first, first + n))
-
-    def matrix_raw(self, type_: str, rows: int, cols: int, produce: Callable[[], np.ndarray], what: str,
-                   unit: int = 1) -> int:
-        """A matrix; split by rows into parts of whole `unit`s of rows (an expert's
-        rows in a stack of experts) when one storage buffer cannot hold it."""
-        check_shape(type_, rows, cols, what)
-        spans = row_parts(type_, rows, cols, split_limit_words(self.plan), unit, what)
-        parts = []
-        for r0, r1 in spans:
-            vw, sw = packed_words(type_, r1 - r0, cols)
-            g = self.plan.add([vw, sw] if sw else [vw], what if len(spans) == 1 else f"{what}[{r0}:{r1}]")
-            rows_of = produce if len(spans) == 1 else (lambda r0=r0, r1=r1: row_slice(produce(), type_, cols, r0, r1))
-            parts.append((r0, self._job(g, "matrix", (type_, r1 - r0, cols, rows_of), 1)[0]))
-        if len(parts) == 1:
-            return parts[0][1]
-        return self._job(-1, "split", (type_, rows, cols, parts), 1)[0]
-
-    def matrix(self, names: list[str], rows_each: list[int], cols: int) -> int:
-        types = set()
-        for n, r in zip(names, rows_each):
-            t, s = self._shape(n)
-            if int(np.prod(s[:-1])) != r or s[-1] != cols:
-                raise VkEngineError(f"{self.mf.path.name}: tensor {n} has shape {s}, expected ({r}, {cols})")
-            types.add(t)
-        if len(types) != 1:
-            raise VkEngineError(f"internal: mixed types fused: {names}")
-
-        def produce():
-            return np.concatenate([self.mf.tensor(n).raw for n in names]) if len(names) > 1 \
-                else self.mf.tensor(names[0]).raw
-        return self.matrix_raw(types.pop(), sum(rows_each), cols, produce, names[0])
-
-    def fused(self, names: list[str], rows_each: list[int], cols: int) -> list[tuple[int, int]]:
-        """One matmul when the parts share a type, else one each (with column offsets)."""
-        if len({self._shape(n)[0] for n in names}) == 1:
-            return [(self.matrix(names, rows_each, cols), 0)]
-        out, col = [], 0
-        for n, r in zip(names, rows_each):
-            out.append((self.matrix([n], [r], cols), col))
-            col += r
-        return out
-
-    def value(self, name: str, n: int) -> Callable[[], np.ndarray]:
-        """f32 values of a tensor, with the HF -> GGUF value conventions applied."""
-        _, s = self._shape(name)
-        if int(np.prod(s)) != n:
-            raise VkEngineError(f"{self.mf.path.name}: tensor {name} has shape {s}, expected {n} values")
-
-        def produce():
-            v = self.mf.tensor(name).as_f32().astype(np.float32).reshape(-1)
-            if self.hf and name.endswith(PLUS_ONE_NORMS):
-                v = v + np.float32(1.0)
-            if self.hf and name.endswith(".ssm_a"):
-                v = -np.exp(v)
-            return v.astype(np.float32)
-        return produce
-
-    def vectors(self, entries: list[tuple[str, Callable[[], np.ndarray], int]]) -> list[int]:
-        """f32 arrays placed in one buffer: (what, produce, length)."""
-        g = self.plan.add([n for _, _, n in entries], entries[0][0])
-        return self._job(g, "vectors", entries, len(entries))
-
-    def vector(self, name: str, n: int) -> int:
-        return self.vectors([(name, self.value(name, n), n)])[0]
-
-    def build(self, device) -> tuple[list, Arena]:
-        arena = Arena(device, self.plan, "device", "weights")
-        built: list[list] = []
-        for g, kind, payload in self.jobs:
-            if kind == "split":            # its parts were built before it
-                t, rows, cols, parts = payload
-                built.append([Matrix(t, rows, cols, None, None,
-                                     tuple((r0, built[self.handles[h][0]][self.handles[h][1]]) for r0, h in parts))])
-                continue
-            regs = arena.regions(g)
-            if kind == "vectors":
-                out = []
-                for r, (what, produce, n) in zip(regs, payload):
-                    arr = np.ascontiguousarray(produce(), np.float32).reshape(-1)
-                    if arr.size != n:
-                        raise VkEngineError(f"internal: {what} has {arr.size} values, expected {n}")
-                    arena.write(r, arr)
-                    out.append(r)
-                built.append(out)
-                continue
-            t, rows, cols, produce = payload
-            values, scales = repack(t, produce(), rows, cols)
-            arena.write(regs[0], values)
-            if scales is not None:
-                arena.write(regs[1], scales)
-            built.append([Matrix(t, rows, cols, regs[0], regs[1] if scales is not None else None)])
-        return [built[j][i] for j, i in self.handles], arena
-
-
-def _expert_raw(p: _Planner, prefix: str, which: str, E: int, rows: int, cols: int) -> tuple[str, Callable]:
+def _expert_raw(p: WeightPlanner, prefix: str, which: str, E: int, rows: int, cols: int) -> tuple[str, Callable]:
     """(type, produce) of a layer's stacked expert matrices: GGUF ffn_<which>_exps
     (E, rows, cols), or HF per-expert tensors (stacked here)."""
     mf = p.mf
@@ -222,7 +111,7 @@ def _expert_raw(p: _Planner, prefix: str, which: str, E: int, rows: int, cols: i
     return types.pop(), lambda: np.concatenate([mf.tensor(n).raw for n in names])
 
 
-def _gate_up_experts(p: _Planner, prefix: str, E: int, F: int, D: int) -> int:
+def _gate_up_experts(p: WeightPlanner, prefix: str, E: int, F: int, D: int) -> int:
     """E x (2F) x D, per expert [gate | up] (GGUF ffn_gate_up_exps has this layout)."""
     mf = p.mf
     if mf.has(f"{prefix}ffn_gate_up_exps.weight"):
@@ -232,17 +121,17 @@ def _gate_up_experts(p: _Planner, prefix: str, E: int, F: int, D: int) -> int:
     tu, pu = _expert_raw(p, prefix, "up", E, F, D)
     t = tg if tg == tu else "f32"
 
-    def produce():
+    def stacked() -> np.ndarray:
         if tg == tu:
             rb = row_bytes(t, D)
             return np.concatenate([pg().reshape(E, F, rb), pu().reshape(E, F, rb)], axis=1).reshape(-1)
         g = dequantize(tg, pg(), E * F, D).reshape(E, F, D)
         u = dequantize(tu, pu(), E * F, D).reshape(E, F, D)
         return np.ascontiguousarray(np.concatenate([g, u], axis=1)).view(np.uint8).reshape(-1)
-    return p.matrix_raw(t, E * 2 * F, D, produce, f"{prefix}ffn_gate_up_exps", unit=2 * F)
+    return p.matrix_raw(t, E * 2 * F, D, stacked, f"{prefix}ffn_gate_up_exps", unit=2 * F)
 
 
-def _plan_layer(p: _Planner, a, prefix: str, kind: str, qk_norms: list) -> dict:
+def _plan_layer(p: WeightPlanner, a, prefix: str, kind: str, qk_norms: list) -> dict:
     D, hd = a.n_embd, a.head_dim
     L = dict(kind=kind, attn_norm=p.vector(prefix + "attn_norm.weight", D),
              post_norm=p.vector(prefix + "post_attention_norm.weight", D))
@@ -284,9 +173,11 @@ def _plan_layer(p: _Planner, a, prefix: str, kind: str, qk_norms: list) -> dict:
     return L
 
 
-def _build_layer(L: dict, b: list, norms: list[tuple[Region, Region]], D: int) -> Layer:
+def _build_layer(L: dict[str, Any], b: list, norms: list[tuple[Region, Region]], D: int) -> Layer:
     def pairs(x):
         return [(b[h], c) for h, c in x]
+    mixer: LinearAttn | FullAttn
+    ffn: MoeFfn | DenseFfn
     if L["kind"] == "linear":
         mixer = LinearAttn(pairs(L["lin_in"]), b[L["conv"]], b[L["a"]], b[L["dt"]], b[L["norm"]], b[L["out"]])
     else:
@@ -309,13 +200,13 @@ def mtp_prefix(mf: ModelFile, a) -> str:
 def load_weights(mf: ModelFile, a, device, n_ctx: int) -> Qwen35Weights:
     """Plan, allocate and upload every weight (matrices kept quantized)."""
     D = a.n_embd
-    p = _Planner(mf, device)
+    p = WeightPlanner(mf, device, hf_value)
     i_embd = p.matrix(["token_embd.weight"], [a.n_vocab], D)
     i_onorm = p.vector("output_norm.weight", D)
     i_out = p.matrix(["output.weight"], [a.n_vocab], D) if mf.has("output.weight") else i_embd
     qk_norms: list[str] = []
     layers = [_plan_layer(p, a, f"blk.{i}.", t, qk_norms) for i, t in enumerate(a.layer_types)]
-    mtp = None
+    mtp: dict[str, Any] | None = None
     if a.n_nextn:
         mp = mtp_prefix(mf, a)
         mtp = dict(layer=_plan_layer(p, a, mp, "full", qk_norms),

@@ -22,29 +22,16 @@ step computing each row as a one-row step would (tests/test_mtp_qwen35.py).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from .engine import Engine
-from .errors import VkEngineError
-from .generate import GenStats, OutputStream, Step
-from .graph import ParamsLayout
-
-
-@dataclass(frozen=True)
-class MtpLayout(ParamsLayout):
-    """The engine's params layout plus, per row, the row of the hidden-state
-    array that the MTP block reads."""
-
-    @property
-    def hmap(self) -> int:
-        return self.argmax + self.max_out
-
-    @property
-    def words(self) -> int:
-        return self.hmap + self.max_rows
+from ..engine import Engine, Pass, Readback
+from ..errors import VkEngineError
+from ..state import HybridState
+from .generate import GenStats, Step
+from .output import OutputStream
 
 
 @dataclass
@@ -59,85 +46,38 @@ class MtpStats(GenStats):
 
 
 class MtpRunner:
-    """Records and runs the steps of MTP speculative decoding on an engine's
-    buffers: main steps that keep hidden states (and snapshots), MTP steps."""
+    """The steps of MTP speculative decoding, as the engine's own steps: main
+    steps that keep every row's hidden state (and snapshots), and steps of the
+    MTP block."""
 
     def __init__(self, engine: Engine):
-        a = engine.args
-        if not getattr(a, "n_nextn", 0) or getattr(engine.weights, "mtp", None) is None:
+        if not engine.arch.has_mtp(engine.args, engine.weights):
             raise VkEngineError(f"{engine.model.name} has no MTP block (nextn tensors): --mtp needs one")
         self.e = engine
-        self.dev = engine.device
         self.max_draft = engine.kv.snap_rows - 1
         if self.max_draft < 1:
             raise VkEngineError("the engine's state keeps no snapshot rows for speculative steps: create it from "
                                 "model args with mtp_snap_rows = drafts + 1 (the CLI's --mtp does)")
-        self.layout = MtpLayout(engine.max_batch, engine.max_out)
-        self.params = self.dev.buffer(self.layout.words * 4, "host", "mtp-params")
-        self.params_dev = self.dev.buffer(self.layout.words * 4, "device", "mtp-params-dev")
         z = engine.scratch.region("mtp_zero")     # the zero hidden state of position 0
-        self.dev.upload(z.buf, np.zeros(engine.scratch.widths["mtp_zero"], np.float32), z.off * 4)
-        self._programs: dict[tuple, object] = {}
-
-    def _record(self, key):
-        kind, n, n_out, hidden, zero_first, snap, readback = key
-        e, pl = self.e, self.layout
-        prog = self.dev.program()
-        prog.copy(self.params, self.params_dev, 0, 0, pl.words * 4, "params")
-        g = e.arch.GRAPH(e.kernels, prog, e.scratch, self.params_dev, pl, e.kv, n, n_out, e.weights.rope,
-                         e.args.rms_eps, snap_rows=n if snap else 0)
-        if kind == "main":
-            e.arch.forward(g, e.args, e.weights, hidden_rows=True)
-        else:
-            e.arch.forward_mtp(g, e.args, e.weights, hidden, pl.hmap, zero_first)
-        if n_out and readback == "logits":
-            r, stride, V = e.scratch.region("out_logits"), e.scratch.stride("out_logits"), e.args.n_vocab
-            for i in range(n_out):
-                prog.copy(r.buf, e.logits_host, (r.off + i * stride) * 4, i * V * 4, V * 4, "logits")
-        elif n_out:
-            g.argmax("out_logits")
-            prog.copy(self.params_dev, self.params, pl.argmax * 4, pl.argmax * 4, n_out * 4, "argmax")
-        return prog
-
-    def _run(self, key, tokens, positions, slot: int, out_rows, hmap=None) -> np.ndarray:
-        n, n_out = len(tokens), len(out_rows)
-        if not 0 < n <= self.e.max_batch or n_out > self.e.max_out:
-            raise VkEngineError(f"a speculative step of {n} rows does not fit this engine")
-        pl, prm = self.layout, self.params.array()
-        prm[pl.tokens:pl.tokens + n] = tokens
-        prm[pl.positions:pl.positions + n] = positions
-        prm[pl.slots:pl.slots + n] = slot
-        prm[pl.out_rows:pl.out_rows + n_out] = out_rows
-        if hmap is not None:
-            prm[pl.hmap:pl.hmap + n] = hmap
-        prog = self._programs.get(key)
-        if prog is None:
-            prog = self._programs[key] = self._record(key)
-        prog.run()
-        if key[-1] == "logits":
-            V = self.e.args.n_vocab
-            return self.e.logits_host.array(np.float32)[: n_out * V].reshape(n_out, V).copy()
-        return prm[pl.argmax:pl.argmax + n_out].astype(np.int64)
+        engine.device.upload(z.buf, np.zeros(engine.scratch.widths["mtp_zero"], np.float32), z.off * 4)
 
     def main(self, tokens, start: int, slot: int, out_rows, snapshots: bool = False) -> np.ndarray:
         """Main-model step over tokens at start.. in slot, keeping every row's
         final-normed hidden state (and, with snapshots, its recurrent state)."""
         n = len(tokens)
-        positions = np.arange(start, start + n)
         if snapshots and n > self.e.kv.snap_rows:
             raise VkEngineError(f"a verify step of {n} rows exceeds the {self.e.kv.snap_rows} snapshot rows")
-        self.e.kv.begin_step(positions, np.full(n, slot))
-        return self._run(("main", n, len(out_rows), "", False, snapshots, "argmax"), tokens, positions, slot,
-                         out_rows)
+        return self.e.step(tokens, range(start, start + n), [slot] * n, out_rows, Readback.ARGMAX,
+                           pass_=Pass(hidden_rows=True, snapshots=snapshots))
 
     def mtp(self, tokens, start: int, slot: int, hidden: str, hmap, out_rows, zero_first: bool = False,
-            readback: str = "argmax") -> np.ndarray:
+            readback: Readback = Readback.ARGMAX) -> np.ndarray:
         """MTP block over tokens at start.., row r reading hidden[hmap[r]] (from
         `hn` of the last main step or `mtp_hn` of the last MTP step); returns the
-        greedy token (or, readback="logits", the logits) of each out row."""
+        greedy token (or, readback LOGITS, the logits) of each out row."""
         n = len(tokens)
-        key = ("mtp", n, len(out_rows), hidden, zero_first, False, readback)
-        return self._run(key, tokens, np.arange(start, start + n), slot, out_rows, hmap)
+        return self.e.step(tokens, range(start, start + n), [slot] * n, out_rows, readback,
+                           pass_=Pass(mtp=True, hidden=hidden, zero_first=zero_first), hmap=list(hmap))
 
 
 def generate_mtp(runner: MtpRunner, prompt: Sequence[int], max_tokens: int = 128, n_draft: int = 1,
@@ -182,6 +122,7 @@ def generate_mtp(runner: MtpRunner, prompt: Sequence[int], max_tokens: int = 128
         if last:
             drafts, last_mtp_row = [int(d[0])], len(positions) - 1
     st.prefill_s = time.perf_counter() - t0
+    assert tok is not None and isinstance(e.kv, HybridState)
     history = prompt + [tok]
     p = P                                   # position of the pending token `tok`
     t1 = time.perf_counter()

@@ -1,8 +1,8 @@
 """The scheduler: which sequences run in the next engine step, in which KV slot,
-and how many of their tokens. Pure Python (no kp, no HTTP): the engine thread
-(server/worker.py) calls `schedule()`, runs the returned `Batch` as one
-`Engine.step`, and reports sampled tokens back (nano-vllm's
-schedule -> run -> postprocess). Tests drive it with a fake runner.
+and how many of their tokens. Pure Python (no kp, no HTTP): the runner
+(runner.py) calls `schedule()`, runs the returned `Batch` as an engine step,
+and reports sampled tokens back (nano-vllm's schedule -> run ->
+postprocess). Tests drive it with a fake runner.
 
 Sequences move WAITING -> LIVE (admitted; at most `max_live` of them) and, while
 live, are either resident (own one of `n_slots` device KV slots) or parked (KV
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 WAITING, LIVE, FINISHED = "waiting", "live", "finished"
@@ -43,8 +43,9 @@ class KVMover(Protocol):
     def restore(self, handle: Any, slot: int, length: int) -> None: ...  # rows [0, length) of a handle -> slot
     def copy(self, src: int, dst: int, length: int) -> None: ...   # rows [0, length) slot -> slot
     def release(self, handle: Any) -> None: ...                  # the handle's host buffer is free again
-    # optional: reusable(("slot", i) | ("host", handle), n) -> how many of a source's first n
-    # positions a newcomer may take (n for a KV cache; a recurrent state only at its own length)
+    # how many of the first n positions of ("slot", i) or ("host", handle) a newcomer may take
+    # (n for a KV cache; a recurrent state only at its own length)
+    def reusable(self, source: tuple, n: int) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ class SchedulerConfig:
     # step_tokens, not what the decode rows leave
     prompt_apart: bool = False
 
-    def validate(self) -> "SchedulerConfig":
+    def validate(self) -> SchedulerConfig:
         if self.n_slots < 1 or self.max_live < 1 or self.quantum < 1 or self.max_queue < 0:
             raise ValueError("n_slots, max_live and quantum must be >= 1, max_queue >= 0")
         if self.step_tokens < self.n_slots:
@@ -104,7 +105,7 @@ class Seq:
 class Work:
     seq: Seq
     start: int                       # position of the first token
-    tokens: list[int]
+    tokens: list[Any]                # token ids; [None]: a chained row's, which the device takes from the step before
     output: bool                     # this chunk ends at the sequence's last token: sample the next
 
     @property
@@ -118,7 +119,7 @@ class Batch:
     work: list[Work]
 
     @property
-    def tokens(self) -> list[int]:
+    def tokens(self) -> list[Any]:
         return [t for w in self.work for t in w.tokens]
 
     @property
@@ -127,7 +128,7 @@ class Batch:
 
     @property
     def slots(self) -> list[int]:
-        return [w.seq.slot for w in self.work for _ in w.tokens]
+        return [w.seq.slot for w in self.work for _ in w.tokens if w.seq.slot is not None]
 
     @property
     def out_rows(self) -> list[int]:
@@ -147,7 +148,7 @@ class Batch:
         """Whether a row of this batch is a prompt token."""
         return any(w.prompt for w in self.work)
 
-    def split(self) -> tuple["Batch | None", "Batch | None"]:
+    def split(self) -> tuple[Batch | None, Batch | None]:
         """(decode rows, prompt rows): this batch as two, either None when empty."""
         dec = [w for w in self.work if not w.prompt]
         pro = [w for w in self.work if w.prompt]
@@ -275,6 +276,7 @@ class Scheduler:
     def _park(self, seq: Seq) -> int:
         """Preempt a resident: its rows go to the host; returns the freed slot."""
         s = seq.slot
+        assert s is not None
         if seq.n_cached > 0:
             seq.parked = self.kv.park(s, seq.n_cached)
             self.stats["parks"] += 1
@@ -306,13 +308,14 @@ class Scheduler:
     def _reuse_prefix(self, seq: Seq, free: list[int]) -> int:
         """Pick a free slot for a newcomer and bring in the longest cached prefix of its prompt."""
         limit = len(seq.tokens) - 1 if seq.use_cache else 0    # the last prompt token must run
-        usable = getattr(self.kv, "reusable", lambda source, n: n)
 
         def reuse(source: tuple, cached: list[int]) -> int:   # positions of `source` the newcomer may take
-            return usable(source, min(common_prefix(cached, seq.tokens), limit))
+            return self.kv.reusable(source, min(common_prefix(cached, seq.tokens), limit))
         own = {i: reuse(("slot", i), self.slot_tokens[i]) for i in free}
         dst = max(free, key=lambda i: (own[i], not self.slot_tokens[i], -self.slot_used[i]))
-        best, source, entry = own[dst], None, None
+        best = own[dst]
+        source: tuple[str, Any] | None = None
+        entry: _Entry | None = None
         if limit >= self.cfg.min_prefix:
             for i, o in enumerate(self.owner):
                 if o is not None:
@@ -332,7 +335,7 @@ class Scheduler:
                 n = reuse(("host", e.handle), e.tokens)
                 if n > best and n >= self.cfg.min_prefix:
                     best, source, entry = n, ("host", e.handle), e
-        if entry is not None and source[1] is entry.handle:
+        if entry is not None and source is not None and source[1] is entry.handle:
             entry.used = self._next_tick()
         if source is not None or best < len(self.slot_tokens[dst]):
             self._evict(dst)

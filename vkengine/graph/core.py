@@ -1,0 +1,90 @@
+"""The step's buffers as a model sees them: named activation arrays in one
+scratch buffer (Scratch), the per-row values of the params buffer
+(ParamsLayout), and GraphBase, which the op families (dense.py, recurrent.py,
+moe.py) extend into Graph."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..device import Buffer, Program
+from ..kernels import Kernels, Region
+from ..kernels.sample import SampleKernels
+from ..state import KVCache
+
+
+@dataclass(frozen=True)
+class ParamsLayout:
+    """Word offsets in the params buffer (written before each run): per row its
+    token, position and slot; the output rows; per output row its sampling
+    params and the token chosen on the device (read back); per row the row of
+    a hidden-state array an MTP step reads (hmap). A step copies [0, argmax)
+    to the device (an MTP step also hmap)."""
+    max_rows: int
+    max_out: int
+
+    @property
+    def tokens(self) -> int: return 0
+    @property
+    def positions(self) -> int: return self.max_rows
+    @property
+    def slots(self) -> int: return 2 * self.max_rows
+    @property
+    def out_rows(self) -> int: return 3 * self.max_rows
+    @property
+    def sampling(self) -> int: return 3 * self.max_rows + self.max_out   # SAMPLE_WORDS an output row
+    @property
+    def argmax(self) -> int: return self.sampling + SampleKernels.SAMPLE_WORDS * self.max_out
+    @property
+    def hmap(self) -> int: return self.argmax + self.max_out
+    @property
+    def words(self) -> int: return self.hmap + self.max_rows
+
+
+class Scratch:
+    """Activation arrays in one device buffer: each `name` of width w holds
+    `max_rows` rows of stride w rounded up to 4 floats (16-byte aligned rows for
+    vec4 reads); names starting with `out_` hold `max_out` rows."""
+
+    def __init__(self, buf: Buffer, widths: dict[str, int], max_rows: int, max_out: int):
+        self.widths = dict(widths)
+        self.strides, self.offsets, self.words = self._place(widths, max_rows, max_out)
+        self.buf = buf
+        self.max_rows, self.max_out = max_rows, max_out
+
+    @staticmethod
+    def _place(widths: dict[str, int], max_rows: int, max_out: int) -> tuple[dict[str, int], dict[str, int], int]:
+        """(stride, offset) of every array and the words of them all."""
+        strides = {k: (w + 3) // 4 * 4 for k, w in widths.items()}
+        offsets: dict[str, int] = {}
+        off = 0
+        for k, st in strides.items():
+            offsets[k] = off
+            off += st * (max_out if k.startswith("out_") else max_rows)
+        return strides, offsets, off
+
+    @staticmethod
+    def words_needed(widths: dict[str, int], max_rows: int, max_out: int) -> int:
+        return Scratch._place(widths, max_rows, max_out)[2]
+
+    def region(self, name: str, col: int = 0) -> Region:
+        return Region(self.buf, self.offsets[name] + col, self.strides[name])
+
+    def stride(self, name: str) -> int:
+        return self.strides[name]
+
+
+class GraphBase:
+    def __init__(self, kernels: Kernels, prog: Program, scratch: Scratch, params: Buffer, layout: ParamsLayout,
+                 kv: KVCache, n_rows: int, n_out: int, rope_table: Region, eps: float, snap_rows: int = 0):
+        self.k, self.p, self.s = kernels, prog, scratch
+        self.params, self.pl, self.kv = params, layout, kv
+        self.n, self.n_out = n_rows, n_out
+        self.rope_table = rope_table
+        self.eps = eps
+        self.snap_rows = snap_rows   # rows whose recurrent state a speculative step keeps
+
+    def _rows(self, name: str) -> int:
+        return self.n_out if name.startswith("out_") else self.n
+
+    def _r(self, name: str, col: int = 0) -> Region:
+        return self.s.region(name, col)

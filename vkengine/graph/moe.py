@@ -1,0 +1,54 @@
+"""The ops of mixture-of-experts FFNs: routing, the experts' products (one
+matvec per pair in decode steps, expert-major in prompt steps), their
+weighted sum, and the SwiGLU of each routed expert."""
+from __future__ import annotations
+
+from ..kernels import Matrix, Region
+from .core import GraphBase
+
+
+class MoeOps(GraphBase):
+    def moe_route(self, logits: str, route: str, n_expert: int, k: int, w_scale: float = 1.0,
+                  fixed: tuple[Region, str] | None = None, record: tuple[str, int] | None = None) -> None:
+        """route[r] = (top-k ids, weights) from logits[r]; fixed = (f32 router weights,
+        hidden name): compute the logits in the fixed order (parity mode);
+        record = (name, col): also store the ids at name[r][col:col + k]."""
+        fx = None
+        if fixed is not None:
+            w, h = fixed
+            fx = (w, self._r(h), self.s.stride(h), self.s.widths[h])
+        rec, rec_stride = (None, 0) if record is None else (self._r(*record), self.s.stride(record[0]))
+        self.k.moe_router(self.p, self._r(logits), self.s.stride(logits), self._r(route), self.s.stride(route),
+                           n_expert, k, self._rows(route), w_scale, rec, rec_stride, fx)
+
+    def moe_sort(self, route: str, k: int, n_expert: int) -> None:
+        """Group the step's (row, slot) pairs by expert into `elist` / `ecnt`."""
+        self.k.moe_sort(self.p, self._r(route), self.s.stride(route), k, self._rows(route), n_expert,
+                         self._r("elist"), self.s.stride("elist"), self._r("ecnt"))
+
+    def experts(self, w: Matrix, rows_per_expert: int, x: str, route: str, k: int, out: str,
+                per_slot_input: bool, batched_experts: int = 0) -> None:
+        """out[r][i] = W[e_ri] @ x[r] (x shared by the k experts) or @ x[r][i].
+        batched_experts = E: expert-major over moe_sort's lists (prefill); 0: one
+        matvec per pair (decode)."""
+        xs = w.cols if per_slot_input else 0
+        if batched_experts:
+            self.k.mul_mm_id(self.p, w, rows_per_expert, batched_experts, self._r(x), self.s.stride(x), xs,
+                              self._r("elist"), self.s.stride("elist"), self._r("ecnt"), k, self._r(out),
+                              self.s.stride(out), rows_per_expert, self._rows(x), label=f"mul_mm_id {out}<-{x}")
+        else:
+            self.k.mul_mat_id(self.p, w, rows_per_expert, self._r(x), self.s.stride(x), xs, self._r(route),
+                               self.s.stride(route), k, self._r(out), self.s.stride(out), rows_per_expert,
+                               self._rows(x), label=f"mul_mat_id {out}<-{x}")
+
+    def moe_combine(self, e: str, route: str, k: int, out: str) -> None:
+        """out[r] += sum_i weight_ri * e[r][i]."""
+        D = self.s.widths[out]
+        self.k.moe_combine(self.p, self._r(e), self.s.stride(e), D, self._r(route), self.s.stride(route), k,
+                            self._r(out), self.s.stride(out), D, self._rows(out))
+
+    def swiglu_split(self, gu: str, out: str, F: int, parts: int) -> None:
+        """out[r][i] = swiglu of gu[r][i] for i < parts (gu rows hold parts blocks of [gate F | up F])."""
+        if self.s.stride(gu) != parts * 2 * F or self.s.stride(out) != parts * F:
+            raise ValueError("swiglu_split needs packed rows")
+        self.k.swiglu(self.p, self._r(gu), 2 * F, self._r(out), F, F, self._rows(gu) * parts)

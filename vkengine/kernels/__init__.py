@@ -1,0 +1,43 @@
+"""Kernel wrappers: one Python method per shader, which picks the variant,
+packs the push constants (push.py: declared once per shader), sizes the grid
+and declares what the dispatch reads and writes, so that Program records only
+the barriers that are needed. By op family: matmul.py, attention.py, norm.py,
+elementwise.py, sample.py, delta_rule.py, moe.py; what the device can do is
+decided once (caps.py).
+
+Conventions: every offset and stride is in 32-bit words of its buffer.
+Activations, the params buffer and the KV cache are float/uint arrays; weights
+are in weight buffers in the layouts of shaders/quant.glsl.
+"""
+from __future__ import annotations
+
+from .attention import AttentionKernels
+from .caps import Caps, device_has_coopmat2
+from .delta_rule import DeltaRuleKernels
+from .elementwise import ElementwiseKernels
+from .matmul import MatmulKernels
+from .moe import MoeKernels
+from .norm import NormKernels
+from .sample import SampleKernels
+from .types import Matrix, NormIn, NormOut, NormParts, Q8Out, Region, RopeOut, q8_words, rows_range
+
+__all__ = ["Caps", "Kernels", "Matrix", "NormIn", "NormOut", "NormParts", "Q8Out", "Region", "RopeOut",
+           "device_has_coopmat2", "q8_words", "rows_range"]
+
+
+class Kernels(MatmulKernels, AttentionKernels, NormKernels, ElementwiseKernels, SampleKernels, DeltaRuleKernels,
+              MoeKernels):
+    """Every kernel wrapper, for one device and its Caps."""
+
+    def step_thresholds(self, max_out: int) -> list[int]:
+        """Row counts from which a step's kernels change on this device (a step
+        of fewer rows runs others): the tiled matmuls, attention on cooperative
+        matrices (any head size: conservative), and the end of split decode
+        attention (steps of up to max_out rows, Graph.attention)."""
+        c = self.caps
+        t = [c.tiled_from] if c.tiled_from is not None else []
+        if c.coopmat and c.attention_mc:
+            t.append(self.ATTN_MC_FROM)
+        if c.split_attention:
+            t.append(max_out + 1)
+        return t

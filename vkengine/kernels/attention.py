@@ -1,0 +1,137 @@
+"""Attention: RoPE and the KV-cache write (rope_kv; norm_rope_kv with per-head
+q/k RMSNorms first), and causal attention of each row over its slot's cache
+(attention.comp, split into position slices for decode; attention_mc.comp on
+cooperative matrices for prompt-sized steps)."""
+from __future__ import annotations
+
+import math
+
+from ..device import Buffer, Program
+from ..errors import VkEngineError
+from .base import KernelBase
+from .types import Region, params_range, rows_range
+
+
+class AttentionKernels(KernelBase):
+    ATTN_CHUNK = 64     # positions per slice of split decode attention (notes.md run 18)
+    ATTN_MC_FROM = 16   # rows from which attention runs on cooperative matrices (where it can)
+
+    @classmethod
+    def attention_parts(cls, n_ctx: int) -> int:
+        return -(-n_ctx // cls.ATTN_CHUNK)
+
+    @classmethod
+    def attention_tmp_words(cls, n_rows: int, n_head: int, head_dim: int, n_ctx: int) -> int:
+        return n_rows * n_head * cls.attention_parts(n_ctx) * (head_dim + 2)
+
+    @staticmethod
+    def attention_sync_words(n_rows: int, n_head: int) -> int:
+        """zeroed counters split-K attention needs: one per (row, head)"""
+        return n_rows * n_head
+
+    def attention_on_coopmat(self, n_rows: int, head_dim: int) -> bool:
+        """Whether attention() runs on cooperative matrices (attention_mc: 16
+        query rows a subgroup, fp16 Q and P): prompt-sized steps of the head
+        sizes it is compiled for, on devices that run mul_mc."""
+        c = self.caps
+        return c.coopmat and c.attention_mc and n_rows >= self.ATTN_MC_FROM and head_dim in c.attention_mc_head_dims
+
+    def rope_kv(self, prog: Program, table: Region, qkv: Region, qkv_stride: int, q_out: Region, q_stride: int,
+                n_rows: int, n_head: int, n_kv: int, head_dim: int, n_rot: int, neox: bool,
+                k_cache: Region, v_cache: Region, slot_stride: int, params: Buffer, pos_off: int, slot_off: int,
+                label: str = "rope_kv") -> None:
+        """RoPE on q and k of each row, k and v written (f16) into the cache at
+        (params[slot_off + r], params[pos_off + r]); rotated q to q_out."""
+        act = self._same_buffer(qkv, q_out)
+        kv = self._same_buffer(k_cache, v_cache)
+        push = self._push("rope_kv", qkv_off=qkv.off, qkv_stride=qkv_stride, q_off=q_out.off, q_stride=q_stride,
+                          n_rows=n_rows, n_head=n_head, n_kv=n_kv, head_dim=head_dim, n_rot=n_rot, mode=int(neox),
+                          table_off=table.off, k_off=k_cache.off, v_off=v_cache.off, slot_stride=slot_stride,
+                          pos_off=pos_off, slot_off=slot_off)
+        alg = self._alg("rope_kv", [table.buf, act, params, kv], push, self.caps.ew_wg, 1)
+        per_row = (n_head + 2 * n_kv) * head_dim // 2
+        width = (n_head + 2 * n_kv) * head_dim
+        reads = [table.range, rows_range(qkv, n_rows, qkv_stride, width),
+                 (params, min(pos_off, slot_off) * 4, (max(pos_off, slot_off) + n_rows) * 4)]
+        writes = [rows_range(q_out, n_rows, q_stride, n_head * head_dim), k_cache.range, v_cache.range]
+        prog.dispatch(alg, push, self._grid(math.ceil(n_rows * per_row / self.caps.ew_wg)), reads, writes, label)
+
+    def norm_rope_kv(self, prog: Program, table: Region, wq: Region, wk: Region, qkv: Region, qkv_stride: int,
+                     q_head_stride: int, k_col: int, v_col: int, q_out: Region, q_stride: int, n_rows: int,
+                     n_head: int, n_kv: int, head_dim: int, n_rot: int, k_cache: Region, v_cache: Region,
+                     slot_stride: int, params: Buffer, pos_off: int, slot_off: int, eps: float,
+                     label: str = "norm_rope_kv") -> None:
+        """Per-head RMSNorm (wq, wk) + NEOX RoPE of q and k; q to q_out, k and v (f16)
+        into the cache at each row's (slot, position)."""
+        if not (table.buf is wq.buf is wk.buf):
+            raise ValueError("the RoPE table and the q/k norm weights must share a weight buffer")
+        if head_dim % 2 or n_rot % 2 or n_rot > head_dim:
+            raise VkEngineError(f"head size {head_dim} with {n_rot} rotated dims is not supported")
+        act = self._same_buffer(qkv, q_out)
+        kv = self._same_buffer(k_cache, v_cache)
+        push = self._push("norm_rope_kv", qkv_off=qkv.off, qkv_stride=qkv_stride, q_head_stride=q_head_stride,
+                          k_col=k_col, v_col=v_col, q_off=q_out.off, q_stride=q_stride, n_rows=n_rows, n_head=n_head,
+                          n_kv=n_kv, head_dim=head_dim, n_rot=n_rot, table_off=table.off, wq_off=wq.off,
+                          wk_off=wk.off, k_off=k_cache.off, v_off=v_cache.off, slot_stride=slot_stride,
+                          pos_off=pos_off, slot_off=slot_off, eps=eps)
+        alg = self._alg("norm_rope_kv", [table.buf, act, params, kv], push, self.caps.wg)
+        width = v_col + n_kv * head_dim
+        reads = [table.range, wq.range, wk.range, rows_range(qkv, n_rows, qkv_stride, width),
+                 *params_range(params, (pos_off, n_rows), (slot_off, n_rows))]
+        writes = [rows_range(q_out, n_rows, q_stride, n_head * head_dim), k_cache.range, v_cache.range]
+        prog.dispatch(alg, push, self._grid(math.ceil(n_rows * (n_head + 2 * n_kv) / self.caps.items)),
+                      reads, writes, label)
+
+    def attention(self, prog: Program, q: Region, q_stride: int, o: Region, o_stride: int, n_rows: int,
+                  n_head: int, n_kv: int, head_dim: int, k_cache: Region, v_cache: Region, slot_stride: int,
+                  params: Buffer, pos_off: int, slot_off: int, scale: float, split: Region | None = None,
+                  n_ctx: int = 0, sync: Region | None = None, label: str = "attention") -> None:
+        """o[r][h] = softmax(q[r][h] . K[slot][0..pos]) V[slot][0..pos].
+        With `split` (scratch of attention_tmp_words), the cache's n_ctx and
+        `sync` (attention_sync_words of zeros, left zero) the positions are cut
+        into slices run in parallel and merged in the same dispatch by the last
+        slice of each (row, head) to finish (flash-decoding): decode has few
+        rows, so one pass would leave most of a GPU idle. Without
+        it, prompt-sized steps run on cooperative matrices where the device
+        can (attention_on_coopmat)."""
+        if head_dim % 8 or n_head % n_kv or q.off % 4 or q_stride % 4 or k_cache.off % 4 or v_cache.off % 4:
+            raise VkEngineError(f"attention needs head_dim a multiple of 8 ({head_dim}), n_head a multiple of "
+                                f"n_kv ({n_head}/{n_kv}) and 16-byte aligned q rows and caches")
+        c = self.caps
+        act = self._same_buffer(q, o)
+        kv = self._same_buffer(k_cache, v_cache)
+        reads = [rows_range(q, n_rows, q_stride, n_head * head_dim), k_cache.range, v_cache.range,
+                 (params, min(pos_off, slot_off) * 4, (max(pos_off, slot_off) + n_rows) * 4)]
+        out = [rows_range(o, n_rows, o_stride, n_head * head_dim)]
+        pc = dict(q_off=q.off, q_stride=q_stride, o_off=o.off, o_stride=o_stride, n_rows=n_rows, n_head=n_head,
+                  n_kv=n_kv, head_dim=head_dim, k_off=k_cache.off, v_off=v_cache.off, slot_stride=slot_stride,
+                  pos_off=pos_off, slot_off=slot_off, scale=scale)
+        if self.attention_on_coopmat(n_rows, head_dim) and split is None:
+            name = c.attention_mc_variant.format(hd=head_dim)
+            push = self._push(name, **pc)
+            alg = self._alg_spec(name, [act, act, params, kv], (), push)
+            # NSG 16-row blocks of one KV group's heads a workgroup (the shader's comment)
+            blocks = math.ceil(n_rows / 16) * (n_head // n_kv)
+            prog.dispatch(alg, push, (math.ceil(blocks / c.attention_mc_nsg), n_kv, 1), reads, out, label)
+            return
+        n_parts = self.attention_parts(n_ctx) if split is not None else 1
+        name = "attention_split" if split is not None else "attention"
+        push = self._push(name, **pc, chunk=self.ATTN_CHUNK if split is not None else 0, n_parts=n_parts,
+                          part_off=split.off if split is not None else 0, sync_off=sync.off if sync is not None else 0)
+        # V words per lane; sized for the smallest subgroup the device may use
+        sg = c.sg if self.device.info.subgroups_fixed else min(c.sg, 8)
+        wpl = -(-(head_dim // 2) // sg)
+        # V rows a lane loads ahead of their use: up to 32 words, at least 8 rows
+        vb = max(8, min(32, 32 // wpl))
+        alg = self._alg_spec(name, [act, act, params, kv], (c.wg, c.items, wpl, head_dim, vb), push)
+        if split is None:
+            prog.dispatch(alg, push, self._grid(math.ceil(n_rows * n_head / c.items)), reads, out, label)
+            return
+        tmp_words = self.attention_tmp_words(n_rows, n_head, head_dim, n_ctx)
+        if split.buf is not act or split.words < tmp_words:
+            raise ValueError("split-K attention needs a scratch region in the activation buffer")
+        if sync is None or sync.buf is not act or sync.words < self.attention_sync_words(n_rows, n_head):
+            raise ValueError("split-K attention needs zeroed counters in the activation buffer")
+        tmp = (split.buf, split.off * 4, (split.off + tmp_words) * 4)
+        prog.dispatch(alg, push, self._grid(math.ceil(n_rows * n_head * n_parts / c.items)),
+                      reads + [tmp, sync.range], out + [tmp, sync.range], label)

@@ -1,0 +1,118 @@
+"""What the kernels may do on one device, decided once from the device and the
+options (vkengine.options.Options) into one frozen object. Tests and probes
+take a variant of it with dataclasses.replace (e.g. the GPU's split-K matvecs
+on lavapipe); nothing changes it afterwards."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shaders.variants import (
+    ATTN_MC_HEAD_DIMS,
+    ATTN_MC_NSG,
+    MC2_ENGINE_TYPES,
+    MC2_F32_FROM_ROWS,
+    MC2_FROM_ROWS,
+    MC2H_TILES,
+    MV_BFLY_LANES,
+)
+
+from ..device import Device
+from ..options import Options
+
+# what mul_mc2 needs the device to have been created with (the kp patch enables them where present)
+COOPMAT2_FEATURES = frozenset({"cooperativeMatrixWorkgroupScope", "cooperativeMatrixFlexibleDimensions",
+                               "cooperativeMatrixTensorAddressing", "cooperativeMatrixBlockLoads",
+                               "bufferDeviceAddress", "vulkanMemoryModel"})
+
+
+def device_has_coopmat2(device: Device) -> bool:
+    """Whether the device was created with everything mul_mc2 needs (whatever
+    the options say: tests and probes ask the device)."""
+    return COOPMAT2_FEATURES <= set(device.features)
+
+
+@dataclass(frozen=True)
+class Caps:
+    sg: int                       # subgroup size
+    items: int                    # items (rows, subgroups' worth of work) per workgroup
+    ew_wg: int                    # workgroup size of the elementwise kernels
+    max_x: int                    # largest grid x
+    # batch size (rows) from which matmuls take the shared-memory tiled kernels;
+    # None never (lavapipe: barrier() is slow there). Below it the multi-column
+    # matvecs, whose per-row arithmetic does not depend on the batch
+    tiled_from: int | None
+    # decode attention split across position slices (flash-decoding): GPUs run
+    # many subgroups at once; lavapipe a handful, and each dispatch costs it more
+    split_attention: bool
+    # rows from which matvecs take the multi-column variant: it reuses each
+    # dequantized weight for 8 columns, which pays on GPUs (bandwidth); on
+    # lavapipe its accumulators spill (2 rows cost 6x one) until 8 rows. Both
+    # walk a row in the same order, so results do not depend on which one ran
+    multi_column_from: int
+    # the GPUs' split-K matvecs (mul_mvk.comp) and their fused epilogues
+    split_k: bool
+    # their butterfly-reduced twins where every subgroup has a lane for each of
+    # a workgroup's sums (both the 1- and the n-column variants, so a row sums
+    # in one order batched or alone)
+    bfly: bool
+    # tiled matmuls whose 128 x 128 grid has fewer workgroups take 64 x 64 tiles
+    small_tiles_below: int
+    # tiled matmuls on 16 x 16 x 16 f16 cooperative matrices (mul_mc: fp16 tiles, fp32 sums)
+    coopmat: bool
+    # mul_mc2 (workgroup-scope matrices, VK_NV_cooperative_matrix2) for the types and sizes below
+    coopmat2: bool
+    mc2_types: tuple[str, ...]
+    mc2_f16acc: bool
+    mc2_from_rows: int
+    mc2h_tiles: tuple[tuple[int, tuple[int, int]], ...]   # (from rows, tile), widest first
+    # split K of tiled matmuls whose tile grid has fewer workgroups than this
+    # (a GPU runs ~100+ at once), parts of at least split_k_min columns; 0: off
+    split_k_wgs: int
+    split_k_min: int
+    # XQ8: Q8_0 matvecs on integer dot products, x quantized to 8-bit blocks
+    # first (a dispatch); only matrices that never fuse a norm or RoPE take it
+    xq8: bool
+    # the RMSNorm after a residual add split between the add's matvec and the
+    # matvecs that read it (decode steps), instead of the add's fused norm
+    norm_in: bool
+    # ... with the add's matvec also writing h' as 8-bit blocks for a Q8_0 gate|up
+    xq8_in: bool
+    # prompt attention on cooperative matrices (attention_mc.comp, 24-32 KB of shared memory)
+    attention_mc: bool
+    attention_mc_head_dims: tuple[int, ...]
+    attention_mc_nsg: int
+    attention_mc_variant: str = "attention_mc_d{hd}"   # by head size (bench/attn_probe.py swaps in others)
+
+    @property
+    def wg(self) -> int:
+        """Workgroup size of the row kernels: a subgroup per item."""
+        return self.sg * self.items
+
+    @classmethod
+    def detect(cls, device: Device, options: Options = Options(), tiled_from: int | None = -1,
+               items_per_wg: int = 4, elementwise_wg: int = 64) -> Caps:
+        """tiled_from -1: the device's default (64 on GPUs, None on CPUs)."""
+        info = device.info
+        gpu = info.type != "cpu"
+        sg = info.subgroup_size
+        features = set(device.features)
+        if tiled_from == -1:
+            tiled_from = 64 if gpu else None
+        coopmat = (tiled_from is not None and options.coopmat
+                   and {"cooperativeMatrix", "shaderFloat16"} <= features
+                   and info.COOPMAT_F16 in info.cooperative_matrix
+                   and info.subgroups_fixed and sg == 32 and info.max_shared_memory >= 32 * 1024)
+        int_dot = "shaderIntegerDotProduct" in features
+        norm_in = gpu and options.norm_in
+        return cls(
+            sg=sg, items=items_per_wg, ew_wg=max(elementwise_wg, sg), max_x=info.max_workgroup_count[0],
+            tiled_from=tiled_from, split_attention=gpu, multi_column_from=2 if gpu else 8, split_k=gpu,
+            bfly=info.subgroups_fixed and sg >= MV_BFLY_LANES, small_tiles_below=256,
+            coopmat=coopmat, coopmat2=coopmat and options.coopmat2 and device_has_coopmat2(device),
+            mc2_types=MC2_ENGINE_TYPES, mc2_f16acc=options.mc2_f16acc,
+            mc2_from_rows=(options.mc2_from_rows if options.mc2_from_rows is not None
+                           else MC2_FROM_ROWS if options.mc2_f16acc else MC2_F32_FROM_ROWS),
+            mc2h_tiles=MC2H_TILES, split_k_wgs=options.splitk_wgs, split_k_min=options.splitk_min,
+            xq8=gpu and int_dot and options.xq8, norm_in=norm_in, xq8_in=norm_in and int_dot and options.xq8_in,
+            attention_mc=info.max_shared_memory >= 36 * 1024 and options.attn_mc,
+            attention_mc_head_dims=ATTN_MC_HEAD_DIMS, attention_mc_nsg=ATTN_MC_NSG)

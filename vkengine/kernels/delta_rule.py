@@ -1,0 +1,75 @@
+"""Gated DeltaNet linear attention (Qwen3.5's linear layers): the causal
+depthwise convolution with its per-slot window (conv1d.comp) and the gated
+delta rule over each sequence's recurrent state (delta_rule.comp); both can
+also keep the state after each of a step's first rows (snapshots, for
+speculative steps)."""
+from __future__ import annotations
+
+import math
+
+from ..device import Buffer, Program
+from ..errors import VkEngineError
+from .base import KernelBase
+from .types import Region, params_range, rows_range
+
+CONV_KMAX = 8             # KMAX in conv1d.comp
+DELTA_MAX_PER_LANE = 16   # MAXE in delta_rule.comp
+
+
+class DeltaRuleKernels(KernelBase):
+    def conv1d(self, prog: Program, w: Region, x: Region, x_stride: int, y: Region, y_stride: int,
+               C: int, K: int, n_rows: int, state: Region, snap: Region | None, snap_rows: int,
+               params: Buffer, pos_off: int, slot_off: int, label: str = "conv1d") -> None:
+        """y = silu(causal depthwise conv(x)) with the last K-1 inputs per slot in `state`
+        ([slot][K-1][C]); with snap_rows > 0 the window after row r goes to snap[r]."""
+        if not 1 <= K <= CONV_KMAX:
+            raise VkEngineError(f"conv kernel size {K} is not supported (1..{CONV_KMAX})")
+        act = self._same_buffer(x, y)
+        if snap is not None and snap.buf is not state.buf:
+            raise ValueError("conv state and its snapshots must share a buffer")
+        snap_rows = snap_rows if snap is not None else 0
+        push = self._push("conv1d", x_off=x.off, x_stride=x_stride, y_off=y.off, y_stride=y_stride, w_off=w.off, C=C,
+                          K=K, n_rows=n_rows, state_off=state.off, slot_stride=(K - 1) * C,
+                          snap_off=snap.off if snap is not None else 0, snap_rows=snap_rows, pos_off=pos_off,
+                          slot_off=slot_off)
+        alg = self._alg("conv1d", [w.buf, act, params, state.buf], push, self.caps.ew_wg, 1)
+        writes = [rows_range(y, n_rows, y_stride, C), state.range]
+        if snap is not None and snap_rows:
+            writes.append(snap.range)
+        prog.dispatch(alg, push, self._grid(math.ceil(C / self.caps.ew_wg)),
+                      [w.range, rows_range(x, n_rows, x_stride, C), state.range,
+                       *params_range(params, (pos_off, n_rows), (slot_off, n_rows))], writes, label)
+
+    def delta_rule(self, prog: Program, a_log: Region, dt_bias: Region, q: Region, k: Region, v: Region,
+                   qkv_stride: int, alpha: Region, beta: Region, ab_stride: int, o: Region, o_stride: int,
+                   nk: int, nv: int, dk: int, dv: int, n_rows: int, n_groups: int, state: Region,
+                   snap: Region | None, snap_rows: int, params: Buffer, pos_off: int, slot_off: int,
+                   tiled: bool, scale: float, label: str = "delta_rule") -> None:
+        """Gated delta rule over the rows of up to n_groups sequences (runs of equal
+        slots); state [slot][nv][dv][dk] fp32; `a_log` holds A = -exp(A_log)."""
+        c = self.caps
+        if dk > DELTA_MAX_PER_LANE * c.sg:
+            raise VkEngineError(f"linear-attention key head size {dk} is not supported on subgroups of "
+                                f"{c.sg} (at most {DELTA_MAX_PER_LANE * c.sg})")
+        if nv % nk:
+            raise VkEngineError(f"{nv} value heads do not divide among {nk} key heads")
+        if a_log.buf is not dt_bias.buf:
+            raise ValueError("A and dt_bias must share a weight buffer")
+        act = self._same_buffer(q, k, v, alpha, beta, o)
+        if snap is not None and snap.buf is not state.buf:
+            raise ValueError("recurrent state and its snapshots must share a buffer")
+        snap_rows = snap_rows if snap is not None else 0
+        push = self._push("delta_rule", q_off=q.off, k_off=k.off, v_off=v.off, qkv_stride=qkv_stride, a_off=alpha.off,
+                          b_off=beta.off, ab_stride=ab_stride, o_off=o.off, o_stride=o_stride, nk=nk, nv=nv, dk=dk,
+                          dv=dv, n_rows=n_rows, n_groups=n_groups, wa_off=a_log.off, wdt_off=dt_bias.off,
+                          state_off=state.off, slot_stride=nv * dv * dk, snap_off=snap.off if snap is not None else 0,
+                          snap_rows=snap_rows, pos_off=pos_off, slot_off=slot_off, tiled=int(tiled), scale=scale)
+        alg = self._alg("delta_rule", [a_log.buf, act, params, state.buf], push, c.wg)
+        reads = [a_log.range, dt_bias.range, rows_range(q, n_rows, qkv_stride, nk * dk),
+                 rows_range(k, n_rows, qkv_stride, nk * dk), rows_range(v, n_rows, qkv_stride, nv * dv),
+                 rows_range(alpha, n_rows, ab_stride, nv), rows_range(beta, n_rows, ab_stride, nv),
+                 state.range, *params_range(params, (pos_off, n_rows), (slot_off, n_rows))]
+        writes = [rows_range(o, n_rows, o_stride, nv * dv), state.range]
+        if snap is not None and snap_rows:
+            writes.append(snap.range)
+        prog.dispatch(alg, push, self._grid(math.ceil(n_groups * nv * dv / c.items)), reads, writes, label)

@@ -1,0 +1,131 @@
+"""Mixtures of experts: the router's top-k (moe_router.comp), the experts'
+products one matvec per (row, expert) pair (mul_mv_id.comp: decode) or
+expert-major over lists of the pairs routed to each expert (moe_sort.comp,
+mul_mm_id.comp: prompt steps), and the weighted sum into the residual
+(moe_combine.comp). A layer's expert stack larger than one storage buffer is
+held in parts of whole experts, one dispatch each."""
+from __future__ import annotations
+
+import math
+
+from ..device import Program
+from ..errors import VkEngineError
+from .base import KernelBase
+from .types import NO_MAP, Matrix, Region, rows_range
+
+ROUTER_KMAX = 16       # KMAX in moe_router.comp
+
+
+class MoeKernels(KernelBase):
+    def moe_router(self, prog: Program, logits: Region, l_stride: int, y: Region, y_stride: int, E: int, k: int,
+                   rows: int, w_scale: float = 1.0, rec: Region | None = None, rec_stride: int = 0,
+                   fixed: tuple[Region, Region, int, int] | None = None, label: str = "moe_router") -> None:
+        """route[r] = (top-k expert ids, their renormalized softmax weights * w_scale).
+        fixed = (f32 router weights (E x D), hidden rows, hidden stride, D): compute
+        the logits in a fixed serial order (parity mode) instead of reading them."""
+        if not 1 <= k <= min(E, ROUTER_KMAX):
+            raise VkEngineError(f"{k} experts per token out of {E} is not supported (at most {ROUTER_KMAX})")
+        act = self._same_buffer(logits, y, *([rec] if rec is not None else []))
+        w, h, h_stride, D = fixed if fixed is not None else (None, logits, 0, 0)
+        if fixed is not None:
+            self._same_buffer(h, logits)
+        name = "moe_router_fixed" if fixed is not None else "moe_router"
+        push = self._push(name, h_off=h.off, h_stride=h_stride, l_off=logits.off, l_stride=l_stride, y_off=y.off,
+                          y_stride=y_stride, E=E, D=D, k=k, rows=rows, w_off=w.off if w is not None else 0,
+                          rec_off=rec.off if rec is not None else NO_MAP, rec_stride=rec_stride, w_scale=w_scale)
+        alg = self._alg(name, [w.buf if w is not None else act, act], push, self.caps.wg)
+        lr = rows_range(logits, rows, l_stride, E)
+        reads = [lr] if w is None else [w.range, rows_range(h, rows, h_stride, D)]
+        writes = [rows_range(y, rows, y_stride, 2 * k)] + ([lr] if fixed is not None else [])
+        if rec is not None:
+            writes.append(rows_range(rec, rows, rec_stride, k))
+        prog.dispatch(alg, push, self._grid(math.ceil(rows / self.caps.items)), reads, writes, label)
+
+    def mul_mat_id(self, prog: Program, w: Matrix, M: int, x: Region, x_stride: int, x_slot_stride: int,
+                   route: Region, route_stride: int, k: int, y: Region, y_stride: int, y_slot_stride: int,
+                   n_rows: int, label: str = "", part: tuple[int, int] | None = None) -> None:
+        """y[r][i] = W[e_ri] @ x[r][i] (x_slot_stride 0: x[r] for every i), one
+        matvec per pair: decode-sized steps. W holds E*M rows (M per expert).
+        A stack split across buffers (W.parts of whole experts): one dispatch per
+        part, with part = (e_lo, e_hi) of the experts it holds; the pairs routed
+        to other experts are left to their parts."""
+        if w.parts:
+            for r0, pw in w.parts:
+                self.mul_mat_id(prog, pw, M, x, x_stride, x_slot_stride, route, route_stride, k, y, y_stride,
+                                y_slot_stride, n_rows, label, (r0 // M, (r0 + pw.rows) // M))
+            return
+        assert w.data is not None
+        act = self._same_buffer(x, route, y)
+        self._check_id(w, M, x, x_stride, x_slot_stride)
+        variant = f"mul_mv_id_{w.type}" if part is None else f"mul_mv_idp_{w.type}"
+        pc = dict(w_off=w.data.off, w_off2=w.scales.off if w.scales else 0, K=w.cols, M=M, k=k, n_rows=n_rows,
+                  ids_off=route.off, ids_stride=route_stride, x_off=x.off, x_stride=x_stride,
+                  x_slot_stride=x_slot_stride, y_off=y.off, y_stride=y_stride, y_slot_stride=y_slot_stride)
+        if part is not None:
+            pc.update(e_lo=part[0], e_hi=part[1])
+        push = self._push(variant, **pc)
+        alg = self._alg(variant, [w.data.buf, act], push, self.caps.wg)
+        if n_rows * k > 65535:
+            raise VkEngineError(f"{n_rows} rows x {k} experts exceed one dispatch; use a smaller batch")
+        reads = w.regions + [rows_range(x, n_rows, x_stride, (k - 1) * x_slot_stride + w.cols),
+                             rows_range(route, n_rows, route_stride, k)]
+        prog.dispatch(alg, push, self._grid(math.ceil(M / self.caps.items), n_rows * k), reads,
+                      [rows_range(y, n_rows, y_stride, (k - 1) * y_slot_stride + M)], label or variant)
+
+    def moe_sort(self, prog: Program, route: Region, route_stride: int, k: int, n_rows: int, E: int,
+                 lst: Region, list_stride: int, cnt: Region, label: str = "moe_sort") -> None:
+        """Per expert e: lst[j][e] = the j-th pair r*k + i routed to e, cnt[e] = their number."""
+        act = self._same_buffer(route, lst, cnt)
+        push = self._push("moe_sort", ids_off=route.off, ids_stride=route_stride, k=k, n_rows=n_rows, E=E,
+                          list_off=lst.off, list_stride=list_stride, cnt_off=cnt.off)
+        alg = self._alg("moe_sort", [act], push, self.caps.ew_wg, 1)
+        prog.dispatch(alg, push, self._grid(math.ceil(E / self.caps.ew_wg)),
+                      [rows_range(route, n_rows, route_stride, k)],
+                      [rows_range(lst, n_rows, list_stride, E), (cnt.buf, cnt.off * 4, (cnt.off + E) * 4)], label)
+
+    def mul_mm_id(self, prog: Program, w: Matrix, M: int, E: int, x: Region, x_stride: int, x_slot_stride: int,
+                  lst: Region, list_stride: int, cnt: Region, k: int, y: Region, y_stride: int, y_slot_stride: int,
+                  n_rows: int, label: str = "", part: tuple[int, int] | None = None) -> None:
+        """The same products as mul_mat_id, expert-major over moe_sort's lists: each
+        dequantized weight unit serves up to 8 pairs of its expert (prefill).
+        A split stack: one dispatch per part, as mul_mat_id."""
+        if w.parts:
+            for r0, pw in w.parts:
+                self.mul_mm_id(prog, pw, M, E, x, x_stride, x_slot_stride, lst, list_stride, cnt, k, y, y_stride,
+                               y_slot_stride, n_rows, label, (r0 // M, (r0 + pw.rows) // M))
+            return
+        assert w.data is not None
+        act = self._same_buffer(x, lst, cnt, y)
+        self._check_id(w, M, x, x_stride, x_slot_stride)
+        variant = f"mul_mm_id_{w.type}" if part is None else f"mul_mm_idp_{w.type}"
+        pc = dict(w_off=w.data.off, w_off2=w.scales.off if w.scales else 0, K=w.cols, M=M, k=k, list_off=lst.off,
+                  list_stride=list_stride, cnt_off=cnt.off, x_off=x.off, x_stride=x_stride,
+                  x_slot_stride=x_slot_stride, y_off=y.off, y_stride=y_stride, y_slot_stride=y_slot_stride)
+        if part is not None:
+            pc.update(e_lo=part[0], e_hi=part[1])
+        push = self._push(variant, **pc)
+        alg = self._alg(variant, [w.data.buf, act], push, self.caps.wg)
+        reads = w.regions + [rows_range(x, n_rows, x_stride, (k - 1) * x_slot_stride + w.cols),
+                             rows_range(lst, n_rows, list_stride, E), (cnt.buf, cnt.off * 4, (cnt.off + E) * 4)]
+        n_exp = E if part is None else part[1] - part[0]
+        prog.dispatch(alg, push, self._grid(math.ceil(M / self.caps.items), n_exp), reads,
+                      [rows_range(y, n_rows, y_stride, (k - 1) * y_slot_stride + M)], label or variant)
+
+    def moe_combine(self, prog: Program, e: Region, e_stride: int, e_slot_stride: int, route: Region,
+                    route_stride: int, k: int, y: Region, y_stride: int, D: int, rows: int,
+                    label: str = "moe_combine") -> None:
+        """y[r] += sum_i route_weight[r][i] * e[r][i] (the residual add of the experts)."""
+        act = self._same_buffer(e, route, y)
+        push = self._push("moe_combine", e_off=e.off, e_stride=e_stride, e_slot_stride=e_slot_stride,
+                          route_off=route.off, route_stride=route_stride, k=k, y_off=y.off, y_stride=y_stride, D=D,
+                          rows=rows)
+        alg = self._alg("moe_combine", [act], push, self.caps.ew_wg, 1)
+        yr = rows_range(y, rows, y_stride, D)
+        prog.dispatch(alg, push, self._grid(math.ceil(rows * D / self.caps.ew_wg)),
+                      [rows_range(e, rows, e_stride, (k - 1) * e_slot_stride + D),
+                       rows_range(route, rows, route_stride, 2 * k), yr], [yr], label)
+
+    @staticmethod
+    def _check_id(w: Matrix, M: int, x: Region, x_stride: int, x_slot_stride: int) -> None:
+        if x.off % 4 or x_stride % 4 or x_slot_stride % 4 or w.cols % 8 or w.rows % M:
+            raise ValueError("expert matmuls need 16-byte aligned x rows, K a multiple of 8 and whole experts")

@@ -1,0 +1,136 @@
+"""The architecture interface: everything the engine asks of a model family.
+
+Adding an architecture means adding one module (or package) under
+vkengine/models/ that defines a subclass of Architecture and an instance of it
+named ARCHITECTURE; vkengine/models/__init__.py finds it by the GGUF
+`general.architecture` values in `names` (or a Hugging Face config's
+`architectures[0]` in `hf_architectures`). llama.py is the shortest example.
+
+An architecture provides:
+- args(file): its hyperparameters (a ModelArgs subclass) from GGUF metadata or
+  a Hugging Face config.json;
+- hf_names: Hugging Face tensor names -> GGUF names (data), applied when a
+  safetensors folder is opened, so loaders see GGUF names only;
+- scratch_widths(args): the activation arrays its forward uses, by name;
+- load_weights(file, args, device, n_ctx): its weights on the device, kept
+  quantized (vkengine/models/loader.py does the planning and uploads);
+- forward(g, args, weights): one step as named graph ops (vkengine/graph);
+- the per-sequence state: a KV cache of every layer (make_state,
+  state_bytes) unless it overrides them (qwen35: recurrent state too);
+- optionally a multi-token-prediction block (has_mtp, forward_mtp) and
+  recorded expert choices (read_expert_choices).
+"""
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+from ..errors import VkEngineError
+from ..gguf_file import ModelFile
+from ..kernels import Region
+from ..state import KVCache
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from ..device import Device
+    from ..engine import Engine
+    from ..graph import Graph
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelArgs:
+    """Hyperparameters every architecture has; an architecture's Args adds its own."""
+    n_vocab: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_rot: int
+    rope_base: float
+    rms_eps: float
+    n_ctx_train: int
+    n_expert: int = 0             # routed experts per MoE layer (0: dense)
+    n_nextn: int = 0              # multi-token-prediction blocks in the file
+    # run-time choices, set at the edge (CLI) with dataclasses.replace
+    fixed_experts: bool = False   # MoE parity mode: fixed-order fp32 router, choices recorded
+    mtp_snap_rows: int = 0        # rows of a speculative step that can be rolled back to (MTP: drafts + 1)
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.n_head_kv
+
+    @property
+    def kv_layers(self) -> list[int]:
+        """The layers whose KV rows the per-sequence state keeps."""
+        return list(range(self.n_layer))
+
+    def check(self, what: str) -> None:
+        """Sizes a corrupt file could make zero or negative."""
+        for name in ("n_vocab", "n_embd", "n_layer", "n_head", "head_dim"):
+            v = getattr(self, name)
+            if not v > 0:
+                raise VkEngineError(f"{what}: invalid model metadata: {name} is {v}")
+
+
+class ModelWeights(Protocol):
+    """What the engine reads of an architecture's weights."""
+    rope: Region          # the RoPE table (cos/sin per position and rotated pair)
+
+
+class Architecture(ABC):
+    names: ClassVar[tuple[str, ...]] = ()             # GGUF general.architecture values it serves
+    hf_architectures: ClassVar[tuple[str, ...]] = ()  # Hugging Face config.json "architectures"
+    hf_names: ClassVar[dict[str, str]] = {}           # HF tensor-name pattern -> GGUF name
+
+    def __init__(self) -> None:
+        self._hf_re = [(re.compile(k + "$"), v) for k, v in self.hf_names.items()]
+
+    def hf_to_gguf_name(self, name: str) -> str | None:
+        """The GGUF name of a Hugging Face tensor (None: not one this architecture uses)."""
+        for pat, repl in self._hf_re:
+            if pat.match(name):
+                return pat.sub(repl, name)
+        return None
+
+    @abstractmethod
+    def args(self, mf: ModelFile) -> ModelArgs:
+        """Hyperparameters from a GGUF file or a Hugging Face folder (mf.config)."""
+
+    @abstractmethod
+    def scratch_widths(self, a: Any) -> dict[str, int]:
+        """Activation arrays of a step, by name: their width (floats a row);
+        names starting with `out_` hold output rows only."""
+
+    @abstractmethod
+    def load_weights(self, mf: ModelFile, a: Any, device: Device, n_ctx: int) -> ModelWeights:
+        """Every weight on the device (matrices kept quantized)."""
+
+    @abstractmethod
+    def forward(self, g: Graph, a: Any, w: Any, hidden_rows: bool = False) -> None:
+        """Record one step: g.n token rows through every layer; logits of the g.n_out
+        requested rows into out_logits. hidden_rows (MTP models): also the
+        final-normed hidden state of every row into `hn`."""
+
+    # -- per-sequence state ------------------------------------------------------------
+    def make_state(self, device: Device, a: Any, n_slots: int, n_ctx: int) -> KVCache:
+        """The per-sequence state of n_slots sequences of n_ctx positions."""
+        return KVCache(device, a.n_layer, n_slots, n_ctx, a.n_kv_heads, a.head_dim, layers=a.kv_layers)
+
+    def state_bytes(self, a: Any, n_slots: int, n_ctx: int) -> tuple[int, int]:
+        """(bytes per position of one slot, bytes fixed per slot) of make_state's state."""
+        return KVCache.bytes_needed(len(a.kv_layers), 1, 1, a.n_kv_heads, a.head_dim), 0
+
+    # -- optional abilities ------------------------------------------------------------------
+    def has_mtp(self, a: Any, w: Any) -> bool:
+        """Whether the model has a multi-token-prediction block to draft with."""
+        return False
+
+    def forward_mtp(self, g: Graph, a: Any, w: Any, hidden: str, map_off: int, zero_first: bool) -> None:
+        raise VkEngineError(f"{type(self).__name__} has no multi-token-prediction block")
+
+    def read_expert_choices(self, engine: Engine, n_rows: int, mtp: bool = False) -> np.ndarray:
+        raise VkEngineError("expert choices are recorded only in the fixed-expert mode of a MoE model")

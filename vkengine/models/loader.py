@@ -1,0 +1,139 @@
+"""Loading weights: plan an arena from the model file's header, allocate it
+once, upload every tensor. Matrices stay quantized on the device (repacked
+into shaders/quant.glsl's layouts); a matrix larger than one storage buffer is
+held in parts of whole rows (or whole experts). Every architecture's
+load_weights plans through WeightPlanner."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from ..arena import Arena, ArenaPlan, packed_words, row_parts, split_limit_words
+from ..errors import VkEngineError
+from ..gguf_file import ModelFile, SafetensorsFolder
+from ..kernels import Matrix
+from ..quant import check_shape, repack, row_slice
+
+
+def _rows(produce: Callable[[], np.ndarray], type_: str, cols: int, r0: int, r1: int) -> Callable[[], np.ndarray]:
+    """A producer of rows [r0, r1) of what `produce` gives."""
+    return lambda: row_slice(produce(), type_, cols, r0, r1)
+
+
+class WeightPlanner:
+    """Reserve arena space from tensor headers (each call returns a handle);
+    `build` allocates the arena once, uploads every tensor and returns the
+    Matrix or Region of every handle. Tensors a kernel binds together share a
+    buffer (vectors(), and the matrices of one fused()).
+    hf_value(name, values): an architecture's conversion of a Hugging Face
+    vector to GGUF's convention (e.g. Qwen3.5's RMSNorm weights hold the +1 in
+    GGUF only)."""
+
+    def __init__(self, mf: ModelFile, device, hf_value: Callable[[str, np.ndarray], np.ndarray] | None = None):
+        self.mf = mf
+        self.hf = isinstance(mf, SafetensorsFolder)
+        self.hf_value = hf_value
+        self.plan = ArenaPlan(device.max_buffer_bytes // 4)
+        self.jobs: list[tuple] = []      # (group, kind, payload)
+        self.handles: list[tuple[int, int]] = []   # handle -> (job, index inside the job)
+
+    def _shape(self, name: str) -> tuple[str, tuple[int, ...]]:
+        return self.mf.tensor_info(name)
+
+    def _job(self, group: int, kind: str, payload, n: int) -> list[int]:
+        self.jobs.append((group, kind, payload))
+        first = len(self.handles)
+        self.handles += [(len(self.jobs) - 1, i) for i in range(n)]
+        return list(range(first, first + n))
+
+    def matrix_raw(self, type_: str, rows: int, cols: int, produce: Callable[[], np.ndarray], what: str,
+                   unit: int = 1) -> int:
+        """A matrix; split by rows into parts of whole `unit`s of rows (an expert's
+        rows in a stack of experts) when one storage buffer cannot hold it."""
+        check_shape(type_, rows, cols, what)
+        spans = row_parts(type_, rows, cols, split_limit_words(self.plan), unit, what)
+        parts = []
+        for r0, r1 in spans:
+            vw, sw = packed_words(type_, r1 - r0, cols)
+            g = self.plan.add([vw, sw] if sw else [vw], what if len(spans) == 1 else f"{what}[{r0}:{r1}]")
+            rows_of = produce if len(spans) == 1 else _rows(produce, type_, cols, r0, r1)
+            parts.append((r0, self._job(g, "matrix", (type_, r1 - r0, cols, rows_of), 1)[0]))
+        if len(parts) == 1:
+            return parts[0][1]
+        return self._job(-1, "split", (type_, rows, cols, parts), 1)[0]
+
+    def matrix(self, names: list[str], rows_each: list[int], cols: int) -> int:
+        types = set()
+        for n, r in zip(names, rows_each):
+            t, s = self._shape(n)
+            if int(np.prod(s[:-1])) != r or s[-1] != cols:
+                raise VkEngineError(f"{self.mf.path.name}: tensor {n} has shape {s}, expected ({r}, {cols})")
+            types.add(t)
+        if len(types) != 1:
+            raise VkEngineError(f"internal: mixed types fused: {names}")
+
+        def produce():
+            return np.concatenate([self.mf.tensor(n).raw for n in names]) if len(names) > 1 \
+                else self.mf.tensor(names[0]).raw
+        return self.matrix_raw(types.pop(), sum(rows_each), cols, produce, names[0])
+
+    def fused(self, names: list[str], rows_each: list[int], cols: int) -> list[tuple[int, int]]:
+        """One matmul when the parts share a type, else one each (with column offsets)."""
+        if len({self._shape(n)[0] for n in names}) == 1:
+            return [(self.matrix(names, rows_each, cols), 0)]
+        out, col = [], 0
+        for n, r in zip(names, rows_each):
+            out.append((self.matrix([n], [r], cols), col))
+            col += r
+        return out
+
+    def value(self, name: str, n: int) -> Callable[[], np.ndarray]:
+        """f32 values of a tensor (produced at build time), with the architecture's
+        HF -> GGUF value conventions applied."""
+        _, s = self._shape(name)
+        if int(np.prod(s)) != n:
+            raise VkEngineError(f"{self.mf.path.name}: tensor {name} has shape {s}, expected {n} values")
+
+        def produce():
+            v = self.mf.tensor(name).as_f32().astype(np.float32).reshape(-1)
+            if self.hf and self.hf_value is not None:
+                v = self.hf_value(name, v)
+            return v.astype(np.float32)
+        return produce
+
+    def vectors(self, entries: list[tuple[str, Callable[[], np.ndarray], int]]) -> list[int]:
+        """f32 arrays placed in one buffer: (what, produce, length)."""
+        g = self.plan.add([n for _, _, n in entries], entries[0][0])
+        return self._job(g, "vectors", entries, len(entries))
+
+    def vector(self, name: str, n: int) -> int:
+        return self.vectors([(name, self.value(name, n), n)])[0]
+
+    def build(self, device) -> tuple[list, Arena]:
+        arena = Arena(device, self.plan, "device", "weights")
+        built: list[list] = []
+        for g, kind, payload in self.jobs:
+            if kind == "split":            # its parts were built before it
+                t, rows, cols, parts = payload
+                built.append([Matrix(t, rows, cols, None, None,
+                                     tuple((r0, built[self.handles[h][0]][self.handles[h][1]]) for r0, h in parts))])
+                continue
+            regs = arena.regions(g)
+            if kind == "vectors":
+                out = []
+                for r, (what, produce, n) in zip(regs, payload):
+                    arr = np.ascontiguousarray(produce(), np.float32).reshape(-1)
+                    if arr.size != n:
+                        raise VkEngineError(f"internal: {what} has {arr.size} values, expected {n}")
+                    arena.write(r, arr)
+                    out.append(r)
+                built.append(out)
+                continue
+            t, rows, cols, produce = payload
+            values, scales = repack(t, produce(), rows, cols)
+            arena.write(regs[0], values)
+            if scales is not None:
+                arena.write(regs[1], scales)
+            built.append([Matrix(t, rows, cols, regs[0], regs[1] if scales is not None else None)])
+        return [built[j][i] for j, i in self.handles], arena

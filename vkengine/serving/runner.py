@@ -1,0 +1,491 @@
+"""The runner: requests in, tokens out, over one engine. Its turn is
+nano-vllm's schedule -> run -> postprocess, pipelined: collect the oldest step
+on the device (choose and append its tokens), compose and submit the next step,
+then do the collected step's host work (detokenizing, stop strings, events)
+while the GPU runs. The server's worker thread (server/worker.py), generate()
+and the parity harness all run requests through it.
+
+Each request samples with its own Sampler (so draws never depend on what else
+ran in the step), and its events reach it through its own `emit` callback.
+Greedy decode steps (and sampled ones drawn on the device) are chained: the
+next step is submitted before the previous one's tokens reach the host.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol, TextIO
+
+import numpy as np
+
+from ..engine import Engine, Readback
+from ..errors import VkEngineError
+from ..kernels import Kernels
+from .output import OutputStream
+from .sampling import Sampler, SamplingParams, top_order
+from .scheduler import Batch, Scheduler, SchedulerConfig, Seq
+
+log = logging.getLogger("vkengine.runner")
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    prompt: Sequence[int]                 # token ids
+    max_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    n_probs: int = 0                      # top tokens (with log-probabilities) reported per token
+    use_cache: bool = True                # reuse a cached prefix of the prompt
+    suppress: frozenset[int] = frozenset()   # tokens never generated (a -inf logit bias, as llama.cpp's ignore_eos)
+    logits: bool = False                  # each event carries the logits row its token was chosen from
+
+
+@dataclass
+class Event:
+    text: str = ""
+    token: int | None = None
+    logprob: float | None = None          # of `token`, under the model's distribution (n_probs > 0)
+    top: list[tuple[int, float]] | None = None   # (token, logprob) of the n_probs most likely
+    finish: str | None = None             # stop | length | cancelled | error
+    error: str | None = None
+    logits: np.ndarray | None = None      # the row `token` was chosen from (GenRequest.logits)
+
+
+@dataclass(eq=False)
+class Job:
+    """One request inside the runner."""
+    req: GenRequest
+    emit: Callable[[Event], object]
+    seq: Seq
+    sampler: Sampler
+    out: OutputStream
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_first: float | None = None
+    t_last: float | None = None
+    n_generated: int = 0
+    finish: str | None = None
+    stop_type: str = "none"               # llama-server's: eos | word | limit | none
+    done: bool = False
+    on_device: bool = False               # its tokens are drawn on the device (Runner.make_job)
+    failure: BaseException | None = None  # what failed it (finish "error"), for callers that re-raise
+
+    @property
+    def needs_logits(self) -> bool:
+        """Its rows read their logits back (the host samples, masks or reports them)."""
+        r = self.req
+        return not self.on_device and (r.sampling.needs_logits or r.n_probs > 0 or bool(r.suppress) or r.logits)
+
+    def sampling_row(self) -> tuple[float, int, float, float, float]:
+        """Its output row's sampling params for Engine.submit(sampling=...): a
+        draw on the device takes the next uniform of the request's generator
+        (one a token, as Sampler's draw takes), so its tokens do not depend on
+        the steps it shares; other rows are greedy there (their token is taken
+        on the host when they need one)."""
+        if not self.on_device:
+            return (0.0, 1, 1.0, 0.0, 0.0)
+        return self.req.sampling.device_row(self.sampler.uniform())
+
+
+class InFlight(NamedTuple):
+    """A step on the device, as the runner tracks it."""
+    batch: Batch
+    outs: list[Seq]               # the sequences of its output rows, in row order
+    readback: Readback
+    t_submit: float
+    chained: bool                 # its tokens come from the step before it, on the device
+    prompt: bool = False          # prompt rows only (Engine.tiled_prompts: decode rows ran apart)
+
+
+class RunnerMetrics(Protocol):
+    """What the runner reports (the server's Prometheus metrics implement it)."""
+    def step(self, rows: int, seconds: float) -> None: ...
+    def ttft(self, seconds: float) -> None: ...
+    def inter_token(self, seconds: float) -> None: ...
+    def finished(self, job: Job, finish: str) -> None: ...
+
+
+class EngineKV:
+    """The scheduler's KVMover over the engine's per-sequence state; the
+    scheduler's slot i is the engine's slot slots[i]. Parked rows go to
+    host-visible buffers that are pooled and reused."""
+
+    def __init__(self, eng: Engine, slots: Sequence[int], keep: int = 8):
+        self.eng, self.slots, self.keep = eng, list(slots), keep
+        self.pool: list = []
+        self.held: dict[int, Any] = {}     # handles parked and not yet released, by id
+
+    def park(self, slot: int, length: int):
+        need = length * self.eng.kv.bytes_per_position()
+        fit = [b for b in self.pool if b.nbytes >= need]
+        buf = min(fit, key=lambda b: b.nbytes) if fit else None
+        if buf is not None:
+            self.pool.remove(buf)
+        handle = self.eng.kv.park(self.slots[slot], length, into=buf)
+        self.held[id(handle)] = handle
+        return handle
+
+    def restore(self, handle, slot: int, length: int) -> None:
+        self.eng.kv.restore(handle, self.slots[slot], length)
+
+    def reusable(self, source: tuple, length: int) -> int:
+        """How many of the first `length` positions of a prefix source (("slot", i)
+        or ("host", handle)) can be reused: all of them for a KV cache; for a
+        recurrent state only `length` itself, and only where it covers exactly
+        that many positions (it cannot be cut shorter)."""
+        if source[0] == "slot":
+            return self.eng.kv.reusable_prefix(self.slots[source[1]], length)
+        return self.eng.kv.reusable_parked(source[1], length)
+
+    def copy(self, src: int, dst: int, length: int) -> None:
+        self.eng.kv.copy_prefix(self.slots[src], self.slots[dst], length)
+
+    def release(self, handle) -> None:
+        del self.held[id(handle)]
+        self.pool.append(handle.buffer)
+        if len(self.pool) > self.keep:
+            self.eng.device.free(self.pool.pop(0))
+
+
+def top_logprobs(row: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """log-softmax of a logits row: (ids of the n largest, all log-probabilities)."""
+    x = row.astype(np.float64)
+    lp = x - x.max()
+    lp -= np.log(np.exp(lp).sum())
+    return top_order(x, n) if n > 0 else np.zeros(0, np.int64), lp
+
+
+class Runner:
+    def __init__(self, engine: Engine, cfg: SchedulerConfig, metrics: RunnerMetrics | None = None,
+                 step_log: TextIO | None = None, slots: Sequence[int] | None = None,
+                 arrivals: Callable[[], bool] = lambda: False):
+        """slots: the engine's slots the scheduler's cfg.n_slots map to (default
+        0..n_slots-1). step_log: a JSON line per collected step (rows, prompt
+        rows, outputs, chained, submit -> collected and the wait inside
+        collect, in ms). arrivals(): whether requests are waiting to be added
+        (a decode step is then not chained, so they join the next one)."""
+        # where the engine pads prompt steps to its tiled matmuls, a step's
+        # decode rows and prompt rows run as two engine steps (decode rows on
+        # the matvecs, as alone: tokens independent of who else runs)
+        if engine.tiled_prompts and not cfg.prompt_apart:
+            cfg = dataclasses.replace(cfg, prompt_apart=True)
+        self.eng, self.cfg, self.metrics, self.step_log = engine, cfg, metrics, step_log
+        self.kv = EngineKV(engine, slots if slots is not None else range(cfg.n_slots))
+        if len(self.kv.slots) != cfg.n_slots or not all(0 <= s < engine.n_slots for s in self.kv.slots):
+            raise ValueError(f"the scheduler's {cfg.n_slots} slots need as many of the engine's "
+                             f"0..{engine.n_slots - 1}")
+        self.sched = Scheduler(cfg, self.kv)
+        self._arrivals = arrivals
+        self.inflight: deque[InFlight] = deque()   # steps on the device, oldest first
+        self.chain = engine.can_chain        # chain decode steps (see collect)
+        # steps on the device at once: the running one and the chained ones queued behind it
+        self.depth = engine.max_in_flight if self.chain else 1
+        self.chained_steps = 0
+        self.device_sampling = engine.can_sample   # sampled replies drawn on the device
+        self._late: list[tuple[Job, int, Event, float]] = []   # tokens collected, their host work pending
+        self._finish_after: list[Seq] = []    # failed while their row was on the device
+        self._t0 = time.perf_counter()
+
+    @property
+    def prompt_apart(self) -> bool:
+        """Whether a step's decode rows and prompt rows run as two engine steps."""
+        return self.cfg.prompt_apart
+
+    @property
+    def idle(self) -> bool:
+        return self.sched.idle and not self.inflight
+
+    # -- requests -----------------------------------------------------------------
+    def make_job(self, req: GenRequest, emit: Callable[[Event], object]) -> Job:
+        """A checked request, ready for add() (on any thread: it touches no runner state)."""
+        prompt = [int(t) for t in req.prompt]
+        if not prompt:
+            raise VkEngineError("the prompt is empty")
+        if len(prompt) >= self.eng.n_ctx:
+            raise VkEngineError(f"the prompt has {len(prompt)} tokens; the context length is {self.eng.n_ctx} "
+                                "(use a shorter prompt or a larger --ctx)")
+        if any(not 0 <= t < self.eng.n_vocab for t in req.suppress):
+            raise VkEngineError(f"suppressed token ids must be in 0..{self.eng.n_vocab - 1}")
+        out = OutputStream(self.eng.model.tokenizer, req.max_tokens, req.stop, req.ignore_eos)
+        job = Job(req, emit, Seq(prompt, use_cache=req.use_cache), Sampler(req.sampling), out)
+        # drawn on the device, where steps chain (not where the host must see the logits)
+        job.on_device = (self.device_sampling and req.sampling.drawn_on_device(Kernels.SAMPLE_K)
+                         and req.n_probs == 0 and not req.suppress and not req.logits)
+        job.seq.data = job
+        return job
+
+    def add(self, job: Job) -> None:
+        if job.req.max_tokens == 0:
+            self._end(job, "length", "")
+        else:
+            self.sched.add(job.seq)
+
+    def cancel(self, job: Job) -> None:
+        """The request leaves at the next step (its slot is freed then)."""
+        if not job.done:
+            self.sched.cancel(job.seq)
+            self._end(job, "cancelled", "")
+
+    def cancel_all(self, why: str, finish: str = "cancelled") -> None:
+        for seq in [*self.sched.waiting, *self.sched.live]:
+            job = seq.data
+            self.sched.finish(seq)
+            if not job.done:
+                self._end(job, finish, "", error=why)
+
+    # -- the turn -------------------------------------------------------------------
+    def step(self) -> bool:
+        """One turn (collect, submit_next, deliver); False when there was nothing to run."""
+        ran = self.collect()
+        submitted = self.submit_next()
+        self.deliver()
+        return ran or submitted
+
+    def collect(self) -> bool:
+        """Chain steps behind the newest one where it may, then collect the oldest
+        step on the device: its tokens are chosen and appended at once (those
+        that may end a sequence delivered at once, the others queued for
+        deliver()). False when nothing was on the device.
+
+        Chaining: when the newest step on the device is a decode step of
+        running sequences whose tokens are chosen on the device and nobody
+        waits to be admitted, the step after it is submitted before the oldest
+        is collected, reading its tokens from the device, so the GPU goes from
+        step to step without waiting for the host; up to the engine's
+        max_in_flight steps (a server's engine: 3, so a host that is late by up
+        to a step costs the GPU nothing). A sequence whose token turns out to
+        end it had a row in each chained step: the rows are computed, their
+        tokens dropped; its slot keeps the tokens it has (Scheduler.finish)."""
+        if not self.inflight:
+            return False
+        while len(self.inflight) < self.depth and self._chain():
+            pass
+        self._collect_oldest()
+        return True
+
+    def submit_next(self) -> bool:
+        """Compose and submit the next step, only with nothing on the device: a
+        step composed beside one in flight could not hold that step's
+        sequences (their tokens are not back yet), so the live sequences
+        would split into groups taking turns in steps of fewer rows, each
+        costing nearly a full step (bench/serve_sim.py). Running streams keep
+        the device busy through chained steps."""
+        if self.inflight:
+            return False
+        batch = self.sched.schedule()
+        if batch is None:
+            return False
+        if self.prompt_apart:
+            for part, prompt in zip(batch.split(), (False, True)):
+                if part is not None:
+                    self._submit(part, prompt)
+        else:
+            self._submit(batch, batch.has_prompt)
+        return True
+
+    def deliver(self) -> None:
+        """The host work of the tokens collected: text, stop rules, events."""
+        late, self._late = self._late, []
+        for job, tok, ev, now in late:
+            self._guard(job.seq, self._deliver, job, tok, ev, now)
+
+    def settle(self) -> None:
+        """Let the steps still on the device finish and drop their results (every
+        sequence is cancelled next, or the caller is done with the runner)."""
+        self._finish_after.clear()
+        while self.inflight:
+            batch = self.inflight.popleft().batch
+            try:
+                self.eng.collect()
+            except Exception:
+                log.exception("engine step failed")
+            self.sched.postprocess(batch)
+
+    # -- steps ------------------------------------------------------------------------
+    def _submit(self, batch: Batch, prompt: bool) -> None:
+        """Submit a composed step (or one of its two parts: Batch.split)."""
+        outs = batch.out_seqs
+        readback, sampling = self._readback(outs)
+        if any(s.data.needs_logits for s in outs):
+            readback |= Readback.LOGITS
+            if readback & Readback.ARGMAX:   # the host chooses every token of a step that reads logits
+                readback = Readback.LOGITS
+        if self.inflight and (readback & Readback.LOGITS or self.inflight[-1].readback & Readback.LOGITS):
+            self._collect_oldest()     # a step that reads logits back runs alone (the other part)
+        self.eng.submit(batch.tokens, batch.positions, self._slots(batch), batch.out_rows, readback,
+                        sampling=sampling, prompt=prompt)
+        self.inflight.append(InFlight(batch, outs, readback, time.perf_counter(), False, prompt))
+
+    def _slots(self, batch: Batch) -> list[int]:
+        return [self.kv.slots[s] for s in batch.slots]
+
+    @staticmethod
+    def _readback(outs: list[Seq]) -> tuple[Readback, list | None]:
+        """A step's readback as far as its rows' tokens go (SAMPLE when one is
+        drawn on the device, else ARGMAX) and its sampling rows."""
+        if any(s.data.on_device for s in outs):
+            return Readback.SAMPLE, [s.data.sampling_row() for s in outs]
+        return Readback.ARGMAX, None
+
+    def _chain(self) -> bool:
+        """Submit the decode step that follows the newest one in flight, if it
+        may (collect); whether it did."""
+        batch, outs, readback, _, _, prompt = self.inflight[-1]
+        if not self.chain or prompt or readback not in (Readback.ARGMAX, Readback.SAMPLE) or self._arrivals() or \
+                (self.sched.waiting and len(self.sched.live) < self.cfg.max_live):
+            return False
+
+        def done(seq: Seq) -> bool:       # the newest token in flight is certainly its last
+            job = seq.data
+            ahead = sum(1 for st in self.inflight for s in st.outs if s is seq)   # its tokens in flight
+            made = len(seq.tokens) - seq.n_prompt + ahead
+            return job.done or made >= job.req.max_tokens or len(seq.tokens) + ahead - 1 >= self.eng.n_ctx
+        nxt = self.sched.chain(batch, done)
+        if nxt is None:
+            return False
+        index = {id(s): j for j, s in enumerate(outs)}
+        chain = [index[id(w.seq)] for w in nxt.work]
+        n = len(nxt.work)
+        readback, sampling = self._readback(nxt.out_seqs)
+        self.eng.submit([0] * n, nxt.positions, self._slots(nxt), list(range(n)), readback, chain=chain,
+                        sampling=sampling)
+        self.inflight.append(InFlight(nxt, nxt.out_seqs, readback, time.perf_counter(), True))
+        self.chained_steps += 1
+        return True
+
+    def _collect_oldest(self) -> None:
+        """Wait for the oldest step on the device, account for its rows, and
+        choose and append its tokens."""
+        batch, outs, readback, t0, chained, _ = self.inflight.popleft()
+        t_wait = time.perf_counter()
+        res = self.eng.collect()
+        now = time.perf_counter()
+        if self.step_log is not None:
+            self._log_step(batch, outs, chained, t0, t_wait, now)
+        if self.metrics:
+            self.metrics.step(sum(len(w.tokens) for w in batch.work), now - t0)
+        self.sched.postprocess(batch)
+        for seq in self._finish_after:
+            if not any(w.seq is seq for st in self.inflight for w in st.batch.work):
+                self.sched.finish(seq)
+        self._finish_after = [q for q in self._finish_after if q.state != "finished"]
+        if readback == Readback.SAMPLE | Readback.LOGITS:      # (tokens, logits): a pair a row
+            res = list(zip(*res))
+        for seq, r in zip(outs, res if res is not None else ()):
+            self._guard(seq, self._take, seq.data, r, readback, now)
+        if self.inflight and self.inflight[0].chained:    # the chained step now knows its tokens
+            for w in self.inflight[0].batch.work:
+                if w.tokens == [None] and len(w.seq.tokens) > w.start:
+                    w.tokens = [w.seq.tokens[w.start]]
+
+    def _log_step(self, batch: Batch, outs: list[Seq], chained: bool, t0: float, t_wait: float,
+                  now: float) -> None:
+        assert self.step_log is not None
+        rows = sum(len(w.tokens) for w in batch.work)
+        prompt = sum(len(w.tokens) for w in batch.work if w.prompt)
+        self.step_log.write(json.dumps({
+            "t_ms": round((t0 - self._t0) * 1e3, 3), "rows": rows, "prompt_rows": prompt, "outs": len(outs),
+            "chained": chained, "in_flight": len(self.inflight) + 1, "dt_ms": round((now - t0) * 1e3, 3),
+            "wait_ms": round((now - t_wait) * 1e3, 3)}) + "\n")
+
+    # -- tokens and events --------------------------------------------------------------
+    def _guard(self, seq: Seq, fn, *args) -> None:
+        """One request's sampling or detokenizing failed: fail it alone, the others run on."""
+        try:
+            fn(*args)
+        except Exception as e:
+            log.exception("request %d failed", seq.id)
+            job = seq.data
+            job.failure = e
+            if not job.done:
+                self._end(job, "error", "", error="internal error in this request (see the server log)")
+            if any(w.seq is seq for st in self.inflight for w in st.batch.work):
+                self._finish_after.append(seq)  # its row is on the device: free the slot once that step is in
+            else:
+                self.sched.finish(seq)
+
+    def _take(self, job: Job, r, readback: Readback, now: float) -> None:
+        """Choose the token of a collected output row and append it to its
+        sequence (the next step needs it); deliver it now if it may end the
+        sequence, else queue it for deliver()."""
+        seq = job.seq
+        if job.done:
+            return
+        ev = Event()
+        if readback == Readback.SAMPLE | Readback.LOGITS:   # this row's token, or its logits
+            t, lg = r
+            readback, r = (Readback.SAMPLE, t) if job.on_device else (Readback.LOGITS, lg)
+        if readback.tokens:
+            tok = int(r)
+        else:
+            req = job.req
+            if req.logits:
+                ev.logits = r
+            if req.suppress:
+                r = r.copy()
+                r[list(req.suppress)] = -np.inf
+            tok = job.sampler(r, seq.tokens) if req.sampling.needs_logits else int(np.argmax(r))
+            if req.n_probs:
+                ids, lp = top_logprobs(r, req.n_probs)
+                ev.logprob, ev.top = float(lp[tok]), [(int(i), float(lp[i])) for i in ids]
+        self.sched.append(seq, tok)
+        if job.out.may_finish(tok) or len(seq.tokens) - 1 >= self.eng.n_ctx:
+            self._deliver(job, tok, ev, now)
+        else:
+            self._late.append((job, tok, ev, now))
+
+    def _deliver(self, job: Job, tok: int, ev: Event, now: float) -> None:
+        """The token's text, finish and event (the token is already appended)."""
+        seq = job.seq
+        if job.done:
+            return
+        job.n_generated += 1
+        if self.metrics:
+            if job.t_first is None:
+                self.metrics.ttft(now - job.t_submit)
+            else:
+                self.metrics.inter_token(now - (job.t_last or now))
+        job.t_first = job.t_first or now
+        job.t_last = now
+        text, finish = job.out.push(tok)
+        if finish is None and len(seq.tokens) - 1 >= self.eng.n_ctx:
+            text += job.out.truncated()
+            finish = "length"
+        ev.text, ev.token = text, tok
+        if finish is not None:
+            job.stop_type = ("limit" if finish == "length" else
+                             "word" if job.out.stop_word is not None else "eos")
+            self.sched.finish(seq)
+            self._end(job, finish, text, ev)
+        else:
+            self._emit(job, ev)
+
+    def _end(self, job: Job, finish: str, text: str, ev: Event | None = None, error: str | None = None) -> None:
+        ev = ev or Event(text=text)
+        ev.finish, ev.error = finish, error
+        job.finish, job.done = finish, True
+        if self.metrics:
+            self.metrics.finished(job, finish)
+        self._emit(job, ev)
+
+    @staticmethod
+    def _emit(job: Job, ev: Event) -> None:
+        try:
+            job.emit(ev)
+        except Exception:                          # the request's loop is gone: nobody is listening
+            log.debug("dropped an event of a finished request", exc_info=True)
+
+    # -- introspection ---------------------------------------------------------------------
+    def memory(self) -> dict:
+        """What the engine holds (for /metrics; a soak checks it returns to its idle level)."""
+        dev = self.eng.device
+        alloc = dev.allocated_bytes
+        return {"device_bytes": alloc["device"], "host_bytes": alloc["host"], "buffers": dev.n_buffers,
+                "pool_buffers": len(self.kv.pool), "pool_bytes": sum(b.nbytes for b in self.kv.pool),
+                "parked_handles": len(self.kv.held), "programs": self.eng.n_programs,
+                "parked_bytes": sum(h.buffer.nbytes for h in self.kv.held.values())}
