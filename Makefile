@@ -8,6 +8,8 @@ serve: setup
 	.venv/bin/vkengine serve
 
 test: setup
+	.venv/bin/ruff check .
+	.venv/bin/mypy
 	.venv/bin/python -m pytest -q
 
 gpu-test:
