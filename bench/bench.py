@@ -9,8 +9,11 @@ same file with all layers on the GPU. The device's copy bandwidth is measured
 first with a vec4 copy shader (GPU timestamps). Writes
 <out>/<date>-<device>.json and regenerates <out>/README.md.
 
-Decode streams every weight once per token, so tg tok/s x weight bytes is the
-achieved weight bandwidth; it is reported as a fraction of the copy bandwidth
+`--depth 0,4096,16384` measures pp and tg after D tokens already in the context
+(llama-bench -d on the same file): a row per model and depth.
+
+Decode streams every weight once per token (and, at depth D, D positions of
+the KV cache), so tg tok/s x those bytes is the achieved bandwidth; it is reported as a fraction of the copy bandwidth
 (read + write bytes of the copy, the device's practical ceiling).
 """
 from __future__ import annotations
@@ -78,35 +81,52 @@ def gguf_weight_bytes(path: Path) -> tuple[int, int]:
     return total, read
 
 
-def run_llama_bench(exe: str, model: Path, n_prompt: int, n_gen: int, reps: int) -> dict:
+def run_llama_bench(exe: str, model: Path, n_prompt: int, n_gen: int, reps: int,
+                    depths: list[int] | None = None) -> dict[int, dict]:
+    """llama-bench's pp and tg at each depth (its -d): {depth: {...}}."""
+    depths = depths or [0]
     cmd = [exe, "-m", str(model), "-p", str(n_prompt), "-n", str(n_gen), "-r", str(reps), "-ngl", "99", "-o", "json"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if depths != [0]:
+        cmd += ["-d", ",".join(map(str, depths))]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if r.returncode != 0:
-        return {"error": (r.stderr or r.stdout)[-2000:], "cmd": " ".join(cmd)}
+        return {d: {"error": (r.stderr or r.stdout)[-2000:], "cmd": " ".join(cmd)} for d in depths}
     rows = json.loads(r.stdout[r.stdout.index("["):])
-    out = {"cmd": " ".join(cmd), "build_commit": rows[0].get("build_commit"), "backends": rows[0].get("backends"),
-           "gpu_info": rows[0].get("gpu_info")}
+    out: dict[int, dict] = {}
+    for d in depths:
+        out[d] = {"cmd": " ".join(cmd), "build_commit": rows[0].get("build_commit"),
+                  "backends": rows[0].get("backends"), "gpu_info": rows[0].get("gpu_info")}
     for row in rows:
+        o = out.get(int(row.get("n_depth", 0)))
+        if o is None:
+            continue
         if row.get("n_prompt") and not row.get("n_gen"):
-            out["pp_tps"], out["pp_std"] = row["avg_ts"], row.get("stddev_ts")
+            o["pp_tps"], o["pp_std"] = row["avg_ts"], row.get("stddev_ts")
         elif row.get("n_gen") and not row.get("n_prompt"):
-            out["tg_tps"], out["tg_std"] = row["avg_ts"], row.get("stddev_ts")
+            o["tg_tps"], o["tg_std"] = row["avg_ts"], row.get("stddev_ts")
     return out
 
 
-def _ours(path: str, device: int | None, n_prompt: int, n_gen: int, reps: int, par: list[int]):
-    """Our pp/tg (and batched decode) on one model, in the calling process."""
+def _ours(path: str, device: int | None, n_prompt: int, n_gen: int, reps: int, par: list[int],
+          depths: list[int]):
+    """Our pp/tg (and batched decode) on one model at each depth, in the calling
+    process; also the bytes a decode step reads per position of context."""
     from vkengine.device import Device
     from vkengine.engine import Engine, EngineConfig
     from vkengine.model import load_model
     from vkengine.options import Options
     from vkengine.tools.bench import run_batched, run_bench
-    eng = Engine(load_model(Path(path)), Device(device),
-                 EngineConfig(n_slots=max(par, default=1), n_ctx=n_prompt + n_gen + 8,
-                              max_batch=max([n_prompt] + par), max_out=max(par, default=1),
-                              options=Options.from_env()))
-    ours = run_bench(eng, n_prompt, n_gen, reps)
-    return ours, [run_batched(eng, b, n_gen, reps) for b in par]
+    model = load_model(Path(path))
+    eng = Engine(model, Device(device),
+                 EngineConfig(n_slots=max(par, default=1), n_ctx=max(depths) + max(n_prompt, n_gen) + 8,
+                              max_batch=max([n_prompt, 256 if max(depths) else 1] + par),
+                              max_out=max(par, default=1), options=Options.from_env()))
+    runs = []
+    for d in depths:
+        ours = run_bench(eng, n_prompt, n_gen, reps, depth=d)
+        runs.append((ours, [run_batched(eng, b, n_gen, reps, depth=d) for b in par]))
+    kv_per_pos = model.arch.state_bytes(model.args, 1, 1)[0]
+    return runs, kv_per_pos
 
 
 def main(argv=None) -> int:
@@ -125,6 +145,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench"))
     ap.add_argument("--parallel", default="", metavar="B[,B...]",
                     help="also measure batched decode: B sequences stepping together (the server's batch mode)")
+    ap.add_argument("-d", "--depth", default="0", metavar="D[,D...]",
+                    help="tokens already in the context before pp and tg (llama-bench's -d), e.g. 0,4096,16384")
     ap.add_argument("--note", default="")
     ap.add_argument("--tokenizer-from", default=None, help="tokenizer GGUF for synth (default: embedded SmolLM2)")
     args = ap.parse_args(argv)
@@ -132,10 +154,11 @@ def main(argv=None) -> int:
     from vkengine.device import Device
     from vkengine.kernels import Caps, Kernels
     from vkengine.options import Options
-    from vkengine.tools.bench import parse_parallel
+    from vkengine.tools.bench import parse_depths, parse_parallel
     from vkengine.tools.synth.llama import config_for, synth_llama
 
     par = [b for b in parse_parallel(args.parallel) if b > 1]   # batched decode: sequence counts
+    depths = parse_depths(args.depth)
     dev = Device(args.device)
     kn = Kernels(dev, Caps.detect(dev, Options.from_env()))
     bw = copy_bandwidth(dev, kn)
@@ -162,21 +185,29 @@ def main(argv=None) -> int:
         # than the first (H200, 1B Q4_0: 28,300 then 6,300-10,400 tok/s; cause
         # not found), which had understated every model after the first
         with mp.get_context("spawn").Pool(1) as pool:
-            ours, batched = pool.apply(_ours, (str(path), args.device, args.n_prompt, args.n_gen, args.reps, par))
-        peer = run_llama_bench(args.llama_bench, path, args.n_prompt, args.n_gen, args.reps) \
+            runs, kv_per_pos = pool.apply(_ours, (str(path), args.device, args.n_prompt, args.n_gen, args.reps,
+                                                  par, depths))
+        peers = run_llama_bench(args.llama_bench, path, args.n_prompt, args.n_gen, args.reps, depths) \
             if args.llama_bench else {}
-        row = {"model": path.name, "shape": shape, "quant": quant, "weight_bytes": wbytes,
-               "read_bytes": rbytes, "ours": {"pp_tps": ours["pp_tps"], "tg_tps": ours["tg_tps"]}, "llama": peer,
-               "tg_weight_gbps": rbytes * ours["tg_tps"] / 1e9}
-        row["tg_frac_copy_bw"] = row["tg_weight_gbps"] / bw["gbps"]
-        if batched:
-            row["batched"] = [{"n_seq": b["n_seq"], "tps": b["tps"], "x_one": b["tps"] / ours["tg_tps"]}
-                              for b in batched]
-        if peer.get("tg_tps"):
-            row["tg_ratio"] = ours["tg_tps"] / peer["tg_tps"]
-            row["pp_ratio"] = ours["pp_tps"] / peer["pp_tps"]
-        results.append(row)
-        print(json.dumps(row), flush=True)
+        for d, (ours, batched) in zip(depths, runs):
+            peer = peers.get(d, {})
+            # a decode token reads the weights and every cached position's state
+            step_bytes = rbytes + d * kv_per_pos
+            row = {"model": path.name, "shape": shape, "quant": quant, "depth": d, "weight_bytes": wbytes,
+                   "read_bytes": rbytes, "kv_bytes_per_pos": kv_per_pos,
+                   "ours": {"pp_tps": ours.get("pp_tps"), "tg_tps": ours.get("tg_tps")}, "llama": peer,
+                   "tg_weight_gbps": step_bytes * ours["tg_tps"] / 1e9 if ours.get("tg_tps") else None}
+            row["tg_frac_copy_bw"] = row["tg_weight_gbps"] / bw["gbps"] if row["tg_weight_gbps"] else None
+            if batched:
+                row["batched"] = [{"n_seq": b["n_seq"], "tps": b["tps"],
+                                   "x_one": b["tps"] / ours["tg_tps"] if ours.get("tg_tps") else None}
+                                  for b in batched]
+            if peer.get("tg_tps") and ours.get("tg_tps"):
+                row["tg_ratio"] = ours["tg_tps"] / peer["tg_tps"]
+            if peer.get("pp_tps") and ours.get("pp_tps"):
+                row["pp_ratio"] = ours["pp_tps"] / peer["pp_tps"]
+            results.append(row)
+            print(json.dumps(row), flush=True)
 
     now = dt.datetime.now(dt.UTC)
     date = now.strftime("%Y-%m-%d")
@@ -190,7 +221,7 @@ def main(argv=None) -> int:
                     + (", fp16 sums" if kn.caps.mc2_f16acc else "") if kn.caps.coopmat2 else "")) if kn.caps.coopmat
                                                 else "mul_mt (fp32)",
            "copy_bandwidth": bw, "n_prompt": args.n_prompt, "n_gen": args.n_gen,
-           "reps": args.reps, "peer": args.llama_label, "note": args.note, "results": results}
+           "reps": args.reps, "depths": depths, "peer": args.llama_label, "note": args.note, "results": results}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     doc["time"] = now.strftime("%H:%M")
@@ -204,26 +235,31 @@ def table(doc: dict) -> str:
     lines = [f"**{doc['date']} {doc.get('time', '')}, {doc['device']}** ({doc['driver']}); copy bandwidth "
              f"{doc['copy_bandwidth']['gbps']:.0f} GB/s; peer: {doc.get('peer', 'llama.cpp')}; "
              f"pp{doc.get('n_prompt', 512)}, tg{doc.get('n_gen', 128)}"
+             + (f", depths {', '.join(map(str, doc['depths']))}" if doc.get("depths", [0]) != [0] else "")
              + (f"; our prefill matmul: {doc['prefill_kernel']}" if doc.get("prefill_kernel") else ""),
              "", "| model | weights | pp ours | pp peer | pp ratio | tg ours | tg peer | tg ratio | tg GB/s "
                  "| of copy bw |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    f = lambda v, d=1: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
     for r in doc["results"]:
         lp = r.get("llama") or {}
-        f = lambda v, d=1: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
+        gbps = r.get("tg_weight_gbps")
+        name = r["model"] + (f" @ d{r['depth']}" if r.get("depth") else "")
         lines.append(
-            f"| {r['model']} | {r['weight_bytes'] / 2**30:.2f} GiB | {f(r['ours']['pp_tps'])} "
+            f"| {name} | {r['weight_bytes'] / 2**30:.2f} GiB | {f(r['ours']['pp_tps'])} "
             f"| {f(lp.get('pp_tps'))} | {f(r.get('pp_ratio'), 2)} | {f(r['ours']['tg_tps'])} "
             f"| {f(lp.get('tg_tps'))} | {f(r.get('tg_ratio'), 2)} | "
-            f"{r['tg_weight_gbps']:.{0 if r['tg_weight_gbps'] >= 10 else 2}f} | {100 * r['tg_frac_copy_bw']:.0f}% |")
+            + ("- | - |" if gbps is None else
+               f"{gbps:.{0 if gbps >= 10 else 2}f} | {100 * r['tg_frac_copy_bw']:.0f}% |"))
     batched = [r for r in doc["results"] if r.get("batched")]
     if batched:
         ns = [b["n_seq"] for b in batched[0]["batched"]]
         lines += ["", "Batched decode (B sequences stepping together, aggregate tok/s, and x one sequence's tg):", "",
                   "| model | " + " | ".join(f"B = {n}" for n in ns) + " |", "| --- |" + " --- |" * len(ns)]
         for r in batched:
-            lines.append(f"| {r['model']} | " + " | ".join(f"{b['tps']:.0f} ({b['x_one']:.2f}x)"
-                                                         for b in r["batched"]) + " |")
+            name = r["model"] + (f" @ d{r['depth']}" if r.get("depth") else "")
+            lines.append(f"| {name} | " + " | ".join(f"{b['tps']:.0f} ({f(b['x_one'], 2)}x)"
+                                                    for b in r["batched"]) + " |")
     if doc.get("note"):
         lines += ["", doc["note"]]
     return "\n".join(lines)
@@ -239,8 +275,10 @@ def render_readme(folder: Path) -> None:
     body = ["# Benchmarks: vkengine vs llama.cpp on the same GGUF files", "",
             "Generated by `bench/bench.py` (newest first). pp = prompt processing of N tokens, tg = N tokens "
             "generated one at a time (512 and 128 unless a run's heading says otherwise), both from an empty "
-            "context, tok/s. `tg GB/s` = weight bytes one decode "
-            "token reads x tg tok/s (a MoE model: the active experts' share; not the MTP layer; not the "
+            "context unless the row says `@ dD` (D tokens already in the context, llama-bench's -d), tok/s. "
+            "`tg GB/s` = weight bytes one decode "
+            "token reads (at a depth, plus the KV cache's bytes of D positions) x tg tok/s "
+            "(a MoE model: the active experts' share; not the MTP layer; not the "
             "embedding table when there is a separate output head; runs before 16:00 on 2026-11-30 counted "
             "all weight bytes); `of copy bw` = that over the device's measured copy bandwidth (read + write). "
             "See notes.md for the optimization log.", ""]

@@ -11,6 +11,7 @@ import pytest
 
 from server.worker import Event, GenRequest, Worker
 from vkengine.engine import Engine, EngineConfig, Readback
+from vkengine.errors import VkEngineError
 from vkengine.kernels import Caps
 from vkengine.serving.generate import generate
 from vkengine.serving.sampling import SamplingParams
@@ -391,6 +392,52 @@ def test_bench_times_no_recording(device, tiny_model):
         assert counts[2:] == [counts[1]] * 3
     finally:
         bench.decode = real_decode
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen35"])
+def test_bench_depth_continues_the_filled_context(device, tiny_model, qwen35_loaded, arch):
+    """vkengine bench --depth: every timed run (2 warm-up, then reps) of batched
+    decode continues each slot's context of `depth` tokens (a hybrid's recurrent
+    state put back from its parked copy), so each run generates what a plain
+    prefill of those tokens followed by plain steps does."""
+    import numpy as np
+
+    from vkengine.tools import bench
+    model = tiny_model if arch == "llama" else qwen35_loaded("qwen35")
+    depth, n_seq, n_gen = 37, 2, 5
+    eng = Engine(model, device, EngineConfig(n_slots=n_seq, n_ctx=64, max_batch=16, max_out=n_seq))
+    runs, real = [], bench.decode
+
+    def recorded(*a, **k):
+        out = real(*a, **k)
+        runs.append(out)
+        return out
+    bench.decode = recorded
+    try:
+        r = bench.run_batched(eng, n_seq, n_gen, reps=2, depth=depth)
+    finally:
+        bench.decode = real
+    assert r["depth"] == depth and len(runs) == 4
+    ctx = np.random.default_rng(1).integers(0, eng.n_vocab, depth).tolist()   # fill_depth's tokens
+    toks = np.random.default_rng(0).integers(0, eng.n_vocab, n_seq).tolist()   # run_batched's first tokens
+    ref = Engine(model, device, EngineConfig(n_slots=n_seq, n_ctx=64, max_batch=16, max_out=n_seq))
+    for s in range(n_seq):
+        ref.prefill(ctx, s, readback=Readback.NONE)
+    plain = []
+    for pos in range(depth, depth + n_gen):
+        toks = [int(t) for t in ref.step(toks, [pos] * n_seq, list(range(n_seq)), list(range(n_seq)))]
+        plain.append(toks)
+    assert all(run == plain for run in runs)
+    with pytest.raises(VkEngineError, match="do not fit the context length"):
+        bench.run_bench(eng, 0, 30, reps=1, depth=depth)
+
+
+def test_bench_depth_cli_errors():
+    from vkengine.tools.bench import parse_depths
+    assert parse_depths("0, 4096,16384") == [0, 4096, 16384]
+    for bad in ("", "4k", "-1"):
+        with pytest.raises(VkEngineError, match="--depth"):
+            parse_depths(bad)
 
 
 @pytest.mark.parametrize("sampling", list(SAMPLING))

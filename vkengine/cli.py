@@ -131,34 +131,48 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .tools.bench import parse_parallel, run_batched, run_bench
+    from .tools.bench import parse_depths, parse_parallel, run_batched, run_bench
     parallel = parse_parallel(args.parallel)
+    depths = parse_depths(args.depth)
     n_seq = max(parallel, default=1)
-    model, dev, eng = _open(args, n_slots=n_seq, max_batch=max(args.n_prompt, n_seq, 1), max_out=max(16, n_seq))
+    if args.ctx is None and max(depths):   # room for the deepest run (the default context may be shorter)
+        args.ctx = max(depths) + max(args.n_prompt, args.n_gen, 1)
+    rows = max(args.n_prompt, n_seq, 256 if max(depths) else 1)   # the depth's prefill takes chunks of 256
+    model, dev, eng = _open(args, n_slots=n_seq, max_batch=rows, max_out=max(16, n_seq))
     if args.profile:
-        steps = [("decode step (1 row at position 128)", 1, 128, False)]
-        steps += [(f"batched decode step ({b} sequences at position 128)", b, 128, True) for b in parallel if b > 1]
-        steps += [(f"prefill step ({args.n_prompt} rows)", args.n_prompt, 0, False)] if args.n_prompt else []
-        for title, n, start, batched in steps:
-            rows = eng.profile(n, n if batched else 1, start_pos=start, batched=batched)
-            total = sum(us for _, us, _ in rows)
-            print(f"{title}: {total:.0f} us GPU time")
-            for label, us, count in rows[:14]:
-                print(f"  {us:9.1f} us {100 * us / total:5.1f}%  x{count:<4d} {label}")
-    r = run_bench(eng, args.n_prompt, args.n_gen, args.reps)
-    r["batched"] = [run_batched(eng, b, args.n_gen, args.reps) for b in parallel if b > 1]
+        for d in depths:
+            at = d if d else 128
+            steps = [(f"decode step (1 row at position {at})", 1, at, False)]
+            steps += [(f"batched decode step ({b} sequences at position {at})", b, at, True) for b in parallel
+                      if b > 1]
+            steps += [(f"prefill step ({args.n_prompt} rows from position {d})", args.n_prompt, d, False)] \
+                if args.n_prompt else []
+            for title, n, start, batched in steps:
+                prof = eng.profile(n, n if batched else 1, start_pos=start, batched=batched)
+                total = sum(us for _, us, _ in prof)
+                print(f"{title}: {total:.0f} us GPU time")
+                for label, us, count in prof[:14]:
+                    print(f"  {us:9.1f} us {100 * us / total:5.1f}%  x{count:<4d} {label}")
+    runs = []
+    for d in depths:
+        r = run_bench(eng, args.n_prompt, args.n_gen, args.reps, depth=d)
+        r["batched"] = [run_batched(eng, b, args.n_gen, args.reps, depth=d) for b in parallel if b > 1]
+        runs.append(r)
     if args.json:
-        print(json.dumps(r, indent=1))
-    else:
+        print(json.dumps(runs[0] if len(runs) == 1 else runs, indent=1))
+        return 0
+    for r in runs:
         line = f"{model.name} on {dev.info.name}:"
+        tag = f" @ d{r['depth']}" if r["depth"] or len(runs) > 1 else ""
         if args.n_prompt:
-            line += f" pp{args.n_prompt} {r['pp_tps']:.1f} tok/s"
+            line += f" pp{args.n_prompt}{tag} {r['pp_tps']:.1f} tok/s"
         if args.n_gen:
-            line += f" tg{args.n_gen} {r['tg_tps']:.1f} tok/s"
+            line += f" tg{args.n_gen}{tag} {r['tg_tps']:.1f} tok/s"
         print(line)
         for b in r["batched"]:
-            print(f"  {b['n_seq']} sequences x tg{b['n_gen']}: {b['tps']:.1f} tok/s aggregate "
-                  f"({b['tps'] / r['tg_tps']:.2f}x one sequence), {b['step_ms']:.2f} ms a step")
+            rel = f"({b['tps'] / r['tg_tps']:.2f}x one sequence), " if args.n_gen else ""
+            print(f"  {b['n_seq']} sequences x tg{b['n_gen']}{tag}: {b['tps']:.1f} tok/s aggregate "
+                  f"{rel}{b['step_ms']:.2f} ms a step")
     return 0
 
 
@@ -217,7 +231,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--n-gen", type=int, default=128)
     p.add_argument("-r", "--reps", type=int, default=3)
     p.add_argument("--json", action="store_true")
-    p.add_argument("--profile", action="store_true", help="GPU time per op of a decode and a prefill step")
+    p.add_argument("--profile", action="store_true", help="GPU time per op of a decode and a prefill step "
+                   "(at each --depth)")
+    p.add_argument("-d", "--depth", default="0", metavar="D[,D...]",
+                   help="tokens already in the context before pp and tg are measured, as llama-bench's -d, "
+                        "e.g. 0,4096,16384 (the context grows to fit unless --ctx is given)")
     p.add_argument("--parallel", default="", metavar="B[,B...]",
                    help="also measure batched decode of B sequences stepping together (the server's batch mode), "
                         "e.g. 4,16")

@@ -1,99 +1,141 @@
 """`vkengine bench`: prefill (pp) and decode (tg) speed, measured like
-llama-bench: pp = one prompt of n tokens from an empty context, tg = n tokens
-generated one at a time from an empty context; median of `reps` runs.
-Batched decode (`--parallel B`): B sequences in B slots decode n tokens
-together, one step of B rows per token, as the server's batch mode does;
-reported as aggregate tok/s (B * n / time). Decode steps are chained as the
-server chains greedy decode (`decode`): the next step is on the device before
-the host reads the last one's tokens."""
+llama-bench: pp = one prompt of n tokens, tg = n tokens generated one at a
+time, both after `depth` tokens already in the context (llama-bench's -d;
+default 0, an empty context); median of `reps` runs. Batched decode
+(`--parallel B`): B sequences in B slots, each `depth` tokens deep, decode n
+tokens together, one step of B rows per token, as the server's batch mode
+does; reported as aggregate tok/s (B * n / time). Decode steps are chained as
+the server chains greedy decode (`decode`): the next step is on the device
+before the host reads the last one's tokens.
+
+The depth is filled once (untimed) by a prefill of random tokens; every run
+then starts at that position. KV rows past it are simply rewritten, so an
+attention-only model needs nothing between runs; a recurrent state cannot
+rewind, so a hybrid model's slots are put back at the depth from a parked
+copy (untimed) before each run."""
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from ..engine import Engine
+from ..engine import Engine, Readback
 from ..errors import VkEngineError
 
 
-def warm_up(eng: Engine, run) -> None:
-    """Run what the timed repetitions run, twice, so that they record no
-    program: a step's program is kept per params buffer (and chained or not),
-    the buffers alternate step by step, and a run of an odd number of steps
-    leaves the next one starting on the other buffer. (A warm-up of one
-    prefill or two decode steps left the other buffer's prefill and chained
-    decode programs to the first timed repetition: with -r 2 the median,
-    their mean, then included half a recording.)"""
+def fill_depth(eng: Engine, depth: int, n_seq: int = 1, seed: int = 1) -> Callable[[], None]:
+    """Put `depth` random tokens into slots 0..n_seq-1 (one prefill, copied to
+    the other slots); returns reset(), which makes every slot continue at
+    `depth` again: nothing for KV caches, a restore of the parked state for a
+    recurrent one."""
+    if depth <= 0:
+        return lambda: None
+    if n_seq > eng.n_slots:
+        raise VkEngineError(f"{n_seq} sequences need {n_seq} slots, the engine has {eng.n_slots}")
+    if depth + 1 > eng.n_ctx:
+        raise VkEngineError(f"depth {depth} does not fit the context length {eng.n_ctx} (--ctx)")
+    toks = np.random.default_rng(seed).integers(0, eng.n_vocab, depth).tolist()
+    eng.prefill(toks, 0, readback=Readback.NONE)
+    if eng.kv.rewindable:
+        for s in range(1, n_seq):
+            eng.kv.copy_prefix(0, s, depth)
+        return lambda: None
+    parked = eng.kv.park(0, depth)
+
+    def reset() -> None:
+        for s in range(n_seq):
+            eng.kv.restore(parked, s, depth)
+    return reset
+
+
+def _timed(run: Callable[[], object], reset: Callable[[], None], reps: int) -> float:
+    """Median wall time of `reps` runs, each after reset() (untimed). Two
+    untimed runs first, so that the timed ones record no program: a step's
+    program is kept per params buffer (and chained or not), the buffers
+    alternate step by step, and a run of an odd number of steps leaves the
+    next one starting on the other buffer. (A warm-up of one prefill or two
+    decode steps left the other buffer's prefill and chained decode programs
+    to the first timed repetition: with -r 2 the median, their mean, then
+    included half a recording.)"""
     for _ in range(2):
+        reset()
         run()
+    times = []
+    for _ in range(reps):
+        reset()
+        t = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
 
 
-def run_bench(eng: Engine, n_prompt: int, n_gen: int, reps: int = 3, seed: int = 0) -> dict:
+def run_bench(eng: Engine, n_prompt: int, n_gen: int, reps: int = 3, seed: int = 0, depth: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     V = eng.n_vocab
     out: dict[str, Any] = {"model": eng.model.name, "device": eng.device.info.name, "n_prompt": n_prompt,
-                           "n_gen": n_gen}
+                           "n_gen": n_gen, "depth": depth}
+    if depth + max(n_prompt, n_gen) > eng.n_ctx:
+        raise VkEngineError(f"depth {depth} + {max(n_prompt, n_gen)} tokens do not fit the context length "
+                            f"{eng.n_ctx} (--ctx)")
+    reset = fill_depth(eng, depth)
     if n_prompt:
         toks = rng.integers(0, V, n_prompt).tolist()
-        warm_up(eng, lambda: eng.prefill(toks, 0))
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            eng.prefill(toks, 0)
-            times.append(time.perf_counter() - t)
-        out["pp_s"] = statistics.median(times)
+        out["pp_s"] = _timed(lambda: eng.prefill(toks, 0, start=depth), reset, reps)
         out["pp_tps"] = n_prompt / out["pp_s"]
     if n_gen:
         tok = int(rng.integers(0, V))
-        warm_up(eng, lambda: decode(eng, [tok], n_gen))
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            decode(eng, [tok], n_gen)
-            times.append(time.perf_counter() - t)
-        out["tg_s"] = statistics.median(times)
+        out["tg_s"] = _timed(lambda: decode(eng, [tok], n_gen, depth), reset, reps)
         out["tg_tps"] = n_gen / out["tg_s"]
     return out
 
 
-def decode(eng: Engine, toks: list[int], n_gen: int) -> list[list[int]]:
-    """Greedy decode of len(toks) sequences in slots 0.. from position 0, one
-    step of all rows per token, each step's tokens the previous step's greedy
-    outputs: as the server runs greedy decode, each step is submitted chained
-    to the one before it (Engine.submit(chain=...)) before that one is read
-    back, where the engine allows it. Returns each step's tokens."""
+def decode(eng: Engine, toks: list[int], n_gen: int, start: int = 0) -> list[list[int]]:
+    """Greedy decode of len(toks) sequences in slots 0.. from position start,
+    one step of all rows per token, each step's tokens the previous step's
+    greedy outputs: as the server runs greedy decode, each step is submitted
+    chained to the one before it (Engine.submit(chain=...)) before that one is
+    read back, where the engine allows it. Returns each step's tokens."""
     n = len(toks)
     slots = rows = list(range(n))
     out = []
     if not eng.can_chain:
-        for pos in range(n_gen):
+        for pos in range(start, start + n_gen):
             toks = eng.step(toks, [pos] * n, slots, rows).tolist()
             out.append(toks)
         return out
-    eng.submit(toks, [0] * n, slots, rows)
-    for pos in range(1, n_gen):
+    eng.submit(toks, [start] * n, slots, rows)
+    for pos in range(start + 1, start + n_gen):
         eng.submit(toks, [pos] * n, slots, rows, chain=rows)
         out.append(eng.collect().tolist())
     out.append(eng.collect().tolist())
     return out
 
 
-def run_batched(eng: Engine, n_seq: int, n_gen: int, reps: int = 3, seed: int = 0) -> dict:
-    """Aggregate decode speed of n_seq sequences stepping together from an empty context."""
+def run_batched(eng: Engine, n_seq: int, n_gen: int, reps: int = 3, seed: int = 0, depth: int = 0) -> dict:
+    """Aggregate decode speed of n_seq sequences stepping together, each `depth` tokens deep."""
     if n_seq > eng.n_slots:
-        raise ValueError(f"{n_seq} sequences need {n_seq} slots, the engine has {eng.n_slots}")
+        raise VkEngineError(f"{n_seq} sequences need {n_seq} slots, the engine has {eng.n_slots}")
+    if depth + n_gen > eng.n_ctx:
+        raise VkEngineError(f"depth {depth} + {n_gen} tokens do not fit the context length {eng.n_ctx} (--ctx)")
     rng = np.random.default_rng(seed)
     toks = rng.integers(0, eng.n_vocab, n_seq).tolist()
-    warm_up(eng, lambda: decode(eng, toks, n_gen))
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        decode(eng, toks, n_gen)
-        times.append(time.perf_counter() - t)
-    s = statistics.median(times)
-    return {"n_seq": n_seq, "n_gen": n_gen, "step_ms": 1000 * s / n_gen, "tps": n_seq * n_gen / s}
+    reset = fill_depth(eng, depth, n_seq)
+    s = _timed(lambda: decode(eng, toks, n_gen, depth), reset, reps)
+    return {"n_seq": n_seq, "n_gen": n_gen, "depth": depth, "step_ms": 1000 * s / n_gen, "tps": n_seq * n_gen / s}
+
+
+def parse_depths(text: str) -> list[int]:
+    """`--depth 0,4096` -> [0, 4096]: tokens already in the context (llama-bench's -d)."""
+    try:
+        vals = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise VkEngineError(f"--depth takes comma-separated token counts such as 0,4096, got {text!r}") from None
+    if not vals or any(v < 0 for v in vals):
+        raise VkEngineError(f"--depth counts must be >= 0, got {text!r}")
+    return vals
 
 
 def parse_parallel(text: str) -> list[int]:
