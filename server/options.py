@@ -35,6 +35,13 @@ def add_serve_args(p) -> None:
     p.add_argument("--step-tokens", type=int, default=64,
                    help="token rows per engine step: decode rows plus prompt chunks (chunked prefill); "
                         "bounds how long a newcomer's prompt can delay running streams (replaces --batch)")
+    p.add_argument("--prompt-tokens", type=int, default=None,
+                   help="prompt rows of a step while no sequence is decoding beside it: a lone prompt prefills "
+                        "in chunks this large (default: 2048 on GPUs, --step-tokens on a CPU)")
+    p.add_argument("--prompt-ms", type=float, default=0.0,
+                   help="while sequences decode: a newcomer's prompt chunk may take as many rows as fit this many "
+                        "milliseconds at the measured cost of a prompt row (at least --step-tokens, at most "
+                        "--prompt-tokens); 0: --step-tokens rows")
     p.add_argument("--min-prefix", type=int, default=8,
                    help="shortest cached prompt prefix worth copying from another slot (prefix cache)")
     p.add_argument("--host-cache", type=int, default=-1,

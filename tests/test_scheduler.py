@@ -91,10 +91,14 @@ def drive(cfg: SchedulerConfig, requests, cancel_at=None, check=None):
                 break
             step += 1
             continue
+        # within the budget: step_tokens while sequences decode, max_prompt_rows of prompt rows otherwise
+        decoding = any(not w.prompt for w in batch.work)
         if cfg.prompt_apart:   # decode rows and prompt rows each within the budget (two engine steps)
-            assert all(len(b.tokens) <= cfg.step_tokens for b in batch.split() if b is not None)
+            dec, pro = batch.split()
+            assert dec is None or len(dec.tokens) <= cfg.step_tokens
+            assert pro is None or len(pro.tokens) <= (cfg.step_tokens if decoding else cfg.max_prompt_rows)
         else:
-            assert len(batch.tokens) <= cfg.step_tokens
+            assert len(batch.tokens) <= (cfg.step_tokens if decoding else cfg.max_prompt_rows)
         res = fr.step(batch.tokens, batch.positions, batch.slots, batch.out_rows)
         sch.postprocess(batch)
         if check:
@@ -193,6 +197,42 @@ def test_prompt_chunks_take_the_whole_budget_when_apart():
         out, fr, sch = drive(cfg, [(0, [1, 2, 3], 30), (1, [4, 5], 30), (5, list(range(100)), 3)], check=check)
         assert out[2] == alone(list(range(100)), 3)
         assert max(chunks) == want, (apart, chunks)
+
+
+@pytest.mark.parametrize("apart", [False, True])
+def test_a_lone_prompt_takes_prompt_tokens(apart):
+    """prompt_tokens: with no sequence decoding, a prompt runs in chunks of up
+    to prompt_tokens rows (the engine's own prefill speed); once a stream
+    decodes, a newcomer's chunks are back to step_tokens."""
+    cfg = SchedulerConfig(n_slots=2, max_live=2, step_tokens=8, quantum=8, prompt_tokens=64, prompt_apart=apart)
+    long_prompt = list(range(150))
+    out, fr, sch = drive(cfg, [(0, long_prompt, 40), (6, list(range(500, 600)), 3)])
+    assert out[0] == alone(long_prompt, 40) and out[1] == alone(list(range(500, 600)), 3)
+    assert [len(s) for s in fr.steps[:3]] == [64, 64, 22]          # alone: chunks of 64
+    later = [s for s in fr.steps[3:] if any(slot == 1 for slot, _ in s)]
+    assert later and all(sum(slot == 1 for slot, _ in s) <= 8 for s in later)   # beside a stream: <= 8
+
+
+def test_prompt_ms_sizes_chunks_by_their_measured_cost():
+    """prompt_ms: beside decoding streams, a newcomer's chunk takes what the
+    measured cost of a prompt row fits in prompt_ms, between step_tokens and
+    prompt_tokens; nothing measured yet: step_tokens."""
+    cfg = SchedulerConfig(n_slots=2, max_live=2, step_tokens=8, quantum=8, prompt_tokens=64, prompt_ms=20.0,
+                          prompt_apart=True)
+    sch = Scheduler(cfg, FakeRunner(2))
+    assert sch.prompt_budget(0) == 64 and sch.prompt_budget(1) == 8
+    sch.observe_prompt(32, 0.032)            # 1 ms a row: 20 rows fit 20 ms
+    assert sch.prompt_budget(1) == 20
+    sch.observe_prompt(10, 0.001)            # cheaper rows: a moving average, capped at prompt_tokens
+    assert 20 < sch.prompt_budget(1) <= 64
+    for _ in range(20):
+        sch.observe_prompt(100, 0.001)
+    assert sch.prompt_budget(1) == 64
+    for _ in range(20):
+        sch.observe_prompt(1, 1.0)           # dear rows: never below step_tokens
+    assert sch.prompt_budget(1) == 8
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        SchedulerConfig(prompt_tokens=-1).validate()
 
 
 def test_decoders_advance_in_every_step_of_a_long_prefill():

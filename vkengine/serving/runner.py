@@ -190,6 +190,7 @@ class Runner:
         self._late: list[tuple[Job, int, Event, float]] = []   # tokens collected, their host work pending
         self._finish_after: list[Seq] = []    # failed while their row was on the device
         self._t0 = time.perf_counter()
+        self._last_collect = 0.0
 
     @property
     def prompt_apart(self) -> bool:
@@ -361,10 +362,14 @@ class Runner:
     def _collect_oldest(self) -> None:
         """Wait for the oldest step on the device, account for its rows, and
         choose and append its tokens."""
-        batch, outs, readback, t0, chained, _ = self.inflight.popleft()
+        batch, outs, readback, t0, chained, prompt = self.inflight.popleft()
         t_wait = time.perf_counter()
         res = self.eng.collect()
         now = time.perf_counter()
+        if prompt:   # its device time: from its submit or the step before it, whichever ended later
+            self.sched.observe_prompt(sum(len(w.tokens) for w in batch.work if w.prompt),
+                                      now - max(t0, self._last_collect))
+        self._last_collect = now
         if self.step_log is not None:
             self._log_step(batch, outs, chained, t0, t_wait, now)
         if self.metrics:

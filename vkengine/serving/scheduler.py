@@ -19,7 +19,10 @@ rows copied to host memory through `KVMover.park`). Every step:
    prompt chunks of the others, the remaining rows of `step_tokens` shared out
    evenly among them (chunked prefill: a newcomer never stalls running streams
    for more than one bounded step, and its first token does not wait for the
-   whole prompts of those that came before it).
+   whole prompts of those that came before it). With nobody decoding, prompt
+   chunks take up to `prompt_tokens` rows (a lone prompt at the engine's
+   prefill speed); with streams running and `prompt_ms` set, as many rows as
+   the measured cost of a prompt row fits in prompt_ms.
 
 Prefix cache: a slot keeps the KV rows and token list of the sequence that
 finished in it. A newcomer takes the free slot whose rows share the longest
@@ -62,6 +65,20 @@ class SchedulerConfig:
     # prompt steps to its tiled matmuls, Engine.tiled_prompts): prompt chunks then share all of
     # step_tokens, not what the decode rows leave
     prompt_apart: bool = False
+    # prompt rows a step may take while no resident sequence decodes: a lone
+    # prompt prefills in chunks this large, at the engine's own prefill speed
+    # (0: step_tokens)
+    prompt_tokens: int = 0
+    # while sequences decode: their prompt neighbours' rows are held to what
+    # fits this many milliseconds at the measured cost of a prompt row
+    # (Scheduler.observe_prompt), between step_tokens and prompt_tokens, so
+    # a newcomer's chunk is bounded by its time, not by a fixed count (0: off,
+    # step_tokens)
+    prompt_ms: float = 0.0
+
+    @property
+    def max_prompt_rows(self) -> int:
+        return max(self.step_tokens, self.prompt_tokens)
 
     def validate(self) -> SchedulerConfig:
         if self.n_slots < 1 or self.max_live < 1 or self.quantum < 1 or self.max_queue < 0:
@@ -69,6 +86,8 @@ class SchedulerConfig:
         if self.step_tokens < self.n_slots:
             raise ValueError(f"step_tokens ({self.step_tokens}) must be >= n_slots ({self.n_slots}): "
                              "every resident sequence decodes in every step")
+        if self.prompt_tokens < 0 or self.prompt_ms < 0:
+            raise ValueError("prompt_tokens and prompt_ms must be >= 0")
         return self
 
 
@@ -184,6 +203,25 @@ class Scheduler:
         self._ids = itertools.count(1)
         self._tick = 0
         self.stats = {"preemptions": 0, "cache_tokens": 0, "parks": 0, "restores": 0, "copies": 0}
+        self.row_seconds: float | None = None   # measured cost of a prompt row (observe_prompt)
+
+    def observe_prompt(self, rows: int, seconds: float) -> None:
+        """A step of `rows` prompt rows took `seconds` on the device: the cost of
+        a prompt row that prompt_ms divides (a moving average of the last few)."""
+        if rows <= 0 or seconds <= 0:
+            return
+        per = seconds / rows
+        self.row_seconds = per if self.row_seconds is None else 0.75 * self.row_seconds + 0.25 * per
+
+    def prompt_budget(self, n_decoding: int) -> int:
+        """Prompt rows the next step may take beside n_decoding decode rows."""
+        cfg = self.cfg
+        if n_decoding == 0:
+            return cfg.max_prompt_rows
+        budget = cfg.step_tokens - (0 if cfg.prompt_apart else n_decoding)
+        if cfg.prompt_ms and self.row_seconds:
+            budget = max(budget, min(cfg.max_prompt_rows, int(cfg.prompt_ms / 1e3 / self.row_seconds)))
+        return budget
 
     # -- requests --------------------------------------------------------
     def add(self, seq: Seq) -> Seq:
@@ -371,7 +409,7 @@ class Scheduler:
         for s in residents:
             (decoding if s.pending == 1 and s.taken >= s.n_prompt else prefilling).append(s)
         prefilling.sort(key=lambda s: s.ready)
-        budget = self.cfg.step_tokens - (0 if self.cfg.prompt_apart else len(decoding))
+        budget = self.prompt_budget(len(decoding))
         # prompt rows are shared out evenly (water-filling, unused shares go round again), so that a
         # short newcomer's first token does not wait for a long prompt that arrived before it
         rows = {id(s): 0 for s in prefilling}
