@@ -175,6 +175,7 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
     t["rms_norm_wg"] = ("rms_norm.comp", {"WG_ROW": 1})
     t["swiglu4"] = ("swiglu.comp", {"VEC4": 1})   # F, offsets and strides multiples of 4
     t["attention_split"] = ("attention.comp", {"SPLIT": 1})   # split-K decode, slices merged in place
+    t["attention_dec"] = ("attention_dec.comp", {})   # decode by KV-head group, parts following the position
     t.update(_hybrid_table())
     return t
 

@@ -14,7 +14,7 @@ from shaders.variants import MC2_TYPES, MC2H_TILES, MC2H_UNROLL, WEIGHT_TYPES
 from vkengine.kernels import Region, device_has_coopmat2
 
 from . import reference as ref
-from .conftest import kernels_for, with_caps
+from .conftest import Workspace, kernels_for, with_caps
 from .quant_util import K_QUANTS, random_quantized, upload_matrix
 
 
@@ -915,20 +915,23 @@ class _AttentionCase:
             _close(got[r], want, **tol)
 
 
-@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("split", ["none", "slices", "dec"])
 @pytest.mark.parametrize("hd,n_head,n_kv", [(64, 9, 3), (128, 4, 4), (32, 8, 1)])
 def test_attention_mixed_batch(device, kernels, ws, rng, hd, n_head, n_kv, split):
     """A prefill chunk of one slot (causal) and decode rows of two others in one
     dispatch, against numpy on the same f16 cache contents (split: rows within
-    one 64-position slice and rows over 3 and 4 slices, merged)."""
+    one slice or part and rows over several, merged; "slices": attention.comp's
+    64-position slices, "dec": attention_dec.comp's parts by KV-head group)."""
+    kernels = with_caps(kernels, attention_dec=split == "dec", attn_items=16)
     slots = np.array([0, 0, 0, 0, 0, 2, 1, 1], np.uint32)
     pos = np.array([0, 1, 2, 3, 4, 229, 33, 150], np.uint32)
     ctx, rows = 230, len(slots)
     c = _AttentionCase(ws, rng, 3, ctx, n_head, n_kv, hd, slots, pos, 20)
     kc, vc, ss, qr, orr, scale = c.kc, c.vc, c.ss, c.qr, c.orr, c.scale
-    tmp = ws.act_region(kernels.attention_tmp_words(rows, n_head, hd, ctx)) if split else None
+    on = split != "none"
+    tmp = ws.act_region(kernels.attention_tmp_words(rows, n_head, n_kv, hd, ctx)) if on else None
     n_sync = kernels.attention_sync_words(rows, n_head)
-    sync = ws.act_region(n_sync, np.zeros(n_sync, np.uint32)) if split else None
+    sync = ws.act_region(n_sync, np.zeros(n_sync, np.uint32)) if on else None
     prog = device.program()
     kernels.attention(prog, qr, n_head * hd, orr, n_head * hd, rows, n_head, n_kv, hd, kc, vc, ss,
                       ws.params, 0, 20, scale, tmp, ctx, sync)
@@ -937,8 +940,49 @@ def test_attention_mixed_batch(device, kernels, ws, rng, hd, n_head, n_kv, split
         ws.device.upload(orr.buf, np.full(orr.words, 0x7FC00000, np.uint32), orr.off * 4)
         prog.run()
         c.check(ws.read(orr), c.q, atol_scale=1e-5)
-        if split:
+        if on:
             assert (ws.read(sync, np.uint32) == 0).all()
+
+
+@pytest.mark.parametrize("items", [16, 1024])
+@pytest.mark.parametrize("hd,n_head,n_kv", [(64, 8, 2), (128, 20, 1), (256, 6, 3)])
+def test_attention_decode_depth(device, kernels, rng, hd, n_head, n_kv, items):
+    """attention_dec at depth: decode rows of four slots at positions far below
+    and near the context's end, on and beside part boundaries (parts of 32
+    positions and more), in one step, against numpy; each row's output equals
+    the same row decoded alone, bit for bit (a part's size follows only its
+    row's position). (128, 20, 1): 20 query heads of one KV head, as three
+    items of at most 8; items 16: the fewest parts (8), long parts."""
+    kernels = with_caps(kernels, split_attention=True, attention_dec=True, attn_items=items)
+    ws = Workspace(device, act_words=12 << 20)
+    ctx = 2600
+    slots = np.array([0, 1, 2, 3, 1, 0], np.uint32)
+    pos = np.array([2599, 31, 1024, 255, 32, 1999], np.uint32)
+    rows = len(slots)
+    c = _AttentionCase(ws, rng, 4, ctx, n_head, n_kv, hd, slots, pos, 20)
+    tmp = ws.act_region(kernels.attention_tmp_words(rows, n_head, n_kv, hd, ctx))
+    n_sync = kernels.attention_sync_words(rows, n_head)
+    sync = ws.act_region(n_sync, np.zeros(n_sync, np.uint32))
+    prog = device.program()
+    kernels.attention(prog, c.qr, n_head * hd, c.orr, n_head * hd, rows, n_head, n_kv, hd, c.kc, c.vc, c.ss,
+                      ws.params, 0, 20, c.scale, tmp, ctx, sync)
+    ws.device.upload(c.orr.buf, np.full(c.orr.words, 0x7FC00000, np.uint32), c.orr.off * 4)
+    prog.run()
+    got = ws.read(c.orr).copy()
+    c.check(got, c.q, atol_scale=1e-5)
+    assert (ws.read(sync, np.uint32) == 0).all()
+    # row 2 alone (its q first, its position and slot in params' first words)
+    q1 = ws.act_region(n_head * hd, c.q[2].reshape(-1))
+    o1 = ws.act_region(n_head * hd)
+    saved = ws.params.array()[:32].copy()
+    ws.params.array()[0], ws.params.array()[20] = pos[2], slots[2]
+    prog = device.program()
+    kernels.attention(prog, q1, n_head * hd, o1, n_head * hd, 1, n_head, n_kv, hd, c.kc, c.vc, c.ss,
+                      ws.params, 0, 20, c.scale, tmp, ctx, sync)
+    prog.run()
+    ws.params.array()[:32] = saved
+    np.testing.assert_array_equal(ws.read(o1), got.reshape(rows, -1)[2])
+    ws.close()
 
 
 @pytest.mark.parametrize("hd,n_head,n_kv,grow", [(64, 8, 2, False), (128, 4, 1, True), (128, 3, 3, True),

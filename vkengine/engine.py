@@ -116,7 +116,7 @@ class Engine:
         if self.can_sample:   # the slices' candidates
             widths["out_sample"] = Kernels.sample_tmp_words(a.n_vocab, 1)
         if k.caps.split_attention:   # split decode attention's partial results and zeroed counters
-            widths["out_attn_split"] = Kernels.attention_tmp_words(1, a.n_head, a.head_dim, self.n_ctx)
+            widths["out_attn_split"] = k.attention_tmp_words(1, a.n_head, a.n_kv_heads, a.head_dim, self.n_ctx)
             widths["out_attn_sync"] = Kernels.attention_sync_words(1, a.n_head)
         widths["out_sync"] = 4          # zeroed counter of fused RMSNorms (Graph.matmul_norm)
         self.max_out = max(1, cfg.max_out)

@@ -128,7 +128,7 @@ class DenseOps(GraphBase):
         (`out_attn_split`, sized for max_out rows) and the device profits."""
         split = sync = None
         if self.k.caps.split_attention and "out_attn_split" in self.s.widths and self.n <= self.s.max_out:
-            need = self.k.attention_tmp_words(self.n, n_head, head_dim, self.kv.ctx)
+            need = self.k.attention_tmp_words(self.n, n_head, n_kv, head_dim, self.kv.ctx)
             counters = self.k.attention_sync_words(self.n, n_head)
             if need <= self.s.strides["out_attn_split"] * self.s.max_out and \
                     counters <= self.s.strides["out_attn_sync"] * self.s.max_out:

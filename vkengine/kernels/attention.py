@@ -16,17 +16,32 @@ class AttentionKernels(KernelBase):
     ATTN_CHUNK = 64     # positions per slice of split decode attention (notes.md run 18)
     ATTN_MC_FROM = 16   # rows from which attention runs on cooperative matrices (where it can)
 
-    @classmethod
-    def attention_parts(cls, n_ctx: int) -> int:
-        return -(-n_ctx // cls.ATTN_CHUNK)
+    DEC_MIN_CHUNK = 32  # attention_dec: a part's positions are a multiple of this
+    DEC_MAX_GROUP = 8   # attention_dec: query heads an item takes (more: several items a KV head)
 
-    @classmethod
-    def attention_tmp_words(cls, n_rows: int, n_head: int, head_dim: int, n_ctx: int) -> int:
-        return n_rows * n_head * cls.attention_parts(n_ctx) * (head_dim + 2)
+    def dec_layout(self, n_head: int, n_kv: int) -> tuple[int, int, int]:
+        """attention_dec's (query heads an item takes, items per KV head and
+        part, parts): from the model's heads and Caps.attn_items only."""
+        group = n_head // n_kv
+        gq = min(group, self.DEC_MAX_GROUP)
+        n_groups = -(-group // gq)
+        parts = min(256, max(8, -(-self.caps.attn_items // (n_kv * n_groups))))
+        items = self.caps.items   # a workgroup takes this many consecutive parts
+        return gq, n_groups, -(-parts // items) * items
+
+    def attention_parts(self, n_ctx: int, n_head: int = 1, n_kv: int = 1) -> int:
+        """Parts of a (row, head) in split decode attention."""
+        if self.caps.attention_dec:
+            return self.dec_layout(n_head, n_kv)[2]
+        return -(-n_ctx // self.ATTN_CHUNK)
+
+    def attention_tmp_words(self, n_rows: int, n_head: int, n_kv: int, head_dim: int, n_ctx: int) -> int:
+        """Scratch words of split decode attention's partial results."""
+        return n_rows * n_head * self.attention_parts(n_ctx, n_head, n_kv) * (head_dim + 2)
 
     @staticmethod
     def attention_sync_words(n_rows: int, n_head: int) -> int:
-        """zeroed counters split-K attention needs: one per (row, head)"""
+        """zeroed counters split-K attention needs: at most one per (row, head)"""
         return n_rows * n_head
 
     def attention_on_coopmat(self, n_rows: int, head_dim: int) -> bool:
@@ -114,24 +129,46 @@ class AttentionKernels(KernelBase):
             blocks = math.ceil(n_rows / 16) * (n_head // n_kv)
             prog.dispatch(alg, push, (math.ceil(blocks / c.attention_mc_nsg), n_kv, 1), reads, out, label)
             return
-        n_parts = self.attention_parts(n_ctx) if split is not None else 1
-        name = "attention_split" if split is not None else "attention"
-        push = self._push(name, **pc, chunk=self.ATTN_CHUNK if split is not None else 0, n_parts=n_parts,
-                          part_off=split.off if split is not None else 0, sync_off=sync.off if sync is not None else 0)
         # V words per lane; sized for the smallest subgroup the device may use
         sg = c.sg if self.device.info.subgroups_fixed else min(c.sg, 8)
         wpl = -(-(head_dim // 2) // sg)
         # V rows a lane loads ahead of their use: up to 32 words, at least 8 rows
         vb = max(8, min(32, 32 // wpl))
+        if split is not None and c.attention_dec:
+            self._attention_dec(prog, pc, reads, out, split, sync, n_rows, n_head, n_kv, head_dim, wpl, vb, act, kv,
+                                params, label)
+            return
+        n_parts = self.attention_parts(n_ctx) if split is not None else 1
+        name = "attention_split" if split is not None else "attention"
+        push = self._push(name, **pc, chunk=self.ATTN_CHUNK if split is not None else 0, n_parts=n_parts,
+                          part_off=split.off if split is not None else 0, sync_off=sync.off if sync is not None else 0)
         alg = self._alg_spec(name, [act, act, params, kv], (c.wg, c.items, wpl, head_dim, vb), push)
         if split is None:
             prog.dispatch(alg, push, self._grid(math.ceil(n_rows * n_head / c.items)), reads, out, label)
             return
-        tmp_words = self.attention_tmp_words(n_rows, n_head, head_dim, n_ctx)
+        tmp_words = self.attention_tmp_words(n_rows, n_head, n_kv, head_dim, n_ctx)
         if split.buf is not act or split.words < tmp_words:
             raise ValueError("split-K attention needs a scratch region in the activation buffer")
         if sync is None or sync.buf is not act or sync.words < self.attention_sync_words(n_rows, n_head):
             raise ValueError("split-K attention needs zeroed counters in the activation buffer")
         tmp = (split.buf, split.off * 4, (split.off + tmp_words) * 4)
         prog.dispatch(alg, push, self._grid(math.ceil(n_rows * n_head * n_parts / c.items)),
+                      reads + [tmp, sync.range], out + [tmp, sync.range], label)
+
+    def _attention_dec(self, prog: Program, pc: dict, reads: list, out: list, split: Region, sync: Region | None,
+                       n_rows: int, n_head: int, n_kv: int, head_dim: int, wpl: int, vb: int, act: Buffer,
+                       kv: Buffer, params: Buffer, label: str) -> None:
+        """Split decode attention by KV-head group (attention_dec.comp)."""
+        c = self.caps
+        gq, n_groups, n_parts = self.dec_layout(n_head, n_kv)
+        tmp_words = self.attention_tmp_words(n_rows, n_head, n_kv, head_dim, 0)
+        if split.buf is not act or split.words < tmp_words:
+            raise ValueError("split decode attention needs a scratch region in the activation buffer")
+        if sync is None or sync.buf is not act or sync.words < n_rows * n_kv * n_groups:
+            raise ValueError("split decode attention needs zeroed counters in the activation buffer")
+        push = self._push("attention_dec", **pc, n_parts=n_parts, min_chunk=self.DEC_MIN_CHUNK, part_off=split.off,
+                          sync_off=sync.off)
+        alg = self._alg_spec("attention_dec", [act, act, params, kv], (c.wg, c.items, wpl, head_dim, vb, gq), push)
+        tmp = (split.buf, split.off * 4, (split.off + tmp_words) * 4)
+        prog.dispatch(alg, push, self._grid(n_rows * n_kv * n_groups * (n_parts // c.items)),
                       reads + [tmp, sync.range], out + [tmp, sync.range], label)

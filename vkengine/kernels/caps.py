@@ -82,6 +82,13 @@ class Caps:
     attention_mc_head_dims: tuple[int, ...]
     attention_mc_nsg: int
     attention_mc_variant: str = "attention_mc_d{hd}"   # by head size (bench/attn_probe.py swaps in others)
+    # split decode attention as attention_dec.comp (K/V read once per KV head,
+    # parts following each row's position) instead of attention.comp's
+    # 64-position slices of each query head; attn_items: the work items a row
+    # aims at (KV heads x head groups x parts, parts clamped to 8..256), a
+    # function of the model only, so a row's arithmetic is the same alone or batched
+    attention_dec: bool = False
+    attn_items: int = 1024
 
     @property
     def wg(self) -> int:
@@ -106,7 +113,8 @@ class Caps:
         norm_in = gpu and options.norm_in
         return cls(
             sg=sg, items=items_per_wg, ew_wg=max(elementwise_wg, sg), max_x=info.max_workgroup_count[0],
-            tiled_from=tiled_from, split_attention=gpu, multi_column_from=2 if gpu else 8, split_k=gpu,
+            tiled_from=tiled_from, split_attention=gpu, attention_dec=gpu and options.attn_dec,
+            attn_items=options.attn_items, multi_column_from=2 if gpu else 8, split_k=gpu,
             bfly=info.subgroups_fixed and sg >= MV_BFLY_LANES, small_tiles_below=256,
             coopmat=coopmat, coopmat2=coopmat and options.coopmat2 and device_has_coopmat2(device),
             mc2_types=MC2_ENGINE_TYPES, mc2_f16acc=options.mc2_f16acc,

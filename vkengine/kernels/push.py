@@ -77,6 +77,7 @@ LAYOUTS: dict[str, tuple[Push, tuple[tuple[str, Push], ...]]] = {
                              table_off, k_off, v_off, slot_stride, pos_off, slot_off"""), ()),
     "attention.comp": (_ATTN + Push("uint chunk, n_parts, part_off, sync_off"), ()),
     "attention_mc.comp": (_ATTN, ()),
+    "attention_dec.comp": (_ATTN + Push("uint n_parts, min_chunk, part_off, sync_off"), ()),
     "swiglu.comp": (Push("uint gu_off, gu_stride, y_off, y_stride, F, rows"), ()),
     "add.comp": (Push("uint a_off, a_stride, b_off, b_stride, y_off, y_stride, n, rows"), ()),
     "softmax.comp": (Push("uint x_off, x_stride, y_off, y_stride, n, rows; float scale"), ()),
