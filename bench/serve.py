@@ -16,6 +16,18 @@ time of the run.
 Configurations: serial (--parallel 1, the same C clients queue), slices and batch
 (--parallel C), and llama-server --parallel C when a binary (--llama-server) or
 a running server's URL (--llama-url) is given.
+
+Long prompts: `--prompt-ids N` sends prompts of N random token ids instead of
+words (as `vkengine bench` and llama-bench do), e.g. one client, 16k tokens:
+
+    .venv/bin/python bench/serve.py --model M --clients 1 --requests 1 --prompt-ids 16384 -n 16 --ctx 17000
+
+`--newcomers K --newcomer-ids N`: while the C clients stream (short prompts,
+--n-predict tokens), K more clients arrive together, once every stream has
+its first token, each with a prompt of N random token ids and
+--newcomer-predict tokens: reported are the newcomers' TTFT (p50, p99), the
+streams' inter-token gaps while newcomers are in (p99), and the aggregate
+tok/s over the run.
 """
 from __future__ import annotations
 
@@ -73,8 +85,13 @@ def prompt(rng: random.Random, n_words: int) -> str:
     return "Tell me about " + " ".join(rng.choice(WORDS) for _ in range(n_words)) + "."
 
 
-def one_stream(client: httpx.Client, url: str, text: str, n_predict: int, temperature: float = 0.0,
-               seed: int = 0) -> Stream:
+def prompt_ids(rng: random.Random, n: int) -> list[int]:
+    """n random token ids (below 10,000: inside any vocabulary the benches use)."""
+    return [rng.randrange(100, 10_000) for _ in range(n)]
+
+
+def one_stream(client: httpx.Client, url: str, text: str | list[int], n_predict: int, temperature: float = 0.0,
+               seed: int = 0, times: list[float] | None = None) -> Stream:
     s = Stream()
     body = {"prompt": text, "n_predict": n_predict, "stream": True, "ignore_eos": True,
             "temperature": temperature, "cache_prompt": False}
@@ -97,6 +114,8 @@ def one_stream(client: httpx.Client, url: str, text: str, n_predict: int, temper
                     s.ttft = now - t0
                 else:
                     s.gaps.append(now - last)
+                if times is not None:
+                    times.append(now)
                 last = now
                 s.tokens += 1
     except httpx.HTTPError as e:
@@ -105,9 +124,10 @@ def one_stream(client: httpx.Client, url: str, text: str, n_predict: int, temper
 
 
 def run_load(url: str, clients: int, requests: int, n_predict: int, prompt_words: int, seed: int,
-             temperature: float = 0.0) -> dict:
+             temperature: float = 0.0, n_ids: int = 0) -> dict:
     rng = random.Random(seed)
-    prompts = [[prompt(rng, prompt_words) for _ in range(requests)] for _ in range(clients)]
+    prompts = [[prompt_ids(rng, n_ids) if n_ids else prompt(rng, prompt_words) for _ in range(requests)]
+               for _ in range(clients)]
     results: list[list[Stream]] = [[] for _ in range(clients)]
 
     # the clients exist before the clock starts: making an httpx.Client loads
@@ -142,6 +162,64 @@ def run_load(url: str, clients: int, requests: int, n_predict: int, prompt_words
             "itl_mean_ms": statistics.fmean(gaps) * 1e3 if gaps else float("nan")}
 
 
+def run_mixed(url: str, streams: int, n_stream: int, prompt_words: int, newcomers: int, n_ids: int,
+              n_new: int, seed: int) -> dict:
+    """`streams` clients stream n_stream tokens each; once all have their first
+    token, `newcomers` clients arrive at once with n_ids-token prompts."""
+    rng = random.Random(seed)
+    long_prompts = [prompt_ids(rng, n_ids) for _ in range(newcomers)]
+    conns = [httpx.Client(timeout=1200) for _ in range(streams + newcomers)]
+    started = threading.Barrier(streams + 1)
+    s_res: list[Stream] = [Stream() for _ in range(streams)]
+    n_res: list[Stream] = [Stream() for _ in range(newcomers)]
+    stamps: list[list[float]] = [[] for _ in range(streams)]
+
+    def stream(i):
+        class _First(list):   # the token times; the first one releases the newcomers
+            def append(self, t):
+                super().append(t)
+                if len(self) == 1:
+                    started.wait()
+        times = _First()
+        s_res[i] = one_stream(conns[i], url, prompt(rng, prompt_words), n_stream, times=times)
+        if not times:
+            started.abort()
+        stamps[i] = list(times)
+
+    def newcomer(j):
+        n_res[j] = one_stream(conns[streams + j], url, long_prompts[j], n_new)
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(streams)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    started.wait()
+    t_in = time.perf_counter()
+    late = [threading.Thread(target=newcomer, args=(j,)) for j in range(newcomers)]
+    for t in late:
+        t.start()
+    for t in late:
+        t.join()
+    t_out = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    for c in conns:
+        c.close()
+    # the streams' gaps while newcomers were in
+    gaps = sorted(b - a for st in stamps for a, b in zip(st, st[1:]) if t_in <= b <= t_out)
+    ttft = sorted(s.ttft for s in n_res if s.ttft is not None)
+    errors = [s.error for s in s_res + n_res if s.error]
+    tokens = sum(s.tokens for s in s_res + n_res)
+
+    def pct(xs, q):
+        return xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3 if xs else float("nan")
+    return {"streams": streams, "newcomers": newcomers, "newcomer_prompt": n_ids, "errors": len(errors),
+            "first_error": errors[:1], "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
+            "new_ttft_p50_ms": pct(ttft, 0.5), "new_ttft_p99_ms": pct(ttft, 0.99),
+            "stream_itl_p50_ms": pct(gaps, 0.5), "stream_itl_p99_ms": pct(gaps, 0.99),
+            "newcomers_in_s": t_out - t_in}
+
+
 class Server:
     def __init__(self, cmd: list[str], url: str, cwd=None):
         self.log = Path(tempfile.mkstemp(prefix="bench-serve-", suffix=".log")[1])
@@ -166,6 +244,7 @@ def ours(args, parallel: int, mode: str) -> Server:
     cmd = [sys.executable, "-m", "server", "--port", str(port), "--parallel", str(parallel),
            "--mode", mode, "--ctx", str(args.ctx), "--quantum", str(args.quantum),
            "--step-tokens", str(args.step_tokens), "--max-queue", str(max(64, args.clients))]
+    cmd += args.server_args.split()
     if args.model:
         cmd += ["--model", args.model]
     return Server(cmd, f"http://127.0.0.1:{port}", cwd=ROOT)
@@ -174,6 +253,7 @@ def ours(args, parallel: int, mode: str) -> Server:
 def llama(args, parallel: int) -> Server:
     port = free_port()
     model = args.model or _default_model()
+    parallel += args.newcomers
     cmd = [args.llama_server, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", str(parallel),
            "-c", str(args.ctx * parallel), "-t", str(args.llama_threads or os.cpu_count() or 1)]
     cmd += args.llama_args.split()
@@ -228,12 +308,21 @@ def main(argv=None) -> int:
                     help="warm-up: the C clients with short replies for at least this long before measuring")
     ap.add_argument("--repeat", type=int, default=1,
                     help="measured runs per configuration (same server); the run of median tok/s is reported")
+    ap.add_argument("--prompt-ids", type=int, default=0,
+                    help="prompts of this many random token ids instead of --prompt-words words")
+    ap.add_argument("--newcomers", type=int, default=0,
+                    help="mixed scenario: this many clients arrive with long prompts while the C clients stream")
+    ap.add_argument("--newcomer-ids", type=int, default=8192, help="mixed scenario: the newcomers' prompt length")
+    ap.add_argument("--newcomer-predict", type=int, default=16, help="mixed scenario: the newcomers' reply length")
+    ap.add_argument("--server-args", default="", help="extra arguments of our server (e.g. '--prompt-ms 25')")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
     if args.repeat < 1 or args.warmup_s < 0:
         raise SystemExit("--repeat must be >= 1 and --warmup-s >= 0")
 
     rows = []
+    if args.newcomers:
+        return mixed_main(args)
     plan = [c.strip() for c in args.configs.split(",") if c.strip()]
     if args.llama_server or args.llama_url:
         plan.append("llama-server")
@@ -251,7 +340,7 @@ def main(argv=None) -> int:
         try:
             n_warm = warm_up(url, args)
             runs = [run_load(url, args.clients, args.requests, args.n_predict, args.prompt_words, args.seed + i,
-                             args.temperature) for i in range(args.repeat)]
+                             args.temperature, args.prompt_ids) for i in range(args.repeat)]
         finally:
             if srv is not None:
                 srv.stop()
@@ -272,6 +361,37 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"| {r['config']} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.1f} | "
               f"{r['itl_p99_ms']:.1f} | {r['tok_s']:.1f} | {r['errors']} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": rows}, indent=1))
+    return 1 if any(r["errors"] for r in rows) else 0
+
+
+def mixed_main(args) -> int:
+    """The mixed scenario for ours (batch, --parallel C + K) and llama-server (-np C + K)."""
+    rows = []
+    plan = ["batch"] + (["llama-server"] if args.llama_server or args.llama_url else [])
+    for name in plan:
+        if name == "batch":
+            srv: Server | None = ours(args, args.clients + args.newcomers, "batch")
+        else:
+            srv = None if args.llama_url else llama(args, args.clients)
+        url = args.llama_url if srv is None else srv.url
+        try:
+            warm_up(url, args)
+            r = run_mixed(url, args.clients, args.n_predict, args.prompt_words, args.newcomers, args.newcomer_ids,
+                          args.newcomer_predict, args.seed)
+        finally:
+            if srv is not None:
+                srv.stop()
+        r["config"] = name
+        rows.append(r)
+    print(f"\n{args.clients} streams of {args.n_predict} tokens; {args.newcomers} newcomers with "
+          f"{args.newcomer_ids}-token prompts and {args.newcomer_predict}-token replies\n")
+    print("| config | newcomers' TTFT p50 ms | p99 ms | streams' ITL p50 ms | p99 ms | tok/s | errors |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['config']} | {r['new_ttft_p50_ms']:.0f} | {r['new_ttft_p99_ms']:.0f} | "
+              f"{r['stream_itl_p50_ms']:.1f} | {r['stream_itl_p99_ms']:.1f} | {r['tok_s']:.1f} | {r['errors']} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": rows}, indent=1))
     return 1 if any(r["errors"] for r in rows) else 0

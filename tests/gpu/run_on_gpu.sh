@@ -16,6 +16,8 @@
 #   parity  parity run against llama-server's Vulkan build on synthetic llama/qwen35/qwen35moe
 #   serve-bench  bench/serve.py: C = 1, 4, 16 streaming clients, ours vs llama-server
 #           (SERVE_TEMP=0.8: sampled replies instead of greedy ones)
+#   serve-long  bench/serve.py's long prompts: one client with SERVE_LONG-token prompts, and 4 streams
+#           beside 4 newcomers with SERVE_MIXED_IDS-token prompts (SERVE_ARGS: our server's extra flags)
 #   cmd     run $GPU_CMD (e.g. python3 bench/mv_probe.py --out $OUT/mv-probe.json)
 #   qwen35  the hybrid models' tests, and tests/gpu/hf_oracle_qwen35.py (transformers as oracle)
 # Everything the GPU machine lacks travels in .vk/: the Vulkan loader and the
@@ -146,6 +148,24 @@ run_stage() {
           --json "$OUT/serve-c$C.json" 2>&1 | tee -a "$OUT/serve-bench.log" | tail -8
       done
       ;;
+    serve-long)
+      # long prompts through the servers (issue 31), ours (batch) vs llama-server -ngl 99 on the same GGUF:
+      # (a) one client, prompts of SERVE_LONG random token ids; (b) 4 streams while 4 newcomers arrive
+      # with SERVE_MIXED_IDS-token prompts (newcomers' TTFT, streams' ITL while they are in, tok/s)
+      build_llama
+      f=$(synth_model "${SERVE_LONG_MODEL:-llama:8b:q4_0}") || return 1
+      arch=${SERVE_LONG_MODEL%%:*}; arch=${arch:-llama}
+      la="-ngl 99 --override-kv $arch.context_length=int:131072"
+      for N in ${SERVE_LONG:-4096 16384}; do
+        python3 bench/serve.py --model "$f" --clients 1 --requests 2 --prompt-ids "$N" -n 16 --ctx $((N + 64)) \
+          --configs batch --llama-server /tmp/llb/bin/llama-server --llama-args="$la" --warmup-s 0 \
+          --server-args="${SERVE_ARGS:-}" --json "$OUT/serve-long-$N.json" 2>&1 | tee -a "$OUT/serve-long.log" | tail -4
+      done
+      M=${SERVE_MIXED_IDS:-8192}
+      python3 bench/serve.py --model "$f" --clients 4 -n 256 --newcomers 4 --newcomer-ids "$M" --newcomer-predict 16 \
+        --ctx $((M + 64)) --llama-server /tmp/llb/bin/llama-server --llama-args="$la" \
+        --server-args="${SERVE_ARGS:-}" --json "$OUT/serve-mixed.json" 2>&1 | tee -a "$OUT/serve-long.log" | tail -5
+      ;;
     cmd)
       # any command in this environment (GPU_CMD), e.g. a tuning script
       eval "${GPU_CMD:?set GPU_CMD}" 2>&1 | tee -a "$OUT/cmd.log"
@@ -159,7 +179,7 @@ run_stage() {
 # Each stage has a time limit (T_<stage> seconds, default 590) so that one
 # that hangs cannot eat the rest of the call.
 stage_timeout() { local v="T_${1//-/_}"; echo "${!v:-590}"; }
-case " $stages " in *tests\ *|*parity*|*bench*|*qwen35*|*llama*) build_llama ;; esac
+case " $stages " in *tests\ *|*parity*|*bench*|*qwen35*|*llama*|*serve-long*) build_llama ;; esac
 export -f build_llama synth_model run_stage
 for group in $stages; do
   if [ "${group#*+}" = "$group" ]; then
