@@ -155,6 +155,29 @@ def test_split_k_decode_path(device, tiny_models):
             assert sum("<-h+rms_norm" in lb for lb in labels) == split * len(progs), labels
 
 
+@pytest.mark.parametrize("dec", [False, True])
+def test_split_decode_attention_at_depth(device, tiny_models, dec):
+    """The GPUs' split decode attention in the model (dec: attention_dec's parts
+    by KV-head group, here 8 parts of 32+ positions; else attention.comp's
+    64-position slices), decoding from position 100 to 150 so that several parts
+    merge: the logits match the numpy reference, and rows of three sequences at
+    different depths decoded in one step equal each decoded alone, bit for bit."""
+    m, eng = _engine(device, tiny_models["q8_0"]["gguf"],
+                     caps={**GPU_DECODE, "split_attention": True, "attention_dec": dec, "attn_items": 16})
+    ids = (m.tokenizer.encode(PROMPT) * 40)[:150]
+    want = RefLlama(m.file, m.args).logits(ids)
+    eng.prefill(ids[:100], 1)
+    steps = np.stack([eng.step([ids[p]], [p], [1], [0], Readback.LOGITS)[0] for p in range(100, 150)])
+    _assert_logits_close(steps, want[100:])
+    lens = (40, 90, 130)
+    alone = []
+    for s, n in enumerate(lens):
+        eng.prefill(ids[:n - 1], s)
+        alone.append(eng.step([ids[n - 1]], [n - 1], [s], [0], Readback.LOGITS)[0])
+    both = eng.step([ids[n - 1] for n in lens], [n - 1 for n in lens], [0, 1, 2], range(3), Readback.LOGITS)
+    np.testing.assert_array_equal(both, np.stack(alone))
+
+
 def test_xq8_decode_path(device, tiny_models):
     """The GPUs' decode path with the XQ8 matvecs and the fused RMSNorms (the
     split norm off): gate|up with the fused SwiGLU and the output head on x
