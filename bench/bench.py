@@ -115,11 +115,11 @@ def _ours(path: str, device: int | None, n_prompt: int, n_gen: int, reps: int, p
     from vkengine.engine import Engine, EngineConfig
     from vkengine.model import load_model
     from vkengine.options import Options
-    from vkengine.tools.bench import run_batched, run_bench
+    from vkengine.tools.bench import bench_rows, run_batched, run_bench
     model = load_model(Path(path))
     eng = Engine(model, Device(device),
                  EngineConfig(n_slots=max(par, default=1), n_ctx=max(depths) + max(n_prompt, n_gen) + 8,
-                              max_batch=max([n_prompt, 256 if max(depths) else 1] + par),
+                              max_batch=bench_rows(n_prompt, max(par, default=1), depths),
                               max_out=max(par, default=1), options=Options.from_env()))
     runs = []
     for d in depths:

@@ -85,6 +85,24 @@ def prompt(rng: random.Random, n_words: int) -> str:
     return "Tell me about " + " ".join(rng.choice(WORDS) for _ in range(n_words)) + "."
 
 
+def pct(xs: list[float], q: float) -> float:
+    """The q-quantile of sorted seconds, in ms (nan when there are none)."""
+    return xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3 if xs else float("nan")
+
+
+def report(args, rows: list[dict], title: str, header: str, cells) -> int:
+    """Print the rows as a table (cells(row) -> its cells after the config),
+    write them to --json, and the exit code: 1 when any row had errors."""
+    print(f"\n{title}\n")
+    print(f"| config | {header} | errors |")
+    print("| --- |" + " ---: |" * (header.count("|") + 2))
+    for r in rows:
+        print(f"| {r['config']} | {cells(r)} | {r['errors']} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": rows}, indent=1))
+    return 1 if any(r["errors"] for r in rows) else 0
+
+
 def prompt_ids(rng: random.Random, n: int) -> list[int]:
     """n random token ids (below 10,000: inside any vocabulary the benches use)."""
     return [rng.randrange(100, 10_000) for _ in range(n)]
@@ -153,8 +171,6 @@ def run_load(url: str, clients: int, requests: int, n_predict: int, prompt_words
     gaps = sorted(g for s in streams for g in s.gaps)
     tokens = sum(s.tokens for s in streams)
 
-    def pct(xs, q):
-        return xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3 if xs else float("nan")
     return {"clients": clients, "requests": len(streams), "errors": len(errors), "first_error": errors[:1],
             "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
             "ttft_p50_ms": pct(ttft, 0.5), "ttft_p99_ms": pct(ttft, 0.99),
@@ -211,8 +227,6 @@ def run_mixed(url: str, streams: int, n_stream: int, prompt_words: int, newcomer
     errors = [s.error for s in s_res + n_res if s.error]
     tokens = sum(s.tokens for s in s_res + n_res)
 
-    def pct(xs, q):
-        return xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3 if xs else float("nan")
     return {"streams": streams, "newcomers": newcomers, "newcomer_prompt": n_ids, "errors": len(errors),
             "first_error": errors[:1], "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
             "new_ttft_p50_ms": pct(ttft, 0.5), "new_ttft_p99_ms": pct(ttft, 0.99),
@@ -353,17 +367,13 @@ def main(argv=None) -> int:
         print(f"{r['config']}: {r['tok_s']:.1f} tok/s (runs: {runs}), TTFT p50 {r['ttft_p50_ms']:.0f} ms, "
               f"ITL p50 {r['itl_p50_ms']:.1f} ms, errors {r['errors']}", file=sys.stderr)
 
-    print(f"\nC = {args.clients} clients x {args.requests} requests, {args.n_predict} tokens each"
-          f"{f', sampled at temperature {args.temperature}' if args.temperature > 0 else ''}, "
-          f"model {Path(args.model).name if args.model else 'SmolLM2-135M-Instruct Q4_1 (default)'}\n")
-    print("| config | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | tok/s | errors |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for r in rows:
-        print(f"| {r['config']} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.1f} | "
-              f"{r['itl_p99_ms']:.1f} | {r['tok_s']:.1f} | {r['errors']} |")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": rows}, indent=1))
-    return 1 if any(r["errors"] for r in rows) else 0
+    return report(args, rows,
+                  f"C = {args.clients} clients x {args.requests} requests, {args.n_predict} tokens each"
+                  f"{f', sampled at temperature {args.temperature}' if args.temperature > 0 else ''}, "
+                  f"model {Path(args.model).name if args.model else 'SmolLM2-135M-Instruct Q4_1 (default)'}",
+                  "TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | tok/s",
+                  lambda r: f"{r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.1f} | "
+                            f"{r['itl_p99_ms']:.1f} | {r['tok_s']:.1f}")
 
 
 def mixed_main(args) -> int:
@@ -385,16 +395,12 @@ def mixed_main(args) -> int:
                 srv.stop()
         r["config"] = name
         rows.append(r)
-    print(f"\n{args.clients} streams of {args.n_predict} tokens; {args.newcomers} newcomers with "
-          f"{args.newcomer_ids}-token prompts and {args.newcomer_predict}-token replies\n")
-    print("| config | newcomers' TTFT p50 ms | p99 ms | streams' ITL p50 ms | p99 ms | tok/s | errors |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for r in rows:
-        print(f"| {r['config']} | {r['new_ttft_p50_ms']:.0f} | {r['new_ttft_p99_ms']:.0f} | "
-              f"{r['stream_itl_p50_ms']:.1f} | {r['stream_itl_p99_ms']:.1f} | {r['tok_s']:.1f} | {r['errors']} |")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": rows}, indent=1))
-    return 1 if any(r["errors"] for r in rows) else 0
+    return report(args, rows,
+                  f"{args.clients} streams of {args.n_predict} tokens; {args.newcomers} newcomers with "
+                  f"{args.newcomer_ids}-token prompts and {args.newcomer_predict}-token replies",
+                  "newcomers' TTFT p50 ms | p99 ms | streams' ITL p50 ms | p99 ms | tok/s",
+                  lambda r: f"{r['new_ttft_p50_ms']:.0f} | {r['new_ttft_p99_ms']:.0f} | "
+                            f"{r['stream_itl_p50_ms']:.1f} | {r['stream_itl_p99_ms']:.1f} | {r['tok_s']:.1f}")
 
 
 if __name__ == "__main__":

@@ -131,14 +131,14 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .tools.bench import parse_depths, parse_parallel, run_batched, run_bench
+    from .tools.bench import bench_rows, parse_depths, parse_parallel, run_batched, run_bench
     parallel = parse_parallel(args.parallel)
     depths = parse_depths(args.depth)
     n_seq = max(parallel, default=1)
     if args.ctx is None and max(depths):   # room for the deepest run (the default context may be shorter)
         args.ctx = max(depths) + max(args.n_prompt, args.n_gen, 1)
-    rows = max(args.n_prompt, n_seq, 256 if max(depths) else 1)   # the depth's prefill takes chunks of 256
-    model, dev, eng = _open(args, n_slots=n_seq, max_batch=rows, max_out=max(16, n_seq))
+    model, dev, eng = _open(args, n_slots=n_seq, max_batch=bench_rows(args.n_prompt, n_seq, depths),
+                            max_out=max(16, n_seq))
     if args.profile:
         for d in depths:
             at = d if d else 128

@@ -29,7 +29,7 @@ class AttentionKernels(KernelBase):
         items = self.caps.items   # a workgroup takes this many consecutive parts
         return gq, n_groups, -(-parts // items) * items
 
-    def attention_parts(self, n_ctx: int, n_head: int = 1, n_kv: int = 1) -> int:
+    def attention_parts(self, n_ctx: int, n_head: int, n_kv: int) -> int:
         """Parts of a (row, head) in split decode attention."""
         if self.caps.attention_dec:
             return self.dec_layout(n_head, n_kv)[2]
@@ -138,7 +138,7 @@ class AttentionKernels(KernelBase):
             self._attention_dec(prog, pc, reads, out, split, sync, n_rows, n_head, n_kv, head_dim, wpl, vb, act, kv,
                                 params, label)
             return
-        n_parts = self.attention_parts(n_ctx) if split is not None else 1
+        n_parts = self.attention_parts(n_ctx, n_head, n_kv) if split is not None else 1
         name = "attention_split" if split is not None else "attention"
         push = self._push(name, **pc, chunk=self.ATTN_CHUNK if split is not None else 0, n_parts=n_parts,
                           part_off=split.off if split is not None else 0, sync_off=sync.off if sync is not None else 0)

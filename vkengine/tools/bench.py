@@ -25,18 +25,22 @@ import numpy as np
 from ..engine import Engine, Readback
 from ..errors import VkEngineError
 
+DEPTH_FILL_ROWS = 256   # rows of the prefill steps that fill a depth
+
+
+def bench_rows(n_prompt: int, n_seq: int, depths: list[int]) -> int:
+    """The engine's max_batch for a bench: the prompt, the batched sequences,
+    and chunks of DEPTH_FILL_ROWS to fill a depth."""
+    return max(n_prompt, n_seq, DEPTH_FILL_ROWS if max(depths, default=0) else 1)
+
 
 def fill_depth(eng: Engine, depth: int, n_seq: int = 1, seed: int = 1) -> Callable[[], None]:
     """Put `depth` random tokens into slots 0..n_seq-1 (one prefill, copied to
     the other slots); returns reset(), which makes every slot continue at
     `depth` again: nothing for KV caches, a restore of the parked state for a
-    recurrent one."""
+    recurrent one. (run_bench and run_batched check the slots and context.)"""
     if depth <= 0:
         return lambda: None
-    if n_seq > eng.n_slots:
-        raise VkEngineError(f"{n_seq} sequences need {n_seq} slots, the engine has {eng.n_slots}")
-    if depth + 1 > eng.n_ctx:
-        raise VkEngineError(f"depth {depth} does not fit the context length {eng.n_ctx} (--ctx)")
     toks = np.random.default_rng(seed).integers(0, eng.n_vocab, depth).tolist()
     eng.prefill(toks, 0, readback=Readback.NONE)
     if eng.kv.rewindable:
