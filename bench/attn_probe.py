@@ -5,17 +5,19 @@ run a few times and the fastest run / R is a dispatch's time.
 
 Kernels:
   simt   attention.comp (one subgroup per row and head, every GPU)
-  mc     attention_mc.comp (cooperative matrices, 16 rows a subgroup, 4
-         subgroups sharing staged keys and values), the variant
-         Kernels.attention runs for prompt-sized steps (head sizes of
-         shaders/variants.py ATTN_MC_HEAD_DIMS; others compiled here with
-         2 subgroups and 16-position blocks)
-  mc2sg  the same with 2 subgroups a workgroup
+  mc     attention_mc.comp as the engine runs it (shaders/variants.py
+         ATTN_MC: subgroups a workgroup, subgroups a 16-row block, positions
+         a block, by head size)
+  mc2sg  the same with 2 subgroups a workgroup (64 and 128)
+  mc16   256-wide heads: 2 subgroups, one 16-row block, 16-position blocks
+         (DS 2), and mc16s the same with one subgroup on all dims (DS 1)
 Measured and dropped (H200, 2026-12-01): attention_mc with S = Q K^T and
 O += P V (A operands reused): 3-18% slower than the transposed products; 2
 subgroups a workgroup (mc2sg): slower than 4, and 4-5x slower with 128-wide
 heads (its prefetch registers spill). Run one layout per process: a process
 that had run the spilling variant measured every kernel after it 2-5x slower.
+--depth D puts the N rows at positions D..D+N-1 over a cache of D+N (a
+prompt chunk after D tokens of context).
 
     here:   .venv/bin/python bench/attn_probe.py --compile-only
     there:  python3 bench/attn_probe.py --out $OUT/attn-probe.json
@@ -40,62 +42,63 @@ from mv_probe import compile_probes, probe_device  # noqa: E402 (same dir)
 from vkengine.kernels import Caps, Kernels, Region  # noqa: E402
 
 # name -> (query heads, kv heads, head dim)
-LAYOUTS = {"8b": (32, 8, 128), "1b": (32, 8, 64), "qwen35-4b": (16, 4, 256)}
+LAYOUTS = {"8b": (32, 8, 128), "1b": (32, 8, 64), "qwen35-4b": (16, 4, 256), "qwen35-0.8b": (8, 2, 256)}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("-n", type=int, default=512, help="prompt rows")
+    ap.add_argument("--depth", type=int, default=0, help="positions already in the cache before the rows")
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    from shaders.variants import ATTN_MC_HEAD_DIMS, ATTN_MC_NSG, EXT_DEFINE, VARIANTS
-    probe_nsg = 2   # the probe variants' subgroups a workgroup
+    from shaders.variants import ATTN_MC, EXT_DEFINE, VARIANTS
     hds = sorted({LAYOUTS[k][2] for k in args.layouts.split(",")})
-    names = ["attention"] + [f"attention_mc_d{hd}" for hd in hds if hd in ATTN_MC_HEAD_DIMS]
+    # head size -> [(kind, variant, 16-row blocks a workgroup)]
+    kinds: dict[int, list[tuple[str, str, int]]] = {}
     for hd in hds:
-        if hd not in ATTN_MC_HEAD_DIMS:   # left to attention.comp by the engine; 48 KB of shared memory
-            VARIANTS.setdefault(f"probe_attention_mc_d{hd}",
-                                ("attention_mc.comp", {"HD": hd, "BC": 16, "NSG": probe_nsg, EXT_DEFINE: 1}))
-            names.append(f"probe_attention_mc_d{hd}")
-        else:
-            VARIANTS.setdefault(f"probe_attention_mc2sg_d{hd}",
-                                ("attention_mc.comp", {"HD": hd, "NSG": probe_nsg, EXT_DEFINE: 1}))
-            names.append(f"probe_attention_mc2sg_d{hd}")
+        kinds[hd] = [("simt", "attention", 0)]
+        if hd in ATTN_MC:
+            nsg, ds, _ = ATTN_MC[hd]
+            kinds[hd].append(("mc", f"attention_mc_d{hd}", nsg // ds))
+        probes = ({"mc2sg": {"NSG": 2}} if hd != 256 else
+                  {"mc16": {"NSG": 2, "DS": 2, "BC": 16}, "mc16s": {"NSG": 2, "DS": 1, "BC": 16}})
+        for kind, d in probes.items():
+            name = f"probe_attention_{kind}_d{hd}"
+            VARIANTS.setdefault(name, ("attention_mc.comp", {"HD": hd, **d, EXT_DEFINE: 1}))
+            kinds[hd].append((kind, name, d["NSG"] // d.get("DS", 1)))
+    names = sorted({v for ks in kinds.values() for _, v, _ in ks})
     if args.compile_only:
-        compile_probes(sorted(set(names)))
+        compile_probes(names)
         return 0
 
     import reference as ref
     dev, rng = probe_device()
     caps = Caps.detect(dev)
-    n, results = args.n, []
+    n, dep, results = args.n, args.depth, []
     for lay in args.layouts.split(","):
         nh, nkv, hd = LAYOUTS[lay]
-        slot_stride = n * nkv * hd // 2
+        t = dep + n   # cache positions
+        slot_stride = t * nkv * hd // 2
         q = rng.standard_normal((n, nh, hd)).astype(np.float32)
-        kv = rng.standard_normal((2, n, nkv, hd)).astype(np.float16)
+        kv = rng.standard_normal((2, t, nkv, hd)).astype(np.float16)
         qw, ow = n * nh * hd, n * nh * hd
         act = dev.buffer((qw + ow + 2 * slot_stride) * 4 + 64, "device", "act")
         dev.upload(act, q.view(np.uint32))
         dev.upload(act, kv.view(np.uint32), (qw + ow) * 4)
         params = dev.buffer(2 * n * 4, "host", "params")
-        params.array()[:n] = np.arange(n)
+        params.array()[:n] = np.arange(dep, dep + n)
         params.array()[n:2 * n] = 0
         qr, orr = Region(act, 0, qw), Region(act, qw, ow)
         kc, vc = Region(act, qw + ow, slot_stride), Region(act, qw + ow + slot_stride, slot_stride)
         check = [0, 1, n // 2, n - 1]
-        for kind in ("simt", "mc", "mc2sg"):
-            if kind == "mc2sg" and hd not in ATTN_MC_HEAD_DIMS:
-                continue
+        for kind, variant, per_wg in kinds[hd]:
             kn = Kernels(dev, dataclasses.replace(
-                caps, attention_mc=kind != "simt", attention_mc_head_dims=tuple(hds),
-                attention_mc_variant=("attention_mc_d{hd}" if kind == "mc" and hd in ATTN_MC_HEAD_DIMS else
-                                      "probe_attention_mc2sg_d{hd}" if kind == "mc2sg" else "probe_attention_mc_d{hd}"),
-                attention_mc_nsg=ATTN_MC_NSG if kind == "mc" and hd in ATTN_MC_HEAD_DIMS else probe_nsg))
+                caps, attention_mc=kind != "simt", attention_mc_layouts=((hd, per_wg),),
+                attention_mc_variant=variant.replace(str(hd), "{hd}")))
             if kind != "simt" and not kn.attention_on_coopmat(n, hd):
                 continue
             prog = dev.program()
@@ -106,8 +109,9 @@ def main() -> int:
             prog.run()
             got = dev.download(act, qw * 4, ow * 4, np.float32).reshape(n, nh, hd)
             qq = q.astype(np.float16).astype(np.float32) if kind != "simt" else q
-            err = max(float(np.abs(got[r] - ref.attention(qq[r], kv[0, :r + 1].astype(np.float32),
-                                                             kv[1, :r + 1].astype(np.float32), 1 / np.sqrt(hd))).max())
+            err = max(float(np.abs(got[r] - ref.attention(qq[r], kv[0, :dep + r + 1].astype(np.float32),
+                                                             kv[1, :dep + r + 1].astype(np.float32),
+                                                             1 / np.sqrt(hd))).max())
                       for r in check)
             times = []
             for _ in range(args.runs):
@@ -115,11 +119,12 @@ def main() -> int:
                 prog.run()
                 times.append((time.perf_counter() - t0) / args.reps * 1e6)
             us = min(times)
-            flops = 4 * nh * hd * n * (n + 1) / 2   # q.k and p.v over the causal triangle
-            row = {"layout": lay, "kind": kind, "n": n, "us": us, "tflops": flops / (us * 1e-6) / 1e12, "err": err}
+            flops = 4 * nh * hd * n * (dep + (n + 1) / 2)   # q.k and p.v over the causal rows
+            row = {"layout": lay, "kind": kind, "n": n, "depth": dep, "us": us,
+                   "tflops": flops / (us * 1e-6) / 1e12, "err": err}
             results.append(row)
-            print(f"{lay} ({nh}/{nkv} heads of {hd}) n {n} {kind:5s}: {us:8.1f} us {row['tflops']:6.1f} TFLOPS "
-                  f"err {err:.1e}", flush=True)
+            print(f"{lay} ({nh}/{nkv} heads of {hd}) n {n} depth {dep} {kind:5s}: {us:8.1f} us "
+                  f"{row['tflops']:6.1f} TFLOPS err {err:.1e}", flush=True)
         dev.free(act)
         dev.free(params)
     if args.out:

@@ -28,6 +28,12 @@
 // reuse A operands ran 2-3x slower than those that reuse B.
 // A workgroup whose rows belong to several slots (mixed server steps) runs one
 // pass per slot, each row masked out of the others' passes.
+// With DS > 1 (head sizes whose accumulators and Q^T operands would not fit a
+// lane's registers: 256), DS consecutive subgroups take one 16-row block, each
+// HD / DS of its dims: each computes its dims' share of S^T, the shares are
+// summed through shared memory in a fixed order (so every subgroup of the
+// block computes bit-identical probabilities), and each accumulates its own
+// dims of O^T. Two workgroup barriers a block more.
 // fp16 Q and P round to 11 significant bits, as llama.cpp's coopmat flash
 // attention does; S, the softmax and O stay fp32. Compiled by the newer glslc
 // (scripts/glslc-ext.sh).
@@ -50,7 +56,12 @@
 #ifndef NSG
 #define NSG 4                 // subgroups per workgroup
 #endif
+#ifndef DS
+#define DS 1                  // subgroups a 16-row block (each on HD / DS dims)
+#endif
 #define WG (32 * NSG)
+#define HDS (HD / DS)         // dims a subgroup accumulates
+#define RB (NSG / DS)         // 16-row blocks a workgroup
 
 layout(local_size_x = WG, local_size_y = 1, local_size_z = 1) in;
 
@@ -76,8 +87,8 @@ layout(push_constant) uniform P {
 #define STAGE (BC * HU / WG)  // uvec4 of keys (and of values) a lane stages per block
 #define RESCALE_SLACK 8.0
 
-#if (BC * HU) % WG != 0 || BC % 16 != 0 || 2 * BC < 16 * NSG
-#error "BC x HD must split evenly over the workgroup, and the staging area must hold NSG x 16 query rows"
+#if (BC * HU) % WG != 0 || BC % 16 != 0 || 2 * BC < 16 * NSG || NSG % DS != 0 || HDS % 16 != 0
+#error "BC x HD must split evenly over the workgroup, the staging area must hold NSG x 16 query rows, and DS divide NSG and HD / 16"
 #endif
 
 // keys at KV[0 ..), values at KV[BC * LDU ..); before the first block each
@@ -97,7 +108,8 @@ void main() {
     uint kvh = gl_WorkGroupID.y;
     uint grp = p.n_head / p.n_kv;
     uint n_rb = (p.n_rows + 15u) / 16u;
-    uint qi = gl_WorkGroupID.x * NSG + sg;      // this subgroup's (row block, head in group)
+    uint qi = gl_WorkGroupID.x * RB + sg / DS;  // this subgroup's (row block, head in group)
+    uint dq = (sg % DS) * (HDS / 8u);           // its dims' first uvec4 of a staged row
     bool sg_live = qi < n_rb * grp;
     uint row0 = (qi / grp) * 16u;
     uint h = kvh * grp + qi % grp;
@@ -125,11 +137,11 @@ void main() {
         KV[q_base + rr * LDU + c] = u;
     }
     subgroupBarrier();
-    coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> qb[HD / 16];   // Q^T
-    [[unroll]] for (uint i = 0; i < HD / 16u; i++)
-        coopMatLoad(qb[i], KV, q_base + i * 2u, LDU, gl_CooperativeMatrixLayoutColumnMajor);
-    ACC o[HD / 16];                                                               // O^T
-    [[unroll]] for (uint j = 0; j < HD / 16u; j++) o[j] = ACC(0.0);
+    coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> qb[HDS / 16];   // Q^T (its dims)
+    [[unroll]] for (uint i = 0; i < HDS / 16u; i++)
+        coopMatLoad(qb[i], KV, q_base + dq + i * 2u, LDU, gl_CooperativeMatrixLayoutColumnMajor);
+    ACC o[HDS / 16];                                                                // O^T (its dims)
+    [[unroll]] for (uint j = 0; j < HDS / 16u; j++) o[j] = ACC(0.0);
 
     float m = NEG_INF, l = 0.0;
     bool done = !live;
@@ -176,29 +188,49 @@ void main() {
                     vr[k] = ok ? kv4[vbase + t * rw4 + c] : uvec4(0u);
                 }
             }
-            if (!sg_act || t0 >= sg_end) continue;   // subgroup-uniform: nothing of this block for its rows
-
-            // S^T = K Q^T, 16 positions at a time: each A (keys) used once
-            [[unroll]] for (uint c = 0; c < BC / 16u; c++) {
-                ACC s = ACC(0.0);
-                [[unroll]] for (uint i = 0; i < HD / 16u; i++) {
-                    coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> ka;
-                    coopMatLoad(ka, KV, c * 16u * LDU + i * 2u, LDU, gl_CooperativeMatrixLayoutRowMajor);
-                    s = coopMatMulAdd(ka, qb[i], s);
+            bool go = sg_act && t0 < sg_end;   // subgroup-uniform: something of this block for its rows
+#if DS == 1
+            if (!go) continue;
+#endif
+            // S^T = K Q^T (its dims' share), 16 positions at a time: each A (keys) used once
+            if (go) {
+                [[unroll]] for (uint c = 0; c < BC / 16u; c++) {
+                    ACC s = ACC(0.0);
+                    [[unroll]] for (uint i = 0; i < HDS / 16u; i++) {
+                        coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> ka;
+                        coopMatLoad(ka, KV, c * 16u * LDU + dq + i * 2u, LDU, gl_CooperativeMatrixLayoutRowMajor);
+                        s = coopMatMulAdd(ka, qb[i], s);
+                    }
+                    coopMatStore(s, Ss, s_base + c * 16u, LDS, gl_CooperativeMatrixLayoutColumnMajor);
                 }
-                coopMatStore(s, Ss, s_base + c * 16u, LDS, gl_CooperativeMatrixLayoutColumnMajor);
             }
+#if DS == 1
             subgroupBarrier();
+#else
+            barrier();   // every share of the block's S^T written
+#endif
             // online softmax of row r over this block, half hf of its positions
             const uint HB = BC / 2u;
             float sv[HB];
             float bm = NEG_INF;
             [[unroll]] for (uint j = 0; j < HB; j++) {
                 uint t = hf * HB + j;
-                bool ok = act_row && t0 + t <= my_pos;
+                bool ok = go && act_row && t0 + t <= my_pos;
+#if DS == 1
                 sv[j] = ok ? Ss[s_base + r * LDS + t] * p.scale : NEG_INF;
+#else
+                // the shares in subgroup order: the same sum in every subgroup of the block
+                uint s0 = (sg - sg % DS) * 16u * LDS + r * LDS + t;
+                float sum = Ss[s0];
+                [[unroll]] for (uint d = 1; d < DS; d++) sum += Ss[s0 + d * 16u * LDS];
+                sv[j] = ok ? sum * p.scale : NEG_INF;
+#endif
                 bm = max(bm, sv[j]);
             }
+#if DS > 1
+            barrier();   // the shares read: Ss is the rescale's scratch below
+            if (!go) continue;
+#endif
             bm = max(bm, subgroupShuffleXor(bm, 1u));
             float alpha = 1.0;
             if (bm > m + RESCALE_SLACK) {   // also the row's first block (m = -inf); never for masked rows
@@ -223,7 +255,7 @@ void main() {
             bool moved = alpha != 1.0 && alpha > 0.0;
             if (subgroupAny(moved)) {
                 if (hf == 0u) As[a_base + r] = alpha > 0.0 ? alpha : 1.0;
-                [[unroll]] for (uint j = 0; j < HD / 16u; j++) {
+                [[unroll]] for (uint j = 0; j < HDS / 16u; j++) {
                     subgroupBarrier();
                     coopMatStore(o[j], Ss, s_base, 16u, gl_CooperativeMatrixLayoutColumnMajor);
                     subgroupBarrier();
@@ -237,10 +269,10 @@ void main() {
             coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseB> pb[BC / 16];
             [[unroll]] for (uint c = 0; c < BC / 16u; c++)
                 coopMatLoad(pb[c], Ps, p_base + c * 4u, LDP / 4u, gl_CooperativeMatrixLayoutColumnMajor);
-            [[unroll]] for (uint j = 0; j < HD / 16u; j++) {
+            [[unroll]] for (uint j = 0; j < HDS / 16u; j++) {
                 [[unroll]] for (uint c = 0; c < BC / 16u; c++) {
                     coopmat<float16_t, gl_ScopeSubgroup, 16, 16, gl_MatrixUseA> va;
-                    coopMatLoad(va, KV, BC * LDU + c * 16u * LDU + j * 2u, LDU,
+                    coopMatLoad(va, KV, BC * LDU + c * 16u * LDU + dq + j * 2u, LDU,
                                 gl_CooperativeMatrixLayoutColumnMajor);
                     o[j] = coopMatMulAdd(va, pb[c], o[j]);
                 }
@@ -252,14 +284,15 @@ void main() {
     if (!sg_live) return;
     // O / l, one 16 x 16 tile (16 dims of the 16 rows) at a time
     if (hf == 0u) As[a_base + r] = l > 0.0 ? 1.0 / l : 0.0;
-    [[unroll]] for (uint j = 0; j < HD / 16u; j++) {
+    [[unroll]] for (uint j = 0; j < HDS / 16u; j++) {
         subgroupBarrier();
         coopMatStore(o[j], Ss, s_base, 16u, gl_CooperativeMatrixLayoutColumnMajor);
         subgroupBarrier();
         for (uint e = lane; e < 256u; e += 32u) {
             uint rr = e / 16u, d = e % 16u;
             if (row0 + rr < p.n_rows)
-                act[p.o_off + (row0 + rr) * p.o_stride + h * HD + j * 16u + d] = Ss[s_base + e] * As[a_base + rr];
+                act[p.o_off + (row0 + rr) * p.o_stride + h * HD + dq * 8u + j * 16u + d] =
+                    Ss[s_base + e] * As[a_base + rr];
         }
     }
 }

@@ -118,14 +118,21 @@ MC2H_UNROLL = {(256, 256): 4, (128, 256): 4, (128, 128): 8, (64, 256): 4}
 MC2_ENGINE_TYPES = ("f16", "q4_0")
 MC2_FROM_ROWS = 4096
 MC2_F32_FROM_ROWS = 16384   # with fp32 sums (VKENGINE_MC2_F16ACC=0)
-# Head sizes of the cooperative-matrix attention (attention_mc.comp): 64 and
-# 128 measured 3-4x faster than attention.comp; 256 (Qwen3.5's) keeps
-# attention.comp, as its shared memory and registers do not fit 4 subgroups
-# (notes.md run 12, "From code comments": ATTN_MC_HEAD_DIMS).
-ATTN_MC_HEAD_DIMS = (64, 128)
-# Subgroups a workgroup of attention_mc.comp (each on 16 query rows of one
-# head; they share the staged keys and values of their KV head; notes.md run 12).
-ATTN_MC_NSG = 4
+# The cooperative-matrix attention (attention_mc.comp) by head size: (NSG
+# subgroups a workgroup, DS subgroups a 16-row block, BC positions a block).
+# 64 and 128 measured 3-4x faster than attention.comp with 4 subgroups sharing
+# the staged keys and values (notes.md run 12, "From code comments":
+# ATTN_MC_HEAD_DIMS). 256 (Qwen3.5's) does not fit a lane's registers with one
+# subgroup a row block (128 accumulator registers alone), so two subgroups
+# take a block, half its dims each (notes.md run 27).
+ATTN_MC = {64: (4, 1, 32), 128: (4, 1, 32), 256: (4, 2, 32)}
+ATTN_MC_HEAD_DIMS = tuple(ATTN_MC)
+
+
+def attn_mc_shared_bytes(hd: int, nsg: int, bc: int) -> int:
+    """Shared memory of an attention_mc.comp variant (its arrays: staged keys
+    and values, scores, probabilities, per-row factors, pass slots and ends)."""
+    return 2 * bc * (hd + 8) * 2 + nsg * 16 * (bc + 4) * 4 + nsg * 16 * (bc + 8) * 2 + nsg * 16 * 4 + 2 * nsg * 4
 
 
 def _table() -> dict[str, tuple[str, dict[str, int]]]:
@@ -165,8 +172,8 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
                                                                          **sums, EXT_DEFINE: 1})
         t[f"get_rows_{wt}"] = ("get_rows.comp", d)
         t[f"get_rows_p_{wt}"] = ("get_rows.comp", {**d, "ROW_PART": 1})   # a matrix split by rows
-    for hd in ATTN_MC_HEAD_DIMS:
-        t[f"attention_mc_d{hd}"] = ("attention_mc.comp", {"HD": hd, "NSG": ATTN_MC_NSG, EXT_DEFINE: 1})
+    for hd, (nsg, ds, bc) in ATTN_MC.items():
+        t[f"attention_mc_d{hd}"] = ("attention_mc.comp", {"HD": hd, "NSG": nsg, "DS": ds, "BC": bc, EXT_DEFINE: 1})
     for op in ("rms_norm", "rope_kv", "attention", "swiglu", "add", "softmax", "argmax_part", "argmax", "copy",
                "topk_part", "sample",
                "to_f16", "reduce_k"):

@@ -986,12 +986,14 @@ def test_attention_decode_depth(device, kernels, rng, hd, n_head, n_kv, items):
 
 
 @pytest.mark.parametrize("hd,n_head,n_kv,grow", [(64, 8, 2, False), (128, 4, 1, True), (128, 3, 3, True),
-                                                  (64, 8, 1, False), (128, 6, 3, False)])
+                                                  (64, 8, 1, False), (128, 6, 3, False), (256, 8, 2, True),
+                                                  (256, 3, 3, False), (256, 5, 1, False)])
 def test_attention_coopmat(device, coopmat_kernels, ws, rng, hd, n_head, n_kv, grow):
     """attention_mc (cooperative matrices, prompt-sized steps): two prefill
     chunks of different slots (positions past several 32-position blocks) and
     decode rows of a third in one dispatch, so that 16-row blocks mix slots
-    (and a workgroup's subgroups: KV groups of 1, 2, 4 and 8 heads); against
+    (and a workgroup's subgroups: KV groups of 1, 2, 4 and 8 heads; 256-wide
+    heads: two subgroups a row block, half the dims each); against
     numpy with q rounded to halves as the kernel does (its fp16 probabilities
     are what the tolerance allows for). grow: keys larger with the position,
     so that later blocks raise a row's running max past the kernel's slack and

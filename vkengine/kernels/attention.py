@@ -49,7 +49,8 @@ class AttentionKernels(KernelBase):
         query rows a subgroup, fp16 Q and P): prompt-sized steps of the head
         sizes it is compiled for, on devices that run mul_mc."""
         c = self.caps
-        return c.coopmat and c.attention_mc and n_rows >= self.ATTN_MC_FROM and head_dim in c.attention_mc_head_dims
+        return (c.coopmat and c.attention_mc and n_rows >= self.ATTN_MC_FROM
+                and head_dim in dict(c.attention_mc_layouts))
 
     def rope_kv(self, prog: Program, table: Region, qkv: Region, qkv_stride: int, q_out: Region, q_stride: int,
                 n_rows: int, n_head: int, n_kv: int, head_dim: int, n_rot: int, neox: bool,
@@ -125,9 +126,10 @@ class AttentionKernels(KernelBase):
             name = c.attention_mc_variant.format(hd=head_dim)
             push = self._push(name, **pc)
             alg = self._alg_spec(name, [act, act, params, kv], (), push)
-            # NSG 16-row blocks of one KV group's heads a workgroup (the shader's comment)
+            # NSG / DS 16-row blocks of one KV group's heads a workgroup (the shader's comment)
             blocks = math.ceil(n_rows / 16) * (n_head // n_kv)
-            prog.dispatch(alg, push, (math.ceil(blocks / c.attention_mc_nsg), n_kv, 1), reads, out, label)
+            per_wg = dict(c.attention_mc_layouts)[head_dim]
+            prog.dispatch(alg, push, (math.ceil(blocks / per_wg), n_kv, 1), reads, out, label)
             return
         # V words per lane; sized for the smallest subgroup the device may use
         sg = c.sg if self.device.info.subgroups_fixed else min(c.sg, 8)

@@ -7,13 +7,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shaders.variants import (
-    ATTN_MC_HEAD_DIMS,
-    ATTN_MC_NSG,
+    ATTN_MC,
     MC2_ENGINE_TYPES,
     MC2_F32_FROM_ROWS,
     MC2_FROM_ROWS,
     MC2H_TILES,
     MV_BFLY_LANES,
+    attn_mc_shared_bytes,
 )
 
 from ..device import Device
@@ -77,10 +77,11 @@ class Caps:
     norm_in: bool
     # ... with the add's matvec also writing h' as 8-bit blocks for a Q8_0 gate|up
     xq8_in: bool
-    # prompt attention on cooperative matrices (attention_mc.comp, 24-32 KB of shared memory)
+    # prompt attention on cooperative matrices (attention_mc.comp, 24-48 KB of
+    # shared memory): (head size, 16-row blocks a workgroup) of the variants
+    # the device's shared memory holds
     attention_mc: bool
-    attention_mc_head_dims: tuple[int, ...]
-    attention_mc_nsg: int
+    attention_mc_layouts: tuple[tuple[int, int], ...]
     attention_mc_variant: str = "attention_mc_d{hd}"   # by head size (bench/attn_probe.py swaps in others)
     # split decode attention as attention_dec.comp (K/V read once per KV head,
     # parts following each row's position) instead of attention.comp's
@@ -122,5 +123,6 @@ class Caps:
                            else MC2_FROM_ROWS if options.mc2_f16acc else MC2_F32_FROM_ROWS),
             mc2h_tiles=MC2H_TILES, split_k_wgs=options.splitk_wgs, split_k_min=options.splitk_min,
             xq8=gpu and int_dot and options.xq8, norm_in=norm_in, xq8_in=norm_in and int_dot and options.xq8_in,
-            attention_mc=info.max_shared_memory >= 36 * 1024 and options.attn_mc,
-            attention_mc_head_dims=ATTN_MC_HEAD_DIMS, attention_mc_nsg=ATTN_MC_NSG)
+            attention_mc=options.attn_mc,
+            attention_mc_layouts=tuple((hd, nsg // ds) for hd, (nsg, ds, bc) in ATTN_MC.items()
+                                       if attn_mc_shared_bytes(hd, nsg, bc) <= info.max_shared_memory))
