@@ -3,7 +3,7 @@
 // with the last K-1 inputs of each sequence kept per slot (Gated DeltaNet's
 // short convolution: ggml_ssm_conv in llama.cpp, causal_conv1d_update in HF):
 //   y[r][c] = silu(sum_j w[c][j] * in(t - K + 1 + j)[c]),  w[c][K-1] on the newest input
-// One invocation per channel walks the rows in order. Rows of one slot must be
+// One invocation per channel walks the rows in order (RG at a time). Rows of one slot must be
 // contiguous and consecutive in position (the host checks); a slot whose first
 // row in the step is at position 0 starts from zeros, otherwise from its state.
 // State per slot: [K-1][C] floats (oldest input first). With snap_rows > 0 the
@@ -26,6 +26,7 @@ layout(push_constant) uniform P {
 } p;
 
 #define KMAX 8
+#define RG 8   // rows a group
 
 void main() {
     uint c = workgroup_linear() * gl_WorkGroupSize.x + gl_LocalInvocationID.x;
@@ -36,8 +37,21 @@ void main() {
     float win[KMAX];   // win[0..K-2]: previous inputs, oldest first
     [[unroll]] for (uint j = 0; j < KMAX; j++) win[j] = 0.0;
     uint cur = 0xffffffffu;
-    for (uint r = 0u; r < p.n_rows; r++) {
-        uint slot = params[p.slot_off + r];
+    // rows in groups of RG: their slots and inputs loaded before any is used,
+    // so the walk waits for memory once a group rather than once a row (it is
+    // bound by latency: one invocation per channel is few for a GPU)
+    for (uint r0 = 0u; r0 < p.n_rows; r0 += RG) {
+    uint slots[RG];
+    float xs[RG];
+    [[unroll]] for (uint g = 0; g < RG; g++) {
+        uint r = min(r0 + g, p.n_rows - 1u);
+        slots[g] = params[p.slot_off + r];
+        xs[g] = act[p.x_off + r * p.x_stride + c];
+    }
+    [[unroll]] for (uint g = 0; g < RG; g++) {
+        uint r = r0 + g;
+        if (r >= p.n_rows) break;
+        uint slot = slots[g];
         if (slot != cur) {
             if (cur != 0xffffffffu) {
                 for (uint j = 0u; j < km1; j++) st[p.state_off + cur * p.slot_stride + j * p.C + c] = win[j];
@@ -48,7 +62,7 @@ void main() {
             }
             cur = slot;
         }
-        float x = act[p.x_off + r * p.x_stride + c];
+        float x = xs[g];
         float acc = w[km1] * x;
         [[unroll]] for (uint j = 0; j < KMAX - 1; j++) {
             if (j < km1) acc += w[j] * win[j];
@@ -62,6 +76,7 @@ void main() {
         if (r < p.snap_rows) {
             for (uint j = 0u; j < km1; j++) st[p.snap_off + r * p.slot_stride + j * p.C + c] = win[j];
         }
+    }
     }
     if (cur != 0xffffffffu) {
         for (uint j = 0u; j < km1; j++) st[p.state_off + cur * p.slot_stride + j * p.C + c] = win[j];

@@ -23,7 +23,7 @@ def _close(got, want, rtol=1e-4, atol_scale=1e-5):
     np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
 
 
-def _rows_params(ws, slots, pos, slot_off=40, pos_off=0):
+def _rows_params(ws, slots, pos, slot_off=128, pos_off=0):
     n = len(slots)
     ws.params.array()[pos_off:pos_off + n] = np.asarray(pos, np.uint32)
     ws.params.array()[slot_off:slot_off + n] = np.asarray(slots, np.uint32)
@@ -34,6 +34,10 @@ def _rows_params(ws, slots, pos, slot_off=40, pos_off=0):
 # starts fresh (5 rows from position 0), slot 3 decodes one row.
 STEP_SLOTS = [2, 2, 2, 0, 0, 0, 0, 0, 3]
 STEP_POS = [7, 8, 9, 0, 1, 2, 3, 4, 40]
+# a prompt-sized step: runs longer than the kernels' groups of rows (conv1d loads 8 at a time,
+# delta_rule finds a run's end a subgroup's width of rows at a time)
+LONG_SLOTS = [1] * 45 + [3] * 20
+LONG_POS = list(range(5, 50)) + list(range(20))
 
 
 def _groups(slots, pos):
@@ -65,10 +69,12 @@ def test_reference_delta_rule_chunked_equals_recurrent(rng):
 
 # -- conv1d --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("C,K", [(37, 4), (200, 2), (8, 1)])
-def test_conv1d(device, hk, ws, rng, C, K):
-    n, n_slots = len(STEP_SLOTS), 4
-    pos_off, slot_off = _rows_params(ws, STEP_SLOTS, STEP_POS)
+@pytest.mark.parametrize("C,K,long", [(37, 4, False), (200, 2, False), (8, 1, False), (37, 4, True)])
+def test_conv1d(device, hk, ws, rng, C, K, long):
+    """long: a prompt-sized step (the kernel loads 8 rows at a time)."""
+    slots, positions = (LONG_SLOTS, LONG_POS) if long else (STEP_SLOTS, STEP_POS)
+    n, n_slots = len(slots), 4
+    pos_off, slot_off = _rows_params(ws, slots, positions)
     w = rng.standard_normal((C, K)).astype(np.float32)
     x = rng.standard_normal((n, C)).astype(np.float32)
     xs, ys = C + 3, C + 5
@@ -87,7 +93,7 @@ def test_conv1d(device, hk, ws, rng, C, K):
     want_state = state0.copy()
     want_y = np.zeros((n, C))
     snaps = []
-    for slot, p0, a, b in _groups(STEP_SLOTS, STEP_POS):
+    for slot, p0, a, b in _groups(slots, positions):
         s = np.zeros_like(state0[slot]) if p0 == 0 else state0[slot]
         for r in range(a, b):
             want_y[r:r + 1], s = rh.conv1d(x[r:r + 1], w, s)
@@ -148,11 +154,14 @@ def test_sigmoid_mul_head_gates_and_row_gate(device, hk, ws, rng):
 
 # -- gated delta rule -------------------------------------------------------------------
 
-@pytest.mark.parametrize("tiled", [False, True])
-@pytest.mark.parametrize("nk,nv,dk,dv", [(2, 4, 16, 12), (3, 3, 24, 8), (1, 2, 128, 5)])
-def test_delta_rule(device, hk, ws, rng, tiled, nk, nv, dk, dv):
-    n, n_slots, snap_rows = len(STEP_SLOTS), 4, 6
-    pos_off, slot_off = _rows_params(ws, STEP_SLOTS, STEP_POS)
+@pytest.mark.parametrize("tiled,nk,nv,dk,dv,long", [(False, 2, 4, 16, 12, False), (True, 2, 4, 16, 12, False),
+                                                    (False, 3, 3, 24, 8, False), (True, 3, 3, 24, 8, False),
+                                                    (False, 1, 2, 128, 5, False), (True, 1, 2, 128, 5, False),
+                                                    (True, 2, 4, 32, 6, True)])
+def test_delta_rule(device, hk, ws, rng, tiled, nk, nv, dk, dv, long):
+    slots, positions = (LONG_SLOTS, LONG_POS) if long else (STEP_SLOTS, STEP_POS)
+    n, n_slots, snap_rows = len(slots), 4, 6
+    pos_off, slot_off = _rows_params(ws, slots, positions)
     qk = rh.l2_norm(rng.standard_normal((n, 2, nk, dk))).astype(np.float32)
     v = rng.standard_normal((n, nv, dv)).astype(np.float32)
     conv = np.concatenate([qk.reshape(n, -1), v.reshape(n, -1), np.zeros((n, 3), np.float32)], 1)
@@ -171,7 +180,8 @@ def test_delta_rule(device, hk, ws, rng, tiled, nk, nv, dk, dv):
     scale = dk ** -0.5
     prog = device.program()
     hk.delta_rule(prog, wr.at(0, nv), wr.at(nv, nv), cr, cr.at(nk * dk, 0), cr.at(2 * nk * dk, 0), cs,
-                  abr, abr.at(nv, 0), 2 * nv + 1, orr, os_, nk, nv, dk, dv, n, 3, st, snap, snap_rows,
+                  abr, abr.at(nv, 0), 2 * nv + 1, orr, os_, nk, nv, dk, dv, n, len(list(_groups(slots, positions))),
+                  st, snap, snap_rows,
                   ws.params, pos_off, slot_off, tiled, scale)
     prog.run()
     got = ws.read(orr).reshape(n, os_)
@@ -181,7 +191,7 @@ def test_delta_rule(device, hk, ws, rng, tiled, nk, nv, dk, dv):
     want_S = S0.astype(np.float64).copy()
     want_o = np.zeros((n, nv, dv))
     snaps = []
-    for slot, p0, a, b in _groups(STEP_SLOTS, STEP_POS):
+    for slot, p0, a, b in _groups(slots, positions):
         s = np.zeros((nv, dk, dv)) if p0 == 0 else S0[slot].transpose(0, 2, 1)
         o, s, states = rh.delta_rule_recurrent(qk[a:b, 0][:, hm], qk[a:b, 1][:, hm], v[a:b], g[a:b], beta[a:b],
                                                s, scale)
