@@ -22,11 +22,15 @@ log = logging.getLogger("vkengine.server")
 # --prompt-tokens' default on GPUs: a lone prompt's chunk (8B Q4_0 on the H200 prefilled a 16k prompt at
 # 6,492 tok/s in chunks of 2048 against 1,157 in chunks of 64, issue 31)
 PROMPT_TOKENS_GPU = 2048
+# --prompt-ms' default on GPUs: with streams running, a newcomer's chunk takes what fits 100 ms (H200, 8B
+# Q4_0, 4 streams beside 4 newcomers with 8k-token prompts: at the fixed 64 rows the newcomers waited 15.3 s
+# for their first token, against llama-server's 4.2-4.8 s, whose streams paused up to 1.26 s; notes.md run 27)
+PROMPT_MS_GPU = 100.0
 
 
 def scheduler_config(args, gpu: bool = False) -> tuple[SchedulerConfig, int]:
     """(scheduler config, device KV slots) for the flags (gpu: the device is
-    one, which --prompt-tokens' default follows)."""
+    one, which the defaults of --prompt-tokens and --prompt-ms follow)."""
     if args.parallel < 1:
         raise VkEngineError("--parallel must be >= 1")
     if args.quantum < 1:
@@ -48,7 +52,9 @@ def scheduler_config(args, gpu: bool = False) -> tuple[SchedulerConfig, int]:
         prompt = max(step, PROMPT_TOKENS_GPU) if gpu else step
     if prompt < step:
         raise VkEngineError(f"--prompt-tokens ({prompt}) must be at least --step-tokens ({step})")
-    prompt_ms = getattr(args, "prompt_ms", 0.0)
+    prompt_ms = getattr(args, "prompt_ms", None)
+    if prompt_ms is None:
+        prompt_ms = PROMPT_MS_GPU if gpu else 0.0
     if prompt_ms < 0:
         raise VkEngineError("--prompt-ms must be >= 0")
     cfg = SchedulerConfig(n_slots=n_slots, max_live=args.parallel, step_tokens=step, quantum=args.quantum,

@@ -38,10 +38,11 @@ def add_serve_args(p) -> None:
     p.add_argument("--prompt-tokens", type=int, default=None,
                    help="prompt rows of a step while no sequence is decoding beside it: a lone prompt prefills "
                         "in chunks this large (default: 2048 on GPUs, --step-tokens on a CPU)")
-    p.add_argument("--prompt-ms", type=float, default=0.0,
+    p.add_argument("--prompt-ms", type=float, default=None,
                    help="while sequences decode: a newcomer's prompt chunk may take as many rows as fit this many "
                         "milliseconds at the measured cost of a prompt row (at least --step-tokens, at most "
-                        "--prompt-tokens); 0: --step-tokens rows")
+                        "--prompt-tokens), which bounds the running streams' gap while it lasts "
+                        "(default: 100 on GPUs, 0 on a CPU); 0: --step-tokens rows")
     p.add_argument("--min-prefix", type=int, default=8,
                    help="shortest cached prompt prefix worth copying from another slot (prefix cache)")
     p.add_argument("--host-cache", type=int, default=-1,

@@ -325,3 +325,15 @@ def test_random_traffic(seed):
 def test_config_rejects_a_budget_smaller_than_the_slots():
     with pytest.raises(ValueError, match="step_tokens"):
         SchedulerConfig(n_slots=8, step_tokens=4).validate()
+
+
+def test_equal_newcomers_finish_one_after_another():
+    """Prompts of equal length arriving together: shortest remaining first
+    finishes them in turn (the first token of the first after ~1/3 of the
+    work), where an even split would hold every first token to the end."""
+    cfg = SchedulerConfig(n_slots=4, max_live=4, step_tokens=8, quantum=8)
+    prompts = [list(range(i, i + 40)) for i in range(3)]
+    out, fr, sch = drive(cfg, [(0, p, 2) for p in prompts])
+    first = [fr.first[i] for i in range(3)]
+    assert first == sorted(first) and first[0] <= 40 // 8 + 2 < first[2]
+    assert out == [alone(p, 2) for p in prompts]

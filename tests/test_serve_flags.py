@@ -5,7 +5,7 @@ import argparse
 
 import pytest
 
-from server.main import PROMPT_TOKENS_GPU, scheduler_config
+from server.main import PROMPT_MS_GPU, PROMPT_TOKENS_GPU, scheduler_config
 from server.options import add_serve_args
 from vkengine.errors import VkEngineError
 from vkengine.options import add_model_args
@@ -23,6 +23,9 @@ def test_prompt_tokens_default_follows_the_device():
     assert cfg.max_prompt_rows == 32 and cfg.prompt_ms == 0           # a CPU: prompt steps as any step
     cfg, _ = scheduler_config(_args("--step-tokens", "32"), gpu=True)
     assert cfg.max_prompt_rows == PROMPT_TOKENS_GPU                    # a GPU: a lone prompt in large chunks
+    assert cfg.prompt_ms == PROMPT_MS_GPU                              # and a newcomer's chunk held to a time
+    cfg, _ = scheduler_config(_args("--step-tokens", "32", "--prompt-ms", "0"), gpu=True)
+    assert cfg.prompt_ms == 0
     cfg, _ = scheduler_config(_args("--prompt-tokens", "512", "--prompt-ms", "25"), gpu=True)
     assert cfg.max_prompt_rows == 512 and cfg.prompt_ms == 25
 

@@ -16,10 +16,13 @@ rows copied to host memory through `KVMover.park`). Every step:
    its slot given away. Newcomers go first when `newcomer_first` (slices mode:
    prefill on arrival), otherwise first come, first served;
 4. the batch: one row for every resident sequence that is decoding, then
-   prompt chunks of the others, the remaining rows of `step_tokens` shared out
-   evenly among them (chunked prefill: a newcomer never stalls running streams
-   for more than one bounded step, and its first token does not wait for the
-   whole prompts of those that came before it). With nobody decoding, prompt
+   prompt chunks of the others in the remaining rows of `step_tokens`
+   (chunked prefill: a newcomer never stalls running streams for more than one
+   bounded step): the oldest prompt is guaranteed an even share, the rest goes
+   to the prompts with the fewest rows left (shortest remaining first), so a
+   short newcomer's first token does not wait for the long prompts before it,
+   and prompts of equal length finish one after another instead of all
+   together at the end. With nobody decoding, prompt
    chunks take up to `prompt_tokens` rows (a lone prompt at the engine's
    prefill speed); with streams running and `prompt_ms` set, as many rows as
    the measured cost of a prompt row fits in prompt_ms.
@@ -410,20 +413,17 @@ class Scheduler:
             (decoding if s.pending == 1 and s.taken >= s.n_prompt else prefilling).append(s)
         prefilling.sort(key=lambda s: s.ready)
         budget = self.prompt_budget(len(decoding))
-        # prompt rows are shared out evenly (water-filling, unused shares go round again), so that a
-        # short newcomer's first token does not wait for a long prompt that arrived before it
+        # prompt rows: an even share for the oldest (no prompt waits forever behind shorter ones), the
+        # rest shortest remaining first (ties: arrival), which minimises the mean time to first token
         rows = {id(s): 0 for s in prefilling}
-        todo = list(prefilling)
-        while budget > 0 and todo:
-            share = max(1, budget // len(todo))
-            for s in list(todo):
-                n = min(s.pending - rows[id(s)], share, budget)
+        if prefilling and budget > 0:
+            oldest = prefilling[0]
+            rows[id(oldest)] = min(oldest.pending, max(1, budget // len(prefilling)))
+            budget -= rows[id(oldest)]
+            for s in sorted(prefilling, key=lambda s: (s.pending - rows[id(s)], s.ready)):
+                n = min(s.pending - rows[id(s)], budget)
                 rows[id(s)] += n
                 budget -= n
-                if rows[id(s)] == s.pending:
-                    todo.remove(s)
-                if budget == 0:
-                    break
         work = [Work(s, s.taken, s.tokens[s.taken:], True) for s in decoding]
         for s in prefilling:
             n, start = rows[id(s)], s.taken
