@@ -16,11 +16,12 @@
 // walks that sequence's rows in order with the column in registers: a prefill
 // chunk costs one state load and one store per column (batched-sequential;
 // the chunked WY form is not needed for correctness). The walk is bound by
-// latency, not arithmetic: the run's last row is found once (a ballot over 32
-// rows at a time) and each row's inputs (k, q, v, the gate and beta, with
-// their exp and sigmoid) are loaded one row ahead, so a row waits for its two
-// reductions only, not for memory (H200, qwen35 0.8B, 512 prompt rows: 1.15
-// ms a layer with a dependent load chain per row, notes.md run 27). Rows of a slot must be
+// latency, not arithmetic: the run's last row is found once (a ballot over a
+// subgroup's width of rows), each row's inputs (k, q, v, the gate and beta)
+// are loaded one row ahead, and a row's three dot products reduce together,
+// so a row waits for one reduction, not for memory (H200, qwen35 0.8B, 512
+// prompt rows: 1.15 ms a layer with a dependent load chain a row, notes.md
+// run 27). Rows of a slot must be
 // contiguous and consecutive in position (the host checks); a sequence whose
 // first row is at position 0 starts from S = 0. The grid has one group of
 // nv*dv subgroups per possible sequence in the step; group g takes the g-th
@@ -117,19 +118,21 @@ void main() {
             float beta = 1.0 / (1.0 + exp(-bn));
             float vr = vn;
             if (r + 1u < end) LOAD_ROW(r + 1u)
-            float kv = 0.0;
+            // S^T k, S^T q (before the decay) and k.q: three independent reductions at once, so a
+            // row waits for one reduction's latency: with S' = decay S + k delta^T,
+            // S'^T q = decay S^T q + (k.q) delta
+            float ks = 0.0, qs = 0.0, qk = 0.0;
             [[unroll]] for (uint e = 0; e < MAXE; e++) {
-                s[e] *= decay;
-                kv += s[e] * kk[e];
+                ks += s[e] * kk[e];
+                qs += s[e] * qq[e];
+                qk += kk[e] * qq[e];
             }
-            kv = subgroupAdd(kv);
-            float delta = (vr - kv) * beta;
-            float o = 0.0;
-            [[unroll]] for (uint e = 0; e < MAXE; e++) {
-                s[e] += kk[e] * delta;
-                o += s[e] * qq[e];
-            }
-            o = subgroupAdd(o);
+            ks = subgroupAdd(ks);
+            qs = subgroupAdd(qs);
+            qk = subgroupAdd(qk);
+            float delta = (vr - decay * ks) * beta;
+            [[unroll]] for (uint e = 0; e < MAXE; e++) s[e] = s[e] * decay + kk[e] * delta;
+            float o = decay * qs + qk * delta;
             if (subgroupElect()) act[p.o_off + r * p.o_stride + hv * p.dv + j] = o * p.scale;
             if (r < p.snap_rows) {
                 uint sc = p.snap_off + r * p.slot_stride + (hv * p.dv + j) * p.dk;
