@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from vkengine.errors import VkEngineError
+from vkengine.options import add_cache_args
 
 
 def cmd_run(args) -> int:
@@ -19,7 +20,8 @@ def cmd_run(args) -> int:
     cfg = RunConfig(model=args.model, prompts=args.prompts, n_predict=args.n_predict, n_probs=args.n_probs,
                     endpoint=args.endpoint, endpoint_b=args.endpoint_b, out=args.out, note=args.note,
                     device=args.device, repeats=args.repeats,
-                    server=Path(args.server) if args.server else None, server_args=tuple(args.server_args.split()))
+                    server=Path(args.server) if args.server else None, server_args=tuple(args.server_args.split()),
+                    cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v)
     art = run_parity(cfg)
     if art["verdict"] != "PASS" and not args.note:
         print("warning: below a bar and no --note given: the artifact carries no deviation note", file=sys.stderr)
@@ -110,6 +112,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--note", help="deviation note recorded in the artifact (required reading when below a bar)")
     r.add_argument("--device", type=int, default=None,
                    help="Vulkan device index (default: VKENGINE_DEVICE or the best)")
+    add_cache_args(r)   # both sides: llama-server started with -ctk/-ctv (and -fa on for a q8_0 V cache)
     r.set_defaults(fn=cmd_run)
 
     s = sub.add_parser("serve-reference", help="build (once) and start llama-server on the CPU",

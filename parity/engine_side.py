@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vkengine.engine import Engine, EngineConfig, Readback
+from vkengine.kernels import KVTypes
 from vkengine.options import Options
 from vkengine.serving.generate import generate
 from vkengine.tokenizer import Tokenizer
@@ -52,14 +53,16 @@ class EngineCase:
     tf_logprobs: list[dict[int, float]]   # teacher-forced log-softmax at the kept ids
 
 
-def engine_config(max_prompt: int, n_predict: int, n_ctx_train: int, options: Options = Options()) -> EngineConfig:
+def engine_config(max_prompt: int, n_predict: int, n_ctx_train: int, options: Options = Options(),
+                  kv_types: KVTypes = KVTypes()) -> EngineConfig:
     """One slot with room for the longest prompt plus N, rounded up to 256 so
     that prompt sets of similar size share KV sizes. 32-row steps: the N-1
     teacher-forced rows of a 32-token case are one step of the same shape for
-    every prompt, so it is recorded once."""
+    every prompt, so it is recorded once. kv_types: the KV cache's (the same
+    as llama-server's in the run)."""
     need = max_prompt + n_predict + 1
     n_ctx = min(n_ctx_train, -(-need // 256) * 256)
-    return EngineConfig(n_slots=1, n_ctx=n_ctx, max_batch=32, max_out=32, options=options)
+    return EngineConfig(n_slots=1, n_ctx=n_ctx, max_batch=32, max_out=32, options=options, kv_types=kv_types)
 
 
 def _log_softmax(row: np.ndarray) -> np.ndarray:

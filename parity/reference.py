@@ -24,6 +24,19 @@ from .llamacpp import Client, Completion, Log
 MODE_ARGS = {"A": (), "B": ("-fa", "off", "-b", "64", "-ub", "64")}
 
 
+def mode_args(name: str, cache: tuple[str, str] = ("f16", "f16")) -> tuple[str, ...]:
+    """llama-server's arguments for a mode with the KV cache types (K, V) the
+    engine runs: -ctk/-ctv where not f16. A quantized V cache needs flash
+    attention (llama-server refuses it otherwise), so both modes then take
+    -fa on, and mode B differs from A only in its 64-token batches."""
+    args = MODE_ARGS[name]
+    if cache == ("f16", "f16"):
+        return args
+    if cache[1] != "f16":   # (mode B's "-fa off" replaced)
+        args = ("-fa", "on", *(args[2:] if args[:1] == ("-fa",) else args))
+    return (*args, "-ctk", cache[0], "-ctv", cache[1])
+
+
 @dataclass
 class ModeResult:
     name: str
@@ -31,10 +44,11 @@ class ModeResult:
     command: list[str] | None        # None: a server the user started
     build_info: str | None
     runs: list[list[Completion]] = field(default_factory=list)   # [repeat][prompt]
+    args: tuple[str, ...] = ()       # the mode's arguments (mode_args) where the harness started it
 
     def describe(self) -> dict:
         return {"endpoint": self.endpoint, "command": self.command,
-                "args": list(MODE_ARGS[self.name]) if self.command else None,
+                "args": list(self.args) if self.command else None,
                 "started_by": "parity harness" if self.command else "user",
                 "build_info": self.build_info}
 
@@ -93,12 +107,15 @@ def check_tokens(ours: Sequence[int], theirs: Sequence[int], what: str, url: str
 @contextmanager
 def mode_endpoints(endpoint: str | None, endpoint_b: str | None, model_path: Path,
                    log: Log, cache: Path | None = None, exe: Path | None = None,
-                   extra: tuple[str, ...] = ()) -> Iterator[Iterator[tuple[str, str, list | None]]]:
+                   extra: tuple[str, ...] = (), kv_cache: tuple[str, str] = ("f16", "f16")
+                   ) -> Iterator[Iterator[tuple[str, str, list | None]]]:
     """Yield an iterator of (mode, url, command): the user's two endpoints as
     they are, or llama-server started by us at `endpoint` (or a free port when
     it is None or "auto"), stopped and restarted for mode B. `exe` is another
     llama-server build (default: ours, built on demand); `extra` arguments go to
-    both modes (e.g. -ngl 99 for a GPU build)."""
+    both modes (e.g. -ngl 99 for a GPU build); kv_cache: the KV cache types (K,
+    V) both modes run with (mode_args; the user's own endpoints must have been
+    started with them)."""
     if endpoint_b:
         if not endpoint or endpoint == "auto":
             raise VkEngineError("--endpoint-b needs --endpoint (mode A) as well")
@@ -116,7 +133,8 @@ def mode_endpoints(endpoint: str | None, endpoint_b: str | None, model_path: Pat
     live: list[llamacpp.ServerProcess] = []
 
     def modes():
-        for name, args in MODE_ARGS.items():
+        for name in MODE_ARGS:
+            args = mode_args(name, kv_cache)
             srv = llamacpp.start_server(exe, model_path, port=port, host=host, extra=(*extra, *args), log=log)
             live.append(srv)
             try:
@@ -133,7 +151,7 @@ def mode_endpoints(endpoint: str | None, endpoint_b: str | None, model_path: Pat
 
 def collect(modes: Iterator[tuple[str, str, list | None]], model: Model, texts: Sequence[tuple[str, bool]],
             labels: Sequence[str], n_predict: int, n_probs: int, repeats: int,
-            log: Log) -> tuple[list[list[int]], list[ModeResult]]:
+            log: Log, kv_cache: tuple[str, str] = ("f16", "f16")) -> tuple[list[list[int]], list[ModeResult]]:
     """Tokenize every prompt through mode A's endpoint (checked against our
     tokenizer and mode B's), then run both modes `repeats` times."""
     ids: list[list[int]] | None = None
@@ -148,7 +166,7 @@ def collect(modes: Iterator[tuple[str, str, list | None]], model: Model, texts: 
                 ids = mine
             elif mine != ids:
                 raise VkEngineError(f"mode {name} at {url} tokenizes the prompts differently from mode A")
-            res = ModeResult(name, url, cmd, props.get("build_info"))
+            res = ModeResult(name, url, cmd, props.get("build_info"), args=mode_args(name, kv_cache))
             piece, anchor = piece_bytes(model.tokenizer), c.tokenize(".", add_special=False)
             if len(anchor) != 1:
                 raise VkEngineError(f"{url} does not tokenize '.' as one token; cannot recover skipped probabilities")

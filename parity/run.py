@@ -22,6 +22,7 @@ import vkengine
 from vkengine.device import Device
 from vkengine.engine import Engine
 from vkengine.errors import VkEngineError
+from vkengine.kernels import KVTypes
 from vkengine.model import load_model
 from vkengine.options import Options
 
@@ -68,6 +69,8 @@ class RunConfig:
     cache: Path | None = None         # llama.cpp build cache (default: ~/.cache/vkengine/...)
     server: Path | None = None        # another llama-server binary (e.g. a Vulkan build)
     server_args: tuple[str, ...] = () # extra llama-server arguments for both modes (e.g. -ngl 99)
+    cache_type_k: str = "f16"         # the KV cache's types, ours and llama-server's (-ctk, -ctv)
+    cache_type_v: str = "f16"
 
 
 def stderr_log(msg: str) -> None:
@@ -92,6 +95,10 @@ def run_parity(cfg: RunConfig, log: Log = stderr_log, engine: Engine | None = No
     `engine` lets a caller that already holds one (a test session) reuse it."""
     if cfg.n_predict <= 0 or cfg.n_probs < 2:
         raise VkEngineError("--n-predict must be >= 1 and --n-probs >= 2")
+    kv_types = KVTypes(cfg.cache_type_k, cfg.cache_type_v)
+    kv_cache = (kv_types.k, kv_types.v)
+    if engine is not None and engine.kv.types != kv_types:
+        raise VkEngineError(f"the engine's KV cache is {engine.kv.types}, the run asks for {kv_types}")
     t0 = time.monotonic()
     # the commit of the code that runs, taken before anything can change the tree
     commit, dirty = git_commit(Path(vkengine.__file__).resolve().parents[1])
@@ -100,14 +107,14 @@ def run_parity(cfg: RunConfig, log: Log = stderr_log, engine: Engine | None = No
     texts = [p.render(model.tokenizer) for p in pset.prompts]
     labels = [p.id for p in pset.prompts]
     with reference.mode_endpoints(cfg.endpoint, cfg.endpoint_b, model.path, log, cfg.cache,
-                                  cfg.server, tuple(cfg.server_args)) as modes:
+                                  cfg.server, tuple(cfg.server_args), kv_cache) as modes:
         ids, (mode_a, mode_b) = reference.collect(modes, model, texts, labels, cfg.n_predict, cfg.n_probs,
-                                                  cfg.repeats, log)
+                                                  cfg.repeats, log, kv_cache)
     t_ref = time.monotonic() - t0
     if engine is None:
         dev = Device(cfg.device)
         engine = Engine(model, dev, engine_config(max(map(len, ids)), cfg.n_predict, model.args.n_ctx_train,
-                                                  Options.from_env()))
+                                                  Options.from_env(), kv_types))
     need = max(map(len, ids)) + cfg.n_predict
     if need > engine.n_ctx:
         raise VkEngineError(f"the longest prompt plus N needs {need} positions; the engine has {engine.n_ctx}")
@@ -141,6 +148,7 @@ def run_parity(cfg: RunConfig, log: Log = stderr_log, engine: Engine | None = No
                    "driver_info": info.driver_info, "vulkan_api": info.api_version},
         "llama_cpp": {"modes": {m.name: m.describe() for m in (mode_a, mode_b)}},
         "model": {"file": model.path.name, "sha256": model.sha256(), "architecture": model.file.arch},
+        "kv_cache": {"k": kv_types.k, "v": kv_types.v},   # both sides' (llama-server: -ctk, -ctv)
         "prompts": {"name": pset.name, "sha256": pset.sha256, "count": len(pset.prompts)},
         "n_predict": cfg.n_predict, "n_probs": cfg.n_probs, "repeats": cfg.repeats,
         "near_tie_nats": figures.NEAR_TIE_NATS, "excluded_from_greedy": banned, "definitions": DEFINITIONS,

@@ -50,6 +50,7 @@ class ServerState:
     retry_after: int = 1
     parallel: int = 1
     mode: str = "batch"
+    kv_cache: tuple[str, str] = ("f16", "f16")   # the KV cache's K and V types (--cache-type-k, --cache-type-v)
 
     @property
     def model_id(self) -> str:
@@ -261,6 +262,7 @@ async def props(request: Request) -> Response:
             "n_predict": -1, "temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05,
             "repeat_penalty": 1.0, "repeat_last_n": 64, "seed": -1}},
         "total_slots": st.parallel, "mode": st.mode, "model_path": str(st.model.path),
+        "cache_type_k": st.kv_cache[0], "cache_type_v": st.kv_cache[1],
         "chat_template": tok.chat_template or "",
         "bos_token": tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
         "eos_token": tok.token_text(tok.eos_id) if tok.eos_id is not None else "",

@@ -82,13 +82,16 @@ def build(args):
     """(app, state) for the flags: the model and engine are loaded here."""
     from vkengine.device import Device
     from vkengine.engine import Engine, EngineConfig
+    from vkengine.kernels import KVTypes
     from vkengine.model import load_model
     scheduler_config(args)   # the flags' errors before the model loads
+    kv_types = KVTypes(args.cache_type_k, args.cache_type_v)
     model = load_model(args.model)
     dev = Device(device_index(args))
     cfg, n_slots = scheduler_config(args, gpu=dev.info.type != "cpu")
     eng = Engine(model, dev, EngineConfig(n_slots=n_slots, n_ctx=args.ctx, max_batch=cfg.max_prompt_rows,
-                                          max_out=n_slots, max_in_flight=3, options=Options.from_env()))
+                                          max_out=n_slots, max_in_flight=3, options=Options.from_env(),
+                                          kv_types=kv_types))
     if eng.max_batch < cfg.step_tokens:
         raise VkEngineError(f"--step-tokens {cfg.step_tokens} does not fit the device's buffers; "
                             f"use at most {eng.max_batch}")
@@ -103,7 +106,8 @@ def build(args):
     metrics = Metrics(n_slots, cfg.max_live)
     worker = Worker(eng, cfg, metrics, step_log=args.step_log)
     st = ServerState(worker=worker, model=model, n_ctx=eng.n_ctx, metrics=metrics, max_tokens=args.max_tokens,
-                     max_body=args.max_body, parallel=args.parallel, mode=args.mode)
+                     max_body=args.max_body, parallel=args.parallel, mode=args.mode,
+                     kv_cache=(eng.kv.types.k, eng.kv.types.v))
     return create_app(st, api_key=args.api_key, cors=args.cors), st, dev
 
 
@@ -115,8 +119,8 @@ def serve_main(args) -> int:
         raise VkEngineError("--api-key (or VKENGINE_API_KEY) is empty: give a key, or leave it out for no auth")
     app, st, dev = build(args)
     log.info("%s on %s: mode %s, parallel %d, %d device slot(s), context %d, step %d tokens, prompt steps "
-             "up to %d", st.model_id, dev.info.name, args.mode, args.parallel, st.worker.cfg.n_slots, st.n_ctx,
-             st.worker.cfg.step_tokens, st.worker.cfg.max_prompt_rows)
+             "up to %d, KV cache K %s V %s", st.model_id, dev.info.name, args.mode, args.parallel,
+             st.worker.cfg.n_slots, st.n_ctx, st.worker.cfg.step_tokens, st.worker.cfg.max_prompt_rows, *st.kv_cache)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log.warning("listening on %s without --api-key: anyone who can reach it can use it", args.host)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", access_log=False,

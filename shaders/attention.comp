@@ -12,7 +12,11 @@
 // switch to owning f16 pairs of the head dimension and accumulate the tile's V
 // rows, each position's weight taken from its lane with a shuffle. Positions are
 // independent within a tile, so their loads overlap instead of queueing.
+// K and V are f16 or q8_0 each (kv.glsl: KV_K_Q8, KV_V_Q8); a q8_0 K row is read
+// as int8 in uvec4s, a block's sum scaled once; a q8_0 V pair comes with its
+// block's scale (kv_q8_pair_word).
 #include "common.glsl"
+#include "kv.glsl"
 #extension GL_KHR_shader_subgroup_shuffle : require
 
 // q and the output: the same activation buffer bound twice (q readonly). In
@@ -96,7 +100,12 @@ void main() {
     const uint hd8 = HD / 8u;
     uint lane = gl_SubgroupInvocationID;
     uint S = gl_SubgroupSize;
-    uint row_words = p.n_kv * hd2;
+    const uint kw_ = KV_K_Q8 != 0 ? HD / 4u : hd2;   // words of a K row (int8 quads or f16 pairs)
+    const uint vw_ = KV_V_Q8 != 0 ? HD / 4u : hd2;   // of a V row
+    uint k_row = p.n_kv * kw_;                        // words of one position
+    uint v_row = p.n_kv * vw_;
+    uint s_row = p.n_kv * (HD / 64u);                 // scale words of one position (q8_0)
+    KvSlot sl = kv_slot(p.slot_stride, p.n_kv, HD);
     for (uint item = items.x + gl_SubgroupID; item < items.y; item += gl_NumSubgroups) {
         uint part = item % split;
         uint rh = item / split;
@@ -109,8 +118,10 @@ void main() {
         if (first > pos) continue;   // a slice past the row's position: the merge skips it
         uint last = p.chunk == 0u ? pos : min(pos, first + p.chunk - 1u);
         uint qb4 = (p.q_off + r * p.q_stride + h * p.head_dim) / 4u;
-        uint kb = p.k_off + slot * p.slot_stride + kvh * hd2;
-        uint vb = p.v_off + slot * p.slot_stride + kvh * hd2;
+        uint kb = p.k_off + slot * sl.k_stride + kvh * kw_;
+        uint vb = p.v_off + slot * sl.v_stride + kvh * vw_;
+        uint ksb = p.k_off + slot * sl.k_stride + sl.k_scales + kvh * (HD / 64u);   // (q8_0)
+        uint vsb = p.v_off + slot * sl.v_stride + sl.v_scales + kvh * (HD / 64u);
         vec2 acc[WPL];
         [[unroll]] for (uint i = 0; i < WPL; i++) acc[i] = vec2(0.0);
         float m = -1.0 / 0.0;
@@ -119,13 +130,30 @@ void main() {
             uint t = t0 + lane;
             float s = -1.0 / 0.0;
             if (t <= last) {
-                uint k4 = (kb + t * row_words) / 4u;
+                uint k4 = (kb + t * k_row) / 4u;
                 float d = 0.0;
+#if KV_K_Q8
+                // per 64 values: a scale word, two blocks of 2 uvec4 of int8 each
+                [[unroll]] for (uint u = 0u; u < HD / 64u; u++) {
+                    vec2 du = unpackHalf2x16(kv[ksb + t * s_row + u]);
+                    [[unroll]] for (uint b = 0u; b < 2u; b++) {
+                        uint blk = 2u * u + b;
+                        uvec4 k0 = kv4[k4 + 2u * blk], k1 = kv4[k4 + 2u * blk + 1u];
+                        uint qa = qb4 + 8u * blk;
+                        float db = dot(act4[qa], kv_i8x4(k0.x)) + dot(act4[qa + 1u], kv_i8x4(k0.y))
+                                 + dot(act4[qa + 2u], kv_i8x4(k0.z)) + dot(act4[qa + 3u], kv_i8x4(k0.w))
+                                 + dot(act4[qa + 4u], kv_i8x4(k1.x)) + dot(act4[qa + 5u], kv_i8x4(k1.y))
+                                 + dot(act4[qa + 6u], kv_i8x4(k1.z)) + dot(act4[qa + 7u], kv_i8x4(k1.w));
+                        d += db * du[b];
+                    }
+                }
+#else
                 [[unroll]] for (uint i = 0u; i < hd8; i++) {
                     uvec4 kw = kv4[k4 + i];
                     d += dot(act4[qb4 + 2u * i], vec4(unpackHalf2x16(kw.x), unpackHalf2x16(kw.y)))
                        + dot(act4[qb4 + 2u * i + 1u], vec4(unpackHalf2x16(kw.z), unpackHalf2x16(kw.w)));
                 }
+#endif
                 s = d * p.scale;
             }
             float m_new = max(m, subgroupMax(s));
@@ -137,16 +165,24 @@ void main() {
             for (uint j0 = 0u; j0 < n_valid; j0 += VB) {
                 uint vw[VB][WPL];
                 [[unroll]] for (uint jj = 0; jj < VB; jj++) {
-                    uint vrow = vb + (t0 + j0 + jj) * row_words;
+                    uint vrow = vb + (t0 + j0 + jj) * v_row;
+#if KV_V_Q8
+                    uint vsrow = vsb + (t0 + j0 + jj) * s_row;
+#endif
                     [[unroll]] for (uint i = 0; i < WPL; i++) {
                         uint w = lane + i * S;
+#if KV_V_Q8
+                        vw[jj][i] = (j0 + jj < n_valid && w < hd2)
+                                  ? kv_q8_pair_word(kv[vrow + w / 2u], kv[vsrow + w / 32u], w) : 0u;
+#else
                         vw[jj][i] = (j0 + jj < n_valid && w < hd2) ? kv[vrow + w] : 0u;
+#endif
                     }
                 }
                 [[unroll]] for (uint jj = 0; jj < VB; jj++) {
                     float ej = subgroupShuffle(e, min(j0 + jj, S - 1u));
                     if (j0 + jj < n_valid) {
-                        [[unroll]] for (uint i = 0; i < WPL; i++) acc[i] += ej * unpackHalf2x16(vw[jj][i]);
+                        [[unroll]] for (uint i = 0; i < WPL; i++) acc[i] += ej * KV_V_PAIR(vw[jj][i]);
                     }
                 }
             }

@@ -28,7 +28,10 @@
 // workgroup to count resets the counter and merges the parts (in part order),
 // its subgroups taking a head each: one dispatch, and the merge's loads spread
 // over a workgroup rather than one subgroup.
+// K and V are f16 or q8_0 each (kv.glsl: KV_K_Q8, KV_V_Q8), read as
+// attention.comp reads them.
 #include "common.glsl"
+#include "kv.glsl"
 #extension GL_KHR_shader_subgroup_shuffle : require
 
 layout(binding = 0) coherent buffer Out { float act[]; };
@@ -122,7 +125,11 @@ void main() {
     const uint hd8 = HD / 8u;
     uint lane = gl_SubgroupInvocationID;
     uint S = gl_SubgroupSize;
-    uint row_words = p.n_kv * hd2;
+    const uint kw_ = KV_K_Q8 != 0 ? HD / 4u : hd2;   // words of a K row (int8 quads or f16 pairs)
+    const uint vw_ = KV_V_Q8 != 0 ? HD / 4u : hd2;   // of a V row
+    uint k_row = p.n_kv * kw_;                        // words of one position
+    uint v_row = p.n_kv * vw_;
+    uint s_row = p.n_kv * (HD / 64u);                 // scale words of one position (q8_0)
     uint gi = rg % n_groups;
     uint kvh = (rg / n_groups) % p.n_kv;
     uint r = rg / (n_groups * p.n_kv);
@@ -135,8 +142,11 @@ void main() {
     chunk = (chunk + p.min_chunk - 1u) / p.min_chunk * p.min_chunk;
     uint used = (total + chunk - 1u) / chunk;
     if (part0 >= used) return;                   // the whole workgroup past the row's position
-    uint kb = p.k_off + slot * p.slot_stride + kvh * hd2;
-    uint vb = p.v_off + slot * p.slot_stride + kvh * hd2;
+    KvSlot sl = kv_slot(p.slot_stride, p.n_kv, HD);
+    uint kb = p.k_off + slot * sl.k_stride + kvh * kw_;
+    uint vb = p.v_off + slot * sl.v_stride + kvh * vw_;
+    uint ksb = p.k_off + slot * sl.k_stride + sl.k_scales + kvh * (HD / 64u);   // (q8_0)
+    uint vsb = p.v_off + slot * sl.v_stride + sl.v_scales + kvh * (HD / 64u);
     uint qb4[GQ];
     [[unroll]] for (uint g = 0; g < GQ; g++)
         qb4[g] = (p.q_off + r * p.q_stride + (h0 + min(g, nh - 1u)) * p.head_dim) / 4u;
@@ -156,7 +166,25 @@ void main() {
             float s[GQ];
             [[unroll]] for (uint g = 0; g < GQ; g++) s[g] = 0.0;
             if (t <= last) {
-                uint k4 = (kb + t * row_words) / 4u;
+                uint k4 = (kb + t * k_row) / 4u;
+#if KV_K_Q8
+                // per 64 values: a scale word, two blocks of 2 uvec4 of int8 each
+                [[unroll]] for (uint u = 0u; u < HD / 64u; u++) {
+                    vec2 du = unpackHalf2x16(kv[ksb + t * s_row + u]);
+                    [[unroll]] for (uint b = 0u; b < 2u; b++) {
+                        uint blk = 2u * u + b;
+                        uvec4 k0 = kv4[k4 + 2u * blk], k1 = kv4[k4 + 2u * blk + 1u];
+                        vec4 kq[8] = vec4[8](kv_i8x4(k0.x), kv_i8x4(k0.y), kv_i8x4(k0.z), kv_i8x4(k0.w),
+                                             kv_i8x4(k1.x), kv_i8x4(k1.y), kv_i8x4(k1.z), kv_i8x4(k1.w));
+                        [[unroll]] for (uint g = 0; g < GQ; g++) {
+                            uint qa = qb4[g] + 8u * blk;
+                            float db = 0.0;
+                            [[unroll]] for (uint j = 0u; j < 8u; j++) db += dot(act4[qa + j], kq[j]);
+                            s[g] += db * du[b];
+                        }
+                    }
+                }
+#else
                 [[unroll]] for (uint i = 0u; i < hd8; i++) {
                     uvec4 kw = kv4[k4 + i];
                     vec4 ka = vec4(unpackHalf2x16(kw.x), unpackHalf2x16(kw.y));
@@ -164,6 +192,7 @@ void main() {
                     [[unroll]] for (uint g = 0; g < GQ; g++)
                         s[g] += dot(act4[qb4[g] + 2u * i], ka) + dot(act4[qb4[g] + 2u * i + 1u], kc);
                 }
+#endif
             }
             float e[GQ];
             [[unroll]] for (uint g = 0; g < GQ; g++) {
@@ -179,10 +208,18 @@ void main() {
             for (uint j0 = 0u; j0 < n_valid; j0 += VB) {
                 uint vw[VB][WPL];
                 [[unroll]] for (uint jj = 0; jj < VB; jj++) {
-                    uint vrow = vb + (t0 + j0 + jj) * row_words;
+                    uint vrow = vb + (t0 + j0 + jj) * v_row;
+#if KV_V_Q8
+                    uint vsrow = vsb + (t0 + j0 + jj) * s_row;
+#endif
                     [[unroll]] for (uint i = 0; i < WPL; i++) {
                         uint w = lane + i * S;
+#if KV_V_Q8
+                        vw[jj][i] = (j0 + jj < n_valid && w < hd2)
+                                  ? kv_q8_pair_word(kv[vrow + w / 2u], kv[vsrow + w / 32u], w) : 0u;
+#else
                         vw[jj][i] = (j0 + jj < n_valid && w < hd2) ? kv[vrow + w] : 0u;
+#endif
                     }
                 }
                 [[unroll]] for (uint jj = 0; jj < VB; jj++) {
@@ -190,7 +227,7 @@ void main() {
                     [[unroll]] for (uint g = 0; g < GQ; g++) {
                         float ej = subgroupShuffle(e[g], src);
                         if (j0 + jj < n_valid) {
-                            [[unroll]] for (uint i = 0; i < WPL; i++) acc[g][i] += ej * unpackHalf2x16(vw[jj][i]);
+                            [[unroll]] for (uint i = 0; i < WPL; i++) acc[g][i] += ej * KV_V_PAIR(vw[jj][i]);
                         }
                     }
                 }

@@ -46,6 +46,7 @@
 #extension GL_KHR_shader_subgroup_arithmetic : require
 #extension GL_KHR_shader_subgroup_shuffle : require
 #extension GL_KHR_shader_subgroup_vote : require
+#include "kv.glsl"   // the KV cache's layouts: f16 or q8_0 (KV_K_Q8, KV_V_Q8), dequantized as staged
 
 #ifndef HD
 #define HD 128
@@ -161,16 +162,37 @@ void main() {
         barrier();
         uint kend = pass_end[0];
         [[unroll]] for (uint s = 1; s < NSG; s++) kend = max(kend, pass_end[s]);
-        uint kbase = (p.k_off + slot * p.slot_stride + kvh * hd2) / 4u;
-        uint vbase = (p.v_off + slot * p.slot_stride + kvh * hd2) / 4u;
-        uint rw4 = row_words / 4u;
+        // K_AT(t, c), V_AT(t, c): halves 8c .. 8c+7 of position t's row as a
+        // uvec4, loaded as they are (f16) or dequantized (q8_0, kv.glsl: the
+        // uvec4 of quants that holds them and their scale word)
+        KvSlot sl = kv_slot(p.slot_stride, p.n_kv, HD);
+        uint rw4 = row_words / 4u;           // uvec4 of an f16 position
+        uint qw4 = p.n_kv * (HD / 16u);      // of a q8_0 position's quants
+        uint sw = p.n_kv * (HD / 64u);       // words of a q8_0 position's scales
+#if KV_K_Q8
+        uint kbase = (p.k_off + slot * sl.k_stride + kvh * (HD / 4u)) / 4u;
+        uint kscale = p.k_off + slot * sl.k_stride + sl.k_scales + kvh * (HD / 64u);
+#define K_AT(t, c) kv_q8_halves8(kv4[kbase + (t) * qw4 + (c) / 2u], (c), KV_WORD(kscale + (t) * sw + (c) / 8u))
+#else
+        uint kbase = (p.k_off + slot * sl.k_stride + kvh * hd2) / 4u;
+#define K_AT(t, c) kv4[kbase + (t) * rw4 + (c)]
+#endif
+#if KV_V_Q8
+        uint vbase = (p.v_off + slot * sl.v_stride + kvh * (HD / 4u)) / 4u;
+        uint vscale = p.v_off + slot * sl.v_stride + sl.v_scales + kvh * (HD / 64u);
+#define V_AT(t, c) kv_q8_halves8(kv4[vbase + (t) * qw4 + (c) / 2u], (c), KV_WORD(vscale + (t) * sw + (c) / 8u))
+#else
+        uint vbase = (p.v_off + slot * sl.v_stride + kvh * hd2) / 4u;
+#define V_AT(t, c) kv4[vbase + (t) * rw4 + (c)]
+#endif
+#define KV_WORD(w) kv4[(w) / 4u][(w) % 4u]
 
         // the first block's keys and values (positions from kend on: zeros)
         [[unroll]] for (uint k = 0; k < STAGE; k++) {
             uint i = lid + k * WG, t = i / HU, c = i % HU;
             bool ok = t < kend;
-            kr[k] = ok ? kv4[kbase + t * rw4 + c] : uvec4(0u);
-            vr[k] = ok ? kv4[vbase + t * rw4 + c] : uvec4(0u);
+            kr[k] = ok ? K_AT(t, c) : uvec4(0u);
+            vr[k] = ok ? V_AT(t, c) : uvec4(0u);
         }
         for (uint t0 = 0u; t0 < kend; t0 += BC) {
             barrier();   // the previous block (or the queries) read from the staging area
@@ -184,8 +206,8 @@ void main() {
                 [[unroll]] for (uint k = 0; k < STAGE; k++) {
                     uint i = lid + k * WG, t = t0 + BC + i / HU, c = i % HU;
                     bool ok = t < kend;
-                    kr[k] = ok ? kv4[kbase + t * rw4 + c] : uvec4(0u);
-                    vr[k] = ok ? kv4[vbase + t * rw4 + c] : uvec4(0u);
+                    kr[k] = ok ? K_AT(t, c) : uvec4(0u);
+                    vr[k] = ok ? V_AT(t, c) : uvec4(0u);
                 }
             }
             bool go = sg_act && t0 < sg_end;   // subgroup-uniform: something of this block for its rows

@@ -2,16 +2,19 @@
 // Gated attention's per-head prologue (Qwen3-Next / Qwen3.5 full-attention
 // layers, build_layer_attn in llama.cpp's qwen35.cpp):
 //   q heads: RMSNorm(q) * wq, RoPE on the first n_rot dims -> q_out (f32)
-//   k heads: RMSNorm(k) * wk, RoPE -> K cache at (slot, pos) (f16 pairs)
+//   k heads: RMSNorm(k) * wk, RoPE -> K cache at (slot, pos)
 //   v heads: as they are -> V cache at (slot, pos)
 // RoPE rotates (d, d + n_rot/2) (NEOX; Qwen3.5's interleaved M-RoPE reduces to
 // it for text, where all sections share the position). q heads are q_head_stride
 // apart in a row (2*head_dim when each head's gate follows its query), k and v
 // heads start at columns k_col and v_col. One subgroup per (row, head); each
-// lane produces whole f16 pairs. cos/sin from the host table [pos][n_rot/2][2].
+// lane produces whole f16 pairs, or, into a q8_0 cache, whole units of 64
+// values (two 32-value blocks, whose max the lane takes itself, and their scale
+// word). cos/sin from the host table [pos][n_rot/2][2].
 // The norm weights and the table share binding 0 (one weight-arena group).
-// KV cache per layer: [slot][pos][kv_head][head_dim/2 words], as rope_kv.comp.
+// The KV cache's layouts: kv.glsl (KV_K_Q8, KV_V_Q8).
 #include "common.glsl"
+#include "kv.glsl"
 
 layout(binding = 0) readonly buffer Wq { float wf[]; };
 layout(binding = 1) buffer Act { float act[]; };
@@ -28,11 +31,29 @@ layout(push_constant) uniform P {
     float eps;
 } p;
 
+// dimension d of a head (kind 0 q, 1 k, 2 v) whose first input float is src:
+// v as it is; q and k normed (scale, weights at wn) and rotated (table row tb)
+float head_value(uint kind, uint src, uint d, float scale, uint wn, uint tb) {
+    if (kind == 2u) return act[src + d];
+    float val = act[src + d] * scale * wf[wn + d];
+    if (d < p.n_rot) {
+        uint half_rot = p.n_rot / 2u;
+        bool second = d >= half_rot;
+        uint pi = second ? d - half_rot : d;
+        uint pd = second ? d - half_rot : d + half_rot;
+        float c = wf[tb + 2u * pi], s = wf[tb + 2u * pi + 1u];
+        float y = act[src + pd] * scale * wf[wn + pd];
+        val = second ? val * c + y * s : val * c - y * s;
+    }
+    return val;
+}
+
 void main() {
     uint heads = p.n_head + 2u * p.n_kv;
     uint hd2 = p.head_dim / 2u;
     uint half_rot = p.n_rot / 2u;
     uvec2 items = workgroup_items(p.n_rows * heads);
+    KvSlot sl = kv_slot(p.slot_stride, p.n_kv, p.head_dim);
     for (uint it = items.x + gl_SubgroupID; it < items.y; it += gl_NumSubgroups) {
         uint r = it / heads;
         uint h = it % heads;
@@ -54,33 +75,40 @@ void main() {
             scale = inversesqrt(subgroupAdd(ss) / float(p.head_dim) + p.eps);
         }
         uint tb = p.table_off + pos * half_rot * 2u;
-        uint cache = p.slot_stride * slot + pos * p.n_kv * hd2 + hh * hd2;
-        for (uint w = gl_SubgroupInvocationID; w < hd2; w += gl_SubgroupSize) {
-            vec2 outv;
-            for (uint k = 0u; k < 2u; k++) {
-                uint d = 2u * w + k;
-                float val;
-                if (kind == 2u) {
-                    val = act[src + d];
-                } else {
-                    val = act[src + d] * scale * wf[wn + d];
-                    if (d < p.n_rot) {
-                        bool second = d >= half_rot;
-                        uint pi = second ? d - half_rot : d;
-                        uint pd = second ? d - half_rot : d + half_rot;
-                        float c = wf[tb + 2u * pi], s = wf[tb + 2u * pi + 1u];
-                        float y = act[src + pd] * scale * wf[wn + pd];
-                        val = second ? val * c + y * s : val * c - y * s;
+        uint base = kind == 1u ? p.k_off + slot * sl.k_stride : p.v_off + slot * sl.v_stride;
+        if (kind == 1u ? KV_K_Q8 != 0 : (kind == 2u && KV_V_Q8 != 0)) {
+            // q8_0: a lane a unit of 64 values (two blocks and their scale word)
+            uint qrow = base + (pos * p.n_kv + hh) * (p.head_dim / 4u);
+            uint srow = base + (kind == 1u ? sl.k_scales : sl.v_scales) + (pos * p.n_kv + hh) * (p.head_dim / 64u);
+            for (uint u = gl_SubgroupInvocationID; u < p.head_dim / 64u; u += gl_SubgroupSize) {
+                vec2 ds;
+                [[unroll]] for (uint b = 0u; b < 2u; b++) {
+                    float x[32];
+                    float amax = 0.0;
+                    [[unroll]] for (uint j = 0u; j < 32u; j++) {
+                        x[j] = head_value(kind, src, 64u * u + 32u * b + j, scale, wn, tb);
+                        amax = max(amax, abs(x[j]));
                     }
+                    float d = kv_q8_scale(amax);
+                    float id = kv_q8_inv(d);
+                    [[unroll]] for (uint j = 0u; j < 8u; j++)
+                        kv[qrow + 16u * u + 8u * b + j] = kv_q8_pack(vec4(x[4u * j], x[4u * j + 1u], x[4u * j + 2u],
+                                                                          x[4u * j + 3u]), id);
+                    ds[b] = d;
                 }
-                outv[k] = val;
+                kv[srow + u] = packHalf2x16(ds);
             }
+            continue;
+        }
+        for (uint w = gl_SubgroupInvocationID; w < hd2; w += gl_SubgroupSize) {
+            vec2 outv = vec2(head_value(kind, src, 2u * w, scale, wn, tb),
+                             head_value(kind, src, 2u * w + 1u, scale, wn, tb));
             if (kind == 0u) {
                 uint ob = p.q_off + r * p.q_stride + hh * p.head_dim + 2u * w;
                 act[ob] = outv.x;
                 act[ob + 1u] = outv.y;
             } else {
-                kv[(kind == 1u ? p.k_off : p.v_off) + cache + w] = packHalf2x16(outv);
+                kv[base + (pos * p.n_kv + hh) * hd2 + w] = packHalf2x16(outv);
             }
         }
     }

@@ -1,15 +1,19 @@
 #version 450
-// Fused RoPE + KV-cache write, one invocation per output word (2 dims):
+// Fused RoPE + KV-cache write:
 //   q heads: rotated, written as f32 to q_out
-//   k heads: rotated, packed to f16 pairs, written to the K cache at (slot, pos)
-//   v heads: packed to f16 pairs, written to the V cache at (slot, pos)
+//   k heads: rotated, written to the K cache at (slot, pos)
+//   v heads: written to the V cache at (slot, pos)
 // Input row r of qkv = [q (n_head*hd) | k (n_kv*hd) | v (n_kv*hd)].
+// One invocation per unit of work: a q word (2 dims), and per K or V head an
+// f16 pair of the cache (f16) or 64 values (q8_0: two 32-value blocks, whose
+// max the invocation takes itself, and their scale word); kv.glsl has the
+// cache's layouts (KV_K_Q8, KV_V_Q8).
 // mode 0 rotates adjacent pairs (2i, 2i+1) (llama.cpp's NORM, GGUF llama
 // weights); mode 1 rotates (i, i + n_rot/2) (NEOX, Hugging Face layout).
 // cos/sin come from a host-computed table [pos][n_rot/2][2] (float64 on the
 // host, so every device rotates identically).
-// KV cache layout per layer: [slot][pos][kv_head][hd/2 words of f16 pairs].
 #include "common.glsl"
+#include "kv.glsl"
 
 layout(binding = 0) readonly buffer Wq { float table[]; };
 layout(binding = 1) buffer Act { float act[]; };
@@ -30,39 +34,13 @@ float rotated(uint xb, uint d, float c, float s, uint pair_d, bool second) {
     return second ? x * c + y * s : x * c - y * s;
 }
 
-void main() {
-    uint hd2 = p.head_dim / 2u;
-    uint wq_ = p.n_head * hd2;
-    uint wk = p.n_kv * hd2;
-    uint per_row = wq_ + 2u * wk;
-    uint i = workgroup_linear() * gl_WorkGroupSize.x + gl_LocalInvocationID.x;
-    if (i >= p.n_rows * per_row) return;
-    uint r = i / per_row;
-    uint w = i % per_row;
-    uint pos = params[p.pos_off + r];
-    uint slot = params[p.slot_off + r];
-    uint rb = p.qkv_off + r * p.qkv_stride;
-
-    uint head_base;   // first input float of this head
-    uint wi;          // word inside the head
-    if (w < wq_) {
-        head_base = rb + (w / hd2) * p.head_dim;
-        wi = w % hd2;
-    } else if (w < wq_ + wk) {
-        head_base = rb + p.n_head * p.head_dim + ((w - wq_) / hd2) * p.head_dim;
-        wi = (w - wq_) % hd2;
-    } else {
-        // V: no rotation
-        uint vw = w - wq_ - wk;
-        uint base = rb + (p.n_head + p.n_kv) * p.head_dim + vw * 2u;
-        kv[p.v_off + slot * p.slot_stride + pos * wk + vw] = packHalf2x16(vec2(act[base], act[base + 1u]));
-        return;
-    }
-
+// dims 2 wi and 2 wi + 1 of the head whose first input float is head_base,
+// rotated (rot) with the table's row at tb, or as they are
+vec2 head_pair(uint head_base, uint wi, uint tb, bool rot) {
     uint d0 = 2u * wi;
+    if (!rot) return vec2(act[head_base + d0], act[head_base + d0 + 1u]);
     vec2 outv;
     uint half_rot = p.n_rot / 2u;
-    uint tb = p.table_off + pos * half_rot * 2u;
     if (p.mode == 0u) {
         if (d0 < p.n_rot) {
             uint pi = wi;
@@ -90,12 +68,66 @@ void main() {
             outv[k] = val;
         }
     }
+    return outv;
+}
+
+// Unit u of a q8_0 head (values 64u .. 64u+63: two blocks) -> quant words
+// qrow + 16u .. qrow + 16u + 15 and scale word sw
+void store_q8(uint head_base, uint u, uint tb, bool rot, uint qrow, uint sw) {
+    vec2 ds;
+    [[unroll]] for (uint b = 0u; b < 2u; b++) {
+        vec2 x[16];
+        float amax = 0.0;
+        [[unroll]] for (uint j = 0u; j < 16u; j++) {
+            x[j] = head_pair(head_base, 32u * u + 16u * b + j, tb, rot);
+            amax = max(amax, max(abs(x[j].x), abs(x[j].y)));
+        }
+        float d = kv_q8_scale(amax);
+        float id = kv_q8_inv(d);
+        [[unroll]] for (uint j = 0u; j < 8u; j++)
+            kv[qrow + 16u * u + 8u * b + j] = kv_q8_pack(vec4(x[2u * j], x[2u * j + 1u]), id);
+        ds[b] = d;
+    }
+    kv[sw] = packHalf2x16(ds);
+}
+
+void main() {
+    uint hd = p.head_dim;
+    uint hd2 = hd / 2u;
+    uint wq_ = p.n_head * hd2;
+    uint uk = KV_K_Q8 != 0 ? hd / 64u : hd2;   // units of a K head
+    uint uv = KV_V_Q8 != 0 ? hd / 64u : hd2;   // of a V head
+    uint per_row = wq_ + p.n_kv * (uk + uv);
+    uint i = workgroup_linear() * gl_WorkGroupSize.x + gl_LocalInvocationID.x;
+    if (i >= p.n_rows * per_row) return;
+    uint r = i / per_row;
+    uint w = i % per_row;
+    uint pos = params[p.pos_off + r];
+    uint slot = params[p.slot_off + r];
+    uint rb = p.qkv_off + r * p.qkv_stride;
+    uint tb = p.table_off + pos * (p.n_rot / 2u) * 2u;
+
     if (w < wq_) {
-        uint h = w / hd2;
-        uint ob = p.q_off + r * p.q_stride + h * p.head_dim + d0;
+        uint h = w / hd2, wi = w % hd2;
+        vec2 outv = head_pair(rb + h * hd, wi, tb, true);
+        uint ob = p.q_off + r * p.q_stride + h * hd + 2u * wi;
         act[ob] = outv.x;
         act[ob + 1u] = outv.y;
+        return;
+    }
+    bool is_k = w < wq_ + p.n_kv * uk;
+    uint wu = is_k ? w - wq_ : w - wq_ - p.n_kv * uk;
+    uint units = is_k ? uk : uv;
+    uint kvh = wu / units, u = wu % units;
+    uint head_base = rb + (p.n_head + (is_k ? 0u : p.n_kv) + kvh) * hd;
+    KvSlot sl = kv_slot(p.slot_stride, p.n_kv, hd);
+    uint base = is_k ? p.k_off + slot * sl.k_stride : p.v_off + slot * sl.v_stride;
+    bool q8 = is_k ? KV_K_Q8 != 0 : KV_V_Q8 != 0;
+    if (q8) {
+        uint qrow = base + (pos * p.n_kv + kvh) * (hd / 4u);
+        uint sw = base + (is_k ? sl.k_scales : sl.v_scales) + (pos * p.n_kv + kvh) * (hd / 64u) + u;
+        store_q8(head_base, u, tb, is_k, qrow, sw);
     } else {
-        kv[p.k_off + slot * p.slot_stride + pos * wk + (w - wq_)] = packHalf2x16(outv);
+        kv[base + (pos * p.n_kv + kvh) * hd2 + u] = packHalf2x16(head_pair(head_base, u, tb, is_k));
     }
 }

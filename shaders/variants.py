@@ -133,6 +133,21 @@ def attn_mc_shared_bytes(hd: int, nsg: int, bc: int) -> int:
     """Shared memory of an attention_mc.comp variant (its arrays: staged keys
     and values, scores, probabilities, per-row factors, pass slots and ends)."""
     return 2 * bc * (hd + 8) * 2 + nsg * 16 * (bc + 4) * 4 + nsg * 16 * (bc + 8) * 2 + nsg * 16 * 4 + 2 * nsg * 4
+# KV cache storage types (shaders/kv.glsl; llama-server's --cache-type-k/-v
+# names), K and V each. The kernels that write or read the cache have a variant
+# per combination other than f16/f16, named with kv_tag's suffix and compiled
+# with KV_K_Q8 / KV_V_Q8.
+KV_TYPES = ("f16", "q8_0")
+KV_OPS = ("rope_kv", "norm_rope_kv", "attention", "attention_split", "attention_dec")
+
+
+def kv_tag(k: str, v: str) -> str:
+    """The variant-name suffix of a KV cache of K type k and V type v ("" for f16/f16)."""
+    return {("f16", "f16"): "", ("q8_0", "f16"): "_kq8", ("f16", "q8_0"): "_vq8", ("q8_0", "q8_0"): "_kvq8"}[k, v]
+
+
+def _kv_defines(k: str, v: str) -> dict[str, int]:
+    return {**({"KV_K_Q8": 1} if k == "q8_0" else {}), **({"KV_V_Q8": 1} if v == "q8_0" else {})}
 
 
 def _table() -> dict[str, tuple[str, dict[str, int]]]:
@@ -184,6 +199,14 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
     t["attention_split"] = ("attention.comp", {"SPLIT": 1})   # split-K decode, slices merged in place
     t["attention_dec"] = ("attention_dec.comp", {})   # decode by KV-head group, parts following the position
     t.update(_hybrid_table())
+    # the KV cache's writers and readers for quantized K and/or V
+    kv_ops = [*KV_OPS, *(f"attention_mc_d{hd}" for hd in ATTN_MC_HEAD_DIMS)]
+    for k in KV_TYPES:
+        for v in KV_TYPES:
+            if kv_tag(k, v):
+                for op in kv_ops:
+                    src, d = t[op]
+                    t[op + kv_tag(k, v)] = (src, {**d, **_kv_defines(k, v)})
     return t
 
 

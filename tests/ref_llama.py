@@ -2,7 +2,7 @@
 
 Written independently of the engine's graph code: weights dequantized with the
 `gguf` package, full causal attention over the whole sequence. K and V are
-rounded to f16 as the engine's KV cache stores them, so logits can be compared
+rounded as the engine's KV cache stores them (f16, or q8_0 blocks), so logits can be compared
 tightly; everything else is float32/float64 on the host.
 """
 from __future__ import annotations
@@ -25,14 +25,16 @@ class RefLlama:
             self.w[name] = self.mf.tensor(name).as_f32().astype(np.float32)
         return self.w[name]
 
-    def logits(self, tokens: list[int], act_q8: bool = False, ffn_q8_parts: bool = False) -> np.ndarray:
+    def logits(self, tokens: list[int], act_q8: bool = False, ffn_q8_parts: bool = False,
+               kv: tuple[str, str] = ("f16", "f16")) -> np.ndarray:
         """(len(tokens), n_vocab) logits of a sequence starting at position 0.
         act_q8: the inputs of the products that the XQ8 matvecs take (gate|up
         and the output head: the matrices that never fuse a norm or RoPE)
         rounded to 8-bit blocks first, as those kernels take them
         (ref.dequantize_q8). ffn_q8_parts: gate|up's input as the XQ8_IN path
         takes it (Kernels.xq8_in): h' = x * ffn_norm's weight as two planes of
-        8-bit blocks, then times the norm's scale 1 / rms(x)."""
+        8-bit blocks, then times the norm's scale 1 / rms(x). kv: the KV cache's
+        K and V types (f16, q8_0: ref.kv_round)."""
         a = self.a
         qa = ref.dequantize_q8 if act_q8 else (lambda t: t)
         n = len(tokens)
@@ -48,8 +50,8 @@ class RefLlama:
             v = (h @ self.W(p + "attn_v.weight").T).reshape(n, Hkv, hd)
             q = ref.rope(q, pos, a.n_rot, a.rope_base, a.rope_neox, a.rope_freq_scale)
             k = ref.rope(k, pos, a.n_rot, a.rope_base, a.rope_neox, a.rope_freq_scale)
-            k16 = k.astype(np.float16).astype(np.float32)
-            v16 = v.astype(np.float16).astype(np.float32)
+            k16 = ref.kv_round(k.astype(np.float32), kv[0])
+            v16 = ref.kv_round(v.astype(np.float32), kv[1])
             att = np.stack([ref.attention(q[t], k16[: t + 1], v16[: t + 1], 1.0 / np.sqrt(hd)) for t in range(n)])
             wo = self.W(p + "attn_output.weight").T.astype(np.float64)
             x = x + att.reshape(n, H * hd).astype(np.float32).astype(np.float64) @ wo

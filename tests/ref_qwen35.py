@@ -4,7 +4,8 @@ Written independently of the engine's graph, from the layer definitions of
 Hugging Face's modeling_qwen3_5(_moe).py and llama.cpp's qwen35(moe).cpp: whole
 sequences from position 0, weights dequantized with the `gguf` package, float64
 math, linear attention by the token recurrence, full attention over the whole
-prefix. K and V are rounded to f16 as the engine's KV cache stores them.
+prefix. K and V are rounded as the engine's KV cache stores them (f16, or
+q8_0 blocks: `kv`).
 GGUF conventions: value heads tiled over key heads, norms with +1 folded in
 (except ssm_norm), ssm_a = -exp(A_log).
 """
@@ -20,8 +21,9 @@ from . import reference_hybrid as rh
 
 
 class RefQwen35:
-    def __init__(self, mf: ModelFile, args):
+    def __init__(self, mf: ModelFile, args, kv: tuple[str, str] = ("f16", "f16")):
         self.a = args
+        self.kv = kv   # the KV cache's K and V types
         self.mf = mf
         self.w: dict[str, np.ndarray] = {}
         self.table = rope_table(4096, args.n_rot, args.rope_base)
@@ -43,8 +45,8 @@ class RefQwen35:
                          self.table)
         k = rh.rope_neox(rh.rms_norm(k, self.W(p + "attn_k_norm.weight"), a.rms_eps), pos[:, None], a.n_rot,
                          self.table)
-        k16 = k.astype(np.float16).astype(np.float64)
-        v16 = v.astype(np.float16).astype(np.float64)
+        k16 = ref.kv_round(k.astype(np.float32), self.kv[0]).astype(np.float64)
+        v16 = ref.kv_round(v.astype(np.float32), self.kv[1]).astype(np.float64)
         att = np.stack([ref.attention(q[t], k16[: t + 1], v16[: t + 1], 1.0 / np.sqrt(hd)) for t in range(n)])
         att = att.astype(np.float64) * rh.sigmoid(gate)
         return att.reshape(n, H * hd) @ self.W(p + "attn_output.weight").T

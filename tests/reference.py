@@ -88,3 +88,28 @@ def dequantize_q8x2(x: np.ndarray) -> np.ndarray:
     q, q2, d = quantize_q8x2(x)
     dr = np.repeat(d, 32, axis=-1).astype(np.float64)
     return (q.astype(np.float64) * dr + q2.astype(np.float64) * (dr / 254)).astype(np.float32)
+
+
+def quantize_kv_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's quantize_row_q8_0_ref (ggml-quants.c) in float32, per 32-value
+    block of the last axis: (q int8, same shape; d float16 [..., n / 32]) with
+    d = max|x| / 127, id = 1 / d (0 where d = 0), q = roundf(x * id) (halves
+    away from zero)."""
+    b = np.asarray(x, np.float32).reshape(*x.shape[:-1], -1, 32)
+    d = (np.abs(b).max(-1) / np.float32(127)).astype(np.float32)
+    inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), 0).astype(np.float32)
+    y = (b * inv[..., None]).astype(np.float32)
+    t = np.trunc(y)
+    q = t + np.where(np.abs(y - t) >= 0.5, np.sign(y), 0)
+    return q.astype(np.int8).reshape(x.shape), d.astype(np.float16)
+
+
+def dequantize_kv_q8_0(q: np.ndarray, d: np.ndarray) -> np.ndarray:
+    return (q.astype(np.float32) * np.repeat(d.astype(np.float32), 32, axis=-1)).astype(np.float32)
+
+
+def kv_round(x: np.ndarray, kv_type: str) -> np.ndarray:
+    """x (..., head_dim) as a KV cache of type kv_type holds it, as float32."""
+    if kv_type == "q8_0":
+        return dequantize_kv_q8_0(*quantize_kv_q8_0(x))
+    return np.asarray(x).astype(np.float16).astype(np.float32)

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from shaders.variants import MC2_TYPES, MC2H_TILES, MC2H_UNROLL, WEIGHT_TYPES
-from vkengine.kernels import Region, device_has_coopmat2
+from vkengine.kernels import KVTypes, Region, device_has_coopmat2
 
+from . import kv_util
 from . import reference as ref
 from .conftest import Workspace, kernels_for, with_caps
 from .quant_util import K_QUANTS, random_quantized, upload_matrix
@@ -838,21 +839,31 @@ def test_argmax(device, kernels, ws, rng):
 
 # -- RoPE + KV cache, attention ----------------------------------------------------
 
-def _kv_setup(ws, n_slots, ctx, n_kv, hd):
-    slot_stride = ctx * n_kv * hd // 2
-    k = ws.act_region(n_slots * slot_stride)
-    v = ws.act_region(n_slots * slot_stride)
-    return k, v, slot_stride
+def _kv_setup(ws, n_slots, ctx, n_kv, hd, kv=KVTypes()):
+    """K and V regions of a cache of kv's types (kv_util's layouts) and K's slot stride (what the kernels take)"""
+    cap = kv_util.capacity(ctx, kv)
+    k = ws.act_region(n_slots * kv_util.slot_words(kv.k, cap, n_kv, hd))
+    v = ws.act_region(n_slots * kv_util.slot_words(kv.v, cap, n_kv, hd))
+    return k, v, kv_util.slot_words(kv.k, cap, n_kv, hd)
 
 
 def _read_cache(ws, r, n_slots, ctx, n_kv, hd):
     return ws.read(r, np.uint32).view(np.float16).astype(np.float32).reshape(n_slots, ctx, n_kv, hd)
 
 
+KV_Q8 = {"k": KVTypes("q8_0", "f16"), "v": KVTypes("f16", "q8_0"), "kv": KVTypes("q8_0", "q8_0")}
+
+
 @pytest.mark.parametrize("neox", [False, True])
 @pytest.mark.parametrize("n_rot_frac", [1, 2])
-def test_rope_kv(device, kernels, ws, rng, neox, n_rot_frac):
-    rows, n_head, n_kv, hd, ctx, n_slots = 5, 6, 2, 64, 40, 3
+@pytest.mark.parametrize("kv", ["f16", *KV_Q8])
+def test_rope_kv(device, kernels, ws, rng, neox, n_rot_frac, kv):
+    """q rotated to q_out, k rotated and v into the cache at each row's (slot,
+    position): f16, or q8_0 blocks (kv: which side) as llama.cpp's quantizer
+    makes them of the same floats; nothing else of the cache written."""
+    types = KV_Q8.get(kv, KVTypes())
+    # q8_0: a context that is not a multiple of 4 (the slots' positions are rounded up), and 1 or 2 scale words a head
+    rows, n_head, n_kv, hd, ctx, n_slots = 5, 6, 2, 128 if kv in ("k", "v") else 64, 40 if kv == "f16" else 39, 3
     n_rot = hd // n_rot_frac
     base = 10000.0
     from vkengine.rope import rope_table
@@ -870,33 +881,36 @@ def test_rope_kv(device, kernels, ws, rng, neox, n_rot_frac):
     ws.params.array()[50:50 + rows] = slots
     qr = ws.act_region(rows * width, qkv)
     qo = ws.act_region(rows * n_head * hd)
-    kc, vc, ss = _kv_setup(ws, n_slots, ctx, n_kv, hd)
+    kc, vc, ss = _kv_setup(ws, n_slots, ctx, n_kv, hd, types)
     prog = device.program()
     kernels.rope_kv(prog, table, qr, width, qo, n_head * hd, rows, n_head, n_kv, hd, n_rot, neox,
-                    kc, vc, ss, ws.params, 0, 50)
+                    kc, vc, ss, ws.params, 0, 50, kv_types=types)
     prog.run()
     q = qkv[:, : n_head * hd].reshape(rows, n_head, hd)
     k = qkv[:, n_head * hd: (n_head + n_kv) * hd].reshape(rows, n_kv, hd)
     v = qkv[:, (n_head + n_kv) * hd:].reshape(rows, n_kv, hd)
     _close(ws.read(qo).reshape(rows, n_head, hd), ref.rope(q, pos, n_rot, base, neox), atol_scale=1e-6)
-    kcache = _read_cache(ws, kc, n_slots, ctx, n_kv, hd)
-    vcache = _read_cache(ws, vc, n_slots, ctx, n_kv, hd)
-    kref = ref.rope(k, pos, n_rot, base, neox).astype(np.float16).astype(np.float32)
-    for r in range(rows):
-        np.testing.assert_allclose(kcache[slots[r], pos[r]], kref[r], rtol=1e-3, atol=1e-3)
-        np.testing.assert_array_equal(vcache[slots[r], pos[r]], v[r].astype(np.float16).astype(np.float32))
+    cap = kv_util.capacity(ctx, types)
+    kv_util.check_written(ws.read(kc, np.uint32), types.k, ref.rope(k, pos, n_rot, base, neox), slots, pos,
+                          n_slots, cap, n_kv, hd, tol=1e-3)
+    kv_util.check_written(ws.read(vc, np.uint32), types.v, v, slots, pos, n_slots, cap, n_kv, hd)
+
+
 
 
 class _AttentionCase:
-    """A filled f16 KV cache, rows' positions and slots in params (positions
-    at word 0, slots at slot_off), random q and an output region."""
+    """A filled KV cache (kv's types: f16 values or random q8_0 blocks), rows'
+    positions and slots in params (positions at word 0, slots at slot_off),
+    random q and an output region. kvals, vvals: the cache's values as floats."""
 
-    def __init__(self, ws, rng, n_slots, ctx, n_head, n_kv, hd, slots, pos, slot_off):
-        self.kc, self.vc, self.ss = _kv_setup(ws, n_slots, ctx, n_kv, hd)
-        self.kvals = rng.standard_normal((n_slots, ctx, n_kv, hd)).astype(np.float16)
-        self.vvals = rng.standard_normal((n_slots, ctx, n_kv, hd)).astype(np.float16)
-        ws.device.upload(self.kc.buf, self.kvals.view(np.uint32), self.kc.off * 4)
-        ws.device.upload(self.vc.buf, self.vvals.view(np.uint32), self.vc.off * 4)
+    def __init__(self, ws, rng, n_slots, ctx, n_head, n_kv, hd, slots, pos, slot_off, kv=KVTypes(), grow=None):
+        self.kc, self.vc, self.ss = _kv_setup(ws, n_slots, ctx, n_kv, hd, kv)
+        self.kv = kv
+        shape = (n_slots, kv_util.capacity(ctx, kv), n_kv, hd)
+        kw, self.kvals = kv_util.random_side(rng, kv.k, shape, grow)
+        vw, self.vvals = kv_util.random_side(rng, kv.v, shape)
+        ws.device.upload(self.kc.buf, kw, self.kc.off * 4)
+        ws.device.upload(self.vc.buf, vw, self.vc.off * 4)
         rows = len(slots)
         ws.params.array()[0:rows] = pos
         ws.params.array()[slot_off:slot_off + rows] = slots
@@ -910,23 +924,25 @@ class _AttentionCase:
         """got (the output region's floats) against numpy attention of q"""
         got = got.reshape(self.shape)
         for r, (s, p) in enumerate(zip(self.slots, self.pos)):
-            want = ref.attention(q[r], self.kvals[s, :p + 1].astype(np.float32),
-                                 self.vvals[s, :p + 1].astype(np.float32), self.scale)
+            want = ref.attention(q[r], self.kvals[s, :p + 1], self.vvals[s, :p + 1], self.scale)
             _close(got[r], want, **tol)
 
 
 @pytest.mark.parametrize("split", ["none", "slices", "dec"])
-@pytest.mark.parametrize("hd,n_head,n_kv", [(64, 9, 3), (128, 4, 4), (32, 8, 1)])
-def test_attention_mixed_batch(device, kernels, ws, rng, hd, n_head, n_kv, split):
+@pytest.mark.parametrize("hd,n_head,n_kv,kv", [(64, 9, 3, "f16"), (128, 4, 4, "f16"), (32, 8, 1, "f16"),
+                                               (64, 9, 3, "kv"), (128, 4, 4, "k"), (64, 4, 2, "v")])
+def test_attention_mixed_batch(device, kernels, ws, rng, hd, n_head, n_kv, kv, split):
     """A prefill chunk of one slot (causal) and decode rows of two others in one
-    dispatch, against numpy on the same f16 cache contents (split: rows within
+    dispatch, against numpy on the same cache contents (split: rows within
     one slice or part and rows over several, merged; "slices": attention.comp's
-    64-position slices, "dec": attention_dec.comp's parts by KV-head group)."""
+    64-position slices, "dec": attention_dec.comp's parts by KV-head group; kv:
+    f16, or which sides are q8_0 blocks, dequantized by the reference)."""
     kernels = with_caps(kernels, attention_dec=split == "dec", attn_items=16)
     slots = np.array([0, 0, 0, 0, 0, 2, 1, 1], np.uint32)
     pos = np.array([0, 1, 2, 3, 4, 229, 33, 150], np.uint32)
     ctx, rows = 230, len(slots)
-    c = _AttentionCase(ws, rng, 3, ctx, n_head, n_kv, hd, slots, pos, 20)
+    types = KV_Q8.get(kv, KVTypes())
+    c = _AttentionCase(ws, rng, 3, ctx, n_head, n_kv, hd, slots, pos, 20, types)
     kc, vc, ss, qr, orr, scale = c.kc, c.vc, c.ss, c.qr, c.orr, c.scale
     on = split != "none"
     tmp = ws.act_region(kernels.attention_tmp_words(rows, n_head, n_kv, hd, ctx)) if on else None
@@ -934,7 +950,7 @@ def test_attention_mixed_batch(device, kernels, ws, rng, hd, n_head, n_kv, split
     sync = ws.act_region(n_sync, np.zeros(n_sync, np.uint32)) if on else None
     prog = device.program()
     kernels.attention(prog, qr, n_head * hd, orr, n_head * hd, rows, n_head, n_kv, hd, kc, vc, ss,
-                      ws.params, 0, 20, scale, tmp, ctx, sync)
+                      ws.params, 0, 20, scale, tmp, ctx, sync, kv_types=types)
     # twice: split-K's slices merge through counters that must be left zero
     for _ in range(2):
         ws.device.upload(orr.buf, np.full(orr.words, 0x7FC00000, np.uint32), orr.off * 4)
@@ -944,28 +960,31 @@ def test_attention_mixed_batch(device, kernels, ws, rng, hd, n_head, n_kv, split
             assert (ws.read(sync, np.uint32) == 0).all()
 
 
-@pytest.mark.parametrize("items", [16, 1024])
-@pytest.mark.parametrize("hd,n_head,n_kv", [(64, 8, 2), (128, 20, 1), (256, 6, 3)])
-def test_attention_decode_depth(device, kernels, rng, hd, n_head, n_kv, items):
+@pytest.mark.parametrize("hd,n_head,n_kv,items,kv", [
+    *[(hd, nh, nkv, items, "f16") for hd, nh, nkv in [(64, 8, 2), (128, 20, 1), (256, 6, 3)] for items in (16, 1024)],
+    (64, 8, 2, 1024, "kv"), (128, 20, 1, 1024, "k"), (256, 6, 3, 1024, "v")])
+def test_attention_decode_depth(device, kernels, rng, hd, n_head, n_kv, items, kv):
     """attention_dec at depth: decode rows of four slots at positions far below
     and near the context's end, on and beside part boundaries (parts of 32
     positions and more), in one step, against numpy; each row's output equals
     the same row decoded alone, bit for bit (a part's size follows only its
     row's position). (128, 20, 1): 20 query heads of one KV head, as three
-    items of at most 8; items 16: the fewest parts (8), long parts."""
+    items of at most 8; items 16: the fewest parts (8), long parts. kv: f16,
+    or which sides are q8_0 blocks."""
     kernels = with_caps(kernels, split_attention=True, attention_dec=True, attn_items=items)
     ws = Workspace(device, act_words=12 << 20)
     ctx = 2600
     slots = np.array([0, 1, 2, 3, 1, 0], np.uint32)
     pos = np.array([2599, 31, 1024, 255, 32, 1999], np.uint32)
     rows = len(slots)
-    c = _AttentionCase(ws, rng, 4, ctx, n_head, n_kv, hd, slots, pos, 20)
+    types = KV_Q8.get(kv, KVTypes())
+    c = _AttentionCase(ws, rng, 4, ctx, n_head, n_kv, hd, slots, pos, 20, types)
     tmp = ws.act_region(kernels.attention_tmp_words(rows, n_head, n_kv, hd, ctx))
     n_sync = kernels.attention_sync_words(rows, n_head)
     sync = ws.act_region(n_sync, np.zeros(n_sync, np.uint32))
     prog = device.program()
     kernels.attention(prog, c.qr, n_head * hd, c.orr, n_head * hd, rows, n_head, n_kv, hd, c.kc, c.vc, c.ss,
-                      ws.params, 0, 20, c.scale, tmp, ctx, sync)
+                      ws.params, 0, 20, c.scale, tmp, ctx, sync, kv_types=types)
     ws.device.upload(c.orr.buf, np.full(c.orr.words, 0x7FC00000, np.uint32), c.orr.off * 4)
     prog.run()
     got = ws.read(c.orr).copy()
@@ -978,17 +997,21 @@ def test_attention_decode_depth(device, kernels, rng, hd, n_head, n_kv, items):
     ws.params.array()[0], ws.params.array()[20] = pos[2], slots[2]
     prog = device.program()
     kernels.attention(prog, q1, n_head * hd, o1, n_head * hd, 1, n_head, n_kv, hd, c.kc, c.vc, c.ss,
-                      ws.params, 0, 20, c.scale, tmp, ctx, sync)
+                      ws.params, 0, 20, c.scale, tmp, ctx, sync, kv_types=types)
     prog.run()
     ws.params.array()[:32] = saved
     np.testing.assert_array_equal(ws.read(o1), got.reshape(rows, -1)[2])
     ws.close()
 
 
-@pytest.mark.parametrize("hd,n_head,n_kv,grow", [(64, 8, 2, False), (128, 4, 1, True), (128, 3, 3, True),
-                                                  (64, 8, 1, False), (128, 6, 3, False), (256, 8, 2, True),
-                                                  (256, 3, 3, False), (256, 5, 1, False)])
-def test_attention_coopmat(device, coopmat_kernels, ws, rng, hd, n_head, n_kv, grow):
+@pytest.mark.parametrize("hd,n_head,n_kv,grow,kv", [(64, 8, 2, False, "f16"), (128, 4, 1, True, "f16"),
+                                                     (128, 3, 3, True, "f16"), (64, 8, 1, False, "f16"),
+                                                     (128, 6, 3, False, "f16"), (64, 8, 2, False, "kv"),
+                                                     (128, 4, 1, True, "kv"), (128, 6, 3, False, "k"),
+                                                     (64, 8, 1, True, "v"), (256, 8, 2, True, "f16"),
+                                                     (256, 3, 3, False, "f16"), (256, 5, 1, False, "f16"),
+                                                     (256, 8, 2, True, "kv")])
+def test_attention_coopmat(device, coopmat_kernels, ws, rng, hd, n_head, n_kv, grow, kv):
     """attention_mc (cooperative matrices, prompt-sized steps): two prefill
     chunks of different slots (positions past several 32-position blocks) and
     decode rows of a third in one dispatch, so that 16-row blocks mix slots
@@ -997,17 +1020,18 @@ def test_attention_coopmat(device, coopmat_kernels, ws, rng, hd, n_head, n_kv, g
     numpy with q rounded to halves as the kernel does (its fp16 probabilities
     are what the tolerance allows for). grow: keys larger with the position,
     so that later blocks raise a row's running max past the kernel's slack and
-    its output is rescaled."""
+    its output is rescaled. kv: f16, or which sides are q8_0 blocks (the
+    kernel dequantizes them to halves as it stages them)."""
     assert coopmat_kernels.attention_on_coopmat(62, hd)
     slots = np.array([0] * 40 + [2, 2] + [1] * 20, np.uint32)
     pos = np.array(list(range(40)) + [99, 64] + list(range(50, 70)), np.uint32)
-    c = _AttentionCase(ws, rng, 3, 100, n_head, n_kv, hd, slots, pos, 100)
-    if grow:
-        c.kvals = (c.kvals.astype(np.float32) * (1 + 0.15 * np.arange(100))[None, :, None, None]).astype(np.float16)
-        ws.device.upload(c.kc.buf, c.kvals.view(np.uint32), c.kc.off * 4)
+    types = KV_Q8.get(kv, KVTypes())
+    ctx = 100
+    growth = 1 + 0.15 * np.arange(kv_util.capacity(ctx, types)) if grow else None
+    c = _AttentionCase(ws, rng, 3, ctx, n_head, n_kv, hd, slots, pos, 100, types, grow=growth)
     prog = device.program()
     coopmat_kernels.attention(prog, c.qr, n_head * hd, c.orr, n_head * hd, len(slots), n_head, n_kv, hd, c.kc, c.vc,
-                              c.ss, ws.params, 0, 100, c.scale)
+                              c.ss, ws.params, 0, 100, c.scale, kv_types=types)
     prog.run()
     c.check(ws.read(c.orr), c.q.astype(np.float16).astype(np.float32), rtol=2e-3, atol_scale=2e-3)
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from vkengine.kernels import KVTypes
 from vkengine.rope import rope_table
 
+from . import kv_util
 from . import reference_hybrid as rh
 from .quant_util import random_quantized, upload_matrix
 
@@ -206,8 +208,14 @@ def test_delta_rule(device, hk, ws, rng, tiled, nk, nv, dk, dv, long):
 
 # -- gated attention prologue: q/k RMSNorm + partial NEOX RoPE + KV write -----------------
 
-def test_norm_rope_kv(device, hk, ws, rng):
-    rows, H, Hkv, hd, n_rot, ctx, n_slots = 5, 4, 2, 32, 8, 30, 3
+@pytest.mark.parametrize("hd,n_rot,k,v", [(32, 8, "f16", "f16"), (64, 16, "q8_0", "q8_0"), (128, 32, "q8_0", "f16"),
+                                          (64, 16, "f16", "q8_0")])
+def test_norm_rope_kv(device, hk, ws, rng, hd, n_rot, k, v):
+    """q normed and rotated to q_out, k normed and rotated and v into the cache
+    at each row's (slot, position): f16, or q8_0 blocks as llama.cpp's
+    quantizer makes them of the same floats; nothing else of the cache written."""
+    rows, H, Hkv, ctx, n_slots = 5, 4, 2, 30, 3
+    types = KVTypes(k, v)
     table = rope_table(ctx, n_rot, 10000.0)
     wq = (1 + 0.3 * rng.standard_normal(hd)).astype(np.float32)
     wk = (1 + 0.3 * rng.standard_normal(hd)).astype(np.float32)
@@ -221,23 +229,22 @@ def test_norm_rope_kv(device, hk, ws, rng):
     stride = width + 4
     qr = ws.act_region(rows * stride, np.pad(qkv, ((0, 0), (0, 4))))
     qo = ws.act_region(rows * H * hd)
-    slot_stride = ctx * Hkv * hd // 2
-    kc, vc = ws.act_region(n_slots * slot_stride), ws.act_region(n_slots * slot_stride)
+    cap = kv_util.capacity(ctx, types)
+    slot_stride = kv_util.slot_words(k, cap, Hkv, hd)
+    kc = ws.act_region(n_slots * slot_stride)
+    vc = ws.act_region(n_slots * kv_util.slot_words(v, cap, Hkv, hd))
     prog = device.program()
     hk.norm_rope_kv(prog, tr, wqr, wkr, qr, stride, 2 * hd, 2 * H * hd, 2 * H * hd + Hkv * hd, qo, H * hd, rows,
-                    H, Hkv, hd, n_rot, kc, vc, slot_stride, ws.params, pos_off, slot_off, 1e-6)
+                    H, Hkv, hd, n_rot, kc, vc, slot_stride, ws.params, pos_off, slot_off, 1e-6, kv_types=types)
     prog.run()
     q = qkv[:, :2 * H * hd].reshape(rows, H, 2, hd)[:, :, 0]
-    k = qkv[:, 2 * H * hd: 2 * H * hd + Hkv * hd].reshape(rows, Hkv, hd)
-    v = qkv[:, 2 * H * hd + Hkv * hd:].reshape(rows, Hkv, hd)
+    kk = qkv[:, 2 * H * hd: 2 * H * hd + Hkv * hd].reshape(rows, Hkv, hd)
+    vv = qkv[:, 2 * H * hd + Hkv * hd:].reshape(rows, Hkv, hd)
     want_q = rh.rope_neox(rh.rms_norm(q, wq, 1e-6), pos[:, None], n_rot, table)
-    want_k = rh.rope_neox(rh.rms_norm(k, wk, 1e-6), pos[:, None], n_rot, table)
+    want_k = rh.rope_neox(rh.rms_norm(kk, wk, 1e-6), pos[:, None], n_rot, table)
     _close(ws.read(qo).reshape(rows, H, hd), want_q)
-    kcache = ws.read(kc, np.uint32).view(np.float16).astype(np.float32).reshape(n_slots, ctx, Hkv, hd)
-    vcache = ws.read(vc, np.uint32).view(np.float16).astype(np.float32).reshape(n_slots, ctx, Hkv, hd)
-    for r in range(rows):
-        np.testing.assert_allclose(kcache[slots[r], pos[r]], want_k[r], rtol=2e-3, atol=2e-3)
-        np.testing.assert_array_equal(vcache[slots[r], pos[r]], v[r].astype(np.float16).astype(np.float32))
+    kv_util.check_written(ws.read(kc, np.uint32), k, want_k, slots, pos, n_slots, cap, Hkv, hd, tol=2e-3)
+    kv_util.check_written(ws.read(vc, np.uint32), v, vv, slots, pos, n_slots, cap, Hkv, hd)
 
 
 # -- MoE routing and experts ----------------------------------------------------------------

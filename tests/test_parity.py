@@ -306,9 +306,9 @@ def test_cli_unreachable_endpoint_is_one_line():
 
 # -- against the real llama-server ----------------------------------------------
 
-TOP_LEVEL = {"schema", "created", "engine", "device", "llama_cpp", "model", "prompts", "n_predict", "n_probs",
-             "repeats", "near_tie_nats", "excluded_from_greedy", "definitions", "seconds", "summary", "bars", "verdict",
-             "note", "cases"}
+TOP_LEVEL = {"schema", "created", "engine", "device", "llama_cpp", "model", "kv_cache", "prompts", "n_predict",
+             "n_probs", "repeats", "near_tie_nats", "excluded_from_greedy", "definitions", "seconds", "summary", "bars",
+             "verdict", "note", "cases"}
 CASE_KEYS = {"id", "chat", "n", "prompt_ids", "engine", "mode_a", "mode_b", "mode_a_run2", "mode_b_run2", "text",
             "probs_refetched", "mode_a_repeat", "mode_b_repeat", "teacher_forced_near",
              "first_divergence", "first_divergence_b", "flips", "classification", "strict", "either_mode",
@@ -326,6 +326,7 @@ def test_harness_on_default_prompts(reference_server, reference_server_b, smollm
     assert set(doc) == TOP_LEVEL and doc["schema"] == "vkengine-parity/1"
     assert doc["model"]["file"] == "SmolLM2-135M-Instruct.Q4_1.gguf" and len(doc["model"]["sha256"]) == 64
     assert doc["model"]["architecture"] == "llama" and doc["device"]["name"]
+    assert doc["kv_cache"] == {"k": "f16", "v": "f16"}
     assert doc["prompts"] == {"name": "default", "sha256": load_prompt_set("default").sha256, "count": 20}
     for m in ("A", "B"):
         assert doc["llama_cpp"]["modes"][m]["build_info"].startswith("b11434")
@@ -388,3 +389,24 @@ def test_cli_starts_both_modes_itself(llama_server_exe, tmp_path):
                          capture_output=True, text=True, cwd=ROOT)
     assert rep.returncode == 0, rep.stderr
     assert "two.json" in (out.parent / "README.md").read_text()
+
+
+@pytest.mark.slow
+def test_cli_q8_cache_on_both_sides(llama_server_exe, tmp_path):
+    """`parity run --cache-type-k q8_0 --cache-type-v q8_0`: llama-server
+    started with -ctk/-ctv q8_0 and flash attention on in both modes (it
+    refuses a quantized V cache without), our engine with the same cache; the
+    artifact says so."""
+    prompts = tmp_path / "one.json"
+    prompts.write_text(json.dumps({"name": "one", "prompts": [{"id": "raw", "text": "1, 2, 3, 4,"}]}))
+    out = tmp_path / "q8.json"
+    r = subprocess.run([sys.executable, "-m", "parity.cli", "run", "--prompts", str(prompts), "--n-predict", "4",
+                        "--repeats", "1", "--out", str(out), "--note", "smoke", "-ctk", "q8_0", "-ctv", "q8_0"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["kv_cache"] == {"k": "q8_0", "v": "q8_0"}
+    modes = doc["llama_cpp"]["modes"]
+    assert modes["A"]["args"] == ["-fa", "on", "-ctk", "q8_0", "-ctv", "q8_0"]
+    assert modes["B"]["command"][-10:] == ["-fa", "on", "-b", "64", "-ub", "64", "-ctk", "q8_0", "-ctv", "q8_0"]
+    assert len(doc["cases"][0]["engine"]) == 4 and len(doc["cases"][0]["mode_a"]) == 4

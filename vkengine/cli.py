@@ -25,12 +25,14 @@ if TYPE_CHECKING:
 def _open(args, n_slots: int = 1, max_batch: int | None = None, max_out: int = 16):
     from .device import Device
     from .engine import Engine, EngineConfig
+    from .kernels import KVTypes
     from .model import load_model
     from .options import Options
+    kv_types = KVTypes(args.cache_type_k, args.cache_type_v)
     model = _model_options(args, load_model(args.model))
     dev = Device(device_index(args))
     cfg = EngineConfig(n_slots=n_slots, n_ctx=args.ctx, max_batch=max_batch or args.batch, max_out=max_out,
-                       options=Options.from_env())
+                       options=Options.from_env(), kv_types=kv_types)
     log = getattr(args, "experts_log", None)
     if log:
         from .tools.expert_log import RecordingEngine

@@ -22,7 +22,7 @@ import numpy as np
 from .device import Device, Program
 from .errors import VkEngineError
 from .graph import Graph, ParamsLayout, Scratch
-from .kernels import Caps, Kernels
+from .kernels import Caps, Kernels, KVTypes
 from .model import Model
 from .options import Options
 from .quant import row_bytes
@@ -78,6 +78,7 @@ class EngineConfig:
     device_sampling: bool | None = None
     max_in_flight: int = 2    # steps submitted and not yet collected (2 or 3; see Engine.max_in_flight)
     options: Options = field(default_factory=Options)   # kernel path switches (Options.from_env at the edge)
+    kv_types: KVTypes = KVTypes()   # the KV cache's K and V types (--cache-type-k, --cache-type-v)
 
 
 class _Submitted(NamedTuple):
@@ -106,6 +107,7 @@ class Engine:
             raise VkEngineError("context length and slot count must be positive")
         if cfg.max_in_flight not in (2, 3):
             raise VkEngineError("max_in_flight is 2 or 3")
+        cfg.kv_types.check_head_dim(a.head_dim)
         self.kernels = Kernels(device, caps if caps is not None else Caps.detect(device, cfg.options))
         k = self.kernels
         self.arch = model.arch
@@ -131,7 +133,7 @@ class Engine:
         self._check_memory(words * 4)
         self.weights = self.arch.load_weights(model.file, a, device, self.n_ctx)
         try:
-            self.kv = self.arch.make_state(device, a, cfg.n_slots, self.n_ctx)
+            self.kv = self.arch.make_state(device, a, cfg.n_slots, self.n_ctx, cfg.kv_types)
         except VkEngineError as e:
             raise VkEngineError(f"{e}: reduce the context length (--ctx) or the sequences held on the "
                                 "device at once (--parallel, --slots)") from e
@@ -177,7 +179,7 @@ class Engine:
         cfg, dev = self.cfg, self.device
         mf = self.model.file
         weights = sum(_tensor_bytes(*mf.tensor_info(n)) for n in mf.tensor_names())
-        per_pos, per_slot = self.arch.state_bytes(self.args, cfg.n_slots, self.n_ctx)
+        per_pos, per_slot = self.arch.state_bytes(self.args, cfg.n_slots, self.n_ctx, cfg.kv_types)
         kv = (per_pos * self.n_ctx + per_slot) * cfg.n_slots
         # the matmuls' own scratch (split K's partial sums, mul_mc2's halves of x)
         shapes = [mf.tensor_info(n)[1] for n in mf.tensor_names()]

@@ -1,25 +1,45 @@
 """Configuration at the edge: the command-line options every front end shares
-(`vkengine generate/bench/serve`, `python -m server`) and the environment
-variables that choose a device. Whatever is read here is passed down; no
+(`vkengine generate/bench/serve`, `python -m server`: the model, context,
+KV cache types, device) and the environment variables that choose a device. Whatever is read here is passed down; no
 module below reads the environment."""
 from __future__ import annotations
 
+import argparse
 import os
 from dataclasses import dataclass, fields
 from typing import Any
+
+from shaders.variants import KV_TYPES
 
 from .errors import VkEngineError
 
 
 def add_model_args(p, model: bool = True) -> None:
-    """--model, --ctx, --batch (with model) and --device."""
+    """--model, --ctx, --batch, the KV cache's types (with model) and --device."""
     if model:
         p.add_argument("--model", "-m", default=None,
                        help="GGUF file or Hugging Face folder (default: embedded SmolLM2-135M-Instruct Q4_1)")
         p.add_argument("--ctx", type=int, default=None, help="context length per sequence (default min(train, 4096))")
         p.add_argument("--batch", type=int, default=256, help="tokens per prefill step")
+        add_cache_args(p)
     p.add_argument("--device", type=int, default=None, help="Vulkan device index (see `vkengine devices`); "
                    "VKENGINE_DEVICE also works")
+
+
+def cache_type(value: str) -> str:
+    """A --cache-type-k/-v value (llama-server's names): one vkengine keeps."""
+    if value not in KV_TYPES:
+        raise argparse.ArgumentTypeError(f"{value!r}: the KV cache can be {' or '.join(KV_TYPES)} "
+                                         "(llama-server's other cache types, such as q4_0, are not supported)")
+    return value
+
+
+def add_cache_args(p) -> None:
+    """--cache-type-k and --cache-type-v (-ctk, -ctv), as llama-server takes them."""
+    for side, short in (("k", "-ctk"), ("v", "-ctv")):
+        p.add_argument(f"--cache-type-{side}", short, type=cache_type, default="f16", metavar="|".join(KV_TYPES),
+                       help=f"{side.upper()} cache type: f16 (default) or q8_0 (blocks of 32 values with an f16 "
+                            "scale, as llama.cpp's; 0.53x the bytes, heads a multiple of 64)")
 
 
 def device_index(args) -> int | None:

@@ -1,13 +1,23 @@
 """Per-sequence state on the device: the attention KV cache, in slots.
 
-Layout per layer: K and V each [slot][position][kv_head][head_dim / 2 words],
-f16 pairs packed into 32-bit words (storage buffers are 32-bit). Layers are
-spread over as few buffers as the device's storage-buffer range allows; one
-layer's K and V always share a buffer (one binding in the kernels).
+Per layer, K and V each have a type (KVTypes: llama-server's --cache-type-k
+and --cache-type-v) and a region [slot][...] whose slots hold `cap` positions
+(ctx, rounded up to a multiple of 4 when a side is q8_0 so that every slot
+starts 16-byte aligned). In 32-bit words, a slot of
+  f16:  [position][kv_head][head_dim / 2 words of f16 pairs];
+  q8_0: quants [position][kv_head][head_dim / 4 words of 4 int8], then at
+        cap * n_kv * head_dim / 4 the scales [position][kv_head][head_dim / 64
+        words of f16 pairs]: one f16 d per block of 32 values along head_dim
+        (llama.cpp's q8_0: d = max|x| / 127, q = roundf(x / d)), 17/32 of the
+        f16 bytes. shaders/kv.glsl reads and writes them.
+The kernels take K's slot stride (`slot_stride`); V's and where the scales start
+follow from it. Layers are spread over as few buffers as the device's
+storage-buffer range allows; one layer's K and V always share a buffer (one
+binding in the kernels).
 
 Parking (slices mode, preemption) copies a slot's first `length` positions of
-every layer to a host-visible buffer and back; copying slot to slot serves the
-prefix cache.
+every layer (each side's quants and scales: `_slot_ranges`) to a host-visible
+buffer and back; copying slot to slot serves the prefix cache.
 """
 from __future__ import annotations
 
@@ -18,7 +28,7 @@ import numpy as np
 from .arena import Arena, ArenaPlan
 from .device import Buffer, Device
 from .errors import VkEngineError
-from .kernels import Region
+from .kernels import KVTypes, Region
 
 
 @dataclass
@@ -40,27 +50,51 @@ class KVCache:
     snap_rows = 0      # rows of a speculative step whose state can be rolled back to
 
     def __init__(self, device: Device, n_layer: int, n_slots: int, ctx: int, n_kv: int, head_dim: int,
-                 layers: list[int] | None = None):
+                 layers: list[int] | None = None, types: KVTypes = KVTypes()):
+        types.check_head_dim(head_dim)
         self.device = device
         self.n_slots, self.ctx, self.n_kv, self.head_dim = n_slots, ctx, n_kv, head_dim
-        self.row_words = n_kv * head_dim // 2           # one position of one layer
-        self.slot_stride = ctx * self.row_words
+        self.types = types
+        self.cap = self.capacity(ctx, types)
+        self.k_stride = self.cap * n_kv * KVTypes.pos_words(types.k, head_dim)
+        self.v_stride = self.cap * n_kv * KVTypes.pos_words(types.v, head_dim)
+        self.slot_stride = self.k_stride                # what the kernels take (shaders/kv.glsl)
+        # per side (K, V): (words into a slot where position 0 starts, words a position) of
+        # each of its parts: the f16 rows, or the q8_0 quants and scales
+        self._parts = [self._side_parts(t) for t in (types.k, types.v)]
         self.layers = list(range(n_layer)) if layers is None else list(layers)
-        words = n_slots * self.slot_stride
         plan = ArenaPlan(device.max_buffer_bytes // 4)
-        self._groups = {layer: plan.add([words, words], f"KV cache of one layer ({n_slots} slots x {ctx})")
+        self._groups = {layer: plan.add([n_slots * self.k_stride, n_slots * self.v_stride],
+                                        f"KV cache of one layer ({n_slots} slots x {ctx})")
                         for layer in self.layers}
         self.arena = Arena(device, plan, "device", "kv")
         self._regions = {layer: self.arena.regions(g) for layer, g in self._groups.items()}
+
+    def _side_parts(self, t: str) -> list[tuple[int, int]]:
+        n_kv, hd = self.n_kv, self.head_dim
+        if t == "q8_0":
+            return [(0, n_kv * hd // 4), (self.cap * n_kv * hd // 4, n_kv * hd // 64)]
+        return [(0, n_kv * hd // 2)]
+
+    @staticmethod
+    def capacity(ctx: int, types: KVTypes) -> int:
+        """Positions a slot holds: ctx, rounded up to a multiple of 4 with a q8_0 side."""
+        return -(-ctx // 4) * 4 if types.quantized else ctx
 
     @property
     def nbytes(self) -> int:
         return self.arena.nbytes
 
     @staticmethod
-    def bytes_needed(n_layer: int, n_slots: int, ctx: int, n_kv: int, head_dim: int) -> int:
+    def position_bytes(n_layer: int, n_kv: int, head_dim: int, types: KVTypes = KVTypes()) -> int:
+        """Device bytes of one position of one slot (K and V of n_layer layers)."""
+        return n_layer * n_kv * (KVTypes.pos_words(types.k, head_dim) + KVTypes.pos_words(types.v, head_dim)) * 4
+
+    @staticmethod
+    def bytes_needed(n_layer: int, n_slots: int, ctx: int, n_kv: int, head_dim: int,
+                     types: KVTypes = KVTypes()) -> int:
         """Device bytes of the K and V caches (before buffer alignment)."""
-        return 2 * n_layer * n_slots * ctx * (n_kv * head_dim // 2) * 4
+        return n_slots * KVCache.capacity(ctx, types) * KVCache.position_bytes(n_layer, n_kv, head_dim, types)
 
     def k(self, layer: int) -> Region:
         return self._regions[layer][0]
@@ -69,13 +103,15 @@ class KVCache:
         return self._regions[layer][1]
 
     def bytes_per_position(self) -> int:
-        return 2 * len(self.layers) * self.row_words * 4
+        return self.position_bytes(len(self.layers), self.n_kv, self.head_dim, self.types)
 
     def _slot_ranges(self, slot: int, start: int, length: int):
-        """(region, word offset, words) of positions [start, start+length) of a slot, per layer and K/V."""
+        """(region, word offset, words) of positions [start, start+length) of a slot, per layer, K/V and part
+        (a q8_0 side's quants and scales)."""
         for layer in self.layers:
-            for r in self._regions[layer]:
-                yield r, r.off + slot * self.slot_stride + start * self.row_words, length * self.row_words
+            for r, stride, parts in zip(self._regions[layer], (self.k_stride, self.v_stride), self._parts):
+                for off0, words in parts:
+                    yield r, r.off + slot * stride + off0 + start * words, length * words
 
     def park(self, slot: int, length: int, into: Buffer | None = None) -> Parked:
         """Copy positions [0, length) of a slot into a host-visible buffer."""
@@ -100,9 +136,11 @@ class KVCache:
             return
         p = self.device.program()
         off = 0
-        for r, w, n in self._slot_ranges(slot, 0, length):
+        # parked blocks are parked.length positions long
+        for (r, w, n), (_, _, n_parked) in zip(self._slot_ranges(slot, 0, length),
+                                               self._slot_ranges(slot, 0, parked.length)):
             p.copy(parked.buffer, r.buf, off, w * 4, n * 4, "restore")
-            off += parked.length * self.row_words * 4     # parked blocks are parked.length rows long
+            off += n_parked * 4
         p.run()
 
     def copy_prefix(self, src_slot: int, dst_slot: int, length: int) -> None:
@@ -127,11 +165,18 @@ class KVCache:
         return min(length, parked.length)
 
     def read(self, layer: int, slot: int, length: int) -> tuple[np.ndarray, np.ndarray]:
-        """(K, V) float32 (length, n_kv, head_dim) of one slot (tests, debugging)."""
+        """(K, V) float32 (length, n_kv, head_dim) of one slot, q8_0 dequantized (tests, debugging)."""
         out = []
-        for r in self._regions[layer]:
-            w = self.device.download(r.buf, (r.off + slot * self.slot_stride) * 4, length * self.row_words * 4)
-            out.append(w.view(np.float16).astype(np.float32).reshape(length, self.n_kv, self.head_dim))
+        for r, stride, parts in zip(self._regions[layer], (self.k_stride, self.v_stride), self._parts):
+            w = [self.device.download(r.buf, (r.off + slot * stride + off0) * 4, length * words * 4, np.uint32)
+                 for off0, words in parts]
+            if len(w) == 1:   # f16
+                x = w[0].view(np.float16).astype(np.float32)
+            else:             # q8_0: int8 values times their block's f16 scale
+                d = w[1].view(np.float16).astype(np.float32)
+                with np.errstate(invalid="ignore", over="ignore"):   # (rows never written hold anything)
+                    x = w[0].view(np.int8).astype(np.float32) * np.repeat(d, 32)
+            out.append(x.reshape(length, self.n_kv, self.head_dim))
         return out[0], out[1]
 
 
@@ -170,8 +215,8 @@ class HybridState(KVCache):
 
     def __init__(self, device: Device, n_slots: int, ctx: int, n_kv: int, head_dim: int,
                  attn_layers: list[int], rec_layers: list[int], conv_words: int, ssm_words: int,
-                 snap_rows: int = 0):
-        super().__init__(device, 0, n_slots, ctx, n_kv, head_dim, layers=attn_layers)
+                 snap_rows: int = 0, types: KVTypes = KVTypes()):
+        super().__init__(device, 0, n_slots, ctx, n_kv, head_dim, layers=attn_layers, types=types)
         self.rec_layers = list(rec_layers)
         self.conv_words, self.ssm_words = conv_words, ssm_words
         self.snap_rows = snap_rows

@@ -80,7 +80,8 @@ run_stage() {
   local s=$1
   case $s in
     tests)
-      python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_models.py tests/test_worker.py -k "not smollm" \
+      python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_models.py tests/test_models_kv_q8.py \
+        tests/test_worker.py -k "not smollm" \
         --junitxml="$OUT/gpu-tests.xml" 2>&1 | tee "$OUT/gpu-tests.log" | tail -15
       ;;
     llama)

@@ -97,13 +97,13 @@ class DenseOps(GraphBase):
                  n_kv: int, head_dim: int, n_rot: int, neox: bool, norm_in: NormIn | None = None) -> None:
         """qkv[r] = the q|k|v matrix (or its pieces at their columns of qkv) @
         x[r], then rope_kv; where the matvecs can take RoPE and the cache write
-        (decode-sized steps on GPUs, kernels.fuses_rope) they do, and qkv is
-        not written. norm_in: x is an h' of residual_norm, these its sums of
+        (decode-sized steps on GPUs into an f16 cache, kernels.fuses_rope) they
+        do, and qkv is not written. norm_in: x is an h' of residual_norm, these its sums of
         squares (the product is then with the normalized rows)."""
         n = self._rows(x)
         ropes = [RopeOut(col, neox, n_head, n_kv, head_dim, n_rot, self.rope_table, self.s.region(q_out),
                          self.s.stride(q_out), self.kv.k(layer), self.kv.v(layer), self.kv.slot_stride,
-                         self.params, self.pl.positions, self.pl.slots) for _, col in pieces]
+                         self.params, self.pl.positions, self.pl.slots, self.kv.types) for _, col in pieces]
         if all(self.k.fuses_rope(m, n, r) for (m, _), r in zip(pieces, ropes)):
             for (m, col), r in zip(pieces, ropes):
                 self.k.mul_mat(self.p, m, self.s.region(x), self.s.stride(x), self.s.region(qkv, col),
@@ -120,7 +120,7 @@ class DenseOps(GraphBase):
         self.k.rope_kv(self.p, self.rope_table, self.s.region(qkv), self.s.stride(qkv), self.s.region(q_out),
                        self.s.stride(q_out), self.n, n_head, n_kv, head_dim, n_rot, neox,
                        self.kv.k(layer), self.kv.v(layer), self.kv.slot_stride, self.params,
-                       self.pl.positions, self.pl.slots)
+                       self.pl.positions, self.pl.slots, kv_types=self.kv.types)
 
     def attention(self, layer: int, q: str, out: str, n_head: int, n_kv: int, head_dim: int, scale: float) -> None:
         """Causal attention of each row over its slot's cache. Steps of few rows
@@ -136,7 +136,8 @@ class DenseOps(GraphBase):
                 sync = Region(self.s.buf, self.s.offsets["out_attn_sync"], counters)
         self.k.attention(self.p, self.s.region(q), self.s.stride(q), self.s.region(out), self.s.stride(out),
                          self.n, n_head, n_kv, head_dim, self.kv.k(layer), self.kv.v(layer), self.kv.slot_stride,
-                         self.params, self.pl.positions, self.pl.slots, scale, split, self.kv.ctx, sync)
+                         self.params, self.pl.positions, self.pl.slots, scale, split, self.kv.ctx, sync,
+                         kv_types=self.kv.types)
 
     def gate_up_swiglu(self, pieces: list[tuple[Matrix, int]], x: str, gu: str, out: str,
                        norm_in: NormIn | None = None) -> None:
@@ -192,7 +193,7 @@ class DenseOps(GraphBase):
         self.k.norm_rope_kv(self.p, table, wq, wk, self._r(qkv), self.s.stride(qkv), 2 * head_dim, qc,
                              qc + n_kv * head_dim, self._r(q_out), self.s.stride(q_out), self.n, n_head, n_kv,
                              head_dim, n_rot, self.kv.k(layer), self.kv.v(layer), self.kv.slot_stride,
-                             self.params, self.pl.positions, self.pl.slots, self.eps)
+                             self.params, self.pl.positions, self.pl.slots, self.eps, kv_types=self.kv.types)
 
     def head_gate(self, x: str, qkv: str, head_dim: int) -> None:
         """x[r][h*hd + d] *= sigmoid(gate of head h), gates interleaved after each query in qkv."""

@@ -19,9 +19,9 @@ from .matmul import MatmulKernels
 from .moe import MoeKernels
 from .norm import NormKernels
 from .sample import SampleKernels
-from .types import Matrix, NormIn, NormOut, NormParts, Q8Out, Region, RopeOut, q8_words, rows_range
+from .types import KVTypes, Matrix, NormIn, NormOut, NormParts, Q8Out, Region, RopeOut, q8_words, rows_range
 
-__all__ = ["Caps", "Kernels", "Matrix", "NormIn", "NormOut", "NormParts", "Q8Out", "Region", "RopeOut",
+__all__ = ["Caps", "KVTypes", "Kernels", "Matrix", "NormIn", "NormOut", "NormParts", "Q8Out", "Region", "RopeOut",
            "device_has_coopmat2", "q8_words", "rows_range"]
 
 

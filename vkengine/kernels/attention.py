@@ -1,7 +1,9 @@
 """Attention: RoPE and the KV-cache write (rope_kv; norm_rope_kv with per-head
 q/k RMSNorms first), and causal attention of each row over its slot's cache
 (attention.comp, split into position slices for decode; attention_mc.comp on
-cooperative matrices for prompt-sized steps)."""
+cooperative matrices for prompt-sized steps). Every one of them takes the
+cache's K and V types (KVTypes: f16 or q8_0, shaders/kv.glsl) and K's slot
+stride, and runs the variant of those types (suffix KVTypes.tag)."""
 from __future__ import annotations
 
 import math
@@ -9,7 +11,7 @@ import math
 from ..device import Buffer, Program
 from ..errors import VkEngineError
 from .base import KernelBase
-from .types import Region, params_range, rows_range
+from .types import KVTypes, Region, params_range, rows_range
 
 
 class AttentionKernels(KernelBase):
@@ -55,17 +57,22 @@ class AttentionKernels(KernelBase):
     def rope_kv(self, prog: Program, table: Region, qkv: Region, qkv_stride: int, q_out: Region, q_stride: int,
                 n_rows: int, n_head: int, n_kv: int, head_dim: int, n_rot: int, neox: bool,
                 k_cache: Region, v_cache: Region, slot_stride: int, params: Buffer, pos_off: int, slot_off: int,
-                label: str = "rope_kv") -> None:
-        """RoPE on q and k of each row, k and v written (f16) into the cache at
-        (params[slot_off + r], params[pos_off + r]); rotated q to q_out."""
+                label: str = "rope_kv", kv_types: KVTypes = KVTypes()) -> None:
+        """RoPE on q and k of each row, k and v written into the cache (of
+        kv_types) at (params[slot_off + r], params[pos_off + r]); rotated q to
+        q_out."""
+        kv_types.check_head_dim(head_dim)
         act = self._same_buffer(qkv, q_out)
         kv = self._same_buffer(k_cache, v_cache)
-        push = self._push("rope_kv", qkv_off=qkv.off, qkv_stride=qkv_stride, q_off=q_out.off, q_stride=q_stride,
+        name = "rope_kv" + kv_types.tag
+        push = self._push(name, qkv_off=qkv.off, qkv_stride=qkv_stride, q_off=q_out.off, q_stride=q_stride,
                           n_rows=n_rows, n_head=n_head, n_kv=n_kv, head_dim=head_dim, n_rot=n_rot, mode=int(neox),
                           table_off=table.off, k_off=k_cache.off, v_off=v_cache.off, slot_stride=slot_stride,
                           pos_off=pos_off, slot_off=slot_off)
-        alg = self._alg("rope_kv", [table.buf, act, params, kv], push, self.caps.ew_wg, 1)
-        per_row = (n_head + 2 * n_kv) * head_dim // 2
+        alg = self._alg(name, [table.buf, act, params, kv], push, self.caps.ew_wg, 1)
+        # an invocation a q word (2 dims), and per K or V head an f16 pair or 64 q8_0 values
+        units = {"f16": head_dim // 2, "q8_0": head_dim // 64}
+        per_row = n_head * head_dim // 2 + n_kv * (units[kv_types.k] + units[kv_types.v])
         width = (n_head + 2 * n_kv) * head_dim
         reads = [table.range, rows_range(qkv, n_rows, qkv_stride, width),
                  (params, min(pos_off, slot_off) * 4, (max(pos_off, slot_off) + n_rows) * 4)]
@@ -76,21 +83,23 @@ class AttentionKernels(KernelBase):
                      q_head_stride: int, k_col: int, v_col: int, q_out: Region, q_stride: int, n_rows: int,
                      n_head: int, n_kv: int, head_dim: int, n_rot: int, k_cache: Region, v_cache: Region,
                      slot_stride: int, params: Buffer, pos_off: int, slot_off: int, eps: float,
-                     label: str = "norm_rope_kv") -> None:
-        """Per-head RMSNorm (wq, wk) + NEOX RoPE of q and k; q to q_out, k and v (f16)
-        into the cache at each row's (slot, position)."""
+                     label: str = "norm_rope_kv", kv_types: KVTypes = KVTypes()) -> None:
+        """Per-head RMSNorm (wq, wk) + NEOX RoPE of q and k; q to q_out, k and v
+        into the cache (of kv_types) at each row's (slot, position)."""
         if not (table.buf is wq.buf is wk.buf):
             raise ValueError("the RoPE table and the q/k norm weights must share a weight buffer")
         if head_dim % 2 or n_rot % 2 or n_rot > head_dim:
             raise VkEngineError(f"head size {head_dim} with {n_rot} rotated dims is not supported")
+        kv_types.check_head_dim(head_dim)
         act = self._same_buffer(qkv, q_out)
         kv = self._same_buffer(k_cache, v_cache)
-        push = self._push("norm_rope_kv", qkv_off=qkv.off, qkv_stride=qkv_stride, q_head_stride=q_head_stride,
+        name = "norm_rope_kv" + kv_types.tag
+        push = self._push(name, qkv_off=qkv.off, qkv_stride=qkv_stride, q_head_stride=q_head_stride,
                           k_col=k_col, v_col=v_col, q_off=q_out.off, q_stride=q_stride, n_rows=n_rows, n_head=n_head,
                           n_kv=n_kv, head_dim=head_dim, n_rot=n_rot, table_off=table.off, wq_off=wq.off,
                           wk_off=wk.off, k_off=k_cache.off, v_off=v_cache.off, slot_stride=slot_stride,
                           pos_off=pos_off, slot_off=slot_off, eps=eps)
-        alg = self._alg("norm_rope_kv", [table.buf, act, params, kv], push, self.caps.wg)
+        alg = self._alg(name, [table.buf, act, params, kv], push, self.caps.wg)
         width = v_col + n_kv * head_dim
         reads = [table.range, wq.range, wk.range, rows_range(qkv, n_rows, qkv_stride, width),
                  *params_range(params, (pos_off, n_rows), (slot_off, n_rows))]
@@ -101,7 +110,8 @@ class AttentionKernels(KernelBase):
     def attention(self, prog: Program, q: Region, q_stride: int, o: Region, o_stride: int, n_rows: int,
                   n_head: int, n_kv: int, head_dim: int, k_cache: Region, v_cache: Region, slot_stride: int,
                   params: Buffer, pos_off: int, slot_off: int, scale: float, split: Region | None = None,
-                  n_ctx: int = 0, sync: Region | None = None, label: str = "attention") -> None:
+                  n_ctx: int = 0, sync: Region | None = None, label: str = "attention",
+                  kv_types: KVTypes = KVTypes()) -> None:
         """o[r][h] = softmax(q[r][h] . K[slot][0..pos]) V[slot][0..pos].
         With `split` (scratch of attention_tmp_words), the cache's n_ctx and
         `sync` (attention_sync_words of zeros, left zero) the positions are cut
@@ -109,10 +119,13 @@ class AttentionKernels(KernelBase):
         slice of each (row, head) to finish (flash-decoding): decode has few
         rows, so one pass would leave most of a GPU idle. Without
         it, prompt-sized steps run on cooperative matrices where the device
-        can (attention_on_coopmat)."""
+        can (attention_on_coopmat). kv_types: the cache's K and V types
+        (slot_stride is K's)."""
         if head_dim % 8 or n_head % n_kv or q.off % 4 or q_stride % 4 or k_cache.off % 4 or v_cache.off % 4:
             raise VkEngineError(f"attention needs head_dim a multiple of 8 ({head_dim}), n_head a multiple of "
                                 f"n_kv ({n_head}/{n_kv}) and 16-byte aligned q rows and caches")
+        kv_types.check_head_dim(head_dim)
+        tag = kv_types.tag
         c = self.caps
         act = self._same_buffer(q, o)
         kv = self._same_buffer(k_cache, v_cache)
@@ -123,7 +136,7 @@ class AttentionKernels(KernelBase):
                   n_kv=n_kv, head_dim=head_dim, k_off=k_cache.off, v_off=v_cache.off, slot_stride=slot_stride,
                   pos_off=pos_off, slot_off=slot_off, scale=scale)
         if self.attention_on_coopmat(n_rows, head_dim) and split is None:
-            name = c.attention_mc_variant.format(hd=head_dim)
+            name = c.attention_mc_variant.format(hd=head_dim) + tag
             push = self._push(name, **pc)
             alg = self._alg_spec(name, [act, act, params, kv], (), push)
             # NSG / DS 16-row blocks of one KV group's heads a workgroup (the shader's comment)
@@ -138,10 +151,10 @@ class AttentionKernels(KernelBase):
         vb = max(8, min(32, 32 // wpl))
         if split is not None and c.attention_dec:
             self._attention_dec(prog, pc, reads, out, split, sync, n_rows, n_head, n_kv, head_dim, wpl, vb, act, kv,
-                                params, label)
+                                params, label, tag)
             return
         n_parts = self.attention_parts(n_ctx, n_head, n_kv) if split is not None else 1
-        name = "attention_split" if split is not None else "attention"
+        name = ("attention_split" if split is not None else "attention") + tag
         push = self._push(name, **pc, chunk=self.ATTN_CHUNK if split is not None else 0, n_parts=n_parts,
                           part_off=split.off if split is not None else 0, sync_off=sync.off if sync is not None else 0)
         alg = self._alg_spec(name, [act, act, params, kv], (c.wg, c.items, wpl, head_dim, vb), push)
@@ -159,8 +172,8 @@ class AttentionKernels(KernelBase):
 
     def _attention_dec(self, prog: Program, pc: dict, reads: list, out: list, split: Region, sync: Region | None,
                        n_rows: int, n_head: int, n_kv: int, head_dim: int, wpl: int, vb: int, act: Buffer,
-                       kv: Buffer, params: Buffer, label: str) -> None:
-        """Split decode attention by KV-head group (attention_dec.comp)."""
+                       kv: Buffer, params: Buffer, label: str, tag: str) -> None:
+        """Split decode attention by KV-head group (attention_dec.comp; tag: the KV types' variant suffix)."""
         c = self.caps
         gq, n_groups, n_parts = self.dec_layout(n_head, n_kv)
         tmp_words = self.attention_tmp_words(n_rows, n_head, n_kv, head_dim, 0)
@@ -168,9 +181,10 @@ class AttentionKernels(KernelBase):
             raise ValueError("split decode attention needs a scratch region in the activation buffer")
         if sync is None or sync.buf is not act or sync.words < n_rows * n_kv * n_groups:
             raise ValueError("split decode attention needs zeroed counters in the activation buffer")
-        push = self._push("attention_dec", **pc, n_parts=n_parts, min_chunk=self.DEC_MIN_CHUNK, part_off=split.off,
+        name = "attention_dec" + tag
+        push = self._push(name, **pc, n_parts=n_parts, min_chunk=self.DEC_MIN_CHUNK, part_off=split.off,
                           sync_off=sync.off)
-        alg = self._alg_spec("attention_dec", [act, act, params, kv], (c.wg, c.items, wpl, head_dim, vb, gq), push)
+        alg = self._alg_spec(name, [act, act, params, kv], (c.wg, c.items, wpl, head_dim, vb, gq), push)
         tmp = (split.buf, split.off * 4, (split.off + tmp_words) * 4)
         prog.dispatch(alg, push, self._grid(n_rows * n_kv * n_groups * (n_parts // c.items)),
                       reads + [tmp, sync.range], out + [tmp, sync.range], label)

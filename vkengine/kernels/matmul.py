@@ -106,7 +106,8 @@ class MatmulKernels(KernelBase):
         return (self._epilogue_matvec(w, n) and not rope.neox and w.rows % 2 == 0 and rope.row0 % 2 == 0
                 and rope.n_rot % 2 == 0 and rope.head_dim % 2 == 0
                 and mv_gpu_config(w.type, self.split_k_columns(n))[0] % 2 == 0
-                and rope.k_cache.buf is rope.v_cache.buf)
+                and rope.k_cache.buf is rope.v_cache.buf
+                and not rope.kv_types.quantized)   # a q8_0 cache is written by rope_kv (its blocks' maxima)
 
     def on_coopmat2(self, w: Matrix) -> bool:
         """Whether a prefill-sized mul_mat of w runs mul_mc2: the types and

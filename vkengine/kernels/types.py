@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shaders.variants import KV_TYPES, kv_tag
+
 from ..device import Buffer
+from ..errors import VkEngineError
 
 NO_MAP = 0xFFFFFFFF   # "no row map" in rms_norm's push constants; "none" in moe_router's
 
@@ -23,6 +26,42 @@ class Region:
     @property
     def range(self) -> tuple[Buffer, int, int]:
         return (self.buf, self.off * 4, (self.off + self.words) * 4)
+
+
+@dataclass(frozen=True)
+class KVTypes:
+    """The KV cache's storage types, K and V each: "f16" or "q8_0" (llama.cpp's
+    block of 32 values with an f16 scale; layouts in shaders/kv.glsl and
+    vkengine/state.py), as llama-server's --cache-type-k / --cache-type-v."""
+    k: str = "f16"
+    v: str = "f16"
+
+    def __post_init__(self) -> None:
+        for flag, t in (("--cache-type-k", self.k), ("--cache-type-v", self.v)):
+            if t not in KV_TYPES:
+                raise VkEngineError(f"{flag} {t}: the KV cache can be {' or '.join(KV_TYPES)} (llama-server's other "
+                                    "cache types are not supported)")
+
+    @property
+    def quantized(self) -> bool:
+        return self.k != "f16" or self.v != "f16"
+
+    @property
+    def tag(self) -> str:
+        """The suffix of the cache's writer and reader variants (shaders/variants.py kv_tag)."""
+        return kv_tag(self.k, self.v)
+
+    @staticmethod
+    def pos_words(t: str, head_dim: int) -> int:
+        """Words of one position of one KV head in a cache of type t: its row
+        (f16 pairs or int8 quads), and for q8_0 its scales (f16 pairs)."""
+        return head_dim // 4 + head_dim // 64 if t == "q8_0" else head_dim // 2
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """q8_0 rows are whole 64-value units (two blocks and their scale word)."""
+        if self.quantized and head_dim % 64:
+            raise VkEngineError(f"a q8_0 KV cache needs a head size that is a multiple of 64, and this model's is "
+                                f"{head_dim}: use --cache-type-k f16 --cache-type-v f16")
 
 
 @dataclass(frozen=True)
@@ -117,7 +156,7 @@ class RopeOut:
     are rows row0.. of each step row's qkv vector [q (n_head heads) | k (n_kv
     heads) | v (n_kv heads)]; q rows RoPE'd (adjacent pairs) to q_out, k rows
     RoPE'd and v rows as they are into the caches at the step row's (slot,
-    position) from params, as f16 pairs."""
+    position) from params, as f16 pairs (only an f16 cache: Kernels.fuses_rope)."""
     row0: int
     neox: bool     # pairs half a head apart (the fused path takes adjacent pairs only)
     n_head: int
@@ -133,6 +172,7 @@ class RopeOut:
     params: Buffer
     pos_off: int
     slot_off: int
+    kv_types: KVTypes = KVTypes()
 
 
 def rows_range(r: Region, n_rows: int, stride: int, width: int) -> tuple[Buffer, int, int]:

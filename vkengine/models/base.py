@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from ..errors import VkEngineError
 from ..gguf_file import ModelFile
-from ..kernels import Region
+from ..kernels import KVTypes, Region
 from ..state import KVCache
 
 if TYPE_CHECKING:
@@ -116,13 +116,17 @@ class Architecture(ABC):
         final-normed hidden state of every row into `hn`."""
 
     # -- per-sequence state ------------------------------------------------------------
-    def make_state(self, device: Device, a: Any, n_slots: int, n_ctx: int) -> KVCache:
-        """The per-sequence state of n_slots sequences of n_ctx positions."""
-        return KVCache(device, a.n_layer, n_slots, n_ctx, a.n_kv_heads, a.head_dim, layers=a.kv_layers)
+    def make_state(self, device: Device, a: Any, n_slots: int, n_ctx: int,
+                   kv_types: KVTypes = KVTypes()) -> KVCache:
+        """The per-sequence state of n_slots sequences of n_ctx positions, the KV
+        cache of the types given (EngineConfig.kv_types)."""
+        return KVCache(device, a.n_layer, n_slots, n_ctx, a.n_kv_heads, a.head_dim, layers=a.kv_layers,
+                       types=kv_types)
 
-    def state_bytes(self, a: Any, n_slots: int, n_ctx: int) -> tuple[int, int]:
+    def state_bytes(self, a: Any, n_slots: int, n_ctx: int, kv_types: KVTypes = KVTypes()) -> tuple[int, int]:
         """(bytes per position of one slot, bytes fixed per slot) of make_state's state."""
-        return KVCache.bytes_needed(len(a.kv_layers), 1, 1, a.n_kv_heads, a.head_dim), 0
+        per_pos = KVCache.position_bytes(len(a.kv_layers), a.n_kv_heads, a.head_dim, kv_types)
+        return per_pos, (KVCache.capacity(n_ctx, kv_types) - n_ctx) * per_pos   # (a q8_0 slot's rounding)
 
     # -- optional abilities ------------------------------------------------------------------
     def has_mtp(self, a: Any, w: Any) -> bool:

@@ -27,6 +27,7 @@ import numpy as np
 from ...errors import VkEngineError
 from ...gguf_file import ModelFile
 from ...graph import Graph
+from ...kernels import KVTypes
 from ...state import HybridState, KVCache
 from ..base import Architecture
 from .args import HF_NAMES, Qwen35Args
@@ -172,16 +173,18 @@ class Qwen35(Architecture):
     def forward(self, g: Graph, a: Qwen35Args, w: Qwen35Weights, hidden_rows: bool = False) -> None:
         _forward(g, a, w, hidden_rows)
 
-    def make_state(self, device, a: Qwen35Args, n_slots: int, n_ctx: int) -> KVCache:
+    def make_state(self, device, a: Qwen35Args, n_slots: int, n_ctx: int,
+                   kv_types: KVTypes = KVTypes()) -> KVCache:
         """KV rows of the attention layers (and the MTP block), conv and recurrent
         states of the linear layers, with snapshot rows for speculative steps."""
         return HybridState(device, n_slots, n_ctx, a.n_head_kv, a.head_dim, a.attn_layers, a.rec_layers,
                            (a.conv_kernel - 1) * a.conv_dim, a.nv * a.dv * a.dk,
-                           a.mtp_snap_rows if a.n_nextn else 0)
+                           a.mtp_snap_rows if a.n_nextn else 0, types=kv_types)
 
-    def state_bytes(self, a: Qwen35Args, n_slots: int, n_ctx: int) -> tuple[int, int]:
-        per_pos, _ = super().state_bytes(a, n_slots, n_ctx)
-        return per_pos, 4 * len(a.rec_layers) * ((a.conv_kernel - 1) * a.conv_dim + a.nv * a.dv * a.dk)
+    def state_bytes(self, a: Qwen35Args, n_slots: int, n_ctx: int,
+                    kv_types: KVTypes = KVTypes()) -> tuple[int, int]:
+        per_pos, kv_slot = super().state_bytes(a, n_slots, n_ctx, kv_types)
+        return per_pos, kv_slot + 4 * len(a.rec_layers) * ((a.conv_kernel - 1) * a.conv_dim + a.nv * a.dv * a.dk)
 
     def has_mtp(self, a: Qwen35Args, w: Qwen35Weights) -> bool:
         return a.n_nextn > 0 and w.mtp is not None
