@@ -46,6 +46,12 @@ layout(constant_id = 2) const uint WPL = 1;
 layout(constant_id = 3) const uint HD = 64;    // the head size (also p.head_dim): loops unroll
 layout(constant_id = 4) const uint VB = 8;     // V rows a lane loads ahead of their use
 layout(constant_id = 5) const uint GQ = 1;     // query heads of one KV head an item takes
+// lanes that score one position together (f16 K): 1, a lane a position; LP > 1,
+// LP lanes share a position's K row (HD / LP dims each, one 16-byte load of a
+// row segment per 8 dims: rows read whole by neighbouring lanes) and reduce its
+// dot products with LP-lane butterflies, and the lane's dims of q stay in
+// registers (LP = 1 reads q's HD dims from memory for every position tile)
+layout(constant_id = 6) const uint LP = 1;
 
 layout(push_constant) uniform P {
     uint q_off, q_stride, o_off, o_stride;
@@ -150,6 +156,13 @@ void main() {
     uint qb4[GQ];
     [[unroll]] for (uint g = 0; g < GQ; g++)
         qb4[g] = (p.q_off + r * p.q_stride + (h0 + min(g, nh - 1u)) * p.head_dim) / 4u;
+    const uint DL4 = HD / LP / 4u;               // (LP > 1) vec4 of q a lane keeps: its dims of each head
+    uint ld = (lane % LP) * (HD / LP);           // ... from this dim
+    vec4 qr[GQ][DL4];
+    if (LP > 1u) {
+        [[unroll]] for (uint g = 0; g < GQ; g++)
+            [[unroll]] for (uint i = 0; i < DL4; i++) qr[g][i] = act4[qb4[g] + ld / 4u + i];
+    }
     for (uint part = part0 + gl_SubgroupID; part < min(used, part0 + ITEMS_PER_WG); part += gl_NumSubgroups) {
         uint first = part * chunk;
         uint last = min(pos, first + chunk - 1u);
@@ -185,15 +198,43 @@ void main() {
                     }
                 }
 #else
-                [[unroll]] for (uint i = 0u; i < hd8; i++) {
-                    uvec4 kw = kv4[k4 + i];
-                    vec4 ka = vec4(unpackHalf2x16(kw.x), unpackHalf2x16(kw.y));
-                    vec4 kc = vec4(unpackHalf2x16(kw.z), unpackHalf2x16(kw.w));
-                    [[unroll]] for (uint g = 0; g < GQ; g++)
-                        s[g] += dot(act4[qb4[g] + 2u * i], ka) + dot(act4[qb4[g] + 2u * i + 1u], kc);
+                if (LP == 1u) {
+                    [[unroll]] for (uint i = 0u; i < hd8; i++) {
+                        uvec4 kw = kv4[k4 + i];
+                        vec4 ka = vec4(unpackHalf2x16(kw.x), unpackHalf2x16(kw.y));
+                        vec4 kc = vec4(unpackHalf2x16(kw.z), unpackHalf2x16(kw.w));
+                        [[unroll]] for (uint g = 0; g < GQ; g++)
+                            s[g] += dot(act4[qb4[g] + 2u * i], ka) + dot(act4[qb4[g] + 2u * i + 1u], kc);
+                    }
                 }
 #endif
             }
+#if !KV_K_Q8
+            if (LP > 1u) {
+                // LP passes: in pass ps the lanes of group lane / LP score position t0 + (lane / LP) * LP + ps,
+                // so after the passes lane j holds the score of position t0 + j
+                uint grp0 = lane - lane % LP;
+                [[unroll]] for (uint ps = 0; ps < LP; ps++) {
+                    uint tp = t0 + grp0 + ps;
+                    float d[GQ];
+                    [[unroll]] for (uint g = 0; g < GQ; g++) d[g] = 0.0;
+                    if (tp <= last) {
+                        uint k4 = (kb + tp * k_row + ld / 2u) / 4u;
+                        [[unroll]] for (uint i = 0u; i < DL4 / 2u; i++) {
+                            uvec4 kw = kv4[k4 + i];
+                            vec4 ka = vec4(unpackHalf2x16(kw.x), unpackHalf2x16(kw.y));
+                            vec4 kc = vec4(unpackHalf2x16(kw.z), unpackHalf2x16(kw.w));
+                            [[unroll]] for (uint g = 0; g < GQ; g++)
+                                d[g] += dot(qr[g][2u * i], ka) + dot(qr[g][2u * i + 1u], kc);
+                        }
+                    }
+                    [[unroll]] for (uint g = 0; g < GQ; g++) {
+                        [[unroll]] for (uint o = 1u; o < LP; o <<= 1u) d[g] += subgroupShuffleXor(d[g], o);
+                        if (lane % LP == ps) s[g] = d[g];
+                    }
+                }
+            }
+#endif
             float e[GQ];
             [[unroll]] for (uint g = 0; g < GQ; g++) {
                 float sg = t <= last ? s[g] * p.scale : -1.0 / 0.0;

@@ -960,18 +960,24 @@ def test_attention_mixed_batch(device, kernels, ws, rng, hd, n_head, n_kv, kv, s
             assert (ws.read(sync, np.uint32) == 0).all()
 
 
-@pytest.mark.parametrize("hd,n_head,n_kv,items,kv", [
-    *[(hd, nh, nkv, items, "f16") for hd, nh, nkv in [(64, 8, 2), (128, 20, 1), (256, 6, 3)] for items in (16, 1024)],
-    (64, 8, 2, 1024, "kv"), (128, 20, 1, 1024, "k"), (256, 6, 3, 1024, "v")])
-def test_attention_decode_depth(device, kernels, rng, hd, n_head, n_kv, items, kv):
+@pytest.mark.parametrize("hd,n_head,n_kv,items,kv,lp", [
+    *[(hd, nh, nkv, items, "f16", False) for hd, nh, nkv in [(64, 8, 2), (128, 20, 1), (256, 6, 3)]
+      for items in (16, 1024)],
+    (64, 8, 2, 1024, "kv", False), (128, 20, 1, 1024, "k", False), (256, 6, 3, 1024, "v", False),
+    *[(hd, nh, nkv, 1024, "f16", True) for hd, nh, nkv in [(64, 8, 2), (128, 20, 1), (256, 6, 3)]],
+    (128, 8, 2, 16, "v", True)])
+def test_attention_decode_depth(device, kernels, rng, hd, n_head, n_kv, items, kv, lp):
     """attention_dec at depth: decode rows of four slots at positions far below
     and near the context's end, on and beside part boundaries (parts of 32
     positions and more), in one step, against numpy; each row's output equals
     the same row decoded alone, bit for bit (a part's size follows only its
     row's position). (128, 20, 1): 20 query heads of one KV head, as three
     items of at most 8; items 16: the fewest parts (8), long parts. kv: f16,
-    or which sides are q8_0 blocks."""
-    kernels = with_caps(kernels, split_attention=True, attention_dec=True, attn_items=items)
+    or which sides are q8_0 blocks. lp: positions scored by several lanes
+    (Caps.attn_lp)."""
+    kernels = with_caps(kernels, split_attention=True, attention_dec=True, attn_items=items, attn_lp=lp)
+    assert kernels.dec_lanes(hd) == (1 if not lp else min(hd // 16, 8 if not device.info.subgroups_fixed
+                                                          else kernels.caps.sg))
     ws = Workspace(device, act_words=12 << 20)
     ctx = 2600
     slots = np.array([0, 1, 2, 3, 1, 0], np.uint32)

@@ -31,6 +31,18 @@ class AttentionKernels(KernelBase):
         items = self.caps.items   # a workgroup takes this many consecutive parts
         return gq, n_groups, -(-parts // items) * items
 
+    def dec_lanes(self, head_dim: int) -> int:
+        """attention_dec's lanes a position (LP): 16 dims a lane where
+        Caps.attn_lp asks for it, at most the smallest subgroup the device may
+        use; 1 (a lane a position) otherwise."""
+        if not self.caps.attn_lp:
+            return 1
+        sg = self.caps.sg if self.device.info.subgroups_fixed else min(self.caps.sg, 8)
+        lp = 1
+        while lp * 2 <= min(head_dim // 16, sg) and head_dim % (lp * 2 * 8) == 0:
+            lp *= 2
+        return lp
+
     def attention_parts(self, n_ctx: int, n_head: int, n_kv: int) -> int:
         """Parts of a (row, head) in split decode attention."""
         if self.caps.attention_dec:
@@ -184,7 +196,8 @@ class AttentionKernels(KernelBase):
         name = "attention_dec" + tag
         push = self._push(name, **pc, n_parts=n_parts, min_chunk=self.DEC_MIN_CHUNK, part_off=split.off,
                           sync_off=sync.off)
-        alg = self._alg_spec(name, [act, act, params, kv], (c.wg, c.items, wpl, head_dim, vb, gq), push)
+        lp = self.dec_lanes(head_dim) if "k" not in tag else 1   # (f16 K only)
+        alg = self._alg_spec(name, [act, act, params, kv], (c.wg, c.items, wpl, head_dim, vb, gq, lp), push)
         tmp = (split.buf, split.off * 4, (split.off + tmp_words) * 4)
         prog.dispatch(alg, push, self._grid(n_rows * n_kv * n_groups * (n_parts // c.items)),
                       reads + [tmp, sync.range], out + [tmp, sync.range], label)
