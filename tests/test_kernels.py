@@ -1035,6 +1035,12 @@ def test_attention_coopmat(device, coopmat_kernels, ws, rng, hd, n_head, n_kv, g
     ctx = 100
     growth = 1 + 0.15 * np.arange(kv_util.capacity(ctx, types)) if grow else None
     c = _AttentionCase(ws, rng, 3, ctx, n_head, n_kv, hd, slots, pos, 100, types, grow=growth)
+    # the kernel stages dequantized q8_0 values as halves (as llama.cpp's coopmat flash attention does): the
+    # reference takes them rounded so too (with growing 256-wide keys the rounding alone moved outputs past
+    # the tolerance: the H200 run of 2026-12-03 failed (256, 8, 2, True, "kv") against exact values, and
+    # numpy's attention of the values rounded to halves is 1.6e-3 outside that tolerance of the exact one)
+    c.kvals = c.kvals.astype(np.float16).astype(np.float32)
+    c.vvals = c.vvals.astype(np.float16).astype(np.float32)
     prog = device.program()
     coopmat_kernels.attention(prog, c.qr, n_head * hd, c.orr, n_head * hd, len(slots), n_head, n_kv, hd, c.kc, c.vc,
                               c.ss, ws.params, 0, 100, c.scale, kv_types=types)
