@@ -10,7 +10,9 @@ first with a vec4 copy shader (GPU timestamps). Writes
 <out>/<date>-<device>.json and regenerates <out>/README.md.
 
 `--depth 0,4096,16384` measures pp and tg after D tokens already in the context
-(llama-bench -d on the same file): a row per model and depth.
+(llama-bench -d on the same file): a row per model and depth. `-ctk q8_0 -ctv
+q8_0` runs both engines with that KV cache (llama-bench with -fa 1, which a
+quantized V cache needs there).
 
 Decode streams every weight once per token (and, at depth D, D positions of
 the KV cache), so tg tok/s x those bytes is the achieved bandwidth; it is reported as a fraction of the copy bandwidth
@@ -31,6 +33,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from vkengine.options import add_cache_args  # noqa: E402 (after the path)
 
 SHAPE_ALIASES = {"135m": "smollm2-135m", "1b": "1b", "8b": "8b", "tiny": "tiny", "small": "small"}
 
@@ -82,12 +86,14 @@ def gguf_weight_bytes(path: Path) -> tuple[int, int]:
 
 
 def run_llama_bench(exe: str, model: Path, n_prompt: int, n_gen: int, reps: int,
-                    depths: list[int] | None = None) -> dict[int, dict]:
-    """llama-bench's pp and tg at each depth (its -d): {depth: {...}}."""
+                    depths: list[int] | None = None, kv: tuple[str, str] = ("f16", "f16")) -> dict[int, dict]:
+    """llama-bench's pp and tg at each depth (its -d) with K/V cache types kv: {depth: {...}}."""
     depths = depths or [0]
     cmd = [exe, "-m", str(model), "-p", str(n_prompt), "-n", str(n_gen), "-r", str(reps), "-ngl", "99", "-o", "json"]
     if depths != [0]:
         cmd += ["-d", ",".join(map(str, depths))]
+    if kv != ("f16", "f16"):   # (llama.cpp needs flash attention for a quantized V cache)
+        cmd += ["-ctk", kv[0], "-ctv", kv[1], "-fa", "1"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if r.returncode != 0:
         return {d: {"error": (r.stderr or r.stdout)[-2000:], "cmd": " ".join(cmd)} for d in depths}
@@ -108,11 +114,13 @@ def run_llama_bench(exe: str, model: Path, n_prompt: int, n_gen: int, reps: int,
 
 
 def _ours(path: str, device: int | None, n_prompt: int, n_gen: int, reps: int, par: list[int],
-          depths: list[int]):
-    """Our pp/tg (and batched decode) on one model at each depth, in the calling
-    process; also the bytes a decode step reads per position of context."""
+          depths: list[int], kv: tuple[str, str] = ("f16", "f16")):
+    """Our pp/tg (and batched decode) on one model at each depth with K/V cache
+    types kv, in the calling process; also the bytes a decode step reads per
+    position of context."""
     from vkengine.device import Device
     from vkengine.engine import Engine, EngineConfig
+    from vkengine.kernels import KVTypes
     from vkengine.model import load_model
     from vkengine.options import Options
     from vkengine.tools.bench import bench_rows, run_batched, run_bench
@@ -120,12 +128,12 @@ def _ours(path: str, device: int | None, n_prompt: int, n_gen: int, reps: int, p
     eng = Engine(model, Device(device),
                  EngineConfig(n_slots=max(par, default=1), n_ctx=max(depths) + max(n_prompt, n_gen) + 8,
                               max_batch=bench_rows(n_prompt, max(par, default=1), depths),
-                              max_out=max(par, default=1), options=Options.from_env()))
+                              max_out=max(par, default=1), options=Options.from_env(), kv_types=KVTypes(*kv)))
     runs = []
     for d in depths:
         ours = run_bench(eng, n_prompt, n_gen, reps, depth=d)
         runs.append((ours, [run_batched(eng, b, n_gen, reps, depth=d) for b in par]))
-    kv_per_pos = model.arch.state_bytes(model.args, 1, 1)[0]
+    kv_per_pos = model.arch.state_bytes(model.args, 1, 1, KVTypes(*kv))[0]
     return runs, kv_per_pos
 
 
@@ -147,6 +155,7 @@ def main(argv=None) -> int:
                     help="also measure batched decode: B sequences stepping together (the server's batch mode)")
     ap.add_argument("-d", "--depth", default="0", metavar="D[,D...]",
                     help="tokens already in the context before pp and tg (llama-bench's -d), e.g. 0,4096,16384")
+    add_cache_args(ap)   # -ctk/-ctv: ours and llama-bench (with -fa 1) on the same cache types
     ap.add_argument("--note", default="")
     ap.add_argument("--tokenizer-from", default=None, help="tokenizer GGUF for synth (default: embedded SmolLM2)")
     args = ap.parse_args(argv)
@@ -159,6 +168,7 @@ def main(argv=None) -> int:
 
     par = [b for b in parse_parallel(args.parallel) if b > 1]   # batched decode: sequence counts
     depths = parse_depths(args.depth)
+    kv = (args.cache_type_k, args.cache_type_v)
     dev = Device(args.device)
     kn = Kernels(dev, Caps.detect(dev, Options.from_env()))
     bw = copy_bandwidth(dev, kn)
@@ -186,8 +196,8 @@ def main(argv=None) -> int:
         # not found), which had understated every model after the first
         with mp.get_context("spawn").Pool(1) as pool:
             runs, kv_per_pos = pool.apply(_ours, (str(path), args.device, args.n_prompt, args.n_gen, args.reps,
-                                                  par, depths))
-        peers = run_llama_bench(args.llama_bench, path, args.n_prompt, args.n_gen, args.reps, depths) \
+                                                  par, depths, kv))
+        peers = run_llama_bench(args.llama_bench, path, args.n_prompt, args.n_gen, args.reps, depths, kv) \
             if args.llama_bench else {}
         for d, (ours, batched) in zip(depths, runs):
             peer = peers.get(d, {})
@@ -221,7 +231,8 @@ def main(argv=None) -> int:
                     + (", fp16 sums" if kn.caps.mc2_f16acc else "") if kn.caps.coopmat2 else "")) if kn.caps.coopmat
                                                 else "mul_mt (fp32)",
            "copy_bandwidth": bw, "n_prompt": args.n_prompt, "n_gen": args.n_gen,
-           "reps": args.reps, "depths": depths, "peer": args.llama_label, "note": args.note, "results": results}
+           "reps": args.reps, "depths": depths, "kv_cache": {"k": kv[0], "v": kv[1]}, "peer": args.llama_label,
+           "note": args.note, "results": results}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     doc["time"] = now.strftime("%H:%M")
@@ -236,6 +247,8 @@ def table(doc: dict) -> str:
              f"{doc['copy_bandwidth']['gbps']:.0f} GB/s; peer: {doc.get('peer', 'llama.cpp')}; "
              f"pp{doc.get('n_prompt', 512)}, tg{doc.get('n_gen', 128)}"
              + (f", depths {', '.join(map(str, doc['depths']))}" if doc.get("depths", [0]) != [0] else "")
+             + (f", KV cache K {doc['kv_cache']['k']} V {doc['kv_cache']['v']} (both engines)"
+                if doc.get("kv_cache", {"k": "f16", "v": "f16"}) != {"k": "f16", "v": "f16"} else "")
              + (f"; our prefill matmul: {doc['prefill_kernel']}" if doc.get("prefill_kernel") else ""),
              "", "| model | weights | pp ours | pp peer | pp ratio | tg ours | tg peer | tg ratio | tg GB/s "
                  "| of copy bw |",

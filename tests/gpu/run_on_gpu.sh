@@ -13,7 +13,8 @@
 #   profile GPU time per op (vkengine bench --profile $PROFILE_ARGS) on PROFILE_MODELS
 #   synth   write the BENCH_QWEN models (arch:shape:quant ...) before the bench stage
 #   bench   bench/bench.py: ours vs llama-bench on synthetic models (BENCH_MODELS=none: only BENCH_QWEN;
-#           BENCH_DEPTHS=0,4096,16384: rows at those depths, llama-bench -d beside them)
+#           BENCH_DEPTHS=0,4096,16384: rows at those depths, llama-bench -d beside them;
+#           BENCH_KV=q8_0: both engines with a q8_0 K and V cache)
 #   parity  parity run against llama-server's Vulkan build on synthetic llama/qwen35/qwen35moe
 #   serve-bench  bench/serve.py: C = 1, 4, 16 streaming clients, ours vs llama-server
 #           (SERVE_TEMP=0.8: sampled replies instead of greedy ones)
@@ -119,7 +120,7 @@ run_stage() {
       done
       python3 bench/bench.py --out "$OUT/bench" --tokenizer-from "$VKENGINE_TOKENIZER_GGUF" \
         ${BENCH_MODELS:+--models=${BENCH_MODELS#none}} ${files:+--files $files} ${lb:+--llama-bench $lb} \
-        -r "${BENCH_REPS:-3}" ${BENCH_PARALLEL:+--parallel $BENCH_PARALLEL} ${BENCH_DEPTHS:+--depth $BENCH_DEPTHS} --llama-label "llama.cpp 11434 Vulkan (int dot + coopmat)" 2>&1 | tee "$OUT/bench.log" | tail -20
+        -r "${BENCH_REPS:-3}" ${BENCH_PARALLEL:+--parallel $BENCH_PARALLEL} ${BENCH_DEPTHS:+--depth $BENCH_DEPTHS} ${BENCH_KV:+-ctk $BENCH_KV -ctv $BENCH_KV} --llama-label "llama.cpp 11434 Vulkan (int dot + coopmat)" 2>&1 | tee "$OUT/bench.log" | tail -20
       ;;
     parity)
       # our tokens vs llama-server's Vulkan build (-ngl 99) on the same synthetic GGUFs
