@@ -169,12 +169,18 @@ def test_split_decode_attention_at_depth(device, tiny_models, dec):
     eng.prefill(ids[:100], 1)
     steps = np.stack([eng.step([ids[p]], [p], [1], [0], Readback.LOGITS)[0] for p in range(100, 150)])
     _assert_logits_close(steps, want[100:])
-    lens = (40, 90, 130)
+    assert_batched_equals_alone(eng, ids, (40, 90, 130))
+
+
+def assert_batched_equals_alone(eng, ids, lens) -> None:
+    """Sequences of ids[:n] for n in lens, one a slot: their last rows decoded
+    in one step give each row's logits decoded alone, bit for bit."""
     alone = []
     for s, n in enumerate(lens):
         eng.prefill(ids[:n - 1], s)
         alone.append(eng.step([ids[n - 1]], [n - 1], [s], [0], Readback.LOGITS)[0])
-    both = eng.step([ids[n - 1] for n in lens], [n - 1 for n in lens], [0, 1, 2], range(3), Readback.LOGITS)
+    both = eng.step([ids[n - 1] for n in lens], [n - 1 for n in lens], list(range(len(lens))), range(len(lens)),
+                    Readback.LOGITS)
     np.testing.assert_array_equal(both, np.stack(alone))
 
 

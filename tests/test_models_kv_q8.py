@@ -23,6 +23,7 @@ from vkengine.tools.synth.writer import tokenizer_meta
 
 from .ref_llama import RefLlama
 from .ref_qwen35 import RefQwen35
+from .test_models import assert_batched_equals_alone
 
 PROMPT = "The quick brown fox jumps over the lazy dog. 1234567, and then"
 Q8 = KVTypes("q8_0", "q8_0")
@@ -130,13 +131,7 @@ def test_gpu_decode_path_at_depth_with_q8_cache(device, models):
         else:   # GPUs: the prompt's tiled matmuls round differently from decode's matvecs (and
             # a 124-row prompt from a 100-row one), so a value may land one quant step away
             np.testing.assert_allclose(a, b, rtol=0, atol=2 * float(np.abs(b).max()) / 127)
-    lens = (40, 90, 120)
-    alone = []
-    for s, n in enumerate(lens):
-        eng.prefill(ids[:n - 1], s)
-        alone.append(eng.step([ids[n - 1]], [n - 1], [s], [0], Readback.LOGITS)[0])
-    both = eng.step([ids[n - 1] for n in lens], [n - 1 for n in lens], [0, 1, 2], range(3), Readback.LOGITS)
-    np.testing.assert_array_equal(both, np.stack(alone))
+    assert_batched_equals_alone(eng, ids, (40, 90, 120))
 
 
 # -- per-sequence state in the q8_0 layout ------------------------------------------------
