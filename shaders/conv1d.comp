@@ -41,42 +41,42 @@ void main() {
     // so the walk waits for memory once a group rather than once a row (it is
     // bound by latency: one invocation per channel is few for a GPU)
     for (uint r0 = 0u; r0 < p.n_rows; r0 += RG) {
-    uint slots[RG];
-    float xs[RG];
-    [[unroll]] for (uint g = 0; g < RG; g++) {
-        uint r = min(r0 + g, p.n_rows - 1u);
-        slots[g] = params[p.slot_off + r];
-        xs[g] = act[p.x_off + r * p.x_stride + c];
-    }
-    [[unroll]] for (uint g = 0; g < RG; g++) {
-        uint r = r0 + g;
-        if (r >= p.n_rows) break;
-        uint slot = slots[g];
-        if (slot != cur) {
-            if (cur != 0xffffffffu) {
-                for (uint j = 0u; j < km1; j++) st[p.state_off + cur * p.slot_stride + j * p.C + c] = win[j];
+        uint slots[RG];
+        float xs[RG];
+        [[unroll]] for (uint g = 0; g < RG; g++) {
+            uint r = min(r0 + g, p.n_rows - 1u);
+            slots[g] = params[p.slot_off + r];
+            xs[g] = act[p.x_off + r * p.x_stride + c];
+        }
+        [[unroll]] for (uint g = 0; g < RG; g++) {
+            uint r = r0 + g;
+            if (r >= p.n_rows) break;
+            uint slot = slots[g];
+            if (slot != cur) {
+                if (cur != 0xffffffffu) {
+                    for (uint j = 0u; j < km1; j++) st[p.state_off + cur * p.slot_stride + j * p.C + c] = win[j];
+                }
+                bool fresh = params[p.pos_off + r] == 0u;
+                [[unroll]] for (uint j = 0; j < KMAX; j++) {
+                    win[j] = (j < km1 && !fresh) ? st[p.state_off + slot * p.slot_stride + j * p.C + c] : 0.0;
+                }
+                cur = slot;
             }
-            bool fresh = params[p.pos_off + r] == 0u;
-            [[unroll]] for (uint j = 0; j < KMAX; j++) {
-                win[j] = (j < km1 && !fresh) ? st[p.state_off + slot * p.slot_stride + j * p.C + c] : 0.0;
+            float x = xs[g];
+            float acc = w[km1] * x;
+            [[unroll]] for (uint j = 0; j < KMAX - 1; j++) {
+                if (j < km1) acc += w[j] * win[j];
             }
-            cur = slot;
+            // shift the window: drop the oldest, append x
+            [[unroll]] for (uint j = 0; j < KMAX - 1; j++) {
+                if (j + 1u < km1) win[j] = win[j + 1];
+                else if (j + 1u == km1) win[j] = x;
+            }
+            act[p.y_off + r * p.y_stride + c] = silu(acc);
+            if (r < p.snap_rows) {
+                for (uint j = 0u; j < km1; j++) st[p.snap_off + r * p.slot_stride + j * p.C + c] = win[j];
+            }
         }
-        float x = xs[g];
-        float acc = w[km1] * x;
-        [[unroll]] for (uint j = 0; j < KMAX - 1; j++) {
-            if (j < km1) acc += w[j] * win[j];
-        }
-        // shift the window: drop the oldest, append x
-        [[unroll]] for (uint j = 0; j < KMAX - 1; j++) {
-            if (j + 1u < km1) win[j] = win[j + 1];
-            else if (j + 1u == km1) win[j] = x;
-        }
-        act[p.y_off + r * p.y_stride + c] = silu(acc);
-        if (r < p.snap_rows) {
-            for (uint j = 0u; j < km1; j++) st[p.snap_off + r * p.slot_stride + j * p.C + c] = win[j];
-        }
-    }
     }
     if (cur != 0xffffffffu) {
         for (uint j = 0u; j < km1; j++) st[p.state_off + cur * p.slot_stride + j * p.C + c] = win[j];

@@ -31,15 +31,19 @@ class AttentionKernels(KernelBase):
         items = self.caps.items   # a workgroup takes this many consecutive parts
         return gq, n_groups, -(-parts // items) * items
 
+    def min_subgroup(self) -> int:
+        """The smallest subgroup the kernels may run with: the device's own where
+        it is fixed, else at most 8 (lavapipe's vary)."""
+        return self.caps.sg if self.device.info.subgroups_fixed else min(self.caps.sg, 8)
+
     def dec_lanes(self, head_dim: int) -> int:
         """attention_dec's lanes a position (LP): 16 dims a lane where
         Caps.attn_lp asks for it, at most the smallest subgroup the device may
         use; 1 (a lane a position) otherwise."""
         if not self.caps.attn_lp:
             return 1
-        sg = self.caps.sg if self.device.info.subgroups_fixed else min(self.caps.sg, 8)
         lp = 1
-        while lp * 2 <= min(head_dim // 16, sg) and head_dim % (lp * 2 * 8) == 0:
+        while lp * 2 <= min(head_dim // 16, self.min_subgroup()) and head_dim % (lp * 2 * 8) == 0:
             lp *= 2
         return lp
 
@@ -157,8 +161,7 @@ class AttentionKernels(KernelBase):
             prog.dispatch(alg, push, (math.ceil(blocks / per_wg), n_kv, 1), reads, out, label)
             return
         # V words per lane; sized for the smallest subgroup the device may use
-        sg = c.sg if self.device.info.subgroups_fixed else min(c.sg, 8)
-        wpl = -(-(head_dim // 2) // sg)
+        wpl = -(-(head_dim // 2) // self.min_subgroup())
         # V rows a lane loads ahead of their use: up to 32 words, at least 8 rows
         vb = max(8, min(32, 32 // wpl))
         if split is not None and c.attention_dec:
