@@ -4,11 +4,11 @@
 // positions 0..pos of its slot, as attention.comp does, for steps of few rows.
 //
 // Work item: (row, KV head, group of GQ of its query heads, part); a workgroup
-// takes ITEMS_PER_WG consecutive parts of one (row, KV head, group), its
-// subgroups a part each in turn. A subgroup reads each K and V row of its
-// positions once for all GQ heads (grouped-query attention: the n_head / n_kv
-// query heads of a KV head share its rows), so K/V are read once per KV head,
-// not once per query head.
+// takes ITEMS_PER_WG consecutive parts of one (row, KV head, group), each of
+// its subgroups a run of consecutive parts (one part where subgroups and items
+// are as many). A subgroup reads each K and V row of its positions once for
+// all GQ heads (grouped-query attention: the n_head / n_kv query heads of a KV
+// head share its rows), so K/V are read once per KV head, not once per query head.
 //
 // The positions 0..pos are cut into n_parts parts of `chunk` positions, chunk
 // following the row's own position (ceil((pos + 1) / n_parts) rounded up to a
@@ -17,17 +17,19 @@
 // Parts past the row's position do nothing. The chunk depends only on the
 // row's position, so a row's arithmetic is the same alone or batched.
 //
-// In a part the subgroup walks tiles of one subgroup of positions: each lane
-// scores one position for the GQ heads (its K row read as f16 pairs in uvec4s,
-// q broadcast), the online-softmax update is two subgroup reductions per head,
+// The subgroup walks its positions in tiles of one subgroup: each lane scores
+// one position for the GQ heads (its K row read as f16 pairs in uvec4s, q
+// broadcast), the online-softmax update is two subgroup reductions per head,
 // then the lanes own f16 pairs of the head dimension and accumulate the tile's
 // V rows for all GQ heads, each position's weights taken from its lane with
-// shuffles. A row whose position is within one part writes its output at once;
-// otherwise each part writes (max, sum, unnormalized output) per head, each
-// workgroup counts itself on one word per (row, KV head, group), and the last
-// workgroup to count resets the counter and merges the parts (in part order),
-// its subgroups taking a head each: one dispatch, and the merge's loads spread
-// over a workgroup rather than one subgroup.
+// shuffles. The workgroup's subgroups then combine in shared memory, one after
+// another; a row whose positions are all in one workgroup writes its output at
+// once; otherwise each workgroup writes (max, sum, unnormalized output) per
+// head, counts itself on one word per (row, KV head, group), and the last to
+// count resets the counter and merges the workgroups' partials (in order), its
+// subgroups taking a head each: one dispatch. (A partial per workgroup rather
+// than per part: the merge reads ITEMS_PER_WG times fewer; with 72 registers
+// a lane against 128, H200 notes.md run 29.)
 // K and V are f16 or q8_0 each (kv.glsl: KV_K_Q8, KV_V_Q8), read as
 // attention.comp reads them.
 #include "common.glsl"
@@ -52,6 +54,13 @@ layout(constant_id = 5) const uint GQ = 1;     // query heads of one KV head an 
 // dot products with LP-lane butterflies, and the lane's dims of q stay in
 // registers (LP = 1 reads q's HD dims from memory for every position tile)
 layout(constant_id = 6) const uint LP = 1;
+// (f16 K, LP = 1) uvec4 of a K row a lane keeps: HD / 8 loads the next tile's K rows
+// during this one's softmax and V rows; 0 loads them when they are scored (168
+// registers against 72 on the H200, slower: notes.md run 29)
+layout(constant_id = 7) const uint KPF = 0;
+// 1: a tile's first VB V rows loaded before its scores (they do not depend on them); 0: after
+// (1: 96 registers against 72, not faster on the H200: notes.md run 29)
+layout(constant_id = 8) const uint VPRE = 0;
 
 layout(push_constant) uniform P {
     uint q_off, q_stride, o_off, o_stride;
@@ -118,6 +127,9 @@ void merge(uint r, uint h, uint used) {
 }
 
 shared uint last_wg;
+shared float sh_m[GQ];
+shared float sh_l[GQ];
+shared float sh_o[GQ * HD];
 
 void main() {
     uint group = p.n_head / p.n_kv;              // query heads per KV head
@@ -163,19 +175,48 @@ void main() {
         [[unroll]] for (uint g = 0; g < GQ; g++)
             [[unroll]] for (uint i = 0; i < DL4; i++) qr[g][i] = act4[qb4[g] + ld / 4u + i];
     }
-    for (uint part = part0 + gl_SubgroupID; part < min(used, part0 + ITEMS_PER_WG); part += gl_NumSubgroups) {
-        uint first = part * chunk;
-        uint last = min(pos, first + chunk - 1u);
-        vec2 acc[GQ][WPL];
-        float m[GQ];
-        float l[GQ];
-        [[unroll]] for (uint g = 0; g < GQ; g++) {
-            m[g] = -1.0 / 0.0;
-            l[g] = 0.0;
-            [[unroll]] for (uint i = 0; i < WPL; i++) acc[g][i] = vec2(0.0);
+    // this subgroup's positions: ppg consecutive parts of the workgroup's, one range
+    uint n_wg = (used + ITEMS_PER_WG - 1u) / ITEMS_PER_WG;   // the row's workgroups with positions
+    uint ppg = (ITEMS_PER_WG + gl_NumSubgroups - 1u) / gl_NumSubgroups;
+    uint pa = part0 + gl_SubgroupID * ppg;
+    uint pb = min(min(used, part0 + ITEMS_PER_WG), pa + ppg);
+    vec2 acc[GQ][WPL];
+    float m[GQ];
+    float l[GQ];
+    [[unroll]] for (uint g = 0; g < GQ; g++) {
+        m[g] = -1.0 / 0.0;
+        l[g] = 0.0;
+        [[unroll]] for (uint i = 0; i < WPL; i++) acc[g][i] = vec2(0.0);
+    }
+    if (pa < pb) {
+        uint first = pa * chunk;
+        uint last = min(pos, pb * chunk - 1u);
+        uvec4 kr[KPF + 1u];   // (KPF) the tile's K row, loaded during the tile before
+#if !KV_K_Q8
+        if (KPF > 0u && LP == 1u && first + lane <= last) {
+            uint k4 = (kb + (first + lane) * k_row) / 4u;
+            [[unroll]] for (uint i = 0u; i < KPF; i++) kr[i] = kv4[k4 + i];
         }
+#endif
         for (uint t0 = first; t0 <= last; t0 += S) {
             uint t = t0 + lane;
+            uint n_valid = min(S, last + 1u - t0);
+            // (VPRE) the tile's first VB V rows, loaded before the scores
+            uint vw[VB][WPL];
+            if (VPRE != 0u) [[unroll]] for (uint jj = 0; jj < VB; jj++) {
+                uint vrow = vb + (t0 + jj) * v_row;
+#if KV_V_Q8
+                uint vsrow = vsb + (t0 + jj) * s_row;
+#endif
+                [[unroll]] for (uint i = 0; i < WPL; i++) {
+                    uint w = lane + i * S;
+#if KV_V_Q8
+                    vw[jj][i] = (jj < n_valid && w < hd2) ? kv_q8_pair_word(kv[vrow + w / 2u], kv[vsrow + w / 32u], w) : 0u;
+#else
+                    vw[jj][i] = (jj < n_valid && w < hd2) ? kv[vrow + w] : 0u;
+#endif
+                }
+            }
             float s[GQ];
             [[unroll]] for (uint g = 0; g < GQ; g++) s[g] = 0.0;
             if (t <= last) {
@@ -200,7 +241,9 @@ void main() {
 #else
                 if (LP == 1u) {
                     [[unroll]] for (uint i = 0u; i < hd8; i++) {
-                        uvec4 kw = kv4[k4 + i];
+                        uvec4 kw;
+                        if (KPF > 0u) kw = kr[i];
+                        else kw = kv4[k4 + i];
                         vec4 ka = vec4(unpackHalf2x16(kw.x), unpackHalf2x16(kw.y));
                         vec4 kc = vec4(unpackHalf2x16(kw.z), unpackHalf2x16(kw.w));
                         [[unroll]] for (uint g = 0; g < GQ; g++)
@@ -210,6 +253,11 @@ void main() {
 #endif
             }
 #if !KV_K_Q8
+            // the next tile's K rows in flight during this tile's softmax and V rows
+            if (KPF > 0u && LP == 1u && t + S <= last) {
+                uint k4 = (kb + (t + S) * k_row) / 4u;
+                [[unroll]] for (uint i = 0u; i < KPF; i++) kr[i] = kv4[k4 + i];
+            }
             if (LP > 1u) {
                 // LP passes: in pass ps the lanes of group lane / LP score position t0 + (lane / LP) * LP + ps,
                 // so after the passes lane j holds the score of position t0 + j
@@ -245,22 +293,22 @@ void main() {
                 [[unroll]] for (uint i = 0; i < WPL; i++) acc[g][i] *= corr;
                 m[g] = m_new;
             }
-            uint n_valid = min(S, last + 1u - t0);
             for (uint j0 = 0u; j0 < n_valid; j0 += VB) {
-                uint vw[VB][WPL];
-                [[unroll]] for (uint jj = 0; jj < VB; jj++) {
-                    uint vrow = vb + (t0 + j0 + jj) * v_row;
+                if (j0 > 0u || VPRE == 0u) {
+                    [[unroll]] for (uint jj = 0; jj < VB; jj++) {
+                        uint vrow = vb + (t0 + j0 + jj) * v_row;
 #if KV_V_Q8
-                    uint vsrow = vsb + (t0 + j0 + jj) * s_row;
+                        uint vsrow = vsb + (t0 + j0 + jj) * s_row;
 #endif
-                    [[unroll]] for (uint i = 0; i < WPL; i++) {
-                        uint w = lane + i * S;
+                        [[unroll]] for (uint i = 0; i < WPL; i++) {
+                            uint w = lane + i * S;
 #if KV_V_Q8
-                        vw[jj][i] = (j0 + jj < n_valid && w < hd2)
-                                  ? kv_q8_pair_word(kv[vrow + w / 2u], kv[vsrow + w / 32u], w) : 0u;
+                            vw[jj][i] = (j0 + jj < n_valid && w < hd2)
+                                      ? kv_q8_pair_word(kv[vrow + w / 2u], kv[vsrow + w / 32u], w) : 0u;
 #else
-                        vw[jj][i] = (j0 + jj < n_valid && w < hd2) ? kv[vrow + w] : 0u;
+                            vw[jj][i] = (j0 + jj < n_valid && w < hd2) ? kv[vrow + w] : 0u;
 #endif
+                        }
                     }
                 }
                 [[unroll]] for (uint jj = 0; jj < VB; jj++) {
@@ -274,33 +322,58 @@ void main() {
                 }
             }
         }
-        [[unroll]] for (uint g = 0; g < GQ; g++) {
-            if (g >= nh) break;
-            uint ob = used == 1u ? p.o_off + r * p.o_stride + (h0 + g) * p.head_dim
-                                 : p.part_off + ((r * p.n_head + h0 + g) * p.n_parts + part) * (p.head_dim + 2u) + 2u;
-            float div = used == 1u ? l[g] : 1.0;
-            if (used > 1u && subgroupElect()) { act[ob - 2u] = m[g]; act[ob - 1u] = l[g]; }
-            [[unroll]] for (uint i = 0; i < WPL; i++) {
-                uint w = lane + i * S;
-                if (w < hd2) {
-                    act[ob + 2u * w] = acc[g][i].x / div;
-                    act[ob + 2u * w + 1u] = acc[g][i].y / div;
+    }
+    // the workgroup's subgroups combined in shared memory, one at a time in
+    // subgroup order: sh_m, sh_l and sh_o hold (max, sum, output scaled to the max)
+    uint nl = gl_WorkGroupSize.x;
+    for (uint x = gl_LocalInvocationIndex; x < GQ * HD; x += nl) sh_o[x] = 0.0;
+    if (gl_LocalInvocationIndex < GQ) { sh_m[gl_LocalInvocationIndex] = -1.0 / 0.0; sh_l[gl_LocalInvocationIndex] = 0.0; }
+    barrier();
+    for (uint sgi = 0u; sgi < gl_NumSubgroups; sgi++) {
+        if (gl_SubgroupID == sgi && pa < pb) {
+            [[unroll]] for (uint g = 0; g < GQ; g++) {
+                float mo = sh_m[g];
+                float mn = max(mo, m[g]);
+                float co = mo > -1.0 / 0.0 ? exp(mo - mn) : 0.0;
+                float cn = m[g] > -1.0 / 0.0 ? exp(m[g] - mn) : 0.0;
+                [[unroll]] for (uint i = 0; i < WPL; i++) {
+                    uint w = lane + i * S;
+                    if (w < hd2) {
+                        sh_o[g * HD + 2u * w] = sh_o[g * HD + 2u * w] * co + acc[g][i].x * cn;
+                        sh_o[g * HD + 2u * w + 1u] = sh_o[g * HD + 2u * w + 1u] * co + acc[g][i].y * cn;
+                    }
                 }
+                subgroupBarrier();
+                if (subgroupElect()) { sh_l[g] = sh_l[g] * co + l[g] * cn; sh_m[g] = mn; }
             }
         }
+        barrier();
     }
-    if (used == 1u) return;                      // written at once (uniform: the row's position)
-    // this workgroup's parts visible to the others before it counts itself;
+    // one workgroup for the row's positions: the output at once; else this
+    // workgroup's (max, sum, unnormalized output) per head into slot wi
+    uint wi = part0 / ITEMS_PER_WG;
+    uint stride = p.head_dim + 2u;
+    for (uint x = gl_LocalInvocationIndex; x < nh * HD; x += nl) {
+        uint g = x / HD, d = x % HD;
+        if (n_wg == 1u) act[p.o_off + r * p.o_stride + (h0 + g) * p.head_dim + d] = sh_o[x] / sh_l[g];
+        else act[p.part_off + ((r * p.n_head + h0 + g) * p.n_parts + wi) * stride + 2u + d] = sh_o[x];
+    }
+    if (n_wg > 1u && gl_LocalInvocationIndex < nh) {
+        uint b = p.part_off + ((r * p.n_head + h0 + gl_LocalInvocationIndex) * p.n_parts + wi) * stride;
+        act[b] = sh_m[gl_LocalInvocationIndex];
+        act[b + 1u] = sh_l[gl_LocalInvocationIndex];
+    }
+    if (n_wg == 1u) return;                      // written at once (uniform: the row's position)
+    // this workgroup's partial visible to the others before it counts itself;
     // the last of the row's workgroups to count merges with all its subgroups
     memoryBarrierBuffer();
     barrier();
     if (gl_LocalInvocationIndex == 0u) {
-        uint n_wg = (used + ITEMS_PER_WG - 1u) / ITEMS_PER_WG;
         last_wg = atomicAdd(actu[p.sync_off + rg], 1u) == n_wg - 1u ? 1u : 0u;
         if (last_wg == 1u) actu[p.sync_off + rg] = 0u;
     }
     barrier();
     if (last_wg == 0u) return;
     memoryBarrierBuffer();
-    for (uint g = gl_SubgroupID; g < nh; g += gl_NumSubgroups) merge(r, h0 + g, used);
+    for (uint g = gl_SubgroupID; g < nh; g += gl_NumSubgroups) merge(r, h0 + g, n_wg);
 }

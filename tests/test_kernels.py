@@ -960,13 +960,13 @@ def test_attention_mixed_batch(device, kernels, ws, rng, hd, n_head, n_kv, kv, s
             assert (ws.read(sync, np.uint32) == 0).all()
 
 
-@pytest.mark.parametrize("hd,n_head,n_kv,items,kv,lp", [
-    *[(hd, nh, nkv, items, "f16", False) for hd, nh, nkv in [(64, 8, 2), (128, 20, 1), (256, 6, 3)]
+@pytest.mark.parametrize("hd,n_head,n_kv,items,kv,lp,kpf", [
+    *[(hd, nh, nkv, items, "f16", False, True) for hd, nh, nkv in [(64, 8, 2), (128, 20, 1), (256, 6, 3)]
       for items in (16, 1024)],
-    (64, 8, 2, 1024, "kv", False), (128, 20, 1, 1024, "k", False), (256, 6, 3, 1024, "v", False),
-    *[(hd, nh, nkv, 1024, "f16", True) for hd, nh, nkv in [(64, 8, 2), (128, 20, 1), (256, 6, 3)]],
-    (128, 8, 2, 16, "v", True)])
-def test_attention_decode_depth(device, kernels, rng, hd, n_head, n_kv, items, kv, lp):
+    (64, 8, 2, 1024, "kv", False, True), (128, 20, 1, 1024, "k", False, True), (256, 6, 3, 1024, "v", False, True),
+    *[(hd, nh, nkv, 1024, "f16", True, True) for hd, nh, nkv in [(64, 8, 2), (128, 20, 1), (256, 6, 3)]],
+    (128, 8, 2, 16, "v", True, True), (128, 8, 2, 1024, "f16", False, False), (64, 8, 2, 16, "v", False, False)])
+def test_attention_decode_depth(device, kernels, rng, hd, n_head, n_kv, items, kv, lp, kpf):
     """attention_dec at depth: decode rows of four slots at positions far below
     and near the context's end, on and beside part boundaries (parts of 32
     positions and more), in one step, against numpy; each row's output equals
@@ -974,8 +974,12 @@ def test_attention_decode_depth(device, kernels, rng, hd, n_head, n_kv, items, k
     row's position). (128, 20, 1): 20 query heads of one KV head, as three
     items of at most 8; items 16: the fewest parts (8), long parts. kv: f16,
     or which sides are q8_0 blocks. lp: positions scored by several lanes
-    (Caps.attn_lp)."""
-    kernels = with_caps(kernels, split_attention=True, attention_dec=True, attn_items=items, attn_lp=lp)
+    (Caps.attn_lp). kpf: the next tile's K rows loaded during the tile before
+    (Caps.attn_kpf; heads of up to 128, f16 K, a lane a position)."""
+    kernels = with_caps(kernels, split_attention=True, attention_dec=True, attn_items=items, attn_lp=lp,
+                        attn_kpf=kpf)
+    assert kernels.dec_kpf(hd, kernels.dec_lanes(hd), KV_Q8.get(kv, KVTypes()).tag) == (
+        hd // 8 if kpf and not lp and hd <= 128 and kv in ("f16", "v") else 0)
     assert kernels.dec_lanes(hd) == (1 if not lp else min(hd // 16, 8 if not device.info.subgroups_fixed
                                                           else kernels.caps.sg))
     ws = Workspace(device, act_words=12 << 20)

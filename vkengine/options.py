@@ -67,8 +67,9 @@ class Options:
     mc2_from_rows: int | None = None   # matrices of at least this many rows on mul_mc2 (None: the table's)
     attn_mc: bool = True          # prompt attention on cooperative matrices (attention_mc.comp)
     attn_dec: bool = True         # decode attention by KV-head group, parts following the position (attention_dec)
-    attn_items: int = 1024        # ... its target of work items a step's row (KV heads x groups x parts)
+    attn_items: int = 2048        # ... its target of work items a step's row (KV heads x groups x parts)
     attn_lp: bool = False         # ... a position scored by several lanes, q in registers (dec_lanes)
+    attn_kpf: bool = False        # ... the next tile's K rows loaded during this one's softmax and V (dec_kpf)
     splitk_wgs: int = 256         # split K of tiled matmuls whose grid has fewer workgroups (0: off)
     splitk_min: int = 512         # the fewest K columns a part of split K takes
     xq8: bool = False             # Q8_0 matvecs on integer dot products, x quantized first (opt-in)

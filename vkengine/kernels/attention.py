@@ -20,6 +20,10 @@ class AttentionKernels(KernelBase):
 
     DEC_MIN_CHUNK = 32  # attention_dec: a part's positions are a multiple of this
     DEC_MAX_GROUP = 8   # attention_dec: query heads an item takes (more: several items a KV head)
+    DEC_MAX_PARTS = 256   # attention_dec: parts of a (row, KV head, group) at most
+    dec_vb = 0          # attention_dec's V rows a lane loads ahead (0: as attention.comp; bench/attn_probe.py)
+    dec_variant = "attention_dec"   # (bench/attn_probe.py swaps in others)
+    dec_vpre = 0        # attention_dec loads a tile's first V rows before its scores (bench/attn_probe.py)
 
     def dec_layout(self, n_head: int, n_kv: int) -> tuple[int, int, int]:
         """attention_dec's (query heads an item takes, items per KV head and
@@ -27,7 +31,7 @@ class AttentionKernels(KernelBase):
         group = n_head // n_kv
         gq = min(group, self.DEC_MAX_GROUP)
         n_groups = -(-group // gq)
-        parts = min(256, max(8, -(-self.caps.attn_items // (n_kv * n_groups))))
+        parts = min(self.DEC_MAX_PARTS, max(8, -(-self.caps.attn_items // (n_kv * n_groups))))
         items = self.caps.items   # a workgroup takes this many consecutive parts
         return gq, n_groups, -(-parts // items) * items
 
@@ -46,6 +50,12 @@ class AttentionKernels(KernelBase):
         while lp * 2 <= min(head_dim // 16, self.min_subgroup()) and head_dim % (lp * 2 * 8) == 0:
             lp *= 2
         return lp
+
+    def dec_kpf(self, head_dim: int, lp: int, tag: str) -> int:
+        """attention_dec's K prefetch (KPF): the uvec4 of a K row a lane keeps
+        while the tile before it runs (f16 K scored a lane a position, heads of
+        at most 128: 256 would take 32 more registers); 0: none."""
+        return head_dim // 8 if self.caps.attn_kpf and lp == 1 and "k" not in tag and head_dim <= 128 else 0
 
     def attention_parts(self, n_ctx: int, n_head: int, n_kv: int) -> int:
         """Parts of a (row, head) in split decode attention."""
@@ -196,11 +206,13 @@ class AttentionKernels(KernelBase):
             raise ValueError("split decode attention needs a scratch region in the activation buffer")
         if sync is None or sync.buf is not act or sync.words < n_rows * n_kv * n_groups:
             raise ValueError("split decode attention needs zeroed counters in the activation buffer")
-        name = "attention_dec" + tag
+        name = self.dec_variant + tag
         push = self._push(name, **pc, n_parts=n_parts, min_chunk=self.DEC_MIN_CHUNK, part_off=split.off,
                           sync_off=sync.off)
         lp = self.dec_lanes(head_dim) if "k" not in tag else 1   # (f16 K only)
-        alg = self._alg_spec(name, [act, act, params, kv], (c.wg, c.items, wpl, head_dim, vb, gq, lp), push)
+        vb = self.dec_vb or vb
+        alg = self._alg_spec(name, [act, act, params, kv], (c.wg, c.items, wpl, head_dim, vb, gq, lp,
+                                                            self.dec_kpf(head_dim, lp, tag), self.dec_vpre), push)
         tmp = (split.buf, split.off * 4, (split.off + tmp_words) * 4)
         prog.dispatch(alg, push, self._grid(n_rows * n_kv * n_groups * (n_parts // c.items)),
                       reads + [tmp, sync.range], out + [tmp, sync.range], label)
