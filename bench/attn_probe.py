@@ -19,6 +19,16 @@ that had run the spilling variant measured every kernel after it 2-5x slower.
 --depth D puts the N rows at positions D..D+N-1 over a cache of D+N (a
 prompt chunk after D tokens of context).
 
+--decode: split decode attention instead, one row a slot at position D of
+each of -n slots (a decode step at depth D), for each --dec variant:
+  slices  attention.comp's 64-position slices of each query head
+  v1      attention_dec.comp as of 3b60573 (bench/shaders/attention_dec_v1.comp:
+          a partial per part, no K prefetch), options as dec's
+  dec     attention_dec.comp as the engine runs it; dec:items=N+lp+nokpf+novpre+vb=N+parts=N
+          change Caps.attn_items, attn_lp, attn_kpf, its V rows loaded ahead (before the
+          scores or after) and its most parts
+Printed: a dispatch's time and the K/V bytes it reads a microsecond.
+
     here:   .venv/bin/python bench/attn_probe.py --compile-only
     there:  python3 bench/attn_probe.py --out $OUT/attn-probe.json
 """
@@ -50,11 +60,20 @@ def main() -> int:
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("-n", type=int, default=512, help="prompt rows")
     ap.add_argument("--depth", type=int, default=0, help="positions already in the cache before the rows")
-    ap.add_argument("--reps", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=None, help="dispatches a program (8; --decode 200)")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--decode", action="store_true", help="split decode attention: -n rows at depth --depth")
+    ap.add_argument("--dec", default="slices,v1,dec,dec:nokpf,dec:items=512,dec:items=2048,dec:vb=32,dec:lp",
+                    help="(--decode) variants, comma-separated")
     args = ap.parse_args()
+    if args.reps is None:
+        # a decode dispatch takes 10-300 us: enough of them that the ~0.5 ms
+        # submit-and-wait round trip of a program is a few percent
+        args.reps = 200 if args.decode else 8
+    if args.decode:
+        return decode(args)
     from shaders.variants import ATTN_MC, EXT_DEFINE, VARIANTS
     hds = sorted({LAYOUTS[k][2] for k in args.layouts.split(",")})
     # head size -> [(kind, variant, 16-row blocks a workgroup)]
@@ -126,6 +145,95 @@ def main() -> int:
             print(f"{lay} ({nh}/{nkv} heads of {hd}) n {n} depth {dep} {kind:5s}: {us:8.1f} us "
                   f"{row['tflops']:6.1f} TFLOPS err {err:.1e}", flush=True)
         dev.free(act)
+        dev.free(params)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results))
+    return 0
+
+
+def decode(args) -> int:
+    """--decode: one decode row a slot at position --depth in each of -n slots."""
+    import reference as ref
+
+    from shaders.variants import VARIANTS
+    from vkengine.kernels.push import LAYOUTS as PUSH
+    v1 = "../bench/shaders/attention_dec_v1.comp"
+    VARIANTS.setdefault("probe_attention_dec_v1", (v1, {}))
+    PUSH.setdefault(v1, PUSH["attention_dec.comp"])
+    if args.compile_only:
+        compile_probes(["probe_attention_dec_v1"])
+        return 0
+    dev, rng = probe_device()
+    caps = Caps.detect(dev)
+    n, dep, results = args.n, args.depth, []
+    for lay in args.layouts.split(","):
+        nh, nkv, hd = LAYOUTS[lay]
+        t = dep + 1
+        slot_stride = t * nkv * hd // 2
+        q = rng.standard_normal((n, nh, hd)).astype(np.float32)
+        kv = rng.standard_normal((2, n, t, nkv, hd)).astype(np.float16)
+        qw = ow = n * nh * hd
+        kn0 = Kernels(dev, dataclasses.replace(caps, split_attention=True, attention_dec=False))
+        tmp_w = max(kn0.attention_tmp_words(n, nh, nkv, hd, t), 1024 * n * nh * (hd + 2))
+        sync_w = n * nh
+        cache_w = 2 * n * slot_stride
+        act = dev.buffer((qw + ow + tmp_w + sync_w) * 4 + 64, "device", "act")
+        kvb = dev.buffer(cache_w * 4 + 64, "device", "kv")
+        dev.upload(act, q.view(np.uint32))
+        dev.upload(act, np.zeros(sync_w, np.uint32), (qw + ow + tmp_w) * 4)
+        dev.upload(kvb, np.ascontiguousarray(kv).view(np.uint32))
+        params = dev.buffer(2 * n * 4, "host", "params")
+        params.array()[:n] = dep
+        params.array()[n:2 * n] = np.arange(n)
+        qr, orr = Region(act, 0, qw), Region(act, qw, ow)
+        tmp, sync = Region(act, qw + ow, tmp_w), Region(act, qw + ow + tmp_w, sync_w)
+        kc, vc = Region(kvb, 0, n * slot_stride), Region(kvb, n * slot_stride, n * slot_stride)
+        for spec in args.dec.split(","):
+            kind, _, opts = spec.partition(":")
+            over = dict(split_attention=True, attention_dec=kind in ("dec", "v1"), attn_lp=False, attn_kpf=True)
+            vb, max_parts, kn_vpre = 0, 0, 1
+            for o in filter(None, opts.split("+")):
+                if o == "lp":
+                    over["attn_lp"] = True
+                elif o == "nokpf":
+                    over["attn_kpf"] = False
+                elif o.startswith("items="):
+                    over["attn_items"] = int(o[6:])
+                elif o.startswith("vb="):
+                    vb = int(o[3:])
+                elif o == "novpre":
+                    kn_vpre = 0
+                elif o.startswith("parts="):
+                    max_parts = int(o[6:])
+            kn = Kernels(dev, dataclasses.replace(caps, **over))
+            kn.dec_vb, kn.dec_vpre = vb, kn_vpre
+            if max_parts:
+                kn.DEC_MAX_PARTS = max_parts
+            if kind == "v1":
+                kn.dec_variant = "probe_attention_dec_v1"
+            prog = dev.program()
+            for _ in range(args.reps):
+                prog.barrier()
+                kn.attention(prog, qr, nh * hd, orr, nh * hd, n, nh, nkv, hd, kc, vc, slot_stride, params, 0, n,
+                             1 / np.sqrt(hd), tmp, t, sync)
+            prog.run()
+            got = dev.download(act, qw * 4, ow * 4, np.float32).reshape(n, nh, hd)
+            err = max(float(np.abs(got[r] - ref.attention(q[r], kv[0, r].astype(np.float32),
+                                                             kv[1, r].astype(np.float32), 1 / np.sqrt(hd))).max())
+                      for r in range(min(n, 2)))
+            times = []
+            for _ in range(args.runs):
+                t0 = time.perf_counter()
+                prog.run()
+                times.append((time.perf_counter() - t0) / args.reps * 1e6)
+            us = min(times)
+            gbs = n * 2 * t * nkv * hd * 2 / (us * 1e-6) / 1e9
+            row = {"layout": lay, "variant": spec, "rows": n, "depth": dep, "us": us, "GBps": gbs, "err": err}
+            results.append(row)
+            print(f"decode {lay} ({nh}/{nkv} heads of {hd}) rows {n} depth {dep} {spec:20s}: {us:8.1f} us "
+                  f"{gbs:7.0f} GB/s err {err:.1e}", flush=True)
+        dev.free(act)
+        dev.free(kvb)
         dev.free(params)
     if args.out:
         Path(args.out).write_text(json.dumps(results))

@@ -7,7 +7,8 @@
 //   build: cc -O2 -o /tmp/pipeline_stats bench/pipeline_stats.c -l:libvulkan.so.1
 //          (built here and carried, it ran on the H200 machine, which has no compiler
 //          headers; run 20 of docs/bench/notes.md)
-//   run:   /tmp/pipeline_stats WG ITEMS file.spv [file.spv ...]
+//   run:   /tmp/pipeline_stats WG ITEMS [ID=VALUE ...] file.spv [file.spv ...]
+//          (ID=VALUE: further specialization constants, e.g. attention_dec's 2=2 3=128)
 //
 // WG and ITEMS are the shaders' specialization constants 0 and 1 (the
 // workgroup size and items per workgroup, as vkengine's kernels set them).
@@ -38,7 +39,7 @@ static unsigned char *read_file(const char *path, size_t *size) {
 
 int main(int argc, char **argv) {
     if (argc < 4) {
-        fprintf(stderr, "usage: %s WG ITEMS file.spv [file.spv ...]\n", argv[0]);
+        fprintf(stderr, "usage: %s WG ITEMS [ID=VALUE ...] file.spv [file.spv ...]\n", argv[0]);
         return 2;
     }
     int wg = atoi(argv[1]), items = atoi(argv[2]);
@@ -46,7 +47,14 @@ int main(int argc, char **argv) {
         fprintf(stderr, "WG and ITEMS must be positive integers, not %s and %s\n", argv[1], argv[2]);
         return 2;
     }
-    uint32_t spec[2] = {(uint32_t)wg, (uint32_t)items};
+    uint32_t spec[16] = {(uint32_t)wg, (uint32_t)items};
+    VkSpecializationMapEntry map[16] = {{0, 0, 4}, {1, 4, 4}};
+    uint32_t n_spec = 2;
+    int first_file = 3;
+    for (; first_file < argc && strchr(argv[first_file], '=') && n_spec < 16; first_file++, n_spec++) {
+        map[n_spec] = (VkSpecializationMapEntry){(uint32_t)atoi(argv[first_file]), 4 * n_spec, 4};
+        spec[n_spec] = (uint32_t)atoi(strchr(argv[first_file], '=') + 1);
+    }
 
     VkApplicationInfo app = {VK_STRUCTURE_TYPE_APPLICATION_INFO, NULL, "pipeline_stats", 1, NULL, 0,
                              VK_API_VERSION_1_3};
@@ -133,10 +141,9 @@ int main(int argc, char **argv) {
     VkPipelineLayoutCreateInfo pl = {VK_STRUCTURE_TYPE_PIPELINE_LAYOUT_CREATE_INFO, NULL, 0, 1, &dsl, 1, &pcr};
     VkPipelineLayout layout;
     CHECK(vkCreatePipelineLayout(dev, &pl, NULL, &layout));
-    VkSpecializationMapEntry map[2] = {{0, 0, 4}, {1, 4, 4}};
-    VkSpecializationInfo si = {2, map, sizeof spec, spec};
+    VkSpecializationInfo si = {n_spec, map, 4 * n_spec, spec};
 
-    for (int a = 3; a < argc; a++) {
+    for (int a = first_file; a < argc; a++) {
         size_t size;
         unsigned char *code = read_file(argv[a], &size);
         VkShaderModuleCreateInfo smci = {VK_STRUCTURE_TYPE_SHADER_MODULE_CREATE_INFO, NULL, 0, size,

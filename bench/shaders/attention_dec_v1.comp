@@ -1,0 +1,307 @@
+#version 450
+// bench/attn_probe.py --decode: attention_dec.comp as of 3b60573 (a subgroup writes a partial per part), to compare against
+// Decode attention at any depth (flash-decoding over KV-head groups): query row
+// r (slot = params[slot_off + r], pos = params[pos_off + r]) attends to
+// positions 0..pos of its slot, as attention.comp does, for steps of few rows.
+//
+// Work item: (row, KV head, group of GQ of its query heads, part); a workgroup
+// takes ITEMS_PER_WG consecutive parts of one (row, KV head, group), its
+// subgroups a part each in turn. A subgroup reads each K and V row of its
+// positions once for all GQ heads (grouped-query attention: the n_head / n_kv
+// query heads of a KV head share its rows), so K/V are read once per KV head,
+// not once per query head.
+//
+// The positions 0..pos are cut into n_parts parts of `chunk` positions, chunk
+// following the row's own position (ceil((pos + 1) / n_parts) rounded up to a
+// multiple of min_chunk): every part does the same work at any depth, and the
+// grid (rows x KV heads x groups x n_parts) does not grow with the context.
+// Parts past the row's position do nothing. The chunk depends only on the
+// row's position, so a row's arithmetic is the same alone or batched.
+//
+// In a part the subgroup walks tiles of one subgroup of positions: each lane
+// scores one position for the GQ heads (its K row read as f16 pairs in uvec4s,
+// q broadcast), the online-softmax update is two subgroup reductions per head,
+// then the lanes own f16 pairs of the head dimension and accumulate the tile's
+// V rows for all GQ heads, each position's weights taken from its lane with
+// shuffles. A row whose position is within one part writes its output at once;
+// otherwise each part writes (max, sum, unnormalized output) per head, each
+// workgroup counts itself on one word per (row, KV head, group), and the last
+// workgroup to count resets the counter and merges the parts (in part order),
+// its subgroups taking a head each: one dispatch, and the merge's loads spread
+// over a workgroup rather than one subgroup.
+// K and V are f16 or q8_0 each (kv.glsl: KV_K_Q8, KV_V_Q8), read as
+// attention.comp reads them.
+#include "common.glsl"
+#include "kv.glsl"
+#extension GL_KHR_shader_subgroup_shuffle : require
+
+layout(binding = 0) coherent buffer Out { float act[]; };
+layout(binding = 0) coherent buffer OutU { uint actu[]; };
+layout(binding = 1) readonly restrict buffer Q4 { vec4 act4[]; };
+layout(binding = 2) readonly buffer Params { uint params[]; };
+layout(binding = 3) readonly restrict buffer Kv { uint kv[]; };
+layout(binding = 3) readonly restrict buffer Kv4 { uvec4 kv4[]; };
+
+// words (f16 pairs) of a V row that one lane owns: ceil(head_dim / 2 / subgroup)
+layout(constant_id = 2) const uint WPL = 1;
+layout(constant_id = 3) const uint HD = 64;    // the head size (also p.head_dim): loops unroll
+layout(constant_id = 4) const uint VB = 8;     // V rows a lane loads ahead of their use
+layout(constant_id = 5) const uint GQ = 1;     // query heads of one KV head an item takes
+// lanes that score one position together (f16 K): 1, a lane a position; LP > 1,
+// LP lanes share a position's K row (HD / LP dims each, one 16-byte load of a
+// row segment per 8 dims: rows read whole by neighbouring lanes) and reduce its
+// dot products with LP-lane butterflies, and the lane's dims of q stay in
+// registers (LP = 1 reads q's HD dims from memory for every position tile)
+layout(constant_id = 6) const uint LP = 1;
+
+layout(push_constant) uniform P {
+    uint q_off, q_stride, o_off, o_stride;
+    uint n_rows, n_head, n_kv, head_dim;
+    uint k_off, v_off, slot_stride;
+    uint pos_off, slot_off;
+    float scale;
+    // parts per (row, KV head, group); a part's positions are a multiple of
+    // min_chunk; partial results at part_off + ((row * n_head + head) * n_parts
+    // + part) * (head_dim + 2); counters (zero between dispatches) at sync_off +
+    // (row * n_kv + kv head) * groups + group
+    uint n_parts, min_chunk, part_off, sync_off;
+} p;
+
+// The output of (row r, head h) from its `used` parts, in part order:
+// o = sum_q e^(m_q - M) acc_q / sum_q e^(m_q - M) l_q, M = max_q m_q. Lane j
+// holds the weight of part q0 + j; a lane owns the V row's words of the main
+// loop, and loads 8 parts' words before it adds them (the loads overlap).
+void merge(uint r, uint h, uint used) {
+    const uint hd2 = HD / 2u;
+    uint lane = gl_SubgroupInvocationID;
+    uint S = gl_SubgroupSize;
+    uint stride = p.head_dim + 2u;
+    uint base = p.part_off + (r * p.n_head + h) * p.n_parts * stride;
+    float M = -1.0 / 0.0;
+    for (uint q = lane; q < used; q += S) M = max(M, act[base + q * stride]);
+    M = subgroupMax(M);
+    float L = 0.0;
+    vec2 o[WPL];
+    [[unroll]] for (uint i = 0; i < WPL; i++) o[i] = vec2(0.0);
+    for (uint q0 = 0u; q0 < used; q0 += S) {
+        uint q = q0 + lane;
+        float c = 0.0;
+        if (q < used) {
+            float mq = act[base + q * stride];
+            c = mq > -1.0 / 0.0 ? exp(mq - M) : 0.0;
+            L += c * act[base + q * stride + 1u];
+        }
+        uint n = min(S, used - q0);
+        for (uint j0 = 0u; j0 < n; j0 += 8u) {
+            vec2 a[8][WPL];
+            [[unroll]] for (uint jj = 0; jj < 8u; jj++) {
+                uint b = base + (q0 + j0 + jj) * stride + 2u;
+                [[unroll]] for (uint i = 0; i < WPL; i++) {
+                    uint w = lane + i * S;
+                    a[jj][i] = (j0 + jj < n && w < hd2) ? vec2(act[b + 2u * w], act[b + 2u * w + 1u]) : vec2(0.0);
+                }
+            }
+            [[unroll]] for (uint jj = 0; jj < 8u; jj++) {
+                float cj = subgroupShuffle(c, min(j0 + jj, S - 1u));
+                [[unroll]] for (uint i = 0; i < WPL; i++) o[i] += cj * a[jj][i];
+            }
+        }
+    }
+    L = subgroupAdd(L);
+    uint ob = p.o_off + r * p.o_stride + h * p.head_dim;
+    [[unroll]] for (uint i = 0; i < WPL; i++) {
+        uint w = lane + i * S;
+        if (w < hd2) {
+            act[ob + 2u * w] = o[i].x / L;
+            act[ob + 2u * w + 1u] = o[i].y / L;
+        }
+    }
+}
+
+shared uint last_wg;
+
+void main() {
+    uint group = p.n_head / p.n_kv;              // query heads per KV head
+    uint n_groups = (group + GQ - 1u) / GQ;      // items per (row, KV head) and part
+    uint wg_per = p.n_parts / ITEMS_PER_WG;      // workgroups per (row, KV head, group)
+    uint wg = workgroup_linear();
+    uint rg = wg / wg_per;                       // (row, KV head, group)
+    if (rg >= p.n_rows * p.n_kv * n_groups) return;
+    uint part0 = (wg % wg_per) * ITEMS_PER_WG;   // this workgroup's first part
+    const uint hd2 = HD / 2u;
+    const uint hd8 = HD / 8u;
+    uint lane = gl_SubgroupInvocationID;
+    uint S = gl_SubgroupSize;
+    const uint kw_ = KV_K_Q8 != 0 ? HD / 4u : hd2;   // words of a K row (int8 quads or f16 pairs)
+    const uint vw_ = KV_V_Q8 != 0 ? HD / 4u : hd2;   // of a V row
+    uint k_row = p.n_kv * kw_;                        // words of one position
+    uint v_row = p.n_kv * vw_;
+    uint s_row = p.n_kv * (HD / 64u);                 // scale words of one position (q8_0)
+    uint gi = rg % n_groups;
+    uint kvh = (rg / n_groups) % p.n_kv;
+    uint r = rg / (n_groups * p.n_kv);
+    uint h0 = kvh * group + gi * GQ;             // its first query head
+    uint nh = min(GQ, group - gi * GQ);          // and how many
+    uint pos = params[p.pos_off + r];
+    uint slot = params[p.slot_off + r];
+    uint total = pos + 1u;
+    uint chunk = (total + p.n_parts - 1u) / p.n_parts;
+    chunk = (chunk + p.min_chunk - 1u) / p.min_chunk * p.min_chunk;
+    uint used = (total + chunk - 1u) / chunk;
+    if (part0 >= used) return;                   // the whole workgroup past the row's position
+    KvSlot sl = kv_slot(p.slot_stride, p.n_kv, HD);
+    uint kb = p.k_off + slot * sl.k_stride + kvh * kw_;
+    uint vb = p.v_off + slot * sl.v_stride + kvh * vw_;
+    uint ksb = p.k_off + slot * sl.k_stride + sl.k_scales + kvh * (HD / 64u);   // (q8_0)
+    uint vsb = p.v_off + slot * sl.v_stride + sl.v_scales + kvh * (HD / 64u);
+    uint qb4[GQ];
+    [[unroll]] for (uint g = 0; g < GQ; g++)
+        qb4[g] = (p.q_off + r * p.q_stride + (h0 + min(g, nh - 1u)) * p.head_dim) / 4u;
+    const uint DL4 = HD / LP / 4u;               // (LP > 1) vec4 of q a lane keeps: its dims of each head
+    uint ld = (lane % LP) * (HD / LP);           // ... from this dim
+    vec4 qr[GQ][DL4];
+    if (LP > 1u) {
+        [[unroll]] for (uint g = 0; g < GQ; g++)
+            [[unroll]] for (uint i = 0; i < DL4; i++) qr[g][i] = act4[qb4[g] + ld / 4u + i];
+    }
+    for (uint part = part0 + gl_SubgroupID; part < min(used, part0 + ITEMS_PER_WG); part += gl_NumSubgroups) {
+        uint first = part * chunk;
+        uint last = min(pos, first + chunk - 1u);
+        vec2 acc[GQ][WPL];
+        float m[GQ];
+        float l[GQ];
+        [[unroll]] for (uint g = 0; g < GQ; g++) {
+            m[g] = -1.0 / 0.0;
+            l[g] = 0.0;
+            [[unroll]] for (uint i = 0; i < WPL; i++) acc[g][i] = vec2(0.0);
+        }
+        for (uint t0 = first; t0 <= last; t0 += S) {
+            uint t = t0 + lane;
+            float s[GQ];
+            [[unroll]] for (uint g = 0; g < GQ; g++) s[g] = 0.0;
+            if (t <= last) {
+                uint k4 = (kb + t * k_row) / 4u;
+#if KV_K_Q8
+                // per 64 values: a scale word, two blocks of 2 uvec4 of int8 each
+                [[unroll]] for (uint u = 0u; u < HD / 64u; u++) {
+                    vec2 du = unpackHalf2x16(kv[ksb + t * s_row + u]);
+                    [[unroll]] for (uint b = 0u; b < 2u; b++) {
+                        uint blk = 2u * u + b;
+                        uvec4 k0 = kv4[k4 + 2u * blk], k1 = kv4[k4 + 2u * blk + 1u];
+                        vec4 kq[8] = vec4[8](kv_i8x4(k0.x), kv_i8x4(k0.y), kv_i8x4(k0.z), kv_i8x4(k0.w),
+                                             kv_i8x4(k1.x), kv_i8x4(k1.y), kv_i8x4(k1.z), kv_i8x4(k1.w));
+                        [[unroll]] for (uint g = 0; g < GQ; g++) {
+                            uint qa = qb4[g] + 8u * blk;
+                            float db = 0.0;
+                            [[unroll]] for (uint j = 0u; j < 8u; j++) db += dot(act4[qa + j], kq[j]);
+                            s[g] += db * du[b];
+                        }
+                    }
+                }
+#else
+                if (LP == 1u) {
+                    [[unroll]] for (uint i = 0u; i < hd8; i++) {
+                        uvec4 kw = kv4[k4 + i];
+                        vec4 ka = vec4(unpackHalf2x16(kw.x), unpackHalf2x16(kw.y));
+                        vec4 kc = vec4(unpackHalf2x16(kw.z), unpackHalf2x16(kw.w));
+                        [[unroll]] for (uint g = 0; g < GQ; g++)
+                            s[g] += dot(act4[qb4[g] + 2u * i], ka) + dot(act4[qb4[g] + 2u * i + 1u], kc);
+                    }
+                }
+#endif
+            }
+#if !KV_K_Q8
+            if (LP > 1u) {
+                // LP passes: in pass ps the lanes of group lane / LP score position t0 + (lane / LP) * LP + ps,
+                // so after the passes lane j holds the score of position t0 + j
+                uint grp0 = lane - lane % LP;
+                [[unroll]] for (uint ps = 0; ps < LP; ps++) {
+                    uint tp = t0 + grp0 + ps;
+                    float d[GQ];
+                    [[unroll]] for (uint g = 0; g < GQ; g++) d[g] = 0.0;
+                    if (tp <= last) {
+                        uint k4 = (kb + tp * k_row + ld / 2u) / 4u;
+                        [[unroll]] for (uint i = 0u; i < DL4 / 2u; i++) {
+                            uvec4 kw = kv4[k4 + i];
+                            vec4 ka = vec4(unpackHalf2x16(kw.x), unpackHalf2x16(kw.y));
+                            vec4 kc = vec4(unpackHalf2x16(kw.z), unpackHalf2x16(kw.w));
+                            [[unroll]] for (uint g = 0; g < GQ; g++)
+                                d[g] += dot(qr[g][2u * i], ka) + dot(qr[g][2u * i + 1u], kc);
+                        }
+                    }
+                    [[unroll]] for (uint g = 0; g < GQ; g++) {
+                        [[unroll]] for (uint o = 1u; o < LP; o <<= 1u) d[g] += subgroupShuffleXor(d[g], o);
+                        if (lane % LP == ps) s[g] = d[g];
+                    }
+                }
+            }
+#endif
+            float e[GQ];
+            [[unroll]] for (uint g = 0; g < GQ; g++) {
+                float sg = t <= last ? s[g] * p.scale : -1.0 / 0.0;
+                float m_new = max(m[g], subgroupMax(sg));
+                float corr = exp(m[g] - m_new);
+                e[g] = t <= last ? exp(sg - m_new) : 0.0;
+                l[g] = l[g] * corr + subgroupAdd(e[g]);
+                [[unroll]] for (uint i = 0; i < WPL; i++) acc[g][i] *= corr;
+                m[g] = m_new;
+            }
+            uint n_valid = min(S, last + 1u - t0);
+            for (uint j0 = 0u; j0 < n_valid; j0 += VB) {
+                uint vw[VB][WPL];
+                [[unroll]] for (uint jj = 0; jj < VB; jj++) {
+                    uint vrow = vb + (t0 + j0 + jj) * v_row;
+#if KV_V_Q8
+                    uint vsrow = vsb + (t0 + j0 + jj) * s_row;
+#endif
+                    [[unroll]] for (uint i = 0; i < WPL; i++) {
+                        uint w = lane + i * S;
+#if KV_V_Q8
+                        vw[jj][i] = (j0 + jj < n_valid && w < hd2)
+                                  ? kv_q8_pair_word(kv[vrow + w / 2u], kv[vsrow + w / 32u], w) : 0u;
+#else
+                        vw[jj][i] = (j0 + jj < n_valid && w < hd2) ? kv[vrow + w] : 0u;
+#endif
+                    }
+                }
+                [[unroll]] for (uint jj = 0; jj < VB; jj++) {
+                    uint src = min(j0 + jj, S - 1u);
+                    [[unroll]] for (uint g = 0; g < GQ; g++) {
+                        float ej = subgroupShuffle(e[g], src);
+                        if (j0 + jj < n_valid) {
+                            [[unroll]] for (uint i = 0; i < WPL; i++) acc[g][i] += ej * KV_V_PAIR(vw[jj][i]);
+                        }
+                    }
+                }
+            }
+        }
+        [[unroll]] for (uint g = 0; g < GQ; g++) {
+            if (g >= nh) break;
+            uint ob = used == 1u ? p.o_off + r * p.o_stride + (h0 + g) * p.head_dim
+                                 : p.part_off + ((r * p.n_head + h0 + g) * p.n_parts + part) * (p.head_dim + 2u) + 2u;
+            float div = used == 1u ? l[g] : 1.0;
+            if (used > 1u && subgroupElect()) { act[ob - 2u] = m[g]; act[ob - 1u] = l[g]; }
+            [[unroll]] for (uint i = 0; i < WPL; i++) {
+                uint w = lane + i * S;
+                if (w < hd2) {
+                    act[ob + 2u * w] = acc[g][i].x / div;
+                    act[ob + 2u * w + 1u] = acc[g][i].y / div;
+                }
+            }
+        }
+    }
+    if (used == 1u) return;                      // written at once (uniform: the row's position)
+    // this workgroup's parts visible to the others before it counts itself;
+    // the last of the row's workgroups to count merges with all its subgroups
+    memoryBarrierBuffer();
+    barrier();
+    if (gl_LocalInvocationIndex == 0u) {
+        uint n_wg = (used + ITEMS_PER_WG - 1u) / ITEMS_PER_WG;
+        last_wg = atomicAdd(actu[p.sync_off + rg], 1u) == n_wg - 1u ? 1u : 0u;
+        if (last_wg == 1u) actu[p.sync_off + rg] = 0u;
+    }
+    barrier();
+    if (last_wg == 0u) return;
+    memoryBarrierBuffer();
+    for (uint g = gl_SubgroupID; g < nh; g += gl_NumSubgroups) merge(r, h0 + g, used);
+}
