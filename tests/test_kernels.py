@@ -812,6 +812,20 @@ def test_add(device, kernels, ws, rng):
     np.testing.assert_array_equal(ws.read(yr).reshape(rows, n), a + b)
 
 
+def test_add_bias(device, kernels, ws, rng):
+    """A weight vector added to the first n values of each strided row; the rest untouched."""
+    rows, n, stride = 5, 1001, 1040
+    y = rng.standard_normal((rows, stride)).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    yr, br = ws.act_region(rows * stride, y), ws.weight_region(b)
+    prog = device.program()
+    kernels.add_bias(prog, br, yr, stride, n, rows)
+    prog.run()
+    want = y.copy()
+    want[:, :n] += b
+    np.testing.assert_array_equal(ws.read(yr).reshape(rows, stride), want)
+
+
 def test_softmax(device, kernels, ws, rng):
     rows, n = 6, 4099
     x = rng.standard_normal((rows, n)).astype(np.float32) * 5

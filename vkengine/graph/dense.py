@@ -161,6 +161,10 @@ class DenseOps(GraphBase):
         self.k.swiglu(self.p, self.s.region(gu), self.s.stride(gu), self.s.region(out), self.s.stride(out),
                       self.s.widths[out], self._rows(out))
 
+    def add_bias(self, x: str, b: Region, n: int) -> None:
+        """x[r][:n] += b for every row (a weight vector: Qwen2's q|k|v biases)."""
+        self.k.add_bias(self.p, b, self.s.region(x), self.s.stride(x), n, self._rows(x))
+
     def add(self, a: str, b: str, out: str) -> None:
         self.k.add(self.p, self.s.region(a), self.s.stride(a), self.s.region(b), self.s.stride(b),
                    self.s.region(out), self.s.stride(out), self.s.widths[out], self._rows(out))
@@ -186,11 +190,13 @@ class DenseOps(GraphBase):
                         self.s.widths[x], rows, self.eps, self.params, map_off)
 
     def norm_rope_kv(self, layer: int, qkv: str, q_out: str, table: Region, wq: Region, wk: Region, n_head: int,
-                     n_kv: int, head_dim: int, n_rot: int) -> None:
+                     n_kv: int, head_dim: int, n_rot: int, gated: bool = True) -> None:
         """q/k RMSNorm + RoPE; q -> q_out, k, v -> the layer's KV cache. qkv rows are
-        [q0 g0 q1 g1 ... | k | v] (each head's gate after its query)."""
-        qc = 2 * n_head * head_dim
-        self.k.norm_rope_kv(self.p, table, wq, wk, self._r(qkv), self.s.stride(qkv), 2 * head_dim, qc,
+        [q0 g0 q1 g1 ... | k | v] (gated: each head's gate after its query, Qwen3.5)
+        or [q0 q1 ... | k | v] (Qwen3)."""
+        qh = (2 if gated else 1) * head_dim
+        qc = n_head * qh
+        self.k.norm_rope_kv(self.p, table, wq, wk, self._r(qkv), self.s.stride(qkv), qh, qc,
                              qc + n_kv * head_dim, self._r(q_out), self.s.stride(q_out), self.n, n_head, n_kv,
                              head_dim, n_rot, self.kv.k(layer), self.kv.v(layer), self.kv.slot_stride,
                              self.params, self.pl.positions, self.pl.slots, self.eps, kv_types=self.kv.types)

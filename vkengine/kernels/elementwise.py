@@ -54,6 +54,16 @@ class ElementwiseKernels(KernelBase):
                       [rows_range(a, rows, a_stride, n), rows_range(b, rows, b_stride, n)],
                       [rows_range(y, rows, y_stride, n)], label)
 
+    def add_bias(self, prog: Program, b: Region, y: Region, y_stride: int, n: int, rows: int,
+                 label: str = "add_bias") -> None:
+        """y[r][:n] += b (a weight vector) for each of rows rows."""
+        if b.words < n:
+            raise ValueError(f"bias of {b.words} values for rows of {n}")
+        push = self._push("add_bias", b_off=b.off, y_off=y.off, y_stride=y_stride, n=n, rows=rows)
+        alg = self._alg("add_bias", [b.buf, y.buf], push, self.caps.ew_wg, 1)
+        prog.dispatch(alg, push, self._grid(math.ceil(rows * n / self.caps.ew_wg)),
+                      [b.range, rows_range(y, rows, y_stride, n)], [rows_range(y, rows, y_stride, n)], label)
+
     def softmax(self, prog: Program, x: Region, x_stride: int, y: Region, y_stride: int, n: int, rows: int,
                 scale: float = 1.0, label: str = "softmax") -> None:
         act = self._same_buffer(x, y)

@@ -80,6 +80,7 @@ LAYOUTS: dict[str, tuple[Push, tuple[tuple[str, Push], ...]]] = {
     "attention_dec.comp": (_ATTN + Push("uint n_parts, min_chunk, part_off, sync_off"), ()),
     "swiglu.comp": (Push("uint gu_off, gu_stride, y_off, y_stride, F, rows"), ()),
     "add.comp": (Push("uint a_off, a_stride, b_off, b_stride, y_off, y_stride, n, rows"), ()),
+    "add_bias.comp": (Push("uint b_off, y_off, y_stride, n, rows"), ()),
     "softmax.comp": (Push("uint x_off, x_stride, y_off, y_stride, n, rows; float scale"), ()),
     "argmax_part.comp": (Push("uint x_off, x_stride, n, rows, tmp_off, chunk"), ()),
     "argmax.comp": (Push("uint tmp_off, n_chunks, rows, out_off"), ()),
