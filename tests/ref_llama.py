@@ -1,4 +1,6 @@
-"""numpy reference forward pass of the llama graph (tests only).
+"""numpy reference forward pass of the llama graph (tests only), with the
+dense Qwen additions where the file has their tensors: q/k/v biases (qwen2),
+per-head q/k RMSNorms before RoPE (qwen3).
 
 Written independently of the engine's graph code: weights dequantized with the
 `gguf` package, full causal attention over the whole sequence. K and V are
@@ -45,9 +47,15 @@ class RefLlama:
         for i in range(a.n_layer):
             p = f"blk.{i}."
             h = ref.rms_norm(x, self.W(p + "attn_norm.weight"), a.rms_eps).astype(np.float32)
-            q = (h @ self.W(p + "attn_q.weight").T).reshape(n, H, hd)
-            k = (h @ self.W(p + "attn_k.weight").T).reshape(n, Hkv, hd)
-            v = (h @ self.W(p + "attn_v.weight").T).reshape(n, Hkv, hd)
+            q = h @ self.W(p + "attn_q.weight").T
+            k = h @ self.W(p + "attn_k.weight").T
+            v = h @ self.W(p + "attn_v.weight").T
+            if self.mf.has(p + "attn_q.bias"):          # qwen2
+                q, k, v = (t + self.W(p + f"attn_{s}.bias") for t, s in ((q, "q"), (k, "k"), (v, "v")))
+            q, k, v = q.reshape(n, H, hd), k.reshape(n, Hkv, hd), v.reshape(n, Hkv, hd)
+            if self.mf.has(p + "attn_q_norm.weight"):   # qwen3: each head's q and k RMS-normed
+                q = ref.rms_norm(q, self.W(p + "attn_q_norm.weight"), a.rms_eps)
+                k = ref.rms_norm(k, self.W(p + "attn_k_norm.weight"), a.rms_eps)
             q = ref.rope(q, pos, a.n_rot, a.rope_base, a.rope_neox, a.rope_freq_scale)
             k = ref.rope(k, pos, a.n_rot, a.rope_base, a.rope_neox, a.rope_freq_scale)
             k16 = ref.kv_round(k.astype(np.float32), kv[0])

@@ -1,15 +1,22 @@
 """Llama-family decoder (SmolLM2, Llama 2/3, Mistral-style): RMSNorm, RoPE,
 grouped-query attention over the KV cache, SwiGLU, tied or separate output head.
+The dense Qwen families are this graph with one addition each (qwen2.py,
+qwen3.py): q/k/v biases (Qwen2, Qwen2.5; llama GGUFs may carry them too) or a
+per-head RMSNorm of q and k before RoPE (Qwen3), found by the tensors present.
 
-GGUF weights rotate adjacent pairs (llama.cpp's converter permutes Q and K rows:
-convert_hf_to_gguf.py LlamaModel.permute); Hugging Face checkpoints rotate split
-halves (NEOX). Both load as they are and pick the matching RoPE mode.
+GGUF llama weights rotate adjacent pairs (llama.cpp's converter permutes Q and K
+rows: convert_hf_to_gguf.py LlamaModel.permute); Hugging Face checkpoints, and
+Qwen GGUFs (llama.cpp's LLAMA_ROPE_TYPE_NEOX for qwen2/qwen3), rotate split
+halves (NEOX). All load as they are and pick the matching RoPE mode.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
+
+import numpy as np
 
 from ..arena import Arena
 from ..errors import VkEngineError
@@ -37,11 +44,17 @@ HF_NAMES = {
 }
 
 
+# GGUF architectures whose Q/K rows are stored unpermuted (RoPE on split halves)
+NEOX_GGUF = ("qwen2", "qwen3")
+
+
 @dataclass(frozen=True, kw_only=True)
 class LlamaArgs(ModelArgs):
     n_ff: int
     rope_freq_scale: float
-    rope_neox: bool           # True for Hugging Face layout
+    rope_neox: bool           # True for Hugging Face layout and the NEOX_GGUF architectures
+    qkv_bias: bool = False    # q, k and v biases (blk.N.attn_{q,k,v}.bias)
+    qk_norm: bool = False     # a per-head RMSNorm of q and k before RoPE (blk.N.attn_{q,k}_norm.weight)
 
     @classmethod
     def from_file(cls, mf: ModelFile) -> LlamaArgs:
@@ -49,6 +62,9 @@ class LlamaArgs(ModelArgs):
             c = mf.config
             n_head = int(c["num_attention_heads"])
             hd = int(c.get("head_dim") or c["hidden_size"] // n_head)
+            if c.get("use_sliding_window"):
+                raise VkEngineError("sliding-window attention (use_sliding_window) is not supported for this "
+                                    "architecture")
             rs = c.get("rope_scaling") or {}
             scale = 1.0
             if rs:
@@ -61,7 +77,8 @@ class LlamaArgs(ModelArgs):
                 n_head_kv=int(c.get("num_key_value_heads") or n_head), head_dim=hd, n_rot=hd,
                 rope_base=float(c.get("rope_theta", 10000.0)), rope_freq_scale=scale,
                 rms_eps=float(c.get("rms_norm_eps", 1e-6)),
-                n_ctx_train=int(c.get("max_position_embeddings", 4096)), rope_neox=True)
+                n_ctx_train=int(c.get("max_position_embeddings", 4096)), rope_neox=True,
+                qkv_bias=mf.has("blk.0.attn_q.bias"), qk_norm=mf.has("blk.0.attn_q_norm.weight"))
         a = mf.arch
         m = mf.meta
         n_embd = int(m(f"{a}.embedding_length"))
@@ -82,7 +99,8 @@ class LlamaArgs(ModelArgs):
             n_head_kv=int(m(f"{a}.attention.head_count_kv", n_head)), head_dim=hd,
             n_rot=int(m(f"{a}.rope.dimension_count", hd)), rope_base=float(m(f"{a}.rope.freq_base", 10000.0)),
             rope_freq_scale=scale, rms_eps=float(m(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
-            n_ctx_train=int(m(f"{a}.context_length", 4096)), rope_neox=False)
+            n_ctx_train=int(m(f"{a}.context_length", 4096)), rope_neox=a in NEOX_GGUF,
+            qkv_bias=mf.has("blk.0.attn_q.bias"), qk_norm=mf.has("blk.0.attn_q_norm.weight"))
 
     @property
     def qkv_width(self) -> int:
@@ -97,6 +115,9 @@ class Layer:
     ffn_norm: Region
     gate_up: list[tuple[Matrix, int]]
     down: Matrix
+    qkv_bias: Region | None = None       # q|k|v biases, one vector (LlamaArgs.qkv_bias)
+    q_norm: Region | None = None         # per-head q and k norm weights (LlamaArgs.qk_norm), in the
+    k_norm: Region | None = None         # RoPE table's buffer (norm_rope_kv binds them together)
 
 
 @dataclass
@@ -130,8 +151,23 @@ def _forward(g: Graph, a: LlamaArgs, w: LlamaWeights) -> None:
     g.rms_norm("x", w.layers[0].attn_norm, "h")
     att_in = None
     for i, L in enumerate(w.layers):
-        g.qkv_rope(i, L.qkv, "h", "qkv", "q", a.n_head, a.n_head_kv, a.head_dim, a.n_rot, a.rope_neox,
-                   norm_in=att_in)
+        if L.q_norm is not None or L.qkv_bias is not None:
+            # q|k|v into qkv, then (biases added) RoPE and the cache write: the
+            # matvecs' fused RoPE epilogue has neither a bias nor a norm
+            for m, col in L.qkv:
+                g.matmul(m, "h", "qkv", col=col, norm_in=att_in)
+            if L.qkv_bias is not None:
+                g.add_bias("qkv", L.qkv_bias, a.qkv_width)
+            if L.q_norm is not None and L.k_norm is not None:
+                if not a.rope_neox:
+                    raise VkEngineError("q/k norms with adjacent-pair RoPE are not supported")
+                g.norm_rope_kv(i, "qkv", "q", w.rope, L.q_norm, L.k_norm, a.n_head, a.n_head_kv, a.head_dim,
+                               a.n_rot, gated=False)
+            else:
+                g.rope_kv(i, "qkv", "q", a.n_head, a.n_head_kv, a.head_dim, a.n_rot, a.rope_neox)
+        else:
+            g.qkv_rope(i, L.qkv, "h", "qkv", "q", a.n_head, a.n_head_kv, a.head_dim, a.n_rot, a.rope_neox,
+                       norm_in=att_in)
         g.attention(i, "q", "att", a.n_head, a.n_head_kv, a.head_dim, scale)
         ffn_in = g.residual_norm(L.wo, "att", "x", L.ffn_norm, "h", [L.gate_up], glu_reader=True)
         g.gate_up_swiglu(L.gate_up, "h", "gu", "ff", norm_in=ffn_in)
@@ -147,6 +183,11 @@ def _forward(g: Graph, a: LlamaArgs, w: LlamaWeights) -> None:
 
 # -- loading ----------------------------------------------------------------------
 
+def _concat(parts: list[Callable[[], np.ndarray]]) -> Callable[[], np.ndarray]:
+    """The values of several tensors, one after another (produced at build time)."""
+    return lambda: np.concatenate([f() for f in parts])
+
+
 def _load_weights(mf: ModelFile, a: LlamaArgs, device, n_ctx: int) -> LlamaWeights:
     """Plan, allocate and upload every weight (kept quantized)."""
     D, F, hd = a.n_embd, a.n_ff, a.head_dim
@@ -156,11 +197,26 @@ def _load_weights(mf: ModelFile, a: LlamaArgs, device, n_ctx: int) -> LlamaWeigh
     i_out = p.matrix(["output.weight"], [a.n_vocab], D) if mf.has("output.weight") else i_embd
     freq_factors = mf.tensor("rope_freqs.weight").as_f32() if mf.has("rope_freqs.weight") else None
     table = rope_table(n_ctx, a.n_rot, a.rope_base, a.rope_freq_scale, freq_factors)
-    i_rope = p.vectors([("rope table", lambda: table, table.size)])[0]
+    # the RoPE table and every q/k norm weight in one buffer (norm_rope_kv binds them together)
+    entries = [("rope table", lambda: table, table.size)]
+    if a.qk_norm:
+        for i in range(a.n_layer):
+            for t in ("attn_q_norm", "attn_k_norm"):
+                name = f"blk.{i}.{t}.weight"
+                entries.append((name, p.value(name, hd), hd))
+    i_table = p.vectors(entries)
+    i_rope = i_table[0]
     layers: list[dict[str, Any]] = []
     for i in range(a.n_layer):
         pre = f"blk.{i}."
+        bias = None
+        if a.qkv_bias:
+            parts = [p.value(pre + f"attn_{t}.bias", n) for t, n in
+                     (("q", a.n_head * hd), ("k", a.n_head_kv * hd), ("v", a.n_head_kv * hd))]
+            bias = p.vectors([(pre + "attn_qkv.bias", _concat(parts), a.qkv_width)])[0]
         layers.append(dict(
+            qkv_bias=bias, q_norm=i_table[1 + 2 * i] if a.qk_norm else None,
+            k_norm=i_table[2 + 2 * i] if a.qk_norm else None,
             attn_norm=p.vector(pre + "attn_norm.weight", D),
             qkv=p.fused([pre + "attn_q.weight", pre + "attn_k.weight", pre + "attn_v.weight"],
                         [a.n_head * hd, a.n_head_kv * hd, a.n_head_kv * hd], D),
@@ -172,13 +228,16 @@ def _load_weights(mf: ModelFile, a: LlamaArgs, device, n_ctx: int) -> LlamaWeigh
     return LlamaWeights(
         tok_embd=b[i_embd], out_norm=b[i_onorm], output=b[i_out], rope=b[i_rope], arena=arena,
         layers=[Layer(attn_norm=b[L["attn_norm"]], qkv=[(b[h], c) for h, c in L["qkv"]], wo=b[L["wo"]],
-                      ffn_norm=b[L["ffn_norm"]], gate_up=[(b[h], c) for h, c in L["gate_up"]], down=b[L["down"]])
+                      ffn_norm=b[L["ffn_norm"]], gate_up=[(b[h], c) for h, c in L["gate_up"]], down=b[L["down"]],
+                      qkv_bias=b[L["qkv_bias"]] if L["qkv_bias"] is not None else None,
+                      q_norm=b[L["q_norm"]] if L["q_norm"] is not None else None,
+                      k_norm=b[L["k_norm"]] if L["k_norm"] is not None else None)
                 for L in layers])
 
 
 class Llama(Architecture):
-    names = ("llama",)
-    hf_architectures = ("LlamaForCausalLM", "MistralForCausalLM")
+    names: ClassVar[tuple[str, ...]] = ("llama",)
+    hf_architectures: ClassVar[tuple[str, ...]] = ("LlamaForCausalLM", "MistralForCausalLM")
     hf_names = HF_NAMES
 
     def args(self, mf: ModelFile) -> LlamaArgs:

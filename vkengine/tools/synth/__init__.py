@@ -1,7 +1,7 @@
 """`vkengine synth`: deterministic random-weight models with the shapes of real
 ones, as GGUF files (llama.cpp runs the very same file) and Hugging Face
-folders holding the same function. One module per family (llama.py,
-qwen35.py) over the shared writer (writer.py)."""
+folders holding the same function. One module per family (llama.py: llama,
+qwen2, qwen3; qwen35.py) over the shared writer (writer.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,13 +10,13 @@ from ...errors import VkEngineError
 from . import llama, qwen35
 from .writer import QUANTS
 
-ARCHES = ("llama", "qwen35", "qwen35moe")
+ARCHES = (*llama.ARCHES, "qwen35", "qwen35moe")
 
 
 def add_synth_args(p) -> None:
     p.add_argument("--arch", default="llama", choices=list(ARCHES))
-    p.add_argument("--shape", default="tiny", help=f"llama: one of {', '.join(llama.SHAPES)}; qwen35: tiny, 0.8B, "
-                   "4B; qwen35moe: tiny, 35B-A3B")
+    p.add_argument("--shape", default="tiny", help=f"llama, qwen2, qwen3: one of {', '.join(llama.SHAPES)} (qwen2: "
+                   "qwen2.5-0.5b, qwen3: qwen3-0.6b); qwen35: tiny, 0.8B, 4B; qwen35moe: tiny, 35B-A3B")
     p.add_argument("--config", default=None, help="JSON (inline or a file) of the family's config fields instead "
                    "of --shape")
     p.add_argument("--quant", default="q8_0", help=f"one of {', '.join(QUANTS)}")
@@ -40,8 +40,8 @@ def synth_main(args) -> int:
         qc = qwen35.config_for(args.arch, args.shape, args.config)
         out = qwen35.synth_qwen35(qc, args.quant, args.seed, Path(args.out), name, formats, args.workers, tok)
     else:
-        out = llama.synth_llama(llama.config_for(args.shape, args.config), args.quant, args.seed, Path(args.out),
-                                name, formats, args.workers, tok)
+        lc = llama.config_for(args.shape, args.config, args.arch)
+        out = llama.synth_llama(lc, args.quant, args.seed, Path(args.out), name, formats, args.workers, tok)
     for k, v in out.items():
         print(f"{k}: {v}")
     return 0

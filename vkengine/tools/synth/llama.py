@@ -12,6 +12,11 @@ GGUF stores llama Q/K rows permuted for adjacent-pair RoPE (llama.cpp's
 convert_hf_to_gguf.py LlamaModel.permute); the Hugging Face copy keeps the
 original row order and NEOX RoPE, and its weights are the dequantized GGUF
 weights, so both files compute the same logits.
+
+--arch qwen2 and qwen3 write the dense Qwen variants of the same graph
+(vkengine/models/qwen2.py, qwen3.py): unpermuted rows (NEOX RoPE in both
+files), q/k/v biases (qwen2) or per-head q/k norm weights (qwen3), and the
+head size in the file (qwen3's 128 is not n_embd / n_head).
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -44,6 +50,14 @@ SHAPES = {
     "1b": (2048, 16, 32, 8, 8192),
     "8b": (4096, 32, 32, 8, 14336),
 }
+# real shapes with more than SHAPES' fields (used with their --arch)
+SHAPES_EXTRA: dict[str, dict[str, Any]] = {
+    "qwen2.5-0.5b": dict(n_embd=896, n_layer=24, n_head=14, n_head_kv=2, n_ff=4864, tied=True, rope_base=1e6,
+                         rms_eps=1e-6),
+    "qwen3-0.6b": dict(n_embd=1024, n_layer=28, n_head=16, n_head_kv=8, n_ff=3072, head_size=128, tied=True,
+                       rope_base=1e6, rms_eps=1e-6),
+}
+ARCHES = ("llama", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -58,23 +72,29 @@ class SynthConfig:
     rms_eps: float = 1e-5
     logit_scale: float = 8.0       # std of the output logits
     tied: bool = False
+    arch: str = "llama"            # llama, qwen2 (q/k/v biases) or qwen3 (q/k norms)
+    head_size: int = 0             # 0: n_embd // n_head
 
     @property
     def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+        return self.head_size or self.n_embd // self.n_head
 
 
-def config_for(shape: str | None, config: str | None = None) -> SynthConfig:
-    """The config of a named shape, or of --config's JSON fields."""
+def config_for(shape: str | None, config: str | None = None, arch: str = "llama") -> SynthConfig:
+    """The config of a named shape, or of --config's JSON fields, for arch."""
+    if arch not in ARCHES:
+        raise VkEngineError(f"unknown llama-family architecture {arch!r} ({', '.join(ARCHES)})")
     if config:
         try:
-            return SynthConfig(**config_json(config))
+            return SynthConfig(**{"arch": arch, **config_json(config)})
         except TypeError as e:
             raise VkEngineError(f"--config: {e}") from e
+    if shape in SHAPES_EXTRA:
+        return SynthConfig(**SHAPES_EXTRA[shape], arch=arch)
     if shape not in SHAPES:
-        raise VkEngineError(f"unknown shape {shape!r} (shapes: {', '.join(SHAPES)})")
+        raise VkEngineError(f"unknown shape {shape!r} (shapes: {', '.join([*SHAPES, *SHAPES_EXTRA])})")
     n_embd, n_layer, n_head, n_head_kv, n_ff = SHAPES[shape]
-    return SynthConfig(n_embd, n_layer, n_head, n_head_kv, n_ff)
+    return SynthConfig(n_embd, n_layer, n_head, n_head_kv, n_ff, arch=arch)
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -89,7 +109,8 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _tensor_plan(c: SynthConfig, n_vocab: int) -> list[tuple[str, tuple[int, ...], float]]:
-    """(GGUF name, numpy shape, std) of every tensor; std 0 marks a norm weight."""
+    """(GGUF name, numpy shape, std) of every tensor; std 0 marks a norm weight,
+    a negative std an f32 bias of std -std."""
     D, F, hd = c.n_embd, c.n_ff, c.head_dim
     # Residual contributions of each block sized to keep activations O(1).
     plan = [("token_embd.weight", (n_vocab, D), 1.0), ("output_norm.weight", (D,), 0.0)]
@@ -102,6 +123,10 @@ def _tensor_plan(c: SynthConfig, n_vocab: int) -> list[tuple[str, tuple[int, ...
             (p + "attn_q.weight", (c.n_head * hd, D), 2.0 / np.sqrt(D)),
             (p + "attn_k.weight", (c.n_head_kv * hd, D), 2.0 / np.sqrt(D)),
             (p + "attn_v.weight", (c.n_head_kv * hd, D), 1.0 / np.sqrt(D)),
+            *([(p + "attn_q.bias", (c.n_head * hd,), -0.5), (p + "attn_k.bias", (c.n_head_kv * hd,), -0.5),
+               (p + "attn_v.bias", (c.n_head_kv * hd,), -0.2)] if c.arch == "qwen2" else []),
+            *([(p + "attn_q_norm.weight", (hd,), 0.0), (p + "attn_k_norm.weight", (hd,), 0.0)]
+              if c.arch == "qwen3" else []),
             (p + "attn_output.weight", (D, c.n_head * hd), 0.5 / np.sqrt(c.n_head * hd * c.n_layer)),
             (p + "ffn_norm.weight", (D,), 0.0),
             (p + "ffn_gate.weight", (F, D), 1.0 / np.sqrt(D)),
@@ -112,8 +137,9 @@ def _tensor_plan(c: SynthConfig, n_vocab: int) -> list[tuple[str, tuple[int, ...
 
 
 def _make_tensor(job):
-    """Worker: (name, shape, std, seed, quant, n_head, n_head_kv) -> (name, GGUF bytes, type, HF float32)."""
-    name, shape, std, seed, quant, n_head, n_head_kv, want_hf = job
+    """Worker: (name, shape, std, seed, quant, n_head, n_head_kv, want_hf, permute) -> (name, GGUF bytes,
+    type, HF float32); permute: Q/K rows for adjacent-pair RoPE (llama)."""
+    name, shape, std, seed, quant, n_head, n_head_kv, want_hf, permute = job
     from gguf import GGMLQuantizationType as T
     from gguf import quants
 
@@ -122,10 +148,13 @@ def _make_tensor(job):
     if std == 0.0:   # norm weights stay f32, near 1
         w = (1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
         return name, w.view(np.uint8).reshape(-1), "f32", w if want_hf else None
+    if std < 0.0:    # biases: f32
+        w = rng.standard_normal(shape, dtype=np.float32) * np.float32(-std)
+        return name, w.view(np.uint8).reshape(-1), "f32", w if want_hf else None
     w = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
-    if name.endswith("attn_q.weight"):
+    if permute and name.endswith("attn_q.weight"):
         w = _permute(w, n_head)
-    elif name.endswith("attn_k.weight"):
+    elif permute and name.endswith("attn_k.weight"):
         w = _permute(w, n_head_kv)
     qt = BY_NAME[quant]
     if quant == "f32":
@@ -138,9 +167,9 @@ def _make_tensor(job):
     hf = None
     if want_hf:
         hf = dequantize(quant, raw, shape[0], shape[1]) if qt != T.F32 else w
-        if name.endswith("attn_q.weight"):
+        if permute and name.endswith("attn_q.weight"):
             hf = _unpermute(hf, n_head)
-        elif name.endswith("attn_k.weight"):
+        elif permute and name.endswith("attn_k.weight"):
             hf = _unpermute(hf, n_head_kv)
     return name, raw, quant, hf
 
@@ -154,6 +183,11 @@ HF_NAME_OF = {
     "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
@@ -175,14 +209,17 @@ def synth_llama(c: SynthConfig, quant: str, seed: int, out_dir: Path, name: str 
     import gguf
 
     check_quant(quant)
-    if c.n_embd % c.n_head or c.n_head % c.n_head_kv or c.head_dim % 2:
-        raise VkEngineError("n_embd must divide into n_head heads of even size, and n_head by n_head_kv")
+    if (not c.head_size and c.n_embd % c.n_head) or c.n_head % c.n_head_kv or c.head_dim % 2:
+        raise VkEngineError("n_embd must divide into n_head heads of even size (or head_size be set and even), "
+                            "and n_head by n_head_kv")
+    if c.arch not in ARCHES:
+        raise VkEngineError(f"unknown llama-family architecture {c.arch!r} ({', '.join(ARCHES)})")
     tmeta = tokenizer_meta(tokenizer_from)
     n_vocab = len(tmeta["tokenizer.ggml.tokens"])
     out_dir.mkdir(parents=True, exist_ok=True)
     want_hf = "hf" in formats
     plan = _tensor_plan(c, n_vocab)
-    jobs = [(n, s, std, seed, quant, c.n_head, c.n_head_kv, want_hf) for n, s, std in plan]
+    jobs = [(n, s, std, seed, quant, c.n_head, c.n_head_kv, want_hf, c.arch == "llama") for n, s, std in plan]
     # the Hugging Face copy needs every tensor at once; GGUF alone streams
     results = make_tensors(_make_tensor, jobs, workers) if want_hf else None
 
@@ -190,7 +227,7 @@ def synth_llama(c: SynthConfig, quant: str, seed: int, out_dir: Path, name: str 
     if "gguf" in formats:
         path = out_dir / f"{name}-{quant}.gguf"
         tmp = path.with_suffix(".gguf.tmp")
-        w = gguf.GGUFWriter(str(tmp), "llama")
+        w = gguf.GGUFWriter(str(tmp), c.arch)
         w.add_name(name)
         w.add_context_length(c.n_ctx)
         w.add_embedding_length(c.n_embd)
@@ -201,12 +238,14 @@ def synth_llama(c: SynthConfig, quant: str, seed: int, out_dir: Path, name: str 
         w.add_rope_freq_base(c.rope_base)
         w.add_layer_norm_rms_eps(c.rms_eps)
         w.add_rope_dimension_count(c.head_dim)
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
         w.add_vocab_size(n_vocab)
         w.add_file_type(FILE_TYPES[quant])
         w.add_string("vkengine.synth.seed", str(seed))
         w.add_string("vkengine.synth.config", json.dumps(asdict(c)))
         add_meta(w, tmeta)
-        specs = [(n, s, "f32" if std == 0.0 else quant) for n, s, std in plan]
+        specs = [(n, s, "f32" if std <= 0.0 else quant) for n, s, std in plan]
         write_gguf_tensors(w, specs, (results[n] for n, _, _ in plan) if results is not None
                            else iter_tensors(_make_tensor, jobs, workers))
         os.replace(tmp, path)
@@ -217,14 +256,17 @@ def synth_llama(c: SynthConfig, quant: str, seed: int, out_dir: Path, name: str 
         folder.mkdir(parents=True, exist_ok=True)
         tensors = {_hf_name(n): np.ascontiguousarray(results[n][3], np.float32) for n, _, _ in plan}
         save_file(tensors, str(folder / "model.safetensors"))
+        hf_arch = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+                   "qwen3": ("Qwen3ForCausalLM", "qwen3")}[c.arch]
         cfg = {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": n_vocab,
+            "architectures": [hf_arch[0]], "model_type": hf_arch[1], "vocab_size": n_vocab,
             "hidden_size": c.n_embd, "intermediate_size": c.n_ff, "num_hidden_layers": c.n_layer,
             "num_attention_heads": c.n_head, "num_key_value_heads": c.n_head_kv, "head_dim": c.head_dim,
             "rms_norm_eps": c.rms_eps, "rope_theta": c.rope_base, "max_position_embeddings": c.n_ctx,
             "tie_word_embeddings": c.tied, "hidden_act": "silu", "torch_dtype": "float32",
             "bos_token_id": tmeta.get("tokenizer.ggml.bos_token_id"),
             "eos_token_id": tmeta.get("tokenizer.ggml.eos_token_id"),
+            **({"use_sliding_window": False, "attention_bias": c.arch == "qwen2"} if c.arch != "llama" else {}),
         }
         (folder / "config.json").write_text(json.dumps(cfg, indent=1))
         write_hf_tokenizer(folder, tmeta)

@@ -1,0 +1,64 @@
+"""Transformers as the oracle for the dense llama-family architectures (llama,
+qwen2, qwen3): tests/gpu/hf_oracle_qwen35.py's method on `vkengine synth
+--arch llama|qwen2|qwen3` models.
+
+    python3 tests/gpu/hf_oracle_dense.py                            # tiny qwen2 + qwen3, synthesized here
+    python3 tests/gpu/hf_oracle_dense.py --arch qwen3 --shape qwen3-0.6b --quant q8_0
+    python3 tests/gpu/hf_oracle_dense.py --hf /path/to/Qwen2.5-0.5B-Instruct
+
+Each model: the Hugging Face folder through transformers (float32, eager
+attention; Qwen2ForCausalLM / Qwen3ForCausalLM / LlamaForCausalLM from its
+config) against vkengine on the same folder and on its GGUF twin; max |logit
+error| relative to the largest logit and top-1 agreement. Exit status 1 when
+an error exceeds --tol (default 2e-3 of the largest logit).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from hf_oracle_qwen35 import PROMPT, hf_logits, report, vk_logits  # noqa: E402 (same dir)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hf", type=Path, default=None, help="a Hugging Face folder (default: synthesize)")
+    ap.add_argument("--arch", default="qwen2,qwen3", help="comma-separated: llama, qwen2, qwen3")
+    ap.add_argument("--shape", default="tiny", help="a `vkengine synth` shape (e.g. qwen3-0.6b, qwen2.5-0.5b)")
+    ap.add_argument("--quant", default="q8_0")
+    ap.add_argument("--tokenizer-from", type=Path, default=None)
+    ap.add_argument("--prompt", default=PROMPT)
+    ap.add_argument("--tol", type=float, default=2e-3)
+    ap.add_argument("--device", type=int, default=None)
+    args = ap.parse_args()
+
+    from vkengine.device import Device
+    from vkengine.model import load_model
+    from vkengine.tools.synth.llama import config_for, synth_llama
+    tok_src = args.tokenizer_from or (Path(os.environ["VKENGINE_TOKENIZER_GGUF"])
+                                      if os.environ.get("VKENGINE_TOKENIZER_GGUF") else None)
+    device = Device(args.device)
+    print(f"device: {device.info.name}")
+    if args.hf is not None:
+        ids = load_model(args.hf).tokenizer.encode(args.prompt)
+        ok = report(f"{args.hf.name} (HF folder)", vk_logits(args.hf, ids, device), hf_logits(args.hf, ids), args.tol)
+        return 0 if ok else 1
+    ok = True
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch in args.arch.split(","):
+            out = synth_llama(config_for(args.shape, None, arch), args.quant, 0, Path(tmp), f"{arch}-{args.shape}",
+                              tokenizer_from=tok_src)
+            ids = load_model(out["hf"]).tokenizer.encode(args.prompt)
+            want = hf_logits(out["hf"], ids)
+            ok &= report(f"{arch}-{args.shape} HF folder", vk_logits(out["hf"], ids, device), want, args.tol)
+            ok &= report(f"{arch}-{args.shape} GGUF {args.quant}", vk_logits(out["gguf"], ids, device), want, args.tol)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
