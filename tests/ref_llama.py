@@ -1,6 +1,7 @@
 """numpy reference forward pass of the llama graph (tests only), with the
 dense Qwen additions where the file has their tensors: q/k/v biases (qwen2),
-per-head q/k RMSNorms before RoPE (qwen3).
+per-head q/k RMSNorms before RoPE (qwen3), and routed experts in place of the
+FFN (qwen3moe, Mixtral-style llama).
 
 Written independently of the engine's graph code: weights dequantized with the
 `gguf` package, full causal attention over the whole sequence. K and V are
@@ -69,6 +70,9 @@ class RefLlama:
                 h = ref.dequantize_q8x2(x32 * self.W(p + "ffn_norm.weight")).astype(np.float64) * scale
             else:
                 h = qa(ref.rms_norm(x, self.W(p + "ffn_norm.weight"), a.rms_eps).astype(np.float32))
+            if self.mf.has(p + "ffn_gate_inp.weight"):   # routed experts (qwen3moe, Mixtral)
+                x = x + self.experts(p, h.astype(np.float32))
+                continue
             g = h @ self.W(p + "ffn_gate.weight").T
             u = h @ self.W(p + "ffn_up.weight").T
             f = (ref.silu(g) * u).astype(np.float32)
@@ -78,3 +82,20 @@ class RefLlama:
             h = qa(h.astype(np.float32)).astype(np.float64)
         out = self.W("output.weight") if self.mf.has("output.weight") else emb
         return (h @ out.T.astype(np.float64)).astype(np.float32)
+
+    def experts(self, p: str, h: np.ndarray) -> np.ndarray:
+        """Each row through its top-k experts by router logit (ties to the lower
+        index), weighted by the softmax of the chosen logits."""
+        k = self.a.n_expert_used
+        logits = h.astype(np.float64) @ self.W(p + "ffn_gate_inp.weight").T.astype(np.float64)
+        gate, up = self.W(p + "ffn_gate_exps.weight"), self.W(p + "ffn_up_exps.weight")
+        down = self.W(p + "ffn_down_exps.weight")
+        out = np.zeros((len(h), down.shape[1]))
+        for r in range(len(h)):
+            ids = np.argsort(-logits[r], kind="stable")[:k]
+            wts = np.exp(logits[r, ids] - logits[r, ids].max())
+            wts /= wts.sum()
+            for e, wt in zip(ids, wts):
+                f = ref.silu(h[r] @ gate[e].T) * (h[r] @ up[e].T)
+                out[r] += wt * (f.astype(np.float32).astype(np.float64) @ down[e].T.astype(np.float64))
+        return out

@@ -1,16 +1,20 @@
-"""Transformers as the oracle for the dense llama-family architectures (llama,
-qwen2, qwen3): tests/gpu/hf_oracle_qwen35.py's method on `vkengine synth
---arch llama|qwen2|qwen3` models.
+"""Transformers as the oracle for the llama-family architectures (llama, qwen2,
+qwen3, and with experts qwen3moe and Mixtral-style llama):
+tests/gpu/hf_oracle_qwen35.py's method on `vkengine synth` models.
 
     python3 tests/gpu/hf_oracle_dense.py                            # tiny qwen2 + qwen3, synthesized here
+    python3 tests/gpu/hf_oracle_dense.py --arch qwen3moe,llama --shape tiny-moe   # the MoE ones
     python3 tests/gpu/hf_oracle_dense.py --arch qwen3 --shape qwen3-0.6b --quant q8_0
     python3 tests/gpu/hf_oracle_dense.py --hf /path/to/Qwen2.5-0.5B-Instruct
 
 Each model: the Hugging Face folder through transformers (float32, eager
-attention; Qwen2ForCausalLM / Qwen3ForCausalLM / LlamaForCausalLM from its
-config) against vkengine on the same folder and on its GGUF twin; max |logit
-error| relative to the largest logit and top-1 agreement. Exit status 1 when
-an error exceeds --tol (default 2e-3 of the largest logit).
+attention; the class its config names: Qwen2ForCausalLM, Qwen3ForCausalLM,
+Qwen3MoeForCausalLM, MixtralForCausalLM, LlamaForCausalLM) against vkengine on
+the same folder and on its GGUF twin; max |logit error| relative to the
+largest logit and top-1 agreement. Exit status 1 when an error exceeds --tol
+(default 2e-3 of the largest logit). The synthesized MoE folders hold the
+experts fused as transformers 5 keeps them (mlp.experts.gate_up_proj,
+down_proj).
 """
 from __future__ import annotations
 

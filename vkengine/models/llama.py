@@ -25,7 +25,7 @@ from ..graph import Graph
 from ..kernels import Matrix, Region
 from ..rope import rope_table
 from .base import Architecture, ModelArgs
-from .loader import WeightPlanner
+from .loader import WeightPlanner, expert_raw, gate_up_experts
 
 # Hugging Face tensor names -> GGUF names (data; applied when a folder is opened)
 HF_NAMES = {
@@ -45,7 +45,24 @@ HF_NAMES = {
 
 
 # GGUF architectures whose Q/K rows are stored unpermuted (RoPE on split halves)
-NEOX_GGUF = ("qwen2", "qwen3")
+NEOX_GGUF = ("qwen2", "qwen3", "qwen3moe")
+
+# experts: the router, and experts as transformers 5 keeps them (fused: gate_up_proj
+# (E, 2F, D) with [gate | up] per expert, down_proj (E, D, F)) or one tensor an
+# expert (checkpoints on the hubs: Qwen3-MoE's mlp.experts.N, Mixtral's w1/w3/w2),
+# stacked on load
+HF_MOE_NAMES = {
+    r"model\.layers\.(\d+)\.mlp\.gate\.weight": r"blk.\1.ffn_gate_inp.weight",
+    r"model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj": r"blk.\1.ffn_gate_up_exps.weight",
+    r"model\.layers\.(\d+)\.mlp\.experts\.down_proj": r"blk.\1.ffn_down_exps.weight",
+    r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.gate_proj\.weight": r"blk.\1.ffn_gate_exp.\2.weight",
+    r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.up_proj\.weight": r"blk.\1.ffn_up_exp.\2.weight",
+    r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.down_proj\.weight": r"blk.\1.ffn_down_exp.\2.weight",
+    r"model\.layers\.(\d+)\.block_sparse_moe\.gate\.weight": r"blk.\1.ffn_gate_inp.weight",
+    r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.w1\.weight": r"blk.\1.ffn_gate_exp.\2.weight",
+    r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.w3\.weight": r"blk.\1.ffn_up_exp.\2.weight",
+    r"model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.w2\.weight": r"blk.\1.ffn_down_exp.\2.weight",
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +72,15 @@ class LlamaArgs(ModelArgs):
     rope_neox: bool           # True for Hugging Face layout and the NEOX_GGUF architectures
     qkv_bias: bool = False    # q, k and v biases (blk.N.attn_{q,k,v}.bias)
     qk_norm: bool = False     # a per-head RMSNorm of q and k before RoPE (blk.N.attn_{q,k}_norm.weight)
+    n_expert_used: int = 0    # (n_expert > 0: every layer's FFN a mixture of experts) experts a token takes
+    n_ff_exp: int = 0         # an expert's FFN width
+
+    def check_experts(self, what: str) -> None:
+        if self.n_expert and not 0 < self.n_expert_used <= min(self.n_expert, 16):
+            raise VkEngineError(f"{what}: {self.n_expert_used} of {self.n_expert} experts per token (1 to "
+                                f"min(experts, 16) supported)")
+        if self.n_expert and self.n_ff_exp <= 0:
+            raise VkEngineError(f"{what}: invalid model metadata: expert FFN width {self.n_ff_exp}")
 
     @classmethod
     def from_file(cls, mf: ModelFile) -> LlamaArgs:
@@ -71,6 +97,14 @@ class LlamaArgs(ModelArgs):
                 if rs.get("rope_type", rs.get("type")) != "linear":
                     raise VkEngineError(f"rope_scaling {rs} is not supported (linear only)")
                 scale = 1.0 / float(rs["factor"])
+            n_exp = int(c.get("num_experts") or c.get("num_local_experts") or 0)
+            if n_exp:
+                if c.get("norm_topk_prob") is False:
+                    raise VkEngineError("norm_topk_prob false (top-k expert weights not renormalized) is not "
+                                        "supported")
+                if c.get("mlp_only_layers") or int(c.get("decoder_sparse_step", 1)) != 1:
+                    raise VkEngineError("dense FFN layers among the expert layers (mlp_only_layers, "
+                                        "decoder_sparse_step) are not supported")
             return cls(
                 n_vocab=int(c["vocab_size"]), n_embd=int(c["hidden_size"]), n_layer=int(c["num_hidden_layers"]),
                 n_ff=int(c["intermediate_size"]), n_head=n_head,
@@ -78,7 +112,9 @@ class LlamaArgs(ModelArgs):
                 rope_base=float(c.get("rope_theta", 10000.0)), rope_freq_scale=scale,
                 rms_eps=float(c.get("rms_norm_eps", 1e-6)),
                 n_ctx_train=int(c.get("max_position_embeddings", 4096)), rope_neox=True,
-                qkv_bias=mf.has("blk.0.attn_q.bias"), qk_norm=mf.has("blk.0.attn_q_norm.weight"))
+                qkv_bias=mf.has("blk.0.attn_q.bias"), qk_norm=mf.has("blk.0.attn_q_norm.weight"),
+                n_expert=n_exp, n_expert_used=int(c.get("num_experts_per_tok", 0) or 0) if n_exp else 0,
+                n_ff_exp=int(c.get("moe_intermediate_size") or c["intermediate_size"]) if n_exp else 0)
         a = mf.arch
         m = mf.meta
         n_embd = int(m(f"{a}.embedding_length"))
@@ -93,18 +129,31 @@ class LlamaArgs(ModelArgs):
         n_vocab = m(f"{a}.vocab_size", None)
         if n_vocab is None:
             n_vocab = mf.tensor_info("token_embd.weight")[1][0]
+        n_exp = int(m(f"{a}.expert_count", 0))
+        n_ff = int(m(f"{a}.feed_forward_length", 0) if n_exp else m(f"{a}.feed_forward_length"))
         return cls(
             n_vocab=int(n_vocab), n_embd=n_embd, n_layer=int(m(f"{a}.block_count")),
-            n_ff=int(m(f"{a}.feed_forward_length")), n_head=n_head,
+            n_ff=n_ff, n_head=n_head,
             n_head_kv=int(m(f"{a}.attention.head_count_kv", n_head)), head_dim=hd,
             n_rot=int(m(f"{a}.rope.dimension_count", hd)), rope_base=float(m(f"{a}.rope.freq_base", 10000.0)),
             rope_freq_scale=scale, rms_eps=float(m(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
             n_ctx_train=int(m(f"{a}.context_length", 4096)), rope_neox=a in NEOX_GGUF,
-            qkv_bias=mf.has("blk.0.attn_q.bias"), qk_norm=mf.has("blk.0.attn_q_norm.weight"))
+            qkv_bias=mf.has("blk.0.attn_q.bias"), qk_norm=mf.has("blk.0.attn_q_norm.weight"),
+            n_expert=n_exp, n_expert_used=int(m(f"{a}.expert_used_count", 0)) if n_exp else 0,
+            n_ff_exp=int(m(f"{a}.expert_feed_forward_length", n_ff)) if n_exp else 0)
 
     @property
     def qkv_width(self) -> int:
         return (self.n_head + 2 * self.n_head_kv) * self.head_dim
+
+
+@dataclass
+class Experts:
+    """A layer's mixture of experts (LlamaArgs.n_expert): routed only, top-k of
+    a softmax, renormalized (Mixtral, Qwen3-MoE)."""
+    router: Matrix          # E x D
+    gate_up: Matrix         # E*(2*n_ff_exp) x D, per expert [gate | up]
+    down: Matrix            # E*D x n_ff_exp
 
 
 @dataclass
@@ -113,8 +162,9 @@ class Layer:
     qkv: list[tuple[Matrix, int]]        # (matrix, first output column): fused or q, k, v
     wo: Matrix
     ffn_norm: Region
-    gate_up: list[tuple[Matrix, int]]
-    down: Matrix
+    gate_up: list[tuple[Matrix, int]]    # (dense FFN; empty with experts)
+    down: Matrix | None
+    experts: Experts | None = None
     qkv_bias: Region | None = None       # q|k|v biases, one vector (LlamaArgs.qkv_bias)
     q_norm: Region | None = None         # per-head q and k norm weights (LlamaArgs.qk_norm), in the
     k_norm: Region | None = None         # RoPE table's buffer (norm_rope_kv binds them together)
@@ -136,7 +186,32 @@ def _scratch_widths(a: LlamaArgs) -> dict[str, int]:
             "out_h": a.n_embd, "out_logits": a.n_vocab,
             "norm_slots": -(-a.n_embd // 4),   # sums of squares per 4 values (Graph.residual_norm)
             # h' as 8-bit blocks for an XQ8 gate|up (Graph._q8_out) and its producer's zeroed counters
-            "norm_q8": a.n_embd // 2 + a.n_embd // 16, "norm_q8_sync": -(-a.n_embd // 32)}
+            "norm_q8": a.n_embd // 2 + a.n_embd // 16, "norm_q8_sync": -(-a.n_embd // 32),
+            **(_moe_widths(a) if a.n_expert else {})}
+
+
+def _moe_widths(a: LlamaArgs) -> dict[str, int]:
+    """The expert FFN's arrays: router logits, (ids, weights), each routed
+    expert's [gate | up], SwiGLU and output, moe_sort's lists and counts."""
+    k, E = a.n_expert_used, a.n_expert
+    return {"rl": E, "route": 2 * k, "gu_e": k * 2 * a.n_ff_exp, "ff_e": k * a.n_ff_exp, "dn_e": k * a.n_embd,
+            "elist": E, "ecnt": E}
+
+
+def _experts(g: Graph, a: LlamaArgs, X: Experts) -> None:
+    """x[r] += the routed experts' SwiGLU FFNs of h[r], weighted (one dispatch a
+    product; expert-major batched matmuls once a step routes several rows to
+    each expert on average, as qwen35moe's)."""
+    k = a.n_expert_used
+    g.matmul(X.router, "h", "rl")
+    g.moe_route("rl", "route", a.n_expert, k)
+    batched = a.n_expert if g.n * k >= 4 * a.n_expert else 0
+    if batched:
+        g.moe_sort("route", k, a.n_expert)
+    g.experts(X.gate_up, 2 * a.n_ff_exp, "h", "route", k, "gu_e", per_slot_input=False, batched_experts=batched)
+    g.swiglu_split("gu_e", "ff_e", a.n_ff_exp, k)
+    g.experts(X.down, a.n_embd, "ff_e", "route", k, "dn_e", per_slot_input=True, batched_experts=batched)
+    g.moe_combine("dn_e", "route", k, "x")
 
 
 def _forward(g: Graph, a: LlamaArgs, w: LlamaWeights) -> None:
@@ -169,6 +244,15 @@ def _forward(g: Graph, a: LlamaArgs, w: LlamaWeights) -> None:
             g.qkv_rope(i, L.qkv, "h", "qkv", "q", a.n_head, a.n_head_kv, a.head_dim, a.n_rot, a.rope_neox,
                        norm_in=att_in)
         g.attention(i, "q", "att", a.n_head, a.n_head_kv, a.head_dim, scale)
+        if L.experts is not None:
+            # the router and the expert products take the normalized h
+            g.matmul_norm(L.wo, "att", "x", L.ffn_norm, "h")
+            _experts(g, a, L.experts)
+            att_in = None
+            if i + 1 < len(w.layers):
+                g.rms_norm("x", w.layers[i + 1].attn_norm, "h")
+            continue
+        assert L.down is not None
         ffn_in = g.residual_norm(L.wo, "att", "x", L.ffn_norm, "h", [L.gate_up], glu_reader=True)
         g.gate_up_swiglu(L.gate_up, "h", "gu", "ff", norm_in=ffn_in)
         if i + 1 < len(w.layers):
@@ -186,6 +270,12 @@ def _forward(g: Graph, a: LlamaArgs, w: LlamaWeights) -> None:
 def _concat(parts: list[Callable[[], np.ndarray]]) -> Callable[[], np.ndarray]:
     """The values of several tensors, one after another (produced at build time)."""
     return lambda: np.concatenate([f() for f in parts])
+
+
+def _down_experts(p: WeightPlanner, pre: str, a: LlamaArgs) -> int:
+    """E*D x n_ff_exp: every expert's down projection, stacked."""
+    t, produce = expert_raw(p, pre, "down", a.n_expert, a.n_embd, a.n_ff_exp)
+    return p.matrix_raw(t, a.n_expert * a.n_embd, a.n_ff_exp, produce, pre + "ffn_down_exps", unit=a.n_embd)
 
 
 def _load_weights(mf: ModelFile, a: LlamaArgs, device, n_ctx: int) -> LlamaWeights:
@@ -222,13 +312,19 @@ def _load_weights(mf: ModelFile, a: LlamaArgs, device, n_ctx: int) -> LlamaWeigh
                         [a.n_head * hd, a.n_head_kv * hd, a.n_head_kv * hd], D),
             wo=p.matrix([pre + "attn_output.weight"], [D], a.n_head * hd),
             ffn_norm=p.vector(pre + "ffn_norm.weight", D),
-            gate_up=p.fused([pre + "ffn_gate.weight", pre + "ffn_up.weight"], [F, F], D),
-            down=p.matrix([pre + "ffn_down.weight"], [D], F)))
+            **(dict(router=p.matrix([pre + "ffn_gate_inp.weight"], [a.n_expert], D),
+                    gate_up_exps=gate_up_experts(p, pre, a.n_expert, a.n_ff_exp, D),
+                    down_exps=_down_experts(p, pre, a)) if a.n_expert else
+               dict(gate_up=p.fused([pre + "ffn_gate.weight", pre + "ffn_up.weight"], [F, F], D),
+                    down=p.matrix([pre + "ffn_down.weight"], [D], F)))))
     b, arena = p.build(device)
     return LlamaWeights(
         tok_embd=b[i_embd], out_norm=b[i_onorm], output=b[i_out], rope=b[i_rope], arena=arena,
         layers=[Layer(attn_norm=b[L["attn_norm"]], qkv=[(b[h], c) for h, c in L["qkv"]], wo=b[L["wo"]],
-                      ffn_norm=b[L["ffn_norm"]], gate_up=[(b[h], c) for h, c in L["gate_up"]], down=b[L["down"]],
+                      ffn_norm=b[L["ffn_norm"]], gate_up=[(b[h], c) for h, c in L.get("gate_up", [])],
+                      down=b[L["down"]] if "down" in L else None,
+                      experts=Experts(b[L["router"]], b[L["gate_up_exps"]], b[L["down_exps"]])
+                      if "router" in L else None,
                       qkv_bias=b[L["qkv_bias"]] if L["qkv_bias"] is not None else None,
                       q_norm=b[L["q_norm"]] if L["q_norm"] is not None else None,
                       k_norm=b[L["k_norm"]] if L["k_norm"] is not None else None)
@@ -237,13 +333,18 @@ def _load_weights(mf: ModelFile, a: LlamaArgs, device, n_ctx: int) -> LlamaWeigh
 
 class Llama(Architecture):
     names: ClassVar[tuple[str, ...]] = ("llama",)
-    hf_architectures: ClassVar[tuple[str, ...]] = ("LlamaForCausalLM", "MistralForCausalLM")
-    hf_names = HF_NAMES
+    hf_architectures: ClassVar[tuple[str, ...]] = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM")
+    hf_names = {**HF_NAMES, **HF_MOE_NAMES}
 
     def args(self, mf: ModelFile) -> LlamaArgs:
-        return LlamaArgs.from_file(mf)
+        a = LlamaArgs.from_file(mf)
+        a.check_experts(mf.path.name)
+        return a
 
     def scratch_widths(self, a: LlamaArgs) -> dict[str, int]:
+        if a.fixed_experts:
+            raise VkEngineError("--fixed-experts and --experts-log are for the qwen35moe models; this "
+                                "architecture's router runs as the model's matmul")
         return _scratch_widths(a)
 
     def load_weights(self, mf: ModelFile, a: LlamaArgs, device, n_ctx: int) -> LlamaWeights:

@@ -13,7 +13,7 @@ from ..arena import Arena, ArenaPlan, packed_words, row_parts, split_limit_words
 from ..errors import VkEngineError
 from ..gguf_file import ModelFile, SafetensorsFolder
 from ..kernels import Matrix
-from ..quant import check_shape, repack, row_slice
+from ..quant import check_shape, dequantize, repack, row_bytes, row_slice
 
 
 def _rows(produce: Callable[[], np.ndarray], type_: str, cols: int, r0: int, r1: int) -> Callable[[], np.ndarray]:
@@ -137,3 +137,45 @@ class WeightPlanner:
                 arena.write(regs[1], scales)
             built.append([Matrix(t, rows, cols, regs[0], regs[1] if scales is not None else None)])
         return [built[j][i] for j, i in self.handles], arena
+
+
+def expert_raw(p: WeightPlanner, prefix: str, which: str, E: int, rows: int, cols: int) -> tuple[str, Callable]:
+    """(type, produce) of a layer's stacked expert matrices: GGUF ffn_<which>_exps
+    (E, rows, cols), or HF per-expert tensors (stacked here)."""
+    mf = p.mf
+    name = f"{prefix}ffn_{which}_exps.weight"
+    if mf.has(name):
+        t, s = mf.tensor_info(name)
+        if tuple(s) != (E, rows, cols):
+            raise VkEngineError(f"{mf.path.name}: {name} has shape {s}, expected {(E, rows, cols)}")
+        return t, lambda: mf.tensor(name).raw
+    names = [f"{prefix}ffn_{which}_exp.{e}.weight" for e in range(E)]
+    types = set()
+    for n in names:
+        t, s = mf.tensor_info(n)
+        if tuple(s) != (rows, cols):
+            raise VkEngineError(f"{mf.path.name}: {n} has shape {s}, expected {(rows, cols)}")
+        types.add(t)
+    if len(types) != 1:
+        raise VkEngineError(f"{mf.path.name}: experts of {prefix} mix tensor types")
+    return types.pop(), lambda: np.concatenate([mf.tensor(n).raw for n in names])
+
+
+def gate_up_experts(p: WeightPlanner, prefix: str, E: int, F: int, D: int) -> int:
+    """E x (2F) x D, per expert [gate | up] (GGUF ffn_gate_up_exps has this layout)."""
+    mf = p.mf
+    if mf.has(f"{prefix}ffn_gate_up_exps.weight"):
+        t, produce = expert_raw(p, prefix, "gate_up", E, 2 * F, D)
+        return p.matrix_raw(t, E * 2 * F, D, produce, f"{prefix}ffn_gate_up_exps", unit=2 * F)
+    tg, pg = expert_raw(p, prefix, "gate", E, F, D)
+    tu, pu = expert_raw(p, prefix, "up", E, F, D)
+    t = tg if tg == tu else "f32"
+
+    def stacked() -> np.ndarray:
+        if tg == tu:
+            rb = row_bytes(t, D)
+            return np.concatenate([pg().reshape(E, F, rb), pu().reshape(E, F, rb)], axis=1).reshape(-1)
+        g = dequantize(tg, pg(), E * F, D).reshape(E, F, D)
+        u = dequantize(tu, pu(), E * F, D).reshape(E, F, D)
+        return np.ascontiguousarray(np.concatenate([g, u], axis=1)).view(np.uint8).reshape(-1)
+    return p.matrix_raw(t, E * 2 * F, D, stacked, f"{prefix}ffn_gate_up_exps", unit=2 * F)

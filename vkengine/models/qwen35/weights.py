@@ -8,19 +8,14 @@ dt_bias (delta_rule.comp). Experts are stacked per layer as E x rows matrices
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from ...arena import Arena
-from ...errors import VkEngineError
 from ...gguf_file import ModelFile, SafetensorsFolder
 from ...kernels import Matrix, Region
-from ...quant import dequantize, row_bytes
 from ...rope import rope_table
-from ..loader import WeightPlanner
+from ..loader import WeightPlanner, expert_raw, gate_up_experts
 from .args import MTP_BLOCK, hf_value
 
 
@@ -89,48 +84,6 @@ class Qwen35Weights:
     arena: Arena
 
 
-def _expert_raw(p: WeightPlanner, prefix: str, which: str, E: int, rows: int, cols: int) -> tuple[str, Callable]:
-    """(type, produce) of a layer's stacked expert matrices: GGUF ffn_<which>_exps
-    (E, rows, cols), or HF per-expert tensors (stacked here)."""
-    mf = p.mf
-    name = f"{prefix}ffn_{which}_exps.weight"
-    if mf.has(name):
-        t, s = mf.tensor_info(name)
-        if tuple(s) != (E, rows, cols):
-            raise VkEngineError(f"{mf.path.name}: {name} has shape {s}, expected {(E, rows, cols)}")
-        return t, lambda: mf.tensor(name).raw
-    names = [f"{prefix}ffn_{which}_exp.{e}.weight" for e in range(E)]
-    types = set()
-    for n in names:
-        t, s = mf.tensor_info(n)
-        if tuple(s) != (rows, cols):
-            raise VkEngineError(f"{mf.path.name}: {n} has shape {s}, expected {(rows, cols)}")
-        types.add(t)
-    if len(types) != 1:
-        raise VkEngineError(f"{mf.path.name}: experts of {prefix} mix tensor types")
-    return types.pop(), lambda: np.concatenate([mf.tensor(n).raw for n in names])
-
-
-def _gate_up_experts(p: WeightPlanner, prefix: str, E: int, F: int, D: int) -> int:
-    """E x (2F) x D, per expert [gate | up] (GGUF ffn_gate_up_exps has this layout)."""
-    mf = p.mf
-    if mf.has(f"{prefix}ffn_gate_up_exps.weight"):
-        t, produce = _expert_raw(p, prefix, "gate_up", E, 2 * F, D)
-        return p.matrix_raw(t, E * 2 * F, D, produce, f"{prefix}ffn_gate_up_exps", unit=2 * F)
-    tg, pg = _expert_raw(p, prefix, "gate", E, F, D)
-    tu, pu = _expert_raw(p, prefix, "up", E, F, D)
-    t = tg if tg == tu else "f32"
-
-    def stacked() -> np.ndarray:
-        if tg == tu:
-            rb = row_bytes(t, D)
-            return np.concatenate([pg().reshape(E, F, rb), pu().reshape(E, F, rb)], axis=1).reshape(-1)
-        g = dequantize(tg, pg(), E * F, D).reshape(E, F, D)
-        u = dequantize(tu, pu(), E * F, D).reshape(E, F, D)
-        return np.ascontiguousarray(np.concatenate([g, u], axis=1)).view(np.uint8).reshape(-1)
-    return p.matrix_raw(t, E * 2 * F, D, stacked, f"{prefix}ffn_gate_up_exps", unit=2 * F)
-
-
 def _plan_layer(p: WeightPlanner, a, prefix: str, kind: str, qk_norms: list) -> dict:
     D, hd = a.n_embd, a.head_dim
     L = dict(kind=kind, attn_norm=p.vector(prefix + "attn_norm.weight", D),
@@ -161,8 +114,8 @@ def _plan_layer(p: WeightPlanner, a, prefix: str, kind: str, qk_norms: list) -> 
             L["router_f32"] = p.vector(prefix + "ffn_gate_inp.weight", E * D)
         else:
             L["router"] = p.matrix([prefix + "ffn_gate_inp.weight"], [E], D)
-        L["gate_up_exps"] = _gate_up_experts(p, prefix, E, F, D)
-        td, pd = _expert_raw(p, prefix, "down", E, D, F)
+        L["gate_up_exps"] = gate_up_experts(p, prefix, E, F, D)
+        td, pd = expert_raw(p, prefix, "down", E, D, F)
         L["down_exps"] = p.matrix_raw(td, E * D, F, pd, prefix + "ffn_down_exps", unit=D)
         L["sh_gate_up"] = p.fused([prefix + "ffn_gate_shexp.weight", prefix + "ffn_up_shexp.weight"], [Fs, Fs], D)
         L["sh_down"] = p.matrix([prefix + "ffn_down_shexp.weight"], [D], Fs)

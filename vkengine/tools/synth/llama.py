@@ -56,8 +56,13 @@ SHAPES_EXTRA: dict[str, dict[str, Any]] = {
                          rms_eps=1e-6),
     "qwen3-0.6b": dict(n_embd=1024, n_layer=28, n_head=16, n_head_kv=8, n_ff=3072, head_size=128, tied=True,
                        rope_base=1e6, rms_eps=1e-6),
+    # experts: the tiny MoE shape (qwen3moe; llama: Mixtral-style) and Qwen3-30B-A3B's
+    "tiny-moe": dict(n_embd=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=128, n_expert=8, n_expert_used=2,
+                     n_ff_exp=32),
+    "qwen3-30b-a3b": dict(n_embd=2048, n_layer=48, n_head=32, n_head_kv=4, n_ff=6144, head_size=128,
+                          n_expert=128, n_expert_used=8, n_ff_exp=768, rope_base=1e6, rms_eps=1e-6),
 }
-ARCHES = ("llama", "qwen2", "qwen3")
+ARCHES = ("llama", "qwen2", "qwen3", "qwen3moe")
 
 
 @dataclass(frozen=True)
@@ -72,8 +77,11 @@ class SynthConfig:
     rms_eps: float = 1e-5
     logit_scale: float = 8.0       # std of the output logits
     tied: bool = False
-    arch: str = "llama"            # llama, qwen2 (q/k/v biases) or qwen3 (q/k norms)
+    arch: str = "llama"            # llama, qwen2 (q/k/v biases), qwen3 (q/k norms), qwen3moe (+ experts)
     head_size: int = 0             # 0: n_embd // n_head
+    n_expert: int = 0              # > 0: every layer's FFN routed experts (llama: Mixtral-style)
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -126,13 +134,20 @@ def _tensor_plan(c: SynthConfig, n_vocab: int) -> list[tuple[str, tuple[int, ...
             *([(p + "attn_q.bias", (c.n_head * hd,), -0.5), (p + "attn_k.bias", (c.n_head_kv * hd,), -0.5),
                (p + "attn_v.bias", (c.n_head_kv * hd,), -0.2)] if c.arch == "qwen2" else []),
             *([(p + "attn_q_norm.weight", (hd,), 0.0), (p + "attn_k_norm.weight", (hd,), 0.0)]
-              if c.arch == "qwen3" else []),
+              if c.arch in ("qwen3", "qwen3moe") else []),
             (p + "attn_output.weight", (D, c.n_head * hd), 0.5 / np.sqrt(c.n_head * hd * c.n_layer)),
             (p + "ffn_norm.weight", (D,), 0.0),
-            (p + "ffn_gate.weight", (F, D), 1.0 / np.sqrt(D)),
-            (p + "ffn_up.weight", (F, D), 1.0 / np.sqrt(D)),
-            (p + "ffn_down.weight", (D, F), 1.0 / np.sqrt(F * c.n_layer)),
         ]
+        if c.n_expert:
+            E, Fe = c.n_expert, c.n_ff_exp
+            plan += [(p + "ffn_gate_inp.weight", (E, D), 4.0 / np.sqrt(D)),    # routing margins of O(1)
+                     (p + "ffn_gate_exps.weight", (E, Fe, D), 1.0 / np.sqrt(D)),
+                     (p + "ffn_up_exps.weight", (E, Fe, D), 1.0 / np.sqrt(D)),
+                     (p + "ffn_down_exps.weight", (E, D, Fe), 1.0 / np.sqrt(Fe * c.n_layer))]
+        else:
+            plan += [(p + "ffn_gate.weight", (F, D), 1.0 / np.sqrt(D)),
+                     (p + "ffn_up.weight", (F, D), 1.0 / np.sqrt(D)),
+                     (p + "ffn_down.weight", (D, F), 1.0 / np.sqrt(F * c.n_layer))]
     return plan
 
 
@@ -162,11 +177,12 @@ def _make_tensor(job):
     elif quant == "f16":
         raw = w.astype(np.float16).view(np.uint8)
     else:
-        raw = quants.quantize(w, qt).view(np.uint8)
+        raw = quants.quantize(w.reshape(-1, shape[-1]), qt).view(np.uint8)
     raw = np.ascontiguousarray(raw).reshape(-1)
     hf = None
     if want_hf:
-        hf = dequantize(quant, raw, shape[0], shape[1]) if qt != T.F32 else w
+        rows = int(np.prod(shape[:-1]))
+        hf = dequantize(quant, raw, rows, shape[-1]).reshape(shape) if qt != T.F32 else w
         if permute and name.endswith("attn_q.weight"):
             hf = _unpermute(hf, n_head)
         elif permute and name.endswith("attn_k.weight"):
@@ -188,6 +204,9 @@ HF_NAME_OF = {
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",          # experts as transformers 5 keeps them (fused)
+    "ffn_gate_exps.weight": "mlp.experts.gate_up_proj",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
@@ -214,6 +233,12 @@ def synth_llama(c: SynthConfig, quant: str, seed: int, out_dir: Path, name: str 
                             "and n_head by n_head_kv")
     if c.arch not in ARCHES:
         raise VkEngineError(f"unknown llama-family architecture {c.arch!r} ({', '.join(ARCHES)})")
+    if c.arch == "qwen3moe" and not c.n_expert:
+        raise VkEngineError("qwen3moe needs a shape with experts (tiny-moe, qwen3-30b-a3b)")
+    if c.arch in ("qwen2", "qwen3") and c.n_expert:
+        raise VkEngineError(f"{c.arch} has no experts (qwen3moe, or llama for a Mixtral-style model)")
+    if c.n_expert and not (0 < c.n_expert_used <= min(c.n_expert, 16) and c.n_ff_exp > 0):
+        raise VkEngineError("experts need 1 to min(n_expert, 16) used a token and n_ff_exp > 0")
     tmeta = tokenizer_meta(tokenizer_from)
     n_vocab = len(tmeta["tokenizer.ggml.tokens"])
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -232,7 +257,9 @@ def synth_llama(c: SynthConfig, quant: str, seed: int, out_dir: Path, name: str 
         w.add_context_length(c.n_ctx)
         w.add_embedding_length(c.n_embd)
         w.add_block_count(c.n_layer)
-        w.add_feed_forward_length(c.n_ff)
+        # (Mixtral-style llama: llama.cpp takes the experts' width from feed_forward_length)
+        mixtral = c.arch == "llama" and c.n_expert > 0
+        w.add_feed_forward_length(c.n_ff_exp if mixtral else c.n_ff)
         w.add_head_count(c.n_head)
         w.add_head_count_kv(c.n_head_kv)
         w.add_rope_freq_base(c.rope_base)
@@ -240,6 +267,11 @@ def synth_llama(c: SynthConfig, quant: str, seed: int, out_dir: Path, name: str 
         w.add_rope_dimension_count(c.head_dim)
         w.add_key_length(c.head_dim)
         w.add_value_length(c.head_dim)
+        if c.n_expert:
+            w.add_expert_count(c.n_expert)
+            w.add_expert_used_count(c.n_expert_used)
+            if not mixtral:
+                w.add_expert_feed_forward_length(c.n_ff_exp)
         w.add_vocab_size(n_vocab)
         w.add_file_type(FILE_TYPES[quant])
         w.add_string("vkengine.synth.seed", str(seed))
@@ -254,19 +286,34 @@ def synth_llama(c: SynthConfig, quant: str, seed: int, out_dir: Path, name: str 
         from safetensors.numpy import save_file
         folder = out_dir / f"{name}-{quant}-hf"
         folder.mkdir(parents=True, exist_ok=True)
-        tensors = {_hf_name(n): np.ascontiguousarray(results[n][3], np.float32) for n, _, _ in plan}
+        tensors = {}
+        for n, _, _ in plan:
+            if n.endswith("ffn_up_exps.weight"):
+                continue
+            v = results[n][3]
+            if n.endswith("ffn_gate_exps.weight"):     # (E, 2F, D): [gate | up] per expert
+                v = np.concatenate([v, results[n.replace("gate_exps", "up_exps")][3]], axis=1)
+            tensors[_hf_name(n)] = np.ascontiguousarray(v, np.float32)
         save_file(tensors, str(folder / "model.safetensors"))
         hf_arch = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-                   "qwen3": ("Qwen3ForCausalLM", "qwen3")}[c.arch]
+                   "qwen3": ("Qwen3ForCausalLM", "qwen3"), "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe")}[c.arch]
+        mixtral = c.arch == "llama" and c.n_expert > 0
+        if mixtral:
+            hf_arch = ("MixtralForCausalLM", "mixtral")     # (its intermediate_size: the experts' width)
         cfg = {
             "architectures": [hf_arch[0]], "model_type": hf_arch[1], "vocab_size": n_vocab,
-            "hidden_size": c.n_embd, "intermediate_size": c.n_ff, "num_hidden_layers": c.n_layer,
+            "hidden_size": c.n_embd, "intermediate_size": c.n_ff_exp if mixtral else c.n_ff,
+            "num_hidden_layers": c.n_layer,
             "num_attention_heads": c.n_head, "num_key_value_heads": c.n_head_kv, "head_dim": c.head_dim,
             "rms_norm_eps": c.rms_eps, "rope_theta": c.rope_base, "max_position_embeddings": c.n_ctx,
             "tie_word_embeddings": c.tied, "hidden_act": "silu", "torch_dtype": "float32",
             "bos_token_id": tmeta.get("tokenizer.ggml.bos_token_id"),
             "eos_token_id": tmeta.get("tokenizer.ggml.eos_token_id"),
             **({"use_sliding_window": False, "attention_bias": c.arch == "qwen2"} if c.arch != "llama" else {}),
+            **({"num_experts": c.n_expert, "num_local_experts": c.n_expert, "num_experts_per_tok": c.n_expert_used,
+                "moe_intermediate_size": c.n_ff_exp, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                "mlp_only_layers": [], "router_aux_loss_coef": 0.0, "output_router_logits": False}
+               if c.n_expert else {}),
         }
         (folder / "config.json").write_text(json.dumps(cfg, indent=1))
         write_hf_tokenizer(folder, tmeta)
