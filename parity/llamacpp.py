@@ -97,6 +97,19 @@ def ensure_built(cache: Path | None = None, log: Log = _stderr_log, jobs: int | 
     return exe
 
 
+def source_tree(cache: Path | None = None, log: Log = _stderr_log) -> Path:
+    """The llama.cpp tree of the sdist the build used (kept beside the binaries:
+    its models/ holds vocabulary-only GGUFs with llama.cpp's own tokenizer test
+    texts and ids), building first if needed."""
+    cache = Path(cache or default_cache_dir())
+    ensure_built(cache, log)
+    trees = sorted((cache / "src").glob("*/llama.cpp"))
+    if not trees:
+        raise VkEngineError(f"no llama.cpp source tree under {cache / 'src'}: delete {cache / 'stamp.json'} "
+                            "to rebuild")
+    return trees[0]
+
+
 def _run(cmd: Sequence[str], logfile: Path, what: str, **kw) -> None:
     with open(logfile, "ab") as fh:
         fh.write(("\n$ " + " ".join(map(str, cmd)) + "\n").encode())

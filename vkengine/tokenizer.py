@@ -33,6 +33,7 @@ PRE_TOKENIZERS: dict[str, list[str]] = {
     "qwen35": [_QWEN35],
 }
 
+TOKEN_TYPE_NORMAL = 1
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
 
@@ -46,6 +47,7 @@ class Tokenizer:
     eot_ids: frozenset[int] = frozenset()   # tokens that end a turn (EOS, <|im_end|>, ...)
     chat_template: str | None = None
     special_ids: frozenset[int] = frozenset()
+    space_prefix: bool = False       # (SentencePiece) the tokenizer put a space before the text
 
     @property
     def vocab_size(self) -> int:
@@ -58,6 +60,9 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+        """The text of ids, every piece as it is (a SentencePiece vocabulary's
+        first token keeps the space its tokenizer put before the text, as
+        llama-server's /detokenize and streamed pieces keep it)."""
         return self.hf.decode(list(ids), skip_special_tokens=skip_special)
 
     def token_text(self, i: int) -> str:
@@ -119,8 +124,11 @@ def from_gguf(meta) -> Tokenizer:
     from tokenizers import Tokenizer as HFTokenizer
 
     kind = meta("tokenizer.ggml.model", None)
+    if kind == "llama":
+        return _spm_from_gguf(meta)
     if kind != "gpt2":
-        raise VkEngineError(f"tokenizer model {kind!r} is not supported (supported: gpt2 byte-level BPE)")
+        raise VkEngineError(f"tokenizer model {kind!r} is not supported (supported: gpt2 byte-level BPE, "
+                            "llama SentencePiece BPE)")
     tokens = list(meta("tokenizer.ggml.tokens"))
     merges_raw = list(meta("tokenizer.ggml.merges"))
     types = list(meta("tokenizer.ggml.token_type", [1] * len(tokens)))
@@ -143,6 +151,12 @@ def from_gguf(meta) -> Tokenizer:
         hf.add_special_tokens(specials)
     if user:
         hf.add_tokens(user)
+    return _finish(hf, meta, vocab, types, add_bos_default=False)
+
+
+def _finish(hf, meta, vocab: dict[str, int], types: list[int], add_bos_default: bool,
+            space_prefix: bool = False) -> Tokenizer:
+    """The Tokenizer of a GGUF vocabulary built into hf: its special ids and chat template."""
     bos = meta("tokenizer.ggml.bos_token_id", None)
     eos = meta("tokenizer.ggml.eos_token_id", None)
     eot = meta("tokenizer.ggml.eot_token_id", None)
@@ -152,9 +166,55 @@ def from_gguf(meta) -> Tokenizer:
             eot_ids.add(vocab[name])
     return Tokenizer(
         hf=hf, bos_id=None if bos is None else int(bos), eos_id=None if eos is None else int(eos),
-        add_bos=bool(meta("tokenizer.ggml.add_bos_token", False)), eot_ids=frozenset(eot_ids),
+        add_bos=bool(meta("tokenizer.ggml.add_bos_token", add_bos_default)), eot_ids=frozenset(eot_ids),
         chat_template=meta("tokenizer.chat_template", None),
-        special_ids=frozenset(i for i, t in enumerate(types) if t == TOKEN_TYPE_CONTROL))
+        special_ids=frozenset(i for i, t in enumerate(types) if t == TOKEN_TYPE_CONTROL),
+        space_prefix=space_prefix)
+
+
+def _spm_from_gguf(meta) -> Tokenizer:
+    """A SentencePiece BPE vocabulary (tokenizer.ggml.model "llama": Llama 2,
+    Mistral, Mixtral, Phi-3, Gemma 1-3) as llama.cpp's llm_tokenizer_spm
+    tokenizes it: spaces as U+2581, a space put before the text (and after each
+    special token) where tokenizer.ggml.add_space_prefix says so (default yes),
+    then pairs merged by the score of the piece they make, characters outside
+    the vocabulary as <0xXX> byte tokens. Built as the `tokenizers` library's BPE
+    with merges ranked by those scores (transformers' SentencePieceExtractor
+    does the same), which the library then runs in Rust."""
+    from tokenizers import AddedToken, decoders, models, normalizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    tokens = list(meta("tokenizer.ggml.tokens"))
+    scores = list(meta("tokenizer.ggml.scores", [0.0] * len(tokens)))
+    types = list(meta("tokenizer.ggml.token_type", [1] * len(tokens)))
+    if len(scores) != len(tokens) or len(types) != len(tokens):
+        raise VkEngineError("invalid tokenizer metadata: tokens, scores and token types differ in length")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    mergeable = {t: i for i, t in enumerate(tokens) if types[i] in (TOKEN_TYPE_NORMAL, TOKEN_TYPE_USER_DEFINED)}
+    merges = []
+    for piece, i in mergeable.items():
+        for k in range(1, len(piece)):
+            left, right = piece[:k], piece[k:]
+            if left in mergeable and right in mergeable:
+                merges.append((-scores[i], i, mergeable[left], mergeable[right], left, right))
+    merges.sort()
+    unk = meta("tokenizer.ggml.unknown_token_id", None)
+    bpe = models.BPE(vocab=vocab, merges=[(m[4], m[5]) for m in merges], byte_fallback=True, fuse_unk=True,
+                     unk_token=tokens[int(unk)] if unk is not None else None)
+    hf = HFTokenizer(bpe)
+    space_prefix = bool(meta("tokenizer.ggml.add_space_prefix", True))
+    norm = [normalizers.Replace(" ", "\u2581")]
+    hf.normalizer = normalizers.Sequence(([normalizers.Prepend("\u2581")] if space_prefix else []) + norm)
+    hf.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    specials = [AddedToken(tokens[i], special=True, normalized=False)
+                for i, t in enumerate(types) if t == TOKEN_TYPE_CONTROL]
+    user = [AddedToken(tokens[i], special=False, normalized=False)
+            for i, t in enumerate(types) if t == TOKEN_TYPE_USER_DEFINED]
+    if specials:
+        hf.add_special_tokens(specials)
+    if user:
+        hf.add_tokens(user)
+    return _finish(hf, meta, vocab, types, add_bos_default=True, space_prefix=space_prefix)
 
 
 def from_hf_folder(folder: Path) -> Tokenizer:
