@@ -1,7 +1,8 @@
 """numpy reference forward pass of the llama graph (tests only), with the
 dense Qwen additions where the file has their tensors: q/k/v biases (qwen2),
-per-head q/k RMSNorms before RoPE (qwen3), and routed experts in place of the
-FFN (qwen3moe, Mixtral-style llama).
+per-head q/k RMSNorms before RoPE (qwen3), routed experts in place of the
+FFN (qwen3moe, Mixtral-style llama), and phi3's fused q|k|v and gate|up
+matrices and LongRoPE.
 
 Written independently of the engine's graph code: weights dequantized with the
 `gguf` package, full causal attention over the whole sequence. K and V are
@@ -18,9 +19,11 @@ from . import reference as ref
 
 
 class RefLlama:
-    def __init__(self, mf: ModelFile, args):
+    def __init__(self, mf: ModelFile, args, n_ctx: int = 256):
+        """n_ctx: the engine's context (LongRoPE's factors follow it)."""
         self.a = args
         self.mf = mf
+        self.n_ctx = n_ctx
         self.w: dict[str, np.ndarray] = {}
 
     def W(self, name: str) -> np.ndarray:
@@ -48,17 +51,22 @@ class RefLlama:
         for i in range(a.n_layer):
             p = f"blk.{i}."
             h = ref.rms_norm(x, self.W(p + "attn_norm.weight"), a.rms_eps).astype(np.float32)
-            q = h @ self.W(p + "attn_q.weight").T
-            k = h @ self.W(p + "attn_k.weight").T
-            v = h @ self.W(p + "attn_v.weight").T
+            if self.mf.has(p + "attn_qkv.weight"):        # phi3: one matrix
+                qkv = h @ self.W(p + "attn_qkv.weight").T
+                q, k, v = np.split(qkv, [H * hd, (H + Hkv) * hd], axis=1)
+            else:
+                q = h @ self.W(p + "attn_q.weight").T
+                k = h @ self.W(p + "attn_k.weight").T
+                v = h @ self.W(p + "attn_v.weight").T
             if self.mf.has(p + "attn_q.bias"):          # qwen2
                 q, k, v = (t + self.W(p + f"attn_{s}.bias") for t, s in ((q, "q"), (k, "k"), (v, "v")))
             q, k, v = q.reshape(n, H, hd), k.reshape(n, Hkv, hd), v.reshape(n, Hkv, hd)
             if self.mf.has(p + "attn_q_norm.weight"):   # qwen3: each head's q and k RMS-normed
                 q = ref.rms_norm(q, self.W(p + "attn_q_norm.weight"), a.rms_eps)
                 k = ref.rms_norm(k, self.W(p + "attn_k_norm.weight"), a.rms_eps)
-            q = ref.rope(q, pos, a.n_rot, a.rope_base, a.rope_neox, a.rope_freq_scale)
-            k = ref.rope(k, pos, a.n_rot, a.rope_base, a.rope_neox, a.rope_freq_scale)
+            ff, ms = a.rope_factors(self.n_ctx), a.rope_attn_factor
+            q = ref.rope(q, pos, a.n_rot, a.rope_base, a.rope_neox, a.rope_freq_scale, ff, ms)
+            k = ref.rope(k, pos, a.n_rot, a.rope_base, a.rope_neox, a.rope_freq_scale, ff, ms)
             k16 = ref.kv_round(k.astype(np.float32), kv[0])
             v16 = ref.kv_round(v.astype(np.float32), kv[1])
             att = np.stack([ref.attention(q[t], k16[: t + 1], v16[: t + 1], 1.0 / np.sqrt(hd)) for t in range(n)])
@@ -73,8 +81,11 @@ class RefLlama:
             if self.mf.has(p + "ffn_gate_inp.weight"):   # routed experts (qwen3moe, Mixtral)
                 x = x + self.experts(p, h.astype(np.float32))
                 continue
-            g = h @ self.W(p + "ffn_gate.weight").T
-            u = h @ self.W(p + "ffn_up.weight").T
+            if self.mf.has(p + "ffn_gate.weight"):
+                g = h @ self.W(p + "ffn_gate.weight").T
+                u = h @ self.W(p + "ffn_up.weight").T
+            else:                                          # phi3: [gate | up] in ffn_up
+                g, u = np.split(h @ self.W(p + "ffn_up.weight").T, 2, axis=1)
             f = (ref.silu(g) * u).astype(np.float32)
             x = x + f.astype(np.float64) @ self.W(p + "ffn_down.weight").T.astype(np.float64)
         h = ref.rms_norm(x, self.W("output_norm.weight"), a.rms_eps)

@@ -11,10 +11,12 @@ def rms_norm(x, w, eps):
     return (x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w).astype(np.float32)
 
 
-def rope(x, pos, n_rot, base, neox, freq_scale=1.0):
+def rope(x, pos, n_rot, base, neox, freq_scale=1.0, freq_factors=None, mscale=1.0):
     """x (rows, heads, hd) at positions pos (rows,): rotated copy (float64 math
-    with the same float32 cos/sin table as the device)."""
-    tab = rope_table(int(pos.max()) + 1, n_rot, base, freq_scale).astype(np.float64)
+    with the same float32 cos/sin table as the device); freq_factors divide the
+    frequencies (Llama 3.1, LongRoPE), mscale scales cos and sin (LongRoPE)."""
+    tab = rope_table(int(pos.max()) + 1, n_rot, base, freq_scale, freq_factors).astype(np.float64)
+    tab = (tab.astype(np.float32) * np.float32(mscale)).astype(np.float64)
     c = tab[pos, :, 0][:, None, :]
     s = tab[pos, :, 1][:, None, :]
     out = x.astype(np.float64).copy()

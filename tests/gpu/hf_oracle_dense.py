@@ -9,7 +9,7 @@ tests/gpu/hf_oracle_qwen35.py's method on `vkengine synth` models.
 
 Each model: the Hugging Face folder through transformers (float32, eager
 attention; the class its config names: Qwen2ForCausalLM, Qwen3ForCausalLM,
-Qwen3MoeForCausalLM, MixtralForCausalLM, LlamaForCausalLM) against vkengine on
+Qwen3MoeForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, LlamaForCausalLM) against vkengine on
 the same folder and on its GGUF twin; max |logit error| relative to the
 largest logit and top-1 agreement. Exit status 1 when an error exceeds --tol
 (default 2e-3 of the largest logit). The synthesized MoE folders hold the

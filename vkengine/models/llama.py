@@ -45,7 +45,7 @@ HF_NAMES = {
 
 
 # GGUF architectures whose Q/K rows are stored unpermuted (RoPE on split halves)
-NEOX_GGUF = ("qwen2", "qwen3", "qwen3moe")
+NEOX_GGUF = ("qwen2", "qwen3", "qwen3moe", "phi3")
 
 # experts: the router, and experts as transformers 5 keeps them (fused: gate_up_proj
 # (E, 2F, D) with [gate | up] per expert, down_proj (E, D, F)) or one tensor an
@@ -74,6 +74,19 @@ class LlamaArgs(ModelArgs):
     qk_norm: bool = False     # a per-head RMSNorm of q and k before RoPE (blk.N.attn_{q,k}_norm.weight)
     n_expert_used: int = 0    # (n_expert > 0: every layer's FFN a mixture of experts) experts a token takes
     n_ff_exp: int = 0         # an expert's FFN width
+    # LongRoPE (Phi-3 128k, Phi-3.5, Phi-4-mini): frequencies divided by the long factors where a
+    # sequence's context exceeds rope_orig_ctx, else by the short ones; cos and sin times rope_attn_factor
+    rope_long: tuple[float, ...] = ()
+    rope_short: tuple[float, ...] = ()
+    rope_orig_ctx: int = 0
+    rope_attn_factor: float = 1.0
+
+    def rope_factors(self, n_ctx: int):
+        """The frequency divisors of a context of n_ctx positions (llama.cpp:
+        the long ones where n_ctx exceeds the original context), or None."""
+        if not self.rope_long:
+            return None
+        return np.asarray(self.rope_long if n_ctx > self.rope_orig_ctx else self.rope_short, np.float32)
 
     def check_experts(self, what: str) -> None:
         if self.n_expert and not 0 < self.n_expert_used <= min(self.n_expert, 16):
@@ -93,10 +106,22 @@ class LlamaArgs(ModelArgs):
                                     "architecture")
             rs = c.get("rope_scaling") or {}
             scale = 1.0
-            if rs:
-                if rs.get("rope_type", rs.get("type")) != "linear":
-                    raise VkEngineError(f"rope_scaling {rs} is not supported (linear only)")
+            longrope: dict[str, Any] = {}
+            rtype = rs.get("rope_type", rs.get("type")) if rs else None
+            if rtype == "longrope":
+                # transformers' _compute_longrope_parameters
+                orig = int(c.get("original_max_position_embeddings") or rs["original_max_position_embeddings"])
+                factor = float(c["max_position_embeddings"]) / orig
+                attn = float(rs["attention_factor"]) if rs.get("attention_factor") is not None else (
+                    math.sqrt(1 + math.log(factor) / math.log(orig)) if factor > 1 else 1.0)
+                longrope = dict(rope_long=tuple(float(x) for x in rs["long_factor"]),
+                                rope_short=tuple(float(x) for x in rs["short_factor"]), rope_orig_ctx=orig,
+                                rope_attn_factor=attn)
+            elif rs:
+                if rtype != "linear":
+                    raise VkEngineError(f"rope_scaling {rs} is not supported (linear, longrope)")
                 scale = 1.0 / float(rs["factor"])
+            n_rot = int(hd * float(c.get("partial_rotary_factor", 1.0)))
             n_exp = int(c.get("num_experts") or c.get("num_local_experts") or 0)
             if n_exp:
                 if c.get("norm_topk_prob") is False:
@@ -108,7 +133,7 @@ class LlamaArgs(ModelArgs):
             return cls(
                 n_vocab=int(c["vocab_size"]), n_embd=int(c["hidden_size"]), n_layer=int(c["num_hidden_layers"]),
                 n_ff=int(c["intermediate_size"]), n_head=n_head,
-                n_head_kv=int(c.get("num_key_value_heads") or n_head), head_dim=hd, n_rot=hd,
+                n_head_kv=int(c.get("num_key_value_heads") or n_head), head_dim=hd, n_rot=n_rot, **longrope,
                 rope_base=float(c.get("rope_theta", 10000.0)), rope_freq_scale=scale,
                 rms_eps=float(c.get("rms_norm_eps", 1e-6)),
                 n_ctx_train=int(c.get("max_position_embeddings", 4096)), rope_neox=True,
@@ -131,13 +156,20 @@ class LlamaArgs(ModelArgs):
             n_vocab = mf.tensor_info("token_embd.weight")[1][0]
         n_exp = int(m(f"{a}.expert_count", 0))
         n_ff = int(m(f"{a}.feed_forward_length", 0) if n_exp else m(f"{a}.feed_forward_length"))
+        longrope = {}
+        if mf.has("rope_factors_long.weight"):      # LongRoPE (llama.cpp: phi3's rope_long / rope_short)
+            longrope = dict(
+                rope_long=tuple(float(x) for x in mf.tensor("rope_factors_long.weight").as_f32().reshape(-1)),
+                rope_short=tuple(float(x) for x in mf.tensor("rope_factors_short.weight").as_f32().reshape(-1)),
+                rope_orig_ctx=int(m(f"{a}.rope.scaling.original_context_length")),
+                rope_attn_factor=float(m(f"{a}.rope.scaling.attn_factor", 1.0)))
         return cls(
             n_vocab=int(n_vocab), n_embd=n_embd, n_layer=int(m(f"{a}.block_count")),
             n_ff=n_ff, n_head=n_head,
             n_head_kv=int(m(f"{a}.attention.head_count_kv", n_head)), head_dim=hd,
             n_rot=int(m(f"{a}.rope.dimension_count", hd)), rope_base=float(m(f"{a}.rope.freq_base", 10000.0)),
             rope_freq_scale=scale, rms_eps=float(m(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
-            n_ctx_train=int(m(f"{a}.context_length", 4096)), rope_neox=a in NEOX_GGUF,
+            n_ctx_train=int(m(f"{a}.context_length", 4096)), rope_neox=a in NEOX_GGUF, **longrope,
             qkv_bias=mf.has("blk.0.attn_q.bias"), qk_norm=mf.has("blk.0.attn_q_norm.weight"),
             n_expert=n_exp, n_expert_used=int(m(f"{a}.expert_used_count", 0)) if n_exp else 0,
             n_ff_exp=int(m(f"{a}.expert_feed_forward_length", n_ff)) if n_exp else 0)
@@ -286,7 +318,12 @@ def _load_weights(mf: ModelFile, a: LlamaArgs, device, n_ctx: int) -> LlamaWeigh
     i_onorm = p.vector("output_norm.weight", D)
     i_out = p.matrix(["output.weight"], [a.n_vocab], D) if mf.has("output.weight") else i_embd
     freq_factors = mf.tensor("rope_freqs.weight").as_f32() if mf.has("rope_freqs.weight") else None
+    if a.rope_long:
+        freq_factors = a.rope_factors(n_ctx)
+        if freq_factors.size != a.n_rot // 2:
+            raise VkEngineError(f"{mf.path.name}: {freq_factors.size} LongRoPE factors for {a.n_rot} rotated dims")
     table = rope_table(n_ctx, a.n_rot, a.rope_base, a.rope_freq_scale, freq_factors)
+    table = (table * np.float32(a.rope_attn_factor)).astype(np.float32)
     # the RoPE table and every q/k norm weight in one buffer (norm_rope_kv binds them together)
     entries = [("rope table", lambda: table, table.size)]
     if a.qk_norm:
@@ -308,14 +345,17 @@ def _load_weights(mf: ModelFile, a: LlamaArgs, device, n_ctx: int) -> LlamaWeigh
             qkv_bias=bias, q_norm=i_table[1 + 2 * i] if a.qk_norm else None,
             k_norm=i_table[2 + 2 * i] if a.qk_norm else None,
             attn_norm=p.vector(pre + "attn_norm.weight", D),
-            qkv=p.fused([pre + "attn_q.weight", pre + "attn_k.weight", pre + "attn_v.weight"],
-                        [a.n_head * hd, a.n_head_kv * hd, a.n_head_kv * hd], D),
+            qkv=[(p.matrix([pre + "attn_qkv.weight"], [a.qkv_width], D), 0)] if mf.has(pre + "attn_qkv.weight")
+            else p.fused([pre + "attn_q.weight", pre + "attn_k.weight", pre + "attn_v.weight"],
+                         [a.n_head * hd, a.n_head_kv * hd, a.n_head_kv * hd], D),
             wo=p.matrix([pre + "attn_output.weight"], [D], a.n_head * hd),
             ffn_norm=p.vector(pre + "ffn_norm.weight", D),
             **(dict(router=p.matrix([pre + "ffn_gate_inp.weight"], [a.n_expert], D),
                     gate_up_exps=gate_up_experts(p, pre, a.n_expert, a.n_ff_exp, D),
                     down_exps=_down_experts(p, pre, a)) if a.n_expert else
-               dict(gate_up=p.fused([pre + "ffn_gate.weight", pre + "ffn_up.weight"], [F, F], D),
+               dict(gate_up=p.fused([pre + "ffn_gate.weight", pre + "ffn_up.weight"], [F, F], D)
+                    if mf.has(pre + "ffn_gate.weight") else     # phi3: [gate | up] in one ffn_up
+                    [(p.matrix([pre + "ffn_up.weight"], [2 * F], D), 0)],
                     down=p.matrix([pre + "ffn_down.weight"], [D], F)))))
     b, arena = p.build(device)
     return LlamaWeights(

@@ -15,8 +15,10 @@ ARCHES = (*llama.ARCHES, "qwen35", "qwen35moe")
 
 def add_synth_args(p) -> None:
     p.add_argument("--arch", default="llama", choices=list(ARCHES))
-    p.add_argument("--shape", default="tiny", help=f"llama, qwen2, qwen3: one of {', '.join(llama.SHAPES)} (qwen2: "
-                   "qwen2.5-0.5b, qwen3: qwen3-0.6b); qwen35: tiny, 0.8B, 4B; qwen35moe: tiny, 35B-A3B")
+    p.add_argument("--shape", default="tiny",
+                   help=f"llama, qwen2, qwen3, phi3: one of {', '.join(llama.SHAPES)} (qwen2: qwen2.5-0.5b, "
+                   "qwen3: qwen3-0.6b, phi3: phi3-mini); llama, qwen3moe: tiny-moe, qwen3-30b-a3b; "
+                   "qwen35: tiny, 0.8B, 4B; qwen35moe: tiny, 35B-A3B")
     p.add_argument("--config", default=None, help="JSON (inline or a file) of the family's config fields instead "
                    "of --shape")
     p.add_argument("--quant", default="q8_0", help=f"one of {', '.join(QUANTS)}")

@@ -59,10 +59,11 @@ SHAPES_EXTRA: dict[str, dict[str, Any]] = {
     # experts: the tiny MoE shape (qwen3moe; llama: Mixtral-style) and Qwen3-30B-A3B's
     "tiny-moe": dict(n_embd=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=128, n_expert=8, n_expert_used=2,
                      n_ff_exp=32),
+    "phi3-mini": dict(n_embd=3072, n_layer=32, n_head=32, n_head_kv=32, n_ff=8192, rope_base=10000.0),
     "qwen3-30b-a3b": dict(n_embd=2048, n_layer=48, n_head=32, n_head_kv=4, n_ff=6144, head_size=128,
                           n_expert=128, n_expert_used=8, n_ff_exp=768, rope_base=1e6, rms_eps=1e-6),
 }
-ARCHES = ("llama", "qwen2", "qwen3", "qwen3moe")
+ARCHES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3")
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ class SynthConfig:
     n_expert: int = 0              # > 0: every layer's FFN routed experts (llama: Mixtral-style)
     n_expert_used: int = 0
     n_ff_exp: int = 0
+    rope_orig_ctx: int = 0         # phi3: > 0 adds LongRoPE (long factors past this context)
 
     @property
     def head_dim(self) -> int:
@@ -122,15 +124,20 @@ def _tensor_plan(c: SynthConfig, n_vocab: int) -> list[tuple[str, tuple[int, ...
     D, F, hd = c.n_embd, c.n_ff, c.head_dim
     # Residual contributions of each block sized to keep activations O(1).
     plan = [("token_embd.weight", (n_vocab, D), 1.0), ("output_norm.weight", (D,), 0.0)]
+    if c.rope_orig_ctx:   # LongRoPE divisors (f32; made by _make_tensor, not drawn)
+        plan += [("rope_factors_long.weight", (hd // 2,), -1.0), ("rope_factors_short.weight", (hd // 2,), -1.0)]
     if not c.tied:
         plan.append(("output.weight", (n_vocab, D), c.logit_scale / np.sqrt(D)))
     for i in range(c.n_layer):
         p = f"blk.{i}."
+        qkv = ([(p + "attn_qkv.weight", ((c.n_head + 2 * c.n_head_kv) * hd, D), 1.5 / np.sqrt(D))]
+               if c.arch == "phi3" else
+               [(p + "attn_q.weight", (c.n_head * hd, D), 2.0 / np.sqrt(D)),
+                (p + "attn_k.weight", (c.n_head_kv * hd, D), 2.0 / np.sqrt(D)),
+                (p + "attn_v.weight", (c.n_head_kv * hd, D), 1.0 / np.sqrt(D))])
         plan += [
             (p + "attn_norm.weight", (D,), 0.0),
-            (p + "attn_q.weight", (c.n_head * hd, D), 2.0 / np.sqrt(D)),
-            (p + "attn_k.weight", (c.n_head_kv * hd, D), 2.0 / np.sqrt(D)),
-            (p + "attn_v.weight", (c.n_head_kv * hd, D), 1.0 / np.sqrt(D)),
+            *qkv,
             *([(p + "attn_q.bias", (c.n_head * hd,), -0.5), (p + "attn_k.bias", (c.n_head_kv * hd,), -0.5),
                (p + "attn_v.bias", (c.n_head_kv * hd,), -0.2)] if c.arch == "qwen2" else []),
             *([(p + "attn_q_norm.weight", (hd,), 0.0), (p + "attn_k_norm.weight", (hd,), 0.0)]
@@ -144,6 +151,9 @@ def _tensor_plan(c: SynthConfig, n_vocab: int) -> list[tuple[str, tuple[int, ...
                      (p + "ffn_gate_exps.weight", (E, Fe, D), 1.0 / np.sqrt(D)),
                      (p + "ffn_up_exps.weight", (E, Fe, D), 1.0 / np.sqrt(D)),
                      (p + "ffn_down_exps.weight", (E, D, Fe), 1.0 / np.sqrt(Fe * c.n_layer))]
+        elif c.arch == "phi3":    # [gate | up] in one matrix
+            plan += [(p + "ffn_up.weight", (2 * F, D), 1.0 / np.sqrt(D)),
+                     (p + "ffn_down.weight", (D, F), 1.0 / np.sqrt(F * c.n_layer))]
         else:
             plan += [(p + "ffn_gate.weight", (F, D), 1.0 / np.sqrt(D)),
                      (p + "ffn_up.weight", (F, D), 1.0 / np.sqrt(D)),
@@ -162,6 +172,10 @@ def _make_tensor(job):
     rng = rng_for(seed, name)
     if std == 0.0:   # norm weights stay f32, near 1
         w = (1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
+        return name, w.view(np.uint8).reshape(-1), "f32", w if want_hf else None
+    if name.startswith("rope_factors_"):   # LongRoPE divisors from 1 up (long) or near 1 (short)
+        top = 4.0 if "long" in name else 1.25
+        w = np.linspace(1.0, top, shape[0]).astype(np.float32)
         return name, w.view(np.uint8).reshape(-1), "f32", w if want_hf else None
     if std < 0.0:    # biases: f32
         w = rng.standard_normal(shape, dtype=np.float32) * np.float32(-std)
@@ -214,9 +228,20 @@ HF_NAME_OF = {
 }
 
 
-def _hf_name(gguf_name: str) -> str:
+PHI3_HF_NAME_OF = {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"}
+
+
+def _longrope_attn(c: SynthConfig) -> float:
+    """LongRoPE's attention factor (convert_hf_to_gguf.py Phi3MiniModel, transformers)."""
+    scale = c.n_ctx / c.rope_orig_ctx
+    return float(np.sqrt(1 + np.log(scale) / np.log(c.rope_orig_ctx))) if scale > 1 else 1.0
+
+
+def _hf_name(gguf_name: str, arch: str = "llama") -> str:
     if gguf_name.startswith("blk."):
         _, i, rest = gguf_name.split(".", 2)
+        if arch == "phi3" and rest in PHI3_HF_NAME_OF:
+            return f"model.layers.{i}.{PHI3_HF_NAME_OF[rest]}"
         return f"model.layers.{i}.{HF_NAME_OF[rest]}"
     return HF_NAME_OF[gguf_name]
 
@@ -241,6 +266,9 @@ def synth_llama(c: SynthConfig, quant: str, seed: int, out_dir: Path, name: str 
         raise VkEngineError("experts need 1 to min(n_expert, 16) used a token and n_ff_exp > 0")
     tmeta = tokenizer_meta(tokenizer_from)
     n_vocab = len(tmeta["tokenizer.ggml.tokens"])
+    if c.arch == "phi3" and "<|end|>" not in tmeta["tokenizer.ggml.tokens"]:
+        raise VkEngineError("phi3 needs a Phi-3 vocabulary (llama.cpp looks up its <|end|> token): "
+                            "--tokenizer-from a Phi-3 GGUF, e.g. llama.cpp's models/ggml-vocab-phi-3.gguf")
     out_dir.mkdir(parents=True, exist_ok=True)
     want_hf = "hf" in formats
     plan = _tensor_plan(c, n_vocab)
@@ -272,6 +300,9 @@ def synth_llama(c: SynthConfig, quant: str, seed: int, out_dir: Path, name: str 
             w.add_expert_used_count(c.n_expert_used)
             if not mixtral:
                 w.add_expert_feed_forward_length(c.n_ff_exp)
+        if c.rope_orig_ctx:
+            w.add_uint32(f"{c.arch}.rope.scaling.original_context_length", c.rope_orig_ctx)
+            w.add_float32(f"{c.arch}.rope.scaling.attn_factor", _longrope_attn(c))
         w.add_vocab_size(n_vocab)
         w.add_file_type(FILE_TYPES[quant])
         w.add_string("vkengine.synth.seed", str(seed))
@@ -288,15 +319,16 @@ def synth_llama(c: SynthConfig, quant: str, seed: int, out_dir: Path, name: str 
         folder.mkdir(parents=True, exist_ok=True)
         tensors = {}
         for n, _, _ in plan:
-            if n.endswith("ffn_up_exps.weight"):
+            if n.endswith("ffn_up_exps.weight") or n.startswith("rope_factors_"):   # (factors: in config.json)
                 continue
             v = results[n][3]
             if n.endswith("ffn_gate_exps.weight"):     # (E, 2F, D): [gate | up] per expert
                 v = np.concatenate([v, results[n.replace("gate_exps", "up_exps")][3]], axis=1)
-            tensors[_hf_name(n)] = np.ascontiguousarray(v, np.float32)
+            tensors[_hf_name(n, c.arch)] = np.ascontiguousarray(v, np.float32)
         save_file(tensors, str(folder / "model.safetensors"))
         hf_arch = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-                   "qwen3": ("Qwen3ForCausalLM", "qwen3"), "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe")}[c.arch]
+                   "qwen3": ("Qwen3ForCausalLM", "qwen3"), "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+                   "phi3": ("Phi3ForCausalLM", "phi3")}[c.arch]
         mixtral = c.arch == "llama" and c.n_expert > 0
         if mixtral:
             hf_arch = ("MixtralForCausalLM", "mixtral")     # (its intermediate_size: the experts' width)
@@ -309,7 +341,11 @@ def synth_llama(c: SynthConfig, quant: str, seed: int, out_dir: Path, name: str 
             "tie_word_embeddings": c.tied, "hidden_act": "silu", "torch_dtype": "float32",
             "bos_token_id": tmeta.get("tokenizer.ggml.bos_token_id"),
             "eos_token_id": tmeta.get("tokenizer.ggml.eos_token_id"),
-            **({"use_sliding_window": False, "attention_bias": c.arch == "qwen2"} if c.arch != "llama" else {}),
+            **({"use_sliding_window": False, "attention_bias": c.arch == "qwen2"}
+               if c.arch not in ("llama", "phi3") else {}),
+            **({"rope_scaling": {"type": "longrope", "long_factor": results["rope_factors_long.weight"][3].tolist(),
+                                 "short_factor": results["rope_factors_short.weight"][3].tolist()},
+                "original_max_position_embeddings": c.rope_orig_ctx} if c.rope_orig_ctx else {}),
             **({"num_experts": c.n_expert, "num_local_experts": c.n_expert, "num_experts_per_tok": c.n_expert_used,
                 "moe_intermediate_size": c.n_ff_exp, "norm_topk_prob": True, "decoder_sparse_step": 1,
                 "mlp_only_layers": [], "router_aux_loss_coef": 0.0, "output_router_logits": False}

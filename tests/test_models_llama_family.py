@@ -1,8 +1,10 @@
-"""The llama family's additions (issue 32 steps 1-2) on synthetic models
-(`vkengine synth --arch ...`): qwen2 (q/k/v biases), qwen3 (per-head q/k
-RMSNorms, a head size that is not n_embd / n_head), both RoPE on split halves;
-qwen3moe (qwen3's attention, routed experts in every layer) and a Mixtral-style
-llama (llama with routed experts; "mixtral" below).
+"""The llama family's variants (issue 32) on synthetic models (`vkengine synth
+--arch ...`): qwen2 (q/k/v biases), qwen3 (per-head q/k RMSNorms, a head size
+that is not n_embd / n_head), both RoPE on split halves; qwen3moe (qwen3's
+attention, routed experts in every layer) and a Mixtral-style llama (llama with
+routed experts; "mixtral" below); phi3 (q|k|v and gate|up each one matrix),
+also with LongRoPE ("phi3-longrope": the long factors, a context past the
+original one).
 
 - The GGUF files hold what llama.cpp 11434 reads (src/llama-model.cpp's
   LLM_ARCH_QWEN2 / LLM_ARCH_QWEN3 tensors, transcribed below as data).
@@ -31,7 +33,7 @@ from .ref_llama import RefLlama
 from .test_gguf_qwen35 import _Server
 from .test_models import GPU_DECODE, PROMPT, _assert_logits_close, _batched_and_alone, _prefill_logits
 
-ARCHES = ["qwen2", "qwen3", "qwen3moe", "mixtral"]
+ARCHES = ["qwen2", "qwen3", "qwen3moe", "mixtral", "phi3", "phi3-longrope"]
 # qwen3 with 32-wide heads on a 64-wide model (4 heads: q is 128 wide), as
 # Qwen3's 128-wide heads on 1024-wide models
 CONFIGS = {"qwen2": SynthConfig(n_embd=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=160, n_ctx=256, arch="qwen2"),
@@ -41,21 +43,33 @@ CONFIGS = {"qwen2": SynthConfig(n_embd=64, n_layer=2, n_head=4, n_head_kv=2, n_f
            "qwen3moe": SynthConfig(n_embd=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=160, n_ctx=256, arch="qwen3moe",
                                    head_size=32, n_expert=8, n_expert_used=2, n_ff_exp=32),
            "mixtral": SynthConfig(n_embd=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=160, n_ctx=256, arch="llama",
-                                  n_expert=8, n_expert_used=2, n_ff_exp=32)}
-GGUF_ARCH = {"mixtral": "llama"}
+                                  n_expert=8, n_expert_used=2, n_ff_exp=32),
+           "phi3": SynthConfig(n_embd=96, n_layer=2, n_head=4, n_head_kv=2, n_ff=160, n_ctx=256, arch="phi3"),
+           # engines of 256 and 512 positions past the original 64: the long factors on both sides
+           "phi3-longrope": SynthConfig(n_embd=96, n_layer=2, n_head=4, n_head_kv=2, n_ff=160, n_ctx=256, arch="phi3",
+                                        rope_orig_ctx=64)}
+GGUF_ARCH = {"mixtral": "llama", "phi3-longrope": "phi3"}
 # llama-server agreement bound (nats, top-8 log-probabilities), from the measured gaps (lavapipe, 11434 CPU,
 # 2026-12-03) between llama.cpp and both our engine and the float64 numpy reference, which agree to 1.5e-4
 # or better: qwen2 9.4e-3 (its biases make q and k larger; llama.cpp's CPU attention takes q and the
 # softmax weights as f16: q rounded so in the reference takes its gap to 6.5e-3), qwen3 3.6e-3, qwen3moe
-# 5.3e-3, mixtral 7.1e-3; the greedy tokens equal in all four
-TOL = {"qwen2": 1.5e-2, "qwen3moe": 1e-2, "mixtral": 1e-2}
+# 5.3e-3, mixtral 7.1e-3, phi3 1.56e-2 (its 24-wide heads), phi3 with LongRoPE 1.20e-2; the greedy
+# tokens equal in all six
+TOL = {"qwen2": 1.5e-2, "qwen3moe": 1e-2, "mixtral": 1e-2, "phi3": 2.5e-2, "phi3-longrope": 2e-2}
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory, tokenizer_source):
-    out = tmp_path_factory.mktemp("synth-qwen")
+def models(tmp_path_factory, tokenizer_source, llama_server_exe):
+    """Each variant in q8_0 (GGUF and HF) and f32 (GGUF); phi3 with the Phi-3
+    vocabulary of the llama.cpp sdist (llama.cpp looks up its <|end|>)."""
+    from parity import llamacpp
+    phi3_vocab = None
+    if any(CONFIGS[a].arch == "phi3" for a in ARCHES):
+        phi3_vocab = llamacpp.source_tree() / "models" / "ggml-vocab-phi-3.gguf"
+    out = tmp_path_factory.mktemp("synth-family")
     return {(a, q): synth_llama(CONFIGS[a], q, seed=11, out_dir=out, name=f"{a}-tiny", workers=1,
-                                tokenizer_from=tokenizer_source, formats=("gguf", "hf") if q == "q8_0" else ("gguf",))
+                                tokenizer_from=phi3_vocab if CONFIGS[a].arch == "phi3" else tokenizer_source,
+                                formats=("gguf", "hf") if q == "q8_0" else ("gguf",))
             for a in ARCHES for q in ("q8_0", "f32")}
 
 
@@ -82,11 +96,19 @@ def expected_tensors(f: GGUFFile) -> dict[str, tuple[tuple[int, ...], str | None
                                                         "output_norm.weight": ((D,), "f32")}
     if f.has("output.weight"):
         t["output.weight"] = ((V, D), None)
+    if f.has("rope_factors_long.weight"):
+        n_rot = int(m(f"{a}.rope.dimension_count", hd))
+        t.update({f"rope_factors_{w}.weight": ((n_rot // 2,), "f32") for w in ("long", "short")})
     for i in range(L):
         p = f"blk.{i}."
-        t.update({p + "attn_norm.weight": ((D,), "f32"), p + "attn_q.weight": ((H * hd, D), None),
-                  p + "attn_k.weight": ((Hkv * hd, D), None), p + "attn_v.weight": ((Hkv * hd, D), None),
-                  p + "attn_output.weight": ((D, H * hd), None), p + "ffn_norm.weight": ((D,), "f32")})
+        t.update({p + "attn_norm.weight": ((D,), "f32"), p + "attn_output.weight": ((D, H * hd), None),
+                  p + "ffn_norm.weight": ((D,), "f32")})
+        if a == "phi3":
+            t.update({p + "attn_qkv.weight": (((H + 2 * Hkv) * hd, D), None), p + "ffn_up.weight": ((2 * F, D), None),
+                      p + "ffn_down.weight": ((D, F), None)})
+            continue
+        t.update({p + "attn_q.weight": ((H * hd, D), None), p + "attn_k.weight": ((Hkv * hd, D), None),
+                  p + "attn_v.weight": ((Hkv * hd, D), None)})
         if E:
             t.update({p + "ffn_gate_inp.weight": ((E, D), None), p + "ffn_gate_exps.weight": ((E, Fe, D), None),
                       p + "ffn_up_exps.weight": ((E, Fe, D), None), p + "ffn_down_exps.weight": ((E, D, Fe), None)})
@@ -129,6 +151,10 @@ def test_args_from_the_file(models, arch):
         assert a.head_dim == CONFIGS[arch].head_dim, fmt
         c = CONFIGS[arch]
         assert (a.n_expert, a.n_expert_used, a.n_ff_exp) == (c.n_expert, c.n_expert_used, c.n_ff_exp), fmt
+        assert (a.rope_orig_ctx, len(a.rope_long)) == ((64, c.head_dim // 2) if c.rope_orig_ctx else (0, 0)), fmt
+        if c.rope_orig_ctx:   # sqrt(1 + ln(256 / 64) / ln 64), and the long factors past 64 positions
+            assert a.rope_attn_factor == pytest.approx(1.1547, abs=1e-4), fmt
+            assert a.rope_factors(256)[-1] == 4.0 and a.rope_factors(64)[-1] == 1.25, fmt
 
 
 @pytest.mark.parametrize("arch", ARCHES)
