@@ -278,7 +278,7 @@ def test_unsupported_variants_are_refused(device, models, tmp_path):
     """What these graphs do not compute is a clear error, not a silent
     difference: --fixed-experts (qwen35moe's parity mode), a Qwen3-MoE config
     without top-k renormalization or with dense layers, a Qwen2 config with
-    sliding-window attention on."""
+    sliding-window attention on, a bias the graph would not add (o_proj's)."""
     import json
     import shutil
 
@@ -287,6 +287,14 @@ def test_unsupported_variants_are_refused(device, models, tmp_path):
     fixed = dataclasses.replace(m, args=dataclasses.replace(m.args, fixed_experts=True))
     with pytest.raises(VkEngineError, match="fixed-experts"):
         Engine(fixed, device, EngineConfig(n_slots=1, n_ctx=64, max_batch=16, max_out=16))
+    from safetensors.numpy import load_file, save_file
+    folder = tmp_path / "o-bias"
+    shutil.copytree(models[("qwen2", "q8_0")]["hf"], folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["model.layers.0.self_attn.o_proj.bias"] = np.zeros(64, np.float32)
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(VkEngineError, match="attn_output.bias"):
+        load_model(folder)
     for arch, change, match in (("qwen3moe", {"norm_topk_prob": False}, "norm_topk_prob"),
                                 ("qwen3moe", {"mlp_only_layers": [1]}, "dense FFN layers"),
                                 ("qwen2", {"use_sliding_window": True}, "sliding-window")):

@@ -37,12 +37,21 @@ HF_NAMES = {
     r"model\.layers\.(\d+)\.self_attn\.k_proj\.weight": r"blk.\1.attn_k.weight",
     r"model\.layers\.(\d+)\.self_attn\.v_proj\.weight": r"blk.\1.attn_v.weight",
     r"model\.layers\.(\d+)\.self_attn\.o_proj\.weight": r"blk.\1.attn_output.weight",
+    # biases: q/k/v's are added (LlamaArgs.qkv_bias); the others mapped so that they are refused, not dropped
+    r"model\.layers\.(\d+)\.self_attn\.([qkv])_proj\.bias": r"blk.\1.attn_\2.bias",
+    r"model\.layers\.(\d+)\.self_attn\.o_proj\.bias": r"blk.\1.attn_output.bias",
+    r"model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.bias": r"blk.\1.ffn_\2.bias",
     r"model\.layers\.(\d+)\.post_attention_layernorm\.weight": r"blk.\1.ffn_norm.weight",
     r"model\.layers\.(\d+)\.mlp\.gate_proj\.weight": r"blk.\1.ffn_gate.weight",
     r"model\.layers\.(\d+)\.mlp\.up_proj\.weight": r"blk.\1.ffn_up.weight",
     r"model\.layers\.(\d+)\.mlp\.down_proj\.weight": r"blk.\1.ffn_down.weight",
 }
 
+
+# tensors some converters write for these architectures that the graph has no place for
+UNREAD_TENSORS = ("blk.0.attn_output.bias", "blk.0.ffn_up.bias", "blk.0.ffn_down.bias", "blk.0.ffn_gate.bias",
+                  "blk.0.attn_norm.bias", "blk.0.ffn_norm.bias", "output_norm.bias", "output.bias",
+                  "blk.0.attn_qkv.bias")
 
 # GGUF architectures whose Q/K rows are stored unpermuted (RoPE on split halves)
 NEOX_GGUF = ("qwen2", "qwen3", "qwen3moe", "phi3")
@@ -379,6 +388,11 @@ class Llama(Architecture):
     def args(self, mf: ModelFile) -> LlamaArgs:
         a = LlamaArgs.from_file(mf)
         a.check_experts(mf.path.name)
+        # tensors this graph would not read: refused rather than silently left out
+        unread = [n for n in UNREAD_TENSORS if mf.has(n)]
+        if unread:
+            raise VkEngineError(f"{mf.path.name}: {', '.join(unread)} (biases or norms this architecture's graph "
+                                "does not apply) are not supported")
         return a
 
     def scratch_widths(self, a: LlamaArgs) -> dict[str, int]:

@@ -10,12 +10,7 @@ from .llama import HF_NAMES, Llama
 class Qwen2(Llama):
     names = ("qwen2",)
     hf_architectures = ("Qwen2ForCausalLM",)
-    hf_names = {
-        **HF_NAMES,
-        r"model\.layers\.(\d+)\.self_attn\.q_proj\.bias": r"blk.\1.attn_q.bias",
-        r"model\.layers\.(\d+)\.self_attn\.k_proj\.bias": r"blk.\1.attn_k.bias",
-        r"model\.layers\.(\d+)\.self_attn\.v_proj\.bias": r"blk.\1.attn_v.bias",
-    }
+    hf_names = HF_NAMES     # (its q/k/v biases are in llama's names)
 
 
 ARCHITECTURE = Qwen2()
