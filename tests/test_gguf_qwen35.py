@@ -104,6 +104,18 @@ def expected_tensors(f: GGUFFile) -> dict[str, tuple[tuple[int, ...], str | None
     return t
 
 
+def assert_tensors(f: GGUFFile, want: dict[str, tuple[tuple[int, ...], str | None]]) -> dict:
+    """The file holds exactly the tensors `want` names, of those shapes (and types
+    where given); returns name -> (type, shape) of the file's tensors."""
+    have = {n: f.tensor_info(n) for n in f.tensor_names()}
+    assert set(have) == set(want), (set(want) - set(have), set(have) - set(want))
+    for n, (shape, typ) in want.items():
+        assert tuple(have[n][1]) == shape, (n, have[n][1], shape)
+        if typ is not None:
+            assert have[n][0] == typ, (n, have[n][0])
+    return have
+
+
 @pytest.fixture(scope="module")
 def tmeta(tokenizer_source):
     return tokenizer_meta(tokenizer_source)
@@ -128,13 +140,7 @@ def test_gguf_has_what_llama_cpp_reads(gguf_models, arch):
         assert f.meta(f"{arch}.{k}", None) is not None, k
     assert len(f.meta(f"{arch}.rope.dimension_sections")) == 4       # get_key_or_arr(..., 4, true)
     assert f.meta(f"{arch}.ssm.inner_size") == f.meta(f"{arch}.ssm.state_size") * f.meta(f"{arch}.ssm.time_step_rank")
-    want = expected_tensors(f)
-    have = {n: f.tensor_info(n) for n in f.tensor_names()}
-    assert set(have) == set(want), (set(want) - set(have), set(have) - set(want))
-    for n, (shape, typ) in want.items():
-        assert tuple(have[n][1]) == shape, (n, have[n][1], shape)
-        if typ is not None:
-            assert have[n][0] == typ, (n, have[n][0])
+    have = assert_tensors(f, expected_tensors(f))
     assert have["blk.0.attn_qkv.weight"][0] == "q4_0"
 
 

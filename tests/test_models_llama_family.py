@@ -30,7 +30,7 @@ from vkengine.serving.generate import generate
 from vkengine.tools.synth.llama import SynthConfig, config_for, synth_llama
 
 from .ref_llama import RefLlama
-from .test_gguf_qwen35 import _Server
+from .test_gguf_qwen35 import _Server, assert_tensors
 from .test_models import GPU_DECODE, PROMPT, _assert_logits_close, _batched_and_alone, _prefill_logits
 
 ARCHES = ["qwen2", "qwen3", "qwen3moe", "mixtral", "phi3", "phi3-longrope"]
@@ -133,13 +133,7 @@ def test_gguf_has_what_llama_cpp_reads(models, arch):
                                                     else [])
     for k in keys:
         assert f.meta(f"{ga}.{k}", None) is not None, k
-    want = expected_tensors(f)
-    have = {n: f.tensor_info(n) for n in f.tensor_names()}
-    assert set(have) == set(want), (set(want) - set(have), set(have) - set(want))
-    for n, (shape, typ) in want.items():
-        assert tuple(have[n][1]) == shape, (n, have[n][1], shape)
-        if typ is not None:
-            assert have[n][0] == typ, (n, have[n][0])
+    assert_tensors(f, expected_tensors(f))
 
 
 @pytest.mark.parametrize("arch", ARCHES)

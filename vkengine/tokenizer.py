@@ -120,7 +120,7 @@ class StreamDecoder:
 
 def from_gguf(meta) -> Tokenizer:
     """`meta(key, default)` reads GGUF metadata."""
-    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+    from tokenizers import Regex, decoders, models, pre_tokenizers
     from tokenizers import Tokenizer as HFTokenizer
 
     kind = meta("tokenizer.ggml.model", None)
@@ -143,6 +143,13 @@ def from_gguf(meta) -> Tokenizer:
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_TOKENIZERS[pre]]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     hf.decoder = decoders.ByteLevel()
+    _add_tokens(hf, tokens, types)
+    return _finish(hf, meta, vocab, types, add_bos_default=False)
+
+
+def _add_tokens(hf, tokens: list[str], types: list[int]) -> None:
+    """The vocabulary's control tokens as special tokens, its user-defined ones as added tokens."""
+    from tokenizers import AddedToken
     specials = [AddedToken(tokens[i], special=True, normalized=False)
                 for i, t in enumerate(types) if t == TOKEN_TYPE_CONTROL]
     user = [AddedToken(tokens[i], special=False, normalized=False)
@@ -151,7 +158,6 @@ def from_gguf(meta) -> Tokenizer:
         hf.add_special_tokens(specials)
     if user:
         hf.add_tokens(user)
-    return _finish(hf, meta, vocab, types, add_bos_default=False)
 
 
 def _finish(hf, meta, vocab: dict[str, int], types: list[int], add_bos_default: bool,
@@ -181,8 +187,8 @@ def _spm_from_gguf(meta) -> Tokenizer:
     the vocabulary as <0xXX> byte tokens. Built as the `tokenizers` library's BPE
     with merges ranked by those scores (transformers' SentencePieceExtractor
     does the same), which the library then runs in Rust."""
-    from tokenizers import AddedToken, decoders, models, normalizers
     from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, normalizers
 
     tokens = list(meta("tokenizer.ggml.tokens"))
     scores = list(meta("tokenizer.ggml.scores", [0.0] * len(tokens)))
@@ -206,14 +212,7 @@ def _spm_from_gguf(meta) -> Tokenizer:
     norm = [normalizers.Replace(" ", "\u2581")]
     hf.normalizer = normalizers.Sequence(([normalizers.Prepend("\u2581")] if space_prefix else []) + norm)
     hf.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
-    specials = [AddedToken(tokens[i], special=True, normalized=False)
-                for i, t in enumerate(types) if t == TOKEN_TYPE_CONTROL]
-    user = [AddedToken(tokens[i], special=False, normalized=False)
-            for i, t in enumerate(types) if t == TOKEN_TYPE_USER_DEFINED]
-    if specials:
-        hf.add_special_tokens(specials)
-    if user:
-        hf.add_tokens(user)
+    _add_tokens(hf, tokens, types)
     return _finish(hf, meta, vocab, types, add_bos_default=True, space_prefix=space_prefix)
 
 

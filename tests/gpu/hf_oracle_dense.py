@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hf_oracle_qwen35 import PROMPT, hf_logits, report, vk_logits  # noqa: E402 (same dir)
+from hf_oracle_qwen35 import PROMPT, check_synth, hf_logits, report, vk_logits  # noqa: E402 (same dir)
 
 
 def main() -> int:
@@ -57,10 +57,7 @@ def main() -> int:
         for arch in args.arch.split(","):
             out = synth_llama(config_for(args.shape, None, arch), args.quant, 0, Path(tmp), f"{arch}-{args.shape}",
                               tokenizer_from=tok_src)
-            ids = load_model(out["hf"]).tokenizer.encode(args.prompt)
-            want = hf_logits(out["hf"], ids)
-            ok &= report(f"{arch}-{args.shape} HF folder", vk_logits(out["hf"], ids, device), want, args.tol)
-            ok &= report(f"{arch}-{args.shape} GGUF {args.quant}", vk_logits(out["gguf"], ids, device), want, args.tol)
+            ok &= check_synth(f"{arch}-{args.shape}", out, args.quant, args.prompt, device, args.tol)
     return 0 if ok else 1
 
 

@@ -82,6 +82,16 @@ def report(name: str, got: np.ndarray, want: np.ndarray, tol: float) -> bool:
     return ok
 
 
+def check_synth(name: str, out: dict, quant: str, prompt: str, device, tol: float) -> bool:
+    """A synthesized model's HF folder and GGUF twin (synth's output dict) against
+    transformers on the folder."""
+    from vkengine.model import load_model
+    ids = load_model(out["hf"]).tokenizer.encode(prompt)
+    want = hf_logits(out["hf"], ids)
+    ok = report(f"{name} HF folder", vk_logits(out["hf"], ids, device), want, tol)
+    return report(f"{name} GGUF {quant}", vk_logits(out["gguf"], ids, device), want, tol) and ok
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hf", type=Path, default=None, help="a Hugging Face Qwen3.5 folder (default: synthesize)")
@@ -113,10 +123,7 @@ def main() -> int:
         for arch in arches:
             out = synth_qwen35(config_for(arch, args.shape, None), args.quant, 0, Path(tmp), f"{arch}-{args.shape}",
                                tokenizer_from=tok_src)
-            ids = load_model(out["hf"]).tokenizer.encode(args.prompt)
-            want = hf_logits(out["hf"], ids)
-            ok &= report(f"{arch}-{args.shape} HF folder", vk_logits(out["hf"], ids, device), want, args.tol)
-            ok &= report(f"{arch}-{args.shape} GGUF {args.quant}", vk_logits(out["gguf"], ids, device), want, args.tol)
+            ok &= check_synth(f"{arch}-{args.shape}", out, args.quant, args.prompt, device, args.tol)
     return 0 if ok else 1
 
 

@@ -41,6 +41,21 @@ class MoeOps(GraphBase):
                                self.s.stride(route), k, self._r(out), self.s.stride(out), rows_per_expert,
                                self._rows(x), label=f"mul_mat_id {out}<-{x}")
 
+    def routed_experts(self, gate_up: Matrix, down: Matrix, n_expert: int, k: int, n_ff_exp: int,
+                       out: str = "x") -> None:
+        """out[r] += the SwiGLU FFNs of h[r] through its k routed experts (route,
+        after moe_route), weighted: one matvec per pair in decode steps,
+        expert-major batched matmuls once a step routes several rows to each
+        expert on average."""
+        batched = n_expert if self.n * k >= 4 * n_expert else 0
+        if batched:
+            self.moe_sort("route", k, n_expert)
+        self.experts(gate_up, 2 * n_ff_exp, "h", "route", k, "gu_e", per_slot_input=False, batched_experts=batched)
+        self.swiglu_split("gu_e", "ff_e", n_ff_exp, k)
+        self.experts(down, self.s.widths[out], "ff_e", "route", k, "dn_e", per_slot_input=True,
+                     batched_experts=batched)
+        self.moe_combine("dn_e", "route", k, out)
+
     def moe_combine(self, e: str, route: str, k: int, out: str) -> None:
         """out[r] += sum_i weight_ri * e[r][i]."""
         D = self.s.widths[out]

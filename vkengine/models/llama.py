@@ -240,19 +240,10 @@ def _moe_widths(a: LlamaArgs) -> dict[str, int]:
 
 
 def _experts(g: Graph, a: LlamaArgs, X: Experts) -> None:
-    """x[r] += the routed experts' SwiGLU FFNs of h[r], weighted (one dispatch a
-    product; expert-major batched matmuls once a step routes several rows to
-    each expert on average, as qwen35moe's)."""
-    k = a.n_expert_used
+    """x[r] += the routed experts' SwiGLU FFNs of h[r], weighted (Graph.routed_experts, as qwen35moe's)."""
     g.matmul(X.router, "h", "rl")
-    g.moe_route("rl", "route", a.n_expert, k)
-    batched = a.n_expert if g.n * k >= 4 * a.n_expert else 0
-    if batched:
-        g.moe_sort("route", k, a.n_expert)
-    g.experts(X.gate_up, 2 * a.n_ff_exp, "h", "route", k, "gu_e", per_slot_input=False, batched_experts=batched)
-    g.swiglu_split("gu_e", "ff_e", a.n_ff_exp, k)
-    g.experts(X.down, a.n_embd, "ff_e", "route", k, "dn_e", per_slot_input=True, batched_experts=batched)
-    g.moe_combine("dn_e", "route", k, "x")
+    g.moe_route("rl", "route", a.n_expert, a.n_expert_used)
+    g.routed_experts(X.gate_up, X.down, a.n_expert, a.n_expert_used, a.n_ff_exp)
 
 
 def _forward(g: Graph, a: LlamaArgs, w: LlamaWeights) -> None:

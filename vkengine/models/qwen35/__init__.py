@@ -90,14 +90,7 @@ def _moe(g: Graph, a: Qwen35Args, F: MoeFfn, record_col: int | None) -> None:
         assert F.router is not None
         g.matmul(F.router, "h", "rl")
         g.moe_route("rl", "route", a.n_expert, k, a.expert_weights_scale, record=record)
-    # expert-major batched matmuls once the step routes several rows per expert on average
-    batched = a.n_expert if g.n * k >= 4 * a.n_expert else 0
-    if batched:
-        g.moe_sort("route", k, a.n_expert)
-    g.experts(F.gate_up, 2 * a.n_ff_exp, "h", "route", k, "gu_e", per_slot_input=False, batched_experts=batched)
-    g.swiglu_split("gu_e", "ff_e", a.n_ff_exp, k)
-    g.experts(F.down, a.n_embd, "ff_e", "route", k, "dn_e", per_slot_input=True, batched_experts=batched)
-    g.moe_combine("dn_e", "route", k, "x")
+    g.routed_experts(F.gate_up, F.down, a.n_expert, k, a.n_ff_exp)
     g.gate_up_swiglu(F.sh_gate_up, "h", "gu_s", "ff_s")      # shared expert, gated by sigmoid(h . w)
     g.matmul(F.sh_gate, "h", "sg")
     g.row_gate("ff_s", "sg")
