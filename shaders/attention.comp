@@ -64,6 +64,11 @@ layout(push_constant) uniform P {
     // dispatches), and the slice that counts last merges them into the
     // output and resets the counter: one dispatch, no second pass.
     uint chunk, n_parts, part_off, sync_off;
+    // sliding-window layers: a row at position pos sees pos - window + 1 .. pos
+    // (0: all of 0..pos); softcap > 0: scores become softcap * tanh(score / softcap)
+    // (Gemma 2) before the softmax
+    uint window;
+    float softcap;
 } p;
 
 #if SPLIT
@@ -114,9 +119,11 @@ void main() {
         uint kvh = h / (p.n_head / p.n_kv);
         uint pos = params[p.pos_off + r];
         uint slot = params[p.slot_off + r];
+        uint lo = p.window != 0u && pos >= p.window ? pos + 1u - p.window : 0u;   // the row's first position
         uint first = p.chunk == 0u ? 0u : part * p.chunk;
         if (first > pos) continue;   // a slice past the row's position: the merge skips it
         uint last = p.chunk == 0u ? pos : min(pos, first + p.chunk - 1u);
+        first = max(first, lo);      // (a slice before the window: no positions, its m stays -inf)
         uint qb4 = (p.q_off + r * p.q_stride + h * p.head_dim) / 4u;
         uint kb = p.k_off + slot * sl.k_stride + kvh * kw_;
         uint vb = p.v_off + slot * sl.v_stride + kvh * vw_;
@@ -126,7 +133,7 @@ void main() {
         [[unroll]] for (uint i = 0; i < WPL; i++) acc[i] = vec2(0.0);
         float m = -1.0 / 0.0;
         float l = 0.0;
-        for (uint t0 = first; t0 <= last && first <= pos; t0 += S) {
+        for (uint t0 = first; t0 <= last; t0 += S) {
             uint t = t0 + lane;
             float s = -1.0 / 0.0;
             if (t <= last) {
@@ -155,6 +162,7 @@ void main() {
                 }
 #endif
                 s = d * p.scale;
+                if (p.softcap > 0.0) s = p.softcap * tanh(clamp(s / p.softcap, -10.0, 10.0));
             }
             float m_new = max(m, subgroupMax(s));
             float corr = exp(m - m_new);

@@ -73,6 +73,11 @@ layout(push_constant) uniform P {
     // + part) * (head_dim + 2); counters (zero between dispatches) at sync_off +
     // (row * n_kv + kv head) * groups + group
     uint n_parts, min_chunk, part_off, sync_off;
+    // sliding-window layers: a row at position pos sees pos - window + 1 .. pos
+    // (0: all of 0..pos), the parts cut from those; softcap > 0: scores become
+    // softcap * tanh(score / softcap) (Gemma 2)
+    uint window;
+    float softcap;
 } p;
 
 // The output of (row r, head h) from its `used` parts, in part order:
@@ -155,7 +160,8 @@ void main() {
     uint nh = min(GQ, group - gi * GQ);          // and how many
     uint pos = params[p.pos_off + r];
     uint slot = params[p.slot_off + r];
-    uint total = pos + 1u;
+    uint lo = p.window != 0u && pos >= p.window ? pos + 1u - p.window : 0u;   // the row's first position
+    uint total = pos + 1u - lo;
     uint chunk = (total + p.n_parts - 1u) / p.n_parts;
     chunk = (chunk + p.min_chunk - 1u) / p.min_chunk * p.min_chunk;
     uint used = (total + chunk - 1u) / chunk;
@@ -189,8 +195,8 @@ void main() {
         [[unroll]] for (uint i = 0; i < WPL; i++) acc[g][i] = vec2(0.0);
     }
     if (pa < pb) {
-        uint first = pa * chunk;
-        uint last = min(pos, pb * chunk - 1u);
+        uint first = lo + pa * chunk;
+        uint last = min(pos, lo + pb * chunk - 1u);
         uvec4 kr[KPF + 1u];   // (KPF) the tile's K row, loaded during the tile before
 #if !KV_K_Q8
         if (KPF > 0u && LP == 1u && first + lane <= last) {
@@ -285,7 +291,9 @@ void main() {
 #endif
             float e[GQ];
             [[unroll]] for (uint g = 0; g < GQ; g++) {
-                float sg = t <= last ? s[g] * p.scale : -1.0 / 0.0;
+                float sg = s[g] * p.scale;
+                if (p.softcap > 0.0) sg = p.softcap * tanh(clamp(sg / p.softcap, -10.0, 10.0));
+                sg = t <= last ? sg : -1.0 / 0.0;
                 float m_new = max(m[g], subgroupMax(sg));
                 float corr = exp(m[g] - m_new);
                 e[g] = t <= last ? exp(sg - m_new) : 0.0;

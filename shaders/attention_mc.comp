@@ -78,6 +78,11 @@ layout(push_constant) uniform P {
     uint k_off, v_off, slot_stride;
     uint pos_off, slot_off;
     float scale;
+    // sliding-window layers: a row at position pos sees pos - window + 1 .. pos
+    // (0: all of 0..pos); softcap > 0: scores become softcap * tanh(score /
+    // softcap) (Gemma 2)
+    uint window;
+    float softcap;
 } p;
 
 #define LDH (HD + 8)          // halves per staged row (16-byte aligned, no bank conflicts)
@@ -98,7 +103,7 @@ shared uvec4 KV[2 * BC * LDU];
 shared float Ss[NSG * 16 * LDS];        // per subgroup: S (position-major per row), then tile scratch
 shared f16vec4 Ps[NSG * 16 * LDP / 4];  // per subgroup: P as halves
 shared float As[NSG * 16];              // per subgroup and row: the block's rescale factor, at the end 1 / l
-shared uint pass_slot[NSG], pass_end[NSG];
+shared uint pass_slot[NSG], pass_end[NSG], pass_start[NSG];
 
 #define ACC coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator>
 #define NEG_INF (-1.0 / 0.0)
@@ -124,6 +129,7 @@ void main() {
     bool live = sg_live && row < p.n_rows;
     uint my_pos = live ? params[p.pos_off + row] : 0u;
     uint my_slot = live ? params[p.slot_off + row] : 0u;
+    uint my_lo = p.window != 0u && my_pos >= p.window ? my_pos + 1u - p.window : 0u;   // its first position
 
     // queries -> halves in the staging area (rows past n_rows: zeros) -> Q^T operands
     uint q_base = sg * 16u * LDU;
@@ -158,10 +164,11 @@ void main() {
         bool act_row = !done && my_slot == slot;
         bool sg_act = subgroupAny(act_row);
         uint sg_end = sg_act ? subgroupMax(act_row ? my_pos : 0u) + 1u : 0u;   // positions this subgroup needs
-        if (lane == 0u) pass_end[sg] = sg_end;
+        uint sg_start = subgroupMin(act_row ? my_lo : 0xffffffffu);           // (from; past sg_end if none)
+        if (lane == 0u) { pass_end[sg] = sg_end; pass_start[sg] = sg_start; }
         barrier();
-        uint kend = pass_end[0];
-        [[unroll]] for (uint s = 1; s < NSG; s++) kend = max(kend, pass_end[s]);
+        uint kend = pass_end[0], kstart = pass_start[0];
+        [[unroll]] for (uint s = 1; s < NSG; s++) { kend = max(kend, pass_end[s]); kstart = min(kstart, pass_start[s]); }
         // K_AT(t, c), V_AT(t, c): halves 8c .. 8c+7 of position t's row as a
         // uvec4, loaded as they are (f16) or dequantized (q8_0, kv.glsl: the
         // uvec4 of quants that holds them and their scale word)
@@ -189,12 +196,12 @@ void main() {
 
         // the first block's keys and values (positions from kend on: zeros)
         [[unroll]] for (uint k = 0; k < STAGE; k++) {
-            uint i = lid + k * WG, t = i / HU, c = i % HU;
+            uint i = lid + k * WG, t = kstart + i / HU, c = i % HU;
             bool ok = t < kend;
             kr[k] = ok ? K_AT(t, c) : uvec4(0u);
             vr[k] = ok ? V_AT(t, c) : uvec4(0u);
         }
-        for (uint t0 = 0u; t0 < kend; t0 += BC) {
+        for (uint t0 = kstart; t0 < kend; t0 += BC) {
             barrier();   // the previous block (or the queries) read from the staging area
             [[unroll]] for (uint k = 0; k < STAGE; k++) {
                 uint i = lid + k * WG, t = i / HU, c = i % HU;
@@ -210,7 +217,7 @@ void main() {
                     vr[k] = ok ? V_AT(t, c) : uvec4(0u);
                 }
             }
-            bool go = sg_act && t0 < sg_end;   // subgroup-uniform: something of this block for its rows
+            bool go = sg_act && t0 < sg_end && t0 + BC > sg_start;   // subgroup-uniform: something of this block for its rows
 #if DS == 1
             if (!go) continue;
 #endif
@@ -237,16 +244,18 @@ void main() {
             float bm = NEG_INF;
             [[unroll]] for (uint j = 0; j < HB; j++) {
                 uint t = hf * HB + j;
-                bool ok = go && act_row && t0 + t <= my_pos;
+                bool ok = go && act_row && t0 + t <= my_pos && t0 + t >= my_lo;
 #if DS == 1
-                sv[j] = ok ? Ss[s_base + r * LDS + t] * p.scale : NEG_INF;
+                float sc = Ss[s_base + r * LDS + t] * p.scale;
 #else
                 // the shares in subgroup order: the same sum in every subgroup of the block
                 uint s0 = (sg - sg % DS) * 16u * LDS + r * LDS + t;
                 float sum = Ss[s0];
                 [[unroll]] for (uint d = 1; d < DS; d++) sum += Ss[s0 + d * 16u * LDS];
-                sv[j] = ok ? sum * p.scale : NEG_INF;
+                float sc = sum * p.scale;
 #endif
+                if (p.softcap > 0.0) sc = p.softcap * tanh(clamp(sc / p.softcap, -10.0, 10.0));
+                sv[j] = ok ? sc : NEG_INF;
                 bm = max(bm, sv[j]);
             }
 #if DS > 1

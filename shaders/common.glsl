@@ -31,3 +31,9 @@ uvec2 workgroup_items(uint n_items) {
 }
 
 float silu(float x) { return x / (1.0 + exp(-x)); }
+// GELU, tanh approximation (Gemma's gelu_pytorch_tanh; ggml_gelu): tanh's
+// argument clamped where it is +-1 in float32 (tanh of large values is inf / inf
+// on some drivers)
+float gelu_tanh(float x) {
+    return 0.5 * x * (1.0 + tanh(clamp(0.7978845608028654 * (x + 0.044715 * x * x * x), -10.0, 10.0)));
+}

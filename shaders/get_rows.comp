@@ -1,5 +1,5 @@
 #version 450
-// Embedding lookup: y[r][:] = dequant(W[ids[r]][:]), ids read from the params
+// Embedding lookup: y[r][:] = scale * dequant(W[ids[r]][:]), ids read from the params
 // buffer. One invocation per (row, unit). ROW_PART: W holds rows [row_lo,
 // row_hi) of a matrix split across buffers; other ids are left to their parts.
 #include "common.glsl"
@@ -13,6 +13,7 @@ layout(push_constant) uniform P {
     uint K, n_rows;
     uint ids_off;           // uint index into params
     uint y_off, y_stride;
+    float scale;            // y = scale * W[id] (Gemma's embeddings times sqrt(n_embd))
 #ifdef ROW_PART
     uint row_lo, row_hi;
 #endif
@@ -36,6 +37,6 @@ void main() {
     unit_load(p.w_off, p.w_off2, id, u, p.K, v, xo);
     uint yb = p.y_off + r * p.y_stride;
     [[unroll]] for (uint g = 0; g < UNIT_GROUPS; g++) {
-        [[unroll]] for (uint k = 0; k < 4; k++) act[yb + xo[g] + k] = v[g][k];
+        [[unroll]] for (uint k = 0; k < 4; k++) act[yb + xo[g] + k] = v[g][k] * p.scale;
     }
 }

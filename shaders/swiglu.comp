@@ -1,11 +1,17 @@
 #version 450
 // y[r][i] = silu(gu[r][i]) * gu[r][F + i]: gate and up projections side by side
-// (one matmul over the concatenated ffn_gate|ffn_up weight).
+// (one matmul over the concatenated ffn_gate|ffn_up weight). GELU: gelu_tanh
+// instead of silu (GeGLU: Gemma's FFN).
 // VEC4: 4 consecutive outputs an invocation through vec4 loads and stores
 // (Kernels.swiglu takes it when F, the offsets and the strides are multiples
 // of 4): the scalar kernel moved 1.2 TB/s on the H200 for a 512-row 8B
 // prefill, a third of what the copy does.
 #include "common.glsl"
+#ifdef GELU
+#define ACT(x) gelu_tanh(x)
+#else
+#define ACT(x) silu(x)
+#endif
 
 layout(binding = 0) buffer Act { float act[]; };
 layout(binding = 0) buffer Act4 { vec4 act4[]; };
@@ -23,12 +29,12 @@ void main() {
     uint r = i / f4, c = i % f4;
     uint gb = (p.gu_off + r * p.gu_stride) / 4u;
     vec4 g = act4[gb + c], u = act4[gb + f4 + c];
-    act4[(p.y_off + r * p.y_stride) / 4u + c] = vec4(silu(g.x), silu(g.y), silu(g.z), silu(g.w)) * u;
+    act4[(p.y_off + r * p.y_stride) / 4u + c] = vec4(ACT(g.x), ACT(g.y), ACT(g.z), ACT(g.w)) * u;
 #else
     if (i >= p.rows * p.F) return;
     uint r = i / p.F;
     uint c = i % p.F;
     uint gb = p.gu_off + r * p.gu_stride;
-    act[p.y_off + r * p.y_stride + c] = silu(act[gb + c]) * act[gb + p.F + c];
+    act[p.y_off + r * p.y_stride + c] = ACT(act[gb + c]) * act[gb + p.F + c];
 #endif
 }

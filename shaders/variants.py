@@ -190,12 +190,14 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
     for hd, (nsg, ds, bc) in ATTN_MC.items():
         t[f"attention_mc_d{hd}"] = ("attention_mc.comp", {"HD": hd, "NSG": nsg, "DS": ds, "BC": bc, EXT_DEFINE: 1})
     for op in ("rms_norm", "rope_kv", "attention", "swiglu", "add", "add_bias", "softmax", "argmax_part", "argmax",
-               "copy", "topk_part", "sample",
+               "copy", "topk_part", "sample", "softcap",
                "to_f16", "reduce_k"):
         t[op] = (f"{op}.comp", {})
     t["quantize_q8"] = ("quantize_q8.comp", {})   # x for the XQ8 matvecs
     t["rms_norm_wg"] = ("rms_norm.comp", {"WG_ROW": 1})
     t["swiglu4"] = ("swiglu.comp", {"VEC4": 1})   # F, offsets and strides multiples of 4
+    t["geglu"] = ("swiglu.comp", {"GELU": 1})     # GELU (tanh) for SiLU: Gemma's FFN
+    t["geglu4"] = ("swiglu.comp", {"GELU": 1, "VEC4": 1})
     t["attention_split"] = ("attention.comp", {"SPLIT": 1})   # split-K decode, slices merged in place
     t["attention_dec"] = ("attention_dec.comp", {})   # decode by KV-head group, parts following the position
     t.update(_hybrid_table())

@@ -32,8 +32,9 @@ def rope(x, pos, n_rot, base, neox, freq_scale=1.0, freq_factors=None, mscale=1.
     return out.astype(np.float32)
 
 
-def attention(q, k, v, scale):
-    """q (hq, hd) against k, v (t, hkv, hd): grouped-query softmax attention."""
+def attention(q, k, v, scale, softcap=0.0):
+    """q (hq, hd) against k, v (t, hkv, hd): grouped-query softmax attention
+    (softcap > 0: scores s -> softcap * tanh(s / softcap) first, Gemma 2)."""
     hq, hkv = q.shape[0], k.shape[1]
     g = hq // hkv
     out = np.zeros_like(q, dtype=np.float64)
@@ -41,6 +42,8 @@ def attention(q, k, v, scale):
         kk = k[:, h // g, :].astype(np.float64)
         vv = v[:, h // g, :].astype(np.float64)
         s = kk @ q[h].astype(np.float64) * scale
+        if softcap:
+            s = softcap * np.tanh(s / softcap)
         p = np.exp(s - s.max())
         out[h] = (p / p.sum()) @ vv
     return out.astype(np.float32)

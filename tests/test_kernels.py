@@ -130,6 +130,13 @@ def coopmat_kernels(device):
     return kn
 
 
+@pytest.fixture(scope="module")
+def coopmat_kernels_or_none(device):
+    """coopmat_kernels, or None where the device has none (lavapipe)"""
+    kn = kernels_for(device, tiled_from=2)
+    return kn if kn.caps.coopmat else None
+
+
 @pytest.mark.parametrize("wt", WEIGHT_TYPES)
 @pytest.mark.parametrize("n,M", [(3, 37), (130, 131)])
 @pytest.mark.parametrize("tile", ["128", "64"])
@@ -739,12 +746,15 @@ def test_get_rows(device, kernels, ws, rng, wt):
     ids = rng.integers(0, V, n).astype(np.uint32)
     ws.params.array()[10:10 + n] = ids
     ys = K + 8
-    yr = ws.act_region(n * ys)
+    yr = ws.act_region(2 * n * ys)
     prog = device.program()
     kernels.get_rows(prog, mat, ws.params, 10, yr, ys, n)
+    kernels.get_rows(prog, mat, ws.params, 10, Region(yr.buf, yr.off + n * ys, n * ys), ys, n, scale=25.3)
     prog.run()
-    got = ws.read(yr).reshape(n, ys)
-    np.testing.assert_array_equal(got[:, :K], w[ids])
+    got = ws.read(Region(yr.buf, yr.off, 2 * n * ys)).reshape(2 * n, ys)
+    np.testing.assert_array_equal(got[:n, :K], w[ids])
+    # scaled (Gemma's embeddings times sqrt(n_embd)): one float32 product a value
+    np.testing.assert_array_equal(got[n:, :K], w[ids] * np.float32(25.3))
     assert np.isnan(got[:, K:]).all()
 
 
@@ -799,6 +809,29 @@ def test_swiglu(device, kernels, ws, rng, F):
     kernels.swiglu(prog, gr, 2 * F, yr, F, F, rows)
     prog.run()
     _close(ws.read(yr).reshape(rows, F), ref.silu(gu[:, :F]) * gu[:, F:])
+    # GeGLU (Gemma): GELU's tanh form for silu; gates up to 24 reach the clamp of tanh's argument
+    prog = device.program()
+    kernels.swiglu(prog, gr, 2 * F, yr, F, F, rows, gelu=True)
+    prog.run()
+    g = gu[:, :F].astype(np.float64) * 1.0
+    gelu = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3)))
+    _close(ws.read(yr).reshape(rows, F), (gelu * gu[:, F:]).astype(np.float32))
+
+
+def test_softcap(device, kernels, ws, rng):
+    """x = cap * tanh(x / cap) in place (Gemma 2's logits), rows of a stride
+    wider than the row, large values at +-cap"""
+    rows, n, stride, cap = 3, 1001, 1004, 30.0
+    x = (rng.standard_normal((rows, stride)) * 40).astype(np.float32)
+    x[0, :4] = [1e30, -1e30, 600.0, -600.0]
+    xr = ws.act_region(rows * stride, x)
+    prog = device.program()
+    kernels.softcap(prog, xr, stride, n, rows, cap)
+    prog.run()
+    got = ws.read(xr).reshape(rows, stride)
+    _close(got[:, :n], (cap * np.tanh(x[:, :n].astype(np.float64) / cap)).astype(np.float32))
+    np.testing.assert_array_equal(got[:, n:], x[:, n:])
+    assert (got[0, :4] == [cap, -cap, cap, -cap]).all()
 
 
 def test_add(device, kernels, ws, rng):
@@ -934,11 +967,13 @@ class _AttentionCase:
         self.orr = ws.act_region(self.q.size)
         self.scale = 1 / np.sqrt(hd)
 
-    def check(self, got, q, **tol):
-        """got (the output region's floats) against numpy attention of q"""
+    def check(self, got, q, window=0, softcap=0.0, **tol):
+        """got (the output region's floats) against numpy attention of q
+        (window > 0: each row over its last `window` positions)"""
         got = got.reshape(self.shape)
         for r, (s, p) in enumerate(zip(self.slots, self.pos)):
-            want = ref.attention(q[r], self.kvals[s, :p + 1], self.vvals[s, :p + 1], self.scale)
+            lo = max(0, int(p) + 1 - window) if window else 0
+            want = ref.attention(q[r], self.kvals[s, lo:p + 1], self.vvals[s, lo:p + 1], self.scale, softcap)
             _close(got[r], want, **tol)
 
 
@@ -1064,6 +1099,53 @@ def test_attention_coopmat(device, coopmat_kernels, ws, rng, hd, n_head, n_kv, g
                               c.ss, ws.params, 0, 100, c.scale, kv_types=types)
     prog.run()
     c.check(ws.read(c.orr), c.q.astype(np.float16).astype(np.float32), rtol=2e-3, atol_scale=2e-3)
+
+
+@pytest.mark.parametrize("path", ["none", "slices", "dec", "mc"])
+@pytest.mark.parametrize("window,softcap,kv", [(40, 0.0, "f16"), (7, 0.0, "kv"), (40, 2.0, "f16"), (0, 1.5, "f16"),
+                                               (64, 0.0, "f16")])
+def test_attention_window_softcap(device, kernels, coopmat_kernels_or_none, ws, rng, path, window, softcap, kv):
+    """Sliding-window layers (each row sees its last `window` positions: Gemma's
+    local layers) and Gemma 2's score soft-cap, on every attention path: one
+    pass, attention.comp's 64-position slices, attention_dec's parts and
+    attention_mc's cooperative matrices (GPUs): a prefill chunk of 40 rows that
+    crosses the window (and the 32-position blocks), decode rows of two other
+    slots far past it and just inside it, against numpy. Large q so that the
+    cap changes the result."""
+    if path == "mc":
+        if coopmat_kernels_or_none is None:
+            pytest.skip("the device has no 16x16x16 f16 cooperative matrices (the GPU kernel tests run these)")
+        kn = coopmat_kernels_or_none
+    else:
+        kn = with_caps(kernels, attention_dec=path == "dec", attn_items=16)
+    hd, n_head, n_kv = (256, 4, 2) if path == "mc" else (64, 6, 2)
+    slots = np.array([0] * 40 + [2, 1, 2], np.uint32)
+    pos = np.array(list(range(20, 60)) + [299, window - 1 if window else 5, 130], np.uint32)
+    types = KV_Q8.get(kv, KVTypes())
+    ctx, rows = 300, len(slots)
+    c = _AttentionCase(ws, rng, 3, ctx, n_head, n_kv, hd, slots, pos, 60, types)
+    c.q *= 4.0
+    ws.device.upload(c.qr.buf, np.ascontiguousarray(c.q).reshape(-1).view(np.uint32), c.qr.off * 4)
+    on = path in ("slices", "dec")
+    tmp = ws.act_region(kn.attention_tmp_words(rows, n_head, n_kv, hd, ctx)) if on else None
+    n_sync = kn.attention_sync_words(rows, n_head)
+    sync = ws.act_region(n_sync, np.zeros(n_sync, np.uint32)) if on else None
+    if path == "mc":
+        assert kn.attention_on_coopmat(rows, hd)
+        c.kvals = c.kvals.astype(np.float16).astype(np.float32)
+        c.vvals = c.vvals.astype(np.float16).astype(np.float32)
+    prog = device.program()
+    kn.attention(prog, c.qr, n_head * hd, c.orr, n_head * hd, rows, n_head, n_kv, hd, c.kc, c.vc, c.ss,
+                 ws.params, 0, 60, c.scale, tmp, ctx, sync, kv_types=types, window=window, softcap=softcap)
+    ws.device.upload(c.orr.buf, np.full(c.orr.words, 0x7FC00000, np.uint32), c.orr.off * 4)
+    prog.run()
+    if path == "mc":
+        c.check(ws.read(c.orr), c.q.astype(np.float16).astype(np.float32), window, softcap, rtol=2e-3,
+                atol_scale=2e-3)
+    else:
+        c.check(ws.read(c.orr), c.q, window, softcap, atol_scale=1e-5)
+    if on:
+        assert (ws.read(sync, np.uint32) == 0).all()
 
 
 def test_copy(device, kernels, rng):

@@ -10,9 +10,10 @@ from .core import GraphBase
 
 
 class DenseOps(GraphBase):
-    def embed(self, w: Matrix, out: str) -> None:
-        """out[r] = w[token r]"""
-        self.k.get_rows(self.p, w, self.params, self.pl.tokens, self.s.region(out), self.s.stride(out), self.n)
+    def embed(self, w: Matrix, out: str, scale: float = 1.0) -> None:
+        """out[r] = scale * w[token r]"""
+        self.k.get_rows(self.p, w, self.params, self.pl.tokens, self.s.region(out), self.s.stride(out), self.n,
+                        scale=scale)
 
     def rms_norm(self, x: str, w: Region, out: str, gather: bool = False) -> None:
         """out[r] = rms_norm(x[r]) * w; gather=True takes x's rows from the
@@ -94,14 +95,17 @@ class DenseOps(GraphBase):
         self.rms_norm(out, norm_w, h)
 
     def qkv_rope(self, layer: int, pieces: list[tuple[Matrix, int]], x: str, qkv: str, q_out: str, n_head: int,
-                 n_kv: int, head_dim: int, n_rot: int, neox: bool, norm_in: NormIn | None = None) -> None:
+                 n_kv: int, head_dim: int, n_rot: int, neox: bool, norm_in: NormIn | None = None,
+                 table: Region | None = None) -> None:
         """qkv[r] = the q|k|v matrix (or its pieces at their columns of qkv) @
         x[r], then rope_kv; where the matvecs can take RoPE and the cache write
         (decode-sized steps on GPUs into an f16 cache, kernels.fuses_rope) they
         do, and qkv is not written. norm_in: x is an h' of residual_norm, these its sums of
-        squares (the product is then with the normalized rows)."""
+        squares (the product is then with the normalized rows). table: the
+        layer's RoPE table where it is not the model's (Gemma's local layers)."""
         n = self._rows(x)
-        ropes = [RopeOut(col, neox, n_head, n_kv, head_dim, n_rot, self.rope_table, self.s.region(q_out),
+        table = table or self.rope_table
+        ropes = [RopeOut(col, neox, n_head, n_kv, head_dim, n_rot, table, self.s.region(q_out),
                          self.s.stride(q_out), self.kv.k(layer), self.kv.v(layer), self.kv.slot_stride,
                          self.params, self.pl.positions, self.pl.slots, self.kv.types) for _, col in pieces]
         if all(self.k.fuses_rope(m, n, r) for (m, _), r in zip(pieces, ropes)):
@@ -112,18 +116,21 @@ class DenseOps(GraphBase):
             return
         for m, col in pieces:
             self.matmul(m, x, qkv, col=col, norm_in=norm_in)
-        self.rope_kv(layer, qkv, q_out, n_head, n_kv, head_dim, n_rot, neox)
+        self.rope_kv(layer, qkv, q_out, n_head, n_kv, head_dim, n_rot, neox, table)
 
     def rope_kv(self, layer: int, qkv: str, q_out: str, n_head: int, n_kv: int, head_dim: int, n_rot: int,
-                neox: bool) -> None:
-        """RoPE on q and k of qkv; k, v stored in the cache at each row's (slot, position)."""
-        self.k.rope_kv(self.p, self.rope_table, self.s.region(qkv), self.s.stride(qkv), self.s.region(q_out),
+                neox: bool, table: Region | None = None) -> None:
+        """RoPE on q and k of qkv (the model's table, or `table`); k, v stored in
+        the cache at each row's (slot, position)."""
+        self.k.rope_kv(self.p, table or self.rope_table, self.s.region(qkv), self.s.stride(qkv), self.s.region(q_out),
                        self.s.stride(q_out), self.n, n_head, n_kv, head_dim, n_rot, neox,
                        self.kv.k(layer), self.kv.v(layer), self.kv.slot_stride, self.params,
                        self.pl.positions, self.pl.slots, kv_types=self.kv.types)
 
-    def attention(self, layer: int, q: str, out: str, n_head: int, n_kv: int, head_dim: int, scale: float) -> None:
-        """Causal attention of each row over its slot's cache. Steps of few rows
+    def attention(self, layer: int, q: str, out: str, n_head: int, n_kv: int, head_dim: int, scale: float,
+                  window: int = 0, softcap: float = 0.0) -> None:
+        """Causal attention of each row over its slot's cache (window > 0: its
+        last `window` positions; softcap: AttentionKernels.attention). Steps of few rows
         (decode) split the positions across subgroups when the scratch has room
         (`out_attn_split`, sized for max_out rows) and the device profits."""
         split = sync = None
@@ -137,7 +144,7 @@ class DenseOps(GraphBase):
         self.k.attention(self.p, self.s.region(q), self.s.stride(q), self.s.region(out), self.s.stride(out),
                          self.n, n_head, n_kv, head_dim, self.kv.k(layer), self.kv.v(layer), self.kv.slot_stride,
                          self.params, self.pl.positions, self.pl.slots, scale, split, self.kv.ctx, sync,
-                         kv_types=self.kv.types)
+                         kv_types=self.kv.types, window=window, softcap=softcap)
 
     def gate_up_swiglu(self, pieces: list[tuple[Matrix, int]], x: str, gu: str, out: str,
                        norm_in: NormIn | None = None) -> None:
@@ -157,9 +164,14 @@ class DenseOps(GraphBase):
             self.matmul(m, x, gu, col=col, norm_in=norm_in)
         self.swiglu(gu, out)
 
-    def swiglu(self, gu: str, out: str) -> None:
+    def swiglu(self, gu: str, out: str, gelu: bool = False) -> None:
+        """out[r][i] = silu(gu[r][i]) * gu[r][F + i] (gelu: GELU for silu)"""
         self.k.swiglu(self.p, self.s.region(gu), self.s.stride(gu), self.s.region(out), self.s.stride(out),
-                      self.s.widths[out], self._rows(out))
+                      self.s.widths[out], self._rows(out), gelu=gelu)
+
+    def softcap(self, x: str, cap: float) -> None:
+        """x[r] = cap * tanh(x[r] / cap), in place"""
+        self.k.softcap(self.p, self.s.region(x), self.s.stride(x), self.s.widths[x], self._rows(x), cap)
 
     def add_bias(self, x: str, b: Region, n: int) -> None:
         """x[r][:n] += b for every row (a weight vector: Qwen2's q|k|v biases)."""

@@ -137,7 +137,7 @@ class AttentionKernels(KernelBase):
                   n_head: int, n_kv: int, head_dim: int, k_cache: Region, v_cache: Region, slot_stride: int,
                   params: Buffer, pos_off: int, slot_off: int, scale: float, split: Region | None = None,
                   n_ctx: int = 0, sync: Region | None = None, label: str = "attention",
-                  kv_types: KVTypes = KVTypes()) -> None:
+                  kv_types: KVTypes = KVTypes(), window: int = 0, softcap: float = 0.0) -> None:
         """o[r][h] = softmax(q[r][h] . K[slot][0..pos]) V[slot][0..pos].
         With `split` (scratch of attention_tmp_words), the cache's n_ctx and
         `sync` (attention_sync_words of zeros, left zero) the positions are cut
@@ -146,7 +146,9 @@ class AttentionKernels(KernelBase):
         rows, so one pass would leave most of a GPU idle. Without
         it, prompt-sized steps run on cooperative matrices where the device
         can (attention_on_coopmat). kv_types: the cache's K and V types
-        (slot_stride is K's)."""
+        (slot_stride is K's). window > 0: each row sees only its last `window`
+        positions (sliding-window layers); softcap > 0: scores s become
+        softcap * tanh(s / softcap) before the softmax (Gemma 2)."""
         if head_dim % 8 or n_head % n_kv or q.off % 4 or q_stride % 4 or k_cache.off % 4 or v_cache.off % 4:
             raise VkEngineError(f"attention needs head_dim a multiple of 8 ({head_dim}), n_head a multiple of "
                                 f"n_kv ({n_head}/{n_kv}) and 16-byte aligned q rows and caches")
@@ -160,7 +162,7 @@ class AttentionKernels(KernelBase):
         out = [rows_range(o, n_rows, o_stride, n_head * head_dim)]
         pc = dict(q_off=q.off, q_stride=q_stride, o_off=o.off, o_stride=o_stride, n_rows=n_rows, n_head=n_head,
                   n_kv=n_kv, head_dim=head_dim, k_off=k_cache.off, v_off=v_cache.off, slot_stride=slot_stride,
-                  pos_off=pos_off, slot_off=slot_off, scale=scale)
+                  pos_off=pos_off, slot_off=slot_off, scale=scale, window=window, softcap=softcap)
         if self.attention_on_coopmat(n_rows, head_dim) and split is None:
             name = c.attention_mc_variant.format(hd=head_dim) + tag
             push = self._push(name, **pc)

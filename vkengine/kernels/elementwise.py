@@ -1,5 +1,5 @@
-"""Row-wise and elementwise kernels: embedding rows (get_rows), SwiGLU, adds,
-softmax, sigmoid gates and a plain copy."""
+"""Row-wise and elementwise kernels: embedding rows (get_rows), SwiGLU and
+GeGLU, adds, softmax, sigmoid gates, soft-capping and a plain copy."""
 from __future__ import annotations
 
 import math
@@ -13,15 +13,15 @@ from .types import Matrix, Region, rows_range
 
 class ElementwiseKernels(KernelBase):
     def get_rows(self, prog: Program, w: Matrix, params: Buffer, ids_off: int, y: Region, y_stride: int,
-                 n: int, label: str = "get_rows") -> None:
-        """y[r][:] = W[params[ids_off + r]][:] (dequantized) for r < n. A matrix split
+                 n: int, label: str = "get_rows", scale: float = 1.0) -> None:
+        """y[r][:] = scale * W[params[ids_off + r]][:] (dequantized) for r < n. A matrix split
         by rows: one dispatch per part, each writing the rows whose ids it holds."""
         ew = self.caps.ew_wg
         total = n * (w.cols // UNIT_VALUES[w.type])
         for r0, part in (w.parts or ((0, w),)):
             assert part.data is not None
             pc = dict(w_off=part.data.off, w_off2=part.scales.off if part.scales else 0, K=w.cols, n_rows=n,
-                      ids_off=ids_off, y_off=y.off, y_stride=y_stride)
+                      ids_off=ids_off, y_off=y.off, y_stride=y_stride, scale=scale)
             variant = f"get_rows_{w.type}"
             if w.parts:
                 pc.update(row_lo=r0, row_hi=r0 + part.rows)
@@ -33,16 +33,24 @@ class ElementwiseKernels(KernelBase):
                           [rows_range(y, n, y_stride, w.cols)], label)
 
     def swiglu(self, prog: Program, gu: Region, gu_stride: int, y: Region, y_stride: int, F: int, rows: int,
-               label: str = "swiglu") -> None:
-        """y[r][i] = silu(gu[r][i]) * gu[r][F + i]."""
+               label: str = "swiglu", gelu: bool = False) -> None:
+        """y[r][i] = silu(gu[r][i]) * gu[r][F + i] (gelu: GELU, tanh form, for silu)."""
         act = self._same_buffer(gu, y)
         vec4 = not (F % 4 or gu.off % 4 or gu_stride % 4 or y.off % 4 or y_stride % 4)
-        name = "swiglu4" if vec4 else "swiglu"
+        name = ("geglu" if gelu else "swiglu") + ("4" if vec4 else "")
         push = self._push(name, gu_off=gu.off, gu_stride=gu_stride, y_off=y.off, y_stride=y_stride, F=F, rows=rows)
         ew = self.caps.ew_wg
         alg = self._alg(name, [act], push, ew, 1)
         prog.dispatch(alg, push, self._grid(math.ceil(rows * F // (4 if vec4 else 1) / ew)),
                       [rows_range(gu, rows, gu_stride, 2 * F)], [rows_range(y, rows, y_stride, F)], label)
+
+    def softcap(self, prog: Program, x: Region, x_stride: int, n: int, rows: int, cap: float,
+                label: str = "softcap") -> None:
+        """x[r][:n] = cap * tanh(x[r][:n] / cap), in place (Gemma 2's logits)."""
+        push = self._push("softcap", x_off=x.off, x_stride=x_stride, n=n, rows=rows, cap=cap)
+        alg = self._alg("softcap", [x.buf], push, self.caps.ew_wg, 1)
+        prog.dispatch(alg, push, self._grid(math.ceil(rows * n / self.caps.ew_wg)),
+                      [rows_range(x, rows, x_stride, n)], [rows_range(x, rows, x_stride, n)], label)
 
     def add(self, prog: Program, a: Region, a_stride: int, b: Region, b_stride: int, y: Region, y_stride: int,
             n: int, rows: int, label: str = "add") -> None:

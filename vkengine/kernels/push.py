@@ -58,6 +58,8 @@ _MUL_MV = Push("""uint w_off, w_off2, K, M, N, x_off, x_stride, y_off, y_stride,
 _TILED = Push("uint w_off, w_off2, K, M, N, x_off, x_stride, y_off, y_stride, accumulate")
 _ATTN = Push("""uint q_off, q_stride, o_off, o_stride, n_rows, n_head, n_kv, head_dim, k_off, v_off, slot_stride,
                 pos_off, slot_off; float scale""")
+# sliding-window layers' window (0: none) and Gemma 2's score soft-cap (0: none), after each variant's own
+_ATTN_TAIL = Push("uint window; float softcap")
 _MUL_ID = "uint w_off, w_off2, K, M, k"
 
 # by source file: the base layout and the (define, fields) that variants append, in order
@@ -70,15 +72,16 @@ LAYOUTS: dict[str, tuple[Push, tuple[tuple[str, Push], ...]]] = {
     "reduce_k.comp": (Push("uint parts, z_stride, M, N, y_off, y_stride, accumulate"), ()),
     "quantize_q8.comp": (Push("uint x_off, x_stride, K, rows, q_off, d_off"), ()),
     "to_f16.comp": (Push("uint x_off, x_stride, cols, rows, rows_pad, h_off8, h_stride8"), ()),
-    "get_rows.comp": (Push("uint w_off, w_off2, K, n_rows, ids_off, y_off, y_stride"),
+    "get_rows.comp": (Push("uint w_off, w_off2, K, n_rows, ids_off, y_off, y_stride; float scale"),
                       (("ROW_PART", Push("uint row_lo, row_hi")),)),
     "rms_norm.comp": (Push("uint x_off, x_stride, y_off, y_stride, w_off, n, rows, map_off; float eps"), ()),
     "rope_kv.comp": (Push("""uint qkv_off, qkv_stride, q_off, q_stride, n_rows, n_head, n_kv, head_dim, n_rot, mode,
                              table_off, k_off, v_off, slot_stride, pos_off, slot_off"""), ()),
-    "attention.comp": (_ATTN + Push("uint chunk, n_parts, part_off, sync_off"), ()),
-    "attention_mc.comp": (_ATTN, ()),
-    "attention_dec.comp": (_ATTN + Push("uint n_parts, min_chunk, part_off, sync_off"), ()),
+    "attention.comp": (_ATTN + Push("uint chunk, n_parts, part_off, sync_off") + _ATTN_TAIL, ()),
+    "attention_mc.comp": (_ATTN + _ATTN_TAIL, ()),
+    "attention_dec.comp": (_ATTN + Push("uint n_parts, min_chunk, part_off, sync_off") + _ATTN_TAIL, ()),
     "swiglu.comp": (Push("uint gu_off, gu_stride, y_off, y_stride, F, rows"), ()),
+    "softcap.comp": (Push("uint x_off, x_stride, n, rows; float cap"), ()),
     "add.comp": (Push("uint a_off, a_stride, b_off, b_stride, y_off, y_stride, n, rows"), ()),
     "add_bias.comp": (Push("uint b_off, y_off, y_stride, n, rows"), ()),
     "softmax.comp": (Push("uint x_off, x_stride, y_off, y_stride, n, rows; float scale"), ()),
