@@ -235,7 +235,7 @@ def from_hf_folder(folder: Path) -> Tokenizer:
 
     bos, eos = tid("bos_token"), tid("eos_token")
     eot = {x for x in (eos,) if x is not None}
-    for name in ("<|im_end|>", "<|eot_id|>"):
+    for name in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>"):
         i = hf.token_to_id(name)
         if i is not None:
             eot.add(i)

@@ -17,6 +17,12 @@ weights, so both files compute the same logits.
 (vkengine/models/qwen2.py, qwen3.py): unpermuted rows (NEOX RoPE in both
 files), q/k/v biases (qwen2) or per-head q/k norm weights (qwen3), and the
 head size in the file (qwen3's 128 is not n_embd / n_head).
+
+--arch gemma2 and gemma3 write Gemma's graph (vkengine/models/gemma3.py):
+norms after attention and the FFN as well as before, tied embeddings, the
+sliding window (SynthConfig.window), q/k norms (gemma3), soft-caps (gemma2).
+GGUF norm weights hold 1 + w (llama.cpp's converter adds Gemma's 1), the
+Hugging Face copy w.
 """
 from __future__ import annotations
 
@@ -60,10 +66,17 @@ SHAPES_EXTRA: dict[str, dict[str, Any]] = {
     "tiny-moe": dict(n_embd=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=128, n_expert=8, n_expert_used=2,
                      n_ff_exp=32),
     "phi3-mini": dict(n_embd=3072, n_layer=32, n_head=32, n_head_kv=32, n_ff=8192, rope_base=10000.0),
+    "gemma3-270m": dict(n_embd=640, n_layer=18, n_head=4, n_head_kv=1, n_ff=2048, head_size=256, tied=True,
+                        rope_base=1e6, rms_eps=1e-6, window=512),
+    "gemma3-4b": dict(n_embd=2560, n_layer=34, n_head=8, n_head_kv=4, n_ff=10240, head_size=256, tied=True,
+                      rope_base=1e6, rms_eps=1e-6, window=1024, rope_linear=8.0),
+    "gemma2-2b": dict(n_embd=2304, n_layer=26, n_head=8, n_head_kv=4, n_ff=9216, head_size=256, tied=True,
+                      rope_base=10000.0, rms_eps=1e-6, window=4096),
     "qwen3-30b-a3b": dict(n_embd=2048, n_layer=48, n_head=32, n_head_kv=4, n_ff=6144, head_size=128,
                           n_expert=128, n_expert_used=8, n_ff_exp=768, rope_base=1e6, rms_eps=1e-6),
 }
-ARCHES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3")
+ARCHES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3")
+GEMMA = ("gemma2", "gemma3")
 
 
 @dataclass(frozen=True)
@@ -84,6 +97,10 @@ class SynthConfig:
     n_expert_used: int = 0
     n_ff_exp: int = 0
     rope_orig_ctx: int = 0         # phi3: > 0 adds LongRoPE (long factors past this context)
+    window: int = 0                # gemma: the sliding window (0: the architecture's default, 512 / 4096)
+    attn_softcap: float = 50.0     # gemma2's soft-caps
+    final_softcap: float = 30.0
+    rope_linear: float = 0.0       # gemma3: linear RoPE scaling of the global layers (4b and up: 8)
 
     @property
     def head_dim(self) -> int:
@@ -124,6 +141,8 @@ def _tensor_plan(c: SynthConfig, n_vocab: int) -> list[tuple[str, tuple[int, ...
     D, F, hd = c.n_embd, c.n_ff, c.head_dim
     # Residual contributions of each block sized to keep activations O(1).
     plan = [("token_embd.weight", (n_vocab, D), 1.0), ("output_norm.weight", (D,), 0.0)]
+    if c.arch in GEMMA:
+        return plan + [t for i in range(c.n_layer) for t in _gemma_layer(c, f"blk.{i}.")]
     if c.rope_orig_ctx:   # LongRoPE divisors (f32; made by _make_tensor, not drawn)
         plan += [("rope_factors_long.weight", (hd // 2,), -1.0), ("rope_factors_short.weight", (hd // 2,), -1.0)]
     if not c.tied:
@@ -159,6 +178,25 @@ def _tensor_plan(c: SynthConfig, n_vocab: int) -> list[tuple[str, tuple[int, ...
                      (p + "ffn_up.weight", (F, D), 1.0 / np.sqrt(D)),
                      (p + "ffn_down.weight", (D, F), 1.0 / np.sqrt(F * c.n_layer))]
     return plan
+
+
+def _gemma_layer(c: SynthConfig, p: str) -> list[tuple[str, tuple[int, ...], float]]:
+    """Gemma: embeddings times sqrt(D) and every branch RMS-normed before its
+    residual add, so the projections' scales only set the branches' shapes."""
+    D, F, hd = c.n_embd, c.n_ff, c.head_dim
+    return [(p + "attn_norm.weight", (D,), 0.0),
+            (p + "attn_q.weight", (c.n_head * hd, D), 2.0 / np.sqrt(D)),
+            (p + "attn_k.weight", (c.n_head_kv * hd, D), 2.0 / np.sqrt(D)),
+            (p + "attn_v.weight", (c.n_head_kv * hd, D), 1.0 / np.sqrt(D)),
+            *([(p + "attn_q_norm.weight", (hd,), 0.0), (p + "attn_k_norm.weight", (hd,), 0.0)]
+              if c.arch == "gemma3" else []),
+            (p + "attn_output.weight", (D, c.n_head * hd), 1.0 / np.sqrt(c.n_head * hd)),
+            (p + "post_attention_norm.weight", (D,), 0.0),
+            (p + "ffn_norm.weight", (D,), 0.0),
+            (p + "ffn_gate.weight", (F, D), 1.0 / np.sqrt(D)),
+            (p + "ffn_up.weight", (F, D), 1.0 / np.sqrt(D)),
+            (p + "ffn_down.weight", (D, F), 1.0 / np.sqrt(F)),
+            (p + "post_ffw_norm.weight", (D,), 0.0)]
 
 
 def _make_tensor(job):
@@ -229,6 +267,10 @@ HF_NAME_OF = {
 
 
 PHI3_HF_NAME_OF = {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"}
+# Gemma: post_attention_layernorm is the attention output's norm; the FFN's input norm is pre_feedforward
+GEMMA_HF_NAME_OF = {"post_attention_norm.weight": "post_attention_layernorm.weight",
+                    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+                    "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
 
 
 def _longrope_attn(c: SynthConfig) -> float:
@@ -237,11 +279,34 @@ def _longrope_attn(c: SynthConfig) -> float:
     return float(np.sqrt(1 + np.log(scale) / np.log(c.rope_orig_ctx))) if scale > 1 else 1.0
 
 
+def _window(c: SynthConfig) -> int:
+    return c.window or (4096 if c.arch == "gemma2" else 512)
+
+
+def _gemma_hf_config(c: SynthConfig) -> dict[str, Any]:
+    """transformers' Gemma2Config / Gemma3TextConfig fields beyond the llama ones."""
+    period = 2 if c.arch == "gemma2" else 6
+    return {
+        "hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": c.head_dim, "sliding_window": _window(c),
+        "layer_types": ["sliding_attention" if i % period < period - 1 else "full_attention"
+                        for i in range(c.n_layer)],
+        "attn_logit_softcapping": c.attn_softcap if c.arch == "gemma2" else None,
+        "final_logit_softcapping": c.final_softcap if c.arch == "gemma2" else None,
+        "attention_bias": False, "attention_dropout": 0.0, "pad_token_id": 0,
+        **({"rope_local_base_freq": 10000.0, "sliding_window_pattern": period,
+            "rope_scaling": {"rope_type": "linear", "factor": c.rope_linear} if c.rope_linear else None}
+           if c.arch == "gemma3" else {"cache_implementation": "hybrid"}),
+    }
+
+
 def _hf_name(gguf_name: str, arch: str = "llama") -> str:
     if gguf_name.startswith("blk."):
         _, i, rest = gguf_name.split(".", 2)
         if arch == "phi3" and rest in PHI3_HF_NAME_OF:
             return f"model.layers.{i}.{PHI3_HF_NAME_OF[rest]}"
+        if arch in GEMMA and rest in GEMMA_HF_NAME_OF:
+            return f"model.layers.{i}.{GEMMA_HF_NAME_OF[rest]}"
         return f"model.layers.{i}.{HF_NAME_OF[rest]}"
     return HF_NAME_OF[gguf_name]
 
@@ -260,6 +325,8 @@ def synth_llama(c: SynthConfig, quant: str, seed: int, out_dir: Path, name: str 
         raise VkEngineError(f"unknown llama-family architecture {c.arch!r} ({', '.join(ARCHES)})")
     if c.arch == "qwen3moe" and not c.n_expert:
         raise VkEngineError("qwen3moe needs a shape with experts (tiny-moe, qwen3-30b-a3b)")
+    if c.arch in GEMMA and (c.n_expert or not c.tied):
+        raise VkEngineError(f"{c.arch} is dense with tied embeddings (llama.cpp's gemma2 has no output matrix)")
     if c.arch in ("qwen2", "qwen3") and c.n_expert:
         raise VkEngineError(f"{c.arch} has no experts (qwen3moe, or llama for a Mixtral-style model)")
     if c.n_expert and not (0 < c.n_expert_used <= min(c.n_expert, 16) and c.n_ff_exp > 0):
@@ -300,6 +367,14 @@ def synth_llama(c: SynthConfig, quant: str, seed: int, out_dir: Path, name: str 
             w.add_expert_used_count(c.n_expert_used)
             if not mixtral:
                 w.add_expert_feed_forward_length(c.n_ff_exp)
+        if c.arch in GEMMA:
+            w.add_sliding_window(_window(c))
+            if c.arch == "gemma2":
+                w.add_attn_logit_softcapping(c.attn_softcap)
+                w.add_final_logit_softcapping(c.final_softcap)
+            if c.rope_linear:
+                w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+                w.add_rope_scaling_factor(c.rope_linear)
         if c.rope_orig_ctx:
             w.add_uint32(f"{c.arch}.rope.scaling.original_context_length", c.rope_orig_ctx)
             w.add_float32(f"{c.arch}.rope.scaling.attn_factor", _longrope_attn(c))
@@ -324,11 +399,14 @@ def synth_llama(c: SynthConfig, quant: str, seed: int, out_dir: Path, name: str 
             v = results[n][3]
             if n.endswith("ffn_gate_exps.weight"):     # (E, 2F, D): [gate | up] per expert
                 v = np.concatenate([v, results[n.replace("gate_exps", "up_exps")][3]], axis=1)
+            if c.arch in GEMMA and n.endswith("norm.weight"):   # (Gemma's RMSNorm adds the 1 the GGUF holds)
+                v = v - np.float32(1.0)
             tensors[_hf_name(n, c.arch)] = np.ascontiguousarray(v, np.float32)
         save_file(tensors, str(folder / "model.safetensors"))
         hf_arch = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
                    "qwen3": ("Qwen3ForCausalLM", "qwen3"), "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
-                   "phi3": ("Phi3ForCausalLM", "phi3")}[c.arch]
+                   "phi3": ("Phi3ForCausalLM", "phi3"), "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+                   "gemma3": ("Gemma3ForCausalLM", "gemma3_text")}[c.arch]
         mixtral = c.arch == "llama" and c.n_expert > 0
         if mixtral:
             hf_arch = ("MixtralForCausalLM", "mixtral")     # (its intermediate_size: the experts' width)
@@ -351,6 +429,8 @@ def synth_llama(c: SynthConfig, quant: str, seed: int, out_dir: Path, name: str 
                 "mlp_only_layers": [], "router_aux_loss_coef": 0.0, "output_router_logits": False}
                if c.n_expert else {}),
         }
+        if c.arch in GEMMA:
+            cfg.update(_gemma_hf_config(c))
         (folder / "config.json").write_text(json.dumps(cfg, indent=1))
         write_hf_tokenizer(folder, tmeta)
         written["hf"] = folder

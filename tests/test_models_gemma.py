@@ -1,0 +1,256 @@
+"""Gemma 2 and Gemma 3 (issue 32) on synthetic models (`vkengine synth --arch
+gemma2|gemma3`): sliding-window layers among global ones (a window of 8
+positions, shorter than the prompt), the two RoPE bases (gemma3), norms after
+attention and the FFN, GELU-gated FFNs, embeddings times sqrt(n_embd), q/k
+norms (gemma3: 256-wide heads, one KV head, as Gemma 3 270M/1B), score and
+logit soft-caps (gemma2, a score cap of 5 so that it bites).
+
+- The GGUF files hold what llama.cpp 11434 reads (src/models/gemma2.cpp,
+  gemma3.cpp), transcribed below as data.
+- The engine against the independent numpy reference (tests/ref_gemma.py),
+  prefill against step-by-step decode, the GPUs' decode path, four sequences
+  batched against each alone, GGUF against the Hugging Face copy (whose norm
+  weights hold w where the GGUF's hold 1 + w).
+- llama-server (CPU in CI; the Vulkan build on the GPU machine) on the same f32
+  GGUF: its top-8 log-probabilities after every prefix of a prompt against ours,
+  and its 12 greedy tokens against ours.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vkengine.engine import Readback
+from vkengine.gguf_file import GGUFFile
+from vkengine.model import load_model
+from vkengine.serving.generate import generate
+from vkengine.tools.synth.llama import SynthConfig, config_for, synth_llama
+
+from .ref_gemma import RefGemma
+from .test_gguf_qwen35 import _Server, assert_tensors
+from .test_models import GPU_DECODE, PROMPT, _assert_logits_close, _batched_and_alone, _prefill_logits
+from .test_models_llama_family import _engine
+
+ARCHES = ["gemma2", "gemma3"]
+CONFIGS = {"gemma2": SynthConfig(n_embd=64, n_layer=3, n_head=4, n_head_kv=2, n_ff=160, n_ctx=256, arch="gemma2",
+                                 head_size=32, tied=True, window=8, attn_softcap=5.0),
+           "gemma3": SynthConfig(n_embd=64, n_layer=6, n_head=2, n_head_kv=1, n_ff=160, n_ctx=256, arch="gemma3",
+                                 head_size=256, tied=True, window=8, rope_base=1e6)}
+# llama-server agreement bound (nats, top-8 log-probabilities), from the measured gaps (lavapipe, 11434 CPU,
+# 2026-12-03): gemma2 1.2e-3, gemma3 4.4e-3 (llama.cpp's CPU GELU reads its input rounded to f16: ggml's
+# GGML_GELU_FP16 table); the greedy tokens equal
+TOL = {"gemma2": 5e-3, "gemma3": 1e-2}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, tokenizer_source):
+    out = tmp_path_factory.mktemp("synth-gemma")
+    return {(a, q): synth_llama(CONFIGS[a], q, seed=13, out_dir=out, name=f"{a}-tiny", workers=1,
+                                tokenizer_from=tokenizer_source, formats=("gguf", "hf") if q == "q8_0" else ("gguf",))
+            for a in ARCHES for q in ("q8_0", "f32")}
+
+
+def expected_tensors(f: GGUFFile) -> dict[str, tuple[tuple[int, ...], str | None]]:
+    """name -> (numpy shape, required type or None) as llama.cpp's loader
+    creates them for gemma2 / gemma3 (no output.weight: tied)."""
+    a, m = f.arch, f.meta
+    D, L = int(m(f"{a}.embedding_length")), int(m(f"{a}.block_count"))
+    H = int(m(f"{a}.attention.head_count"))
+    Hkv = int(m(f"{a}.attention.head_count_kv", H))
+    hd = int(m(f"{a}.attention.key_length"))
+    F = int(m(f"{a}.feed_forward_length"))
+    V = f.tensor_info("token_embd.weight")[1][0]
+    t: dict[str, tuple[tuple[int, ...], str | None]] = {"token_embd.weight": ((V, D), None),
+                                                        "output_norm.weight": ((D,), "f32")}
+    for i in range(L):
+        p = f"blk.{i}."
+        t.update({p + "attn_norm.weight": ((D,), "f32"), p + "attn_q.weight": ((H * hd, D), None),
+                  p + "attn_k.weight": ((Hkv * hd, D), None), p + "attn_v.weight": ((Hkv * hd, D), None),
+                  p + "attn_output.weight": ((D, H * hd), None), p + "post_attention_norm.weight": ((D,), "f32"),
+                  p + "ffn_norm.weight": ((D,), "f32"), p + "ffn_gate.weight": ((F, D), None),
+                  p + "ffn_up.weight": ((F, D), None), p + "ffn_down.weight": ((D, F), None),
+                  p + "post_ffw_norm.weight": ((D,), "f32")})
+        if a == "gemma3":
+            t.update({p + "attn_q_norm.weight": ((hd,), "f32"), p + "attn_k_norm.weight": ((hd,), "f32")})
+    return t
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_gguf_has_what_llama_cpp_reads(models, arch):
+    f = GGUFFile(models[(arch, "q8_0")]["gguf"])
+    assert f.arch == arch
+    for k in ("context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count",
+              "attention.layer_norm_rms_epsilon", "attention.key_length", "attention.sliding_window"):
+        assert f.meta(f"{arch}.{k}", None) is not None, k
+    if arch == "gemma2":
+        assert f.meta("gemma2.attn_logit_softcapping") == 5.0
+        assert f.meta("gemma2.final_logit_softcapping") == 30.0
+    assert_tensors(f, expected_tensors(f))
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_args_from_the_file(models, arch):
+    """GGUF metadata (llama.cpp's rules) and config.json give the same
+    hyperparameters: the layer kinds, the window, the RoPE bases, the scale."""
+    c = CONFIGS[arch]
+    for fmt in ("gguf", "hf"):
+        a = load_model(models[(arch, "q8_0")][fmt]).args
+        want_swa = (True, False, True) if arch == "gemma2" else (True,) * 5 + (False,)
+        assert a.swa == want_swa and a.window == 8, fmt
+        assert a.attn_scale == pytest.approx(c.head_dim ** -0.5), fmt
+        assert (a.attn_softcap, a.final_softcap) == ((5.0, 30.0) if arch == "gemma2" else (0.0, 0.0)), fmt
+        assert (a.rope_base, a.rope_base_swa) == ((1e6, 1e4) if arch == "gemma3" else (1e5, 1e5)), fmt
+        assert a.qk_norm == (arch == "gemma3") and a.head_dim == c.head_dim, fmt
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+@pytest.mark.parametrize("quant", ["q8_0", "f32"])
+def test_prefill_matches_numpy_reference(device, models, arch, quant):
+    m, eng = _engine(device, models[(arch, quant)]["gguf"])
+    ids = m.tokenizer.encode(PROMPT)
+    assert len(ids) > 2 * CONFIGS[arch].window
+    _assert_logits_close(_prefill_logits(eng, ids), RefGemma(m.file, m.args).logits(ids))
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_window_changes_the_result(device, models, arch):
+    """The reference with the window off differs from the engine past the
+    window (the window is what the engine computes, not a no-op)."""
+    import dataclasses
+    m, eng = _engine(device, models[(arch, "f32")]["gguf"])
+    ids = m.tokenizer.encode(PROMPT)
+    got = _prefill_logits(eng, ids)
+    full = RefGemma(m.file, dataclasses.replace(m.args, window=0)).logits(ids)
+    w = CONFIGS[arch].window
+    np.testing.assert_allclose(got[:w], full[:w], rtol=0, atol=2e-3 * float(np.abs(full).max()))
+    assert float(np.abs(got[w:] - full[w:]).max()) > 0.05 * float(np.abs(full).max())
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_prefill_equals_step_by_step_decode(device, models, arch):
+    m, eng = _engine(device, models[(arch, "q8_0")]["gguf"])
+    ids = m.tokenizer.encode(PROMPT)
+    pre = _prefill_logits(eng, ids, slot=1)
+    steps = np.stack([eng.step([t], [p], [2], [0], Readback.LOGITS)[0] for p, t in enumerate(ids)])
+    np.testing.assert_allclose(steps, pre, rtol=0, atol=1e-4 * float(np.abs(pre).max()))
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_gpu_decode_path(device, models, arch):
+    """The GPUs' decode path (split-K matvecs, split decode attention by
+    KV-head group, windowed): decode steps past the window match the numpy
+    reference, and four sequences batched give bit for bit the logits each
+    gives alone."""
+    caps = {**GPU_DECODE, "split_attention": True, "attention_dec": True, "attn_items": 16}
+    m, eng = _engine(device, models[(arch, "q8_0")]["gguf"], caps=caps)
+    ids = m.tokenizer.encode(PROMPT)[:14]
+    want = RefGemma(m.file, m.args).logits(ids)
+    steps = np.stack([eng.step([t], [p], [1], [0], Readback.LOGITS)[0] for p, t in enumerate(ids)])
+    _assert_logits_close(steps, want)
+    both, alone = _batched_and_alone(m, eng)
+    np.testing.assert_array_equal(both, alone)
+    labels = {op.label for prog in eng._programs.values() for op in prog.ops if op.kind == "dispatch"}
+    assert ("norm_rope_kv" in labels) == (arch == "gemma3")
+    assert ("softcap" in labels) == (arch == "gemma2")
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_gguf_and_hf_copy_agree(device, models, arch):
+    mg, eg = _engine(device, models[(arch, "q8_0")]["gguf"])
+    mh, eh = _engine(device, models[(arch, "q8_0")]["hf"])
+    ids = mg.tokenizer.encode(PROMPT)
+    assert ids == mh.tokenizer.encode(PROMPT)
+    a, b = _prefill_logits(eg, ids), _prefill_logits(eh, ids)
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-3 * float(np.abs(a).max()))
+
+
+def test_synth_real_shapes_config():
+    g = config_for("gemma3-270m", None, "gemma3")
+    assert (g.n_embd, g.n_layer, g.n_head, g.n_head_kv, g.head_dim, g.window) == (640, 18, 4, 1, 256, 512)
+    g = config_for("gemma3-4b", None, "gemma3")
+    assert (g.n_embd, g.n_layer, g.head_dim, g.window, g.rope_linear) == (2560, 34, 256, 1024, 8.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHES)
+def test_llama_server_agrees_with_engine(device, models, llama_server_exe, arch):
+    """On f32 weights: llama.cpp's top-8 log-probabilities after every prefix of
+    the prompt against the engine's (the same top-1 everywhere), and 12 greedy
+    tokens."""
+    path = models[(arch, "f32")]["gguf"]
+    m, eng = _engine(device, path)
+    ids = m.tokenizer.encode(PROMPT)
+    lg = _prefill_logits(eng, ids).astype(np.float64)
+    lsm = lg - lg.max(-1, keepdims=True)
+    lsm -= np.log(np.exp(lsm).sum(-1, keepdims=True))
+    greedy = [s.token for s in generate(eng, ids, 12, ignore_eos=True)]
+    srv = _Server(llama_server_exe, path)
+    try:
+        err, seen = 0.0, 0
+        for n in range(1, len(ids) + 1):
+            r = srv.completion(ids[:n], 1, n_probs=8)
+            if not r.get("completion_probabilities"):
+                assert r["tokens"] == [lg[n - 1].argmax()], (n, r)
+                continue
+            top = r["completion_probabilities"][0]["top_logprobs"]
+            assert top[0]["id"] == lg[n - 1].argmax(), n
+            err = max(err, max(abs(t["logprob"] - lsm[n - 1, t["id"]]) for t in top))
+            seen += 1
+        assert seen >= len(ids) - 3, f"llama-server reported {seen} of {len(ids)} prefixes"
+        assert err < TOL[arch], err
+        assert srv.completion(ids, 12)["tokens"] == greedy
+    finally:
+        srv.close()
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_served_in_batches(models, arch, tmp_path):
+    """`vkengine serve` on the model: four greedy chat completions at once (one
+    batch) give what each gives alone."""
+    import concurrent.futures
+
+    import httpx
+
+    from .serving import ServerProcess
+    srv = ServerProcess(["--model", str(models[(arch, "q8_0")]["gguf"]), "--ctx", "512", "--parallel", "4"],
+                        tmp_path / "server.log")
+    try:
+        def ask(text: str) -> str:
+            r = httpx.post(srv.url + "/v1/chat/completions", timeout=120, json={
+                "messages": [{"role": "user", "content": text}], "max_tokens": 12, "temperature": 0})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["message"]["content"]
+        texts = ["Hello there", "Once upon a time", "def f(x):", "1, 2, 3,"]
+        alone = [ask(t) for t in texts]
+        with concurrent.futures.ThreadPoolExecutor(4) as ex:
+            together = list(ex.map(ask, texts))
+        assert together == alone
+        assert all(alone)
+    finally:
+        srv.stop()
+
+
+def test_unsupported_variants_are_refused(models, tmp_path):
+    """A Gemma checkpoint with projection biases, another activation, or RoPE
+    scaling of other kinds is a clear error, not a silent difference."""
+    import json
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from vkengine.errors import VkEngineError
+    folder = tmp_path / "bias"
+    shutil.copytree(models[("gemma3", "q8_0")]["hf"], folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["model.layers.0.self_attn.q_proj.bias"] = np.zeros(512, np.float32)
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(VkEngineError, match="attn_q.bias"):
+        load_model(folder)
+    for change, match in (({"hidden_activation": "silu"}, "hidden_activation"),
+                          ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling")):
+        folder = tmp_path / next(iter(change))
+        shutil.copytree(models[("gemma3", "q8_0")]["hf"], folder)
+        cfg = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**cfg, **change}))
+        with pytest.raises(VkEngineError, match=match):
+            load_model(folder)
