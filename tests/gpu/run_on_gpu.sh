@@ -38,6 +38,16 @@ ldconfig
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .vk/*.whl >/dev/null 2>&1 || {
   echo "wheel install failed"; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 VKENGINE_SPIRV_CACHE=$PWD/.spv
+# the checkout runs from PYTHONPATH, not installed: its entry points (`vkengine serve`) declared as pip would
+mkdir -p /tmp/site/vkengine-0.dev0.dist-info
+printf 'Metadata-Version: 2.1\nName: vkengine\nVersion: 0.dev0\n' > /tmp/site/vkengine-0.dev0.dist-info/METADATA
+python3 - <<'PY' > /tmp/site/vkengine-0.dev0.dist-info/entry_points.txt
+import tomllib
+eps = tomllib.load(open("pyproject.toml", "rb"))["project"].get("entry-points", {})
+for group, items in eps.items():
+    print(f"[{group}]")
+    print("\n".join(f"{k} = {v}" for k, v in items.items()))
+PY
 export VKENGINE_TOKENIZER_GGUF=$PWD/.vk/smollm2-tokenizer.gguf
 if ! python3 -c 'import kp; assert kp.list_devices_info()' >/dev/null 2>&1; then
   export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
