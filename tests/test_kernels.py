@@ -1101,23 +1101,26 @@ def test_attention_coopmat(device, coopmat_kernels, ws, rng, hd, n_head, n_kv, g
     c.check(ws.read(c.orr), c.q.astype(np.float16).astype(np.float32), rtol=2e-3, atol_scale=2e-3)
 
 
-@pytest.mark.parametrize("path", ["none", "slices", "dec", "mc"])
+@pytest.mark.parametrize("path", ["none", "slices", "dec", "mc", "mc64"])
 @pytest.mark.parametrize("window,softcap,kv", [(40, 0.0, "f16"), (7, 0.0, "kv"), (40, 2.0, "f16"), (0, 1.5, "f16"),
                                                (64, 0.0, "f16")])
 def test_attention_window_softcap(device, kernels, coopmat_kernels_or_none, ws, rng, path, window, softcap, kv):
     """Sliding-window layers (each row sees its last `window` positions: Gemma's
     local layers) and Gemma 2's score soft-cap, on every attention path: one
     pass, attention.comp's 64-position slices, attention_dec's parts and
-    attention_mc's cooperative matrices (GPUs): a prefill chunk of 40 rows that
+    attention_mc's cooperative matrices (GPUs; 256-wide heads: two subgroups a
+    row block, "mc64": 64-wide, one): a prefill chunk of 40 rows that
     crosses the window (and the 32-position blocks), decode rows of two other
     slots far past it and just inside it, against numpy. Large q so that the
     cap changes the result."""
-    if path == "mc":
+    mc = path.startswith("mc")
+    if mc:
         if coopmat_kernels_or_none is None:
             pytest.skip("the device has no 16x16x16 f16 cooperative matrices (the GPU kernel tests run these)")
         kn = coopmat_kernels_or_none
     else:
-        kn = with_caps(kernels, attention_dec=path == "dec", attn_items=16)
+        # (43 rows would take attention_mc on GPUs: "none" is the one-pass kernel)
+        kn = with_caps(kernels, attention_dec=path == "dec", attn_items=16, attention_mc=False)
     hd, n_head, n_kv = (256, 4, 2) if path == "mc" else (64, 6, 2)
     slots = np.array([0] * 40 + [2, 1, 2], np.uint32)
     pos = np.array(list(range(20, 60)) + [299, window - 1 if window else 5, 130], np.uint32)
@@ -1130,7 +1133,7 @@ def test_attention_window_softcap(device, kernels, coopmat_kernels_or_none, ws, 
     tmp = ws.act_region(kn.attention_tmp_words(rows, n_head, n_kv, hd, ctx)) if on else None
     n_sync = kn.attention_sync_words(rows, n_head)
     sync = ws.act_region(n_sync, np.zeros(n_sync, np.uint32)) if on else None
-    if path == "mc":
+    if mc:
         assert kn.attention_on_coopmat(rows, hd)
         c.kvals = c.kvals.astype(np.float16).astype(np.float32)
         c.vvals = c.vvals.astype(np.float16).astype(np.float32)
@@ -1139,7 +1142,7 @@ def test_attention_window_softcap(device, kernels, coopmat_kernels_or_none, ws, 
                  ws.params, 0, 60, c.scale, tmp, ctx, sync, kv_types=types, window=window, softcap=softcap)
     ws.device.upload(c.orr.buf, np.full(c.orr.words, 0x7FC00000, np.uint32), c.orr.off * 4)
     prog.run()
-    if path == "mc":
+    if mc:
         c.check(ws.read(c.orr), c.q.astype(np.float16).astype(np.float32), window, softcap, rtol=2e-3,
                 atol_scale=2e-3)
     else:

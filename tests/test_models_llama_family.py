@@ -18,6 +18,7 @@ original one).
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -56,6 +57,10 @@ GGUF_ARCH = {"mixtral": "llama", "phi3-longrope": "phi3"}
 # 5.3e-3, mixtral 7.1e-3, phi3 1.56e-2 (its 24-wide heads), phi3 with LongRoPE 1.20e-2; the greedy
 # tokens equal in all six
 TOL = {"qwen2": 1.5e-2, "qwen3moe": 1e-2, "mixtral": 1e-2, "phi3": 2.5e-2, "phi3-longrope": 2e-2}
+# llama.cpp's Vulkan build (VKENGINE_LLAMA_SERVER on the GPU machine) takes f16 products in its matmuls and
+# flash attention: gaps measured on the H200 (2026-12-03) qwen2 1.58e-2, qwen3 1.01e-2, qwen3moe 1.70e-2,
+# mixtral 1.55e-2, phi3 with LongRoPE 2.39e-2 (top-1 equal at every prefix)
+TOL_VULKAN = 3e-2
 
 
 @pytest.fixture(scope="module")
@@ -235,7 +240,7 @@ def test_llama_server_agrees_with_engine(device, models, llama_server_exe, arch)
             err = max(err, max(abs(t["logprob"] - lsm[n - 1, t["id"]]) for t in top))
             seen += 1
         assert seen >= len(ids) - 3, f"llama-server reported {seen} of {len(ids)} prefixes"
-        assert err < TOL.get(arch, 5e-3), err
+        assert err < (TOL_VULKAN if os.environ.get("VKENGINE_LLAMA_SERVER") else TOL.get(arch, 5e-3)), err
         assert srv.completion(ids, 12)["tokens"] == greedy
     finally:
         srv.close()
