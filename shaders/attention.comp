@@ -69,7 +69,12 @@ layout(push_constant) uniform P {
     // (Gemma 2) before the softmax
     uint window;
     float softcap;
+    uint ring;   // kv_at
 } p;
+
+// a position's row in the cache: sliding-window layers' caches are rings of
+// `ring` positions (position t at row t % ring); 0: no wrap
+uint kv_at(uint t) { return p.ring != 0u && t >= p.ring ? t % p.ring : t; }
 
 #if SPLIT
 // The output of (row r, head h) from its `used` slices:
@@ -137,12 +142,12 @@ void main() {
             uint t = t0 + lane;
             float s = -1.0 / 0.0;
             if (t <= last) {
-                uint k4 = (kb + t * k_row) / 4u;
+                uint k4 = (kb + kv_at(t) * k_row) / 4u;
                 float d = 0.0;
 #if KV_K_Q8
                 // per 64 values: a scale word, two blocks of 2 uvec4 of int8 each
                 [[unroll]] for (uint u = 0u; u < HD / 64u; u++) {
-                    vec2 du = unpackHalf2x16(kv[ksb + t * s_row + u]);
+                    vec2 du = unpackHalf2x16(kv[ksb + kv_at(t) * s_row + u]);
                     [[unroll]] for (uint b = 0u; b < 2u; b++) {
                         uint blk = 2u * u + b;
                         uvec4 k0 = kv4[k4 + 2u * blk], k1 = kv4[k4 + 2u * blk + 1u];
@@ -173,9 +178,9 @@ void main() {
             for (uint j0 = 0u; j0 < n_valid; j0 += VB) {
                 uint vw[VB][WPL];
                 [[unroll]] for (uint jj = 0; jj < VB; jj++) {
-                    uint vrow = vb + (t0 + j0 + jj) * v_row;
+                    uint vrow = vb + kv_at(t0 + j0 + jj) * v_row;
 #if KV_V_Q8
-                    uint vsrow = vsb + (t0 + j0 + jj) * s_row;
+                    uint vsrow = vsb + kv_at(t0 + j0 + jj) * s_row;
 #endif
                     [[unroll]] for (uint i = 0; i < WPL; i++) {
                         uint w = lane + i * S;

@@ -78,7 +78,12 @@ layout(push_constant) uniform P {
     // softcap * tanh(score / softcap) (Gemma 2)
     uint window;
     float softcap;
+    uint ring;   // kv_at
 } p;
+
+// a position's row in the cache: sliding-window layers' caches are rings of
+// `ring` positions (position t at row t % ring); 0: no wrap
+uint kv_at(uint t) { return p.ring != 0u && t >= p.ring ? t % p.ring : t; }
 
 // The output of (row r, head h) from its `used` parts, in part order:
 // o = sum_q e^(m_q - M) acc_q / sum_q e^(m_q - M) l_q, M = max_q m_q. Lane j
@@ -200,7 +205,7 @@ void main() {
         uvec4 kr[KPF + 1u];   // (KPF) the tile's K row, loaded during the tile before
 #if !KV_K_Q8
         if (KPF > 0u && LP == 1u && first + lane <= last) {
-            uint k4 = (kb + (first + lane) * k_row) / 4u;
+            uint k4 = (kb + kv_at(first + lane) * k_row) / 4u;
             [[unroll]] for (uint i = 0u; i < KPF; i++) kr[i] = kv4[k4 + i];
         }
 #endif
@@ -210,9 +215,9 @@ void main() {
             // (VPRE) the tile's first VB V rows, loaded before the scores
             uint vw[VB][WPL];
             if (VPRE != 0u) [[unroll]] for (uint jj = 0; jj < VB; jj++) {
-                uint vrow = vb + (t0 + jj) * v_row;
+                uint vrow = vb + kv_at(t0 + jj) * v_row;
 #if KV_V_Q8
-                uint vsrow = vsb + (t0 + jj) * s_row;
+                uint vsrow = vsb + kv_at(t0 + jj) * s_row;
 #endif
                 [[unroll]] for (uint i = 0; i < WPL; i++) {
                     uint w = lane + i * S;
@@ -226,11 +231,11 @@ void main() {
             float s[GQ];
             [[unroll]] for (uint g = 0; g < GQ; g++) s[g] = 0.0;
             if (t <= last) {
-                uint k4 = (kb + t * k_row) / 4u;
+                uint k4 = (kb + kv_at(t) * k_row) / 4u;
 #if KV_K_Q8
                 // per 64 values: a scale word, two blocks of 2 uvec4 of int8 each
                 [[unroll]] for (uint u = 0u; u < HD / 64u; u++) {
-                    vec2 du = unpackHalf2x16(kv[ksb + t * s_row + u]);
+                    vec2 du = unpackHalf2x16(kv[ksb + kv_at(t) * s_row + u]);
                     [[unroll]] for (uint b = 0u; b < 2u; b++) {
                         uint blk = 2u * u + b;
                         uvec4 k0 = kv4[k4 + 2u * blk], k1 = kv4[k4 + 2u * blk + 1u];
@@ -261,7 +266,7 @@ void main() {
 #if !KV_K_Q8
             // the next tile's K rows in flight during this tile's softmax and V rows
             if (KPF > 0u && LP == 1u && t + S <= last) {
-                uint k4 = (kb + (t + S) * k_row) / 4u;
+                uint k4 = (kb + kv_at(t + S) * k_row) / 4u;
                 [[unroll]] for (uint i = 0u; i < KPF; i++) kr[i] = kv4[k4 + i];
             }
             if (LP > 1u) {
@@ -273,7 +278,7 @@ void main() {
                     float d[GQ];
                     [[unroll]] for (uint g = 0; g < GQ; g++) d[g] = 0.0;
                     if (tp <= last) {
-                        uint k4 = (kb + tp * k_row + ld / 2u) / 4u;
+                        uint k4 = (kb + kv_at(tp) * k_row + ld / 2u) / 4u;
                         [[unroll]] for (uint i = 0u; i < DL4 / 2u; i++) {
                             uvec4 kw = kv4[k4 + i];
                             vec4 ka = vec4(unpackHalf2x16(kw.x), unpackHalf2x16(kw.y));
@@ -304,9 +309,9 @@ void main() {
             for (uint j0 = 0u; j0 < n_valid; j0 += VB) {
                 if (j0 > 0u || VPRE == 0u) {
                     [[unroll]] for (uint jj = 0; jj < VB; jj++) {
-                        uint vrow = vb + (t0 + j0 + jj) * v_row;
+                        uint vrow = vb + kv_at(t0 + j0 + jj) * v_row;
 #if KV_V_Q8
-                        uint vsrow = vsb + (t0 + j0 + jj) * s_row;
+                        uint vsrow = vsb + kv_at(t0 + j0 + jj) * s_row;
 #endif
                         [[unroll]] for (uint i = 0; i < WPL; i++) {
                             uint w = lane + i * S;

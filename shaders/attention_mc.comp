@@ -83,7 +83,12 @@ layout(push_constant) uniform P {
     // softcap) (Gemma 2)
     uint window;
     float softcap;
+    uint ring;   // kv_at
 } p;
+
+// a position's row in the cache: sliding-window layers' caches are rings of
+// `ring` positions (position t at row t % ring); 0: no wrap
+uint kv_at(uint t) { return p.ring != 0u && t >= p.ring ? t % p.ring : t; }
 
 #define LDH (HD + 8)          // halves per staged row (16-byte aligned, no bank conflicts)
 #define LDU (LDH / 8)         // the same in uvec4
@@ -179,18 +184,18 @@ void main() {
 #if KV_K_Q8
         uint kbase = (p.k_off + slot * sl.k_stride + kvh * (HD / 4u)) / 4u;
         uint kscale = p.k_off + slot * sl.k_stride + sl.k_scales + kvh * (HD / 64u);
-#define K_AT(t, c) kv_q8_halves8(kv4[kbase + (t) * qw4 + (c) / 2u], (c), KV_WORD(kscale + (t) * sw + (c) / 8u))
+#define K_AT(t, c) kv_q8_halves8(kv4[kbase + kv_at(t) * qw4 + (c) / 2u], (c), KV_WORD(kscale + kv_at(t) * sw + (c) / 8u))
 #else
         uint kbase = (p.k_off + slot * sl.k_stride + kvh * hd2) / 4u;
-#define K_AT(t, c) kv4[kbase + (t) * rw4 + (c)]
+#define K_AT(t, c) kv4[kbase + kv_at(t) * rw4 + (c)]
 #endif
 #if KV_V_Q8
         uint vbase = (p.v_off + slot * sl.v_stride + kvh * (HD / 4u)) / 4u;
         uint vscale = p.v_off + slot * sl.v_stride + sl.v_scales + kvh * (HD / 64u);
-#define V_AT(t, c) kv_q8_halves8(kv4[vbase + (t) * qw4 + (c) / 2u], (c), KV_WORD(vscale + (t) * sw + (c) / 8u))
+#define V_AT(t, c) kv_q8_halves8(kv4[vbase + kv_at(t) * qw4 + (c) / 2u], (c), KV_WORD(vscale + kv_at(t) * sw + (c) / 8u))
 #else
         uint vbase = (p.v_off + slot * sl.v_stride + kvh * hd2) / 4u;
-#define V_AT(t, c) kv4[vbase + (t) * rw4 + (c)]
+#define V_AT(t, c) kv4[vbase + kv_at(t) * rw4 + (c)]
 #endif
 #define KV_WORD(w) kv4[(w) / 4u][(w) % 4u]
 

@@ -29,7 +29,12 @@ layout(push_constant) uniform P {
     uint k_off, v_off, slot_stride;
     uint pos_off, slot_off;
     float eps;
+    uint ring;   // kv_at
 } p;
+
+// a position's row in the cache: sliding-window layers' caches are rings of
+// `ring` positions (position t at row t % ring); 0: no wrap
+uint kv_at(uint t) { return p.ring != 0u && t >= p.ring ? t % p.ring : t; }
 
 // dimension d of a head (kind 0 q, 1 k, 2 v) whose first input float is src:
 // v as it is; q and k normed (scale, weights at wn) and rotated (table row tb)
@@ -75,11 +80,12 @@ void main() {
             scale = inversesqrt(subgroupAdd(ss) / float(p.head_dim) + p.eps);
         }
         uint tb = p.table_off + pos * half_rot * 2u;
+        uint row = kv_at(pos);
         uint base = kind == 1u ? p.k_off + slot * sl.k_stride : p.v_off + slot * sl.v_stride;
         if (kind == 1u ? KV_K_Q8 != 0 : (kind == 2u && KV_V_Q8 != 0)) {
             // q8_0: a lane a unit of 64 values (two blocks and their scale word)
-            uint qrow = base + (pos * p.n_kv + hh) * (p.head_dim / 4u);
-            uint srow = base + (kind == 1u ? sl.k_scales : sl.v_scales) + (pos * p.n_kv + hh) * (p.head_dim / 64u);
+            uint qrow = base + (row * p.n_kv + hh) * (p.head_dim / 4u);
+            uint srow = base + (kind == 1u ? sl.k_scales : sl.v_scales) + (row * p.n_kv + hh) * (p.head_dim / 64u);
             for (uint u = gl_SubgroupInvocationID; u < p.head_dim / 64u; u += gl_SubgroupSize) {
                 vec2 ds;
                 [[unroll]] for (uint b = 0u; b < 2u; b++) {
@@ -108,7 +114,7 @@ void main() {
                 act[ob] = outv.x;
                 act[ob + 1u] = outv.y;
             } else {
-                kv[base + (pos * p.n_kv + hh) * hd2 + w] = packHalf2x16(outv);
+                kv[base + (row * p.n_kv + hh) * hd2 + w] = packHalf2x16(outv);
             }
         }
     }

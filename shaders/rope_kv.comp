@@ -26,7 +26,12 @@ layout(push_constant) uniform P {
     uint table_off;
     uint k_off, v_off, slot_stride;   // words in the KV buffer
     uint pos_off, slot_off;           // uint indices into params
+    uint ring;                        // kv_at
 } p;
+
+// a position's row in the cache: sliding-window layers' caches are rings of
+// `ring` positions (position t at row t % ring); 0: no wrap
+uint kv_at(uint t) { return p.ring != 0u && t >= p.ring ? t % p.ring : t; }
 
 float rotated(uint xb, uint d, float c, float s, uint pair_d, bool second) {
     float x = act[xb + d];
@@ -106,6 +111,7 @@ void main() {
     uint slot = params[p.slot_off + r];
     uint rb = p.qkv_off + r * p.qkv_stride;
     uint tb = p.table_off + pos * (p.n_rot / 2u) * 2u;
+    uint row = kv_at(pos);
 
     if (w < wq_) {
         uint h = w / hd2, wi = w % hd2;
@@ -124,10 +130,10 @@ void main() {
     uint base = is_k ? p.k_off + slot * sl.k_stride : p.v_off + slot * sl.v_stride;
     bool q8 = is_k ? KV_K_Q8 != 0 : KV_V_Q8 != 0;
     if (q8) {
-        uint qrow = base + (pos * p.n_kv + kvh) * (hd / 4u);
-        uint sw = base + (is_k ? sl.k_scales : sl.v_scales) + (pos * p.n_kv + kvh) * (hd / 64u) + u;
+        uint qrow = base + (row * p.n_kv + kvh) * (hd / 4u);
+        uint sw = base + (is_k ? sl.k_scales : sl.v_scales) + (row * p.n_kv + kvh) * (hd / 64u) + u;
         store_q8(head_base, u, tb, is_k, qrow, sw);
     } else {
-        kv[base + (pos * p.n_kv + kvh) * hd2 + u] = packHalf2x16(head_pair(head_base, u, tb, is_k));
+        kv[base + (row * p.n_kv + kvh) * hd2 + u] = packHalf2x16(head_pair(head_base, u, tb, is_k));
     }
 }

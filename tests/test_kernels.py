@@ -967,13 +967,15 @@ class _AttentionCase:
         self.orr = ws.act_region(self.q.size)
         self.scale = 1 / np.sqrt(hd)
 
-    def check(self, got, q, window=0, softcap=0.0, **tol):
+    def check(self, got, q, window=0, softcap=0.0, ring=0, **tol):
         """got (the output region's floats) against numpy attention of q
-        (window > 0: each row over its last `window` positions)"""
+        (window > 0: each row over its last `window` positions; ring > 0: the
+        cache a ring of that many positions, position t at row t % ring)"""
         got = got.reshape(self.shape)
         for r, (s, p) in enumerate(zip(self.slots, self.pos)):
             lo = max(0, int(p) + 1 - window) if window else 0
-            want = ref.attention(q[r], self.kvals[s, lo:p + 1], self.vvals[s, lo:p + 1], self.scale, softcap)
+            rows = np.arange(lo, p + 1) % ring if ring else np.arange(lo, p + 1)
+            want = ref.attention(q[r], self.kvals[s, rows], self.vvals[s, rows], self.scale, softcap)
             _close(got[r], want, **tol)
 
 
@@ -1102,9 +1104,11 @@ def test_attention_coopmat(device, coopmat_kernels, ws, rng, hd, n_head, n_kv, g
 
 
 @pytest.mark.parametrize("path", ["none", "slices", "dec", "mc", "mc64"])
-@pytest.mark.parametrize("window,softcap,kv", [(40, 0.0, "f16"), (7, 0.0, "kv"), (40, 2.0, "f16"), (0, 1.5, "f16"),
-                                               (64, 0.0, "f16")])
-def test_attention_window_softcap(device, kernels, coopmat_kernels_or_none, ws, rng, path, window, softcap, kv):
+@pytest.mark.parametrize("window,softcap,kv,ring", [(40, 0.0, "f16", 0), (7, 0.0, "kv", 0), (40, 2.0, "f16", 0),
+                                                    (0, 1.5, "f16", 0), (64, 0.0, "f16", 0), (40, 0.0, "f16", 100),
+                                                    (40, 2.0, "kv", 100)])
+def test_attention_window_softcap(device, kernels, coopmat_kernels_or_none, ws, rng, path, window, softcap, kv,
+                                  ring):
     """Sliding-window layers (each row sees its last `window` positions: Gemma's
     local layers) and Gemma 2's score soft-cap, on every attention path: one
     pass, attention.comp's 64-position slices, attention_dec's parts and
@@ -1112,7 +1116,9 @@ def test_attention_window_softcap(device, kernels, coopmat_kernels_or_none, ws, 
     row block, "mc64": 64-wide, one): a prefill chunk of 40 rows that
     crosses the window (and the 32-position blocks), decode rows of two other
     slots far past it and just inside it, against numpy. Large q so that the
-    cap changes the result."""
+    cap changes the result. ring: the cache a ring of 100 positions
+    (sliding-window layers' bounded caches), the decode row at 130 reading a
+    window that wraps."""
     mc = path.startswith("mc")
     if mc:
         if coopmat_kernels_or_none is None:
@@ -1126,7 +1132,7 @@ def test_attention_window_softcap(device, kernels, coopmat_kernels_or_none, ws, 
     pos = np.array(list(range(20, 60)) + [299, window - 1 if window else 5, 130], np.uint32)
     types = KV_Q8.get(kv, KVTypes())
     ctx, rows = 300, len(slots)
-    c = _AttentionCase(ws, rng, 3, ctx, n_head, n_kv, hd, slots, pos, 60, types)
+    c = _AttentionCase(ws, rng, 3, ring or ctx, n_head, n_kv, hd, slots, pos, 60, types)
     c.q *= 4.0
     ws.device.upload(c.qr.buf, np.ascontiguousarray(c.q).reshape(-1).view(np.uint32), c.qr.off * 4)
     on = path in ("slices", "dec")
@@ -1139,14 +1145,15 @@ def test_attention_window_softcap(device, kernels, coopmat_kernels_or_none, ws, 
         c.vvals = c.vvals.astype(np.float16).astype(np.float32)
     prog = device.program()
     kn.attention(prog, c.qr, n_head * hd, c.orr, n_head * hd, rows, n_head, n_kv, hd, c.kc, c.vc, c.ss,
-                 ws.params, 0, 60, c.scale, tmp, ctx, sync, kv_types=types, window=window, softcap=softcap)
+                 ws.params, 0, 60, c.scale, tmp, ctx, sync, kv_types=types, window=window, softcap=softcap,
+                 ring=kv_util.capacity(ring, types) if ring else 0)
     ws.device.upload(c.orr.buf, np.full(c.orr.words, 0x7FC00000, np.uint32), c.orr.off * 4)
     prog.run()
     if mc:
-        c.check(ws.read(c.orr), c.q.astype(np.float16).astype(np.float32), window, softcap, rtol=2e-3,
+        c.check(ws.read(c.orr), c.q.astype(np.float16).astype(np.float32), window, softcap, ring, rtol=2e-3,
                 atol_scale=2e-3)
     else:
-        c.check(ws.read(c.orr), c.q, window, softcap, atol_scale=1e-5)
+        c.check(ws.read(c.orr), c.q, window, softcap, ring, atol_scale=1e-5)
     if on:
         assert (ws.read(sync, np.uint32) == 0).all()
 

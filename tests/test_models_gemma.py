@@ -164,6 +164,53 @@ def test_gguf_and_hf_copy_agree(device, models, arch):
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-3 * float(np.abs(a).max()))
 
 
+def _long_ids(m, n: int, seed: int = 5) -> list[int]:
+    return np.random.default_rng(seed).integers(0, m.args.n_vocab, n).tolist()
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_bounded_window_cache(device, models, arch):
+    """The sliding-window layers' KV rows live in rings of window + 2 x
+    max_batch positions (136 here, against the context's 256): a 200-token
+    prompt in chunks of 64 and decode steps past it wrap the ring, and every
+    row's logits still match the numpy reference; the cache takes less memory
+    than full rows would; a slot parked and restored elsewhere continues as
+    the original does; going back past what the ring holds is refused, going
+    back within it and restarting at 0 are not."""
+    from vkengine.errors import VkEngineError
+    from vkengine.state import KVCache
+    m, eng = _engine(device, models[(arch, "q8_0")]["gguf"])
+    kv = eng.kv
+    swa = [i for i, s in enumerate(m.args.swa) if s]
+    assert [kv.ring(i) for i in swa] == [136] * len(swa) and all(kv.ring(i) == 0 for i in range(m.args.n_layer)
+                                                                  if i not in swa)
+    full = KVCache.bytes_needed(m.args.n_layer, 4, 256, m.args.n_kv_heads, m.args.head_dim)
+    assert kv.nbytes < full - len(swa) * 4 * 100 * KVCache.position_bytes(1, m.args.n_kv_heads, m.args.head_dim)
+    ids = _long_ids(m, 216)
+    want = RefGemma(m.file, m.args).logits(ids)
+    got = []
+    for a in range(0, 200, 64):            # prompt chunks of at most 64 rows (the engine's max_batch)
+        chunk = ids[a:min(a + 64, 200)]
+        got.append(eng.step(chunk, range(a, a + len(chunk)), [1] * len(chunk), range(len(chunk)),
+                            Readback.LOGITS))
+    parked = kv.park(1, 200)
+    for p in range(200, 216):              # decode steps
+        got.append(eng.step([ids[p]], [p], [1], [0], Readback.LOGITS))
+    _assert_logits_close(np.concatenate(got), want)
+    # restored into slot 3: the same decode logits as slot 1 gave
+    kv.restore(parked, 3)
+    again = np.stack([eng.step([ids[p]], [p], [3], [0], Readback.LOGITS)[0] for p in range(200, 216)])
+    np.testing.assert_allclose(again, np.concatenate(got[-16:]), rtol=0, atol=1e-5 * float(np.abs(again).max()))
+    with pytest.raises(VkEngineError, match="too far back"):
+        eng.step([ids[20]], [20], [1], [0], Readback.LOGITS)
+    assert kv.reusable_prefix(1, 20) == 0 and kv.reusable_parked(parked, 20) == 0
+    assert kv.reusable_prefix(1, 205) == 205          # within the ring: positions 198..204 still held
+    back = eng.step([ids[205]], [205], [1], [0], Readback.LOGITS)[0]
+    np.testing.assert_allclose(back, got[-11][0], rtol=0, atol=1e-5 * float(np.abs(back).max()))
+    restart = eng.step(ids[:8], range(8), [1] * 8, range(8), Readback.LOGITS)
+    _assert_logits_close(restart, want[:8])
+
+
 def test_synth_real_shapes_config():
     g = config_for("gemma3-270m", None, "gemma3")
     assert (g.n_embd, g.n_layer, g.n_head, g.n_head_kv, g.head_dim, g.window) == (640, 18, 4, 1, 256, 512)

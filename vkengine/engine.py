@@ -133,7 +133,7 @@ class Engine:
         self._check_memory(words * 4)
         self.weights = self.arch.load_weights(model.file, a, device, self.n_ctx)
         try:
-            self.kv = self.arch.make_state(device, a, cfg.n_slots, self.n_ctx, cfg.kv_types)
+            self.kv = self.arch.make_state(device, a, cfg.n_slots, self.n_ctx, cfg.kv_types, max_step=self.max_batch)
         except VkEngineError as e:
             raise VkEngineError(f"{e}: reduce the context length (--ctx) or the sequences held on the "
                                 "device at once (--parallel, --slots)") from e
@@ -179,7 +179,8 @@ class Engine:
         cfg, dev = self.cfg, self.device
         mf = self.model.file
         weights = sum(_tensor_bytes(*mf.tensor_info(n)) for n in mf.tensor_names())
-        per_pos, per_slot = self.arch.state_bytes(self.args, cfg.n_slots, self.n_ctx, cfg.kv_types)
+        per_pos, per_slot = self.arch.state_bytes(self.args, cfg.n_slots, self.n_ctx, cfg.kv_types,
+                                                  max_step=self.max_batch)
         kv = (per_pos * self.n_ctx + per_slot) * cfg.n_slots
         # the matmuls' own scratch (split K's partial sums, mul_mc2's halves of x)
         shapes = [mf.tensor_info(n)[1] for n in mf.tensor_names()]

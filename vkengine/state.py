@@ -18,6 +18,15 @@ binding in the kernels).
 Parking (slices mode, preemption) copies a slot's first `length` positions of
 every layer (each side's quants and scales: `_slot_ranges`) to a host-visible
 buffer and back; copying slot to slot serves the prefix cache.
+
+Sliding-window layers (`rings`: Gemma's local layers) keep a ring of `ring`
+positions a slot instead of the context (position t at row t % ring): the
+window plus what a step can write past a row's position (its rows and pad
+rows: 2 x max_batch), so that no row a step reads is overwritten by the same
+step. Such a slot can continue at its last position, start again at 0, or go
+back to a position whose window the ring still holds (`reusable_prefix`;
+`begin_step` refuses the others); parking and prefix copies take the ring's
+rows that hold anything.
 """
 from __future__ import annotations
 
@@ -33,9 +42,12 @@ from .kernels import KVTypes, Region
 
 @dataclass
 class Parked:
-    """A sequence's KV rows in host memory (or on disk-backed numpy)."""
+    """A sequence's KV rows in host memory (or on disk-backed numpy); ring_rows,
+    ring_hi: rows of each ring layer parked, and the slot's written extent then."""
     length: int
     buffer: Buffer
+    ring_rows: int = 0
+    ring_hi: int = 0
 
 
 class KVCache:
@@ -50,7 +62,10 @@ class KVCache:
     snap_rows = 0      # rows of a speculative step whose state can be rolled back to
 
     def __init__(self, device: Device, n_layer: int, n_slots: int, ctx: int, n_kv: int, head_dim: int,
-                 layers: list[int] | None = None, types: KVTypes = KVTypes()):
+                 layers: list[int] | None = None, types: KVTypes = KVTypes(), rings: list[int] | None = None,
+                 window: int = 0, max_step: int = 0):
+        """rings: the sliding-window layers, whose slots hold ring_capacity(window,
+        max_step) positions (max_step: the most rows a step takes)."""
         types.check_head_dim(head_dim)
         self.device = device
         self.n_slots, self.ctx, self.n_kv, self.head_dim = n_slots, ctx, n_kv, head_dim
@@ -59,21 +74,44 @@ class KVCache:
         self.k_stride = self.cap * n_kv * KVTypes.pos_words(types.k, head_dim)
         self.v_stride = self.cap * n_kv * KVTypes.pos_words(types.v, head_dim)
         self.slot_stride = self.k_stride                # what the kernels take (shaders/kv.glsl)
-        # per side (K, V): (words into a slot where position 0 starts, words a position) of
-        # each of its parts: the f16 rows, or the q8_0 quants and scales
-        self._parts = [self._side_parts(t) for t in (types.k, types.v)]
         self.layers = list(range(n_layer)) if layers is None else list(layers)
+        self.window, self.margin = window, max_step
+        ring_cap = self.ring_capacity(window, max_step, ctx, types) if rings else self.cap
+        self.ring_cap = ring_cap if ring_cap < self.cap else 0
+        self._rings = set(rings or ()) if self.ring_cap else set()
+        # per layer: positions a slot holds; per layer and side (K, V): (words into a slot where position 0
+        # starts, words a position) of each of its parts: the f16 rows, or the q8_0 quants and scales
+        self._cap = {layer: self.ring_cap if layer in self._rings else self.cap for layer in self.layers}
+        self._parts = {layer: [self._side_parts(t, self._cap[layer]) for t in (types.k, types.v)]
+                       for layer in self.layers}
+        self._strides = {layer: tuple(self._cap[layer] * n_kv * KVTypes.pos_words(t, head_dim)
+                                      for t in (types.k, types.v)) for layer in self.layers}
         plan = ArenaPlan(device.max_buffer_bytes // 4)
-        self._groups = {layer: plan.add([n_slots * self.k_stride, n_slots * self.v_stride],
-                                        f"KV cache of one layer ({n_slots} slots x {ctx})")
+        self._groups = {layer: plan.add([n_slots * s for s in self._strides[layer]],
+                                        f"KV cache of one layer ({n_slots} slots x {self._cap[layer]})")
                         for layer in self.layers}
         self.arena = Arena(device, plan, "device", "kv")
         self._regions = {layer: self.arena.regions(g) for layer, g in self._groups.items()}
+        self.hi = np.zeros(n_slots, np.int64)   # (rings) per slot: 1 + the last position a step wrote
 
-    def _side_parts(self, t: str) -> list[tuple[int, int]]:
+    @staticmethod
+    def ring_capacity(window: int, max_step: int, ctx: int, types: KVTypes) -> int:
+        """Positions a sliding-window layer's slot holds: its window and twice the
+        rows of a step (a step's rows and its pad rows past them), at most the context."""
+        return KVCache.capacity(min(ctx, window + 2 * max_step), types)
+
+    def stride(self, layer: int) -> int:
+        """K's slot stride of a layer (what the kernels take)."""
+        return self._strides[layer][0]
+
+    def ring(self, layer: int) -> int:
+        """A sliding-window layer's ring (positions a slot holds), else 0."""
+        return self.ring_cap if layer in self._rings else 0
+
+    def _side_parts(self, t: str, cap: int) -> list[tuple[int, int]]:
         n_kv, hd = self.n_kv, self.head_dim
         if t == "q8_0":
-            return [(0, n_kv * hd // 4), (self.cap * n_kv * hd // 4, n_kv * hd // 64)]
+            return [(0, n_kv * hd // 4), (cap * n_kv * hd // 4, n_kv * hd // 64)]
         return [(0, n_kv * hd // 2)]
 
     @staticmethod
@@ -103,28 +141,47 @@ class KVCache:
         return self._regions[layer][1]
 
     def bytes_per_position(self) -> int:
-        return self.position_bytes(len(self.layers), self.n_kv, self.head_dim, self.types)
+        """Bytes a position of a slot's layers without a ring."""
+        return self.position_bytes(len(self.layers) - len(self._rings), self.n_kv, self.head_dim, self.types)
 
-    def _slot_ranges(self, slot: int, start: int, length: int):
+    def ring_row_bytes(self) -> int:
+        """Bytes a ring row of all the sliding-window layers."""
+        return self.position_bytes(len(self._rings), self.n_kv, self.head_dim, self.types)
+
+    def _slot_ranges(self, slot: int, start: int, length: int, ring_rows: int = 0):
         """(region, word offset, words) of positions [start, start+length) of a slot, per layer, K/V and part
-        (a q8_0 side's quants and scales)."""
+        (a q8_0 side's quants and scales); of a ring layer, its rows [0, ring_rows)."""
         for layer in self.layers:
-            for r, stride, parts in zip(self._regions[layer], (self.k_stride, self.v_stride), self._parts):
+            a, n = (0, ring_rows) if layer in self._rings else (start, length)
+            if n <= 0:
+                continue
+            for r, stride, parts in zip(self._regions[layer], self._strides[layer], self._parts[layer]):
                 for off0, words in parts:
-                    yield r, r.off + slot * stride + off0 + start * words, length * words
+                    yield r, r.off + slot * stride + off0 + a * words, n * words
+
+    def _ring_rows(self, slot: int) -> int:
+        """A slot's ring rows that may hold anything of its sequence (0: no rings)."""
+        return min(self.ring_cap, int(self.hi[slot]) + self.margin) if self._rings else 0
+
+    def _window_kept(self, hi: int, length: int) -> bool:
+        """Whether a ring written up to position hi - 1 (and pad rows past it)
+        still holds the window before position `length`."""
+        return length == 0 or not self._rings or max(0, length - self.window + 1) >= hi + self.margin - self.ring_cap
 
     def park(self, slot: int, length: int, into: Buffer | None = None) -> Parked:
-        """Copy positions [0, length) of a slot into a host-visible buffer."""
-        need = max(16, length * self.bytes_per_position())
+        """Copy positions [0, length) of a slot (a ring layer's rows that hold
+        anything) into a host-visible buffer."""
+        rows = self._ring_rows(slot)
+        need = max(16, length * self.bytes_per_position() + rows * self.ring_row_bytes())
         if into is None or into.nbytes < need:
             into = self.device.buffer(need, "host", f"parked-slot{slot}")
         p = self.device.program()
         off = 0
-        for r, w, n in self._slot_ranges(slot, 0, length):
+        for r, w, n in self._slot_ranges(slot, 0, length, rows):
             p.copy(r.buf, into, w * 4, off, n * 4, "park")
             off += n * 4
         p.run()
-        return Parked(length, into)
+        return Parked(length, into, rows, int(self.hi[slot]))
 
     def restore(self, parked: Parked, slot: int, length: int | None = None) -> None:
         """Bring back positions [0, length) (default: all) of a parked sequence
@@ -134,40 +191,65 @@ class KVCache:
             raise ValueError(f"cannot restore {length} of {parked.length} parked positions")
         if length == 0:
             return
+        if not self._window_kept(parked.ring_hi, length):
+            raise ValueError(f"the parked ring no longer holds the window before position {length}")
         p = self.device.program()
         off = 0
-        # parked blocks are parked.length positions long
-        for (r, w, n), (_, _, n_parked) in zip(self._slot_ranges(slot, 0, length),
-                                               self._slot_ranges(slot, 0, parked.length)):
+        # parked blocks are parked.length positions long (a ring layer's: parked.ring_rows)
+        for (r, w, n), (_, _, n_parked) in zip(self._slot_ranges(slot, 0, length, parked.ring_rows),
+                                               self._slot_ranges(slot, 0, parked.length, parked.ring_rows)):
             p.copy(parked.buffer, r.buf, off, w * 4, n * 4, "restore")
             off += n_parked * 4
         p.run()
+        self.hi[slot] = parked.ring_hi
 
     def copy_prefix(self, src_slot: int, dst_slot: int, length: int) -> None:
         """Positions [0, length) of src_slot into dst_slot (prefix cache)."""
         if src_slot == dst_slot or length <= 0:
             return
+        if not self._window_kept(int(self.hi[src_slot]), length):
+            raise ValueError(f"slot {src_slot}'s ring no longer holds the window before position {length}")
+        rows = self._ring_rows(src_slot)
         p = self.device.program()
-        for (r, ws, n), (_, wd, _) in zip(self._slot_ranges(src_slot, 0, length),
-                                          self._slot_ranges(dst_slot, 0, length)):
+        for (r, ws, n), (_, wd, _) in zip(self._slot_ranges(src_slot, 0, length, rows),
+                                          self._slot_ranges(dst_slot, 0, length, rows)):
             p.copy(r.buf, r.buf, ws * 4, wd * 4, n * 4, "prefix")
         p.run()
+        self.hi[dst_slot] = self.hi[src_slot]
 
     def begin_step(self, positions: np.ndarray, slots: np.ndarray) -> None:
-        """Check and account for a step's rows before it is submitted (KV rows need nothing)."""
+        """Check and account for a step's rows before it is submitted: with
+        rings, a slot may not go back to a position whose window its ring no
+        longer holds (plain KV rows need nothing)."""
+        if not self._rings:
+            return
+        pos, slt = np.asarray(positions, np.int64), np.asarray(slots, np.int64)
+        ends = {}
+        for s in np.unique(slt):
+            mine = pos[slt == s]
+            p0 = int(mine.min())
+            if p0 < self.hi[s] and not self._window_kept(int(self.hi[s]), p0):
+                raise VkEngineError(f"slot {s}: position {p0} is too far back for the sliding-window layers' "
+                                    f"cache (it holds the last {self.ring_cap} positions of {int(self.hi[s])})")
+            ends[int(s)] = int(mine.max()) + 1
+        for s, e in ends.items():     # only once the whole step is valid
+            self.hi[s] = e
 
     def reusable_prefix(self, src_slot: int, length: int) -> int:
         """How many of the first `length` positions of src_slot copy_prefix can reuse."""
-        return length
+        return length if self._window_kept(int(self.hi[src_slot]), length) else 0
 
     def reusable_parked(self, parked: Parked, length: int) -> int:
         """How many of the first `length` positions of a parked sequence restore can reuse."""
-        return min(length, parked.length)
+        length = min(length, parked.length)
+        return length if self._window_kept(parked.ring_hi, length) else 0
 
     def read(self, layer: int, slot: int, length: int) -> tuple[np.ndarray, np.ndarray]:
         """(K, V) float32 (length, n_kv, head_dim) of one slot, q8_0 dequantized (tests, debugging)."""
+        if length > self._cap[layer]:
+            raise ValueError(f"layer {layer} holds {self._cap[layer]} positions a slot")
         out = []
-        for r, stride, parts in zip(self._regions[layer], (self.k_stride, self.v_stride), self._parts):
+        for r, stride, parts in zip(self._regions[layer], self._strides[layer], self._parts[layer]):
             w = [self.device.download(r.buf, (r.off + slot * stride + off0) * 4, length * words * 4, np.uint32)
                  for off0, words in parts]
             if len(w) == 1:   # f16
@@ -316,7 +398,7 @@ class HybridState(KVCache):
             p.copy(r.buf, into, w * 4, off, n * 4, "park")
             off += n * 4
         p.run()
-        return HybridParked(length, into, int(self.length[slot]))
+        return HybridParked(length, into, state_length=int(self.length[slot]))
 
     def restore(self, parked: Parked, slot: int, length: int | None = None) -> None:
         """Bring a parked sequence back into a slot: all of it (KV rows and the

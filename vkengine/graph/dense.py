@@ -106,9 +106,10 @@ class DenseOps(GraphBase):
         n = self._rows(x)
         table = table or self.rope_table
         ropes = [RopeOut(col, neox, n_head, n_kv, head_dim, n_rot, table, self.s.region(q_out),
-                         self.s.stride(q_out), self.kv.k(layer), self.kv.v(layer), self.kv.slot_stride,
+                         self.s.stride(q_out), self.kv.k(layer), self.kv.v(layer), self.kv.stride(layer),
                          self.params, self.pl.positions, self.pl.slots, self.kv.types) for _, col in pieces]
-        if all(self.k.fuses_rope(m, n, r) for (m, _), r in zip(pieces, ropes)):
+        # (the matvecs' fused cache write has no ring: sliding-window layers' bounded caches take rope_kv)
+        if not self.kv.ring(layer) and all(self.k.fuses_rope(m, n, r) for (m, _), r in zip(pieces, ropes)):
             for (m, col), r in zip(pieces, ropes):
                 self.k.mul_mat(self.p, m, self.s.region(x), self.s.stride(x), self.s.region(qkv, col),
                                self.s.stride(qkv), n, rope=r, norm_in=self._plain(norm_in),
@@ -124,8 +125,8 @@ class DenseOps(GraphBase):
         the cache at each row's (slot, position)."""
         self.k.rope_kv(self.p, table or self.rope_table, self.s.region(qkv), self.s.stride(qkv), self.s.region(q_out),
                        self.s.stride(q_out), self.n, n_head, n_kv, head_dim, n_rot, neox,
-                       self.kv.k(layer), self.kv.v(layer), self.kv.slot_stride, self.params,
-                       self.pl.positions, self.pl.slots, kv_types=self.kv.types)
+                       self.kv.k(layer), self.kv.v(layer), self.kv.stride(layer), self.params,
+                       self.pl.positions, self.pl.slots, kv_types=self.kv.types, ring=self.kv.ring(layer))
 
     def attention(self, layer: int, q: str, out: str, n_head: int, n_kv: int, head_dim: int, scale: float,
                   window: int = 0, softcap: float = 0.0) -> None:
@@ -142,9 +143,9 @@ class DenseOps(GraphBase):
                 split = Region(self.s.buf, self.s.offsets["out_attn_split"], need)
                 sync = Region(self.s.buf, self.s.offsets["out_attn_sync"], counters)
         self.k.attention(self.p, self.s.region(q), self.s.stride(q), self.s.region(out), self.s.stride(out),
-                         self.n, n_head, n_kv, head_dim, self.kv.k(layer), self.kv.v(layer), self.kv.slot_stride,
+                         self.n, n_head, n_kv, head_dim, self.kv.k(layer), self.kv.v(layer), self.kv.stride(layer),
                          self.params, self.pl.positions, self.pl.slots, scale, split, self.kv.ctx, sync,
-                         kv_types=self.kv.types, window=window, softcap=softcap)
+                         kv_types=self.kv.types, window=window, softcap=softcap, ring=self.kv.ring(layer))
 
     def gate_up_swiglu(self, pieces: list[tuple[Matrix, int]], x: str, gu: str, out: str,
                        norm_in: NormIn | None = None) -> None:
@@ -210,8 +211,9 @@ class DenseOps(GraphBase):
         qc = n_head * qh
         self.k.norm_rope_kv(self.p, table, wq, wk, self._r(qkv), self.s.stride(qkv), qh, qc,
                              qc + n_kv * head_dim, self._r(q_out), self.s.stride(q_out), self.n, n_head, n_kv,
-                             head_dim, n_rot, self.kv.k(layer), self.kv.v(layer), self.kv.slot_stride,
-                             self.params, self.pl.positions, self.pl.slots, self.eps, kv_types=self.kv.types)
+                             head_dim, n_rot, self.kv.k(layer), self.kv.v(layer), self.kv.stride(layer),
+                             self.params, self.pl.positions, self.pl.slots, self.eps, kv_types=self.kv.types,
+                             ring=self.kv.ring(layer))
 
     def head_gate(self, x: str, qkv: str, head_dim: int) -> None:
         """x[r][h*hd + d] *= sigmoid(gate of head h), gates interleaved after each query in qkv."""

@@ -83,9 +83,10 @@ class AttentionKernels(KernelBase):
     def rope_kv(self, prog: Program, table: Region, qkv: Region, qkv_stride: int, q_out: Region, q_stride: int,
                 n_rows: int, n_head: int, n_kv: int, head_dim: int, n_rot: int, neox: bool,
                 k_cache: Region, v_cache: Region, slot_stride: int, params: Buffer, pos_off: int, slot_off: int,
-                label: str = "rope_kv", kv_types: KVTypes = KVTypes()) -> None:
+                label: str = "rope_kv", kv_types: KVTypes = KVTypes(), ring: int = 0) -> None:
         """RoPE on q and k of each row, k and v written into the cache (of
-        kv_types) at (params[slot_off + r], params[pos_off + r]); rotated q to
+        kv_types) at (params[slot_off + r], params[pos_off + r]) (ring > 0: a
+        ring of that many positions, position t at row t % ring); rotated q to
         q_out."""
         kv_types.check_head_dim(head_dim)
         act = self._same_buffer(qkv, q_out)
@@ -94,7 +95,7 @@ class AttentionKernels(KernelBase):
         push = self._push(name, qkv_off=qkv.off, qkv_stride=qkv_stride, q_off=q_out.off, q_stride=q_stride,
                           n_rows=n_rows, n_head=n_head, n_kv=n_kv, head_dim=head_dim, n_rot=n_rot, mode=int(neox),
                           table_off=table.off, k_off=k_cache.off, v_off=v_cache.off, slot_stride=slot_stride,
-                          pos_off=pos_off, slot_off=slot_off)
+                          pos_off=pos_off, slot_off=slot_off, ring=ring)
         alg = self._alg(name, [table.buf, act, params, kv], push, self.caps.ew_wg, 1)
         # an invocation a q word (2 dims), and per K or V head an f16 pair or 64 q8_0 values
         units = {"f16": head_dim // 2, "q8_0": head_dim // 64}
@@ -109,9 +110,10 @@ class AttentionKernels(KernelBase):
                      q_head_stride: int, k_col: int, v_col: int, q_out: Region, q_stride: int, n_rows: int,
                      n_head: int, n_kv: int, head_dim: int, n_rot: int, k_cache: Region, v_cache: Region,
                      slot_stride: int, params: Buffer, pos_off: int, slot_off: int, eps: float,
-                     label: str = "norm_rope_kv", kv_types: KVTypes = KVTypes()) -> None:
+                     label: str = "norm_rope_kv", kv_types: KVTypes = KVTypes(), ring: int = 0) -> None:
         """Per-head RMSNorm (wq, wk) + NEOX RoPE of q and k; q to q_out, k and v
-        into the cache (of kv_types) at each row's (slot, position)."""
+        into the cache (of kv_types) at each row's (slot, position) (ring: as
+        rope_kv's)."""
         if not (table.buf is wq.buf is wk.buf):
             raise ValueError("the RoPE table and the q/k norm weights must share a weight buffer")
         if head_dim % 2 or n_rot % 2 or n_rot > head_dim:
@@ -124,7 +126,7 @@ class AttentionKernels(KernelBase):
                           k_col=k_col, v_col=v_col, q_off=q_out.off, q_stride=q_stride, n_rows=n_rows, n_head=n_head,
                           n_kv=n_kv, head_dim=head_dim, n_rot=n_rot, table_off=table.off, wq_off=wq.off,
                           wk_off=wk.off, k_off=k_cache.off, v_off=v_cache.off, slot_stride=slot_stride,
-                          pos_off=pos_off, slot_off=slot_off, eps=eps)
+                          pos_off=pos_off, slot_off=slot_off, eps=eps, ring=ring)
         alg = self._alg(name, [table.buf, act, params, kv], push, self.caps.wg)
         width = v_col + n_kv * head_dim
         reads = [table.range, wq.range, wk.range, rows_range(qkv, n_rows, qkv_stride, width),
@@ -137,7 +139,7 @@ class AttentionKernels(KernelBase):
                   n_head: int, n_kv: int, head_dim: int, k_cache: Region, v_cache: Region, slot_stride: int,
                   params: Buffer, pos_off: int, slot_off: int, scale: float, split: Region | None = None,
                   n_ctx: int = 0, sync: Region | None = None, label: str = "attention",
-                  kv_types: KVTypes = KVTypes(), window: int = 0, softcap: float = 0.0) -> None:
+                  kv_types: KVTypes = KVTypes(), window: int = 0, softcap: float = 0.0, ring: int = 0) -> None:
         """o[r][h] = softmax(q[r][h] . K[slot][0..pos]) V[slot][0..pos].
         With `split` (scratch of attention_tmp_words), the cache's n_ctx and
         `sync` (attention_sync_words of zeros, left zero) the positions are cut
@@ -148,7 +150,10 @@ class AttentionKernels(KernelBase):
         can (attention_on_coopmat). kv_types: the cache's K and V types
         (slot_stride is K's). window > 0: each row sees only its last `window`
         positions (sliding-window layers); softcap > 0: scores s become
-        softcap * tanh(s / softcap) before the softmax (Gemma 2)."""
+        softcap * tanh(s / softcap) before the softmax (Gemma 2). ring > 0: the
+        cache holds that many positions a slot, position t at row t % ring
+        (sliding-window layers' bounded caches: the window and a step's rows
+        must fit in it)."""
         if head_dim % 8 or n_head % n_kv or q.off % 4 or q_stride % 4 or k_cache.off % 4 or v_cache.off % 4:
             raise VkEngineError(f"attention needs head_dim a multiple of 8 ({head_dim}), n_head a multiple of "
                                 f"n_kv ({n_head}/{n_kv}) and 16-byte aligned q rows and caches")
@@ -162,7 +167,8 @@ class AttentionKernels(KernelBase):
         out = [rows_range(o, n_rows, o_stride, n_head * head_dim)]
         pc = dict(q_off=q.off, q_stride=q_stride, o_off=o.off, o_stride=o_stride, n_rows=n_rows, n_head=n_head,
                   n_kv=n_kv, head_dim=head_dim, k_off=k_cache.off, v_off=v_cache.off, slot_stride=slot_stride,
-                  pos_off=pos_off, slot_off=slot_off, scale=scale, window=window, softcap=softcap)
+                  pos_off=pos_off, slot_off=slot_off, scale=scale, window=window, softcap=softcap,
+                  ring=ring)
         if self.attention_on_coopmat(n_rows, head_dim) and split is None:
             name = c.attention_mc_variant.format(hd=head_dim) + tag
             push = self._push(name, **pc)

@@ -58,8 +58,9 @@ _MUL_MV = Push("""uint w_off, w_off2, K, M, N, x_off, x_stride, y_off, y_stride,
 _TILED = Push("uint w_off, w_off2, K, M, N, x_off, x_stride, y_off, y_stride, accumulate")
 _ATTN = Push("""uint q_off, q_stride, o_off, o_stride, n_rows, n_head, n_kv, head_dim, k_off, v_off, slot_stride,
                 pos_off, slot_off; float scale""")
-# sliding-window layers' window (0: none) and Gemma 2's score soft-cap (0: none), after each variant's own
-_ATTN_TAIL = Push("uint window; float softcap")
+# sliding-window layers' window (0: none), Gemma 2's score soft-cap (0: none) and the cache's ring (positions a
+# slot holds when they wrap: sliding-window layers' bounded caches; 0: none), after each variant's own
+_ATTN_TAIL = Push("uint window; float softcap; uint ring")
 _MUL_ID = "uint w_off, w_off2, K, M, k"
 
 # by source file: the base layout and the (define, fields) that variants append, in order
@@ -76,7 +77,7 @@ LAYOUTS: dict[str, tuple[Push, tuple[tuple[str, Push], ...]]] = {
                       (("ROW_PART", Push("uint row_lo, row_hi")),)),
     "rms_norm.comp": (Push("uint x_off, x_stride, y_off, y_stride, w_off, n, rows, map_off; float eps"), ()),
     "rope_kv.comp": (Push("""uint qkv_off, qkv_stride, q_off, q_stride, n_rows, n_head, n_kv, head_dim, n_rot, mode,
-                             table_off, k_off, v_off, slot_stride, pos_off, slot_off"""), ()),
+                             table_off, k_off, v_off, slot_stride, pos_off, slot_off, ring"""), ()),
     "attention.comp": (_ATTN + Push("uint chunk, n_parts, part_off, sync_off") + _ATTN_TAIL, ()),
     "attention_mc.comp": (_ATTN + _ATTN_TAIL, ()),
     "attention_dec.comp": (_ATTN + Push("uint n_parts, min_chunk, part_off, sync_off") + _ATTN_TAIL, ()),
@@ -100,7 +101,7 @@ LAYOUTS: dict[str, tuple[Push, tuple[tuple[str, Push], ...]]] = {
                                 snap_rows, pos_off, slot_off, tiled; float scale"""), ()),
     "norm_rope_kv.comp": (Push("""uint qkv_off, qkv_stride, q_head_stride, k_col, v_col, q_off, q_stride, n_rows,
                                   n_head, n_kv, head_dim, n_rot, table_off, wq_off, wk_off, k_off, v_off,
-                                  slot_stride, pos_off, slot_off; float eps"""), ()),
+                                  slot_stride, pos_off, slot_off; float eps; uint ring"""), ()),
     "sigmoid_mul.comp": (Push("uint x_off, x_stride, y_off, y_stride, g_off, g_stride, blk, g_blk_stride, g_step, n, "
                               "rows"), ()),
     "moe_router.comp": (Push("""uint h_off, h_stride, l_off, l_stride, y_off, y_stride, E, D, k, rows, w_off, rec_off,

@@ -117,13 +117,15 @@ class Architecture(ABC):
 
     # -- per-sequence state ------------------------------------------------------------
     def make_state(self, device: Device, a: Any, n_slots: int, n_ctx: int,
-                   kv_types: KVTypes = KVTypes()) -> KVCache:
+                   kv_types: KVTypes = KVTypes(), max_step: int = 0) -> KVCache:
         """The per-sequence state of n_slots sequences of n_ctx positions, the KV
-        cache of the types given (EngineConfig.kv_types)."""
+        cache of the types given (EngineConfig.kv_types); max_step: the most rows
+        a step takes (bounded caches of sliding-window layers size by it)."""
         return KVCache(device, a.n_layer, n_slots, n_ctx, a.n_kv_heads, a.head_dim, layers=a.kv_layers,
                        types=kv_types)
 
-    def state_bytes(self, a: Any, n_slots: int, n_ctx: int, kv_types: KVTypes = KVTypes()) -> tuple[int, int]:
+    def state_bytes(self, a: Any, n_slots: int, n_ctx: int, kv_types: KVTypes = KVTypes(),
+                    max_step: int = 0) -> tuple[int, int]:
         """(bytes per position of one slot, bytes fixed per slot) of make_state's state."""
         per_pos = KVCache.position_bytes(len(a.kv_layers), a.n_kv_heads, a.head_dim, kv_types)
         return per_pos, (KVCache.capacity(n_ctx, kv_types) - n_ctx) * per_pos   # (a q8_0 slot's rounding)

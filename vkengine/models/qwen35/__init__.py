@@ -167,7 +167,7 @@ class Qwen35(Architecture):
         _forward(g, a, w, hidden_rows)
 
     def make_state(self, device, a: Qwen35Args, n_slots: int, n_ctx: int,
-                   kv_types: KVTypes = KVTypes()) -> KVCache:
+                   kv_types: KVTypes = KVTypes(), max_step: int = 0) -> KVCache:
         """KV rows of the attention layers (and the MTP block), conv and recurrent
         states of the linear layers, with snapshot rows for speculative steps."""
         return HybridState(device, n_slots, n_ctx, a.n_head_kv, a.head_dim, a.attn_layers, a.rec_layers,
@@ -175,7 +175,7 @@ class Qwen35(Architecture):
                            a.mtp_snap_rows if a.n_nextn else 0, types=kv_types)
 
     def state_bytes(self, a: Qwen35Args, n_slots: int, n_ctx: int,
-                    kv_types: KVTypes = KVTypes()) -> tuple[int, int]:
+                    kv_types: KVTypes = KVTypes(), max_step: int = 0) -> tuple[int, int]:
         per_pos, kv_slot = super().state_bytes(a, n_slots, n_ctx, kv_types)
         return per_pos, kv_slot + 4 * len(a.rec_layers) * ((a.conv_kernel - 1) * a.conv_dim + a.nv * a.dv * a.dk)
 
