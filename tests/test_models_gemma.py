@@ -211,6 +211,34 @@ def test_bounded_window_cache(device, models, arch):
     _assert_logits_close(restart, want[:8])
 
 
+def test_multimodal_folder_loads_its_text_model(device, models, tmp_path):
+    """A Gemma3ForConditionalGeneration folder (Gemma 3 4B and up: the text
+    model's config under text_config, its tensors under model.language_model.,
+    a vision tower beside them) gives the text model's logits."""
+    import json
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+    src = models[("gemma3", "q8_0")]["hf"]
+    folder = tmp_path / "mm"
+    shutil.copytree(src, folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    mm = {"model.language_model." + k[len("model."):]: v for k, v in tensors.items()}
+    mm["model.vision_tower.vision_model.embeddings.patch_embedding.weight"] = np.zeros((8, 3, 2, 2), np.float32)
+    mm["model.multi_modal_projector.mm_input_projection_weight"] = np.zeros((8, 64), np.float32)
+    (folder / "model.safetensors").unlink()
+    save_file(mm, str(folder / "model.safetensors"))
+    text = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+        "text_config": {**text, "model_type": "gemma3_text"}, "vision_config": {"model_type": "siglip_vision_model"},
+        "mm_tokens_per_image": 256}))
+    mt, et = _engine(device, src)
+    mm_model, em = _engine(device, folder)
+    ids = mt.tokenizer.encode(PROMPT)
+    np.testing.assert_array_equal(_prefill_logits(em, ids), _prefill_logits(et, ids))
+
+
 def test_synth_real_shapes_config():
     g = config_for("gemma3-270m", None, "gemma3")
     assert (g.n_embd, g.n_layer, g.n_head, g.n_head_kv, g.head_dim, g.window) == (640, 18, 4, 1, 256, 512)

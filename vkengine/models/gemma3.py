@@ -19,6 +19,10 @@ pattern 6, global layers 5, 11, ...; Gemma 2: 2, global layers odd), or the
 file's per-layer list. Their KV rows are kept for the whole context as the
 global layers' are (attention reads only the window).
 
+Hugging Face folders: Gemma3ForCausalLM (270M, 1B) and the text model of a
+Gemma3ForConditionalGeneration folder (4B and up; its vision tower is not
+read: images are not supported).
+
 Norm weights: GGUF files hold 1 + w (llama.cpp's converter adds the 1 that
 Gemma's RMSNorm adds at run time); a Hugging Face folder's get it added here.
 """
@@ -61,6 +65,11 @@ HF_NAMES = {
     # mapped so that a checkpoint with them is refused rather than loaded without them
     r"model\.layers\.(\d+)\.self_attn\.([qkvo])_proj\.bias": r"blk.\1.attn_\2.bias",
 }
+# Gemma3ForConditionalGeneration folders (4B and up): the text model's tensors under model.language_model.
+# (transformers 5) or language_model.model. (4.x), the vision tower's left out
+_MM_PREFIX = r"(?:model\.language_model\.|language_model\.model\.|model\.)"
+HF_NAMES_MM = {(_MM_PREFIX + k[len(r"model\."):] if k.startswith(r"model\.") else r"(?:language_model\.)?" + k): v
+               for k, v in HF_NAMES.items()}
 UNREAD_TENSORS = ("blk.0.attn_q.bias", "blk.0.attn_k.bias", "blk.0.attn_v.bias", "blk.0.attn_o.bias",
                   "blk.0.attn_output.bias")
 
@@ -92,7 +101,7 @@ def swa_pattern(n_layer: int, period: int) -> tuple[bool, ...]:
 
 
 def _hf_args(mf: SafetensorsFolder, arch: str) -> GemmaArgs:
-    c = mf.config
+    c = mf.config.get("text_config") or mf.config    # (a multimodal folder: its text model's config)
     n_head = int(c["num_attention_heads"])
     n_layer = int(c["num_hidden_layers"])
     hd = int(c.get("head_dim") or 256)
@@ -129,7 +138,8 @@ def _hf_args(mf: SafetensorsFolder, arch: str) -> GemmaArgs:
         n_head=n_head, n_head_kv=int(c.get("num_key_value_heads") or n_head), head_dim=hd, n_rot=hd,
         rope_base=base, rope_freq_scale=scale, rope_base_swa=base_swa,
         rope_freq_scale_swa=1.0 if arch == "gemma3" else scale, rms_eps=float(c.get("rms_norm_eps", 1e-6)),
-        n_ctx_train=int(c.get("max_position_embeddings", 8192)), window=window, swa=swa if window else
+        n_ctx_train=int(c.get("max_position_embeddings", 131072 if arch == "gemma3" else 8192)), window=window,
+        swa=swa if window else
         (False,) * n_layer, attn_scale=qpas ** -0.5,
         attn_softcap=float(c.get("attn_logit_softcapping") or 0.0),
         final_softcap=float(c.get("final_logit_softcapping") or 0.0), qk_norm=mf.has("blk.0.attn_q_norm.weight"))
@@ -281,8 +291,8 @@ def _load_weights(mf: ModelFile, a: GemmaArgs, device, n_ctx: int) -> GemmaWeigh
 
 class Gemma3(Architecture):
     names: ClassVar[tuple[str, ...]] = ("gemma3",)
-    hf_architectures: ClassVar[tuple[str, ...]] = ("Gemma3ForCausalLM",)
-    hf_names = HF_NAMES
+    hf_architectures: ClassVar[tuple[str, ...]] = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+    hf_names = HF_NAMES_MM
     kind = "gemma3"
 
     def args(self, mf: ModelFile) -> GemmaArgs:
