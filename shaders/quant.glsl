@@ -33,6 +33,8 @@
 //   Q4_K  GGUF's 144-byte block (36 words)
 //   Q5_K  GGUF's 176-byte block (44 words)
 //   Q6_K  GGUF's 210-byte block padded to 212 (53 words)
+//   IQ4_NL qs: 4 words a block (32 x 4-bit indices)  woff2: d as halves
+//   MXFP4  qs: 4 words a block (32 x 4-bit e2m1)     woff2: the E8M0 exponent bytes, 4 a word
 
 #ifndef WQ_BINDING
 #define WQ_BINDING 0
@@ -222,6 +224,57 @@ void unit_decode_s(Raw r, uint u, out vec4 v[UNIT_GROUPS], out uint xo[UNIT_GROU
 #endif
     v[0] = nib_lo_b(r.q.x, bias);
     v[1] = nib_hi_b(r.q.x, bias);
+    uint c = (u >> 2) * 32u + (u & 3u) * 4u;
+    xo[0] = c; xo[1] = c + 16u;
+}
+#elif defined(WT_IQ4_NL) || defined(WT_MXFP4)
+// Q4_0's layout with values from a 16-entry table: IQ4_NL's non-linear levels
+// (kvalues_iq4nl) times the block's f16 d; MXFP4's e2m1 levels, doubled
+// (kvalues_mxfp4), times 2^(e - 128) for the block's E8M0 byte e
+// (ggml_e8m0_to_fp32_half: gpt-oss's expert weights)
+#define UNIT_VALUES 8
+#define UNIT_GROUPS 2
+#define UNIT_SPAN 32
+#if defined(WT_IQ4_NL)
+const float LEVELS[16] = float[16](-127.0, -104.0, -83.0, -65.0, -49.0, -35.0, -22.0, -10.0,
+                                   1.0, 13.0, 25.0, 38.0, 53.0, 69.0, 89.0, 113.0);
+#else
+const float LEVELS[16] = float[16](0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0,
+                                   0.0, -1.0, -2.0, -3.0, -4.0, -6.0, -8.0, -12.0);
+#endif
+uint units_per_row(uint K) { return K / 8u; }
+Raw unit_fetch(uint woff, uint woff2, uint row, uint u, uint K) {
+    uint blk = row * (K / 32u) + (u >> 2);
+#if defined(WT_IQ4_NL)
+    uint sw = wq[woff2 + (blk >> 1)];
+#else
+    uint sw = wq[woff2 + (blk >> 2)];
+#endif
+    return Raw(uvec4(wq[woff + blk * 4u + (u & 3u)], 0u, 0u, 0u), uvec4(sw, blk, 0u, 0u));
+}
+float lut_scale(uvec4 e) {
+#if defined(WT_IQ4_NL)
+    return half_sel(e.x, e.y);
+#else
+    uint x = (e.x >> (8u * (e.y & 3u))) & 255u;
+    return uintBitsToFloat(x < 2u ? 0x00200000u << x : (x - 1u) << 23);
+#endif
+}
+vec4 lut_lo(uint w) { return vec4(LEVELS[w & 15u], LEVELS[(w >> 8) & 15u], LEVELS[(w >> 16) & 15u], LEVELS[(w >> 24) & 15u]); }
+vec4 lut_hi(uint w) { return vec4(LEVELS[(w >> 4) & 15u], LEVELS[(w >> 12) & 15u], LEVELS[(w >> 20) & 15u], LEVELS[w >> 28]); }
+void unit_decode(Raw r, uint u, out vec4 v[UNIT_GROUPS], out uint xo[UNIT_GROUPS]) {
+    float d = lut_scale(r.e);
+    v[0] = lut_lo(r.q.x) * d;
+    v[1] = lut_hi(r.q.x) * d;
+    uint c = (u >> 2) * 32u + (u & 3u) * 4u;
+    xo[0] = c; xo[1] = c + 16u;
+}
+#define UNIT_SCALED 1
+// unit_decode without the block scale: the weights are v * dm.x
+void unit_decode_s(Raw r, uint u, out vec4 v[UNIT_GROUPS], out uint xo[UNIT_GROUPS], out vec2 dm) {
+    dm = vec2(lut_scale(r.e), 0.0);
+    v[0] = lut_lo(r.q.x);
+    v[1] = lut_hi(r.q.x);
     uint c = (u >> 2) * 32u + (u & 3u) * 4u;
     xo[0] = c; xo[1] = c + 16u;
 }

@@ -29,6 +29,13 @@ def random_quantized(name: str, rows: int, cols: int, rng: np.random.Generator, 
             dmin = (rng.uniform(0.001, 0.01, blocks.shape[0]) * scale).astype(np.float16)
             blocks[:, 2:4] = dmin.view(np.uint8).reshape(-1, 2)
         raw = blocks.reshape(rows, -1)
+    elif name == "iq4_nl":
+        # gguf-py cannot quantize IQ4_NL either: random indices under an f16 d of the levels' scale (127 ~ 3 sigma)
+        n, b = block_shape(name)
+        blocks = rng.integers(0, 256, (rows * cols // n, b), dtype=np.uint8)
+        d = (rng.uniform(0.005, 0.03, blocks.shape[0]) * scale).astype(np.float16)
+        blocks[:, 0:2] = d.view(np.uint8).reshape(-1, 2)
+        raw = blocks.reshape(rows, -1)
     else:
         raw = quants.quantize(x, BY_NAME[name]).view(np.uint8).reshape(rows, -1)
     return raw, dequantize(name, raw, rows, cols)

@@ -278,7 +278,7 @@ def test_moe_router(device, hk, ws, rng, fixed):
         np.testing.assert_array_equal(ws.read(lr).reshape(rows, E), logits)
 
 
-@pytest.mark.parametrize("wt", ["f32", "f16", "q8_0", "q4_0", "q4_k", "q6_k"])
+@pytest.mark.parametrize("wt", ["f32", "f16", "q8_0", "q4_0", "q4_k", "q6_k", "mxfp4", "iq4_nl"])
 @pytest.mark.parametrize("batched", [False, True])
 def test_expert_matmuls_and_combine(device, hk, ws, rng, wt, batched):
     """gate/up (x shared by a row's experts) and down (one x per pair) products,

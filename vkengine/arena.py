@@ -91,6 +91,8 @@ def packed_words(type_name: str, rows: int, cols: int) -> tuple[int, int]:
         return blocks * 53, 0
     if type_name in ("q4_1", "q5_1"):
         return blocks * (b - 4) // 4, blocks
+    if type_name == "mxfp4":        # 16 bytes of nibbles, one exponent byte (four a word)
+        return blocks * (b - 1) // 4, (blocks + 3) // 4
     return blocks * (b - 2) // 4, (blocks + 1) // 2
 
 

@@ -3,7 +3,8 @@ shaders/quant.glsl.
 
 GGUF blocks of the simple quant types are not 4-byte aligned (Q4_0: 18 bytes,
 Q8_0: 34) and storage buffers are 32-bit here, so their quants and scales are
-split into two arrays (both still quantized: the same bytes, reordered). K-quant
+split into two arrays (both still quantized: the same bytes, reordered; IQ4_NL
+as Q4_0, MXFP4's 17-byte blocks as its exponent bytes and its nibbles). K-quant
 blocks are kept as they are (Q6_K padded from 210 to 212 bytes).
 """
 from __future__ import annotations
@@ -26,12 +27,14 @@ SUPPORTED = {
     GGMLQuantizationType.Q4_K: "q4_k",
     GGMLQuantizationType.Q5_K: "q5_k",
     GGMLQuantizationType.Q6_K: "q6_k",
+    GGMLQuantizationType.IQ4_NL: "iq4_nl",
+    GGMLQuantizationType.MXFP4: "mxfp4",
 }
 BY_NAME = {v: k for k, v in SUPPORTED.items()}
 
 # (value bytes offset, value bytes end, scale bytes end) inside a GGUF block of
 # the repacked types: scales are bytes [0, s), values [s, block)
-_SPLIT = {"q8_0": 2, "q4_0": 2, "q4_1": 4, "q5_0": 2, "q5_1": 4}
+_SPLIT = {"q8_0": 2, "q4_0": 2, "q4_1": 4, "q5_0": 2, "q5_1": 4, "iq4_nl": 2, "mxfp4": 1}
 
 
 def type_name(qtype: int) -> str:
@@ -99,6 +102,9 @@ def repack(name: str, raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray
     scale_bytes = np.ascontiguousarray(blocks[:, :s])
     if s == 2:
         scales = _halves_to_words(scale_bytes.view(np.uint16))
+    elif s == 1:     # (MXFP4's exponent bytes, four a word)
+        b = scale_bytes.reshape(-1)
+        scales = np.concatenate([b, np.zeros(-b.size % 4, np.uint8)]).view(np.uint32)
     else:
         scales = scale_bytes.reshape(-1).view(np.uint32)
     return values, scales
