@@ -103,8 +103,8 @@ def repack(name: str, raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray
     if s == 2:
         scales = _halves_to_words(scale_bytes.view(np.uint16))
     elif s == 1:     # (MXFP4's exponent bytes, four a word)
-        b = scale_bytes.reshape(-1)
-        scales = np.concatenate([b, np.zeros(-b.size % 4, np.uint8)]).view(np.uint32)
+        eb = scale_bytes.reshape(-1)
+        scales = np.concatenate([eb, np.zeros(-eb.size % 4, np.uint8)]).view(np.uint32)
     else:
         scales = scale_bytes.reshape(-1).view(np.uint32)
     return values, scales
