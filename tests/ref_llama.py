@@ -65,8 +65,9 @@ class RefLlama:
                 q = ref.rms_norm(q, self.W(p + "attn_q_norm.weight"), a.rms_eps)
                 k = ref.rms_norm(k, self.W(p + "attn_k_norm.weight"), a.rms_eps)
             ff, ms = a.rope_factors(self.n_ctx), a.rope_attn_factor
-            q = ref.rope(q, pos, a.n_rot, a.rope_base, a.rope_neox, a.rope_freq_scale, ff, ms)
-            k = ref.rope(k, pos, a.n_rot, a.rope_base, a.rope_neox, a.rope_freq_scale, ff, ms)
+            yarn = (a.yarn.factor, a.yarn.orig_ctx) if a.yarn is not None else None
+            q = ref.rope(q, pos, a.n_rot, a.rope_base, a.rope_neox, a.rope_freq_scale, ff, ms, yarn)
+            k = ref.rope(k, pos, a.n_rot, a.rope_base, a.rope_neox, a.rope_freq_scale, ff, ms, yarn)
             k16 = ref.kv_round(k.astype(np.float32), kv[0])
             v16 = ref.kv_round(v.astype(np.float32), kv[1])
             att = np.stack([ref.attention(q[t], k16[: t + 1], v16[: t + 1], 1.0 / np.sqrt(hd)) for t in range(n)])

@@ -1,6 +1,8 @@
 """numpy reference implementations of the kernels (float64 where it matters)."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from vkengine.rope import rope_table
@@ -11,11 +13,34 @@ def rms_norm(x, w, eps):
     return (x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w).astype(np.float32)
 
 
-def rope(x, pos, n_rot, base, neox, freq_scale=1.0, freq_factors=None, mscale=1.0):
+def yarn_table(n_ctx, n_rot, base, factor, orig_ctx, beta_fast=32.0, beta_slow=1.0):
+    """YaRN's (cos, sin) table as ggml's rope_yarn computes it (ggml-cpu ops.cpp,
+    ggml.c ggml_rope_yarn_corr_dims; llama.cpp's attention factor for llama-family
+    models: cos and sin times 0.1 ln factor + 1), written out per pair."""
+    def corr_dim(beta):
+        return n_rot * math.log(orig_ctx / (beta * 2 * math.pi)) / (2 * math.log(base))
+    low = max(0.0, math.floor(corr_dim(beta_fast)))
+    high = min(n_rot - 1.0, math.ceil(corr_dim(beta_slow)))
+    mscale = 1.0 + 0.1 * math.log(factor)
+    out = np.zeros((n_ctx, n_rot // 2, 2))
+    for i in range(n_rot // 2):
+        ramp = 1.0 - min(1.0, max(0.0, (i - low) / max(0.001, high - low)))
+        for p in range(n_ctx):
+            extrap = p * base ** (-2.0 * i / n_rot)
+            theta = extrap / factor * (1.0 - ramp) + extrap * ramp
+            out[p, i] = (math.cos(theta) * mscale, math.sin(theta) * mscale)
+    return out.astype(np.float32)
+
+
+def rope(x, pos, n_rot, base, neox, freq_scale=1.0, freq_factors=None, mscale=1.0, yarn=None):
     """x (rows, heads, hd) at positions pos (rows,): rotated copy (float64 math
     with the same float32 cos/sin table as the device); freq_factors divide the
-    frequencies (Llama 3.1, LongRoPE), mscale scales cos and sin (LongRoPE)."""
-    tab = rope_table(int(pos.max()) + 1, n_rot, base, freq_scale, freq_factors).astype(np.float64)
+    frequencies (Llama 3.1, LongRoPE), mscale scales cos and sin (LongRoPE);
+    yarn: (factor, original context) for yarn_table."""
+    if yarn is not None:
+        tab = yarn_table(int(pos.max()) + 1, n_rot, base, *yarn).astype(np.float64)
+    else:
+        tab = rope_table(int(pos.max()) + 1, n_rot, base, freq_scale, freq_factors).astype(np.float64)
     tab = (tab.astype(np.float32) * np.float32(mscale)).astype(np.float64)
     c = tab[pos, :, 0][:, None, :]
     s = tab[pos, :, 1][:, None, :]

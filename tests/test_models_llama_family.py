@@ -4,7 +4,7 @@ that is not n_embd / n_head), both RoPE on split halves; qwen3moe (qwen3's
 attention, routed experts in every layer) and a Mixtral-style llama (llama with
 routed experts; "mixtral" below); phi3 (q|k|v and gate|up each one matrix),
 also with LongRoPE ("phi3-longrope": the long factors, a context past the
-original one).
+original one); qwen3 with YaRN ("qwen3-yarn": rope.scaling.type yarn).
 
 - The GGUF files hold what llama.cpp 11434 reads (src/llama-model.cpp's
   LLM_ARCH_QWEN2 / LLM_ARCH_QWEN3 tensors, transcribed below as data).
@@ -34,7 +34,7 @@ from .ref_llama import RefLlama
 from .test_gguf_qwen35 import _Server, assert_tensors
 from .test_models import GPU_DECODE, PROMPT, _assert_logits_close, _batched_and_alone, _prefill_logits
 
-ARCHES = ["qwen2", "qwen3", "qwen3moe", "mixtral", "phi3", "phi3-longrope"]
+ARCHES = ["qwen2", "qwen3", "qwen3moe", "mixtral", "phi3", "phi3-longrope", "qwen3-yarn"]
 # qwen3 with 32-wide heads on a 64-wide model (4 heads: q is 128 wide), as
 # Qwen3's 128-wide heads on 1024-wide models
 CONFIGS = {"qwen2": SynthConfig(n_embd=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=160, n_ctx=256, arch="qwen2"),
@@ -48,15 +48,19 @@ CONFIGS = {"qwen2": SynthConfig(n_embd=64, n_layer=2, n_head=4, n_head_kv=2, n_f
            "phi3": SynthConfig(n_embd=96, n_layer=2, n_head=4, n_head_kv=2, n_ff=160, n_ctx=256, arch="phi3"),
            # engines of 256 and 512 positions past the original 64: the long factors on both sides
            "phi3-longrope": SynthConfig(n_embd=96, n_layer=2, n_head=4, n_head_kv=2, n_ff=160, n_ctx=256, arch="phi3",
-                                        rope_orig_ctx=64)}
-GGUF_ARCH = {"mixtral": "llama", "phi3-longrope": "phi3"}
+                                        rope_orig_ctx=64),
+           # YaRN (Qwen3's 128k configs: factor 4 from 32k), here factor 4 from 64 positions
+           "qwen3-yarn": SynthConfig(n_embd=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=160, n_ctx=256, arch="qwen3",
+                                     head_size=32, yarn_factor=4.0, yarn_orig_ctx=64)}
+GGUF_ARCH = {"mixtral": "llama", "phi3-longrope": "phi3", "qwen3-yarn": "qwen3"}
 # llama-server agreement bound (nats, top-8 log-probabilities), from the measured gaps (lavapipe, 11434 CPU,
 # 2026-12-03) between llama.cpp and both our engine and the float64 numpy reference, which agree to 1.5e-4
 # or better: qwen2 9.4e-3 (its biases make q and k larger; llama.cpp's CPU attention takes q and the
 # softmax weights as f16: q rounded so in the reference takes its gap to 6.5e-3), qwen3 3.6e-3, qwen3moe
 # 5.3e-3, mixtral 7.1e-3, phi3 1.56e-2 (its 24-wide heads), phi3 with LongRoPE 1.20e-2; the greedy
 # tokens equal in all six
-TOL = {"qwen2": 1.5e-2, "qwen3moe": 1e-2, "mixtral": 1e-2, "phi3": 2.5e-2, "phi3-longrope": 2e-2}
+TOL = {"qwen2": 1.5e-2, "qwen3moe": 1e-2, "mixtral": 1e-2, "phi3": 2.5e-2, "phi3-longrope": 2e-2,
+       "qwen3-yarn": 1e-2}   # (YaRN: 5.1e-3, where leaving it out moves log-probabilities by 3.7 nats)
 # llama.cpp's Vulkan build (VKENGINE_LLAMA_SERVER on the GPU machine) takes f16 products in its matmuls and
 # flash attention: gaps measured on the H200 (2026-12-03) qwen2 1.58e-2, qwen3 1.01e-2, qwen3moe 1.70e-2,
 # mixtral 1.55e-2, phi3 with LongRoPE 2.39e-2 (top-1 equal at every prefix)
@@ -146,7 +150,9 @@ def test_args_from_the_file(models, arch):
     for fmt in ("gguf", "hf"):
         a = load_model(models[(arch, "q8_0")][fmt]).args
         assert a.rope_neox == (arch != "mixtral" or fmt == "hf"), fmt    # llama GGUFs: adjacent pairs
-        assert (a.qkv_bias, a.qk_norm) == (arch == "qwen2", arch in ("qwen3", "qwen3moe")), fmt
+        assert (a.qkv_bias, a.qk_norm) == (arch == "qwen2", arch in ("qwen3", "qwen3moe", "qwen3-yarn")), fmt
+        assert (a.yarn.factor, a.yarn.orig_ctx, a.yarn.mscale()) == (4.0, 64, pytest.approx(1.1386294)) \
+            if arch == "qwen3-yarn" else a.yarn is None, fmt
         assert a.head_dim == CONFIGS[arch].head_dim, fmt
         c = CONFIGS[arch]
         assert (a.n_expert, a.n_expert_used, a.n_ff_exp) == (c.n_expert, c.n_expert_used, c.n_ff_exp), fmt
@@ -188,7 +194,7 @@ def test_gpu_decode_path(device, models, arch):
     np.testing.assert_array_equal(both, alone)
     labels = {op.label for prog in eng._programs.values() for op in prog.ops if op.kind == "dispatch"}
     assert ("add_bias" in labels) == (arch == "qwen2")
-    assert ("norm_rope_kv" in labels) == (arch in ("qwen3", "qwen3moe"))
+    assert ("norm_rope_kv" in labels) == (arch in ("qwen3", "qwen3moe", "qwen3-yarn"))
     assert any(lb.startswith("mul_mat_id") for lb in labels) == (arch in ("qwen3moe", "mixtral")), labels
 
 
@@ -200,6 +206,27 @@ def test_gguf_and_hf_copy_agree(device, models, arch):
     assert ids == mh.tokenizer.encode(PROMPT)
     a, b = _prefill_logits(eg, ids), _prefill_logits(eh, ids)
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-3 * float(np.abs(a).max()))
+
+
+def test_yarn_table():
+    """vkengine.rope's YaRN table against ggml's per-pair formula (tests/reference.py
+    yarn_table), at Qwen3's 128k setting (factor 4 from 32768, base 1e6, 128-wide
+    heads) and a small one; and transformers' form (inverse frequencies mixed,
+    not angles) gives the same angles."""
+    from vkengine.rope import Yarn, rope_table, yarn_angles
+
+    from . import reference as ref
+    for n_rot, base, factor, orig in ((128, 1e6, 4.0, 32768), (32, 1e5, 4.0, 64)):
+        got = rope_table(300, n_rot, base, yarn=Yarn(factor, orig))
+        np.testing.assert_allclose(got, ref.yarn_table(300, n_rot, base, factor, orig), rtol=0, atol=2e-6)
+        # transformers' _compute_yarn_parameters
+        y = Yarn(factor, orig)
+        low, high = y.corr_dims(n_rot, base)
+        inv = base ** (-np.arange(0, n_rot, 2) / n_rot)
+        extrap_w = 1 - np.clip((np.arange(n_rot // 2) - low) / max(high - low, 0.001), 0, 1)
+        inv_mixed = inv / factor * (1 - extrap_w) + inv * extrap_w
+        np.testing.assert_allclose(yarn_angles(300, n_rot, base, y), np.arange(300)[:, None] * inv_mixed[None, :],
+                                   rtol=1e-12, atol=1e-9)
 
 
 def test_synth_real_shapes_config():

@@ -23,7 +23,7 @@ from ..errors import VkEngineError
 from ..gguf_file import ModelFile, SafetensorsFolder
 from ..graph import Graph
 from ..kernels import Matrix, Region
-from ..rope import rope_table
+from ..rope import Yarn, rope_table
 from .base import Architecture, ModelArgs
 from .loader import WeightPlanner, expert_raw, gate_up_experts
 
@@ -89,6 +89,7 @@ class LlamaArgs(ModelArgs):
     rope_short: tuple[float, ...] = ()
     rope_orig_ctx: int = 0
     rope_attn_factor: float = 1.0
+    yarn: Yarn | None = None  # YaRN context extension (rope_scaling yarn; GGUF rope.scaling.type yarn)
 
     def rope_factors(self, n_ctx: int):
         """The frequency divisors of a context of n_ctx positions (llama.cpp:
@@ -126,9 +127,21 @@ class LlamaArgs(ModelArgs):
                 longrope = dict(rope_long=tuple(float(x) for x in rs["long_factor"]),
                                 rope_short=tuple(float(x) for x in rs["short_factor"]), rope_orig_ctx=orig,
                                 rope_attn_factor=attn)
+            elif rtype == "yarn":
+                if rs.get("mscale") not in (None, 1, 1.0) or rs.get("mscale_all_dim") not in (None, 0, 0.0) or \
+                        rs.get("truncate") is False:
+                    raise VkEngineError(f"rope_scaling {rs}: YaRN with mscale, mscale_all_dim or truncate false is "
+                                        "not supported")
+                factor = float(rs["factor"])
+                orig = int(rs.get("original_max_position_embeddings") or c.get("original_max_position_embeddings")
+                           or int(c["max_position_embeddings"]) / factor)
+                longrope = dict(yarn=Yarn(factor, orig, float(rs.get("beta_fast") or 32.0),
+                                          float(rs.get("beta_slow") or 1.0),
+                                          float(rs.get("attention_factor") or 0.0)))
+                scale = 1.0 / factor
             elif rs:
                 if rtype != "linear":
-                    raise VkEngineError(f"rope_scaling {rs} is not supported (linear, longrope)")
+                    raise VkEngineError(f"rope_scaling {rs} is not supported (linear, longrope, yarn)")
                 scale = 1.0 / float(rs["factor"])
             n_rot = int(hd * float(c.get("partial_rotary_factor", 1.0)))
             n_exp = int(c.get("num_experts") or c.get("num_local_experts") or 0)
@@ -156,10 +169,21 @@ class LlamaArgs(ModelArgs):
         hd = int(m(f"{a}.attention.key_length", n_embd // n_head))
         scale = 1.0
         st = m(f"{a}.rope.scaling.type", None)
-        if st not in (None, "none", "linear"):
-            raise VkEngineError(f"RoPE scaling type {st!r} is not supported (linear only)")
+        if st not in (None, "none", "linear", "yarn"):
+            raise VkEngineError(f"RoPE scaling type {st!r} is not supported (linear, yarn)")
+        yarn: dict[str, Any] = {}
         if st == "linear":
             scale = 1.0 / float(m(f"{a}.rope.scaling.factor"))
+        elif st == "yarn":
+            # llama.cpp's llama/qwen2/qwen3: its default betas (32, 1), the original context from the file,
+            # cos and sin times (0.1 ln factor + 1) and the file's rope.scaling.attn_factor
+            if float(m(f"{a}.rope.scaling.yarn_log_multiplier", 0.0) or 0.0):
+                raise VkEngineError("YaRN with rope.scaling.yarn_log_multiplier is not supported")
+            factor = float(m(f"{a}.rope.scaling.factor"))
+            scale = 1.0 / factor
+            yarn = dict(yarn=Yarn(factor, int(m(f"{a}.rope.scaling.original_context_length",
+                                                 m(f"{a}.context_length", 4096)))),
+                        rope_attn_factor=float(m(f"{a}.rope.scaling.attn_factor", 1.0)))
         n_vocab = m(f"{a}.vocab_size", None)
         if n_vocab is None:
             n_vocab = mf.tensor_info("token_embd.weight")[1][0]
@@ -178,7 +202,7 @@ class LlamaArgs(ModelArgs):
             n_head_kv=int(m(f"{a}.attention.head_count_kv", n_head)), head_dim=hd,
             n_rot=int(m(f"{a}.rope.dimension_count", hd)), rope_base=float(m(f"{a}.rope.freq_base", 10000.0)),
             rope_freq_scale=scale, rms_eps=float(m(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
-            n_ctx_train=int(m(f"{a}.context_length", 4096)), rope_neox=a in NEOX_GGUF, **longrope,
+            n_ctx_train=int(m(f"{a}.context_length", 4096)), rope_neox=a in NEOX_GGUF, **longrope, **yarn,
             qkv_bias=mf.has("blk.0.attn_q.bias"), qk_norm=mf.has("blk.0.attn_q_norm.weight"),
             n_expert=n_exp, n_expert_used=int(m(f"{a}.expert_used_count", 0)) if n_exp else 0,
             n_ff_exp=int(m(f"{a}.expert_feed_forward_length", n_ff)) if n_exp else 0)
@@ -322,7 +346,7 @@ def _load_weights(mf: ModelFile, a: LlamaArgs, device, n_ctx: int) -> LlamaWeigh
         freq_factors = a.rope_factors(n_ctx)
         if freq_factors.size != a.n_rot // 2:
             raise VkEngineError(f"{mf.path.name}: {freq_factors.size} LongRoPE factors for {a.n_rot} rotated dims")
-    table = rope_table(n_ctx, a.n_rot, a.rope_base, a.rope_freq_scale, freq_factors)
+    table = rope_table(n_ctx, a.n_rot, a.rope_base, a.rope_freq_scale, freq_factors, yarn=a.yarn)
     table = (table * np.float32(a.rope_attn_factor)).astype(np.float32)
     # the RoPE table and every q/k norm weight in one buffer (norm_rope_kv binds them together)
     entries = [("rope table", lambda: table, table.size)]

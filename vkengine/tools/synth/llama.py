@@ -101,6 +101,8 @@ class SynthConfig:
     attn_softcap: float = 50.0     # gemma2's soft-caps
     final_softcap: float = 30.0
     rope_linear: float = 0.0       # gemma3: linear RoPE scaling of the global layers (4b and up: 8)
+    yarn_factor: float = 0.0       # > 0: YaRN scaling (rope.scaling.type yarn) from yarn_orig_ctx positions
+    yarn_orig_ctx: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -375,6 +377,10 @@ def synth_llama(c: SynthConfig, quant: str, seed: int, out_dir: Path, name: str 
             if c.rope_linear:
                 w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
                 w.add_rope_scaling_factor(c.rope_linear)
+        if c.yarn_factor:
+            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            w.add_rope_scaling_factor(c.yarn_factor)
+            w.add_rope_scaling_orig_ctx_len(c.yarn_orig_ctx)
         if c.rope_orig_ctx:
             w.add_uint32(f"{c.arch}.rope.scaling.original_context_length", c.rope_orig_ctx)
             w.add_float32(f"{c.arch}.rope.scaling.attn_factor", _longrope_attn(c))
@@ -421,6 +427,8 @@ def synth_llama(c: SynthConfig, quant: str, seed: int, out_dir: Path, name: str 
             "eos_token_id": tmeta.get("tokenizer.ggml.eos_token_id"),
             **({"use_sliding_window": False, "attention_bias": c.arch == "qwen2"}
                if c.arch not in ("llama", "phi3") else {}),
+            **({"rope_scaling": {"rope_type": "yarn", "factor": c.yarn_factor,
+                                 "original_max_position_embeddings": c.yarn_orig_ctx}} if c.yarn_factor else {}),
             **({"rope_scaling": {"type": "longrope", "long_factor": results["rope_factors_long.weight"][3].tolist(),
                                  "short_factor": results["rope_factors_short.weight"][3].tolist()},
                 "original_max_position_embeddings": c.rope_orig_ctx} if c.rope_orig_ctx else {}),
