@@ -35,6 +35,7 @@
 //   Q6_K  GGUF's 210-byte block padded to 212 (53 words)
 //   IQ4_NL qs: 4 words a block (32 x 4-bit indices)  woff2: d as halves
 //   MXFP4  qs: 4 words a block (32 x 4-bit e2m1)     woff2: the E8M0 exponent bytes, 4 a word
+//   IQ4_XS GGUF's 136-byte block (34 words: d | scales_h, scales_l, 32 words of 4-bit indices)
 
 #ifndef WQ_BINDING
 #define WQ_BINDING 0
@@ -225,6 +226,33 @@ void unit_decode_s(Raw r, uint u, out vec4 v[UNIT_GROUPS], out uint xo[UNIT_GROU
     v[0] = nib_lo_b(r.q.x, bias);
     v[1] = nib_hi_b(r.q.x, bias);
     uint c = (u >> 2) * 32u + (u & 3u) * 4u;
+    xo[0] = c; xo[1] = c + 16u;
+}
+#elif defined(WT_IQ4_XS)
+// 256-value super-blocks of eight 32-value sub-blocks, each with a 6-bit
+// scale (low 4 bits in scales_l, high 2 in scales_h) times the f16 d, minus 32;
+// values IQ4_NL's levels (dequantize_row_iq4_xs in ggml-quants.c)
+#define UNIT_VALUES 8
+#define UNIT_GROUPS 2
+#define UNIT_SPAN 32
+const float LEVELS[16] = float[16](-127.0, -104.0, -83.0, -65.0, -49.0, -35.0, -22.0, -10.0,
+                                   1.0, 13.0, 25.0, 38.0, 53.0, 69.0, 89.0, 113.0);
+uint units_per_row(uint K) { return K / 8u; }
+Raw unit_fetch(uint woff, uint woff2, uint row, uint u, uint K) {
+    uint base = woff + (row * (K / 256u) + (u >> 5)) * 34u;
+    return Raw(uvec4(wq[base + 2u + (u & 31u)], 0u, 0u, 0u), uvec4(wq[base], wq[base + 1u], 0u, 0u));
+}
+vec4 lut_lo(uint w) { return vec4(LEVELS[w & 15u], LEVELS[(w >> 8) & 15u], LEVELS[(w >> 16) & 15u], LEVELS[(w >> 24) & 15u]); }
+vec4 lut_hi(uint w) { return vec4(LEVELS[(w >> 4) & 15u], LEVELS[(w >> 12) & 15u], LEVELS[(w >> 20) & 15u], LEVELS[w >> 28]); }
+void unit_decode(Raw r, uint u, out vec4 v[UNIT_GROUPS], out uint xo[UNIT_GROUPS]) {
+    uint ib = (u & 31u) >> 2;     // sub-block
+    float d = unpackHalf2x16(r.e.x).x;
+    uint sl = (r.e.y >> (8u * (ib >> 1))) & 255u;
+    uint ls = ((sl >> (4u * (ib & 1u))) & 15u) | (((r.e.x >> (16u + 2u * ib)) & 3u) << 4);
+    float dl = d * (float(ls) - 32.0);
+    v[0] = lut_lo(r.q.x) * dl;
+    v[1] = lut_hi(r.q.x) * dl;
+    uint c = (u >> 5) * 256u + ib * 32u + (u & 3u) * 4u;
     xo[0] = c; xo[1] = c + 16u;
 }
 #elif defined(WT_IQ4_NL) || defined(WT_MXFP4)

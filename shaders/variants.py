@@ -9,11 +9,11 @@ here are in docs/bench/notes.md (the run each comment names).
 
 # Weight storage types understood by quant.glsl, by GGUF type name (lower case).
 WEIGHT_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "iq4_nl",
-                "mxfp4")
+                "iq4_xs", "mxfp4")
 
 # Values per unit of work (one lane, one iteration) of each type in quant.glsl.
 UNIT_VALUES = {"f32": 4, "f16": 8, "bf16": 8, "q8_0": 8, "q4_0": 8, "q4_1": 8, "q5_0": 8, "q5_1": 8,
-               "q4_k": 8, "q5_k": 8, "q6_k": 16, "iq4_nl": 8, "mxfp4": 8}
+               "q4_k": 8, "q5_k": 8, "q6_k": 16, "iq4_nl": 8, "iq4_xs": 8, "mxfp4": 8}
 
 # Weight rows per workgroup item in the GPU decode matvec: each x load serves them all.
 MV_ROWS = 2

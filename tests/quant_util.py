@@ -7,7 +7,7 @@ from gguf import quants
 from vkengine.kernels import Matrix
 from vkengine.quant import BY_NAME, block_shape, dequantize, repack
 
-K_QUANTS = ("q4_k", "q5_k", "q6_k")
+K_QUANTS = ("q4_k", "q5_k", "q6_k", "iq4_xs")   # (256-value super-blocks)
 
 
 def random_quantized(name: str, rows: int, cols: int, rng: np.random.Generator, scale: float = 1.0):
@@ -22,7 +22,9 @@ def random_quantized(name: str, rows: int, cols: int, rng: np.random.Generator, 
         n, b = block_shape(name)
         blocks = rng.integers(0, 256, (rows * cols // n, b), dtype=np.uint8)
         d = (rng.uniform(0.002, 0.02, blocks.shape[0]) * scale).astype(np.float16).view(np.uint8).reshape(-1, 2)
-        if name == "q6_k":
+        if name == "iq4_xs":      # d; random 6-bit scales (ls - 32: -32 to 31) and indices
+            blocks[:, 0:2] = (d.view(np.float16) / 8).view(np.uint8).reshape(-1, 2)
+        elif name == "q6_k":
             blocks[:, 208:210] = d
         else:
             blocks[:, 0:2] = d

@@ -280,7 +280,8 @@ def _assert_columns_equal_single(device, kernels, ws, mat, xr, K, got, rows, n, 
 
 
 @pytest.mark.parametrize("reduce", ["subgroupAdd", "butterfly"])
-@pytest.mark.parametrize("wt", ["f32", "f16", "q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q6_k", "iq4_nl", "mxfp4"])
+@pytest.mark.parametrize("wt", ["f32", "f16", "q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q6_k", "iq4_nl", "iq4_xs",
+                                "mxfp4"])
 @pytest.mark.parametrize("n", [2, 3, 4, 5, 8, 13])
 def test_mul_mat_columns_equal_single_rows(device, column_kernels, ws, rng, wt, n, reduce):
     """Batched decode on GPUs: each column of the 2/4/8-column split-K variants

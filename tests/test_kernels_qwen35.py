@@ -278,14 +278,14 @@ def test_moe_router(device, hk, ws, rng, fixed):
         np.testing.assert_array_equal(ws.read(lr).reshape(rows, E), logits)
 
 
-@pytest.mark.parametrize("wt", ["f32", "f16", "q8_0", "q4_0", "q4_k", "q6_k", "mxfp4", "iq4_nl"])
+@pytest.mark.parametrize("wt", ["f32", "f16", "q8_0", "q4_0", "q4_k", "q6_k", "mxfp4", "iq4_nl", "iq4_xs"])
 @pytest.mark.parametrize("batched", [False, True])
 def test_expert_matmuls_and_combine(device, hk, ws, rng, wt, batched):
     """gate/up (x shared by a row's experts) and down (one x per pair) products,
     by one matvec per pair or expert-major over moe_sort's lists, then the
     weighted sum into a residual."""
     E, M, k, n = 6, 19, 3, 13
-    K = 256 if wt in ("q4_k", "q6_k") else 64
+    K = 256 if wt in ("q4_k", "q6_k", "iq4_xs") else 64
     raw, wf = random_quantized(wt, E * M, K, rng)
     mat = upload_matrix(ws, wt, raw, E * M, K)
     W = wf.reshape(E, M, K).astype(np.float64)

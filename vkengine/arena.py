@@ -85,7 +85,7 @@ def packed_words(type_name: str, rows: int, cols: int) -> tuple[int, int]:
     from .quant import block_shape
     n, b = block_shape(type_name)
     blocks = rows * cols // n
-    if type_name in ("f32", "f16", "bf16", "q4_k", "q5_k"):
+    if type_name in ("f32", "f16", "bf16", "q4_k", "q5_k", "iq4_xs"):
         return blocks * b // 4, 0
     if type_name == "q6_k":
         return blocks * 53, 0

@@ -5,7 +5,8 @@ GGUF blocks of the simple quant types are not 4-byte aligned (Q4_0: 18 bytes,
 Q8_0: 34) and storage buffers are 32-bit here, so their quants and scales are
 split into two arrays (both still quantized: the same bytes, reordered; IQ4_NL
 as Q4_0, MXFP4's 17-byte blocks as its exponent bytes and its nibbles). K-quant
-blocks are kept as they are (Q6_K padded from 210 to 212 bytes).
+blocks (and IQ4_XS's 136-byte ones) are kept as they are (Q6_K padded from 210
+to 212 bytes).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ SUPPORTED = {
     GGMLQuantizationType.Q5_K: "q5_k",
     GGMLQuantizationType.Q6_K: "q6_k",
     GGMLQuantizationType.IQ4_NL: "iq4_nl",
+    GGMLQuantizationType.IQ4_XS: "iq4_xs",
     GGMLQuantizationType.MXFP4: "mxfp4",
 }
 BY_NAME = {v: k for k, v in SUPPORTED.items()}
@@ -89,7 +91,7 @@ def repack(name: str, raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray
     expected = rows * row_bytes(name, cols)
     if raw.size != expected:
         raise VkEngineError(f"{name} tensor of {rows}x{cols} should hold {expected} bytes, it holds {raw.size}")
-    if name in ("f32", "f16", "bf16", "q4_k", "q5_k"):
+    if name in ("f32", "f16", "bf16", "q4_k", "q5_k", "iq4_xs"):
         return raw.view(np.uint32), None
     n, b = block_shape(name)
     blocks = raw.reshape(-1, b)
