@@ -239,6 +239,52 @@ def test_multimodal_folder_loads_its_text_model(device, models, tmp_path):
     np.testing.assert_array_equal(_prefill_logits(em, ids), _prefill_logits(et, ids))
 
 
+def _cached_tokens(url: str) -> float:
+    import httpx
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("vkengine_prompt_tokens_cached_total"):
+            return float(line.split()[-1])
+    raise AssertionError("no prompt_tokens_cached counter in /metrics")
+
+
+def test_server_prefix_cache_over_rings(models, tmp_path):
+    """`vkengine serve` on a model whose sliding-window layers keep rings (136
+    positions: window 8 + 2 x 64-row steps, context 512): a 300-token prompt,
+    then one that extends it (the prefix cache reuses the slot's 300+ rows,
+    which the ring allows), then one sharing only its first 150 tokens (too far
+    back for the ring: prefilled afresh) give what a server that never saw the
+    first gives, and the prefix cache's counter shows which requests reused rows."""
+    import httpx
+
+    from .serving import ServerProcess
+    rng = np.random.default_rng(3)
+    words = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "seven", "north", "quiet"]
+    long = " ".join(rng.choice(words, 300))
+    half = " ".join(long.split()[:150])
+    prompts = [long, long + " and then", half + " but instead"]
+
+    def run(prompts: list[str], name: str) -> tuple[list[str], list[float]]:
+        srv = ServerProcess(["--model", str(models[("gemma3", "q8_0")]["gguf"]), "--ctx", "512", "--parallel", "1"],
+                            tmp_path / f"{name}.log")
+        try:
+            out, cached = [], []
+            for p in prompts:
+                r = httpx.post(srv.url + "/v1/completions", timeout=300,
+                               json={"prompt": p, "max_tokens": 8, "temperature": 0})
+                assert r.status_code == 200, r.text
+                out.append(r.json()["choices"][0]["text"])
+                cached.append(_cached_tokens(srv.url))
+            return out, cached
+        finally:
+            srv.stop()
+    cached_out, counts = run(prompts, "cache")
+    assert counts[0] == 0 and counts[1] >= 300 and counts[2] == counts[1], counts   # (a running total)
+    # the last two on a server that never saw the first (nothing to reuse: the third shares too little)
+    fresh_out, fresh_counts = run(prompts[1:], "fresh")
+    assert fresh_counts == [0, 0]
+    assert cached_out[1:] == fresh_out
+
+
 def test_synth_real_shapes_config():
     g = config_for("gemma3-270m", None, "gemma3")
     assert (g.n_embd, g.n_layer, g.n_head, g.n_head_kv, g.head_dim, g.window) == (640, 18, 4, 1, 256, 512)
