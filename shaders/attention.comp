@@ -36,6 +36,7 @@ layout(binding = 1) readonly restrict buffer Q4 { vec4 act4[]; };
 layout(binding = 2) readonly buffer Params { uint params[]; };
 layout(binding = 3) readonly restrict buffer Kv { uint kv[]; };
 layout(binding = 3) readonly restrict buffer Kv4 { uvec4 kv4[]; };
+layout(binding = 4) readonly buffer Sinks { float sinks[]; };
 
 // words (f16 pairs) of a V row that one lane owns: ceil(head_dim / 2 / subgroup)
 layout(constant_id = 2) const uint WPL = 1;
@@ -70,7 +71,15 @@ layout(push_constant) uniform P {
     uint window;
     float softcap;
     uint ring;   // kv_at
+    uint sink_off;   // sink_weight
 } p;
+
+// gpt-oss's attention sinks: a learned logit per query head (binding 4 at
+// sink_off; 0xffffffff: none) that joins the softmax's denominator with no
+// value: o = acc / (l + e^(sink - m)) for acc and l taken against the max m
+float sink_weight(uint h, float m) {
+    return p.sink_off == 0xffffffffu ? 0.0 : exp(sinks[p.sink_off + h] - m);
+}
 
 // a position's row in the cache: sliding-window layers' caches are rings of
 // `ring` positions (position t at row t % ring); 0: no wrap
@@ -90,7 +99,7 @@ void merge(uint r, uint h, uint rh, uint used) {
         float mq = act[base + q * stride];
         if (mq > -1.0 / 0.0) L += exp(mq - M) * act[base + q * stride + 1u];
     }
-    L = subgroupAdd(L);
+    L = subgroupAdd(L) + sink_weight(h, M);
     uint ob = p.o_off + r * p.o_stride + h * p.head_dim;
     for (uint d = gl_SubgroupInvocationID; d < p.head_dim; d += gl_SubgroupSize) {
         float o = 0.0;
@@ -203,6 +212,7 @@ void main() {
         }
         uint used = p.chunk == 0u ? 1u : min(p.n_parts, pos / p.chunk + 1u);
         if (used == 1u) {
+            l += sink_weight(h, m);
             uint ob = p.o_off + r * p.o_stride + h * p.head_dim;
             [[unroll]] for (uint i = 0; i < WPL; i++) {
                 uint w = lane + i * S;

@@ -42,6 +42,7 @@ layout(binding = 1) readonly restrict buffer Q4 { vec4 act4[]; };
 layout(binding = 2) readonly buffer Params { uint params[]; };
 layout(binding = 3) readonly restrict buffer Kv { uint kv[]; };
 layout(binding = 3) readonly restrict buffer Kv4 { uvec4 kv4[]; };
+layout(binding = 4) readonly buffer Sinks { float sinks[]; };
 
 // words (f16 pairs) of a V row that one lane owns: ceil(head_dim / 2 / subgroup)
 layout(constant_id = 2) const uint WPL = 1;
@@ -79,7 +80,15 @@ layout(push_constant) uniform P {
     uint window;
     float softcap;
     uint ring;   // kv_at
+    uint sink_off;   // sink_weight
 } p;
+
+// gpt-oss's attention sinks: a learned logit per query head (binding 4 at
+// sink_off; 0xffffffff: none) that joins the softmax's denominator with no
+// value: o = acc / (l + e^(sink - m)) for acc and l taken against the max m
+float sink_weight(uint h, float m) {
+    return p.sink_off == 0xffffffffu ? 0.0 : exp(sinks[p.sink_off + h] - m);
+}
 
 // a position's row in the cache: sliding-window layers' caches are rings of
 // `ring` positions (position t at row t % ring); 0: no wrap
@@ -125,7 +134,7 @@ void merge(uint r, uint h, uint used) {
             }
         }
     }
-    L = subgroupAdd(L);
+    L = subgroupAdd(L) + sink_weight(h, M);
     uint ob = p.o_off + r * p.o_stride + h * p.head_dim;
     [[unroll]] for (uint i = 0; i < WPL; i++) {
         uint w = lane + i * S;
@@ -368,7 +377,8 @@ void main() {
     uint stride = p.head_dim + 2u;
     for (uint x = gl_LocalInvocationIndex; x < nh * HD; x += nl) {
         uint g = x / HD, d = x % HD;
-        if (n_wg == 1u) act[p.o_off + r * p.o_stride + (h0 + g) * p.head_dim + d] = sh_o[x] / sh_l[g];
+        if (n_wg == 1u) act[p.o_off + r * p.o_stride + (h0 + g) * p.head_dim + d] =
+            sh_o[x] / (sh_l[g] + sink_weight(h0 + g, sh_m[g]));
         else act[p.part_off + ((r * p.n_head + h0 + g) * p.n_parts + wi) * stride + 2u + d] = sh_o[x];
     }
     if (n_wg > 1u && gl_LocalInvocationIndex < nh) {

@@ -71,6 +71,7 @@ layout(binding = 0) writeonly restrict buffer Out { float act[]; };
 layout(binding = 1) readonly restrict buffer Q4 { vec4 act4[]; };
 layout(binding = 2) readonly buffer Params { uint params[]; };
 layout(binding = 3) readonly restrict buffer Kv4 { uvec4 kv4[]; };
+layout(binding = 4) readonly buffer Sinks { float sinks[]; };
 
 layout(push_constant) uniform P {
     uint q_off, q_stride, o_off, o_stride;
@@ -84,7 +85,15 @@ layout(push_constant) uniform P {
     uint window;
     float softcap;
     uint ring;   // kv_at
+    uint sink_off;   // sink_weight
 } p;
+
+// gpt-oss's attention sinks: a learned logit per query head (binding 4 at
+// sink_off; 0xffffffff: none) that joins the softmax's denominator with no
+// value: o = acc / (l + e^(sink - m)) for acc and l taken against the max m
+float sink_weight(uint h, float m) {
+    return p.sink_off == 0xffffffffu ? 0.0 : exp(sinks[p.sink_off + h] - m);
+}
 
 // a position's row in the cache: sliding-window layers' caches are rings of
 // `ring` positions (position t at row t % ring); 0: no wrap
@@ -319,7 +328,10 @@ void main() {
     }
     if (!sg_live) return;
     // O / l, one 16 x 16 tile (16 dims of the 16 rows) at a time
-    if (hf == 0u) As[a_base + r] = l > 0.0 ? 1.0 / l : 0.0;
+    if (hf == 0u) {
+        float den = l + (l > 0.0 ? sink_weight(h, m) : 0.0);
+        As[a_base + r] = den > 0.0 ? 1.0 / den : 0.0;
+    }
     [[unroll]] for (uint j = 0; j < HDS / 16u; j++) {
         subgroupBarrier();
         coopMatStore(o[j], Ss, s_base, 16u, gl_CooperativeMatrixLayoutColumnMajor);

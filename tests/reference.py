@@ -57,9 +57,11 @@ def rope(x, pos, n_rot, base, neox, freq_scale=1.0, freq_factors=None, mscale=1.
     return out.astype(np.float32)
 
 
-def attention(q, k, v, scale, softcap=0.0):
+def attention(q, k, v, scale, softcap=0.0, sinks=None):
     """q (hq, hd) against k, v (t, hkv, hd): grouped-query softmax attention
-    (softcap > 0: scores s -> softcap * tanh(s / softcap) first, Gemma 2)."""
+    (softcap > 0: scores s -> softcap * tanh(s / softcap) first, Gemma 2;
+    sinks (hq,): one more logit per head in the softmax, with no value:
+    transformers' GptOss eager attention)."""
     hq, hkv = q.shape[0], k.shape[1]
     g = hq // hkv
     out = np.zeros_like(q, dtype=np.float64)
@@ -69,6 +71,11 @@ def attention(q, k, v, scale, softcap=0.0):
         s = kk @ q[h].astype(np.float64) * scale
         if softcap:
             s = softcap * np.tanh(s / softcap)
+        if sinks is not None:
+            both = np.concatenate([s, [float(sinks[h])]])
+            p = np.exp(both - both.max())
+            out[h] = (p[:-1] / p.sum()) @ vv
+            continue
         p = np.exp(s - s.max())
         out[h] = (p / p.sum()) @ vv
     return out.astype(np.float32)

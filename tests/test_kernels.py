@@ -968,7 +968,7 @@ class _AttentionCase:
         self.orr = ws.act_region(self.q.size)
         self.scale = 1 / np.sqrt(hd)
 
-    def check(self, got, q, window=0, softcap=0.0, ring=0, **tol):
+    def check(self, got, q, window=0, softcap=0.0, ring=0, sinks=None, **tol):
         """got (the output region's floats) against numpy attention of q
         (window > 0: each row over its last `window` positions; ring > 0: the
         cache a ring of that many positions, position t at row t % ring)"""
@@ -976,7 +976,7 @@ class _AttentionCase:
         for r, (s, p) in enumerate(zip(self.slots, self.pos)):
             lo = max(0, int(p) + 1 - window) if window else 0
             rows = np.arange(lo, p + 1) % ring if ring else np.arange(lo, p + 1)
-            want = ref.attention(q[r], self.kvals[s, rows], self.vvals[s, rows], self.scale, softcap)
+            want = ref.attention(q[r], self.kvals[s, rows], self.vvals[s, rows], self.scale, softcap, sinks)
             _close(got[r], want, **tol)
 
 
@@ -1105,11 +1105,12 @@ def test_attention_coopmat(device, coopmat_kernels, ws, rng, hd, n_head, n_kv, g
 
 
 @pytest.mark.parametrize("path", ["none", "slices", "dec", "mc", "mc64"])
-@pytest.mark.parametrize("window,softcap,kv,ring", [(40, 0.0, "f16", 0), (7, 0.0, "kv", 0), (40, 2.0, "f16", 0),
-                                                    (0, 1.5, "f16", 0), (64, 0.0, "f16", 0), (40, 0.0, "f16", 100),
-                                                    (40, 2.0, "kv", 100)])
+@pytest.mark.parametrize("window,softcap,kv,ring,sink", [
+    (40, 0.0, "f16", 0, False), (7, 0.0, "kv", 0, False), (40, 2.0, "f16", 0, False), (0, 1.5, "f16", 0, False),
+    (64, 0.0, "f16", 0, False), (40, 0.0, "f16", 100, False), (40, 2.0, "kv", 100, False),
+    (0, 0.0, "f16", 0, True), (40, 0.0, "kv", 100, True)])
 def test_attention_window_softcap(device, kernels, coopmat_kernels_or_none, ws, rng, path, window, softcap, kv,
-                                  ring):
+                                  ring, sink):
     """Sliding-window layers (each row sees its last `window` positions: Gemma's
     local layers) and Gemma 2's score soft-cap, on every attention path: one
     pass, attention.comp's 64-position slices, attention_dec's parts and
@@ -1119,7 +1120,8 @@ def test_attention_window_softcap(device, kernels, coopmat_kernels_or_none, ws, 
     slots far past it and just inside it, against numpy. Large q so that the
     cap changes the result. ring: the cache a ring of 100 positions
     (sliding-window layers' bounded caches), the decode row at 130 reading a
-    window that wraps."""
+    window that wraps. sink: gpt-oss's attention sinks (a logit per head,
+    some above every score, some below)."""
     mc = path.startswith("mc")
     if mc:
         if coopmat_kernels_or_none is None:
@@ -1144,17 +1146,19 @@ def test_attention_window_softcap(device, kernels, coopmat_kernels_or_none, ws, 
         assert kn.attention_on_coopmat(rows, hd)
         c.kvals = c.kvals.astype(np.float16).astype(np.float32)
         c.vvals = c.vvals.astype(np.float16).astype(np.float32)
+    sinks = (rng.standard_normal(n_head) * 4).astype(np.float32) if sink else None
+    sr = ws.weight_region(sinks) if sink else None
     prog = device.program()
     kn.attention(prog, c.qr, n_head * hd, c.orr, n_head * hd, rows, n_head, n_kv, hd, c.kc, c.vc, c.ss,
                  ws.params, 0, 60, c.scale, tmp, ctx, sync, kv_types=types, window=window, softcap=softcap,
-                 ring=kv_util.capacity(ring, types) if ring else 0)
+                 ring=kv_util.capacity(ring, types) if ring else 0, sinks=sr)
     ws.device.upload(c.orr.buf, np.full(c.orr.words, 0x7FC00000, np.uint32), c.orr.off * 4)
     prog.run()
     if mc:
-        c.check(ws.read(c.orr), c.q.astype(np.float16).astype(np.float32), window, softcap, ring, rtol=2e-3,
+        c.check(ws.read(c.orr), c.q.astype(np.float16).astype(np.float32), window, softcap, ring, sinks, rtol=2e-3,
                 atol_scale=2e-3)
     else:
-        c.check(ws.read(c.orr), c.q, window, softcap, ring, atol_scale=1e-5)
+        c.check(ws.read(c.orr), c.q, window, softcap, ring, sinks, atol_scale=1e-5)
     if on:
         assert (ws.read(sync, np.uint32) == 0).all()
 

@@ -129,9 +129,9 @@ class DenseOps(GraphBase):
                        self.pl.positions, self.pl.slots, kv_types=self.kv.types, ring=self.kv.ring(layer))
 
     def attention(self, layer: int, q: str, out: str, n_head: int, n_kv: int, head_dim: int, scale: float,
-                  window: int = 0, softcap: float = 0.0) -> None:
+                  window: int = 0, softcap: float = 0.0, sinks: Region | None = None) -> None:
         """Causal attention of each row over its slot's cache (window > 0: its
-        last `window` positions; softcap: AttentionKernels.attention). Steps of few rows
+        last `window` positions; softcap, sinks: AttentionKernels.attention). Steps of few rows
         (decode) split the positions across subgroups when the scratch has room
         (`out_attn_split`, sized for max_out rows) and the device profits."""
         split = sync = None
@@ -145,7 +145,8 @@ class DenseOps(GraphBase):
         self.k.attention(self.p, self.s.region(q), self.s.stride(q), self.s.region(out), self.s.stride(out),
                          self.n, n_head, n_kv, head_dim, self.kv.k(layer), self.kv.v(layer), self.kv.stride(layer),
                          self.params, self.pl.positions, self.pl.slots, scale, split, self.kv.ctx, sync,
-                         kv_types=self.kv.types, window=window, softcap=softcap, ring=self.kv.ring(layer))
+                         kv_types=self.kv.types, window=window, softcap=softcap, ring=self.kv.ring(layer),
+                         sinks=sinks)
 
     def gate_up_swiglu(self, pieces: list[tuple[Matrix, int]], x: str, gu: str, out: str,
                        norm_in: NormIn | None = None) -> None:

@@ -139,7 +139,8 @@ class AttentionKernels(KernelBase):
                   n_head: int, n_kv: int, head_dim: int, k_cache: Region, v_cache: Region, slot_stride: int,
                   params: Buffer, pos_off: int, slot_off: int, scale: float, split: Region | None = None,
                   n_ctx: int = 0, sync: Region | None = None, label: str = "attention",
-                  kv_types: KVTypes = KVTypes(), window: int = 0, softcap: float = 0.0, ring: int = 0) -> None:
+                  kv_types: KVTypes = KVTypes(), window: int = 0, softcap: float = 0.0, ring: int = 0,
+                  sinks: Region | None = None) -> None:
         """o[r][h] = softmax(q[r][h] . K[slot][0..pos]) V[slot][0..pos].
         With `split` (scratch of attention_tmp_words), the cache's n_ctx and
         `sync` (attention_sync_words of zeros, left zero) the positions are cut
@@ -153,7 +154,8 @@ class AttentionKernels(KernelBase):
         softcap * tanh(s / softcap) before the softmax (Gemma 2). ring > 0: the
         cache holds that many positions a slot, position t at row t % ring
         (sliding-window layers' bounded caches: the window and a step's rows
-        must fit in it)."""
+        must fit in it). sinks: a logit per query head (gpt-oss) that joins each
+        softmax's denominator with no value."""
         if head_dim % 8 or n_head % n_kv or q.off % 4 or q_stride % 4 or k_cache.off % 4 or v_cache.off % 4:
             raise VkEngineError(f"attention needs head_dim a multiple of 8 ({head_dim}), n_head a multiple of "
                                 f"n_kv ({n_head}/{n_kv}) and 16-byte aligned q rows and caches")
@@ -168,11 +170,16 @@ class AttentionKernels(KernelBase):
         pc = dict(q_off=q.off, q_stride=q_stride, o_off=o.off, o_stride=o_stride, n_rows=n_rows, n_head=n_head,
                   n_kv=n_kv, head_dim=head_dim, k_off=k_cache.off, v_off=v_cache.off, slot_stride=slot_stride,
                   pos_off=pos_off, slot_off=slot_off, scale=scale, window=window, softcap=softcap,
-                  ring=ring)
+                  ring=ring, sink_off=sinks.off if sinks is not None else 0xFFFFFFFF)
+        if sinks is not None:
+            if sinks.words < n_head:
+                raise ValueError(f"{sinks.words} attention sinks for {n_head} heads")
+            reads.append(sinks.range)
+        sb = sinks.buf if sinks is not None else params   # (binding 4 unused without sinks)
         if self.attention_on_coopmat(n_rows, head_dim) and split is None:
             name = c.attention_mc_variant.format(hd=head_dim) + tag
             push = self._push(name, **pc)
-            alg = self._alg_spec(name, [act, act, params, kv], (), push)
+            alg = self._alg_spec(name, [act, act, params, kv, sb], (), push)
             # NSG / DS 16-row blocks of one KV group's heads a workgroup (the shader's comment)
             blocks = math.ceil(n_rows / 16) * (n_head // n_kv)
             per_wg = dict(c.attention_mc_layouts)[head_dim]
@@ -184,13 +191,13 @@ class AttentionKernels(KernelBase):
         vb = max(8, min(32, 32 // wpl))
         if split is not None and c.attention_dec:
             self._attention_dec(prog, pc, reads, out, split, sync, n_rows, n_head, n_kv, head_dim, wpl, vb, act, kv,
-                                params, label, tag)
+                                params, label, tag, sb)
             return
         n_parts = self.attention_parts(n_ctx, n_head, n_kv) if split is not None else 1
         name = ("attention_split" if split is not None else "attention") + tag
         push = self._push(name, **pc, chunk=self.ATTN_CHUNK if split is not None else 0, n_parts=n_parts,
                           part_off=split.off if split is not None else 0, sync_off=sync.off if sync is not None else 0)
-        alg = self._alg_spec(name, [act, act, params, kv], (c.wg, c.items, wpl, head_dim, vb), push)
+        alg = self._alg_spec(name, [act, act, params, kv, sb], (c.wg, c.items, wpl, head_dim, vb), push)
         if split is None:
             prog.dispatch(alg, push, self._grid(math.ceil(n_rows * n_head / c.items)), reads, out, label)
             return
@@ -205,7 +212,7 @@ class AttentionKernels(KernelBase):
 
     def _attention_dec(self, prog: Program, pc: dict, reads: list, out: list, split: Region, sync: Region | None,
                        n_rows: int, n_head: int, n_kv: int, head_dim: int, wpl: int, vb: int, act: Buffer,
-                       kv: Buffer, params: Buffer, label: str, tag: str) -> None:
+                       kv: Buffer, params: Buffer, label: str, tag: str, sb: Buffer) -> None:
         """Split decode attention by KV-head group (attention_dec.comp; tag: the KV types' variant suffix)."""
         c = self.caps
         gq, n_groups, n_parts = self.dec_layout(n_head, n_kv)
@@ -219,7 +226,7 @@ class AttentionKernels(KernelBase):
                           sync_off=sync.off)
         lp = self.dec_lanes(head_dim) if "k" not in tag else 1   # (f16 K only)
         vb = self.dec_vb or vb
-        alg = self._alg_spec(name, [act, act, params, kv], (c.wg, c.items, wpl, head_dim, vb, gq, lp,
+        alg = self._alg_spec(name, [act, act, params, kv, sb], (c.wg, c.items, wpl, head_dim, vb, gq, lp,
                                                             self.dec_kpf(head_dim, lp, tag), self.dec_vpre), push)
         tmp = (split.buf, split.off * 4, (split.off + tmp_words) * 4)
         prog.dispatch(alg, push, self._grid(n_rows * n_kv * n_groups * (n_parts // c.items)),

@@ -59,8 +59,9 @@ _TILED = Push("uint w_off, w_off2, K, M, N, x_off, x_stride, y_off, y_stride, ac
 _ATTN = Push("""uint q_off, q_stride, o_off, o_stride, n_rows, n_head, n_kv, head_dim, k_off, v_off, slot_stride,
                 pos_off, slot_off; float scale""")
 # sliding-window layers' window (0: none), Gemma 2's score soft-cap (0: none) and the cache's ring (positions a
-# slot holds when they wrap: sliding-window layers' bounded caches; 0: none), after each variant's own
-_ATTN_TAIL = Push("uint window; float softcap; uint ring")
+# slot holds when they wrap: sliding-window layers' bounded caches; 0: none) and where attention sinks are
+# (gpt-oss; 0xffffffff: none), after each variant's own
+_ATTN_TAIL = Push("uint window; float softcap; uint ring, sink_off")
 _MUL_ID = "uint w_off, w_off2, K, M, k"
 
 # by source file: the base layout and the (define, fields) that variants append, in order
