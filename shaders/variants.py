@@ -199,6 +199,8 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
     t["swiglu4"] = ("swiglu.comp", {"VEC4": 1})   # F, offsets and strides multiples of 4
     t["geglu"] = ("swiglu.comp", {"GELU": 1})     # GELU (tanh) for SiLU: Gemma's FFN
     t["geglu4"] = ("swiglu.comp", {"GELU": 1, "VEC4": 1})
+    t["swiglu_oai"] = ("swiglu.comp", {"OAI": 1})   # gpt-oss's clamped SwiGLU
+    t["swiglu_oai4"] = ("swiglu.comp", {"OAI": 1, "VEC4": 1})
     t["attention_split"] = ("attention.comp", {"SPLIT": 1})   # split-K decode, slices merged in place
     t["attention_dec"] = ("attention_dec.comp", {})   # decode by KV-head group, parts following the position
     t.update(_hybrid_table())
@@ -224,7 +226,7 @@ def _hybrid_table() -> dict[str, tuple[str, dict[str, int]]]:
         t[f"mul_mv_idp_{wt}"] = ("mul_mv_id.comp", {**d, "EXPERT_PART": 1})
         t[f"mul_mm_idp_{wt}"] = ("mul_mm_id.comp", {**d, "EXPERT_PART": 1})
     for op in ("conv1d", "l2_norm", "delta_rule", "gated_rms_norm", "norm_rope_kv", "sigmoid_mul", "moe_sort",
-               "moe_combine"):
+               "moe_combine", "moe_bias"):
         t[op] = (f"{op}.comp", {})
     t["moe_router"] = ("moe_router.comp", {"FIXED": 0})
     t["moe_router_fixed"] = ("moe_router.comp", {"FIXED": 1})

@@ -817,6 +817,14 @@ def test_swiglu(device, kernels, ws, rng, F):
     g = gu[:, :F].astype(np.float64) * 1.0
     gelu = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3)))
     _close(ws.read(yr).reshape(rows, F), (gelu * gu[:, F:]).astype(np.float32))
+    # gpt-oss's clamped SwiGLU (ggml's swiglu_oai): gates above 7 and ups past +-7 clamped
+    prog = device.program()
+    kernels.swiglu(prog, gr, 2 * F, yr, F, F, rows, oai=(1.702, 7.0))
+    prog.run()
+    x = np.minimum(gu[:, :F].astype(np.float64), 7.0)
+    want = x / (1 + np.exp(-1.702 * x)) * (np.clip(gu[:, F:].astype(np.float64), -7.0, 7.0) + 1)
+    assert (np.abs(gu) > 7).any()
+    _close(ws.read(yr).reshape(rows, F), want.astype(np.float32))
 
 
 def test_softcap(device, kernels, ws, rng):

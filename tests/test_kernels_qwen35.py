@@ -278,6 +278,25 @@ def test_moe_router(device, hk, ws, rng, fixed):
         np.testing.assert_array_equal(ws.read(lr).reshape(rows, E), logits)
 
 
+def test_moe_bias(device, hk, ws, rng):
+    """Each routed expert's bias row (gpt-oss) added to its slot of a row's
+    expert outputs, the expert id from the router's route words."""
+    E, M, k, n = 6, 37, 3, 5
+    b = rng.standard_normal((E, M)).astype(np.float32)
+    ids = np.stack([rng.permutation(E)[:k] for _ in range(n)]).astype(np.uint32)
+    route = np.concatenate([ids.view(np.float32), rng.uniform(0.1, 1, (n, k)).astype(np.float32)], 1)
+    y = rng.standard_normal((n, k * M + 3)).astype(np.float32)
+    br, rr, yr = ws.weight_region(b), ws.act_region(route.size, route), ws.act_region(y.size, y)
+    prog = device.program()
+    hk.moe_bias(prog, br, M, rr, 2 * k, k, yr, k * M + 3, M, n)
+    prog.run()
+    want = y.copy()
+    for r in range(n):
+        for i in range(k):
+            want[r, i * M:(i + 1) * M] += b[ids[r, i]]
+    np.testing.assert_array_equal(ws.read(yr).reshape(n, -1), want)
+
+
 @pytest.mark.parametrize("wt", ["f32", "f16", "q8_0", "q4_0", "q4_k", "q6_k", "mxfp4", "iq4_nl", "iq4_xs"])
 @pytest.mark.parametrize("batched", [False, True])
 def test_expert_matmuls_and_combine(device, hk, ws, rng, wt, batched):

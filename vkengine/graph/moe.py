@@ -42,19 +42,30 @@ class MoeOps(GraphBase):
                                self._rows(x), label=f"mul_mat_id {out}<-{x}")
 
     def routed_experts(self, gate_up: Matrix, down: Matrix, n_expert: int, k: int, n_ff_exp: int,
-                       out: str = "x") -> None:
+                       out: str = "x", biases: tuple[Region, Region] | None = None,
+                       oai: tuple[float, float] | None = None) -> None:
         """out[r] += the SwiGLU FFNs of h[r] through its k routed experts (route,
         after moe_route), weighted: one matvec per pair in decode steps,
         expert-major batched matmuls once a step routes several rows to each
-        expert on average."""
+        expert on average. biases = (gate|up E x 2F, down E x D): each expert's
+        (gpt-oss); oai = (alpha, limit): gpt-oss's clamped SwiGLU."""
         batched = n_expert if self.n * k >= 4 * n_expert else 0
         if batched:
             self.moe_sort("route", k, n_expert)
         self.experts(gate_up, 2 * n_ff_exp, "h", "route", k, "gu_e", per_slot_input=False, batched_experts=batched)
-        self.swiglu_split("gu_e", "ff_e", n_ff_exp, k)
+        if biases is not None:
+            self.expert_bias(biases[0], 2 * n_ff_exp, "route", k, "gu_e")
+        self.swiglu_split("gu_e", "ff_e", n_ff_exp, k, oai)
         self.experts(down, self.s.widths[out], "ff_e", "route", k, "dn_e", per_slot_input=True,
                      batched_experts=batched)
+        if biases is not None:
+            self.expert_bias(biases[1], self.s.widths[out], "route", k, "dn_e")
         self.moe_combine("dn_e", "route", k, out)
+
+    def expert_bias(self, b: Region, M: int, route: str, k: int, y: str) -> None:
+        """y[r][i][:M] += b[expert of route[r][i]] (y rows hold k slots of M)."""
+        self.k.moe_bias(self.p, b, M, self._r(route), self.s.stride(route), k, self._r(y), self.s.stride(y), M,
+                        self._rows(y))
 
     def moe_combine(self, e: str, route: str, k: int, out: str) -> None:
         """out[r] += sum_i weight_ri * e[r][i]."""
@@ -62,8 +73,8 @@ class MoeOps(GraphBase):
         self.k.moe_combine(self.p, self._r(e), self.s.stride(e), D, self._r(route), self.s.stride(route), k,
                             self._r(out), self.s.stride(out), D, self._rows(out))
 
-    def swiglu_split(self, gu: str, out: str, F: int, parts: int) -> None:
+    def swiglu_split(self, gu: str, out: str, F: int, parts: int, oai: tuple[float, float] | None = None) -> None:
         """out[r][i] = swiglu of gu[r][i] for i < parts (gu rows hold parts blocks of [gate F | up F])."""
         if self.s.stride(gu) != parts * 2 * F or self.s.stride(out) != parts * F:
             raise ValueError("swiglu_split needs packed rows")
-        self.k.swiglu(self.p, self._r(gu), 2 * F, self._r(out), F, F, self._rows(gu) * parts)
+        self.k.swiglu(self.p, self._r(gu), 2 * F, self._r(out), F, F, self._rows(gu) * parts, oai=oai)

@@ -33,12 +33,15 @@ class ElementwiseKernels(KernelBase):
                           [rows_range(y, n, y_stride, w.cols)], label)
 
     def swiglu(self, prog: Program, gu: Region, gu_stride: int, y: Region, y_stride: int, F: int, rows: int,
-               label: str = "swiglu", gelu: bool = False) -> None:
-        """y[r][i] = silu(gu[r][i]) * gu[r][F + i] (gelu: GELU, tanh form, for silu)."""
+               label: str = "swiglu", gelu: bool = False, oai: tuple[float, float] | None = None) -> None:
+        """y[r][i] = silu(gu[r][i]) * gu[r][F + i] (gelu: GELU, tanh form, for
+        silu; oai = (alpha, limit): gpt-oss's clamped form, swiglu.comp)."""
         act = self._same_buffer(gu, y)
         vec4 = not (F % 4 or gu.off % 4 or gu_stride % 4 or y.off % 4 or y_stride % 4)
-        name = ("geglu" if gelu else "swiglu") + ("4" if vec4 else "")
-        push = self._push(name, gu_off=gu.off, gu_stride=gu_stride, y_off=y.off, y_stride=y_stride, F=F, rows=rows)
+        name = ("swiglu_oai" if oai else "geglu" if gelu else "swiglu") + ("4" if vec4 else "")
+        extra = dict(alpha=oai[0], limit=oai[1]) if oai else {}
+        push = self._push(name, gu_off=gu.off, gu_stride=gu_stride, y_off=y.off, y_stride=y_stride, F=F, rows=rows,
+                          **extra)
         ew = self.caps.ew_wg
         alg = self._alg(name, [act], push, ew, 1)
         prog.dispatch(alg, push, self._grid(math.ceil(rows * F // (4 if vec4 else 1) / ew)),

@@ -17,6 +17,18 @@ ROUTER_KMAX = 16       # KMAX in moe_router.comp
 
 
 class MoeKernels(KernelBase):
+    def moe_bias(self, prog: Program, b: Region, M: int, route: Region, route_stride: int, k: int, y: Region,
+                 y_stride: int, y_slot_stride: int, rows: int, label: str = "moe_bias") -> None:
+        """y[r][i][:M] += b[e_ri] (each routed expert's bias row; b: E x M)."""
+        act = self._same_buffer(route, y)
+        push = self._push("moe_bias", b_off=b.off, M=M, route_off=route.off, route_stride=route_stride, k=k,
+                          y_off=y.off, y_stride=y_stride, y_slot_stride=y_slot_stride, rows=rows)
+        alg = self._alg("moe_bias", [b.buf, act], push, self.caps.ew_wg, 1)
+        span = (k - 1) * y_slot_stride + M
+        prog.dispatch(alg, push, self._grid(math.ceil(rows * k * M / self.caps.ew_wg)),
+                      [b.range, rows_range(route, rows, route_stride, k), rows_range(y, rows, y_stride, span)],
+                      [rows_range(y, rows, y_stride, span)], label)
+
     def moe_router(self, prog: Program, logits: Region, l_stride: int, y: Region, y_stride: int, E: int, k: int,
                    rows: int, w_scale: float = 1.0, rec: Region | None = None, rec_stride: int = 0,
                    fixed: tuple[Region, Region, int, int] | None = None, label: str = "moe_router") -> None:
