@@ -23,7 +23,13 @@ _QWEN2 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L
 # Qwen3.5 keeps combining marks with letters (llama.cpp llama-vocab.cpp LLAMA_VOCAB_PRE_TYPE_QWEN35)
 _QWEN35 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
            r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# gpt-oss's o200k (llama.cpp LLAMA_VOCAB_PRE_TYPE_GPT4O; the tokenizer.json form, which the tokenizers
+# library's regex engine runs as it is)
+_GPT4O = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+          r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 PRE_TOKENIZERS: dict[str, list[str]] = {
+    "gpt-4o": [_GPT4O],
     "default": [_GPT2],
     "gpt2": [_GPT2],
     "smollm": [r"\p{N}", _GPT2],

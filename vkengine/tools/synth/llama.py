@@ -18,6 +18,9 @@ weights, so both files compute the same logits.
 files), q/k/v biases (qwen2) or per-head q/k norm weights (qwen3), and the
 head size in the file (qwen3's 128 is not n_embd / n_head).
 
+--arch gpt-oss writes gpt-oss's (vkengine/models/gpt_oss.py: biases, sinks,
+experts with biases, the sliding window, YaRN when yarn_factor is set), GGUF only.
+
 --arch gemma2 and gemma3 write Gemma's graph (vkengine/models/gemma3.py):
 norms after attention and the FFN as well as before, tied embeddings, the
 sliding window (SynthConfig.window), q/k norms (gemma3), soft-caps (gemma2).
@@ -72,10 +75,14 @@ SHAPES_EXTRA: dict[str, dict[str, Any]] = {
                       rope_base=1e6, rms_eps=1e-6, window=1024, rope_linear=8.0),
     "gemma2-2b": dict(n_embd=2304, n_layer=26, n_head=8, n_head_kv=4, n_ff=9216, head_size=256, tied=True,
                       rope_base=10000.0, rms_eps=1e-6, window=4096),
+    # gpt-oss-20b (GGUF only; its experts MXFP4 in the released file: --quant mxfp4)
+    "gpt-oss-20b": dict(n_embd=2880, n_layer=24, n_head=64, n_head_kv=8, n_ff=2880, head_size=64, n_expert=32,
+                        n_expert_used=4, n_ff_exp=2880, rope_base=150000.0, rms_eps=1e-5, window=128,
+                        yarn_factor=32.0, yarn_orig_ctx=4096),
     "qwen3-30b-a3b": dict(n_embd=2048, n_layer=48, n_head=32, n_head_kv=4, n_ff=6144, head_size=128,
                           n_expert=128, n_expert_used=8, n_ff_exp=768, rope_base=1e6, rms_eps=1e-6),
 }
-ARCHES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3")
+ARCHES = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "gpt-oss")
 GEMMA = ("gemma2", "gemma3")
 
 
@@ -145,6 +152,9 @@ def _tensor_plan(c: SynthConfig, n_vocab: int) -> list[tuple[str, tuple[int, ...
     plan = [("token_embd.weight", (n_vocab, D), 1.0), ("output_norm.weight", (D,), 0.0)]
     if c.arch in GEMMA:
         return plan + [t for i in range(c.n_layer) for t in _gemma_layer(c, f"blk.{i}.")]
+    if c.arch == "gpt-oss":
+        return plan + [("output.weight", (n_vocab, D), c.logit_scale / np.sqrt(D))] + \
+            [t for i in range(c.n_layer) for t in _gptoss_layer(c, f"blk.{i}.")]
     if c.rope_orig_ctx:   # LongRoPE divisors (f32; made by _make_tensor, not drawn)
         plan += [("rope_factors_long.weight", (hd // 2,), -1.0), ("rope_factors_short.weight", (hd // 2,), -1.0)]
     if not c.tied:
@@ -199,6 +209,27 @@ def _gemma_layer(c: SynthConfig, p: str) -> list[tuple[str, tuple[int, ...], flo
             (p + "ffn_up.weight", (F, D), 1.0 / np.sqrt(D)),
             (p + "ffn_down.weight", (D, F), 1.0 / np.sqrt(F)),
             (p + "post_ffw_norm.weight", (D,), 0.0)]
+
+
+def _gptoss_layer(c: SynthConfig, p: str) -> list[tuple[str, tuple[int, ...], float]]:
+    """gpt-oss: biases on q, k, v, o, the router and every expert's products (f32),
+    a sink logit per query head (f32, as a bias), routed experts only."""
+    D, hd, E, Fe = c.n_embd, c.head_dim, c.n_expert, c.n_ff_exp
+    return [(p + "attn_norm.weight", (D,), 0.0),
+            (p + "attn_q.weight", (c.n_head * hd, D), 2.0 / np.sqrt(D)), (p + "attn_q.bias", (c.n_head * hd,), -0.3),
+            (p + "attn_k.weight", (c.n_head_kv * hd, D), 2.0 / np.sqrt(D)),
+            (p + "attn_k.bias", (c.n_head_kv * hd,), -0.3),
+            (p + "attn_v.weight", (c.n_head_kv * hd, D), 1.0 / np.sqrt(D)),
+            (p + "attn_v.bias", (c.n_head_kv * hd,), -0.2),
+            (p + "attn_output.weight", (D, c.n_head * hd), 0.5 / np.sqrt(c.n_head * hd * c.n_layer)),
+            (p + "attn_output.bias", (D,), -0.1),
+            (p + "attn_sinks.weight", (c.n_head,), -2.0),
+            (p + "post_attention_norm.weight", (D,), 0.0),
+            (p + "ffn_gate_inp.weight", (E, D), 4.0 / np.sqrt(D)), (p + "ffn_gate_inp.bias", (E,), -0.5),
+            (p + "ffn_gate_exps.weight", (E, Fe, D), 2.0 / np.sqrt(D)), (p + "ffn_gate_exps.bias", (E, Fe), -0.5),
+            (p + "ffn_up_exps.weight", (E, Fe, D), 2.0 / np.sqrt(D)), (p + "ffn_up_exps.bias", (E, Fe), -0.5),
+            (p + "ffn_down_exps.weight", (E, D, Fe), 1.0 / np.sqrt(Fe * c.n_layer)),
+            (p + "ffn_down_exps.bias", (E, D), -0.1)]
 
 
 def _make_tensor(job):
@@ -327,6 +358,8 @@ def synth_llama(c: SynthConfig, quant: str, seed: int, out_dir: Path, name: str 
         raise VkEngineError(f"unknown llama-family architecture {c.arch!r} ({', '.join(ARCHES)})")
     if c.arch == "qwen3moe" and not c.n_expert:
         raise VkEngineError("qwen3moe needs a shape with experts (tiny-moe, qwen3-30b-a3b)")
+    if c.arch == "gpt-oss" and (not c.n_expert or c.tied or "hf" in formats):
+        raise VkEngineError("gpt-oss: routed experts (a MoE shape), an untied output, GGUF only")
     if c.arch in GEMMA and (c.n_expert or not c.tied):
         raise VkEngineError(f"{c.arch} is dense with tied embeddings (llama.cpp's gemma2 has no output matrix)")
     if c.arch in ("qwen2", "qwen3") and c.n_expert:
@@ -369,6 +402,8 @@ def synth_llama(c: SynthConfig, quant: str, seed: int, out_dir: Path, name: str 
             w.add_expert_used_count(c.n_expert_used)
             if not mixtral:
                 w.add_expert_feed_forward_length(c.n_ff_exp)
+        if c.arch == "gpt-oss":
+            w.add_sliding_window(c.window or 128)
         if c.arch in GEMMA:
             w.add_sliding_window(_window(c))
             if c.arch == "gemma2":
