@@ -168,11 +168,15 @@ class KVCache:
         still holds the window before position `length`."""
         return length == 0 or not self._rings or max(0, length - self.window + 1) >= hi + self.margin - self.ring_cap
 
+    def park_bytes(self, slot: int, length: int) -> int:
+        """Bytes park(slot, length) copies (the size of a buffer it can reuse)."""
+        return max(16, length * self.bytes_per_position() + self._ring_rows(slot) * self.ring_row_bytes())
+
     def park(self, slot: int, length: int, into: Buffer | None = None) -> Parked:
         """Copy positions [0, length) of a slot (a ring layer's rows that hold
         anything) into a host-visible buffer."""
         rows = self._ring_rows(slot)
-        need = max(16, length * self.bytes_per_position() + rows * self.ring_row_bytes())
+        need = self.park_bytes(slot, length)
         if into is None or into.nbytes < need:
             into = self.device.buffer(need, "host", f"parked-slot{slot}")
         p = self.device.program()
@@ -387,9 +391,11 @@ class HybridState(KVCache):
         self.length[slot] = length
 
     # -- parking and prefix copies ----------------------------------------------------
+    def park_bytes(self, slot: int, length: int) -> int:
+        return max(16, length * self.bytes_per_position() + self.recurrent_bytes())
+
     def park(self, slot: int, length: int, into: Buffer | None = None) -> HybridParked:
-        kv_bytes = length * self.bytes_per_position()
-        need = max(16, kv_bytes + self.recurrent_bytes())
+        need = self.park_bytes(slot, length)
         if into is None or into.nbytes < need:
             into = self.device.buffer(need, "host", f"parked-slot{slot}")
         p = self.device.program()

@@ -121,7 +121,7 @@ class EngineKV:
         self.held: dict[int, Any] = {}     # handles parked and not yet released, by id
 
     def park(self, slot: int, length: int):
-        need = length * self.eng.kv.bytes_per_position()
+        need = self.eng.kv.park_bytes(self.slots[slot], length)
         fit = [b for b in self.pool if b.nbytes >= need]
         buf = min(fit, key=lambda b: b.nbytes) if fit else None
         if buf is not None:
