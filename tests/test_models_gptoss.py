@@ -211,6 +211,21 @@ def test_o200k_pre_tokenizer():
     assert got == ["Hello", " World's", " HTTPServer", " ", "123", "45", " don't", "!!\n\n", " ", " x", "/y"]
 
 
+def test_harmony_turn_ends():
+    """gpt-oss's vocabulary (o200k_harmony): <|return|> and <|call|> end a turn,
+    <|end|> (which closes the analysis channel's message before the final
+    answer) does not, even where the file names it the end-of-turn token, as
+    llama.cpp's vocabulary loader has it."""
+    from vkengine.tokenizer import from_gguf
+    tokens = ["a", "b", "<|endoftext|>", "<|return|>", "<|end|>", "<|call|>", "<|start|>"]
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-4o", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": [1, 1, 3, 3, 3, 3, 3], "tokenizer.ggml.merges": [],
+            "tokenizer.ggml.eos_token_id": 3, "tokenizer.ggml.eot_token_id": 4}
+    tok = from_gguf(lambda k, d=None: meta.get(k, d))
+    assert tok.eot_ids == {3, 5} and not tok.add_bos
+    assert tok.encode("<|start|>ab") == [6, 0, 1]      # (no BOS: the file asks for none)
+
+
 def test_hf_folder_is_refused(tmp_path):
     import json
 

@@ -173,9 +173,13 @@ def _finish(hf, meta, vocab: dict[str, int], types: list[int], add_bos_default: 
     eos = meta("tokenizer.ggml.eos_token_id", None)
     eot = meta("tokenizer.ggml.eot_token_id", None)
     eot_ids = {int(x) for x in (eos, eot) if x is not None}
-    for name in ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>"):
+    for name in ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "<|return|>", "<|call|>"):
         if name in vocab and types[vocab[name]] == TOKEN_TYPE_CONTROL:
             eot_ids.add(vocab[name])
+    if "<|return|>" in vocab and "<|call|>" in vocab and "<|end|>" in vocab:
+        # gpt-oss's harmony format: <|end|> closes a message (the analysis channel's, before the final
+        # answer), <|return|> and <|call|> end the turn (llama.cpp's llama-vocab.cpp drops <|end|> so too)
+        eot_ids.discard(vocab["<|end|>"])
     return Tokenizer(
         hf=hf, bos_id=None if bos is None else int(bos), eos_id=None if eos is None else int(eos),
         add_bos=bool(meta("tokenizer.ggml.add_bos_token", add_bos_default)), eot_ids=frozenset(eot_ids),
