@@ -68,12 +68,38 @@ class ModelArgs:
         """The layers whose KV rows the per-sequence state keeps."""
         return list(range(self.n_layer))
 
+    @property
+    def ring_layers(self) -> list[int]:
+        """The layers whose KV rows may live in rings of ring_window positions (SlidingWindowArgs)."""
+        return []
+
+    @property
+    def ring_window(self) -> int:
+        return 0
+
     def check(self, what: str) -> None:
         """Sizes a corrupt file could make zero or negative."""
         for name in ("n_vocab", "n_embd", "n_layer", "n_head", "head_dim"):
             v = getattr(self, name)
             if not v > 0:
                 raise VkEngineError(f"{what}: invalid model metadata: {name} is {v}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlidingWindowArgs(ModelArgs):
+    """Models with sliding-window layers (Gemma, gpt-oss): each such layer
+    attends to its last `window` positions, and its KV rows live in a ring
+    (Architecture.make_state)."""
+    window: int = 0                   # (0: none)
+    swa: tuple[bool, ...] = ()        # per layer: a sliding-window layer
+
+    @property
+    def ring_layers(self) -> list[int]:
+        return [i for i, s in enumerate(self.swa) if s] if self.window else []
+
+    @property
+    def ring_window(self) -> int:
+        return self.window
 
 
 class ModelWeights(Protocol):
@@ -121,14 +147,21 @@ class Architecture(ABC):
         """The per-sequence state of n_slots sequences of n_ctx positions, the KV
         cache of the types given (EngineConfig.kv_types); max_step: the most rows
         a step takes (bounded caches of sliding-window layers size by it)."""
+        rings = a.ring_layers if max_step else []
         return KVCache(device, a.n_layer, n_slots, n_ctx, a.n_kv_heads, a.head_dim, layers=a.kv_layers,
-                       types=kv_types)
+                       types=kv_types, rings=rings or None, window=a.ring_window, max_step=max_step)
 
     def state_bytes(self, a: Any, n_slots: int, n_ctx: int, kv_types: KVTypes = KVTypes(),
                     max_step: int = 0) -> tuple[int, int]:
-        """(bytes per position of one slot, bytes fixed per slot) of make_state's state."""
-        per_pos = KVCache.position_bytes(len(a.kv_layers), a.n_kv_heads, a.head_dim, kv_types)
-        return per_pos, (KVCache.capacity(n_ctx, kv_types) - n_ctx) * per_pos   # (a q8_0 slot's rounding)
+        """(bytes per position of one slot, bytes fixed per slot) of make_state's
+        state: the ring layers' rows are fixed (where their ring is shorter than
+        the context), the others' a position each (plus a q8_0 slot's rounding)."""
+        cap = KVCache.capacity(n_ctx, kv_types)
+        ring = KVCache.ring_capacity(a.ring_window, max_step, n_ctx, kv_types) if max_step else cap
+        n_ring = len(a.ring_layers) if ring < cap else 0
+        n_full = len(a.kv_layers) - n_ring
+        pos = KVCache.position_bytes(1, a.n_kv_heads, a.head_dim, kv_types)
+        return n_full * pos, (n_full * (cap - n_ctx) + n_ring * ring) * pos
 
     # -- optional abilities ------------------------------------------------------------------
     def has_mtp(self, a: Any, w: Any) -> bool:

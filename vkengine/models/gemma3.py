@@ -38,10 +38,9 @@ from ..arena import Arena
 from ..errors import VkEngineError
 from ..gguf_file import ModelFile, SafetensorsFolder
 from ..graph import Graph
-from ..kernels import KVTypes, Matrix, Region
+from ..kernels import Matrix, Region
 from ..rope import rope_table
-from ..state import KVCache
-from .base import Architecture, ModelArgs
+from .base import Architecture, SlidingWindowArgs
 from .loader import WeightPlanner
 
 HF_NAMES = {
@@ -78,13 +77,11 @@ _SCALE_BY_WIDTH = {"gemma2": 46, "gemma3": 62}
 
 
 @dataclass(frozen=True, kw_only=True)
-class GemmaArgs(ModelArgs):
+class GemmaArgs(SlidingWindowArgs):
     n_ff: int
     rope_freq_scale: float           # global layers' linear scaling (1 / factor)
     rope_base_swa: float             # sliding-window layers' RoPE (base, scale)
     rope_freq_scale_swa: float
-    window: int                      # sliding window (0: none)
-    swa: tuple[bool, ...]            # per layer: a sliding-window layer
     attn_scale: float
     attn_softcap: float = 0.0        # Gemma 2: scores -> cap * tanh(scores / cap)
     final_softcap: float = 0.0       # Gemma 2: logits likewise
@@ -315,23 +312,6 @@ class Gemma3(Architecture):
 
     def load_weights(self, mf: ModelFile, a: GemmaArgs, device, n_ctx: int) -> GemmaWeights:
         return _load_weights(mf, a, device, n_ctx)
-
-    # the sliding-window layers' KV rows in rings of their window and two steps' rows (KVCache)
-    def make_state(self, device, a: GemmaArgs, n_slots: int, n_ctx: int, kv_types: KVTypes = KVTypes(),
-                   max_step: int = 0) -> KVCache:
-        rings = [i for i in range(a.n_layer) if a.swa[i]] if a.window and max_step else None
-        return KVCache(device, a.n_layer, n_slots, n_ctx, a.n_kv_heads, a.head_dim, types=kv_types, rings=rings,
-                       window=a.window, max_step=max_step)
-
-    def state_bytes(self, a: GemmaArgs, n_slots: int, n_ctx: int, kv_types: KVTypes = KVTypes(),
-                    max_step: int = 0) -> tuple[int, int]:
-        n_ring = sum(a.swa) if a.window and max_step else 0
-        ring = KVCache.ring_capacity(a.window, max_step, n_ctx, kv_types) if n_ring else 0
-        if ring >= KVCache.capacity(n_ctx, kv_types):
-            n_ring = 0
-        pos = KVCache.position_bytes(1, a.n_kv_heads, a.head_dim, kv_types)
-        cap = KVCache.capacity(n_ctx, kv_types)
-        return (a.n_layer - n_ring) * pos, ((a.n_layer - n_ring) * (cap - n_ctx) + n_ring * ring) * pos
 
     def forward(self, g: Graph, a: GemmaArgs, w: GemmaWeights, hidden_rows: bool = False) -> None:
         if hidden_rows:

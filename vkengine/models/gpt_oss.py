@@ -30,10 +30,9 @@ from ..arena import Arena
 from ..errors import VkEngineError
 from ..gguf_file import ModelFile, SafetensorsFolder
 from ..graph import Graph
-from ..kernels import KVTypes, Matrix, Region
+from ..kernels import Matrix, Region
 from ..rope import Yarn, rope_table
-from ..state import KVCache
-from .base import Architecture, ModelArgs
+from .base import Architecture, SlidingWindowArgs
 from .gemma3 import swa_pattern
 from .loader import WeightPlanner, expert_raw, gate_up_experts
 
@@ -41,11 +40,9 @@ SWIGLU_OAI = (1.702, 7.0)   # (alpha, limit): llama.cpp's openai-moe.cpp constan
 
 
 @dataclass(frozen=True, kw_only=True)
-class GptOssArgs(ModelArgs):
+class GptOssArgs(SlidingWindowArgs):
     n_expert_used: int
     n_ff_exp: int
-    window: int
-    swa: tuple[bool, ...]
     yarn: Yarn | None
     rope_attn_factor: float = 1.0
 
@@ -210,22 +207,6 @@ class GptOss(Architecture):
 
     def load_weights(self, mf: ModelFile, a: GptOssArgs, device, n_ctx: int) -> GptOssWeights:
         return _load_weights(mf, a, device, n_ctx)
-
-    def make_state(self, device, a: GptOssArgs, n_slots: int, n_ctx: int, kv_types: KVTypes = KVTypes(),
-                   max_step: int = 0) -> KVCache:
-        rings = [i for i in range(a.n_layer) if a.swa[i]] if a.window and max_step else None
-        return KVCache(device, a.n_layer, n_slots, n_ctx, a.n_kv_heads, a.head_dim, types=kv_types, rings=rings,
-                       window=a.window, max_step=max_step)
-
-    def state_bytes(self, a: GptOssArgs, n_slots: int, n_ctx: int, kv_types: KVTypes = KVTypes(),
-                    max_step: int = 0) -> tuple[int, int]:
-        n_ring = sum(a.swa) if a.window and max_step else 0
-        ring = KVCache.ring_capacity(a.window, max_step, n_ctx, kv_types) if n_ring else 0
-        cap = KVCache.capacity(n_ctx, kv_types)
-        if ring >= cap:
-            n_ring = 0
-        pos = KVCache.position_bytes(1, a.n_kv_heads, a.head_dim, kv_types)
-        return (a.n_layer - n_ring) * pos, ((a.n_layer - n_ring) * (cap - n_ctx) + n_ring * ring) * pos
 
     def forward(self, g: Graph, a: GptOssArgs, w: GptOssWeights, hidden_rows: bool = False) -> None:
         if hidden_rows:
