@@ -70,30 +70,10 @@ def test_mxfp4_agrees_with_llama_server(device, tiny_models, llama_server_exe):
     """Every matrix MXFP4 (gpt-oss's expert type; here the whole tiny model):
     llama.cpp's top-8 log-probabilities after every prefix against ours (the
     same top-1), and its 12 greedy tokens."""
-    from vkengine.serving.generate import generate
-
-    from .test_gguf_qwen35 import _Server
+    from .test_models_llama_family import assert_llama_server_agrees
     path = tiny_models["mxfp4"]["gguf"]
     m, eng = _engine(device, path)
-    ids = m.tokenizer.encode(PROMPT)
-    lg = _prefill_logits(eng, ids).astype(np.float64)
-    lsm = lg - lg.max(-1, keepdims=True)
-    lsm -= np.log(np.exp(lsm).sum(-1, keepdims=True))
-    greedy = [s.token for s in generate(eng, ids, 12, ignore_eos=True)]
-    srv = _Server(llama_server_exe, path)
-    try:
-        err = 0.0
-        for n in range(1, len(ids) + 1):
-            r = srv.completion(ids[:n], 1, n_probs=8)
-            if not r.get("completion_probabilities"):
-                continue
-            top = r["completion_probabilities"][0]["top_logprobs"]
-            assert top[0]["id"] == lg[n - 1].argmax(), n
-            err = max(err, max(abs(t["logprob"] - lsm[n - 1, t["id"]]) for t in top))
-        assert err < MXFP4_TOL, err
-        assert srv.completion(ids, 12)["tokens"] == greedy
-    finally:
-        srv.close()
+    assert_llama_server_agrees(m, eng, path, llama_server_exe, MXFP4_TOL)
 
 
 # llama.cpp's CPU matmuls take quantized weights against activations rounded to 8-bit blocks: on these

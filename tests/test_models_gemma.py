@@ -23,13 +23,12 @@ import pytest
 from vkengine.engine import Readback
 from vkengine.gguf_file import GGUFFile
 from vkengine.model import load_model
-from vkengine.serving.generate import generate
 from vkengine.tools.synth.llama import SynthConfig, config_for, synth_llama
 
 from .ref_gemma import RefGemma
-from .test_gguf_qwen35 import _Server, assert_tensors
+from .test_gguf_qwen35 import assert_tensors
 from .test_models import GPU_DECODE, PROMPT, _assert_logits_close, _batched_and_alone, _prefill_logits
-from .test_models_llama_family import _engine
+from .test_models_llama_family import _engine, assert_llama_server_agrees, assert_served_in_batches
 
 ARCHES = ["gemma2", "gemma3"]
 CONFIGS = {"gemma2": SynthConfig(n_embd=64, n_layer=3, n_head=4, n_head_kv=2, n_ff=160, n_ctx=256, arch="gemma2",
@@ -300,55 +299,14 @@ def test_llama_server_agrees_with_engine(device, models, llama_server_exe, arch)
     tokens."""
     path = models[(arch, "f32")]["gguf"]
     m, eng = _engine(device, path)
-    ids = m.tokenizer.encode(PROMPT)
-    lg = _prefill_logits(eng, ids).astype(np.float64)
-    lsm = lg - lg.max(-1, keepdims=True)
-    lsm -= np.log(np.exp(lsm).sum(-1, keepdims=True))
-    greedy = [s.token for s in generate(eng, ids, 12, ignore_eos=True)]
-    srv = _Server(llama_server_exe, path)
-    try:
-        err, seen = 0.0, 0
-        for n in range(1, len(ids) + 1):
-            r = srv.completion(ids[:n], 1, n_probs=8)
-            if not r.get("completion_probabilities"):
-                assert r["tokens"] == [lg[n - 1].argmax()], (n, r)
-                continue
-            top = r["completion_probabilities"][0]["top_logprobs"]
-            assert top[0]["id"] == lg[n - 1].argmax(), n
-            err = max(err, max(abs(t["logprob"] - lsm[n - 1, t["id"]]) for t in top))
-            seen += 1
-        assert seen >= len(ids) - 3, f"llama-server reported {seen} of {len(ids)} prefixes"
-        assert err < TOL[arch], err
-        assert srv.completion(ids, 12)["tokens"] == greedy
-    finally:
-        srv.close()
+    assert_llama_server_agrees(m, eng, path, llama_server_exe, TOL[arch])
 
 
 @pytest.mark.parametrize("arch", ARCHES)
 def test_served_in_batches(models, arch, tmp_path):
     """`vkengine serve` on the model: four greedy chat completions at once (one
     batch) give what each gives alone."""
-    import concurrent.futures
-
-    import httpx
-
-    from .serving import ServerProcess
-    srv = ServerProcess(["--model", str(models[(arch, "q8_0")]["gguf"]), "--ctx", "512", "--parallel", "4"],
-                        tmp_path / "server.log")
-    try:
-        def ask(text: str) -> str:
-            r = httpx.post(srv.url + "/v1/chat/completions", timeout=120, json={
-                "messages": [{"role": "user", "content": text}], "max_tokens": 12, "temperature": 0})
-            assert r.status_code == 200, r.text
-            return r.json()["choices"][0]["message"]["content"]
-        texts = ["Hello there", "Once upon a time", "def f(x):", "1, 2, 3,"]
-        alone = [ask(t) for t in texts]
-        with concurrent.futures.ThreadPoolExecutor(4) as ex:
-            together = list(ex.map(ask, texts))
-        assert together == alone
-        assert all(alone)
-    finally:
-        srv.stop()
+    assert_served_in_batches(models[(arch, "q8_0")]["gguf"], tmp_path)
 
 
 def test_unsupported_variants_are_refused(models, tmp_path):

@@ -23,13 +23,12 @@ import pytest
 from vkengine.engine import Readback
 from vkengine.gguf_file import GGUFFile
 from vkengine.model import load_model
-from vkengine.serving.generate import generate
 from vkengine.tools.synth.llama import SynthConfig, synth_llama
 
 from .ref_gptoss import RefGptOss
-from .test_gguf_qwen35 import _Server, assert_tensors
+from .test_gguf_qwen35 import assert_tensors
 from .test_models import GPU_DECODE, PROMPT, _assert_logits_close, _batched_and_alone, _prefill_logits
-from .test_models_llama_family import TOL_VULKAN, _engine
+from .test_models_llama_family import TOL_VULKAN, _engine, assert_llama_server_agrees, assert_served_in_batches
 
 CONFIG = SynthConfig(n_embd=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=64, n_ctx=256, arch="gpt-oss", head_size=32,
                      n_expert=8, n_expert_used=2, n_ff_exp=32, window=8, yarn_factor=4.0, yarn_orig_ctx=64,
@@ -149,53 +148,14 @@ def test_llama_server_agrees_with_engine(device, models, llama_server_exe):
     tokens."""
     path = models["f32"]
     m, eng = _engine(device, path)
-    ids = m.tokenizer.encode(PROMPT)
-    lg = _prefill_logits(eng, ids).astype(np.float64)
-    lsm = lg - lg.max(-1, keepdims=True)
-    lsm -= np.log(np.exp(lsm).sum(-1, keepdims=True))
-    greedy = [s.token for s in generate(eng, ids, 12, ignore_eos=True)]
-    srv = _Server(llama_server_exe, path)
-    try:
-        err, seen = 0.0, 0
-        for n in range(1, len(ids) + 1):
-            r = srv.completion(ids[:n], 1, n_probs=8)
-            if not r.get("completion_probabilities"):
-                assert r["tokens"] == [lg[n - 1].argmax()], (n, r)
-                continue
-            top = r["completion_probabilities"][0]["top_logprobs"]
-            assert top[0]["id"] == lg[n - 1].argmax(), n
-            err = max(err, max(abs(t["logprob"] - lsm[n - 1, t["id"]]) for t in top))
-            seen += 1
-        assert seen >= len(ids) - 3, f"llama-server reported {seen} of {len(ids)} prefixes"
-        assert err < (TOL_VULKAN if os.environ.get("VKENGINE_LLAMA_SERVER") else TOL), err
-        assert srv.completion(ids, 12)["tokens"] == greedy
-    finally:
-        srv.close()
+    assert_llama_server_agrees(m, eng, path, llama_server_exe,
+                               TOL_VULKAN if os.environ.get("VKENGINE_LLAMA_SERVER") else TOL)
 
 
 def test_served_in_batches(models, tmp_path):
     """`vkengine serve` on the model: four greedy chat completions at once (one
     batch) give what each gives alone."""
-    import concurrent.futures
-
-    import httpx
-
-    from .serving import ServerProcess
-    srv = ServerProcess(["--model", str(models["mxfp4"]), "--ctx", "512", "--parallel", "4"], tmp_path / "server.log")
-    try:
-        def ask(text: str) -> str:
-            r = httpx.post(srv.url + "/v1/chat/completions", timeout=120, json={
-                "messages": [{"role": "user", "content": text}], "max_tokens": 12, "temperature": 0})
-            assert r.status_code == 200, r.text
-            return r.json()["choices"][0]["message"]["content"]
-        texts = ["Hello there", "Once upon a time", "def f(x):", "1, 2, 3,"]
-        alone = [ask(t) for t in texts]
-        with concurrent.futures.ThreadPoolExecutor(4) as ex:
-            together = list(ex.map(ask, texts))
-        assert together == alone
-        assert all(alone)
-    finally:
-        srv.stop()
+    assert_served_in_batches(models["mxfp4"], tmp_path)
 
 
 def test_o200k_pre_tokenizer():

@@ -247,57 +247,15 @@ def test_llama_server_agrees_with_engine(device, models, llama_server_exe, arch)
     tokens. Bounds: TOL (5e-3 nats where not listed)."""
     path = models[(arch, "f32")]["gguf"]
     m, eng = _engine(device, path)
-    ids = m.tokenizer.encode(PROMPT)
-    lg = _prefill_logits(eng, ids).astype(np.float64)
-    lsm = lg - lg.max(-1, keepdims=True)
-    lsm -= np.log(np.exp(lsm).sum(-1, keepdims=True))
-    greedy = [s.token for s in generate(eng, ids, 12, ignore_eos=True)]
-    srv = _Server(llama_server_exe, path)
-    try:
-        err, seen = 0.0, 0
-        for n in range(1, len(ids) + 1):
-            r = srv.completion(ids[:n], 1, n_probs=8)
-            if not r.get("completion_probabilities"):
-                # its token ends inside a UTF-8 character: llama-server reports the token without
-                # probabilities
-                assert r["tokens"] == [lg[n - 1].argmax()], (n, r)
-                continue
-            top = r["completion_probabilities"][0]["top_logprobs"]
-            assert top[0]["id"] == lg[n - 1].argmax(), n
-            err = max(err, max(abs(t["logprob"] - lsm[n - 1, t["id"]]) for t in top))
-            seen += 1
-        assert seen >= len(ids) - 3, f"llama-server reported {seen} of {len(ids)} prefixes"
-        assert err < (TOL_VULKAN if os.environ.get("VKENGINE_LLAMA_SERVER") else TOL.get(arch, 5e-3)), err
-        assert srv.completion(ids, 12)["tokens"] == greedy
-    finally:
-        srv.close()
+    assert_llama_server_agrees(m, eng, path, llama_server_exe,
+                               TOL_VULKAN if os.environ.get("VKENGINE_LLAMA_SERVER") else TOL.get(arch, 5e-3))
 
 
 @pytest.mark.parametrize("arch", ARCHES)
 def test_served_in_batches(models, arch, tmp_path):
     """`vkengine serve` on the model: four greedy chat completions at once (one
     batch) give what each gives alone (the chat template from the file)."""
-    import concurrent.futures
-
-    import httpx
-
-    from .serving import ServerProcess
-    srv = ServerProcess(["--model", str(models[(arch, "q8_0")]["gguf"]), "--ctx", "512", "--parallel", "4"],
-                        tmp_path / "server.log")
-    try:
-        def ask(text: str) -> str:
-            r = httpx.post(srv.url + "/v1/chat/completions", timeout=120, json={
-                "messages": [{"role": "user", "content": text}], "max_tokens": 12, "temperature": 0})
-            assert r.status_code == 200, r.text
-            return r.json()["choices"][0]["message"]["content"]
-        texts = ["Hello there", "Once upon a time", "def f(x):", "1, 2, 3,"]
-        alone = [ask(t) for t in texts]
-        with concurrent.futures.ThreadPoolExecutor(4) as ex:
-            together = list(ex.map(ask, texts))
-        assert together == alone
-        assert all(alone)
-    finally:
-        srv.stop()
+    assert_served_in_batches(models[(arch, "q8_0")]["gguf"], tmp_path)
 
 
 def test_unsupported_variants_are_refused(device, models, tmp_path):
@@ -330,3 +288,60 @@ def test_unsupported_variants_are_refused(device, models, tmp_path):
         (folder / "config.json").write_text(json.dumps({**cfg, **change}))
         with pytest.raises(VkEngineError, match=match):
             load_model(folder)
+
+
+# -- checks the architectures' test files share ------------------------------------------
+
+def assert_llama_server_agrees(m, eng, path, exe, tol: float) -> None:
+    """llama-server on the same GGUF: its top-8 log-probabilities after every
+    prefix of PROMPT against the engine's (the same top-1 everywhere, gaps below
+    tol nats), and its 12 greedy tokens against ours."""
+    ids = m.tokenizer.encode(PROMPT)
+    lg = _prefill_logits(eng, ids).astype(np.float64)
+    lsm = lg - lg.max(-1, keepdims=True)
+    lsm -= np.log(np.exp(lsm).sum(-1, keepdims=True))
+    greedy = [s.token for s in generate(eng, ids, 12, ignore_eos=True)]
+    srv = _Server(exe, path)
+    try:
+        err, seen = 0.0, 0
+        for n in range(1, len(ids) + 1):
+            r = srv.completion(ids[:n], 1, n_probs=8)
+            if not r.get("completion_probabilities"):
+                # its token ends inside a UTF-8 character: llama-server reports the token without
+                # probabilities
+                assert r["tokens"] == [lg[n - 1].argmax()], (n, r)
+                continue
+            top = r["completion_probabilities"][0]["top_logprobs"]
+            assert top[0]["id"] == lg[n - 1].argmax(), n
+            err = max(err, max(abs(t["logprob"] - lsm[n - 1, t["id"]]) for t in top))
+            seen += 1
+        assert seen >= len(ids) - 3, f"llama-server reported {seen} of {len(ids)} prefixes"
+        assert err < tol, err
+        assert srv.completion(ids, 12)["tokens"] == greedy
+    finally:
+        srv.close()
+
+
+def assert_served_in_batches(path, tmp_path) -> None:
+    """`vkengine serve` on the model: four greedy chat completions at once (one
+    batch) give what each gives alone, and none is empty."""
+    import concurrent.futures
+
+    import httpx
+
+    from .serving import ServerProcess
+    srv = ServerProcess(["--model", str(path), "--ctx", "512", "--parallel", "4"], tmp_path / "server.log")
+    try:
+        def ask(text: str) -> str:
+            r = httpx.post(srv.url + "/v1/chat/completions", timeout=120, json={
+                "messages": [{"role": "user", "content": text}], "max_tokens": 12, "temperature": 0})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["message"]["content"]
+        texts = ["Hello there", "Once upon a time", "def f(x):", "1, 2, 3,"]
+        alone = [ask(t) for t in texts]
+        with concurrent.futures.ThreadPoolExecutor(4) as ex:
+            together = list(ex.map(ask, texts))
+        assert together == alone
+        assert all(alone)
+    finally:
+        srv.stop()
