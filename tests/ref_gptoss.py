@@ -30,7 +30,8 @@ class RefGptOss:
         k = a.n_expert_used
         x = self.W("token_embd.weight")[np.asarray(tokens)].astype(np.float64)
         pos = np.arange(n)
-        yarn = (a.yarn.factor, a.yarn.orig_ctx) if a.yarn is not None else None
+        yarn = (a.yarn.factor, a.yarn.orig_ctx, a.yarn.beta_fast, a.yarn.beta_slow, a.yarn.truncate) \
+            if a.yarn is not None else None
         for i in range(a.n_layer):
             p = f"blk.{i}."
             h = ref.rms_norm(x, self.W(p + "attn_norm.weight"), a.rms_eps).astype(np.float64)

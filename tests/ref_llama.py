@@ -65,7 +65,8 @@ class RefLlama:
                 q = ref.rms_norm(q, self.W(p + "attn_q_norm.weight"), a.rms_eps)
                 k = ref.rms_norm(k, self.W(p + "attn_k_norm.weight"), a.rms_eps)
             ff, ms = a.rope_factors(self.n_ctx), a.rope_attn_factor
-            yarn = (a.yarn.factor, a.yarn.orig_ctx) if a.yarn is not None else None
+            yarn = (a.yarn.factor, a.yarn.orig_ctx, a.yarn.beta_fast, a.yarn.beta_slow, a.yarn.truncate) \
+                if a.yarn is not None else None
             q = ref.rope(q, pos, a.n_rot, a.rope_base, a.rope_neox, a.rope_freq_scale, ff, ms, yarn)
             k = ref.rope(k, pos, a.n_rot, a.rope_base, a.rope_neox, a.rope_freq_scale, ff, ms, yarn)
             k16 = ref.kv_round(k.astype(np.float32), kv[0])

@@ -13,14 +13,18 @@ def rms_norm(x, w, eps):
     return (x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w).astype(np.float32)
 
 
-def yarn_table(n_ctx, n_rot, base, factor, orig_ctx, beta_fast=32.0, beta_slow=1.0):
+def yarn_table(n_ctx, n_rot, base, factor, orig_ctx, beta_fast=32.0, beta_slow=1.0, truncate=True):
     """YaRN's (cos, sin) table as ggml's rope_yarn computes it (ggml-cpu ops.cpp,
     ggml.c ggml_rope_yarn_corr_dims; llama.cpp's attention factor for llama-family
-    models: cos and sin times 0.1 ln factor + 1), written out per pair."""
+    models: cos and sin times 0.1 ln factor + 1), written out per pair; truncate
+    false: the correction range unrounded (transformers' find_correction_range,
+    gpt-oss's config)."""
     def corr_dim(beta):
         return n_rot * math.log(orig_ctx / (beta * 2 * math.pi)) / (2 * math.log(base))
-    low = max(0.0, math.floor(corr_dim(beta_fast)))
-    high = min(n_rot - 1.0, math.ceil(corr_dim(beta_slow)))
+    low, high = corr_dim(beta_fast), corr_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(0.0, low), min(n_rot - 1.0, high)
     mscale = 1.0 + 0.1 * math.log(factor)
     out = np.zeros((n_ctx, n_rot // 2, 2))
     for i in range(n_rot // 2):
@@ -36,7 +40,8 @@ def rope(x, pos, n_rot, base, neox, freq_scale=1.0, freq_factors=None, mscale=1.
     """x (rows, heads, hd) at positions pos (rows,): rotated copy (float64 math
     with the same float32 cos/sin table as the device); freq_factors divide the
     frequencies (Llama 3.1, LongRoPE), mscale scales cos and sin (LongRoPE);
-    yarn: (factor, original context) for yarn_table."""
+    yarn: yarn_table's arguments after base ((factor, original context), then
+    optionally beta_fast, beta_slow, truncate)."""
     if yarn is not None:
         tab = yarn_table(int(pos.max()) + 1, n_rot, base, *yarn).astype(np.float64)
     else:

@@ -12,6 +12,10 @@ weights.
 - llama-server (CPU in CI; the Vulkan build on the GPU machine) on the same f32
   GGUF: its top-8 log-probabilities after every prefix of a prompt against ours,
   and its 12 greedy tokens against ours.
+- Hugging Face folders as openai/gpt-oss-20b's (MXFP4 `_blocks`/`_scales`,
+  or dequantized experts) against the reference on the GGUF twin's weights;
+  transformers is their oracle on the GPU machine (tests/gpu/hf_oracle_dense.py
+  --arch gpt-oss).
 """
 from __future__ import annotations
 
@@ -186,13 +190,76 @@ def test_harmony_turn_ends():
     assert tok.encode("<|start|>ab") == [6, 0, 1]      # (no BOS: the file asks for none)
 
 
-def test_hf_folder_is_refused(tmp_path):
-    import json
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory, tokenizer_source):
+    """Hugging Face folders as openai/gpt-oss-20b's: MXFP4 experts as `_blocks`
+    and `_scales` (mxfp4), or dequantized (q8_0: the GGUF's values as float32)."""
+    out = tmp_path_factory.mktemp("synth-gptoss-hf")
+    return {q: synth_llama(CONFIG, q, seed=17, out_dir=out, name="gptoss-tiny", workers=1,
+                           tokenizer_from=tokenizer_source) for q in ("mxfp4", "q8_0")}
 
-    from safetensors.numpy import save_file
+
+def test_mxfp4_hf_layout_repacks_exactly():
+    """transformers' MXFP4 (integrations/mxfp4.py convert_moe_packed_tensors:
+    byte j's low nibble element 2j, high nibble 2j+1, an FP4 table, scaled by
+    2^(exponent - 127)), written out here, against GGUF's dequantization of
+    the repacked bytes; and the repacking inverts."""
+    from vkengine.quant import dequantize, mxfp4_from_hf, mxfp4_to_hf
+    rng = np.random.default_rng(3)
+    rows, nb = 6, 4
+    blocks = rng.integers(0, 256, (rows, nb, 16), dtype=np.uint8)
+    scales = rng.integers(110, 140, (rows, nb), dtype=np.uint8)
+    lut = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+    want = np.empty((rows, nb, 32))
+    want[..., 0::2], want[..., 1::2] = lut[blocks & 0x0F], lut[blocks >> 4]
+    want = np.ldexp(want, scales.astype(np.int32)[..., None] - 127).reshape(rows, nb * 32)
+    raw = mxfp4_from_hf(blocks, scales)
+    np.testing.assert_array_equal(dequantize("mxfp4", raw, rows, nb * 32), want)
+    b2, s2 = mxfp4_to_hf(raw, rows, nb * 32)
+    np.testing.assert_array_equal(b2, blocks)
+    np.testing.assert_array_equal(s2, scales)
+
+
+@pytest.mark.parametrize("quant", ["mxfp4", "q8_0"])
+def test_hf_folder_matches_reference(device, hf_models, quant):
+    """The Hugging Face folder (experts repacked from MXFP4 blocks, or transposed
+    from the dequantized layout; gate and up de-interleaved) computes what the
+    reference computes from its GGUF twin's weights with the folder's RoPE
+    (YaRN's correction range unrounded: truncate false)."""
+    import dataclasses
+    m, eng = _engine(device, hf_models[quant]["hf"])
+    assert m.args.yarn is not None and not m.args.yarn.truncate
+    assert m.args.swa == (True, False) and m.args.window == 8
+    twin = load_model(hf_models[quant]["gguf"])
+    ids = m.tokenizer.encode(PROMPT)
+    assert ids == twin.tokenizer.encode(PROMPT)
+    got = _prefill_logits(eng, ids)
+    _assert_logits_close(got, RefGptOss(twin.file, m.args).logits(ids))
+    # (the unrounded range is not a no-op here)
+    rounded = RefGptOss(twin.file, dataclasses.replace(m.args, yarn=dataclasses.replace(m.args.yarn, truncate=True)))
+    assert float(np.abs(rounded.logits(ids) - got).max()) > 0.01 * float(np.abs(got).max())
+
+
+def test_hf_folder_bad_experts_are_refused(device, hf_models, tmp_path):
+    """Blocks of the wrong shape and other quantization methods: a clear error."""
+    import json
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
 
     from vkengine.errors import VkEngineError
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GptOssForCausalLM"]}))
-    save_file({"x": np.zeros(2, np.float32)}, str(tmp_path / "model.safetensors"))
-    with pytest.raises(VkEngineError, match="gpt-oss Hugging Face folders are not supported"):
-        load_model(tmp_path)
+    src = hf_models["mxfp4"]["hf"]
+    bad = tmp_path / "bad"
+    shutil.copytree(src, bad)
+    t = load_file(str(bad / "model.safetensors"))
+    t["model.layers.0.mlp.experts.down_proj_blocks"] = t["model.layers.0.mlp.experts.down_proj_blocks"][:, :-1]
+    save_file(t, str(bad / "model.safetensors"))
+    with pytest.raises(VkEngineError, match="down_exps MXFP4 blocks"):
+        _engine(device, bad)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes"}
+    other = tmp_path / "other"
+    shutil.copytree(src, other)
+    (other / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(VkEngineError, match="quantization_config 'bitsandbytes' is not supported"):
+        load_model(other)

@@ -25,7 +25,6 @@ from .graph import Graph, ParamsLayout, Scratch
 from .kernels import Caps, Kernels, KVTypes
 from .model import Model
 from .options import Options
-from .quant import row_bytes
 
 
 class Readback(enum.Flag):
@@ -59,11 +58,6 @@ class Pass:
 
 
 MAIN = Pass()
-
-
-def _tensor_bytes(type_name: str, shape: tuple[int, ...]) -> int:
-    rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
-    return rows * row_bytes(type_name, int(shape[-1]))
 
 
 @dataclass(frozen=True)
@@ -178,12 +172,12 @@ class Engine:
         grant such allocations lazily and the process is killed later, mid-request."""
         cfg, dev = self.cfg, self.device
         mf = self.model.file
-        weights = sum(_tensor_bytes(*mf.tensor_info(n)) for n in mf.tensor_names())
+        weights = sum(mf.tensor_bytes(n) for n in mf.tensor_names())
         per_pos, per_slot = self.arch.state_bytes(self.args, cfg.n_slots, self.n_ctx, cfg.kv_types,
                                                   max_step=self.max_batch)
         kv = (per_pos * self.n_ctx + per_slot) * cfg.n_slots
         # the matmuls' own scratch (split K's partial sums, mul_mc2's halves of x)
-        shapes = [mf.tensor_info(n)[1] for n in mf.tensor_names()]
+        shapes = [mf.tensor_shape(n) for n in mf.tensor_names()]
         max_cols = max((s[-1] for s in shapes if len(s) == 2), default=0)
         scratch_bytes += self.kernels.scratch_bytes_bound(self.max_batch, max_cols)
         budget = dev.memory_bytes

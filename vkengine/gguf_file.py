@@ -54,6 +54,14 @@ class ModelFile(ABC):
     @abstractmethod
     def tensor_names(self) -> list[str]: ...
 
+    def tensor_bytes(self, name: str) -> int:
+        """Bytes of a tensor as stored (what it takes on the device, near enough)."""
+        t, s = self.tensor_info(name)
+        return (int(np.prod(s[:-1])) if len(s) > 1 else 1) * row_bytes(t, int(s[-1]))
+
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        return self.tensor_info(name)[1]
+
 
 class GGUFFile(ModelFile):
     def __init__(self, path: str | os.PathLike):
@@ -115,6 +123,8 @@ class GGUFFile(ModelFile):
 
 
 _ST_TYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
+_ST_ITEM = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+            "I8": 1, "U8": 1, "BOOL": 1}
 
 
 class SafetensorsFolder(ModelFile):
@@ -175,6 +185,27 @@ class SafetensorsFolder(ModelFile):
         if dt not in _ST_TYPES:
             raise VkEngineError(f"{self.path}: tensor {hf} has dtype {dt}; supported: F32, F16, BF16")
         return _ST_TYPES[dt], tuple(int(d) for d in sl.get_shape())
+
+    def array_info(self, name: str) -> tuple[str, tuple[int, ...]]:
+        """(safetensors dtype, shape) of any tensor, packed ones included (gpt-oss's
+        U8 MXFP4 blocks and scales)."""
+        sl, _ = self._slice(name)
+        return str(sl.get_dtype()), tuple(int(d) for d in sl.get_shape())
+
+    def tensor_bytes(self, name: str) -> int:
+        dt, s = self.array_info(name)
+        return _ST_ITEM.get(dt, 4) * int(np.prod(s))
+
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        return self.array_info(name)[1]
+
+    def array(self, name: str) -> np.ndarray:
+        """A U8/I8/U16/I16/U32/I32 tensor as numpy holds it (F32, F16 and BF16 tensors: tensor())."""
+        dt, _ = self.array_info(name)
+        if dt not in ("U8", "I8", "U16", "I16", "U32", "I32"):
+            raise VkEngineError(f"internal: {name} is {dt}, not an integer tensor")
+        h, hf = self._where[name]
+        return np.asarray(h.get_tensor(hf))
 
     def tensor(self, name: str) -> TensorData:
         tname, shape = self.tensor_info(name)

@@ -122,3 +122,30 @@ def dequantize(name: str, raw: np.ndarray, rows: int, cols: int) -> np.ndarray:
         return np.frombuffer(np.ascontiguousarray(raw).tobytes(), np.float16).astype(np.float32).reshape(rows, cols)
     data = np.ascontiguousarray(raw).reshape(rows, row_bytes(name, cols)).view(np.uint8)
     return quants.dequantize(data, t).astype(np.float32).reshape(rows, cols)
+
+
+def mxfp4_from_hf(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """GGUF MXFP4 bytes from a Hugging Face checkpoint's MXFP4 tensors (gpt-oss:
+    `*_blocks` uint8 (..., cols/32, 16) and `*_scales` uint8 (..., cols/32)).
+    The same E8M0 exponent and E2M1 codes, only placed differently: transformers
+    packs elements 2j and 2j+1 in byte j (low nibble first), ggml elements j and
+    j+16 (llama.cpp's conversion/gpt_oss.py transform_nibble_layout); GGUF puts
+    each block's exponent byte before its 16 bytes of nibbles."""
+    blocks = np.asarray(blocks, np.uint8)
+    scales = np.asarray(scales, np.uint8)
+    if blocks.shape[-1] != 16 or blocks.shape[:-1] != scales.shape:
+        raise VkEngineError(f"MXFP4 blocks {blocks.shape} and scales {scales.shape} do not pair "
+                            "(blocks (..., n, 16) with scales (..., n) expected)")
+    b = blocks.reshape(-1, 16)
+    elems = np.stack([b & 0x0F, b >> 4], axis=-1).reshape(-1, 32)    # element order
+    qs = elems[:, :16] | (elems[:, 16:] << 4)
+    return np.concatenate([scales.reshape(-1, 1), qs.astype(np.uint8)], axis=1).reshape(-1)
+
+
+def mxfp4_to_hf(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
+    """The inverse of mxfp4_from_hf: (blocks (rows, cols/32, 16), scales (rows, cols/32))."""
+    blk = np.asarray(raw, np.uint8).reshape(rows, cols // 32, 17)
+    qs = blk[..., 1:]
+    elems = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)            # element order
+    pairs = elems.reshape(rows, cols // 32, 16, 2)
+    return (pairs[..., 0] | (pairs[..., 1] << 4)).astype(np.uint8), np.ascontiguousarray(blk[..., 0])

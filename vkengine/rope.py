@@ -19,6 +19,8 @@ class Yarn:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     attn_factor: float = 0.0    # 0: 0.1 ln(factor) + 1
+    truncate: bool = True       # the correction range rounded out to whole pairs (ggml; transformers' default);
+                                # gpt-oss's Hugging Face config sets truncate false (its exact range)
 
     def mscale(self) -> float:
         if self.attn_factor:
@@ -26,10 +28,14 @@ class Yarn:
         return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1.0 else 1.0
 
     def corr_dims(self, n_rot: int, base: float) -> tuple[float, float]:
-        """ggml_rope_yarn_corr_dims: the pairs where the ramp starts and ends."""
+        """ggml_rope_yarn_corr_dims (transformers' find_correction_range): the
+        pairs where the ramp starts and ends."""
         def dim(beta: float) -> float:
             return n_rot * math.log(self.orig_ctx / (beta * 2 * math.pi)) / (2 * math.log(base))
-        return max(0.0, math.floor(dim(self.beta_fast))), min(n_rot - 1.0, math.ceil(dim(self.beta_slow)))
+        lo, hi = dim(self.beta_fast), dim(self.beta_slow)
+        if self.truncate:
+            lo, hi = math.floor(lo), math.ceil(hi)
+        return max(0.0, lo), min(n_rot - 1.0, hi)
 
 
 def rope_angles(n_ctx: int, n_rot: int, base: float, freq_scale: float = 1.0,

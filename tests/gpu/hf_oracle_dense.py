@@ -6,15 +6,17 @@ tests/gpu/hf_oracle_qwen35.py's method on `vkengine synth` models.
     python3 tests/gpu/hf_oracle_dense.py --arch qwen3moe,llama --shape tiny-moe   # the MoE ones
     python3 tests/gpu/hf_oracle_dense.py --arch qwen3 --shape qwen3-0.6b --quant q8_0
     python3 tests/gpu/hf_oracle_dense.py --arch gemma3 --config '{"n_embd": 64, ..., "window": 8}'
+    python3 tests/gpu/hf_oracle_dense.py --arch gpt-oss --shape gpt-oss-tiny --quant mxfp4
     python3 tests/gpu/hf_oracle_dense.py --hf /path/to/Qwen2.5-0.5B-Instruct
 
 Each model: the Hugging Face folder through transformers (float32, eager
 attention; the class its config names: Qwen2ForCausalLM, Qwen3ForCausalLM,
 Qwen3MoeForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM,
-LlamaForCausalLM) against vkengine on
-the same folder and on its GGUF twin; max |logit error| relative to the
-largest logit and top-1 agreement. Exit status 1 when an error exceeds --tol
-(default 2e-3 of the largest logit). The synthesized MoE folders hold the
+GptOssForCausalLM (MXFP4 experts dequantized by transformers'
+convert_moe_packed_tensors), LlamaForCausalLM) against vkengine on the same
+folder and on its GGUF twin; max |logit error| relative to the largest logit
+and top-1 agreement. Exit status 1 when an error exceeds --tol (default 2e-3
+of the largest logit). The synthesized MoE folders hold the
 experts fused as transformers 5 keeps them (mlp.experts.gate_up_proj,
 down_proj).
 """
@@ -35,7 +37,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hf", type=Path, default=None, help="a Hugging Face folder (default: synthesize)")
     ap.add_argument("--arch", default="qwen2,qwen3",
-                    help="comma-separated: llama, qwen2, qwen3, qwen3moe, phi3, gemma2, gemma3")
+                    help="comma-separated: llama, qwen2, qwen3, qwen3moe, phi3, gemma2, gemma3, gpt-oss")
     ap.add_argument("--shape", default="tiny", help="a `vkengine synth` shape (e.g. qwen3-0.6b, qwen2.5-0.5b)")
     ap.add_argument("--config", default=None, help="`vkengine synth --config` JSON instead of --shape")
     ap.add_argument("--quant", default="q8_0")

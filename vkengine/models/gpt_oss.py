@@ -16,7 +16,16 @@ embedding scale; an untied output.
 
 Experts are MXFP4 in released files (any weight type loads). The
 sliding-window layers keep their KV rows in rings (KVCache rings, as Gemma's).
-Hugging Face folders (MXFP4 blocks in their own layout) are not loaded yet.
+
+Hugging Face folders (openai/gpt-oss-20b, -120b): the experts' MXFP4 blocks
+and exponents (`*_blocks`, `*_scales`, transformers' Mxfp4GptOssExperts
+layout) are repacked into GGUF's MXFP4 blocks on load, bit for bit (nibble
+pairs to halves, quant.mxfp4_from_hf); dequantized checkpoints (bf16
+`gate_up_proj` (E, D, 2F), `down_proj` (E, F, D), x @ W) load as they are.
+gate_up's rows (columns when dequantized) alternate gate and up (HF's
+gate_up[..., ::2] and [..., 1::2]), biases likewise. YaRN's correction range
+is taken unrounded where the config says `truncate: false` (as the released
+config does; llama.cpp's GGUFs round it).
 """
 from __future__ import annotations
 
@@ -31,12 +40,29 @@ from ..errors import VkEngineError
 from ..gguf_file import ModelFile, SafetensorsFolder
 from ..graph import Graph
 from ..kernels import Matrix, Region
+from ..quant import mxfp4_from_hf
 from ..rope import Yarn, rope_table
 from .base import Architecture, SlidingWindowArgs
 from .gemma3 import swa_pattern
 from .loader import WeightPlanner, expert_raw, gate_up_experts
 
 SWIGLU_OAI = (1.702, 7.0)   # (alpha, limit): llama.cpp's openai-moe.cpp constants
+
+# Hugging Face tensor names -> GGUF names; the experts' tensors keep HF's layout
+# under names of their own (.blocks/.scales: MXFP4; .weight: dequantized, x @ W)
+HF_NAMES = {
+    r"model\.embed_tokens\.weight": "token_embd.weight",
+    r"model\.norm\.weight": "output_norm.weight",
+    r"lm_head\.weight": "output.weight",
+    r"model\.layers\.(\d+)\.input_layernorm\.weight": r"blk.\1.attn_norm.weight",
+    r"model\.layers\.(\d+)\.self_attn\.([qkv])_proj\.(weight|bias)": r"blk.\1.attn_\2.\3",
+    r"model\.layers\.(\d+)\.self_attn\.o_proj\.(weight|bias)": r"blk.\1.attn_output.\2",
+    r"model\.layers\.(\d+)\.self_attn\.sinks": r"blk.\1.attn_sinks.weight",
+    r"model\.layers\.(\d+)\.post_attention_layernorm\.weight": r"blk.\1.post_attention_norm.weight",
+    r"model\.layers\.(\d+)\.mlp\.router\.(weight|bias)": r"blk.\1.ffn_gate_inp.\2",
+    r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)_proj_(blocks|scales|bias)": r"blk.\1.ffn_\2_exps.\3",
+    r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)_proj": r"blk.\1.ffn_\2_exps.weight",
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,8 +75,7 @@ class GptOssArgs(SlidingWindowArgs):
     @classmethod
     def from_file(cls, mf: ModelFile) -> GptOssArgs:
         if isinstance(mf, SafetensorsFolder):
-            raise VkEngineError(f"{mf.path}: gpt-oss Hugging Face folders are not supported yet (its MXFP4 "
-                                "experts' layout); use its GGUF")
+            return _hf_args(mf)
         a, m = mf.arch, mf.meta
         n_embd = int(m(f"{a}.embedding_length"))
         n_head = int(m(f"{a}.attention.head_count"))
@@ -89,6 +114,54 @@ class GptOssArgs(SlidingWindowArgs):
     @property
     def qkv_width(self) -> int:
         return (self.n_head + 2 * self.n_head_kv) * self.head_dim
+
+
+def _hf_args(mf: SafetensorsFolder) -> GptOssArgs:
+    """transformers' GptOssConfig (config.json of openai/gpt-oss-20b and -120b)."""
+    c = mf.config
+    q = c.get("quantization_config") or {}
+    if q and q.get("quant_method") != "mxfp4":
+        raise VkEngineError(f"{mf.path}: quantization_config {q.get('quant_method')!r} is not supported (mxfp4, "
+                            "or none)")
+    for key, want in (("swiglu_limit", SWIGLU_OAI[1]), ("swiglu_alpha", SWIGLU_OAI[0])):
+        if c.get(key) is not None and float(c[key]) != want:
+            raise VkEngineError(f"{mf.path}: {key} {c[key]} is not supported ({want})")
+    if c.get("attention_bias") is False:
+        raise VkEngineError(f"{mf.path}: gpt-oss without attention biases (attention_bias false) is not supported")
+    n_head, n_layer = int(c["num_attention_heads"]), int(c["num_hidden_layers"])
+    rs = c.get("rope_scaling") or c.get("rope_parameters") or {}
+    base = float(c.get("rope_theta") or rs.get("rope_theta") or 150000.0)
+    kind = rs.get("rope_type", rs.get("type", "default")) if rs else "default"
+    yarn = None
+    if kind == "yarn":
+        if rs.get("mscale") not in (None, 1, 1.0) or rs.get("mscale_all_dim") not in (None, 0, 0.0):
+            raise VkEngineError(f"rope_scaling {rs}: YaRN with mscale or mscale_all_dim is not supported")
+        factor = float(rs["factor"])
+        yarn = Yarn(factor, int(rs.get("original_max_position_embeddings") or c.get("initial_context_length")
+                                or int(c["max_position_embeddings"]) / factor),
+                    float(rs.get("beta_fast") or 32.0), float(rs.get("beta_slow") or 1.0),
+                    float(rs.get("attention_factor") or 0.0), truncate=rs.get("truncate", True) is not False)
+    elif kind != "default":
+        raise VkEngineError(f"rope_scaling {rs} is not supported for gpt-oss (yarn)")
+    window = int(c.get("sliding_window") or 0)
+    if c.get("layer_types"):
+        swa = tuple(t == "sliding_attention" for t in c["layer_types"])
+        if len(swa) != n_layer:
+            raise VkEngineError(f"layer_types lists {len(swa)} layers for {n_layer}")
+    else:
+        swa = swa_pattern(n_layer, 2)
+    if not window:
+        swa = (False,) * n_layer
+    n_exp = int(c["num_local_experts"])
+    k = int(c.get("num_experts_per_tok") or c.get("experts_per_token") or 0)
+    if not 0 < k <= min(n_exp, 16):
+        raise VkEngineError(f"{mf.path}: {k} of {n_exp} experts per token (1 to min(experts, 16) supported)")
+    hd = int(c.get("head_dim") or int(c["hidden_size"]) // n_head)
+    return GptOssArgs(
+        n_vocab=int(c["vocab_size"]), n_embd=int(c["hidden_size"]), n_layer=n_layer, n_head=n_head,
+        n_head_kv=int(c.get("num_key_value_heads") or n_head), head_dim=hd, n_rot=hd, rope_base=base,
+        rms_eps=float(c.get("rms_norm_eps", 1e-5)), n_ctx_train=int(c.get("max_position_embeddings", 131072)),
+        n_expert=n_exp, n_expert_used=k, n_ff_exp=int(c["intermediate_size"]), window=window, swa=swa, yarn=yarn)
 
 
 @dataclass
@@ -149,6 +222,52 @@ def _stacked(parts, E: int) -> Any:
     return lambda: np.concatenate([f().reshape(E, -1) for f in parts], axis=1).reshape(-1)
 
 
+def _alternating(x: np.ndarray, axis: int) -> np.ndarray:
+    """HF's alternating gate/up (gate at even indices along `axis`, up at odd)
+    as [gate | up]."""
+    ev = np.take(x, np.arange(0, x.shape[axis], 2), axis=axis)
+    od = np.take(x, np.arange(1, x.shape[axis], 2), axis=axis)
+    return np.concatenate([ev, od], axis=axis)
+
+
+def _alternating_rows(produce, E: int) -> Any:
+    """A producer of the per-expert [gate | up] of HF's alternating (E, 2F) values."""
+    return lambda: _alternating(produce().reshape(E, -1), 1).reshape(-1)
+
+
+def _hf_experts(p: WeightPlanner, pre: str, which: str, E: int, rows: int, cols: int) -> int:
+    """A layer's stacked experts from a Hugging Face folder as an E*rows x cols
+    matrix (gate_up: per expert [gate | up], rows = 2F): MXFP4 blocks repacked,
+    or a dequantized (E, cols, rows) tensor transposed."""
+    mf = p.mf
+    assert isinstance(mf, SafetensorsFolder)
+    name = f"{pre}ffn_{which}_exps"
+    gate_up = which == "gate_up"
+    if mf.has(name + ".blocks"):
+        (bt, bs), (st, ss) = mf.array_info(name + ".blocks"), mf.array_info(name + ".scales")
+        if bt != "U8" or st != "U8" or bs != (E, rows, cols // 32, 16) or ss != (E, rows, cols // 32):
+            raise VkEngineError(f"{mf.path.name}: {name} MXFP4 blocks {bt}{list(bs)} / scales {st}{list(ss)}, "
+                                f"expected U8{[E, rows, cols // 32, 16]} / U8{[E, rows, cols // 32]}")
+
+        def produce_mx() -> np.ndarray:
+            b, s = mf.array(name + ".blocks"), mf.array(name + ".scales")
+            if gate_up:
+                b, s = _alternating(b, 1), _alternating(s, 1)
+            return mxfp4_from_hf(b, s)
+        return p.matrix_raw("mxfp4", E * rows, cols, produce_mx, name, unit=rows)
+    t, s = mf.tensor_info(name + ".weight")
+    if s != (E, cols, rows):
+        raise VkEngineError(f"{mf.path.name}: {name} has shape {list(s)}, expected {[E, cols, rows]} (or MXFP4 "
+                            "_blocks and _scales)")
+
+    def produce() -> np.ndarray:
+        raw = mf.tensor(name + ".weight").raw
+        v = raw.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[raw.size // (E * cols * rows)])
+        v = v.reshape(E, cols, rows).transpose(0, 2, 1)
+        return np.ascontiguousarray(_alternating(v, 1) if gate_up else v).view(np.uint8).reshape(-1)
+    return p.matrix_raw(t, E * rows, cols, produce, name, unit=rows)
+
+
 def _load_weights(mf: ModelFile, a: GptOssArgs, device, n_ctx: int) -> GptOssWeights:
     D, hd, E, F = a.n_embd, a.head_dim, a.n_expert, a.n_ff_exp
     p = WeightPlanner(mf, device)
@@ -163,7 +282,15 @@ def _load_weights(mf: ModelFile, a: GptOssArgs, device, n_ctx: int) -> GptOssWei
         pre = f"blk.{i}."
         qkv_b = [p.value(pre + f"attn_{t}.bias", n) for t, n in
                  (("q", a.n_head * hd), ("k", a.n_head_kv * hd), ("v", a.n_head_kv * hd))]
-        t_down, produce_down = expert_raw(p, pre, "down", E, D, F)
+        if p.hf:
+            gate_up, down = _hf_experts(p, pre, "gate_up", E, 2 * F, D), _hf_experts(p, pre, "down", E, D, F)
+            gu_bias = _alternating_rows(p.value(pre + "ffn_gate_up_exps.bias", E * 2 * F), E)
+        else:
+            t_down, produce_down = expert_raw(p, pre, "down", E, D, F)
+            gate_up = gate_up_experts(p, pre, E, F, D)
+            down = p.matrix_raw(t_down, E * D, F, produce_down, pre + "ffn_down_exps", unit=D)
+            gu_bias = _stacked([p.value(pre + "ffn_gate_exps.bias", E * F),
+                                p.value(pre + "ffn_up_exps.bias", E * F)], E)
         layers.append(dict(
             attn_norm=p.vector(pre + "attn_norm.weight", D),
             qkv=p.fused([pre + "attn_q.weight", pre + "attn_k.weight", pre + "attn_v.weight"],
@@ -175,11 +302,8 @@ def _load_weights(mf: ModelFile, a: GptOssArgs, device, n_ctx: int) -> GptOssWei
             post_norm=p.vector(pre + "post_attention_norm.weight", D),
             router=p.matrix([pre + "ffn_gate_inp.weight"], [E], D),
             router_bias=p.vector(pre + "ffn_gate_inp.bias", E),
-            gate_up=gate_up_experts(p, pre, E, F, D),
-            down=p.matrix_raw(t_down, E * D, F, produce_down, pre + "ffn_down_exps", unit=D),
-            gate_up_bias=p.vectors([(pre + "ffn_gate_up_exps.bias",
-                                     _stacked([p.value(pre + "ffn_gate_exps.bias", E * F),
-                                               p.value(pre + "ffn_up_exps.bias", E * F)], E), E * 2 * F)])[0],
+            gate_up=gate_up, down=down,
+            gate_up_bias=p.vectors([(pre + "ffn_gate_up_exps.bias", gu_bias, E * 2 * F)])[0],
             down_bias=p.vector(pre + "ffn_down_exps.bias", E * D)))
     b, arena = p.build(device)
     return GptOssWeights(
@@ -191,7 +315,7 @@ def _load_weights(mf: ModelFile, a: GptOssArgs, device, n_ctx: int) -> GptOssWei
 class GptOss(Architecture):
     names: ClassVar[tuple[str, ...]] = ("gpt-oss",)
     hf_architectures: ClassVar[tuple[str, ...]] = ("GptOssForCausalLM",)
-    hf_names: ClassVar[dict[str, str]] = {}
+    hf_names: ClassVar[dict[str, str]] = HF_NAMES
 
     def args(self, mf: ModelFile) -> GptOssArgs:
         return GptOssArgs.from_file(mf)

@@ -75,7 +75,11 @@ SHAPES_EXTRA: dict[str, dict[str, Any]] = {
                       rope_base=1e6, rms_eps=1e-6, window=1024, rope_linear=8.0),
     "gemma2-2b": dict(n_embd=2304, n_layer=26, n_head=8, n_head_kv=4, n_ff=9216, head_size=256, tied=True,
                       rope_base=10000.0, rms_eps=1e-6, window=4096),
-    # gpt-oss-20b (GGUF only; its experts MXFP4 in the released file: --quant mxfp4)
+    # gpt-oss: a tiny shape (window 8, YaRN from 64 positions) and gpt-oss-20b's (its experts MXFP4 in the
+    # released files: --quant mxfp4; the HF folder then holds them as openai/gpt-oss-20b does)
+    "gpt-oss-tiny": dict(n_embd=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=64, head_size=32, n_expert=8,
+                         n_expert_used=2, n_ff_exp=32, rope_base=150000.0, window=8, yarn_factor=4.0,
+                         yarn_orig_ctx=64),
     "gpt-oss-20b": dict(n_embd=2880, n_layer=24, n_head=64, n_head_kv=8, n_ff=2880, head_size=64, n_expert=32,
                         n_expert_used=4, n_ff_exp=2880, rope_base=150000.0, rms_eps=1e-5, window=128,
                         yarn_factor=32.0, yarn_orig_ctx=4096),
@@ -333,6 +337,81 @@ def _gemma_hf_config(c: SynthConfig) -> dict[str, Any]:
     }
 
 
+GPTOSS_HF_NAME_OF = {
+    "attn_norm.weight": "input_layernorm.weight", "attn_sinks.weight": "self_attn.sinks",
+    "attn_output.weight": "self_attn.o_proj.weight", "attn_output.bias": "self_attn.o_proj.bias",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate_inp.weight": "mlp.router.weight", "ffn_gate_inp.bias": "mlp.router.bias",
+    **{f"attn_{t}.{k}": f"self_attn.{t}_proj.{k}" for t in "qkv" for k in ("weight", "bias")},
+}
+
+
+def _gptoss_hf_tensor(c: SynthConfig, n: str, results, quant: str) -> dict[str, np.ndarray]:
+    """gpt-oss's Hugging Face tensors of GGUF tensor n, as openai/gpt-oss-20b holds
+    them: experts with gate and up alternating (rows; biases), MXFP4 as `_blocks`
+    and `_scales` (transformers' nibble pairs) for --quant mxfp4, else
+    dequantized (E, in, out) for x @ W."""
+    from ...quant import mxfp4_to_hf
+    blk, i, rest = n.split(".", 2) if n.startswith("blk.") else ("", "", n)
+    if not blk:
+        return {HF_NAME_OF[n]: np.ascontiguousarray(results[n][3], np.float32)}
+    pre = f"model.layers.{i}."
+    if rest in GPTOSS_HF_NAME_OF:
+        return {pre + GPTOSS_HF_NAME_OF[rest]: np.ascontiguousarray(results[n][3], np.float32)}
+    E, F, D = c.n_expert, c.n_ff_exp, c.n_embd
+    if rest.startswith("ffn_up_exps"):
+        return {}                                   # (written with the gate's)
+    up = n.replace("gate_exps", "up_exps")
+
+    def alternate(g: np.ndarray, u: np.ndarray) -> np.ndarray:     # along axis 1
+        out = np.empty((g.shape[0], 2 * g.shape[1], *g.shape[2:]), g.dtype)
+        out[:, 0::2], out[:, 1::2] = g, u
+        return out
+    if rest.endswith(".bias"):
+        b = results[n][3]
+        if rest.startswith("ffn_gate_exps"):
+            return {pre + "mlp.experts.gate_up_proj_bias": alternate(b, results[up][3]).astype(np.float32)}
+        return {pre + "mlp.experts.down_proj_bias": np.ascontiguousarray(b, np.float32)}
+    which, rows, cols = ("gate_up", F, D) if rest.startswith("ffn_gate_exps") else ("down", D, F)
+    if quant == "mxfp4":
+        def hf(name: str) -> tuple[np.ndarray, np.ndarray]:
+            b, s = mxfp4_to_hf(results[name][1], E * rows, cols)
+            return b.reshape(E, rows, cols // 32, 16), s.reshape(E, rows, cols // 32)
+        b, s = hf(n)
+        if which == "gate_up":
+            bu, su = hf(up)
+            b, s = alternate(b, bu), alternate(s, su)
+        return {pre + f"mlp.experts.{which}_proj_blocks": b, pre + f"mlp.experts.{which}_proj_scales": s}
+    w = results[n][3]
+    if which == "gate_up":
+        w = alternate(w, results[up][3])
+    return {pre + f"mlp.experts.{which}_proj": np.ascontiguousarray(w.transpose(0, 2, 1), np.float32)}
+
+
+def _gptoss_hf_config(c: SynthConfig, base: dict[str, Any], quant: str) -> dict[str, Any]:
+    """transformers' GptOssConfig as openai/gpt-oss-20b's config.json has it."""
+    keep = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "rms_norm_eps", "rope_theta", "max_position_embeddings", "tie_word_embeddings",
+            "eos_token_id", "bos_token_id", "torch_dtype")
+    cfg = {k: base[k] for k in keep}
+    window = c.window or 128
+    cfg.update({
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True,
+        "attention_dropout": 0.0, "hidden_act": "silu", "intermediate_size": c.n_ff_exp,
+        "num_local_experts": c.n_expert, "num_experts_per_tok": c.n_expert_used,
+        "experts_per_token": c.n_expert_used, "router_aux_loss_coef": 0.0, "output_router_logits": False,
+        "sliding_window": window, "swiglu_limit": 7.0, "initial_context_length": c.yarn_orig_ctx or 4096,
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(c.n_layer)],
+        "rope_scaling": ({"rope_type": "yarn", "factor": c.yarn_factor, "beta_fast": 32.0, "beta_slow": 1.0,
+                          "original_max_position_embeddings": c.yarn_orig_ctx, "truncate": False}
+                         if c.yarn_factor else None),
+    })
+    if quant == "mxfp4":
+        cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    return cfg
+
+
 def _hf_name(gguf_name: str, arch: str = "llama") -> str:
     if gguf_name.startswith("blk."):
         _, i, rest = gguf_name.split(".", 2)
@@ -358,8 +437,8 @@ def synth_llama(c: SynthConfig, quant: str, seed: int, out_dir: Path, name: str 
         raise VkEngineError(f"unknown llama-family architecture {c.arch!r} ({', '.join(ARCHES)})")
     if c.arch == "qwen3moe" and not c.n_expert:
         raise VkEngineError("qwen3moe needs a shape with experts (tiny-moe, qwen3-30b-a3b)")
-    if c.arch == "gpt-oss" and (not c.n_expert or c.tied or "hf" in formats):
-        raise VkEngineError("gpt-oss: routed experts (a MoE shape), an untied output, GGUF only")
+    if c.arch == "gpt-oss" and (not c.n_expert or c.tied):
+        raise VkEngineError("gpt-oss: routed experts (a MoE shape) and an untied output")
     if c.arch in GEMMA and (c.n_expert or not c.tied):
         raise VkEngineError(f"{c.arch} is dense with tied embeddings (llama.cpp's gemma2 has no output matrix)")
     if c.arch in ("qwen2", "qwen3") and c.n_expert:
@@ -434,7 +513,9 @@ def synth_llama(c: SynthConfig, quant: str, seed: int, out_dir: Path, name: str 
         folder = out_dir / f"{name}-{quant}-hf"
         folder.mkdir(parents=True, exist_ok=True)
         tensors = {}
-        for n, _, _ in plan:
+        for n, _, _ in plan if c.arch == "gpt-oss" else ():
+            tensors.update(_gptoss_hf_tensor(c, n, results, quant))
+        for n, _, _ in plan if c.arch != "gpt-oss" else ():
             if n.endswith("ffn_up_exps.weight") or n.startswith("rope_factors_"):   # (factors: in config.json)
                 continue
             v = results[n][3]
@@ -447,7 +528,8 @@ def synth_llama(c: SynthConfig, quant: str, seed: int, out_dir: Path, name: str 
         hf_arch = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
                    "qwen3": ("Qwen3ForCausalLM", "qwen3"), "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
                    "phi3": ("Phi3ForCausalLM", "phi3"), "gemma2": ("Gemma2ForCausalLM", "gemma2"),
-                   "gemma3": ("Gemma3ForCausalLM", "gemma3_text")}[c.arch]
+                   "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+                   "gpt-oss": ("GptOssForCausalLM", "gpt_oss")}[c.arch]
         mixtral = c.arch == "llama" and c.n_expert > 0
         if mixtral:
             hf_arch = ("MixtralForCausalLM", "mixtral")     # (its intermediate_size: the experts' width)
@@ -474,6 +556,8 @@ def synth_llama(c: SynthConfig, quant: str, seed: int, out_dir: Path, name: str 
         }
         if c.arch in GEMMA:
             cfg.update(_gemma_hf_config(c))
+        if c.arch == "gpt-oss":
+            cfg = _gptoss_hf_config(c, cfg, quant)
         (folder / "config.json").write_text(json.dumps(cfg, indent=1))
         write_hf_tokenizer(folder, tmeta)
         written["hf"] = folder
