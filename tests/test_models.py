@@ -73,7 +73,7 @@ def test_mxfp4_agrees_with_llama_server(device, tiny_models, llama_server_exe):
     from .test_models_llama_family import assert_llama_server_agrees
     path = tiny_models["mxfp4"]["gguf"]
     m, eng = _engine(device, path)
-    assert_llama_server_agrees(m, eng, path, llama_server_exe, MXFP4_TOL)
+    assert_llama_server_agrees(m, eng, path, llama_server_exe, MXFP4_TOL, near_tie=MXFP4_NEAR_TIE)
 
 
 # llama.cpp's CPU matmuls take quantized weights against activations rounded to 8-bit blocks: on these
@@ -81,6 +81,9 @@ def test_mxfp4_agrees_with_llama_server(device, tiny_models, llama_server_exe):
 # prompt: MXFP4 0.277 nats; the same tiny model in q4_1 0.284, in q8_0 0.541), while the numpy reference on
 # the dequantized weights agrees to 2e-3 of the largest logit (test_tiny_prefill_matches_numpy_reference)
 MXFP4_TOL = 0.4
+# llama.cpp's Vulkan build (H200, 2026-12-03) picks differently after 5 of the prompt's tokens: its top two
+# 0.032 nats apart (-1.2359 / -1.2675), ours 0.064 apart the other way; one such prefix is allowed
+MXFP4_NEAR_TIE = 0.1
 
 
 def test_tiny_prefill_equals_step_by_step_decode(device, tiny_models):

@@ -220,6 +220,23 @@ def test_mxfp4_hf_layout_repacks_exactly():
     np.testing.assert_array_equal(s2, scales)
 
 
+def test_mxfp4_quantizer_matches_gguf_py():
+    """synth's MXFP4 quantizer (midpoint comparisons) writes gguf-py's blocks
+    bit for bit: random rows, an all-zero block, exact midpoints (ties go to
+    the smaller magnitude), denormal scales."""
+    from gguf import GGMLQuantizationType, quants
+
+    from vkengine.quant import quantize_mxfp4
+    rng = np.random.default_rng(5)
+    w = (rng.standard_normal((64, 256)) * 0.05).astype(np.float32)
+    w[0, :32] = 0.0
+    w[1, :32] = np.array([0.5, 1.5, 2.5, 3.5, 5, 7, 10, 12] * 4, np.float32) * np.float32(2.0 ** -3) \
+        * np.sign(rng.standard_normal(32)).astype(np.float32)
+    w[2, :32] = np.float32(1e-40)
+    want = quants.quantize(w, GGMLQuantizationType.MXFP4).view(np.uint8).reshape(-1)
+    np.testing.assert_array_equal(quantize_mxfp4(w), want)
+
+
 @pytest.mark.parametrize("quant", ["mxfp4", "q8_0"])
 def test_hf_folder_matches_reference(device, hf_models, quant):
     """The Hugging Face folder (experts repacked from MXFP4 blocks, or transposed

@@ -292,10 +292,13 @@ def test_unsupported_variants_are_refused(device, models, tmp_path):
 
 # -- checks the architectures' test files share ------------------------------------------
 
-def assert_llama_server_agrees(m, eng, path, exe, tol: float) -> None:
+def assert_llama_server_agrees(m, eng, path, exe, tol: float, near_tie: float = 0.0) -> None:
     """llama-server on the same GGUF: its top-8 log-probabilities after every
     prefix of PROMPT against the engine's (the same top-1 everywhere, gaps below
-    tol nats), and its 12 greedy tokens against ours."""
+    tol nats), and its 12 greedy tokens against ours. near_tie > 0: one prefix
+    may pick differently where both sides put the two picks within near_tie
+    nats of each other (the greedy tokens are not compared if that prefix is
+    the whole prompt: they part there)."""
     ids = m.tokenizer.encode(PROMPT)
     lg = _prefill_logits(eng, ids).astype(np.float64)
     lsm = lg - lg.max(-1, keepdims=True)
@@ -303,7 +306,7 @@ def assert_llama_server_agrees(m, eng, path, exe, tol: float) -> None:
     greedy = [s.token for s in generate(eng, ids, 12, ignore_eos=True)]
     srv = _Server(exe, path)
     try:
-        err, seen = 0.0, 0
+        err, seen, ties, tie_at_end = 0.0, 0, 0, False
         for n in range(1, len(ids) + 1):
             r = srv.completion(ids[:n], 1, n_probs=8)
             if not r.get("completion_probabilities"):
@@ -312,12 +315,25 @@ def assert_llama_server_agrees(m, eng, path, exe, tol: float) -> None:
                 assert r["tokens"] == [lg[n - 1].argmax()], (n, r)
                 continue
             top = r["completion_probabilities"][0]["top_logprobs"]
-            assert top[0]["id"] == lg[n - 1].argmax(), n
+            ours = int(lg[n - 1].argmax())
+            theirs_of_ours = next((t["logprob"] for t in top if t["id"] == ours), None)
+            if top[0]["id"] != ours and near_tie and theirs_of_ours is not None and \
+                    top[0]["logprob"] - theirs_of_ours < near_tie and \
+                    lsm[n - 1, ours] - lsm[n - 1, top[0]["id"]] < near_tie:
+                ties += 1           # both sides call it a near tie: the two picks within near_tie nats either way
+                tie_at_end = n == len(ids)
+                continue
+            assert top[0]["id"] == ours, (
+                f"prefix {n}: llama-server's top-1 {top[0]['id']} ({top[0]['logprob']:.4f}; its #2 {top[1]['id']} "
+                f"{top[1]['logprob']:.4f}), ours {ours} ({lsm[n - 1, ours]:.4f}; theirs at "
+                f"{lsm[n - 1, top[0]['id']]:.4f}; its logprob of ours {theirs_of_ours})")
             err = max(err, max(abs(t["logprob"] - lsm[n - 1, t["id"]]) for t in top))
             seen += 1
         assert seen >= len(ids) - 3, f"llama-server reported {seen} of {len(ids)} prefixes"
         assert err < tol, err
-        assert srv.completion(ids, 12)["tokens"] == greedy
+        assert ties <= 1, f"{ties} near-tie prefixes"
+        if not tie_at_end:
+            assert srv.completion(ids, 12)["tokens"] == greedy
     finally:
         srv.close()
 

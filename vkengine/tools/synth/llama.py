@@ -243,7 +243,7 @@ def _make_tensor(job):
     from gguf import GGMLQuantizationType as T
     from gguf import quants
 
-    from ...quant import BY_NAME, dequantize
+    from ...quant import BY_NAME, dequantize, quantize_mxfp4
     rng = rng_for(seed, name)
     if std == 0.0:   # norm weights stay f32, near 1
         w = (1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
@@ -266,7 +266,7 @@ def _make_tensor(job):
     elif quant == "f16":
         raw = w.astype(np.float16).view(np.uint8)
     else:
-        raw = quants.quantize(w.reshape(-1, shape[-1]), qt).view(np.uint8)
+        raw = quantize_mxfp4(w) if quant == "mxfp4" else quants.quantize(w.reshape(-1, shape[-1]), qt).view(np.uint8)
     raw = np.ascontiguousarray(raw).reshape(-1)
     hf = None
     if want_hf:
