@@ -8,6 +8,7 @@ llama-server itself, once per mode.
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -67,13 +68,18 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def piece_bytes(tok: Tokenizer) -> Callable[[int], bytes]:
     """A token's bytes as llama-server prints them (token_to_piece with
-    special=false: control tokens print nothing)."""
+    special=false: control tokens print nothing; a SentencePiece vocabulary's
+    byte tokens <0xXX> their byte and U+2581 a space)."""
     byte_of = {c: b for b, c in _bytes_to_unicode().items()}
+    spm = tok.hf.token_to_id("<0x00>") is not None
 
     def piece(i: int) -> bytes:
         if i in tok.special_ids:
             return b""
         s = tok.token_text(i)
+        if spm:
+            m = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", s)
+            return bytes([int(m.group(1), 16)]) if m else s.replace("\u2581", " ").encode()
         if all(ch in byte_of for ch in s):
             return bytes(byte_of[ch] for ch in s)
         return s.encode()            # user-defined tokens are stored as plain text

@@ -84,3 +84,21 @@ def test_spm_model_against_llama_server(device, spm_model, llama_server_exe):
         assert "".join(stream.feed(t) for t in ours) + stream.flush() == r["content"]
     finally:
         srv.close()
+
+
+# llama-server 11434 (CPU) /tokenize of PHI3_TEXT (parse_special, no BOS added) on a model with the Phi-3
+# vocabulary, by the model's general.name: llama-vocab.cpp gives every special token but <unk>, <s> and
+# <|endoftext|> rstrip (the whitespace after it dropped) when the name says phi-3/phi3, as Phi-3's HF tokenizer
+PHI3_TEXT = "<s><|user|>\nWhat is it?<|end|>\n<|assistant|>\n ok <|end|> \n x"
+PHI3_IDS = {"phi3-tiny": [1, 32010, 1724, 338, 372, 29973, 32007, 32001, 3431, 29871, 32007, 921],
+            "mini-model": [1, 32010, 29871, 13, 5618, 338, 372, 29973, 32007, 29871, 13, 32001, 29871, 13, 3431,
+                           29871, 32007, 259, 13, 921]}
+
+
+@pytest.mark.parametrize("name", sorted(PHI3_IDS))
+def test_phi3_special_tokens_strip_by_model_name(vocab_dir, name):
+    meta = GGUFFile(vocab_dir / "ggml-vocab-phi-3.gguf").meta
+
+    def named(key, default=None):
+        return name if key == "general.name" else meta(key, default)
+    assert from_gguf(named).encode(PHI3_TEXT, add_special=False) == PHI3_IDS[name]

@@ -153,12 +153,18 @@ def from_gguf(meta) -> Tokenizer:
     return _finish(hf, meta, vocab, types, add_bos_default=False)
 
 
-def _add_tokens(hf, tokens: list[str], types: list[int]) -> None:
-    """The vocabulary's control tokens as special tokens, its user-defined ones as added tokens."""
+def _add_tokens(hf, tokens: list[str], types: list[int], rstrip: bool = False) -> None:
+    """The vocabulary's control tokens as special tokens, its user-defined ones as added tokens.
+    rstrip: each of them (but <unk>, <s>, <|endoftext|>) takes the whitespace after it (llama.cpp's
+    llama-vocab.cpp does so for models whose general.name says phi-3 or phi3, as Phi-3's HF tokenizer's
+    added tokens have rstrip)."""
     from tokenizers import AddedToken
-    specials = [AddedToken(tokens[i], special=True, normalized=False)
+
+    def strip(i: int) -> bool:
+        return rstrip and tokens[i] not in ("<unk>", "<s>", "<|endoftext|>")
+    specials = [AddedToken(tokens[i], special=True, normalized=False, rstrip=strip(i))
                 for i, t in enumerate(types) if t == TOKEN_TYPE_CONTROL]
-    user = [AddedToken(tokens[i], special=False, normalized=False)
+    user = [AddedToken(tokens[i], special=False, normalized=False, rstrip=strip(i))
             for i, t in enumerate(types) if t == TOKEN_TYPE_USER_DEFINED]
     if specials:
         hf.add_special_tokens(specials)
@@ -222,7 +228,8 @@ def _spm_from_gguf(meta) -> Tokenizer:
     norm = [normalizers.Replace(" ", "\u2581")]
     hf.normalizer = normalizers.Sequence(([normalizers.Prepend("\u2581")] if space_prefix else []) + norm)
     hf.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
-    _add_tokens(hf, tokens, types)
+    name = str(meta("general.name", "") or "").lower()
+    _add_tokens(hf, tokens, types, rstrip="phi-3" in name or "phi3" in name)
     return _finish(hf, meta, vocab, types, add_bos_default=True, space_prefix=space_prefix)
 
 
