@@ -1,7 +1,10 @@
 """Request validation, field by field: every error is a 400 whose message names
-the field. Only the fields we act on are read; unknown fields are ignored (as
-llama-server and OpenAI clients expect), except a few whose silent neglect
-would change results (n > 1, nonzero presence/frequency penalties).
+the field. Only the fields we act on are read. A field that OpenAI or
+llama-server defines, that changes what a request means, and that we do not
+support yet is a 400 naming it unless it holds its no-op value (REFUSED: tools,
+response_format, grammar, n > 1, ...); purely cosmetic fields (user, metadata,
+id_slot, ...) and unknown ones are ignored, as llama-server and OpenAI clients
+expect. docs/api.md has the table, field by field.
 
 Defaults follow llama-server (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05)
 on every route, OpenAI's routes included."""
@@ -175,12 +178,73 @@ def _limit(f: Fields, name: str, max_tokens: int, allow_minus_one: bool) -> int 
     return None if v is None or v < 0 else v
 
 
-def _unsupported(f: Fields) -> None:
-    if f.integer("n", 1) != 1:
-        raise bad("n", "must be 1: one completion per request is supported")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if f.num(name, 0.0) != 0.0:
-            raise bad(name, "is not supported (use repeat_penalty); send 0 or leave it out")
+def _empty(v) -> bool:
+    return v in (None, "", [], {})
+
+
+def _one_of(*noop):
+    return lambda v: v is None or v in noop
+
+
+# Fields whose meaning we do not implement yet, with the test of their no-op value and what to say.
+# llama-server's sampler extras are refused on every route, as llama-server reads them on all of them.
+_LLAMA_REFUSED = {
+    "grammar": (_empty, "(GBNF grammars) is not supported yet"),
+    "json_schema": (_empty, "(schema-constrained output) is not supported yet"),
+    "logit_bias": (_empty, "is not supported yet"),
+    "mirostat": (_one_of(0), "(mirostat sampling) is not supported; send 0 or leave it out"),
+    "typical_p": (_one_of(1, 1.0), "(locally typical sampling) is not supported; send 1 or leave it out"),
+    "tfs_z": (_one_of(1, 1.0), "(tail-free sampling) is not supported; send 1 or leave it out"),
+    "dry_multiplier": (_one_of(0, 0.0), "(DRY repetition penalty) is not supported; send 0 or leave it out"),
+    "xtc_probability": (_one_of(0, 0.0), "(XTC sampling) is not supported; send 0 or leave it out"),
+    "top_n_sigma": (lambda v: v is None or (isinstance(v, (int, float)) and v <= 0),
+                    "(top-n-sigma sampling) is not supported; send -1 or leave it out"),
+    "dynatemp_range": (_one_of(0, 0.0), "(dynamic temperature) is not supported; send 0 or leave it out"),
+    "samplers": (_empty, "(a custom sampler order) is not supported; the order is top_k, top_p, min_p, "
+                         "temperature"),
+    "n_indent": (_one_of(0), "is not supported; send 0 or leave it out"),
+    "penalize_nl": (_one_of(False), "is not supported: newlines are penalized as other tokens"),
+    "min_keep": (_one_of(0), "is not supported; send 0 or leave it out"),
+    "n_cmpl": (_one_of(1), "must be 1: one completion per request is supported"),
+    "t_max_predict_ms": (_one_of(0), "(a time limit on generation) is not supported; send 0 or leave it out"),
+    "image_data": (_empty, "(images) is not supported: the models served here read text only"),
+    "multimodal_data": (_empty, "(images, audio) is not supported: the models served here read text only"),
+    "lora": (_empty, "(LoRA adapters) is not supported"),
+    "post_sampling_probs": (_one_of(False), "is not supported: probabilities are the model's, before sampling"),
+    "response_fields": (_empty, "is not supported: the full response is returned"),
+    "presence_penalty": (_one_of(0, 0.0), "is not supported (use repeat_penalty); send 0 or leave it out"),
+    "frequency_penalty": (_one_of(0, 0.0), "is not supported (use repeat_penalty); send 0 or leave it out"),
+}
+_OPENAI_REFUSED = {
+    "n": (_one_of(1), "must be 1: one completion per request is supported"),
+    "logit_bias": (_empty, "is not supported yet"),
+}
+_CHAT_REFUSED = {
+    "tools": (_empty, "(tool calling) is not supported yet; leave it out or send an empty list"),
+    "tool_choice": (_one_of("none", "auto"), "is not supported yet (tool calling); leave it out"),
+    "functions": (_empty, "(function calling) is not supported yet"),
+    "function_call": (_one_of("none", "auto"), "(function calling) is not supported yet"),
+    "response_format": (lambda v: v is None or v == {"type": "text"},
+                        "(JSON mode, structured outputs) is not supported yet; only {\"type\": \"text\"}"),
+    "modalities": (lambda v: v is None or v == ["text"], "must be [\"text\"]: only text output is supported"),
+    "audio": (_empty, "(audio output) is not supported"),
+    "reasoning_effort": (_empty, "is not supported yet: the chat template is rendered with its own default"),
+    "web_search_options": (_empty, "(web search) is not supported"),
+}
+_COMPLETIONS_REFUSED = {
+    "best_of": (_one_of(1), "must be 1: one completion per request is supported"),
+    "echo": (_one_of(False), "(the prompt echoed back) is not supported; send false or leave it out"),
+    "suffix": (_empty, "(insertion) is not supported"),
+}
+REFUSED = {"llama": _LLAMA_REFUSED, "completions": {**_LLAMA_REFUSED, **_OPENAI_REFUSED, **_COMPLETIONS_REFUSED},
+           "chat": {**_LLAMA_REFUSED, **_OPENAI_REFUSED, **_CHAT_REFUSED}}
+
+
+def _refuse(f: Fields, route: str) -> None:
+    for name, (noop, why) in REFUSED[route].items():
+        v = f.body.get(name)
+        if not noop(v):
+            raise bad(name, why)
 
 
 def _prompt(f: Fields, n_vocab: int) -> str | list[int]:
@@ -199,6 +263,7 @@ def _prompt(f: Fields, n_vocab: int) -> str | list[int]:
 def completion(body: dict, n_vocab: int, max_tokens: int) -> Generation:
     """llama-server's /completion."""
     f = Fields(body)
+    _refuse(f, "llama")
     return Generation(
         prompt=_prompt(f, n_vocab), max_tokens=_limit(f, "n_predict", max_tokens, True),
         sampling=_sampling(f), stop=f.stop(), stream=f.flag("stream", False),
@@ -217,7 +282,6 @@ def _stream_options(f: Fields) -> bool:
 
 
 def _openai_common(f: Fields, max_tokens: int) -> dict:
-    _unsupported(f)
     mt = _limit(f, "max_tokens", max_tokens, False)
     if f.body.get("max_completion_tokens") is not None:
         mt = _limit(f, "max_completion_tokens", max_tokens, False)
@@ -229,6 +293,7 @@ def _openai_common(f: Fields, max_tokens: int) -> dict:
 
 def openai_completion(body: dict, n_vocab: int, max_tokens: int) -> Generation:
     f = Fields(body)
+    _refuse(f, "completions")
     # llama-server's default max_tokens (none: up to the limits), not OpenAI's legacy 16
     return Generation(prompt=_prompt(f, n_vocab), n_probs=f.integer("logprobs", 0, lo=0, hi=20),
                       **_openai_common(f, max_tokens))
@@ -236,6 +301,7 @@ def openai_completion(body: dict, n_vocab: int, max_tokens: int) -> Generation:
 
 def chat_completion(body: dict, max_tokens: int) -> Generation:
     f = Fields(body)
+    _refuse(f, "chat")
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages", "must be a non-empty list of {role, content} objects")
@@ -259,7 +325,15 @@ def chat_completion(body: dict, max_tokens: int) -> Generation:
             content = ""
         elif not isinstance(content, str):
             raise bad(name + ".content", "must be a string or a list of text parts")
-        out.append({"role": role, "content": content})
+        if not _empty(m.get("tool_calls")) or not _empty(m.get("function_call")):
+            key = "tool_calls" if not _empty(m.get("tool_calls")) else "function_call"
+            raise bad(f"{name}.{key}", "(an assistant's tool calls in the history) is not supported yet")
+        msg = {"role": role, "content": content}
+        for key in ("name", "tool_call_id"):          # (for the chat template, which may render them)
+            extra = mf.text(key)
+            if extra is not None:
+                msg[key] = extra
+        out.append(msg)
     n_probs = 0
     if f.flag("logprobs", False):
         n_probs = max(1, f.integer("top_logprobs", 1, lo=0, hi=20))

@@ -244,6 +244,29 @@ def test_prefix_cache_over_http(batch_server, ref, tiny_model):
     ("/v1/chat/completions", {"messages": "hi"}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages[0].content"),
     ("/v1/chat/completions", {"messages": [{"content": "x"}]}, "messages[0].role"),
+    # fields that change a request's meaning and are not supported: a 400 naming them, never dropped
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+     "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 10}},
+     "logit_bias"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 3}, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "high"},
+     "reasoning_effort"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[0].tool_calls"),
+    ("/v1/completions", {"prompt": "hi", "echo": True}, "echo"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of"),
+    ("/v1/completions", {"prompt": "hi", "suffix": "end"}, "suffix"),
+    ("/completion", {"prompt": "hi", "grammar": "root ::= \"a\""}, "grammar"),
+    ("/completion", {"prompt": "hi", "json_schema": {"type": "object"}}, "json_schema"),
+    ("/completion", {"prompt": "hi", "mirostat": 2}, "mirostat"),
+    ("/completion", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+    ("/completion", {"prompt": "hi", "logit_bias": [[15, False]]}, "logit_bias"),
+    ("/completion", {"prompt": "hi", "samplers": ["top_k"]}, "samplers"),
     ("/tokenize", {"content": 5}, "content"),
     ("/detokenize", {"tokens": ["a"]}, "tokens"),
 ])
@@ -252,6 +275,50 @@ def test_bad_fields_are_400_naming_the_field(batch_server, path, body, field):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == field and f"'{field}'" in err["message"]
+
+
+def test_noop_values_of_refused_fields_are_accepted(batch_server):
+    """The refused fields at their no-op values (what clients send by default) change nothing."""
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0,
+            "tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "n": 1, "logit_bias": {},
+            "presence_penalty": 0, "modalities": ["text"], "user": "u1", "metadata": {"k": "v"}}
+    r = httpx.post(batch_server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    plain = httpx.post(batch_server.url + "/v1/chat/completions", timeout=60, json={
+        "messages": body["messages"], "max_tokens": 4, "temperature": 0}).json()
+    assert r.json()["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+
+
+def test_openai_client(batch_server):
+    """The official openai client: a chat completion, a stream, and the fields we do not support
+    raised to it as BadRequestError naming the parameter."""
+    import openai
+    client = openai.OpenAI(base_url=batch_server.url + "/v1", api_key="none", max_retries=0)
+    msgs = [{"role": "user", "content": "Say hello"}]
+    r = client.chat.completions.create(model="x", messages=msgs, max_tokens=6, temperature=0)
+    text = r.choices[0].message.content
+    assert text and r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "length"
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="x", messages=msgs, max_tokens=6, temperature=0, stream=True) if c.choices)
+    assert streamed == text
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    for kw, param in ((dict(tools=[tool]), "tools"), (dict(n=2), "n"),
+                      (dict(response_format={"type": "json_schema", "json_schema": {
+                          "name": "x", "schema": {"type": "object"}}}), "response_format")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="x", messages=msgs, max_tokens=4, **kw)
+        assert e.value.body["param"] == param, e.value.body
+
+
+def test_api_doc_lists_every_refused_field():
+    """docs/api.md's table names every field the server refuses."""
+    from pathlib import Path
+
+    from server.schemas import REFUSED
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
+    missing = sorted({f for route in REFUSED.values() for f in route if f"`{f}`" not in doc})
+    assert not missing, missing
 
 
 @pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"\xff\xfe", b""])
