@@ -9,6 +9,7 @@ token ids to the worker and formats what comes back. A client that goes away
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -204,6 +205,106 @@ async def generate(request: Request, st: ServerState, gen: Generation, kind: str
     return JSONResponse(out[-1])
 
 
+async def generate_n(request: Request, st: ServerState, gen: Generation, kind: str) -> Response:
+    """OpenAI's n > 1: n choices of one prompt. The first choice is submitted
+    alone and the others once it has its first token, so that they copy its
+    prompt's KV rows through the prefix cache (the prompt is prefilled once);
+    choice i samples with seed + i (reproducible per choice when a seed is
+    given). Streamed chunks carry their choice's index; the usage counts the
+    prompt once and every choice's tokens."""
+    ids, text, truncated = await anyio.to_thread.run_sync(_prompt_ids, st, gen)
+    budget = gen.max_tokens if gen.max_tokens is not None else st.max_tokens
+    loop = asyncio.get_running_loop()
+    q: asyncio.Queue = asyncio.Queue()
+    tok = st.model.tokenizer
+    cls = {"completion": OpenAICompletion, "chat": OpenAIChat}[kind]
+    replies = [Reply(st.model_id, text, len(ids), truncated) for _ in range(gen.n)]
+    fmts = [cls(r, lambda t: tok.decode([t]), gen.stream, gen.return_tokens, gen.include_usage, index=i)
+            for i, r in enumerate(replies)]
+    for f in fmts[1:]:
+        f.id = fmts[0].id                                                   # type: ignore[attr-defined]
+    jobs: list = [None] * gen.n
+
+    def submit(i: int) -> None:
+        sp = gen.sampling if gen.sampling.seed is None else dataclasses.replace(gen.sampling,
+                                                                               seed=gen.sampling.seed + i)
+        req = GenRequest(ids, budget, sp, gen.stop, gen.ignore_eos, gen.n_probs, gen.cache_prompt)
+        def emit(ev, i: int = i) -> None:
+            loop.call_soon_threadsafe(q.put_nowait, (i, ev))
+        jobs[i] = replies[i].job = st.worker.submit(req, emit)
+
+    def cancel_all() -> None:
+        for j, r in zip(jobs, replies):
+            if j is not None and r.finish is None:
+                st.worker.cancel(j)
+
+    submit(0)                    # (a full queue: the 503 before anything is sent)
+
+    def usage() -> dict:
+        n_gen = sum(len(r.tokens) for r in replies)
+        return {"prompt_tokens": len(ids), "completion_tokens": n_gen, "total_tokens": len(ids) + n_gen}
+
+    async def objs():
+        for f in fmts:
+            for obj in f.start():
+                yield obj
+        done, rest = 0, False
+        while done < gen.n:
+            i, ev = await q.get()
+            if not rest:
+                rest = True
+                try:
+                    for k in range(1, gen.n):
+                        submit(k)
+                except (QueueFull, Unavailable) as e:
+                    cancel_all()
+                    yield {"error": {"code": 503, "message": f"choice {k}: {e}", "type": "unavailable_error"}}
+                    return
+            replies[i].add(ev)
+            if ev.finish is not None and replies[i].failed:
+                cancel_all()
+                yield replies[i].error_body()
+                return
+            for obj in fmts[i].event(ev):
+                yield obj
+            done += ev.finish is not None
+        finals = [f.final() for f in fmts]
+        if gen.stream:
+            if finals[0]:
+                yield {**finals[0][0], "usage": usage()}
+            return
+        whole = finals[0][0]
+        yield {**whole, "choices": [c for fin in finals for c in fin[0]["choices"]], "usage": usage()}
+
+    if gen.stream:
+        async def chunks():
+            try:
+                async for obj in objs():
+                    yield sse(obj)
+                yield sse("[DONE]")
+            finally:
+                cancel_all()
+        return SSEResponse(chunks())
+
+    async def collect():
+        return [obj async for obj in objs()]
+    task = asyncio.ensure_future(collect())
+    watch = asyncio.ensure_future(wait_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():                        # the client went away
+            task.cancel()
+            cancel_all()
+    if not task.done() or task.cancelled():
+        return Response(status_code=499)
+    out = task.result()
+    if "error" in out[-1]:
+        return JSONResponse(out[-1], status_code=out[-1]["error"]["code"])
+    return JSONResponse(out[-1])
+
+
 # -- routes --------------------------------------------------------------------
 def _st(request: Request) -> ServerState:
     return request.app.state.server
@@ -219,13 +320,14 @@ async def v1_completions(request: Request) -> Response:
     st = _st(request)
     body = await read_json(request, st.max_body)
     gen = schemas.openai_completion(body, st.model.args.n_vocab, st.max_tokens)
-    return await generate(request, st, gen, "completion")
+    return await (generate_n if gen.n > 1 else generate)(request, st, gen, "completion")
 
 
 async def v1_chat(request: Request) -> Response:
     st = _st(request)
     body = await read_json(request, st.max_body)
-    return await generate(request, st, schemas.chat_completion(body, st.max_tokens), "chat")
+    gen = schemas.chat_completion(body, st.max_tokens)
+    return await (generate_n if gen.n > 1 else generate)(request, st, gen, "chat")
 
 
 async def tokenize(request: Request) -> Response:

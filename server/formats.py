@@ -66,9 +66,11 @@ class Reply:
 
 
 class Format:
-    def __init__(self, reply: Reply, piece, stream: bool, return_tokens: bool = False, include_usage: bool = False):
+    def __init__(self, reply: Reply, piece, stream: bool, return_tokens: bool = False, include_usage: bool = False,
+                 index: int = 0):
         self.r, self.piece, self.stream = reply, piece, stream
         self.return_tokens, self.include_usage = return_tokens, include_usage
+        self.index = index          # the choice's index (a request with n > 1 has several)
 
     def start(self) -> list[dict]:
         return []
@@ -122,7 +124,7 @@ class OpenAICompletion(Format):
 
     def _obj(self, text: str, finish, logprobs=None) -> dict:
         return {"id": self.id, "object": "text_completion", "created": self.r.created, "model": self.r.model,
-                "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}]}
+                "choices": [{"text": text, "index": self.index, "logprobs": logprobs, "finish_reason": finish}]}
 
     def _logprobs(self, evs: list[Event]) -> dict | None:
         if not evs:
@@ -152,7 +154,7 @@ class OpenAIChat(Format):
 
     def _chunk(self, delta: dict, finish, logprobs=None) -> dict:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.r.created, "model": self.r.model,
-                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+                "choices": [{"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
 
     def _logprobs(self, evs: list[Event]) -> dict | None:
         if not evs:
@@ -183,6 +185,6 @@ class OpenAIChat(Format):
                 return []
             return [{**self._chunk({}, None), "choices": [], "usage": r.usage()}]
         return [{"id": self.id, "object": "chat.completion", "created": r.created, "model": r.model,
-                 "choices": [{"index": 0, "message": {"role": "assistant", "content": r.text},
+                 "choices": [{"index": self.index, "message": {"role": "assistant", "content": r.text},
                               "logprobs": self._logprobs(r.logprobs), "finish_reason": finish_reason(r.finish)}],
                  "usage": r.usage(), "timings": r.timings()}]

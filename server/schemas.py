@@ -159,6 +159,7 @@ class Generation:
     n_keep: int = 0
     return_tokens: bool = False
     include_usage: bool = False
+    n: int = 1                                     # choices (OpenAI's n), each its own sampler stream
 
 
 def _sampling(f: Fields) -> SamplingParams:
@@ -216,9 +217,9 @@ _LLAMA_REFUSED = {
     "frequency_penalty": (_one_of(0, 0.0), "is not supported (use repeat_penalty); send 0 or leave it out"),
 }
 _OPENAI_REFUSED = {
-    "n": (_one_of(1), "must be 1: one completion per request is supported"),
     "logit_bias": (_empty, "is not supported yet"),
 }
+MAX_CHOICES = 16     # n: choices of one request
 _CHAT_REFUSED = {
     "tools": (_empty, "(tool calling) is not supported yet; leave it out or send an empty list"),
     "tool_choice": (_one_of("none", "auto"), "is not supported yet (tool calling); leave it out"),
@@ -286,6 +287,7 @@ def _openai_common(f: Fields, max_tokens: int) -> dict:
     if f.body.get("max_completion_tokens") is not None:
         mt = _limit(f, "max_completion_tokens", max_tokens, False)
     return dict(max_tokens=mt, sampling=_sampling(f), stop=f.stop(), stream=f.flag("stream", False),
+                n=f.integer("n", 1, lo=1, hi=MAX_CHOICES),
                 include_usage=_stream_options(f), ignore_eos=f.flag("ignore_eos", False),
                 cache_prompt=f.flag("cache_prompt", True), truncate=f.flag("truncate", False),
                 n_keep=f.integer("n_keep", 0, lo=-1))

@@ -240,7 +240,7 @@ def test_prefix_cache_over_http(batch_server, ref, tiny_model):
     ("/completion", {}, "prompt"),
     ("/completion", {"prompt": "hi" * 2000}, "prompt"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, "max_tokens"),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 17}, "n"),
     ("/v1/chat/completions", {"messages": "hi"}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages[0].content"),
     ("/v1/chat/completions", {"messages": [{"content": "x"}]}, "messages[0].role"),
@@ -253,7 +253,7 @@ def test_prefix_cache_over_http(batch_server, ref, tiny_model):
                               "response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 10}},
      "logit_bias"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 3}, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "high"},
      "reasoning_effort"),
     ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": [
@@ -303,12 +303,48 @@ def test_openai_client(batch_server):
     assert streamed == text
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-    for kw, param in ((dict(tools=[tool]), "tools"), (dict(n=2), "n"),
+    two = client.chat.completions.create(model="x", messages=msgs, max_tokens=5, temperature=0.9, seed=3, n=2)
+    assert [c.index for c in two.choices] == [0, 1] and two.usage.completion_tokens == 10
+    for kw, param in ((dict(tools=[tool]), "tools"), (dict(n=17), "n"),
                       (dict(response_format={"type": "json_schema", "json_schema": {
                           "name": "x", "schema": {"type": "object"}}}), "response_format")):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model="x", messages=msgs, max_tokens=4, **kw)
         assert e.value.body["param"] == param, e.value.body
+
+
+N_PROMPT = ("A long shared question about the rivers, mountains and cities of the northern provinces, "
+            "asked once and answered several ways:")
+
+
+def test_n_choices_share_one_prefill(batch_server):
+    """n = 4: four choices, choice i sampled with seed + i exactly as a request of its own with that seed;
+    the prompt prefilled once (the other three copy its KV rows: /metrics' cached prompt tokens); the
+    streamed chunks, by index, reassemble into the same four texts."""
+    url = batch_server.url
+    body = {"prompt": N_PROMPT, "max_tokens": 8, "temperature": 0.9, "seed": 11}
+    n_ids = len(httpx.post(url + "/tokenize", json={"content": N_PROMPT}).json()["tokens"])
+    cached0 = _metric(url, "vkengine_prompt_tokens_cached_total")
+    r = httpx.post(url + "/v1/completions", json={**body, "n": 4}, timeout=120)
+    assert r.status_code == 200, r.text
+    cached = _metric(url, "vkengine_prompt_tokens_cached_total") - cached0
+    j = r.json()
+    assert [c["index"] for c in j["choices"]] == [0, 1, 2, 3]
+    assert j["usage"]["completion_tokens"] == 32 and j["usage"]["prompt_tokens"] >= n_ids
+    assert cached >= 3 * (n_ids - 1), (cached, n_ids)
+    texts = [c["text"] for c in j["choices"]]
+    assert len(set(texts)) > 1                      # (four seeds: not one text four times)
+    for i, t in enumerate(texts):
+        alone = httpx.post(url + "/v1/completions", json={**body, "seed": 11 + i}, timeout=120).json()
+        assert alone["choices"][0]["text"] == t, i
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "n": 4, "stream": True}, timeout=120) as s:
+        evs = sse_events(s)
+    assert evs[-1] == "[DONE]"
+    got = ["", "", "", ""]
+    for e in evs[:-1]:
+        for c in e["choices"]:
+            got[c["index"]] += c["text"]
+    assert got == texts
 
 
 def test_api_doc_lists_every_refused_field():
