@@ -28,6 +28,7 @@ from starlette.routing import Route
 
 from vkengine.errors import VkEngineError
 from vkengine.model import Model
+from vkengine.serving.constrain import Grammar, compile_grammar
 
 from . import schemas
 from .formats import Format, LlamaCompletion, OpenAIChat, OpenAICompletion, Reply
@@ -128,6 +129,13 @@ def _prompt_ids(st: ServerState, gen: Generation) -> tuple[list[int], str, bool]
         text = tok.decode(ids)
     if not ids:
         raise schemas.bad("prompt", "is empty (it has no tokens)")
+    if gen.grammar is not None and not isinstance(gen.grammar, Grammar):
+        kind, spec, source = gen.grammar
+        try:
+            gen.grammar = compile_grammar(tok, kind, spec, source)     # type: ignore[assignment]
+        except VkEngineError as e:
+            msg = str(e)
+            raise schemas.bad(source, msg.removeprefix(f"'{source}' ")) from None
     truncated = False
     if len(ids) >= st.n_ctx:
         if not gen.truncate or gen.n_keep < 0:
@@ -164,7 +172,8 @@ async def generate(request: Request, st: ServerState, gen: Generation, kind: str
     # tokenizing (and rendering a chat template) may take a while for long prompts: off the event loop
     ids, text, truncated = await anyio.to_thread.run_sync(_prompt_ids, st, gen)
     budget = gen.max_tokens if gen.max_tokens is not None else st.max_tokens
-    req = GenRequest(ids, budget, gen.sampling, gen.stop, gen.ignore_eos, gen.n_probs, gen.cache_prompt)
+    req = GenRequest(ids, budget, gen.sampling, gen.stop, gen.ignore_eos, gen.n_probs, gen.cache_prompt,
+                     grammar=gen.grammar)
     loop = asyncio.get_running_loop()
     q: asyncio.Queue = asyncio.Queue()
     job = st.worker.submit(req, lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev))
@@ -228,7 +237,8 @@ async def generate_n(request: Request, st: ServerState, gen: Generation, kind: s
     def submit(i: int) -> None:
         sp = gen.sampling if gen.sampling.seed is None else dataclasses.replace(gen.sampling,
                                                                                seed=gen.sampling.seed + i)
-        req = GenRequest(ids, budget, sp, gen.stop, gen.ignore_eos, gen.n_probs, gen.cache_prompt)
+        req = GenRequest(ids, budget, sp, gen.stop, gen.ignore_eos, gen.n_probs, gen.cache_prompt,
+                         grammar=gen.grammar)
         def emit(ev, i: int = i) -> None:
             loop.call_soon_threadsafe(q.put_nowait, (i, ev))
         jobs[i] = replies[i].job = st.worker.submit(req, emit)

@@ -160,6 +160,7 @@ class Generation:
     return_tokens: bool = False
     include_usage: bool = False
     n: int = 1                                     # choices (OpenAI's n), each its own sampler stream
+    grammar: tuple[str, object, str] | None = None  # (kind, spec, field): constrained output (constrain.py)
 
 
 def _sampling(f: Fields) -> SamplingParams:
@@ -190,8 +191,6 @@ def _one_of(*noop):
 # Fields whose meaning we do not implement yet, with the test of their no-op value and what to say.
 # llama-server's sampler extras are refused on every route, as llama-server reads them on all of them.
 _LLAMA_REFUSED = {
-    "grammar": (_empty, "(GBNF grammars) is not supported yet"),
-    "json_schema": (_empty, "(schema-constrained output) is not supported yet"),
     "logit_bias": (_empty, "is not supported yet"),
     "mirostat": (_one_of(0), "(mirostat sampling) is not supported; send 0 or leave it out"),
     "typical_p": (_one_of(1, 1.0), "(locally typical sampling) is not supported; send 1 or leave it out"),
@@ -225,8 +224,6 @@ _CHAT_REFUSED = {
     "tool_choice": (_one_of("none", "auto"), "is not supported yet (tool calling); leave it out"),
     "functions": (_empty, "(function calling) is not supported yet"),
     "function_call": (_one_of("none", "auto"), "(function calling) is not supported yet"),
-    "response_format": (lambda v: v is None or v == {"type": "text"},
-                        "(JSON mode, structured outputs) is not supported yet; only {\"type\": \"text\"}"),
     "modalities": (lambda v: v is None or v == ["text"], "must be [\"text\"]: only text output is supported"),
     "audio": (_empty, "(audio output) is not supported"),
     "reasoning_effort": (_empty, "is not supported yet: the chat template is rendered with its own default"),
@@ -246,6 +243,42 @@ def _refuse(f: Fields, route: str) -> None:
         v = f.body.get(name)
         if not noop(v):
             raise bad(name, why)
+
+
+def _grammar(f: Fields, openai: bool) -> tuple[str, object, str] | None:
+    """The request's output constraint: llama-server's `grammar` (GBNF) or
+    `json_schema`, or OpenAI's `response_format` (json_object, json_schema)."""
+    found: list[tuple[str, object, str]] = []
+    g = f.body.get("grammar")
+    if not _empty(g):
+        if not isinstance(g, str):
+            raise bad("grammar", "must be a GBNF grammar (a string)")
+        found.append(("gbnf", g, "grammar"))
+    js = f.body.get("json_schema")
+    if not _empty(js):
+        if not isinstance(js, dict):
+            raise bad("json_schema", "must be a JSON schema (an object)")
+        found.append(("json_schema", js, "json_schema"))
+    rf = f.body.get("response_format")
+    if openai and rf is not None:
+        if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+            raise bad("response_format", "must be an object with a 'type' (text, json_object, json_schema)")
+        kind = rf["type"]
+        if kind == "json_object":
+            found.append(("json", None, "response_format"))
+        elif kind == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict):
+                raise bad("response_format.json_schema", "must be an object with a 'schema'")
+            schema = spec.get("schema", {"type": "object"} if spec.get("strict") is not True else None)
+            if not isinstance(schema, dict):
+                raise bad("response_format.json_schema.schema", "must be a JSON schema (an object)")
+            found.append(("json_schema", schema, "response_format.json_schema.schema"))
+        elif kind != "text":
+            raise bad("response_format.type", f"must be text, json_object or json_schema, got {kind!r}")
+    if len(found) > 1:
+        raise bad(found[1][2], f"cannot be combined with '{found[0][2]}': one output constraint a request")
+    return found[0] if found else None
 
 
 def _prompt(f: Fields, n_vocab: int) -> str | list[int]:
@@ -270,7 +303,8 @@ def completion(body: dict, n_vocab: int, max_tokens: int) -> Generation:
         sampling=_sampling(f), stop=f.stop(), stream=f.flag("stream", False),
         n_probs=f.integer("n_probs", 0, lo=0, hi=20), ignore_eos=f.flag("ignore_eos", False),
         cache_prompt=f.flag("cache_prompt", True), truncate=f.flag("truncate", False),
-        n_keep=f.integer("n_keep", 0, lo=-1), return_tokens=f.flag("return_tokens", False))
+        n_keep=f.integer("n_keep", 0, lo=-1), return_tokens=f.flag("return_tokens", False),
+        grammar=_grammar(f, openai=False))
 
 
 def _stream_options(f: Fields) -> bool:
@@ -287,7 +321,7 @@ def _openai_common(f: Fields, max_tokens: int) -> dict:
     if f.body.get("max_completion_tokens") is not None:
         mt = _limit(f, "max_completion_tokens", max_tokens, False)
     return dict(max_tokens=mt, sampling=_sampling(f), stop=f.stop(), stream=f.flag("stream", False),
-                n=f.integer("n", 1, lo=1, hi=MAX_CHOICES),
+                n=f.integer("n", 1, lo=1, hi=MAX_CHOICES), grammar=_grammar(f, openai=True),
                 include_usage=_stream_options(f), ignore_eos=f.flag("ignore_eos", False),
                 cache_prompt=f.flag("cache_prompt", True), truncate=f.flag("truncate", False),
                 n_keep=f.integer("n_keep", 0, lo=-1))

@@ -249,8 +249,6 @@ def test_prefix_cache_over_http(batch_server, ref, tiny_model):
                               "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
      "tool_choice"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                              "response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 10}},
      "logit_bias"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
@@ -261,8 +259,6 @@ def test_prefix_cache_over_http(batch_server, ref, tiny_model):
     ("/v1/completions", {"prompt": "hi", "echo": True}, "echo"),
     ("/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of"),
     ("/v1/completions", {"prompt": "hi", "suffix": "end"}, "suffix"),
-    ("/completion", {"prompt": "hi", "grammar": "root ::= \"a\""}, "grammar"),
-    ("/completion", {"prompt": "hi", "json_schema": {"type": "object"}}, "json_schema"),
     ("/completion", {"prompt": "hi", "mirostat": 2}, "mirostat"),
     ("/completion", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
     ("/completion", {"prompt": "hi", "logit_bias": [[15, False]]}, "logit_bias"),
@@ -306,8 +302,7 @@ def test_openai_client(batch_server):
     two = client.chat.completions.create(model="x", messages=msgs, max_tokens=5, temperature=0.9, seed=3, n=2)
     assert [c.index for c in two.choices] == [0, 1] and two.usage.completion_tokens == 10
     for kw, param in ((dict(tools=[tool]), "tools"), (dict(n=17), "n"),
-                      (dict(response_format={"type": "json_schema", "json_schema": {
-                          "name": "x", "schema": {"type": "object"}}}), "response_format")):
+                      (dict(tool_choice={"type": "function", "function": {"name": "get_weather"}}), "tool_choice")):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model="x", messages=msgs, max_tokens=4, **kw)
         assert e.value.body["param"] == param, e.value.body

@@ -44,6 +44,7 @@ class GenRequest:
     use_cache: bool = True                # reuse a cached prefix of the prompt
     suppress: frozenset[int] = frozenset()   # tokens never generated (a -inf logit bias, as llama.cpp's ignore_eos)
     logits: bool = False                  # each event carries the logits row its token was chosen from
+    grammar: Any = None                   # constrain.Grammar: its tokens held to it (masked on the host)
 
 
 @dataclass
@@ -74,12 +75,14 @@ class Job:
     done: bool = False
     on_device: bool = False               # its tokens are drawn on the device (Runner.make_job)
     failure: BaseException | None = None  # what failed it (finish "error"), for callers that re-raise
+    constraint: Any = None                # constrain.Constraint of req.grammar
 
     @property
     def needs_logits(self) -> bool:
         """Its rows read their logits back (the host samples, masks or reports them)."""
         r = self.req
-        return not self.on_device and (r.sampling.needs_logits or r.n_probs > 0 or bool(r.suppress) or r.logits)
+        return not self.on_device and (r.sampling.needs_logits or r.n_probs > 0 or bool(r.suppress) or r.logits
+                                       or r.grammar is not None)
 
     def sampling_row(self) -> tuple[float, int, float, float, float]:
         """Its output row's sampling params for Engine.submit(sampling=...): a
@@ -214,9 +217,12 @@ class Runner:
             raise VkEngineError(f"suppressed token ids must be in 0..{self.eng.n_vocab - 1}")
         out = OutputStream(self.eng.model.tokenizer, req.max_tokens, req.stop, req.ignore_eos)
         job = Job(req, emit, Seq(prompt, use_cache=req.use_cache), Sampler(req.sampling), out)
+        if req.grammar is not None:
+            from .constrain import Constraint
+            job.constraint = Constraint(self.eng.model.tokenizer, req.grammar)
         # drawn on the device, where steps chain (not where the host must see the logits)
         job.on_device = (self.device_sampling and req.sampling.drawn_on_device(Kernels.SAMPLE_K)
-                         and req.n_probs == 0 and not req.suppress and not req.logits)
+                         and req.n_probs == 0 and not req.suppress and not req.logits and req.grammar is None)
         job.seq.data = job
         return job
 
@@ -431,15 +437,28 @@ class Runner:
             req = job.req
             if req.logits:
                 ev.logits = r
+            if job.constraint is not None:
+                masked = job.constraint.apply(r)
+                if masked is None or (req.suppress and np.isinf(np.delete(masked, list(req.suppress))).all()):
+                    # nothing the grammar allows may come next (with ignore_eos: nothing but an end)
+                    self.sched.finish(seq)
+                    self._end(job, "stop", "")
+                    return
+                r = masked
             if req.suppress:
                 r = r.copy()
                 r[list(req.suppress)] = -np.inf
             tok = job.sampler(r, seq.tokens) if req.sampling.needs_logits else int(np.argmax(r))
+            if job.constraint is not None and not job.constraint.take(tok):
+                self.sched.finish(seq)
+                self._end(job, "error", "", error=f"the grammar of '{job.constraint.source}' refused token {tok}")
+                return
             if req.n_probs:
                 ids, lp = top_logprobs(r, req.n_probs)
                 ev.logprob, ev.top = float(lp[tok]), [(int(i), float(lp[i])) for i in ids]
         self.sched.append(seq, tok)
-        if job.out.may_finish(tok) or len(seq.tokens) - 1 >= self.eng.n_ctx:
+        if job.out.may_finish(tok) or len(seq.tokens) - 1 >= self.eng.n_ctx or \
+                (job.constraint is not None and job.constraint.stopped):
             self._deliver(job, tok, ev, now)
         else:
             self._late.append((job, tok, ev, now))
@@ -458,6 +477,8 @@ class Runner:
         job.t_first = job.t_first or now
         job.t_last = now
         text, finish = job.out.push(tok)
+        if finish is None and job.constraint is not None and job.constraint.stopped:
+            finish = "stop"                  # the grammar is complete: nothing may follow
         if finish is None and len(seq.tokens) - 1 >= self.eng.n_ctx:
             text += job.out.truncated()
             finish = "length"
