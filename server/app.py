@@ -31,6 +31,7 @@ from vkengine.model import Model
 from vkengine.serving.constrain import Grammar, compile_grammar
 
 from . import schemas
+from . import tools as tool_calls
 from .formats import Format, LlamaCompletion, OpenAIChat, OpenAICompletion, Reply
 from .metrics import CONTENT_TYPE_LATEST, Metrics
 from .schemas import Generation, HTTPError
@@ -118,7 +119,13 @@ async def read_json(request: Request, limit: int) -> dict:
 def _prompt_ids(st: ServerState, gen: Generation) -> tuple[list[int], str, bool]:
     tok = st.model.tokenizer
     if gen.messages is not None:
-        text = tok.apply_chat_template(gen.messages, add_generation_prompt=True)
+        msgs, extra = gen.messages, {}
+        if tool_calls.knows_tools(tok.chat_template):
+            if gen.tools is not None:
+                extra["tools"] = list(gen.tools.functions)          # type: ignore[attr-defined]
+        elif gen.tools is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in msgs):
+            msgs = tool_calls.fallback_messages(msgs, gen.tools)     # type: ignore[arg-type]
+        text = tok.apply_chat_template(msgs, add_generation_prompt=True, **extra)
         ids = tok.encode(text)
         if len(ids) > 1 and tok.bos_id is not None and ids[0] == ids[1] == tok.bos_id:
             ids = ids[1:]                     # the template wrote BOS itself
@@ -181,6 +188,8 @@ async def generate(request: Request, st: ServerState, gen: Generation, kind: str
     tok = st.model.tokenizer
     cls = {"llama": LlamaCompletion, "completion": OpenAICompletion, "chat": OpenAIChat}[kind]
     fmt = cls(reply, lambda t: tok.decode([t]), gen.stream, gen.return_tokens, gen.include_usage)
+    if isinstance(fmt, OpenAIChat):
+        fmt.tools = gen.tools
     objs = _events(q, reply, fmt)
 
     if gen.stream:
@@ -232,6 +241,9 @@ async def generate_n(request: Request, st: ServerState, gen: Generation, kind: s
             for i, r in enumerate(replies)]
     for f in fmts[1:]:
         f.id = fmts[0].id                                                   # type: ignore[attr-defined]
+    for f in fmts:
+        if isinstance(f, OpenAIChat):
+            f.tools = gen.tools
     jobs: list = [None] * gen.n
 
     def submit(i: int) -> None:
@@ -340,6 +352,16 @@ async def v1_chat(request: Request) -> Response:
     return await (generate_n if gen.n > 1 else generate)(request, st, gen, "chat")
 
 
+async def apply_template(request: Request) -> Response:
+    """llama-server's /apply-template: a chat request's prompt as the model's
+    template renders it (tools and tool calls included), without generating."""
+    st = _st(request)
+    gen = schemas.chat_completion(await read_json(request, st.max_body), st.max_tokens)
+    gen.grammar = None                      # (rendering only)
+    _, text, _ = await anyio.to_thread.run_sync(_prompt_ids, st, gen)
+    return JSONResponse({"prompt": text})
+
+
 async def tokenize(request: Request) -> Response:
     st = _st(request)
     f = schemas.Fields(await read_json(request, st.max_body))
@@ -407,6 +429,7 @@ ROUTES = [
     Route("/v1/chat/completions", v1_chat, methods=["POST"]),
     Route("/chat/completions", v1_chat, methods=["POST"]),
     Route("/tokenize", tokenize, methods=["POST"]),
+    Route("/apply-template", apply_template, methods=["POST"]),
     Route("/detokenize", detokenize, methods=["POST"]),
     Route("/health", health), Route("/v1/health", health),
     Route("/props", props), Route("/slots", slots),

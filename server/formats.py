@@ -151,6 +151,53 @@ class OpenAIChat(Format):
     def __init__(self, *a, **k):
         super().__init__(*a, **k)
         self.id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        self.tools: Any = None      # server/tools.py Tools: the reply's tool calls are parsed out of its text
+        self._sent = 0              # (tools) characters of the reply's text streamed as content
+        self._calling = False       # (tools) a tool call has begun: no more content is streamed
+
+    def _streamable(self) -> str:
+        """(tools) The reply's text that may be streamed now: everything before a
+        tool call, less a tail that may be the start of one."""
+        from .tools import OPEN
+        full = self.r.text
+        if self._calling:
+            return ""
+        head = full.lstrip()
+        if head.startswith(("{", "<|python_tag|>")) and self._sent == 0:
+            return ""                                    # (may be Llama 3's bare JSON call: held to the end)
+        i = full.find(OPEN, self._sent)
+        if i >= 0:
+            self._calling = True
+            end = i
+        else:
+            end = len(full)
+            for k in range(min(len(OPEN) - 1, len(full)), 0, -1):
+                if OPEN.startswith(full[len(full) - k:]):
+                    end = len(full) - k
+                    break
+        out, self._sent = full[self._sent:end], max(self._sent, end)
+        return out
+
+    def _tool_event(self, ev: Event) -> list[dict]:
+        from .tools import _BLOCK, extract
+        lp = self._logprobs([ev] if ev.top else [])
+        out = []
+        text = self._streamable()
+        if text or lp:
+            out.append(self._chunk({"content": text}, None, lp))
+        if ev.finish is None:
+            return out
+        content, calls = extract(self.r.text, self.tools)
+        rest = self.r.text[self._sent:]
+        if calls:
+            rest = _BLOCK.sub("", rest).strip()
+            rest = "" if rest.startswith(("{", "<|python_tag|>")) else rest
+        if rest:
+            out.append(self._chunk({"content": rest}, None))
+        if calls:
+            out.append(self._chunk({"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}, None))
+        out.append(self._chunk({}, "tool_calls" if calls else finish_reason(ev.finish)))
+        return out
 
     def _chunk(self, delta: dict, finish, logprobs=None) -> dict:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.r.created, "model": self.r.model,
@@ -170,6 +217,8 @@ class OpenAIChat(Format):
         return [self._chunk({"role": "assistant", "content": ""}, None)]
 
     def event(self, ev: Event) -> list[dict]:
+        if self.tools is not None:
+            return self._tool_event(ev)
         lp = self._logprobs([ev] if ev.top else [])
         out = []
         if ev.text or lp:
@@ -184,7 +233,14 @@ class OpenAIChat(Format):
             if not self.include_usage:
                 return []
             return [{**self._chunk({}, None), "choices": [], "usage": r.usage()}]
+        message: dict[str, Any] = {"role": "assistant", "content": r.text}
+        finish = finish_reason(r.finish)
+        if self.tools is not None:
+            from .tools import extract
+            content, calls = extract(r.text, self.tools)
+            if calls:
+                message, finish = {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
         return [{"id": self.id, "object": "chat.completion", "created": r.created, "model": r.model,
-                 "choices": [{"index": self.index, "message": {"role": "assistant", "content": r.text},
-                              "logprobs": self._logprobs(r.logprobs), "finish_reason": finish_reason(r.finish)}],
+                 "choices": [{"index": self.index, "message": message,
+                              "logprobs": self._logprobs(r.logprobs), "finish_reason": finish}],
                  "usage": r.usage(), "timings": r.timings()}]

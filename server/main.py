@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import sys
 import time
+from pathlib import Path
 
 import uvicorn
 
@@ -87,6 +88,11 @@ def build(args):
     scheduler_config(args)   # the flags' errors before the model loads
     kv_types = KVTypes(args.cache_type_k, args.cache_type_v)
     model = load_model(args.model)
+    if args.chat_template_file:
+        try:
+            model.tokenizer.chat_template = Path(args.chat_template_file).read_text()
+        except OSError as e:
+            raise VkEngineError(f"--chat-template-file: {e}") from None
     dev = Device(device_index(args))
     cfg, n_slots = scheduler_config(args, gpu=dev.info.type != "cpu")
     eng = Engine(model, dev, EngineConfig(n_slots=n_slots, n_ctx=args.ctx, max_batch=cfg.max_prompt_rows,

@@ -161,6 +161,7 @@ class Generation:
     include_usage: bool = False
     n: int = 1                                     # choices (OpenAI's n), each its own sampler stream
     grammar: tuple[str, object, str] | None = None  # (kind, spec, field): constrained output (constrain.py)
+    tools: object = None                           # server/tools.py Tools: the functions offered (chat)
 
 
 def _sampling(f: Fields) -> SamplingParams:
@@ -220,10 +221,8 @@ _OPENAI_REFUSED = {
 }
 MAX_CHOICES = 16     # n: choices of one request
 _CHAT_REFUSED = {
-    "tools": (_empty, "(tool calling) is not supported yet; leave it out or send an empty list"),
-    "tool_choice": (_one_of("none", "auto"), "is not supported yet (tool calling); leave it out"),
-    "functions": (_empty, "(function calling) is not supported yet"),
-    "function_call": (_one_of("none", "auto"), "(function calling) is not supported yet"),
+    "functions": (_empty, "(legacy function calling) is not supported; use 'tools'"),
+    "function_call": (_one_of("none", "auto"), "(legacy function calling) is not supported; use 'tool_choice'"),
     "modalities": (lambda v: v is None or v == ["text"], "must be [\"text\"]: only text output is supported"),
     "audio": (_empty, "(audio output) is not supported"),
     "reasoning_effort": (_empty, "is not supported yet: the chat template is rendered with its own default"),
@@ -361,9 +360,8 @@ def chat_completion(body: dict, max_tokens: int) -> Generation:
             content = ""
         elif not isinstance(content, str):
             raise bad(name + ".content", "must be a string or a list of text parts")
-        if not _empty(m.get("tool_calls")) or not _empty(m.get("function_call")):
-            key = "tool_calls" if not _empty(m.get("tool_calls")) else "function_call"
-            raise bad(f"{name}.{key}", "(an assistant's tool calls in the history) is not supported yet")
+        if not _empty(m.get("function_call")):
+            raise bad(f"{name}.function_call", "(legacy function calling) is not supported; use 'tool_calls'")
         msg = {"role": role, "content": content}
         for key in ("name", "tool_call_id"):          # (for the chat template, which may render them)
             extra = mf.text(key)
@@ -373,4 +371,12 @@ def chat_completion(body: dict, max_tokens: int) -> Generation:
     n_probs = 0
     if f.flag("logprobs", False):
         n_probs = max(1, f.integer("top_logprobs", 1, lo=0, hi=20))
-    return Generation(messages=out, n_probs=n_probs, **_openai_common(f, max_tokens))
+    from . import tools as tool_calls
+    offered = tool_calls.parse(body)
+    common = _openai_common(f, max_tokens)
+    if offered is not None and offered.choice != "auto":
+        if common["grammar"] is not None:
+            raise bad("tool_choice", f"cannot be combined with '{common['grammar'][2]}': one output constraint a "
+                                     "request")
+        common["grammar"] = ("lark", tool_calls.lark_grammar(offered), "tool_choice")
+    return Generation(messages=tool_calls.history(out, msgs), n_probs=n_probs, tools=offered, **common)

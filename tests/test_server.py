@@ -245,8 +245,7 @@ def test_prefix_cache_over_http(batch_server, ref, tiny_model):
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages[0].content"),
     ("/v1/chat/completions", {"messages": [{"content": "x"}]}, "messages[0].role"),
     # fields that change a request's meaning and are not supported: a 400 naming them, never dropped
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                              "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": "f"}, "tools"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
      "tool_choice"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 10}},
@@ -255,7 +254,10 @@ def test_prefix_cache_over_http(batch_server, ref, tiny_model):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "high"},
      "reasoning_effort"),
     ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[0].tool_calls"),
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{x"}}]}]},
+     "messages[0].tool_calls[0].function.arguments"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]},
+     "functions"),
     ("/v1/completions", {"prompt": "hi", "echo": True}, "echo"),
     ("/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of"),
     ("/v1/completions", {"prompt": "hi", "suffix": "end"}, "suffix"),
@@ -301,7 +303,8 @@ def test_openai_client(batch_server):
         "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
     two = client.chat.completions.create(model="x", messages=msgs, max_tokens=5, temperature=0.9, seed=3, n=2)
     assert [c.index for c in two.choices] == [0, 1] and two.usage.completion_tokens == 10
-    for kw, param in ((dict(tools=[tool]), "tools"), (dict(n=17), "n"),
+    for kw, param in ((dict(tools=[tool], tool_choice={"type": "function", "function": {"name": "other"}}),
+                       "tool_choice"), (dict(n=17), "n"),
                       (dict(tool_choice={"type": "function", "function": {"name": "get_weather"}}), "tool_choice")):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model="x", messages=msgs, max_tokens=4, **kw)

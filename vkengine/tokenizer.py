@@ -74,7 +74,8 @@ class Tokenizer:
     def token_text(self, i: int) -> str:
         return self.hf.id_to_token(i) or ""
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
+        """The chat template rendered (extra: more template variables, e.g. tools)."""
         if not self.chat_template:
             raise VkEngineError("this model has no chat template (tokenizer.chat_template); use a raw prompt")
         from jinja2 import TemplateError
@@ -90,7 +91,7 @@ class Tokenizer:
             return tmpl.render(
                 messages=messages, add_generation_prompt=add_generation_prompt,
                 bos_token=self.token_text(self.bos_id) if self.bos_id is not None else "",
-                eos_token=self.token_text(self.eos_id) if self.eos_id is not None else "")
+                eos_token=self.token_text(self.eos_id) if self.eos_id is not None else "", **extra)
         except TemplateError as e:
             raise VkEngineError(f"chat template failed to render: {e}") from e
 

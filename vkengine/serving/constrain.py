@@ -60,8 +60,8 @@ class Grammar:
 
 
 def compile_grammar(tok, kind: str, spec: Any, source: str) -> Grammar:
-    """kind: "json_schema" (spec a schema object), "json" (any JSON object), or
-    "gbnf" (spec llama.cpp GBNF text). A grammar that does not compile against
+    """kind: "json_schema" (spec a schema object), "json" (any JSON object),
+    "gbnf" (spec llama.cpp GBNF text) or "lark" (llguidance's Lark). A grammar that does not compile against
     the model's vocabulary raises VkEngineError naming `source`."""
     llg = _llg()
     try:
@@ -73,6 +73,8 @@ def compile_grammar(tok, kind: str, spec: Any, source: str) -> Grammar:
             text = llg.grammar_from("json_schema", json.dumps(schema))
         elif kind == "gbnf":
             text = llg.grammar_from("gbnf", spec)
+        elif kind == "lark":
+            text = llg.grammar_from("lark", spec)
         else:
             raise VkEngineError(f"internal: grammar kind {kind!r}")
         m = llg.LLMatcher(ll_tokenizer(tok), text)
