@@ -167,3 +167,26 @@ def test_bad_tools_are_400(plain, body, field):
     import httpx
     r = httpx.post(plain.url + "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 4, **body})
     assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+@pytest.mark.slow
+def test_embedded_smollm2_named_call_and_schema(serve):
+    """The embedded SmolLM2-135M-Instruct (real weights): a named tool_choice gives a call whose arguments
+    validate, and a json_schema reply validates."""
+    srv = serve("--parallel", "2", "--max-tokens", "96", model=None)
+    client = _client(srv)
+    r = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "What is the weather "
+                                                             "like in Paris?"}], tools=TOOLS, max_tokens=60,
+                                       temperature=0, tool_choice={"type": "function",
+                                                                   "function": {"name": "get_weather"}})
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and calls[0].function.name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].function.arguments), SCHEMA["get_weather"])
+    schema = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 20},
+                                               "population_millions": {"type": "integer", "minimum": 0,
+                                                                       "maximum": 100}},
+              "required": ["capital", "population_millions"], "additionalProperties": False}
+    r = client.chat.completions.create(
+        model="x", messages=[{"role": "user", "content": "The capital of France, as JSON."}], max_tokens=60,
+        temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
