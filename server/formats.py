@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from .tools import BLOCK, OPEN, extract
 from .worker import Event, Job
 
 
@@ -158,7 +159,6 @@ class OpenAIChat(Format):
     def _streamable(self) -> str:
         """(tools) The reply's text that may be streamed now: everything before a
         tool call, less a tail that may be the start of one."""
-        from .tools import OPEN
         full = self.r.text
         if self._calling:
             return ""
@@ -179,7 +179,6 @@ class OpenAIChat(Format):
         return out
 
     def _tool_event(self, ev: Event) -> list[dict]:
-        from .tools import _BLOCK, extract
         lp = self._logprobs([ev] if ev.top else [])
         out = []
         text = self._streamable()
@@ -190,7 +189,7 @@ class OpenAIChat(Format):
         content, calls = extract(self.r.text, self.tools)
         rest = self.r.text[self._sent:]
         if calls:
-            rest = _BLOCK.sub("", rest).strip()
+            rest = BLOCK.sub("", rest).strip()
             rest = "" if rest.startswith(("{", "<|python_tag|>")) else rest
         if rest:
             out.append(self._chunk({"content": rest}, None))
@@ -236,7 +235,6 @@ class OpenAIChat(Format):
         message: dict[str, Any] = {"role": "assistant", "content": r.text}
         finish = finish_reason(r.finish)
         if self.tools is not None:
-            from .tools import extract
             content, calls = extract(r.text, self.tools)
             if calls:
                 message, finish = {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"

@@ -161,14 +161,14 @@ def lark_grammar(tools: Tools) -> str:
     return (f'start: call{many}\ncall: "{OPEN}\\n" obj "\\n{CLOSE}"\nobj: %json {json.dumps(schema)}\n')
 
 
-_BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
+BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
 
 
 def extract(text: str, tools: Tools) -> tuple[str | None, list[dict]]:
     """(content, tool_calls) of a reply: Hermes-style blocks naming one of the
     tools, or Llama 3.x's JSON form. Unparsable blocks stay in the content."""
     calls, kept, pos = [], [], 0
-    for mt in _BLOCK.finditer(text):
+    for mt in BLOCK.finditer(text):
         call = _call(mt.group(1), tools)
         if call is None:
             continue
