@@ -162,6 +162,7 @@ class Generation:
     n: int = 1                                     # choices (OpenAI's n), each its own sampler stream
     grammar: tuple[str, object, str] | None = None  # (kind, spec, field): constrained output (constrain.py)
     tools: object = None                           # server/tools.py Tools: the functions offered (chat)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias; -inf: never)
 
 
 def _sampling(f: Fields) -> SamplingParams:
@@ -192,7 +193,6 @@ def _one_of(*noop):
 # Fields whose meaning we do not implement yet, with the test of their no-op value and what to say.
 # llama-server's sampler extras are refused on every route, as llama-server reads them on all of them.
 _LLAMA_REFUSED = {
-    "logit_bias": (_empty, "is not supported yet"),
     "mirostat": (_one_of(0), "(mirostat sampling) is not supported; send 0 or leave it out"),
     "typical_p": (_one_of(1, 1.0), "(locally typical sampling) is not supported; send 1 or leave it out"),
     "tfs_z": (_one_of(1, 1.0), "(tail-free sampling) is not supported; send 1 or leave it out"),
@@ -216,9 +216,7 @@ _LLAMA_REFUSED = {
     "presence_penalty": (_one_of(0, 0.0), "is not supported (use repeat_penalty); send 0 or leave it out"),
     "frequency_penalty": (_one_of(0, 0.0), "is not supported (use repeat_penalty); send 0 or leave it out"),
 }
-_OPENAI_REFUSED = {
-    "logit_bias": (_empty, "is not supported yet"),
-}
+_OPENAI_REFUSED: dict = {}
 MAX_CHOICES = 16     # n: choices of one request
 _CHAT_REFUSED = {
     "functions": (_empty, "(legacy function calling) is not supported; use 'tools'"),
@@ -242,6 +240,35 @@ def _refuse(f: Fields, route: str) -> None:
         v = f.body.get(name)
         if not noop(v):
             raise bad(name, why)
+
+
+def _logit_bias(f: Fields) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias in [-100, 100]} or llama-server's [[id, bias or false], ...]
+    (false: never generated); ids as integers or their decimal strings."""
+    v = f.body.get("logit_bias")
+    if _empty(v):
+        return ()
+    pairs = list(v.items()) if isinstance(v, dict) else v
+    if not isinstance(pairs, list):
+        raise bad("logit_bias", "must be an object {token id: bias} or a list of [token id, bias] pairs")
+    out: dict[int, float] = {}
+    for p in pairs:
+        if not (isinstance(p, (list, tuple)) and len(p) == 2):
+            raise bad("logit_bias", "must be an object {token id: bias} or a list of [token id, bias] pairs")
+        k, b = p
+        if isinstance(k, str) and k.strip().lstrip("-").isdigit():
+            k = int(k)
+        if isinstance(k, bool) or not isinstance(k, int):
+            raise bad("logit_bias", f"keys must be token ids (integers), got {json.dumps(k)}")
+        if b is False:
+            out[k] = -math.inf
+        elif isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or abs(b) > 100:
+            raise bad("logit_bias", f"values must be numbers from -100 to 100 (or false), got {json.dumps(b)}")
+        else:
+            out[k] = float(b)
+    if len(out) > 1024:
+        raise bad("logit_bias", f"takes at most 1024 tokens, got {len(out)}")
+    return tuple(out.items())
 
 
 def _grammar(f: Fields, openai: bool) -> tuple[str, object, str] | None:
@@ -303,7 +330,7 @@ def completion(body: dict, n_vocab: int, max_tokens: int) -> Generation:
         n_probs=f.integer("n_probs", 0, lo=0, hi=20), ignore_eos=f.flag("ignore_eos", False),
         cache_prompt=f.flag("cache_prompt", True), truncate=f.flag("truncate", False),
         n_keep=f.integer("n_keep", 0, lo=-1), return_tokens=f.flag("return_tokens", False),
-        grammar=_grammar(f, openai=False))
+        grammar=_grammar(f, openai=False), logit_bias=_logit_bias(f))
 
 
 def _stream_options(f: Fields) -> bool:
@@ -321,6 +348,7 @@ def _openai_common(f: Fields, max_tokens: int) -> dict:
         mt = _limit(f, "max_completion_tokens", max_tokens, False)
     return dict(max_tokens=mt, sampling=_sampling(f), stop=f.stop(), stream=f.flag("stream", False),
                 n=f.integer("n", 1, lo=1, hi=MAX_CHOICES), grammar=_grammar(f, openai=True),
+                logit_bias=_logit_bias(f),
                 include_usage=_stream_options(f), ignore_eos=f.flag("ignore_eos", False),
                 cache_prompt=f.flag("cache_prompt", True), truncate=f.flag("truncate", False),
                 n_keep=f.integer("n_keep", 0, lo=-1))

@@ -248,8 +248,6 @@ def test_prefix_cache_over_http(batch_server, ref, tiny_model):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": "f"}, "tools"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
      "tool_choice"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 10}},
-     "logit_bias"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "high"},
      "reasoning_effort"),
@@ -263,8 +261,11 @@ def test_prefix_cache_over_http(batch_server, ref, tiny_model):
     ("/v1/completions", {"prompt": "hi", "suffix": "end"}, "suffix"),
     ("/completion", {"prompt": "hi", "mirostat": 2}, "mirostat"),
     ("/completion", {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
-    ("/completion", {"prompt": "hi", "logit_bias": [[15, False]]}, "logit_bias"),
     ("/completion", {"prompt": "hi", "samplers": ["top_k"]}, "samplers"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"x": 1}},
+     "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 500}}, "logit_bias"),
+    ("/completion", {"prompt": "hi", "logit_bias": [[5]]}, "logit_bias"),
     ("/tokenize", {"content": 5}, "content"),
     ("/detokenize", {"tokens": ["a"]}, "tokens"),
 ])
@@ -343,6 +344,20 @@ def test_n_choices_share_one_prefill(batch_server):
         for c in e["choices"]:
             got[c["index"]] += c["text"]
     assert got == texts
+
+
+def test_logit_bias(batch_server):
+    """A banned token (-100, or llama-server's false) never comes; a +100 one always does."""
+    url = batch_server.url
+    base = {"prompt": "Once upon a time", "n_predict": 8, "temperature": 0, "return_tokens": True}
+    toks = complete(url, False, **base)[0]
+    banned = complete(url, False, **base, logit_bias=[[toks[0], False], [toks[1], False]])[0]
+    assert toks[0] not in banned and toks[1] not in banned
+    r = httpx.post(url + "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 5, "temperature": 0.9,
+                                                  "seed": 2, "logit_bias": {"1234": 100}}, timeout=60).json()
+    assert r["choices"][0]["text"] == httpx.post(url + "/detokenize", json={"tokens": [1234] * 5}).json()["content"]
+    r = httpx.post(url + "/completion", json={**base, "logit_bias": [[10 ** 6, 1]]}, timeout=60)
+    assert r.status_code == 400 and "logit_bias" in r.json()["error"]["message"]
 
 
 def test_api_doc_lists_every_refused_field():

@@ -45,6 +45,7 @@ class GenRequest:
     suppress: frozenset[int] = frozenset()   # tokens never generated (a -inf logit bias, as llama.cpp's ignore_eos)
     logits: bool = False                  # each event carries the logits row its token was chosen from
     grammar: Any = None                   # constrain.Grammar: its tokens held to it (masked on the host)
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token, added to its logit; -inf: never), on the host
 
 
 @dataclass
@@ -82,7 +83,7 @@ class Job:
         """Its rows read their logits back (the host samples, masks or reports them)."""
         r = self.req
         return not self.on_device and (r.sampling.needs_logits or r.n_probs > 0 or bool(r.suppress) or r.logits
-                                       or r.grammar is not None)
+                                       or r.grammar is not None or bool(r.logit_bias))
 
     def sampling_row(self) -> tuple[float, int, float, float, float]:
         """Its output row's sampling params for Engine.submit(sampling=...): a
@@ -215,6 +216,8 @@ class Runner:
                                 "(use a shorter prompt or a larger --ctx)")
         if any(not 0 <= t < self.eng.n_vocab for t in req.suppress):
             raise VkEngineError(f"suppressed token ids must be in 0..{self.eng.n_vocab - 1}")
+        if any(not 0 <= t < self.eng.n_vocab for t, _ in req.logit_bias):
+            raise VkEngineError(f"'logit_bias' token ids must be in 0..{self.eng.n_vocab - 1}")
         out = OutputStream(self.eng.model.tokenizer, req.max_tokens, req.stop, req.ignore_eos)
         job = Job(req, emit, Seq(prompt, use_cache=req.use_cache), Sampler(req.sampling), out)
         if req.grammar is not None:
@@ -222,7 +225,8 @@ class Runner:
             job.constraint = Constraint(self.eng.model.tokenizer, req.grammar)
         # drawn on the device, where steps chain (not where the host must see the logits)
         job.on_device = (self.device_sampling and req.sampling.drawn_on_device(Kernels.SAMPLE_K)
-                         and req.n_probs == 0 and not req.suppress and not req.logits and req.grammar is None)
+                         and req.n_probs == 0 and not req.suppress and not req.logits and req.grammar is None
+                         and not req.logit_bias)
         job.seq.data = job
         return job
 
@@ -437,6 +441,10 @@ class Runner:
             req = job.req
             if req.logits:
                 ev.logits = r
+            if req.logit_bias:
+                r = r.copy()
+                for t, b in req.logit_bias:
+                    r[t] += b
             if job.constraint is not None:
                 masked = job.constraint.apply(r)
                 if masked is None or (req.suppress and np.isinf(np.delete(masked, list(req.suppress))).all()):
@@ -448,6 +456,10 @@ class Runner:
             if req.suppress:
                 r = r.copy()
                 r[list(req.suppress)] = -np.inf
+            if (req.logit_bias or req.suppress) and not np.isfinite(r).any():
+                self.sched.finish(seq)                  # every token banned: nothing may come next
+                self._end(job, "stop", "")
+                return
             tok = job.sampler(r, seq.tokens) if req.sampling.needs_logits else int(np.argmax(r))
             if job.constraint is not None and not job.constraint.take(tok):
                 self.sched.finish(seq)
