@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import VkEngineError
+
 
 @dataclass(frozen=True)
 class Yarn:
@@ -21,6 +23,19 @@ class Yarn:
     attn_factor: float = 0.0    # 0: 0.1 ln(factor) + 1
     truncate: bool = True       # the correction range rounded out to whole pairs (ggml; transformers' default);
                                 # gpt-oss's Hugging Face config sets truncate false (its exact range)
+
+    @classmethod
+    def from_hf(cls, rs: dict, config: dict) -> Yarn:
+        """transformers' rope_scaling of type yarn; the original context from it,
+        else from the config (original_max_position_embeddings, gpt-oss's
+        initial_context_length), else max_position_embeddings / factor."""
+        if rs.get("mscale") not in (None, 1, 1.0) or rs.get("mscale_all_dim") not in (None, 0, 0.0):
+            raise VkEngineError(f"rope_scaling {rs}: YaRN with mscale or mscale_all_dim is not supported")
+        factor = float(rs["factor"])
+        orig = int(rs.get("original_max_position_embeddings") or config.get("original_max_position_embeddings")
+                   or config.get("initial_context_length") or int(config["max_position_embeddings"]) / factor)
+        return cls(factor, orig, float(rs.get("beta_fast") or 32.0), float(rs.get("beta_slow") or 1.0),
+                   float(rs.get("attention_factor") or 0.0), truncate=rs.get("truncate", True) is not False)
 
     def mscale(self) -> float:
         if self.attn_factor:

@@ -97,6 +97,17 @@ def swa_pattern(n_layer: int, period: int) -> tuple[bool, ...]:
     return tuple(period == 0 or i % period < period - 1 for i in range(n_layer))
 
 
+def hf_layer_kinds(c: dict, n_layer: int, period: int) -> tuple[bool, ...]:
+    """Which layers slide, from a transformers config: its layer_types
+    ("sliding_attention" / "full_attention"), else llama.cpp's pattern of `period`."""
+    if not c.get("layer_types"):
+        return swa_pattern(n_layer, period)
+    swa = tuple(t == "sliding_attention" for t in c["layer_types"])
+    if len(swa) != n_layer:
+        raise VkEngineError(f"layer_types lists {len(swa)} layers for {n_layer}")
+    return swa
+
+
 def _hf_args(mf: SafetensorsFolder, arch: str) -> GemmaArgs:
     c = mf.config.get("text_config") or mf.config    # (a multimodal folder: its text model's config)
     n_head = int(c["num_attention_heads"])
@@ -106,12 +117,7 @@ def _hf_args(mf: SafetensorsFolder, arch: str) -> GemmaArgs:
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise VkEngineError(f"hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
     window = int(c.get("sliding_window") or 0)
-    if c.get("layer_types"):
-        swa = tuple(t == "sliding_attention" for t in c["layer_types"])
-        if len(swa) != n_layer:
-            raise VkEngineError(f"layer_types lists {len(swa)} layers for {n_layer}")
-    else:
-        swa = swa_pattern(n_layer, 2 if arch == "gemma2" else int(c.get("sliding_window_pattern") or 6))
+    swa = hf_layer_kinds(c, n_layer, 2 if arch == "gemma2" else int(c.get("sliding_window_pattern") or 6))
     base = float(c.get("rope_theta", 10000.0 if arch == "gemma2" else 1e6))
     base_swa = float(c.get("rope_local_base_freq", 10000.0)) if arch == "gemma3" else base
     scaling = c.get("rope_scaling")

@@ -43,7 +43,7 @@ from ..kernels import Matrix, Region
 from ..quant import mxfp4_from_hf
 from ..rope import Yarn, rope_table
 from .base import Architecture, SlidingWindowArgs
-from .gemma3 import swa_pattern
+from .gemma3 import hf_layer_kinds, swa_pattern
 from .loader import WeightPlanner, expert_raw, gate_up_experts
 
 SWIGLU_OAI = (1.702, 7.0)   # (alpha, limit): llama.cpp's openai-moe.cpp constants
@@ -134,24 +134,11 @@ def _hf_args(mf: SafetensorsFolder) -> GptOssArgs:
     kind = rs.get("rope_type", rs.get("type", "default")) if rs else "default"
     yarn = None
     if kind == "yarn":
-        if rs.get("mscale") not in (None, 1, 1.0) or rs.get("mscale_all_dim") not in (None, 0, 0.0):
-            raise VkEngineError(f"rope_scaling {rs}: YaRN with mscale or mscale_all_dim is not supported")
-        factor = float(rs["factor"])
-        yarn = Yarn(factor, int(rs.get("original_max_position_embeddings") or c.get("initial_context_length")
-                                or int(c["max_position_embeddings"]) / factor),
-                    float(rs.get("beta_fast") or 32.0), float(rs.get("beta_slow") or 1.0),
-                    float(rs.get("attention_factor") or 0.0), truncate=rs.get("truncate", True) is not False)
+        yarn = Yarn.from_hf(rs, c)
     elif kind != "default":
         raise VkEngineError(f"rope_scaling {rs} is not supported for gpt-oss (yarn)")
     window = int(c.get("sliding_window") or 0)
-    if c.get("layer_types"):
-        swa = tuple(t == "sliding_attention" for t in c["layer_types"])
-        if len(swa) != n_layer:
-            raise VkEngineError(f"layer_types lists {len(swa)} layers for {n_layer}")
-    else:
-        swa = swa_pattern(n_layer, 2)
-    if not window:
-        swa = (False,) * n_layer
+    swa = hf_layer_kinds(c, n_layer, 2) if window else (False,) * n_layer
     n_exp = int(c["num_local_experts"])
     k = int(c.get("num_experts_per_tok") or c.get("experts_per_token") or 0)
     if not 0 < k <= min(n_exp, 16):

@@ -128,16 +128,9 @@ class LlamaArgs(ModelArgs):
                                 rope_short=tuple(float(x) for x in rs["short_factor"]), rope_orig_ctx=orig,
                                 rope_attn_factor=attn)
             elif rtype == "yarn":
-                if rs.get("mscale") not in (None, 1, 1.0) or rs.get("mscale_all_dim") not in (None, 0, 0.0):
-                    raise VkEngineError(f"rope_scaling {rs}: YaRN with mscale or mscale_all_dim is not supported")
-                factor = float(rs["factor"])
-                orig = int(rs.get("original_max_position_embeddings") or c.get("original_max_position_embeddings")
-                           or int(c["max_position_embeddings"]) / factor)
-                longrope = dict(yarn=Yarn(factor, orig, float(rs.get("beta_fast") or 32.0),
-                                          float(rs.get("beta_slow") or 1.0),
-                                          float(rs.get("attention_factor") or 0.0),
-                                          truncate=rs.get("truncate", True) is not False))
-                scale = 1.0 / factor
+                hf_yarn = Yarn.from_hf(rs, c)
+                longrope = dict(yarn=hf_yarn)
+                scale = 1.0 / hf_yarn.factor
             elif rs:
                 if rtype != "linear":
                     raise VkEngineError(f"rope_scaling {rs} is not supported (linear, longrope, yarn)")
