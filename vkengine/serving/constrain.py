@@ -84,15 +84,20 @@ def compile_grammar(tok, kind: str, spec: Any, source: str) -> Grammar:
         raise VkEngineError(f"'{source}' does not compile: {e}") from None
     if m.get_error():
         raise VkEngineError(f"'{source}' does not compile: {m.get_error()}")
-    words = np.zeros((m_vocab(tok) + 31) // 32, np.int32)
-    m.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
-    if not words.any():
+    if not _mask(m, _words(ll_tokenizer(tok))).any():
         raise VkEngineError(f"'{source}' admits no output at all")
     return Grammar(text, source)
 
 
-def m_vocab(tok) -> int:
-    return int(ll_tokenizer(tok).vocab_size)
+def _words(llt) -> np.ndarray:
+    """A token bitmask's words (bit t of word t // 32: token t allowed)."""
+    return np.zeros((llt.vocab_size + 31) // 32, np.int32)
+
+
+def _mask(m, words: np.ndarray) -> np.ndarray:
+    """The matcher's mask for its next token, into words."""
+    m.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+    return words
 
 
 class Constraint:
@@ -103,19 +108,16 @@ class Constraint:
         self.llt = ll_tokenizer(tok)
         self.m = llg.LLMatcher(self.llt, grammar.text)
         self.source = grammar.source
-        self.words = np.zeros((self.llt.vocab_size + 31) // 32, np.int32)
+        self.words = _words(self.llt)
 
-    def apply(self, logits: np.ndarray) -> np.ndarray | None:
+    def apply(self, logits: np.ndarray) -> np.ndarray:
         """A copy of the logits row with every token the grammar forbids at -inf
-        (None: it allows none, a dead end)."""
-        self.m.unsafe_compute_mask_ptr(self.words.ctypes.data, self.words.nbytes)
-        if not self.words.any():
-            return None
-        allowed = np.unpackbits(self.words.view(np.uint8), bitorder="little")[: logits.shape[-1]].astype(bool)
+        (all of them at a dead end)."""
+        words = _mask(self.m, self.words)
+        allowed = np.unpackbits(words.view(np.uint8), bitorder="little")[: logits.shape[-1]].astype(bool)
         if allowed.size < logits.shape[-1]:          # (rows past the tokenizer's vocabulary: never allowed)
             allowed = np.concatenate([allowed, np.zeros(logits.shape[-1] - allowed.size, bool)])
-        out = np.where(allowed, logits, np.float32(-np.inf)).astype(logits.dtype, copy=False)
-        return out
+        return np.where(allowed, logits, np.float32(-np.inf)).astype(logits.dtype, copy=False)
 
     def take(self, token: int) -> bool:
         """Advance by the chosen token (False: the grammar refused it)."""

@@ -47,6 +47,13 @@ class GenRequest:
     grammar: Any = None                   # constrain.Grammar: its tokens held to it (masked on the host)
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token, added to its logit; -inf: never), on the host
 
+    @property
+    def host_logits(self) -> bool:
+        """The host must see its logits rows whatever its sampling (to report,
+        bias, mask or return them)."""
+        return self.n_probs > 0 or bool(self.suppress) or self.logits or self.grammar is not None \
+            or bool(self.logit_bias)
+
 
 @dataclass
 class Event:
@@ -82,8 +89,7 @@ class Job:
     def needs_logits(self) -> bool:
         """Its rows read their logits back (the host samples, masks or reports them)."""
         r = self.req
-        return not self.on_device and (r.sampling.needs_logits or r.n_probs > 0 or bool(r.suppress) or r.logits
-                                       or r.grammar is not None or bool(r.logit_bias))
+        return not self.on_device and (r.sampling.needs_logits or r.host_logits)
 
     def sampling_row(self) -> tuple[float, int, float, float, float]:
         """Its output row's sampling params for Engine.submit(sampling=...): a
@@ -225,8 +231,7 @@ class Runner:
             job.constraint = Constraint(self.eng.model.tokenizer, req.grammar)
         # drawn on the device, where steps chain (not where the host must see the logits)
         job.on_device = (self.device_sampling and req.sampling.drawn_on_device(Kernels.SAMPLE_K)
-                         and req.n_probs == 0 and not req.suppress and not req.logits and req.grammar is None
-                         and not req.logit_bias)
+                         and not req.host_logits)
         job.seq.data = job
         return job
 
@@ -446,18 +451,13 @@ class Runner:
                 for t, b in req.logit_bias:
                     r[t] += b
             if job.constraint is not None:
-                masked = job.constraint.apply(r)
-                if masked is None or (req.suppress and np.isinf(np.delete(masked, list(req.suppress))).all()):
-                    # nothing the grammar allows may come next (with ignore_eos: nothing but an end)
-                    self.sched.finish(seq)
-                    self._end(job, "stop", "")
-                    return
-                r = masked
+                r = job.constraint.apply(r)
             if req.suppress:
                 r = r.copy()
                 r[list(req.suppress)] = -np.inf
-            if (req.logit_bias or req.suppress) and not np.isfinite(r).any():
-                self.sched.finish(seq)                  # every token banned: nothing may come next
+            if (req.logit_bias or req.suppress or job.constraint is not None) and not np.isfinite(r).any():
+                # every token banned or outside the grammar (with ignore_eos: all but an end): nothing may follow
+                self.sched.finish(seq)
                 self._end(job, "stop", "")
                 return
             tok = job.sampler(r, seq.tokens) if req.sampling.needs_logits else int(np.argmax(r))
