@@ -190,18 +190,27 @@ async def generate(request: Request, st: ServerState, gen: Generation, kind: str
     fmt = cls(reply, lambda t: tok.decode([t]), gen.stream, gen.return_tokens, gen.include_usage)
     if isinstance(fmt, OpenAIChat):
         fmt.tools = gen.tools
-    objs = _events(q, reply, fmt)
 
-    if gen.stream:
+    def cancel() -> None:
+        if reply.finish is None:
+            st.worker.cancel(job)
+    return await _respond(request, _events(q, reply, fmt), gen.stream, kind != "llama", cancel)
+
+
+async def _respond(request: Request, objs, stream: bool, done_marker: bool, cancel) -> Response:
+    """A generation's JSON objects as an SSE stream (ending with `data: [DONE]`
+    on OpenAI's routes), or its last object as the response; cancel() stops
+    what still runs when the client goes away. An object with an "error" is
+    the failure's response."""
+    if stream:
         async def chunks():
             try:
                 async for obj in objs:
                     yield sse(obj)
-                if kind != "llama":
+                if done_marker:
                     yield sse("[DONE]")
             finally:
-                if reply.finish is None:
-                    st.worker.cancel(job)
+                cancel()
         return SSEResponse(chunks())
 
     async def collect():
@@ -214,12 +223,12 @@ async def generate(request: Request, st: ServerState, gen: Generation, kind: str
         watch.cancel()
         if not task.done():                        # the client went away
             task.cancel()
-            st.worker.cancel(job)
+            cancel()
     if not task.done() or task.cancelled():
         return Response(status_code=499)
     out = task.result()
-    if reply.failed:
-        return JSONResponse(reply.error_body(), status_code=reply.error_body()["error"]["code"])
+    if "error" in out[-1]:
+        return JSONResponse(out[-1], status_code=out[-1]["error"]["code"])
     return JSONResponse(out[-1])
 
 
@@ -298,33 +307,7 @@ async def generate_n(request: Request, st: ServerState, gen: Generation, kind: s
         whole = finals[0][0]
         yield {**whole, "choices": [c for fin in finals for c in fin[0]["choices"]], "usage": usage()}
 
-    if gen.stream:
-        async def chunks():
-            try:
-                async for obj in objs():
-                    yield sse(obj)
-                yield sse("[DONE]")
-            finally:
-                cancel_all()
-        return SSEResponse(chunks())
-
-    async def collect():
-        return [obj async for obj in objs()]
-    task = asyncio.ensure_future(collect())
-    watch = asyncio.ensure_future(wait_disconnect(request.receive))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():                        # the client went away
-            task.cancel()
-            cancel_all()
-    if not task.done() or task.cancelled():
-        return Response(status_code=499)
-    out = task.result()
-    if "error" in out[-1]:
-        return JSONResponse(out[-1], status_code=out[-1]["error"]["code"])
-    return JSONResponse(out[-1])
+    return await _respond(request, objs(), gen.stream, True, cancel_all)
 
 
 # -- routes --------------------------------------------------------------------
