@@ -28,7 +28,12 @@ from vkengine.tools.synth.llama import SynthConfig, config_for, synth_llama
 from .ref_gemma import RefGemma
 from .test_gguf_qwen35 import assert_tensors
 from .test_models import GPU_DECODE, PROMPT, _assert_logits_close, _batched_and_alone, _prefill_logits
-from .test_models_llama_family import _engine, assert_llama_server_agrees, assert_served_in_batches
+from .test_models_llama_family import (
+    _engine,
+    assert_hf_variant_refused,
+    assert_llama_server_agrees,
+    assert_served_in_batches,
+)
 
 ARCHES = ["gemma2", "gemma3"]
 CONFIGS = {"gemma2": SynthConfig(n_embd=64, n_layer=3, n_head=4, n_head_kv=2, n_ff=160, n_ctx=256, arch="gemma2",
@@ -312,24 +317,9 @@ def test_served_in_batches(models, arch, tmp_path):
 def test_unsupported_variants_are_refused(models, tmp_path):
     """A Gemma checkpoint with projection biases, another activation, or RoPE
     scaling of other kinds is a clear error, not a silent difference."""
-    import json
-    import shutil
-
-    from safetensors.numpy import load_file, save_file
-
-    from vkengine.errors import VkEngineError
-    folder = tmp_path / "bias"
-    shutil.copytree(models[("gemma3", "q8_0")]["hf"], folder)
-    tensors = load_file(str(folder / "model.safetensors"))
-    tensors["model.layers.0.self_attn.q_proj.bias"] = np.zeros(512, np.float32)
-    save_file(tensors, str(folder / "model.safetensors"))
-    with pytest.raises(VkEngineError, match="attn_q.bias"):
-        load_model(folder)
+    src = models[("gemma3", "q8_0")]["hf"]
+    assert_hf_variant_refused(src, tmp_path / "bias", "attn_q.bias",
+                              tensors={"model.layers.0.self_attn.q_proj.bias": np.zeros(512, np.float32)})
     for change, match in (({"hidden_activation": "silu"}, "hidden_activation"),
                           ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling")):
-        folder = tmp_path / next(iter(change))
-        shutil.copytree(models[("gemma3", "q8_0")]["hf"], folder)
-        cfg = json.loads((folder / "config.json").read_text())
-        (folder / "config.json").write_text(json.dumps({**cfg, **change}))
-        with pytest.raises(VkEngineError, match=match):
-            load_model(folder)
+        assert_hf_variant_refused(src, tmp_path / next(iter(change)), match, config=change)

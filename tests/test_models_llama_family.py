@@ -263,34 +263,42 @@ def test_unsupported_variants_are_refused(device, models, tmp_path):
     difference: --fixed-experts (qwen35moe's parity mode), a Qwen3-MoE config
     without top-k renormalization or with dense layers, a Qwen2 config with
     sliding-window attention on, a bias the graph would not add (o_proj's)."""
-    import json
-    import shutil
-
     from vkengine.errors import VkEngineError
     m = load_model(models[("qwen3moe", "q8_0")]["gguf"])
     fixed = dataclasses.replace(m, args=dataclasses.replace(m.args, fixed_experts=True))
     with pytest.raises(VkEngineError, match="fixed-experts"):
         Engine(fixed, device, EngineConfig(n_slots=1, n_ctx=64, max_batch=16, max_out=16))
-    from safetensors.numpy import load_file, save_file
-    folder = tmp_path / "o-bias"
-    shutil.copytree(models[("qwen2", "q8_0")]["hf"], folder)
-    tensors = load_file(str(folder / "model.safetensors"))
-    tensors["model.layers.0.self_attn.o_proj.bias"] = np.zeros(64, np.float32)
-    save_file(tensors, str(folder / "model.safetensors"))
-    with pytest.raises(VkEngineError, match="attn_output.bias"):
-        load_model(folder)
+    assert_hf_variant_refused(models[("qwen2", "q8_0")]["hf"], tmp_path / "o-bias", "attn_output.bias",
+                              tensors={"model.layers.0.self_attn.o_proj.bias": np.zeros(64, np.float32)})
     for arch, change, match in (("qwen3moe", {"norm_topk_prob": False}, "norm_topk_prob"),
                                 ("qwen3moe", {"mlp_only_layers": [1]}, "dense FFN layers"),
                                 ("qwen2", {"use_sliding_window": True}, "sliding-window")):
-        folder = tmp_path / f"{arch}-{next(iter(change))}"
-        shutil.copytree(models[(arch, "q8_0")]["hf"], folder)
-        cfg = json.loads((folder / "config.json").read_text())
-        (folder / "config.json").write_text(json.dumps({**cfg, **change}))
-        with pytest.raises(VkEngineError, match=match):
-            load_model(folder)
+        assert_hf_variant_refused(models[(arch, "q8_0")]["hf"], tmp_path / f"{arch}-{next(iter(change))}", match,
+                                  config=change)
 
 
 # -- checks the architectures' test files share ------------------------------------------
+
+def assert_hf_variant_refused(src, folder, match: str, config: dict | None = None,
+                              tensors: dict | None = None) -> None:
+    """A copy of the HF folder src with config keys changed and tensors added
+    fails to load with an error matching `match`."""
+    import json
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from vkengine.errors import VkEngineError
+    shutil.copytree(src, folder)
+    if config:
+        cfg = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**cfg, **config}))
+    if tensors:
+        st = load_file(str(folder / "model.safetensors"))
+        save_file({**st, **tensors}, str(folder / "model.safetensors"))
+    with pytest.raises(VkEngineError, match=match):
+        load_model(folder)
+
 
 def assert_llama_server_agrees(m, eng, path, exe, tol: float, near_tie: float = 0.0) -> None:
     """llama-server on the same GGUF: its top-8 log-probabilities after every
