@@ -45,6 +45,8 @@ def main() -> int:
     ap.add_argument("--prompt", default=PROMPT)
     ap.add_argument("--tol", type=float, default=2e-3)
     ap.add_argument("--device", type=int, default=None)
+    ap.add_argument("--keep", type=Path, default=None,
+                    help="synthesize into this folder and keep the files (e.g. for `parity run` on the GGUF after)")
     args = ap.parse_args()
 
     from vkengine.device import Device
@@ -62,7 +64,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for arch in args.arch.split(","):
             c = config_for(args.shape, args.config, arch)
-            out = synth_llama(c, args.quant, 0, Path(tmp), f"{arch}-{args.shape}",
+            out = synth_llama(c, args.quant, 0, args.keep or Path(tmp), f"{arch}-{args.shape}",
                               tokenizer_from=tok_src)
             ok &= check_synth(f"{arch}-{args.shape}", out, args.quant, args.prompt, device, args.tol)
     return 0 if ok else 1

@@ -5,7 +5,11 @@ safetensors + tokenizer.json) holding exactly the same function.
 Text stays real: the tokenizer (vocab, merges, chat template) is SmolLM2's,
 copied from the embedded model. Weights are scaled so that logits are peaked
 (top-2 margins of a nat or more are common) and greedy choices are not coin
-flips. Every tensor is drawn from a generator seeded by (seed, tensor name), so
+flips. Tied real shapes (qwen2.5-0.5b, qwen3-0.6b, the Gemma ones) draw the
+final norm's weights with random signs and the embeddings smaller: with random
+weights the residual otherwise stays near the last token's embedding, which a
+tied output scores highest by hundreds of nats, and the model repeats that
+token forever (no evidence for parity). Every tensor is drawn from a generator seeded by (seed, tensor name), so
 the result does not depend on the order or the number of worker processes.
 
 GGUF stores llama Q/K rows permuted for adjacent-pair RoPE (llama.cpp's
@@ -62,19 +66,22 @@ SHAPES = {
 # real shapes with more than SHAPES' fields (used with their --arch)
 SHAPES_EXTRA: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": dict(n_embd=896, n_layer=24, n_head=14, n_head_kv=2, n_ff=4864, tied=True, rope_base=1e6,
-                         rms_eps=1e-6),
+                         rms_eps=1e-6, signed_out_norm=True, embd_std=0.25),
     "qwen3-0.6b": dict(n_embd=1024, n_layer=28, n_head=16, n_head_kv=8, n_ff=3072, head_size=128, tied=True,
-                       rope_base=1e6, rms_eps=1e-6),
+                       rope_base=1e6, rms_eps=1e-6, signed_out_norm=True, embd_std=0.25),
     # experts: the tiny MoE shape (qwen3moe; llama: Mixtral-style) and Qwen3-30B-A3B's
     "tiny-moe": dict(n_embd=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=128, n_expert=8, n_expert_used=2,
                      n_ff_exp=32),
     "phi3-mini": dict(n_embd=3072, n_layer=32, n_head=32, n_head_kv=32, n_ff=8192, rope_base=10000.0),
     "gemma3-270m": dict(n_embd=640, n_layer=18, n_head=4, n_head_kv=1, n_ff=2048, head_size=256, tied=True,
-                        rope_base=1e6, rms_eps=1e-6, window=512),
+                        rope_base=1e6, rms_eps=1e-6, window=512, signed_out_norm=True,
+                        embd_std=0.0625),
     "gemma3-4b": dict(n_embd=2560, n_layer=34, n_head=8, n_head_kv=4, n_ff=10240, head_size=256, tied=True,
-                      rope_base=1e6, rms_eps=1e-6, window=1024, rope_linear=8.0),
+                      rope_base=1e6, rms_eps=1e-6, window=1024, rope_linear=8.0, signed_out_norm=True,
+                      embd_std=0.0625),
     "gemma2-2b": dict(n_embd=2304, n_layer=26, n_head=8, n_head_kv=4, n_ff=9216, head_size=256, tied=True,
-                      rope_base=10000.0, rms_eps=1e-6, window=4096),
+                      rope_base=10000.0, rms_eps=1e-6, window=4096, signed_out_norm=True,
+                      embd_std=0.0625),
     # gpt-oss: a tiny shape (window 8, YaRN from 64 positions) and gpt-oss-20b's (its experts MXFP4 in the
     # released files: --quant mxfp4; the HF folder then holds them as openai/gpt-oss-20b does)
     "gpt-oss-tiny": dict(n_embd=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=64, head_size=32, n_expert=8,
@@ -114,6 +121,10 @@ class SynthConfig:
     rope_linear: float = 0.0       # gemma3: linear RoPE scaling of the global layers (4b and up: 8)
     yarn_factor: float = 0.0       # > 0: YaRN scaling (rope.scaling.type yarn) from yarn_orig_ctx positions
     yarn_orig_ctx: int = 0
+    # tied real shapes: with random weights the residual stays near the last token's embedding, which a tied
+    # output then scores highest by hundreds of nats (the model repeats it forever); see _tensor_plan
+    signed_out_norm: bool = False
+    embd_std: float = 1.0
 
     @property
     def head_dim(self) -> int:
@@ -153,7 +164,11 @@ def _tensor_plan(c: SynthConfig, n_vocab: int) -> list[tuple[str, tuple[int, ...
     a negative std an f32 bias of std -std."""
     D, F, hd = c.n_embd, c.n_ff, c.head_dim
     # Residual contributions of each block sized to keep activations O(1).
-    plan = [("token_embd.weight", (n_vocab, D), 1.0), ("output_norm.weight", (D,), 0.0)]
+    # signed_out_norm: the final norm's weights of random sign (an f32 "bias" of std logit_scale / sqrt(D)),
+    # so that a tied model's logits keep their scale but a token's own embedding no longer scores itself highest
+    # (embd_std: below 1 lets the layers' branches, not the token's embedding, dominate the residual)
+    out_norm = -c.logit_scale / (c.embd_std * np.sqrt(D)) if c.signed_out_norm else 0.0
+    plan = [("token_embd.weight", (n_vocab, D), c.embd_std), ("output_norm.weight", (D,), out_norm)]
     if c.arch in GEMMA:
         return plan + [t for i in range(c.n_layer) for t in _gemma_layer(c, f"blk.{i}.")]
     if c.arch == "gpt-oss":
