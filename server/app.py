@@ -9,6 +9,7 @@ token ids to the worker and formats what comes back. A client that goes away
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import hmac
 import json
@@ -54,6 +55,7 @@ class ServerState:
     parallel: int = 1
     mode: str = "batch"
     kv_cache: tuple[str, str] = ("f16", "f16")   # the KV cache's K and V types (--cache-type-k, --cache-type-v)
+    pooling: str | None = None            # --embeddings: how /v1/embeddings pools (mean, cls, last); None: off
 
     @property
     def model_id(self) -> str:
@@ -310,6 +312,102 @@ async def generate_n(request: Request, st: ServerState, gen: Generation, kind: s
     return await _respond(request, objs(), gen.stream, True, cancel_all)
 
 
+def _embedding_ids(st: ServerState, e: schemas.Embeddings) -> list[list[int]]:
+    """Each input's tokens as llama-server takes them: text with the model's
+    BOS (add_special); ids as given; ids and text mixed, text without specials
+    (BOS only when the first part is text)."""
+    tok = st.model.tokenizer
+    out = []
+    for i, p in enumerate(e.inputs):
+        if isinstance(p, str):
+            ids = tok.encode(p)
+        else:
+            ids = []
+            for j, part in enumerate(p):
+                ids += tok.encode(part, add_special=j == 0) if isinstance(part, str) else [part]
+        name = f"input[{i}]" if len(e.inputs) > 1 else "input"
+        if not ids:
+            raise schemas.bad(name, "is empty (it has no tokens)")
+        if len(ids) >= st.n_ctx:
+            raise schemas.bad(name, f"has {len(ids)} tokens; the context holds {st.n_ctx}")
+        out.append(ids)
+    return out
+
+
+async def embeddings(request: Request, oai_route: bool) -> Response:
+    """/v1/embeddings (OpenAI) and llama-server's /embedding, /embeddings: each
+    input's final-normed hidden states pooled (--pooling) and normalized
+    (embd_normalize, default euclidean). Inputs run as prompts beside
+    everything else (up to --parallel of a request's at once); a request
+    with llama-server's "content" gets its response shape."""
+    st = _st(request)
+    if st.pooling is None:
+        return _error(501, "this server does not compute embeddings: start it with --embeddings", "not_supported_error")
+    e = schemas.embeddings(await read_json(request, st.max_body), st.model.args.n_vocab, st.model.args.n_embd,
+                           oai_route)
+    all_ids = await anyio.to_thread.run_sync(_embedding_ids, st, e)
+    loop = asyncio.get_running_loop()
+    q: asyncio.Queue = asyncio.Queue()
+    jobs: list = [None] * len(all_ids)
+    done: list = [None] * len(all_ids)
+
+    def submit(i: int) -> None:
+        req = GenRequest(all_ids[i], 0, use_cache=False, embed=st.pooling, embd_normalize=e.normalize)
+
+        def emit(ev, i: int = i) -> None:
+            loop.call_soon_threadsafe(q.put_nowait, (i, ev))
+        jobs[i] = st.worker.submit(req, emit)
+
+    def cancel_all() -> None:
+        for j, d in zip(jobs, done):
+            if j is not None and d is None:
+                st.worker.cancel(j)
+
+    window = max(1, st.parallel)
+    submit(0)                                      # (a full queue: the 503 before anything runs)
+
+    async def objs():
+        nxt, n_done = 1, 0
+        while n_done < len(all_ids):
+            while nxt < len(all_ids) and nxt - n_done < window:
+                try:
+                    submit(nxt)
+                except (QueueFull, Unavailable) as err:
+                    cancel_all()
+                    yield {"error": {"code": 503, "message": f"input {nxt}: {err}", "type": "unavailable_error"}}
+                    return
+                nxt += 1
+            i, ev = await q.get()
+            if ev.finish is None:
+                continue
+            if ev.embedding is None:
+                cancel_all()
+                yield {"error": {"code": 500, "message": f"input {i}: {ev.error or ev.finish}", "type": "server_error"}}
+                return
+            done[i] = ev.embedding
+            n_done += 1
+        if not e.oai:   # llama-server's shape: a vector list per input (one vector: pooled)
+            yield [{"index": i, "embedding": [v.tolist()]} for i, v in enumerate(done)]
+            return
+        n_tok = sum(len(ids) for ids in all_ids)
+        yield {"object": "list", "model": st.model_id,
+               "data": [{"object": "embedding", "index": i,
+                         **({"embedding": base64.b64encode(v.astype("<f4").tobytes()).decode(),
+                             "encoding_format": "base64"} if e.base64 else {"embedding": v.tolist()})}
+                        for i, v in enumerate(done)],
+               "usage": {"prompt_tokens": n_tok, "total_tokens": n_tok}}
+
+    return await _respond(request, objs(), False, False, cancel_all)
+
+
+async def v1_embeddings(request: Request) -> Response:
+    return await embeddings(request, oai_route=True)
+
+
+async def llama_embeddings(request: Request) -> Response:
+    return await embeddings(request, oai_route=False)
+
+
 # -- routes --------------------------------------------------------------------
 def _st(request: Request) -> ServerState:
     return request.app.state.server
@@ -411,6 +509,9 @@ ROUTES = [
     Route("/v1/completions", v1_completions, methods=["POST"]),
     Route("/v1/chat/completions", v1_chat, methods=["POST"]),
     Route("/chat/completions", v1_chat, methods=["POST"]),
+    Route("/v1/embeddings", v1_embeddings, methods=["POST"]),
+    Route("/embedding", llama_embeddings, methods=["POST"]),
+    Route("/embeddings", llama_embeddings, methods=["POST"]),
     Route("/tokenize", tokenize, methods=["POST"]),
     Route("/apply-template", apply_template, methods=["POST"]),
     Route("/detokenize", detokenize, methods=["POST"]),

@@ -79,6 +79,19 @@ class _Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
+def embedding_pooling(model, flag: str | None) -> str:
+    """--pooling, else the GGUF's {arch}.pooling_type (llama.cpp's: 1 mean, 2 cls, 3 last), else mean."""
+    from vkengine.serving.embed import GGUF_POOLING, check_pooling
+    if flag is not None:
+        return check_pooling(flag)
+    arch = model.file.meta("general.architecture", None)
+    kind = model.file.meta(f"{arch}.pooling_type", None) if arch else None
+    if kind is not None and int(kind) not in GGUF_POOLING:
+        raise VkEngineError(f"the model's pooling_type {kind} is not one vkengine pools (mean, cls, last): "
+                            "give --pooling")
+    return GGUF_POOLING[int(kind)] if kind is not None else "mean"
+
+
 def build(args):
     """(app, state) for the flags: the model and engine are loaded here."""
     from vkengine.device import Device
@@ -93,11 +106,12 @@ def build(args):
             model.tokenizer.chat_template = Path(args.chat_template_file).read_text()
         except OSError as e:
             raise VkEngineError(f"--chat-template-file: {e}") from None
+    pooling = embedding_pooling(model, args.pooling) if args.embeddings else None
     dev = Device(device_index(args))
     cfg, n_slots = scheduler_config(args, gpu=dev.info.type != "cpu")
     eng = Engine(model, dev, EngineConfig(n_slots=n_slots, n_ctx=args.ctx, max_batch=cfg.max_prompt_rows,
                                           max_out=n_slots, max_in_flight=3, options=Options.from_env(),
-                                          kv_types=kv_types))
+                                          kv_types=kv_types, embeddings=args.embeddings))
     if eng.max_batch < cfg.step_tokens:
         raise VkEngineError(f"--step-tokens {cfg.step_tokens} does not fit the device's buffers; "
                             f"use at most {eng.max_batch}")
@@ -113,7 +127,8 @@ def build(args):
     worker = Worker(eng, cfg, metrics, step_log=args.step_log)
     st = ServerState(worker=worker, model=model, n_ctx=eng.n_ctx, metrics=metrics, max_tokens=args.max_tokens,
                      max_body=args.max_body, parallel=args.parallel, mode=args.mode,
-                     kv_cache=(eng.kv.types.k, eng.kv.types.v))
+                     kv_cache=(eng.kv.types.k, eng.kv.types.v),
+                     pooling=pooling)
     return create_app(st, api_key=args.api_key, cors=args.cors), st, dev
 
 

@@ -54,6 +54,11 @@ def add_serve_args(p) -> None:
     p.add_argument("--cors", default=None, help="allowed CORS origin(s), comma separated (off unless given)")
     p.add_argument("--chat-template-file", default=None, metavar="PATH",
                    help="a jinja chat template in place of the model's (as llama-server's)")
+    p.add_argument("--embeddings", action="store_true",
+                   help="serve /v1/embeddings and /embedding (pooled final-normed hidden states, as llama-server's "
+                        "--embeddings); generation stays on")
+    p.add_argument("--pooling", choices=["mean", "cls", "last"], default=None,
+                   help="how --embeddings pools a prompt's rows (default: the GGUF's pooling_type, else mean)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond --parallel (then 503)")
     p.add_argument("--max-tokens", type=int, default=4096, help="upper bound of n_predict/max_tokens")
     p.add_argument("--max-body", type=int, default=1 << 20, help="request body limit in bytes")

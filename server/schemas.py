@@ -408,3 +408,55 @@ def chat_completion(body: dict, max_tokens: int) -> Generation:
                                      "request")
         common["grammar"] = ("lark", tool_calls.lark_grammar(offered), "tool_choice")
     return Generation(messages=tool_calls.history(out, msgs), n_probs=n_probs, tools=offered, **common)
+
+
+MAX_EMBEDDING_INPUTS = 2048
+
+
+@dataclass
+class Embeddings:
+    """A validated embeddings request (/v1/embeddings, llama-server's /embedding)."""
+    inputs: list[str | list[int | str]]     # each: text, token ids, or ids and text mixed (llama-server)
+    oai: bool                               # OpenAI's response shape (not when llama-server's "content" came)
+    base64: bool = False
+    normalize: int = 2                      # llama-server's embd_normalize
+
+
+def _embedding_input(v, name: str, n_vocab: int) -> str | list[int | str]:
+    if isinstance(v, str):
+        return v
+    if isinstance(v, list) and v and all((isinstance(t, int) and not isinstance(t, bool)) or isinstance(t, str)
+                                         for t in v):
+        for t in v:
+            if isinstance(t, int) and not 0 <= t < n_vocab:
+                raise bad(name, f"holds token id {t}, outside the vocabulary 0..{n_vocab - 1}")
+        return v
+    raise bad(name, "must be a string, a list of token ids, or a list of those")
+
+
+def embeddings(body: dict, n_vocab: int, n_embd: int, oai_route: bool) -> Embeddings:
+    """OpenAI's /v1/embeddings (input, encoding_format, dimensions) and llama-server's
+    /embedding (content; embd_normalize): its inputs as llama-server reads them, a
+    string, token ids (ids and strings mixed), or a list of those."""
+    f = Fields(body)
+    name = "input" if "input" in body else "content"
+    v = body.get(name)
+    if v is None:
+        raise bad("input", "or 'content' is required")
+    if isinstance(v, list) and not v:
+        raise bad(name, "must not be empty")
+    # a list holding a token id is one prompt (ids, or ids and text mixed); else a list of prompts
+    one = not isinstance(v, list) or any(isinstance(p, int) and not isinstance(p, bool) for p in v)
+    parts = [v] if one else v
+    if len(parts) > MAX_EMBEDDING_INPUTS:
+        raise bad(name, f"holds {len(parts)} inputs; at most {MAX_EMBEDDING_INPUTS} a request")
+    inputs = [_embedding_input(p, f"{name}[{i}]" if len(parts) > 1 else name, n_vocab) for i, p in enumerate(parts)]
+    fmt = f.text("encoding_format", "float")
+    if fmt not in ("float", "base64"):
+        raise bad("encoding_format", f"must be float or base64, got {fmt!r}")
+    dims = f.integer("dimensions", None, lo=1)
+    if dims is not None and dims != n_embd:
+        raise bad("dimensions", f"is not supported: this model's embeddings have {n_embd} dimensions "
+                                "(leave it out, or give that)")
+    norm = f.integer("embd_normalize", 2, lo=-1)
+    return Embeddings(inputs, oai=oai_route and name == "input", base64=fmt == "base64", normalize=norm)

@@ -91,10 +91,16 @@ class RefLlama:
             f = (ref.silu(g) * u).astype(np.float32)
             x = x + f.astype(np.float64) @ self.W(p + "ffn_down.weight").T.astype(np.float64)
         h = ref.rms_norm(x, self.W("output_norm.weight"), a.rms_eps)
+        self.last_hidden = h      # the final-normed hidden states (what embeddings pool)
         if act_q8:
             h = qa(h.astype(np.float32)).astype(np.float64)
         out = self.W("output.weight") if self.mf.has("output.weight") else emb
         return (h @ out.T.astype(np.float64)).astype(np.float32)
+
+    def hidden(self, tokens: list[int], kv: tuple[str, str] = ("f16", "f16")) -> np.ndarray:
+        """(len(tokens), n_embd) final-normed hidden states of a sequence from position 0."""
+        self.logits(tokens, kv=kv)
+        return self.last_hidden
 
     def experts(self, p: str, h: np.ndarray) -> np.ndarray:
         """Each row through its top-k experts by router logit (ties to the lower

@@ -33,6 +33,7 @@ class Readback(enum.Flag):
     ARGMAX = enum.auto()     # the greedy token (one word a row)
     SAMPLE = enum.auto()     # the token drawn on the device with each row's sampling params
     LOGITS = enum.auto()     # the logits rows (with SAMPLE: the drawn tokens too)
+    HIDDEN = enum.auto()     # with any of the above: every row's final-normed hidden state (embeddings)
 
     @property
     def tokens(self) -> bool:
@@ -73,6 +74,7 @@ class EngineConfig:
     max_in_flight: int = 2    # steps submitted and not yet collected (2 or 3; see Engine.max_in_flight)
     options: Options = field(default_factory=Options)   # kernel path switches (Options.from_env at the edge)
     kv_types: KVTypes = KVTypes()   # the KV cache's K and V types (--cache-type-k, --cache-type-v)
+    embeddings: bool = False  # steps may read back every row's final-normed hidden state (Readback.HIDDEN)
 
 
 class _Submitted(NamedTuple):
@@ -81,6 +83,7 @@ class _Submitted(NamedTuple):
     readback: Readback
     n_out: int
     params: int         # which host params buffer it reads and writes back to
+    n: int = 0          # its rows (Readback.HIDDEN reads them all)
 
 
 class Engine:
@@ -115,6 +118,8 @@ class Engine:
             widths["out_attn_split"] = k.attention_tmp_words(1, a.n_head, a.n_kv_heads, a.head_dim, self.n_ctx)
             widths["out_attn_sync"] = Kernels.attention_sync_words(1, a.n_head)
         widths["out_sync"] = 4          # zeroed counter of fused RMSNorms (Graph.matmul_norm)
+        if cfg.embeddings:              # every row's final-normed hidden state (Readback.HIDDEN)
+            widths["emb"] = a.n_embd
         self.max_out = max(1, cfg.max_out)
         # fit the scratch buffer within the device's buffer limit
         max_rows = max(1, cfg.max_batch)
@@ -153,6 +158,8 @@ class Engine:
         self.program_cache = cfg.program_cache or 80 * self.max_in_flight
         self.params_dev = device.buffer(self.layout.words * 4, "device", "params-dev")
         self.logits_host = device.buffer(self.max_out * a.n_vocab * 4, "host", "logits")
+        self.hidden_host = (device.buffer(max_rows * self.scratch.stride("emb") * 4, "host", "hidden")
+                            if cfg.embeddings else None)
         self._programs: OrderedDict[tuple, Program] = OrderedDict()
         # Pad rows (step_rows) need a sequence's rows to depend on nothing past
         # its positions: true of attention, not of a recurrent state. GPUs only:
@@ -349,6 +356,11 @@ class Engine:
         elif n_out and readback & Readback.SAMPLE:
             g.sample("out_logits")
             prog.copy(self.params_dev, params, pl.argmax * 4, pl.argmax * 4, n_out * 4, "sample")
+        if readback & Readback.HIDDEN:   # every row's final-normed hidden state, rows packed as on the device
+            assert self.hidden_host is not None
+            self.arch.final_norm(g, self.args, self.weights, "emb")
+            r = self.scratch.region("emb")
+            prog.copy(r.buf, self.hidden_host, r.off * 4, 0, n * self.scratch.stride("emb") * 4, "hidden")
         if n_out and readback & Readback.LOGITS:
             r = self.scratch.region("out_logits")
             stride = self.scratch.stride("out_logits")
@@ -412,7 +424,9 @@ class Engine:
         """Run tokens[i] at positions[i] in slots[i]; return, for each index in
         out_rows, the greedy token (ARGMAX), the token drawn with sampling[j]
         (SAMPLE, see submit) or the logits row (LOGITS); SAMPLE | LOGITS
-        returns (tokens, logits); NONE returns None."""
+        returns (tokens, logits); NONE returns None. With HIDDEN added (an engine
+        made with embeddings=True): (that, the final-normed hidden state of every
+        row, an array of len(tokens) x n_embd)."""
         self.submit(tokens, positions, slots, out_rows, readback, sampling=sampling, prompt=prompt, pass_=pass_,
                     hmap=hmap)
         return self.collect()
@@ -447,11 +461,16 @@ class Engine:
         for an MTP pass, the hidden-state row each row reads."""
         if len(self._inflight) >= self.max_in_flight:
             raise RuntimeError(f"{self.max_in_flight} steps are already in flight: collect() one first")
-        if readback not in _READBACKS:
+        if readback & ~Readback.HIDDEN not in _READBACKS:
             raise ValueError(f"unknown readback {readback!r}")
-        if self._inflight and (self._inflight[-1].readback & Readback.LOGITS or readback & Readback.LOGITS):
-            raise RuntimeError("a step that reads logits back runs alone: collect() the step in flight first")
+        if readback & Readback.HIDDEN and self.hidden_host is None:
+            raise VkEngineError("hidden states are read back only by an engine made with embeddings=True")
+        alone = Readback.LOGITS | Readback.HIDDEN
+        if self._inflight and (self._inflight[-1].readback & alone or readback & alone):
+            raise RuntimeError("a step that reads logits or hidden states back runs alone: collect() the step "
+                               "in flight first")
         n, n_out = len(tokens), len(out_rows)
+        n_req = n
         if not 0 < n <= self.max_batch:
             raise VkEngineError(f"a step takes 1..{self.max_batch} tokens, got {n}")
         if n_out > self.max_out:
@@ -481,7 +500,7 @@ class Engine:
         outs = np.asarray(out_rows, np.int64)
         if n_out and (outs.min() < 0 or outs.max() >= n):
             raise ValueError("output row out of range")
-        mode = readback if n_out else Readback.NONE
+        mode = (readback if n_out else Readback.NONE) | (readback & Readback.HIDDEN)
         samp = None
         if mode & Readback.SAMPLE:
             if not self.can_sample:
@@ -524,21 +543,27 @@ class Engine:
             prm[pl.sampling:pl.sampling + words.size] = words
         prog = self._program(n, n_out, mode, buf, chain_key, pass_)
         prog.submit()
-        self._inflight.append(_Submitted(prog, mode, n_out, buf))
+        self._inflight.append(_Submitted(prog, mode, n_out, buf, n_req))
 
     def collect(self) -> Any:
         """Wait for the oldest step in flight; its readback as step() returns it."""
         if not self._inflight:
             raise RuntimeError("no step in flight")
-        prog, mode, n_out, buf = self._inflight.popleft()
+        prog, mode, n_out, buf, n = self._inflight.popleft()
         prog.wait()
         pl, prm = self.layout, self._params[buf].array()
         tokens = prm[pl.argmax:pl.argmax + n_out].astype(np.int64) if mode.tokens else None
+        out: Any = tokens
         if mode & Readback.LOGITS:
             V = self.n_vocab
             lg = self.logits_host.array(np.float32)[: n_out * V].reshape(n_out, V).copy()
-            return (tokens, lg) if tokens is not None else lg
-        return tokens
+            out = (tokens, lg) if tokens is not None else lg
+        if mode & Readback.HIDDEN:   # (what the step returns without it, its rows' hidden states)
+            assert self.hidden_host is not None
+            st = self.scratch.stride("emb")
+            hid = self.hidden_host.array(np.float32)[: n * st].reshape(n, st)[:, : self.args.n_embd].copy()
+            return out, hid
+        return out
 
     def prefill(self, tokens, slot: int, start: int = 0, readback: Readback = Readback.ARGMAX, sampling=None):
         """Run a prompt through a slot in chunks of max_batch; returns the last

@@ -141,6 +141,11 @@ class Architecture(ABC):
         requested rows into out_logits. hidden_rows (MTP models): also the
         final-normed hidden state of every row into `hn`."""
 
+    def final_norm(self, g: Graph, a: Any, w: Any, out: str) -> None:
+        """After forward: every row's final-normed hidden state (what the output
+        matrix reads; embeddings pool it) into `out`, n_embd wide."""
+        g.rms_norm("x", w.out_norm, out)
+
     # -- per-sequence state ------------------------------------------------------------
     def make_state(self, device: Device, a: Any, n_slots: int, n_ctx: int,
                    kv_types: KVTypes = KVTypes(), max_step: int = 0) -> KVCache:

@@ -26,6 +26,7 @@ import numpy as np
 from ..engine import Engine, Readback
 from ..errors import VkEngineError
 from ..kernels import Kernels
+from .embed import Pool, check_normalize, normalize
 from .output import OutputStream
 from .sampling import Sampler, SamplingParams, top_order
 from .scheduler import Batch, Scheduler, SchedulerConfig, Seq
@@ -46,6 +47,8 @@ class GenRequest:
     logits: bool = False                  # each event carries the logits row its token was chosen from
     grammar: Any = None                   # constrain.Grammar: its tokens held to it (masked on the host)
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token, added to its logit; -inf: never), on the host
+    embed: str | None = None              # an embedding (pooling: mean, cls, last) instead of tokens
+    embd_normalize: int = 2               # its normalization (llama-server's embd_normalize)
 
     @property
     def host_logits(self) -> bool:
@@ -64,6 +67,7 @@ class Event:
     finish: str | None = None             # stop | length | cancelled | error
     error: str | None = None
     logits: np.ndarray | None = None      # the row `token` was chosen from (GenRequest.logits)
+    embedding: np.ndarray | None = None   # an embedding request's vector (with finish "stop")
 
 
 @dataclass(eq=False)
@@ -84,12 +88,13 @@ class Job:
     on_device: bool = False               # its tokens are drawn on the device (Runner.make_job)
     failure: BaseException | None = None  # what failed it (finish "error"), for callers that re-raise
     constraint: Any = None                # constrain.Constraint of req.grammar
+    pool: Pool | None = None              # an embedding request's pooled hidden states
 
     @property
     def needs_logits(self) -> bool:
         """Its rows read their logits back (the host samples, masks or reports them)."""
         r = self.req
-        return not self.on_device and (r.sampling.needs_logits or r.host_logits)
+        return self.pool is None and not self.on_device and (r.sampling.needs_logits or r.host_logits)
 
     def sampling_row(self) -> tuple[float, int, float, float, float]:
         """Its output row's sampling params for Engine.submit(sampling=...): a
@@ -224,8 +229,15 @@ class Runner:
             raise VkEngineError(f"suppressed token ids must be in 0..{self.eng.n_vocab - 1}")
         if any(not 0 <= t < self.eng.n_vocab for t, _ in req.logit_bias):
             raise VkEngineError(f"'logit_bias' token ids must be in 0..{self.eng.n_vocab - 1}")
+        if req.embed is not None:
+            if self.eng.hidden_host is None:
+                raise VkEngineError("this server does not compute embeddings: start it with --embeddings")
+            check_normalize(req.embd_normalize)
         out = OutputStream(self.eng.model.tokenizer, req.max_tokens, req.stop, req.ignore_eos)
-        job = Job(req, emit, Seq(prompt, use_cache=req.use_cache), Sampler(req.sampling), out)
+        # (an embedding runs every prompt position: a cached prefix has no hidden states to pool)
+        job = Job(req, emit, Seq(prompt, use_cache=req.use_cache and req.embed is None), Sampler(req.sampling), out)
+        if req.embed is not None:
+            job.pool = Pool(req.embed, len(prompt))
         if req.grammar is not None:
             from .constrain import Constraint
             job.constraint = Constraint(self.eng.model.tokenizer, req.grammar)
@@ -236,7 +248,7 @@ class Runner:
         return job
 
     def add(self, job: Job) -> None:
-        if job.req.max_tokens == 0:
+        if job.req.max_tokens == 0 and job.pool is None:
             self._end(job, "length", "")
         else:
             self.sched.add(job.seq)
@@ -331,8 +343,11 @@ class Runner:
             readback |= Readback.LOGITS
             if readback & Readback.ARGMAX:   # the host chooses every token of a step that reads logits
                 readback = Readback.LOGITS
-        if self.inflight and (readback & Readback.LOGITS or self.inflight[-1].readback & Readback.LOGITS):
-            self._collect_oldest()     # a step that reads logits back runs alone (the other part)
+        if any(w.seq.data.pool is not None for w in batch.work):
+            readback |= Readback.HIDDEN   # an embedding's rows: every row's hidden state comes back
+        alone = Readback.LOGITS | Readback.HIDDEN
+        if self.inflight and (readback & alone or self.inflight[-1].readback & alone):
+            self._collect_oldest()     # a step that reads logits or hidden states back runs alone (the other part)
         self.eng.submit(batch.tokens, batch.positions, self._slots(batch), batch.out_rows, readback,
                         sampling=sampling, prompt=prompt)
         self.inflight.append(InFlight(batch, outs, readback, time.perf_counter(), False, prompt))
@@ -394,6 +409,15 @@ class Runner:
             if not any(w.seq is seq for st in self.inflight for w in st.batch.work):
                 self.sched.finish(seq)
         self._finish_after = [q for q in self._finish_after if q.state != "finished"]
+        if readback & Readback.HIDDEN:   # the embeddings' rows, pooled as they come
+            res, hid = res
+            readback &= ~Readback.HIDDEN
+            row = 0
+            for w in batch.work:
+                job = w.seq.data
+                if job.pool is not None and not job.done:
+                    self._guard(w.seq, job.pool.add, w.start, hid[row:row + len(w.tokens)])
+                row += len(w.tokens)
         if readback == Readback.SAMPLE | Readback.LOGITS:      # (tokens, logits): a pair a row
             res = list(zip(*res))
         for seq, r in zip(outs, res if res is not None else ()):
@@ -435,6 +459,11 @@ class Runner:
         sequence, else queue it for deliver()."""
         seq = job.seq
         if job.done:
+            return
+        if job.pool is not None:   # an embedding: its prompt has run
+            vec = normalize(job.pool.vector(), job.req.embd_normalize)
+            self.sched.finish(seq)
+            self._end(job, "stop", "", Event(embedding=vec))
             return
         ev = Event()
         if readback == Readback.SAMPLE | Readback.LOGITS:   # this row's token, or its logits
