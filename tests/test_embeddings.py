@@ -225,3 +225,29 @@ def test_embeddings_agree_with_llama_server(device, smollm2, llama_server_exe, t
             print(f"{pooling} {t!r}: cosine {cos:.6f}, max |diff| {float(np.abs(ours - peer).max()):.2e}")
             assert cos > 0.998, f"{pooling} {t!r}: cosine {cos:.5f}"   # (0.9992-0.9999 on lavapipe vs CPU)
             assert float(np.abs(ours - peer).max()) < 0.03
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "gpt-oss", "qwen35"])
+def test_hidden_rows_are_what_the_output_matrix_reads(device, tmp_path, tokenizer_source, arch):
+    """Every architecture's final_norm: its hidden rows times the output matrix
+    (tied: the embeddings) are the logits the same step returns."""
+    from vkengine.model import load_model
+    from vkengine.tools.synth.llama import config_for, synth_llama
+    from vkengine.tools.synth.qwen35 import SHAPES, synth_qwen35
+    from vkengine.tools.synth.writer import tokenizer_meta
+    if arch == "qwen35":
+        path = synth_qwen35(SHAPES[("qwen35", "tiny")], "f32", seed=5, out_dir=tmp_path, name="q", workers=1,
+                            formats=("gguf",), tmeta=tokenizer_meta(tokenizer_source))["gguf"]
+    else:
+        import dataclasses
+        c = config_for("gpt-oss-tiny" if arch == "gpt-oss" else "tiny", None, arch)
+        if arch == "gemma3":
+            c = dataclasses.replace(c, tied=True, head_size=16, window=8)
+        path = synth_llama(c, "f32", 5, tmp_path, "m", formats=("gguf",), workers=1,
+                           tokenizer_from=tokenizer_source)["gguf"]
+    m = load_model(path)
+    eng = Engine(m, device, EngineConfig(n_slots=1, n_ctx=64, max_batch=16, max_out=16, embeddings=True))
+    ids = m.tokenizer.encode(TEXTS[0])[:12]
+    lg, hid = eng.step(ids, range(len(ids)), [0] * len(ids), range(len(ids)), Readback.LOGITS | Readback.HIDDEN)
+    out = m.file.tensor("output.weight" if m.file.has("output.weight") else "token_embd.weight").as_f32()
+    _close(hid @ out.T, lg, rel=5e-3)
