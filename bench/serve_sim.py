@@ -55,7 +55,8 @@ def sim_engine_class():
             self.can_sample = not self.host_sampling   # sampled tokens drawn "on the device", as on GPUs
 
         def submit(self, tokens, positions, slots, out_rows=(), readback=Readback.ARGMAX, chain=None,
-                   sampling=None, prompt=False):   # (prompt: the step's time model does not change)
+                   sampling=None, prompt=False, masked=False, masks=None):
+            # (prompt: the step's time model does not change; masks: its fixed tokens ignore them)
             if len(self._sim_q) >= self.max_in_flight:
                 raise RuntimeError(f"{self.max_in_flight} steps are already in flight")
             n = len(tokens)
@@ -87,6 +88,20 @@ def sim_engine_class():
             elif readback.tokens:
                 res = toks
             self._sim_q.append((self._sim_busy, res))
+            if masked and masks is not None:
+                self.submit_masks(masks)
+
+        def submit_masks(self, masks) -> None:
+            """A masked step's masks: its rows' fixed tokens become the first
+            token each mask allows where it forbids them (the grammar's host
+            work is real; the device's choice is simulated)."""
+            ready, res = self._sim_q[-1]
+            bits = np.unpackbits(np.asarray(masks, np.uint32).view(np.uint8), axis=-1, bitorder="little")
+            toks = np.asarray(res).copy()
+            for j, row in enumerate(bits[:len(toks)]):
+                if not row[toks[j]]:
+                    toks[j] = int(np.flatnonzero(row)[0])
+            self._sim_q[-1] = (ready, toks)
 
         def collect(self):
             ready, res = self._sim_q.popleft()

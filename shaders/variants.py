@@ -191,7 +191,7 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
     for hd, (nsg, ds, bc) in ATTN_MC.items():
         t[f"attention_mc_d{hd}"] = ("attention_mc.comp", {"HD": hd, "NSG": nsg, "DS": ds, "BC": bc, EXT_DEFINE: 1})
     for op in ("rms_norm", "rope_kv", "attention", "swiglu", "add", "add_bias", "softmax", "argmax_part", "argmax",
-               "copy", "topk_part", "sample", "softcap",
+               "copy", "topk_part", "sample", "softcap", "mask_logits",
                "to_f16", "reduce_k"):
         t[op] = (f"{op}.comp", {})
     t["quantize_q8"] = ("quantize_q8.comp", {})   # x for the XQ8 matvecs

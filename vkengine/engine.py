@@ -84,6 +84,8 @@ class _Submitted(NamedTuple):
     n_out: int
     params: int         # which host params buffer it reads and writes back to
     n: int = 0          # its rows (Readback.HIDDEN reads them all)
+    pick: Program | None = None   # a masked step's second program (masks, then its tokens chosen)
+    masked: bool = False          # a masked step (pick None: its masks are not given yet)
 
 
 class Engine:
@@ -142,7 +144,7 @@ class Engine:
                 rows = self.max_out if name.startswith("out_") else max_rows
                 device.upload(self.scratch.buf, np.zeros(self.scratch.strides[name] * rows, np.uint32),
                               self.scratch.offsets[name] * 4)
-        self.layout = ParamsLayout(max_rows, self.max_out)
+        self.layout = ParamsLayout(max_rows, self.max_out, Kernels.mask_words(a.n_vocab))
         # A host params buffer per step that may be in flight, used in turn, so
         # that a step can be written and submitted while the ones before it
         # still run. Three (a server: two chained steps queued behind the
@@ -265,13 +267,16 @@ class Engine:
 
     # -- recorded programs ------------------------------------------------------------
     def _program(self, n: int, n_out: int, readback: Readback, buf: int = 0, chain: tuple[int, ...] = (),
-                 pass_: Pass = MAIN) -> Program:
-        key = (n, n_out, readback, buf, chain, pass_)
+                 pass_: Pass = MAIN, part: str = "") -> Program:
+        """part: "" the whole step; "forward" a masked step's first program (its
+        logits), "pick" its second (masks, then the tokens chosen)."""
+        key = (n, n_out, readback, buf, chain, pass_) + ((part,) if part else ())
         prog = self._programs.get(key)
         if prog is not None:
             self._programs.move_to_end(key)
             return prog
-        prog = self._record(n, n_out, readback, buf=buf, chain=chain, pass_=pass_)
+        prog = (self._record_pick(n_out, readback, buf) if part == "pick" else
+                self._record(n, n_out, readback, buf=buf, chain=chain, pass_=pass_, pick=part != "forward"))
         self._programs[key] = prog
         if len(self._programs) > self.program_cache:
             self._programs.popitem(last=False)
@@ -326,7 +331,7 @@ class Engine:
         return n_rec
 
     def _record(self, n: int, n_out: int, readback: Readback, timestamps: bool = False, buf: int = 0,
-                chain: tuple[int, ...] = (), pass_: Pass = MAIN) -> Program:
+                chain: tuple[int, ...] = (), pass_: Pass = MAIN, pick: bool = True) -> Program:
         pl = self.layout
         params = self._params[buf]
         prog = self.device.program(timestamps)
@@ -350,12 +355,8 @@ class Engine:
             self.arch.forward_mtp(g, self.args, self.weights, pass_.hidden, pl.hmap, pass_.zero_first)
         else:
             self.arch.forward(g, self.args, self.weights, hidden_rows=pass_.hidden_rows)
-        if n_out and readback & Readback.ARGMAX:
-            g.argmax("out_logits")
-            prog.copy(self.params_dev, params, pl.argmax * 4, pl.argmax * 4, n_out * 4, "argmax")
-        elif n_out and readback & Readback.SAMPLE:
-            g.sample("out_logits")
-            prog.copy(self.params_dev, params, pl.argmax * 4, pl.argmax * 4, n_out * 4, "sample")
+        if pick:
+            self._pick(g, prog, n_out, readback, params)
         if readback & Readback.HIDDEN:   # every row's final-normed hidden state, rows packed as on the device
             assert self.hidden_host is not None
             self.arch.final_norm(g, self.args, self.weights, "emb")
@@ -367,6 +368,29 @@ class Engine:
             V = self.args.n_vocab
             for i in range(n_out):   # rows are stride apart on the device, packed on the host
                 prog.copy(r.buf, self.logits_host, (r.off + i * stride) * 4, i * V * 4, V * 4, "logits")
+        return prog
+
+    def _pick(self, g: Graph, prog: Program, n_out: int, readback: Readback, params) -> None:
+        """The output rows' tokens chosen (greedy or drawn) into the host params."""
+        pl = self.layout
+        if n_out and readback & Readback.ARGMAX:
+            g.argmax("out_logits")
+            prog.copy(self.params_dev, params, pl.argmax * 4, pl.argmax * 4, n_out * 4, "argmax")
+        elif n_out and readback & Readback.SAMPLE:
+            g.sample("out_logits")
+            prog.copy(self.params_dev, params, pl.argmax * 4, pl.argmax * 4, n_out * 4, "sample")
+
+    def _record_pick(self, n_out: int, readback: Readback, buf: int) -> Program:
+        """A masked step's second program: its rows' token masks to the device,
+        the forbidden logits at -inf, then the tokens chosen as _record's."""
+        pl, params = self.layout, self._params[buf]
+        prog = self.device.program()
+        prog.copy(params, self.params_dev, pl.masks * 4, pl.masks * 4, n_out * pl.mask_words * 4, "masks")
+        self.kernels.mask_logits(prog, self.scratch.region("out_logits"), self.scratch.stride("out_logits"),
+                                 self.args.n_vocab, n_out, self.params_dev, pl.masks)
+        g = Graph(self.kernels, prog, self.scratch, self.params_dev, pl, self.kv, n_out, n_out, self.weights.rope,
+                  self.args.rms_eps)
+        self._pick(g, prog, n_out, readback, params)
         return prog
 
     def profile(self, n: int, n_out: int = 1, runs: int = 5, start_pos: int = 0,
@@ -433,7 +457,7 @@ class Engine:
 
     def submit(self, tokens, positions, slots, out_rows=(), readback: Readback = Readback.ARGMAX,
                chain: Sequence[int] | None = None, sampling=None, prompt: bool = False, pass_: Pass = MAIN,
-               hmap=None) -> None:
+               hmap=None, masked: bool = False, masks=None) -> None:
         """The first half of step(): check, write the params, start the step on
         the device and return at once, so that the caller's host work (a server
         delivering the previous step's text) overlaps the GPU's; collect()
@@ -458,9 +482,21 @@ class Engine:
         rows and decode rows in separate steps (the server's runner does).
 
         pass_ (MTP, vkengine.serving.mtp): which forward the step runs; hmap:
-        for an MTP pass, the hidden-state row each row reads."""
+        for an MTP pass, the hidden-state row each row reads.
+
+        masked=True (constrained decoding; ARGMAX or SAMPLE, no LOGITS): each
+        output row's tokens are chosen among those its mask allows (masks[j]:
+        Kernels.mask_words(n_vocab) uint32 words, bit t of word t // 32 set:
+        token t allowed; all ones: any). The step runs as two programs: its
+        forward starts now; the masks and the choice follow when masks are given,
+        here or by submit_masks() later, so that the host can compute a row's
+        mask from the token the step before it chose (collected meanwhile)
+        while the GPU runs this step's forward. Nothing else is submitted
+        until they are."""
         if len(self._inflight) >= self.max_in_flight:
             raise RuntimeError(f"{self.max_in_flight} steps are already in flight: collect() one first")
+        if self._inflight and self._inflight[-1].masked and self._inflight[-1].pick is None:
+            raise RuntimeError("the masked step in flight needs its masks first (submit_masks)")
         if readback & ~Readback.HIDDEN not in _READBACKS:
             raise ValueError(f"unknown readback {readback!r}")
         if readback & Readback.HIDDEN and self.hidden_host is None:
@@ -501,6 +537,8 @@ class Engine:
         if n_out and (outs.min() < 0 or outs.max() >= n):
             raise ValueError("output row out of range")
         mode = (readback if n_out else Readback.NONE) | (readback & Readback.HIDDEN)
+        if masked and (not mode.tokens or mode & Readback.LOGITS):
+            raise ValueError("a masked step chooses its rows' tokens on the device: ARGMAX or SAMPLE, without LOGITS")
         samp = None
         if mode & Readback.SAMPLE:
             if not self.can_sample:
@@ -541,16 +579,38 @@ class Engine:
         if samp is not None:
             words = self._sampling_words(samp)
             prm[pl.sampling:pl.sampling + words.size] = words
-        prog = self._program(n, n_out, mode, buf, chain_key, pass_)
+        prog = self._program(n, n_out, mode, buf, chain_key, pass_, part="forward" if masked else "")
         prog.submit()
-        self._inflight.append(_Submitted(prog, mode, n_out, buf, n_req))
+        self._inflight.append(_Submitted(prog, mode, n_out, buf, n_req, masked=masked))
+        if masked and masks is not None:
+            self.submit_masks(masks)
+
+    def submit_masks(self, masks) -> None:
+        """The token masks of the masked step in flight (the newest): its tokens
+        are chosen once its forward is done (see submit)."""
+        sub = self._inflight[-1] if self._inflight else None
+        if sub is None or not sub.masked or sub.pick is not None:
+            raise RuntimeError("no masked step in flight waits for its masks")
+        pl = self.layout
+        arr = np.asarray(masks)
+        if arr.shape != (sub.n_out, pl.mask_words) or arr.dtype.kind not in "iu" or arr.dtype.itemsize != 4:
+            raise ValueError(f"masks: {sub.n_out} rows of {pl.mask_words} 32-bit words")
+        prm = self._params[sub.params].array()
+        prm[pl.masks:pl.masks + arr.size] = arr.view(np.uint32).reshape(-1)
+        pick = self._program(0, sub.n_out, sub.readback, sub.params, part="pick")
+        pick.submit()
+        self._inflight[-1] = sub._replace(pick=pick)
 
     def collect(self) -> Any:
         """Wait for the oldest step in flight; its readback as step() returns it."""
         if not self._inflight:
             raise RuntimeError("no step in flight")
-        prog, mode, n_out, buf, n = self._inflight.popleft()
+        if self._inflight[0].masked and self._inflight[0].pick is None:
+            raise RuntimeError("the masked step's masks were never given (submit_masks)")
+        prog, mode, n_out, buf, n, pick, _ = self._inflight.popleft()
         prog.wait()
+        if pick is not None:
+            pick.wait()
         pl, prm = self.layout, self._params[buf].array()
         tokens = prm[pl.argmax:pl.argmax + n_out].astype(np.int64) if mode.tokens else None
         out: Any = tokens

@@ -17,10 +17,13 @@ class ParamsLayout:
     """Word offsets in the params buffer (written before each run): per row its
     token, position and slot; the output rows; per output row its sampling
     params and the token chosen on the device (read back); per row the row of
-    a hidden-state array an MTP step reads (hmap). A step copies [0, argmax)
-    to the device (an MTP step also hmap)."""
+    a hidden-state array an MTP step reads (hmap); per output row its token
+    mask (mask_words words, a bit a token: constrained decoding on the device).
+    A step copies [0, argmax) to the device (an MTP step also hmap, a masked
+    step's pick its masks)."""
     max_rows: int
     max_out: int
+    mask_words: int = 0
 
     @property
     def tokens(self) -> int: return 0
@@ -37,7 +40,9 @@ class ParamsLayout:
     @property
     def hmap(self) -> int: return self.argmax + self.max_out
     @property
-    def words(self) -> int: return self.hmap + self.max_rows
+    def masks(self) -> int: return self.hmap + self.max_rows
+    @property
+    def words(self) -> int: return self.masks + self.max_out * self.mask_words
 
 
 class Scratch:

@@ -85,6 +85,7 @@ LAYOUTS: dict[str, tuple[Push, tuple[tuple[str, Push], ...]]] = {
     "swiglu.comp": (Push("uint gu_off, gu_stride, y_off, y_stride, F, rows"), (("OAI", Push("float alpha, limit")),)),
     "moe_bias.comp": (Push("uint b_off, M, route_off, route_stride, k, y_off, y_stride, y_slot_stride, rows"), ()),
     "softcap.comp": (Push("uint x_off, x_stride, n, rows; float cap"), ()),
+    "mask_logits.comp": (Push("uint x_off, x_stride, n, rows, mask_off, words"), ()),
     "add.comp": (Push("uint a_off, a_stride, b_off, b_stride, y_off, y_stride, n, rows"), ()),
     "add_bias.comp": (Push("uint b_off, y_off, y_stride, n, rows"), ()),
     "softmax.comp": (Push("uint x_off, x_stride, y_off, y_stride, n, rows; float scale"), ()),

@@ -50,6 +50,23 @@ class SampleKernels(KernelBase):
         prog.dispatch(alg, push, self._grid(math.ceil(rows / c.items)), [tmp_range],
                       [(params, out_off * 4, (out_off + rows) * 4)], label)
 
+    @staticmethod
+    def mask_words(n: int) -> int:
+        """Words of one row's token mask (a bit a token)."""
+        return -(-n // 32)
+
+    def mask_logits(self, prog: Program, x: Region, x_stride: int, n: int, rows: int, params: Buffer,
+                    mask_off: int, label: str = "mask") -> None:
+        """x[r][i] = -inf where bit i of row r's mask (params words mask_off +
+        r * mask_words(n) ..) is clear: a grammar's allowed tokens, before
+        argmax() or sample() choose."""
+        W = self.mask_words(n)
+        push = self._push("mask_logits", x_off=x.off, x_stride=x_stride, n=n, rows=rows, mask_off=mask_off, words=W)
+        alg = self._alg("mask_logits", [x.buf, params], push, self.caps.ew_wg, 1)
+        prog.dispatch(alg, push, self._grid(math.ceil(rows * W / self.caps.ew_wg)),
+                      [rows_range(x, rows, x_stride, n), (params, mask_off * 4, (mask_off + rows * W) * 4)],
+                      [rows_range(x, rows, x_stride, n)], label)
+
     def can_sample(self, n: int) -> bool:
         """Whether rows of n logits can be sampled on this device (sample())."""
         # (topk.glsl's merge: at most 32 subgroups a workgroup, 4 lists a lane)

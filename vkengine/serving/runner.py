@@ -53,9 +53,8 @@ class GenRequest:
     @property
     def host_logits(self) -> bool:
         """The host must see its logits rows whatever its sampling (to report,
-        bias, mask or return them)."""
-        return self.n_probs > 0 or bool(self.suppress) or self.logits or self.grammar is not None \
-            or bool(self.logit_bias)
+        bias or return them; a grammar's mask applies on the device, see Job.masked)."""
+        return self.n_probs > 0 or bool(self.suppress) or self.logits or bool(self.logit_bias)
 
 
 @dataclass
@@ -89,12 +88,16 @@ class Job:
     failure: BaseException | None = None  # what failed it (finish "error"), for callers that re-raise
     constraint: Any = None                # constrain.Constraint of req.grammar
     pool: Pool | None = None              # an embedding request's pooled hidden states
+    masked: bool = False                  # its grammar's mask applies on the device (Engine.submit masked)
+    dead_end: bool = False                # its grammar allowed nothing for its row in flight
+
 
     @property
     def needs_logits(self) -> bool:
         """Its rows read their logits back (the host samples, masks or reports them)."""
         r = self.req
-        return self.pool is None and not self.on_device and (r.sampling.needs_logits or r.host_logits)
+        return self.pool is None and not self.on_device and (r.sampling.needs_logits or r.host_logits or
+                                                              (self.constraint is not None and not self.masked))
 
     def sampling_row(self) -> tuple[float, int, float, float, float]:
         """Its output row's sampling params for Engine.submit(sampling=...): a
@@ -115,6 +118,7 @@ class InFlight(NamedTuple):
     t_submit: float
     chained: bool                 # its tokens come from the step before it, on the device
     prompt: bool = False          # prompt rows only (Engine.tiled_prompts: decode rows ran apart)
+    masked: bool = False          # its rows' tokens chosen under token masks (Engine.submit masked)
 
 
 class RunnerMetrics(Protocol):
@@ -206,6 +210,7 @@ class Runner:
         self._finish_after: list[Seq] = []    # failed while their row was on the device
         self._t0 = time.perf_counter()
         self._last_collect = 0.0
+        self._mask_pending = False    # the newest step in flight is masked and waits for its masks
 
     @property
     def prompt_apart(self) -> bool:
@@ -244,6 +249,9 @@ class Runner:
         # drawn on the device, where steps chain (not where the host must see the logits)
         job.on_device = (self.device_sampling and req.sampling.drawn_on_device(Kernels.SAMPLE_K)
                          and not req.host_logits)
+        # a grammar's mask on the device where its token is chosen there (greedy, or drawn on the device)
+        job.masked = job.constraint is not None and not req.host_logits and \
+            (job.on_device or not req.sampling.needs_logits)
         job.seq.data = job
         return job
 
@@ -326,6 +334,9 @@ class Runner:
         """Let the steps still on the device finish and drop their results (every
         sequence is cancelled next, or the caller is done with the runner)."""
         self._finish_after.clear()
+        if self._mask_pending:       # (its tokens are dropped: any masks will do)
+            self.eng.submit_masks(np.full((len(self.inflight[-1].outs), self.eng.layout.mask_words), -1, np.int32))
+            self._mask_pending = False
         while self.inflight:
             batch = self.inflight.popleft().batch
             try:
@@ -348,9 +359,31 @@ class Runner:
         alone = Readback.LOGITS | Readback.HIDDEN
         if self.inflight and (readback & alone or self.inflight[-1].readback & alone):
             self._collect_oldest()     # a step that reads logits or hidden states back runs alone (the other part)
+        # grammars' masks on the device: every row's token is known here, so are its masks
+        masked = bool(readback.tokens and not readback & Readback.LOGITS and any(s.data.masked for s in outs))
         self.eng.submit(batch.tokens, batch.positions, self._slots(batch), batch.out_rows, readback,
-                        sampling=sampling, prompt=prompt)
-        self.inflight.append(InFlight(batch, outs, readback, time.perf_counter(), False, prompt))
+                        sampling=sampling, prompt=prompt, masked=masked, masks=self._masks(outs) if masked else None)
+        self.inflight.append(InFlight(batch, outs, readback, time.perf_counter(), False, prompt, masked))
+
+    def _masks(self, outs: list[Seq]) -> np.ndarray:
+        """The token masks of a masked step's output rows, from each grammar's
+        state after its tokens so far (rows without one, or whose request has
+        ended: all ones). A grammar that allows nothing marks its request's
+        dead end (Job.dead_end), which ends it when the row is collected."""
+        m = np.full((len(outs), self.eng.layout.mask_words), 0xFFFFFFFF, np.uint32)
+        for row, seq in zip(m, outs):
+            job = seq.data
+            if job.masked and not job.done and not job.dead_end and job.constraint is not None:
+                if not self._guard_value(seq, job.constraint.mask_into, row):
+                    job.dead_end = True
+                    row[:] = 0xFFFFFFFF
+        return m
+
+    def _guard_value(self, seq: Seq, fn, *args) -> bool:
+        """_guard for a call whose value counts (False when it failed)."""
+        box: list = []
+        self._guard(seq, lambda: box.append(fn(*args)))
+        return bool(box and box[0])
 
     def _slots(self, batch: Batch) -> list[int]:
         return [self.kv.slots[s] for s in batch.slots]
@@ -366,8 +399,9 @@ class Runner:
     def _chain(self) -> bool:
         """Submit the decode step that follows the newest one in flight, if it
         may (collect); whether it did."""
-        batch, outs, readback, _, _, prompt = self.inflight[-1]
-        if not self.chain or prompt or readback not in (Readback.ARGMAX, Readback.SAMPLE) or self._arrivals() or \
+        batch, outs, readback, _, _, prompt, _ = self.inflight[-1]
+        if not self.chain or prompt or self._mask_pending or readback not in (Readback.ARGMAX, Readback.SAMPLE) or \
+                self._arrivals() or \
                 (self.sched.waiting and len(self.sched.live) < self.cfg.max_live):
             return False
 
@@ -383,16 +417,19 @@ class Runner:
         chain = [index[id(w.seq)] for w in nxt.work]
         n = len(nxt.work)
         readback, sampling = self._readback(nxt.out_seqs)
+        # a grammar's mask follows its token in flight: given once the step before is collected
+        masked = any(s.data.masked for s in nxt.out_seqs)
         self.eng.submit([0] * n, nxt.positions, self._slots(nxt), list(range(n)), readback, chain=chain,
-                        sampling=sampling)
-        self.inflight.append(InFlight(nxt, nxt.out_seqs, readback, time.perf_counter(), True))
+                        sampling=sampling, masked=masked)
+        self._mask_pending = masked
+        self.inflight.append(InFlight(nxt, nxt.out_seqs, readback, time.perf_counter(), True, False, masked))
         self.chained_steps += 1
         return True
 
     def _collect_oldest(self) -> None:
         """Wait for the oldest step on the device, account for its rows, and
         choose and append its tokens."""
-        batch, outs, readback, t0, chained, prompt = self.inflight.popleft()
+        batch, outs, readback, t0, chained, prompt, _ = self.inflight.popleft()
         t_wait = time.perf_counter()
         res = self.eng.collect()
         now = time.perf_counter()
@@ -422,6 +459,9 @@ class Runner:
             res = list(zip(*res))
         for seq, r in zip(outs, res if res is not None else ()):
             self._guard(seq, self._take, seq.data, r, readback, now)
+        if self._mask_pending:   # the chained step behind it: its rows' grammars have taken their tokens now
+            self.eng.submit_masks(self._masks(self.inflight[-1].outs))
+            self._mask_pending = False
         if self.inflight and self.inflight[0].chained:    # the chained step now knows its tokens
             for w in self.inflight[0].batch.work:
                 if w.tokens == [None] and len(w.seq.tokens) > w.start:
@@ -468,9 +508,18 @@ class Runner:
         ev = Event()
         if readback == Readback.SAMPLE | Readback.LOGITS:   # this row's token, or its logits
             t, lg = r
-            readback, r = (Readback.SAMPLE, t) if job.on_device else (Readback.LOGITS, lg)
+            # (a masked row in a step that reads logits: its mask applies on the host, and the host draws)
+            readback, r = (Readback.SAMPLE, t) if job.on_device and not job.masked else (Readback.LOGITS, lg)
         if readback.tokens:
             tok = int(r)
+            if job.dead_end:    # its grammar allowed nothing: the row's token is not one
+                self.sched.finish(seq)
+                self._end(job, "stop", "")
+                return
+            if job.constraint is not None and not job.constraint.take(tok):
+                self.sched.finish(seq)
+                self._end(job, "error", "", error=f"the grammar of '{job.constraint.source}' refused token {tok}")
+                return
         else:
             req = job.req
             if req.logits:
