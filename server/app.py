@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import functools
 import hmac
 import json
 import logging
@@ -23,7 +24,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -60,6 +61,22 @@ class ServerState:
     @property
     def model_id(self) -> str:
         return self.model.name
+
+    @functools.cached_property
+    def bytes_per_token(self) -> int:
+        """An upper bound on the bytes of text one token covers: the longest
+        vocabulary entry in UTF-8 (its own spelling is never shorter than the
+        text it stands for, but for Unicode normalization), doubled, plus slack."""
+        vocab = self.model.tokenizer.hf.get_vocab(with_added_tokens=True)
+        return 2 * max(len(t.encode("utf-8")) for t in vocab) + 8
+
+    def check_fits(self, text: str, field: str) -> None:
+        """A text too long for the context, refused before tokenizing it (which
+        holds the GIL for ~0.5 s a MiB and would stall every other request)."""
+        n = len(text.encode("utf-8", "surrogatepass"))
+        if n > self.n_ctx * self.bytes_per_token:
+            raise schemas.bad(field, f"has {n} bytes of text, more than the context's {self.n_ctx} tokens can hold "
+                                     f"(a token covers at most {self.bytes_per_token} bytes): send a shorter prompt")
 
 
 # -- SSE ---------------------------------------------------------------------
@@ -105,16 +122,23 @@ class SSEResponse(Response):
 
 
 # -- helpers -------------------------------------------------------------------
+class ClientGone(Exception):
+    """The client closed its connection before its request was read (499)."""
+
+
 async def read_json(request: Request, limit: int) -> dict:
     cl = request.headers.get("content-length")
     if cl and cl.isdigit() and int(cl) > limit:
         raise HTTPError(413, f"the request body has {cl} bytes; the limit is {limit} (--max-body)")
     chunks, n = [], 0
-    async for c in request.stream():
-        n += len(c)
-        if n > limit:
-            raise HTTPError(413, f"the request body exceeds {limit} bytes (--max-body)")
-        chunks.append(c)
+    try:
+        async for c in request.stream():
+            n += len(c)
+            if n > limit:
+                raise HTTPError(413, f"the request body exceeds {limit} bytes (--max-body)")
+            chunks.append(c)
+    except ClientDisconnect:         # gone mid-body (or its chunked framing broke): nobody to answer
+        raise ClientGone() from None
     return schemas.parse_json(b"".join(chunks))
 
 
@@ -128,10 +152,14 @@ def _prompt_ids(st: ServerState, gen: Generation) -> tuple[list[int], str, bool]
         elif gen.tools is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in msgs):
             msgs = tool_calls.fallback_messages(msgs, gen.tools)     # type: ignore[arg-type]
         text = tok.apply_chat_template(msgs, add_generation_prompt=True, **extra)
+        if not gen.truncate:
+            st.check_fits(text, "messages")
         ids = tok.encode(text)
         if len(ids) > 1 and tok.bos_id is not None and ids[0] == ids[1] == tok.bos_id:
             ids = ids[1:]                     # the template wrote BOS itself
     elif isinstance(gen.prompt, str):
+        if not gen.truncate:
+            st.check_fits(gen.prompt, "prompt")
         text, ids = gen.prompt, tok.encode(gen.prompt)
     else:
         ids = list(gen.prompt or [])
@@ -319,13 +347,14 @@ def _embedding_ids(st: ServerState, e: schemas.Embeddings) -> list[list[int]]:
     tok = st.model.tokenizer
     out = []
     for i, p in enumerate(e.inputs):
+        name = f"input[{i}]" if len(e.inputs) > 1 else "input"
         if isinstance(p, str):
+            st.check_fits(p, name)
             ids = tok.encode(p)
         else:
             ids = []
             for j, part in enumerate(p):
                 ids += tok.encode(part, add_special=j == 0) if isinstance(part, str) else [part]
-        name = f"input[{i}]" if len(e.inputs) > 1 else "input"
         if not ids:
             raise schemas.bad(name, "is empty (it has no tokens)")
         if len(ids) >= st.n_ctx:
@@ -545,6 +574,20 @@ async def on_starlette(request: Request, e: HTTPException) -> Response:
     return _error(e.status_code, str(e.detail), "not_found_error" if e.status_code == 404 else "invalid_request_error")
 
 
+_gone_log = [0.0, 0]   # (last log time, requests since): one line a second at most
+
+
+async def on_client_gone(request: Request, e: ClientGone) -> Response:
+    import time
+    _gone_log[1] += 1
+    now = time.monotonic()
+    if now - _gone_log[0] >= 1.0:
+        log.info("%d request(s) whose client closed before sending the whole body (last: %s)", _gone_log[1],
+                 request.url.path)
+        _gone_log[0], _gone_log[1] = now, 0
+    return Response(status_code=499)
+
+
 async def on_crash(request: Request, e: Exception) -> Response:
     log.exception("unhandled error in %s", request.url.path)
     return _error(500, f"internal server error ({type(e).__name__}); see the server log", "server_error")
@@ -565,6 +608,59 @@ class AuthMiddleware:
                               "authentication_error", {"WWW-Authenticate": "Bearer"})
                 return await resp(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+MAX_HEADER_BYTES = 16 << 10     # a request's header block (names, values), as the docs promise
+MAX_TARGET_BYTES = 8 << 10      # its path and query
+SIMPLE_TYPES = (b"text/plain", b"application/x-www-form-urlencoded", b"multipart/form-data")
+LOOPBACK = {"localhost", "127.0.0.1", "::1", "[::1]"}
+
+
+class GuardMiddleware:
+    """Before anything else reads a request: a header block over 16 KiB (431) or
+    a target over 8 KiB (414); a Host header that names neither a loopback name,
+    the address the server is bound to nor an --allowed-hosts entry (403: a web
+    page's DNS rebinding); a POST body of a type a browser sends cross-origin
+    without asking (text/plain, forms: 415), so that no page can fire requests
+    at a local server."""
+
+    def __init__(self, app, allowed_hosts: frozenset[str] | None):
+        self.app, self.allowed = app, allowed_hosts     # None: any Host (bound to every address)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = scope["headers"]
+        resp = None
+        if sum(len(k) + len(v) + 4 for k, v in headers) > MAX_HEADER_BYTES:
+            resp = _error(431, f"the request's headers exceed {MAX_HEADER_BYTES} bytes", "invalid_request_error")
+        elif len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"") > MAX_TARGET_BYTES:
+            resp = _error(414, f"the request's URL exceeds {MAX_TARGET_BYTES} bytes", "invalid_request_error")
+        else:
+            h = dict(headers)
+            host = h.get(b"host", b"").decode("latin-1").strip().lower()
+            name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+            if self.allowed is not None and name not in self.allowed:
+                resp = _error(403, f"Host {host!r} is not one this server answers (a loopback name, its address or "
+                                   "--allowed-hosts)", "permission_error")
+            elif scope["method"] == "POST" and h.get(b"content-type", b"").split(b";")[0].strip().lower() \
+                    in SIMPLE_TYPES:
+                resp = _error(415, "send the body as JSON with 'Content-Type: application/json'",
+                              "invalid_request_error")
+        if resp is not None:
+            return await resp(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def allowed_hosts(bind: str, extra: str | None) -> frozenset[str] | None:
+    """The Host names a server bound to `bind` answers: loopback names, the bound
+    address and --allowed-hosts (comma separated; "*": any); None: any (bound
+    to every address with no --allowed-hosts)."""
+    names = {n.strip().lower() for n in (extra or "").split(",") if n.strip()}
+    if "*" in names or (bind in ("0.0.0.0", "::", "") and not names):
+        return None
+    b = bind.lower()
+    return frozenset(LOOPBACK | names | {b, f"[{b}]"})
 
 
 class CountMiddleware:
@@ -589,7 +685,8 @@ class CountMiddleware:
             self.metrics.http_request(path if path in _ROUTE_NAMES else "other", status[0])
 
 
-def create_app(st: ServerState, api_key: str | None = None, cors: str | None = None) -> Starlette:
+def create_app(st: ServerState, api_key: str | None = None, cors: str | None = None,
+               hosts: frozenset[str] | None = frozenset(LOOPBACK)) -> Starlette:
     @asynccontextmanager
     async def lifespan(app):
         st.worker.start()
@@ -598,7 +695,7 @@ def create_app(st: ServerState, api_key: str | None = None, cors: str | None = N
         finally:
             await anyio.to_thread.run_sync(st.worker.stop)
 
-    middleware = [Middleware(CountMiddleware, metrics=st.metrics)]
+    middleware = [Middleware(CountMiddleware, metrics=st.metrics), Middleware(GuardMiddleware, allowed_hosts=hosts)]
     if cors:
         middleware.append(Middleware(CORSMiddleware, allow_origins=[o.strip() for o in cors.split(",")],
                                      allow_methods=["GET", "POST", "OPTIONS"],
@@ -607,6 +704,7 @@ def create_app(st: ServerState, api_key: str | None = None, cors: str | None = N
         middleware.append(Middleware(AuthMiddleware, key=api_key))
     handlers: dict[Any, Any] = {   # (Starlette types a handler by Exception, not by its own class)
         HTTPError: on_http_error, QueueFull: on_busy, Unavailable: on_busy, VkEngineError: on_user_error,
+        ClientGone: on_client_gone,
         HTTPException: on_starlette, Exception: on_crash}
     app = Starlette(routes=ROUTES, middleware=middleware, lifespan=lifespan, exception_handlers=handlers)
     app.state.server = st

@@ -129,7 +129,9 @@ def build(args):
                      max_body=args.max_body, parallel=args.parallel, mode=args.mode,
                      kv_cache=(eng.kv.types.k, eng.kv.types.v),
                      pooling=pooling)
-    return create_app(st, api_key=args.api_key, cors=args.cors), st, dev
+    from .app import allowed_hosts
+    return create_app(st, api_key=args.api_key, cors=args.cors,
+                      hosts=allowed_hosts(args.host, args.allowed_hosts)), st, dev
 
 
 def serve_main(args) -> int:

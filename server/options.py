@@ -51,6 +51,10 @@ def add_serve_args(p) -> None:
     p.add_argument("--api-key", default=os.environ.get("VKENGINE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $VKENGINE_API_KEY; the environment keeps "
                         "the key out of the process list)")
+    p.add_argument("--allowed-hosts", default=None, metavar="NAMES",
+                   help="Host header names answered besides loopback names and the bound address, comma separated "
+                        "('*': any; bound to 0.0.0.0 or :: without this flag: any): a web page cannot reach a local "
+                        "server through DNS rebinding")
     p.add_argument("--cors", default=None, help="allowed CORS origin(s), comma separated (off unless given)")
     p.add_argument("--chat-template-file", default=None, metavar="PATH",
                    help="a jinja chat template in place of the model's (as llama-server's)")

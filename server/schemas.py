@@ -40,10 +40,14 @@ def bad(field_name: str, message: str) -> HTTPError:
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
+def _not_json(name: str):
+    raise ValueError(f"{name} is not JSON (numbers must be finite)")
+
+
 def parse_json(raw: bytes) -> dict:
     try:
         text = raw.decode("utf-8-sig")            # RFC 8259: JSON exchanged between systems is UTF-8
-        body = json.loads(text)
+        body = json.loads(text, parse_constant=_not_json)
         # JSON lets "\ud800" through; a lone surrogate is no Unicode text (the tokenizer and the
         # response encoder would fail on it), so strings must survive UTF-8 encoding
         if _SURROGATE_ESCAPE.search(text):
@@ -317,7 +321,7 @@ def _prompt(f: Fields, n_vocab: int) -> str | list[int]:
         return v
     if isinstance(v, list) and v and all(isinstance(t, str) for t in v):
         raise bad("prompt", "holds several prompts; send one per request")
-    return f.token_ids("prompt", n_vocab)
+    return Fields({"prompt": v}).token_ids("prompt", n_vocab)    # (a batch of one: the inner list)
 
 
 def completion(body: dict, n_vocab: int, max_tokens: int) -> Generation:

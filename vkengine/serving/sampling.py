@@ -65,8 +65,8 @@ class SamplingParams:
             raise VkEngineError("top_k must be >= 0 (0 disables it)")
         if not 0 < self.top_p <= 1:
             raise VkEngineError("top_p must be in (0, 1]")
-        if not 0 <= self.min_p < 1:
-            raise VkEngineError("min_p must be in [0, 1)")
+        if not 0 <= self.min_p <= 1:
+            raise VkEngineError("min_p must be in [0, 1]")
         if not (self.repeat_penalty > 0 and np.isfinite(self.repeat_penalty)):
             raise VkEngineError("repeat_penalty must be > 0")
         if self.repeat_last_n < 0:
