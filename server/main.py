@@ -134,8 +134,18 @@ def build(args):
                       hosts=allowed_hosts(args.host, args.allowed_hosts)), st, dev
 
 
+def default_max_connections() -> int:
+    """Open connections kept at most: the file-descriptor limit less room for the
+    model's files, the device and logs."""
+    import resource
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return max(64, min(4096, (soft if soft != resource.RLIM_INFINITY else 4096) - 128))
+
+
 def serve_main(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.header_timeout <= 0 or (args.max_connections and args.max_connections < 8) or args.max_connections < 0:
+        raise VkEngineError("--header-timeout must be > 0 and --max-connections 0 (the default) or >= 8")
     if args.max_tokens < 1 or args.max_body < 1 or args.max_queue < 0:
         raise VkEngineError("--max-tokens and --max-body must be >= 1, --max-queue >= 0")
     if args.api_key is not None and not args.api_key.strip():
@@ -146,8 +156,13 @@ def serve_main(args) -> int:
              st.worker.cfg.n_slots, st.n_ctx, st.worker.cfg.step_tokens, st.worker.cfg.max_prompt_rows, *st.kv_cache)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log.warning("listening on %s without --api-key: anyone who can reach it can use it", args.host)
+    from .guard import AcceptErrorFilter, GuardedH11Protocol
+    GuardedH11Protocol.header_timeout = args.header_timeout
+    GuardedH11Protocol.max_open = args.max_connections or default_max_connections()
+    logging.getLogger("asyncio").addFilter(AcceptErrorFilter())
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", access_log=False,
-                            timeout_graceful_shutdown=args.shutdown_grace + 5, lifespan="on")
+                            timeout_graceful_shutdown=args.shutdown_grace + 5, lifespan="on",
+                            http=GuardedH11Protocol)
     server = _Server(config, st.worker, args.shutdown_grace)
     server.run()
     print("server stopped", file=sys.stderr)

@@ -55,6 +55,12 @@ def add_serve_args(p) -> None:
                    help="Host header names answered besides loopback names and the bound address, comma separated "
                         "('*': any; bound to 0.0.0.0 or :: without this flag: any): a web page cannot reach a local "
                         "server through DNS rebinding")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a connection has to send a request's headers (from its opening or its previous "
+                        "reply) before it is closed")
+    p.add_argument("--max-connections", type=int, default=0,
+                   help="open connections kept at most; past it the oldest one still sending its headers is "
+                        "closed (default: the file-descriptor limit less 128, at most 4096)")
     p.add_argument("--cors", default=None, help="allowed CORS origin(s), comma separated (off unless given)")
     p.add_argument("--chat-template-file", default=None, metavar="PATH",
                    help="a jinja chat template in place of the model's (as llama-server's)")

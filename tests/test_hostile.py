@@ -119,3 +119,66 @@ def test_the_probes_validation_slips(srv):
         r = httpx.post(srv.url + "/completion", content=b'{"prompt": "hi", "unknown": ' + const.encode() + b"}",
                        headers={"Content-Type": "application/json"}, timeout=30)
         assert r.status_code == 400 and "not JSON" in r.json()["error"]["message"], r.text
+
+
+def _health(k: socket.socket) -> bytes:
+    """One /health request on an open connection: its whole reply."""
+    k.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    out = b""
+    while b'"ok"}' not in out:
+        chunk = k.recv(4096)
+        if not chunk:
+            break
+        out += chunk
+    return out
+
+
+def _closed(s: socket.socket, wait: float) -> bool:
+    """Whether the server closed the socket within `wait` seconds."""
+    s.settimeout(wait)
+    try:
+        return s.recv(1024) == b""
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_trickled_headers_are_closed_at_the_deadline(serve):
+    """Slowloris: connections that never finish their headers are closed after
+    --header-timeout, including a keep-alive connection trickling its second
+    request; a normal request meanwhile is answered."""
+    s = serve("--parallel", "1", "--header-timeout", "1.5")
+    socks = [socket.create_connection(("127.0.0.1", s.port), timeout=10) for _ in range(20)]
+    for k in socks:
+        k.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+    ka = socket.create_connection(("127.0.0.1", s.port), timeout=10)
+    assert b"200 OK" in _health(ka)
+    ka.sendall(b"GET /health HTTP/1.1\r\nHo")                    # the next request, trickled
+    assert httpx.get(s.url + "/health", timeout=10).status_code == 200
+    time.sleep(0.5)
+    for k in socks:
+        k.sendall(b"a")                                          # still trickling: bytes do not reset the deadline
+    assert all(_closed(k, 3.0) for k in socks)
+    assert _closed(ka, 3.0)
+    assert b"200 OK" in _health(socket.create_connection(("127.0.0.1", s.port), timeout=10))
+    assert "Traceback" not in s.log()
+
+
+def test_past_the_connection_cap_the_oldest_trickler_goes(serve):
+    """--max-connections: a flood of trickling connections cannot take every
+    descriptor; the oldest still sending headers is closed for each newcomer,
+    and a prompt request gets in throughout."""
+    s = serve("--parallel", "1", "--max-connections", "16", "--header-timeout", "60")
+    socks = []
+    for _ in range(40):
+        k = socket.create_connection(("127.0.0.1", s.port), timeout=10)
+        k.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+        socks.append(k)
+    time.sleep(0.3)
+    for _ in range(5):
+        assert httpx.get(s.url + "/health", timeout=10).status_code == 200
+    closed = [_closed(k, 0.5) for k in socks]
+    assert sum(closed) >= 24 and not any(closed[-10:]), closed   # the oldest went, the newest stayed
+    lines = [ln for ln in s.log().splitlines() if "closed" in ln and "connection" in ln]
+    assert 1 <= len(lines) <= 10, lines                          # rate-limited, not one line a connection
