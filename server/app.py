@@ -493,6 +493,9 @@ async def detokenize(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
+    fault = _st(request).worker.fault
+    if fault is not None:
+        return JSONResponse({"status": "error", "error": fault}, status_code=503)
     if not _st(request).worker.accepting:
         return JSONResponse({"status": "shutting down"}, status_code=503)
     return JSONResponse({"status": "ok"})

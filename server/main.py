@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -164,6 +165,14 @@ def serve_main(args) -> int:
                             timeout_graceful_shutdown=args.shutdown_grace + 5, lifespan="on",
                             http=GuardedH11Protocol)
     server = _Server(config, st.worker, args.shutdown_grace)
+
+    def on_fault(why: str) -> None:   # (the engine thread) the failed requests' error events go out, then exit
+        threading.Timer(1.0, lambda: setattr(server, "should_exit", True)).start()
+    st.worker.on_fault = on_fault
     server.run()
+    if st.worker.fault is not None:
+        print(f"error: {st.worker.fault}; exiting with status 3 for the supervisor to restart the server",
+              file=sys.stderr)
+        return 3
     print("server stopped", file=sys.stderr)
     return 0

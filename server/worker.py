@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import TextIO
 
 from vkengine.engine import Engine
-from vkengine.errors import VkEngineError
+from vkengine.errors import DeviceFault, VkEngineError
 from vkengine.serving.runner import Event, GenRequest, Job, Runner
 from vkengine.serving.scheduler import SchedulerConfig
 
@@ -46,6 +46,8 @@ class Worker:
         self._deadline: float | None = None
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self.fault: str | None = None     # why the device failed (then the worker ends; see _loop)
+        self.on_fault: Callable[[str], object] | None = None   # told once, from the engine thread
         self._publish()
 
     @property
@@ -61,6 +63,8 @@ class Worker:
             emit(ev)
         job = self.runner.make_job(req, emit_and_count)
         with self._cv:
+            if self.fault is not None:
+                raise Unavailable(f"{self.fault}; the server is stopping")
             if not self._accepting:
                 raise Unavailable("the server is shutting down")
             if self._active >= self.cfg.max_live + self.cfg.max_queue:
@@ -124,10 +128,33 @@ class Worker:
                 if not self.run_once():
                     with self._cv:
                         self._cv.wait(0.01)
+            except DeviceFault as e:              # nothing on the device can be trusted: end all, stop
+                self._device_failed(str(e))
+                return
             except Exception:                     # keep serving others; fail what was running
                 log.exception("engine step failed")
                 r.settle()
                 r.cancel_all("internal error in the engine step (see the server log)", "error")
+
+    def _device_failed(self, why: str) -> None:
+        """A GPU fault: every request ends with a 503 naming it, nothing new is
+        taken, /health says so, and on_fault (the server: exit non-zero, for its
+        supervisor to restart the process; re-creating a lost Vulkan device
+        in-process would mean rebuilding every buffer and pipeline kp holds,
+        which a fresh process does more surely) is told."""
+        log.error("%s: ending every request; the server stops", why)
+        with self._cv:
+            self.fault = why
+            self._accepting = False
+        r = self.runner
+        r.inflight.clear()                   # (their results are gone with the device)
+        self._drain_inbox()
+        r.cancel_all(f"{why}; the server is stopping (its supervisor restarts it)")
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        if self.on_fault is not None:
+            self.on_fault(why)
 
     def run_once(self) -> bool:
         """One turn of the runner, with the inbox drained between collecting a

@@ -182,3 +182,38 @@ def test_past_the_connection_cap_the_oldest_trickler_goes(serve):
     assert sum(closed) >= 24 and not any(closed[-10:]), closed   # the oldest went, the newest stayed
     lines = [ln for ln in s.log().splitlines() if "closed" in ln and "connection" in ln]
     assert 1 <= len(lines) <= 10, lines                          # rate-limited, not one line a connection
+
+
+def test_a_gpu_fault_ends_requests_with_503_and_the_process_exits(tiny_gguf, tmp_path):
+    """VK_ERROR_DEVICE_LOST under a running step (the device layer's fault hook,
+    VKENGINE_FAULT_INJECT): the stream in flight ends with a 503 error event
+    naming it, new requests and /health get 503, and the process exits with
+    status 3 for its supervisor, one error line and no traceback in its log."""
+    import json
+    import os
+
+    from .serving import ServerProcess
+    env = {**os.environ, "VKENGINE_FAULT_INJECT": "device_lost:40"}
+    s = ServerProcess(["--model", str(tiny_gguf), "--ctx", str(CTX), "--parallel", "2"], tmp_path / "log", env=env)
+    try:
+        events = []
+        with httpx.stream("POST", s.url + "/completion", json={"prompt": "Once upon a time", "n_predict": 200,
+                                                               "stream": True, "ignore_eos": True}, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
+        last = events[-1]
+        assert "error" in last and last["error"]["code"] == 503, last
+        assert "VK_ERROR_DEVICE_LOST" in last["error"]["message"]
+        try:
+            h = httpx.get(s.url + "/health", timeout=5)
+            assert h.status_code == 503 and "DEVICE_LOST" in h.json()["error"]
+            g = httpx.post(s.url + "/completion", json={"prompt": "hi", "n_predict": 2}, timeout=5)
+            assert g.status_code == 503
+        except httpx.TransportError:
+            pass                                                   # (already exiting)
+        assert s.proc.wait(timeout=60) == 3
+    finally:
+        s.stop()
+    log = s.log()
+    assert "Traceback" not in log and "exiting with status 3" in log

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import VkEngineError
+from .errors import DeviceFault, VkEngineError
 
 # Vulkan flag bits used in barriers (vulkan_core.h)
 _STAGE_COMPUTE = 0x00000800
@@ -271,8 +271,13 @@ class Program:
         self._seq.eval_async()
 
     def wait(self) -> None:
-        """Wait for the last submit() to finish (the GIL is released meanwhile)."""
-        self._seq.eval_await()
+        """Wait for the last submit() to finish (the GIL is released meanwhile).
+        A failure of the device under it raises DeviceFault."""
+        try:
+            self._seq.eval_await()
+        except Exception as e:      # (kp raises what vk::Result it got as a RuntimeError)
+            raise DeviceFault(f"the GPU failed: {e}") from e
+        self.device.count_wait()
 
     def timings(self) -> list[tuple[str, float]]:
         """(label, microseconds) of every operation in the last run."""
@@ -283,10 +288,23 @@ class Program:
         return [(op.label or op.kind, (ts[i + 1] - ts[i]) * period / 1000.0) for i, op in enumerate(self.ops)]
 
 
+def _fault_after(spec: str) -> int | None:
+    if not spec:
+        return None
+    kind, _, n = spec.partition(":")
+    if kind != "device_lost" or not n.isdigit() or int(n) < 1:
+        raise VkEngineError(f"VKENGINE_FAULT_INJECT={spec!r}: expected device_lost:N (N >= 1)")
+    return int(n)
+
+
 class Device:
     """One Vulkan device through kp: buffers, transfers, pipelines, programs."""
 
     def __init__(self, index: int | None = None, staging_bytes: int = 32 << 20):
+        # a test's fault hook: VKENGINE_FAULT_INJECT=device_lost:N makes the N-th program wait fail as a
+        # lost device would (server tests of what a GPU fault does to requests, /health and the process)
+        self._fault_after = _fault_after(os.environ.get("VKENGINE_FAULT_INJECT", ""))
+        self._waits = 0
         self._kp = _import_kp()
         devices = list_devices()
         self.info = pick_device(devices, index)
@@ -419,6 +437,12 @@ class Device:
     @property
     def n_pipelines(self) -> int:
         return len(self._algorithms)
+
+    def count_wait(self) -> None:
+        """A program finished (the fault hook counts them)."""
+        self._waits += 1
+        if self._fault_after is not None and self._waits >= self._fault_after:
+            raise DeviceFault("the GPU failed: VK_ERROR_DEVICE_LOST (injected by VKENGINE_FAULT_INJECT)")
 
     def program(self, timestamps: bool = False) -> Program:
         return Program(self, timestamps)
