@@ -25,6 +25,13 @@ server that dies or logs a traceback, or a leak makes the exit status 1.
     .venv/bin/python bench/soak.py --clients 8 --minutes 5
     .venv/bin/python bench/soak.py --model /tmp/rel/llama-tiny-q8_0.gguf -c 4 --requests 60
     .venv/bin/python bench/soak.py --url http://127.0.0.1:8080 -c 8 --minutes 10
+    .venv/bin/python bench/soak.py -c 32 --minutes 10 --hostile 1000     # issue 37's soak
+
+--hostile N mixes N hostile connections into the run, spread over it: bodies
+cut off mid-way, headers trickled until the server closes the connection
+(--header-timeout), chunked bodies with broken framing; a probe meanwhile asks
+/health every 0.2 s (its latency p99 is reported and must stay under 100 ms)
+and the server log must stay bounded (under 1 MiB).
 """
 from __future__ import annotations
 
@@ -382,6 +389,76 @@ def sample_rss(url: str, every: float, stop: threading.Event, out: list[tuple[fl
             pass
 
 
+def hostile(url: str, n: int, until: float, stop: threading.Event, seen: Counter) -> None:
+    """n hostile connections, spread evenly until `until`, each kind in turn; up
+    to 64 trickling connections are held at once (each until the server closes it)."""
+    import socket
+    u = urlparse(url)
+    addr = (u.hostname or "127.0.0.1", u.port or 80)
+    held: list[tuple[socket.socket, float]] = []
+    gap = max(0.001, (until - time.monotonic()) / max(1, n))
+    for i in range(n):
+        if stop.is_set():
+            break
+        kind = ("half-body", "trickle", "bad-chunks")[i % 3]
+        try:
+            k = socket.create_connection(addr, timeout=10)
+            if kind == "half-body":
+                k.sendall(b"POST /completion HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: 100\r\n\r\n{\"prompt\": \"hal")
+                k.close()
+            elif kind == "bad-chunks":
+                k.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                          b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"pro\r\nZZ\r\n")
+                k.settimeout(10)
+                try:
+                    k.recv(4096)
+                except OSError:
+                    pass
+                k.close()
+            else:
+                k.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+                k.setblocking(False)
+                held.append((k, time.monotonic()))
+            seen[kind] += 1
+        except OSError as e:
+            seen[f"{kind} refused ({type(e).__name__})"] += 1
+        still = []
+        for k, t in held:                     # trickle a byte; a closed one is done
+            try:
+                k.send(b"a")
+                if k.recv(1) == b"":
+                    k.close()
+                    seen["trickle closed by the server"] += 1
+                    continue
+            except BlockingIOError:
+                pass
+            except OSError:
+                k.close()
+                seen["trickle closed by the server"] += 1
+                continue
+            still.append((k, t))
+        held = still[-64:]
+        for k, _ in still[:-64]:
+            k.close()
+        time.sleep(gap)
+    for k, _ in held:
+        k.close()
+
+
+def health_probe(url: str, stop: threading.Event, out: list[float]) -> None:
+    while not stop.is_set():
+        t = time.monotonic()
+        try:
+            if httpx.get(url + "/health", timeout=10).status_code == 200:
+                out.append(time.monotonic() - t)
+            else:
+                out.append(float("inf"))
+        except httpx.HTTPError:
+            out.append(float("inf"))
+        stop.wait(0.2)
+
+
 def wait_idle(url: str, timeout: float) -> dict[str, float] | None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -456,6 +533,7 @@ def main(argv=None) -> int:
     ap.add_argument("--idle-timeout", type=float, default=120.0, help="seconds the server may take to go idle")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the figures here")
+    ap.add_argument("--hostile", type=int, default=0, help="hostile connections mixed in (see above)")
     args = ap.parse_args(argv)
     if args.url and urlparse(args.url).hostname not in ("127.0.0.1", "localhost", "::1"):
         raise SystemExit("--url must be a loopback address: the soak is not for other people's servers")
@@ -482,11 +560,21 @@ def main(argv=None) -> int:
         stop = threading.Event()
         sampler = threading.Thread(target=sample_rss, args=(url, max(5.0, args.minutes * 6), stop, rss))
         sampler.start()
+        hostile_seen: Counter = Counter()
+        health_s: list[float] = []
+        side = [threading.Thread(target=health_probe, args=(url, stop, health_s))]
+        if args.hostile:
+            side.append(threading.Thread(target=hostile, args=(url, args.hostile, t0 + args.minutes * 60, stop,
+                                                                hostile_seen)))
+        for th in side:
+            th.start()
         try:
             results = run_clients(url, lim, args.clients, t0 + args.minutes * 60, args.requests, args.seed)
         finally:
             stop.set()
             sampler.join()
+            for th in side:
+                th.join()
         wall = time.monotonic() - t0
         end = wait_idle(url, args.idle_timeout)
         if end is None:
@@ -501,6 +589,11 @@ def main(argv=None) -> int:
             failures.append(f"the server did not shut down cleanly on SIGINT (exit status {rc})")
         if "Traceback" in log or " ERROR " in log:
             failures.append(f"the server log has errors ({srv.log})")
+        if args.hostile and len(log) > 1 << 20:
+            failures.append(f"the server log grew to {len(log)} bytes under hostile connections ({srv.log})")
+    health_p99 = pct(health_s, .99)
+    if args.hostile and not health_p99 < 100.0:
+        failures.append(f"/health p99 {health_p99:.0f} ms (must be < 100 ms)")
 
     outcomes = Counter(r.outcome if not r.outcome.startswith("error:") else "error" for r in results)
     errors = Counter(r.outcome[6:] for r in results if r.outcome.startswith("error:"))
@@ -537,6 +630,9 @@ def main(argv=None) -> int:
           f"HTTP by status {({k: int(v) for k, v in sorted(statuses.items())})}")
     print(f"TTFT ms p50 {pct(ttft, .5):.0f} p99 {pct(ttft, .99):.0f} ({len(ttft)} streams); "
           f"inter-token ms p50 {pct(gaps, .5):.1f} p99 {pct(gaps, .99):.1f} ({len(gaps)} gaps)")
+    print(f"/health ms p50 {pct(health_s, .5):.1f} p99 {health_p99:.1f} max {pct(health_s, 1.0):.1f} "
+          f"({len(health_s)} probes)" + (f"; hostile connections: {dict(hostile_seen)}; server log "
+                                          f"{srv.log.stat().st_size if srv else 0} bytes" if args.hostile else ""))
     if rss:
         print("host RSS under load (MiB): " + ", ".join(f"{t / 60:.1f} min {v / 2 ** 20:.0f}" for t, v in rss))
     print("\n| at idle | start | end |\n| --- | ---: | ---: |")
@@ -554,6 +650,8 @@ def main(argv=None) -> int:
             "ttft_ms": {"p50": pct(ttft, .5), "p99": pct(ttft, .99), "n": len(ttft)},
             "itl_ms": {"p50": pct(gaps, .5), "p99": pct(gaps, .99), "n": len(gaps)},
             "server_finishes": finishes, "server_statuses": statuses, "rss_under_load": rss,
+            "health_ms": {"p50": pct(health_s, .5), "p99": health_p99, "n": len(health_s)},
+            "hostile": dict(hostile_seen),
             "memory": {label: [total(start, n, **lab), total(end, n, **lab)] for label, n, lab, _ in MEMORY},
             "checks": [{"what": w, "ok": ok, "value": v} for w, ok, v in checks], "failures": failures},
             indent=1))
