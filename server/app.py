@@ -643,7 +643,7 @@ class GuardMiddleware:
             h = dict(headers)
             host = h.get(b"host", b"").decode("latin-1").strip().lower()
             name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
-            if self.allowed is not None and name not in self.allowed:
+            if self.allowed is not None and name and name not in self.allowed:   # (no Host: HTTP/1.0, no browser)
                 resp = _error(403, f"Host {host!r} is not one this server answers (a loopback name, its address or "
                                    "--allowed-hosts)", "permission_error")
             elif scope["method"] == "POST" and h.get(b"content-type", b"").split(b";")[0].strip().lower() \

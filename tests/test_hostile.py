@@ -74,6 +74,10 @@ def test_a_foreign_host_is_refused(srv):
         assert r.status_code == want, (host, r.text)
 
 
+def test_a_request_without_host_is_answered(srv):
+    assert b"200 OK" in _raw(srv.port, b"GET /health HTTP/1.0\r\n\r\n")      # (HTTP/1.0 needs none)
+
+
 def test_hosts_allowed_by_flag(serve):
     from server.app import allowed_hosts
     assert allowed_hosts("0.0.0.0", None) is None and allowed_hosts("127.0.0.1", "*") is None
