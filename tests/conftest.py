@@ -166,3 +166,15 @@ def smollm2_engine(smollm2, device):
     eng = Engine(smollm2, device, engine_config(480, 32, smollm2.args.n_ctx_train))
     yield eng
     eng.close()
+
+
+# -- memory per test (VKENGINE_TEST_RSS_LOG=path: each test's node id and the process's resident MiB after it),
+# to find what holds memory across the suite (lavapipe's device memory is the process's own)
+
+def pytest_runtest_teardown(item, nextitem):
+    path = os.environ.get("VKENGINE_TEST_RSS_LOG")
+    if path:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") >> 20
+        with open(path, "a") as f:
+            f.write(f"{rss}\t{item.nodeid}\n")
