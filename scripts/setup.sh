@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up everything vkengine needs on a Debian/Ubuntu machine, idempotently:
-#   1. system packages: Vulkan loader + headers, Mesa's lavapipe (Vulkan on the
+#   1. system packages: Vulkan loader + headers + Khronos validation layer, Mesa's lavapipe (Vulkan on the
 #      CPU), glslc, cmake and compilers (skipped when all are installed)
 #   2. a virtual environment in .venv
 #   3. Kompute (kp 0.9.0) built from its sdist with patches/kp, cached in
@@ -16,7 +16,7 @@ cache=${VKENGINE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/vkengine}
 log() { printf '[setup] %s\n' "$*" >&2; }
 
 # 1. system packages
-pkgs=(libvulkan1 libvulkan-dev mesa-vulkan-drivers glslc libfmt-dev cmake g++ make patch)
+pkgs=(libvulkan1 libvulkan-dev mesa-vulkan-drivers vulkan-validationlayers glslc libfmt-dev cmake g++ make patch)
 missing=()
 for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then missing+=(python3-venv); fi

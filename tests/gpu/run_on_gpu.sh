@@ -8,6 +8,7 @@
 #
 # Stages:
 #   tests   kernel + model tests through Vulkan on the GPU (junit XML + log)
+#   validation  tests/test_vulkan_validation.py under Debian 13's Khronos layer (sync validation)
 #   llama   build llama.cpp 11434 with Vulkan (Debian 13 glslc: int-dot and
 #           cooperative-matrix shaders on) unless .vk/llama-vulkan.tar.xz has it
 #   profile GPU time per op (vkengine bench --profile $PROFILE_ARGS) on PROFILE_MODELS
@@ -97,6 +98,15 @@ run_stage() {
       ;;
     llama)
       build_llama
+      ;;
+    validation)
+      # the CI's validation-layer run (tests/test_vulkan_validation.py) on the GPU, with Debian 13's
+      # layer (1.4.309; this machine's glibc takes it) unpacked from .vk/trixie
+      mkdir -p /opt/vvl && dpkg -x .vk/trixie/vulkan-validationlayers_*.deb /opt/vvl
+      VKENGINE_VALIDATION_LAYER_PATH=/opt/vvl/usr/share/vulkan/explicit_layer.d \
+      LD_LIBRARY_PATH=/opt/vvl/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-} \
+        python3 -m pytest -q -p no:cacheprovider tests/test_vulkan_validation.py -rA \
+        --junitxml="$OUT/gpu-validation.xml" 2>&1 | tee "$OUT/gpu-validation.log" | tail -15
       ;;
     profile)
       # GPU time per op of a decode and a prefill step on each PROFILE_MODELS model
