@@ -36,6 +36,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--probe", action="store_true",
+                    help="also the engine alone (no runner): where a masked step's time goes")
     args = ap.parse_args()
 
     from server.worker import GenRequest, Worker
@@ -128,12 +130,59 @@ def main() -> int:
     summary["batch-mixed"]["aggregate_vs_batch_free"] = round(
         summary["batch-mixed"]["aggregate_tok_s_median"] / summary["batch-free"]["aggregate_tok_s_median"], 3)
     res["summary"] = summary
+    if args.probe:
+        w.runner.settle()
+        summary["probe"] = res["probe"] = probe(eng, prompt, args.tokens, args.reps)
     print(json.dumps(summary, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
     w.runner.settle()
     eng.close()
     return 0
+
+
+def probe(eng, prompt: list[int], n: int, reps: int) -> dict:
+    """Decode of one sequence by the engine alone, greedy, steps chained:
+    `free` (no masks), `masked-early` (masks given with each step: the pick
+    program's own cost), `masked-late` (each step's masks given after the step
+    before it is collected, as the runner must: the host's round trip on the
+    critical path), the same with a 0.3 ms host delay (a grammar's mask), and
+    both late forms with poll_picks on. Median tok/s over reps."""
+    from vkengine.engine import Readback
+    ones = np.full((1, eng.layout.mask_words), -1, np.int32)
+
+    def run(kind: str, poll: bool, delay: float) -> float:
+        eng.poll_picks = poll
+        tok = eng.prefill(prompt, 0)
+        pos = len(prompt)
+        masked = kind != "free"
+        early = ones if kind == "masked-early" else None
+        eng.submit([int(tok[0]) if hasattr(tok, "__len__") else int(tok)], [pos], [0], [0], Readback.ARGMAX,
+                   masked=masked, masks=ones if masked else None)
+        t0 = time.perf_counter()
+        for i in range(1, n):
+            eng.submit([0], [pos + i], [0], [0], Readback.ARGMAX, chain=[0], masked=masked, masks=early)
+            eng.collect()
+            if kind == "masked-late":
+                if delay:
+                    t = time.perf_counter() + delay
+                    while time.perf_counter() < t:
+                        pass
+                eng.submit_masks(ones)
+        eng.collect()
+        return (n - 1) / (time.perf_counter() - t0)
+
+    cases = [("free", False, 0.0), ("masked-early", False, 0.0), ("masked-late", False, 0.0),
+             ("masked-late", True, 0.0), ("masked-late", False, 3e-4), ("masked-late", True, 3e-4)]
+    out = {}
+    for kind, poll, delay in cases:
+        run(kind, poll, delay)      # warm-up: the recordings
+        rates = [run(kind, poll, delay) for _ in range(reps)]
+        out[f"{kind}{'-poll' if poll else ''}{'-delay0.3ms' if delay else ''}"] = round(float(np.median(rates)), 1)
+    base = out["free"]
+    out["vs_free"] = {k: round(v / base, 3) for k, v in out.items() if k != "free"}
+    eng.poll_picks = False
+    return out
 
 
 if __name__ == "__main__":

@@ -75,10 +75,13 @@ def test_masked_argmax_is_the_best_allowed_token(eng, tiny_model):
     assert got[0] == lg[0].argmax()
 
 
-def test_chained_masked_steps_take_masks_after_the_step_before(eng, tiny_model):
+@pytest.mark.parametrize("poll", [False, True])
+def test_chained_masked_steps_take_masks_after_the_step_before(eng, tiny_model, poll):
     """Two decode steps chained on the device, the second's masks given after
     the first is collected (as the runner does), against the same tokens chosen
-    on the host from the logits."""
+    on the host from the logits; poll: collect() watches for the tokens in host
+    memory before the fence wait (EngineConfig.poll_picks)."""
+    eng.poll_picks = poll
     V = tiny_model.args.n_vocab
     prompts = _prompts(tiny_model)
     toks, pos, slots, outs = _rows(prompts)
@@ -104,6 +107,7 @@ def test_chained_masked_steps_take_masks_after_the_step_before(eng, tiny_model):
     got.append(list(eng.collect()))
     eng.submit_masks(_bits(masks[2], V))
     got.append(list(eng.collect()))
+    eng.poll_picks = False
     assert got == want
 
 

@@ -12,6 +12,8 @@ decode steps and mixed batches of several sequences are all steps.
 from __future__ import annotations
 
 import enum
+import os
+import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -41,6 +43,7 @@ class Readback(enum.Flag):
         return bool(self & (Readback.ARGMAX | Readback.SAMPLE))
 
 
+_NO_TOKEN = np.uint32(0xFFFFFFFF)   # a masked step's token words until its pick writes them
 _READBACKS = (Readback.NONE, Readback.ARGMAX, Readback.SAMPLE, Readback.LOGITS, Readback.SAMPLE | Readback.LOGITS)
 
 
@@ -75,6 +78,10 @@ class EngineConfig:
     options: Options = field(default_factory=Options)   # kernel path switches (Options.from_env at the edge)
     kv_types: KVTypes = KVTypes()   # the KV cache's K and V types (--cache-type-k, --cache-type-v)
     embeddings: bool = False  # steps may read back every row's final-normed hidden state (Readback.HIDDEN)
+    # collect() of a masked step watches for its tokens in host memory before it waits on the pick's fence
+    # (a fence wait can sleep past the moment the tokens land; bench/mask_bench.py --probe measures it).
+    # None: the VKENGINE_POLL_PICKS environment variable (1/0), off by default
+    poll_picks: bool | None = None
 
 
 class _Submitted(NamedTuple):
@@ -153,6 +160,8 @@ class Engine:
         # input is a token the sequence never gets, which a recurrent state
         # would have taken in (a KV row past the sequence is never read).
         self.max_in_flight = cfg.max_in_flight if self.kv.rewindable else 2
+        self.poll_picks = cfg.poll_picks if cfg.poll_picks is not None else \
+            os.environ.get("VKENGINE_POLL_PICKS", "0") not in ("", "0")
         self._params = [device.buffer(self.layout.words * 4, "host", f"params-{i}")
                         for i in range(self.max_in_flight)]
         self.params = self._params[0]
@@ -597,6 +606,7 @@ class Engine:
             raise ValueError(f"masks: {sub.n_out} rows of {pl.mask_words} 32-bit words")
         prm = self._params[sub.params].array()
         prm[pl.masks:pl.masks + arr.size] = arr.view(np.uint32).reshape(-1)
+        prm[pl.argmax:pl.argmax + sub.n_out] = _NO_TOKEN    # (poll_picks: replaced by the tokens chosen)
         pick = self._program(0, sub.n_out, sub.readback, sub.params, part="pick")
         pick.submit()
         self._inflight[-1] = sub._replace(pick=pick)
@@ -609,9 +619,11 @@ class Engine:
             raise RuntimeError("the masked step's masks were never given (submit_masks)")
         prog, mode, n_out, buf, n, pick, _ = self._inflight.popleft()
         prog.wait()
-        if pick is not None:
-            pick.wait()
         pl, prm = self.layout, self._params[buf].array()
+        if pick is not None:
+            if self.poll_picks:
+                self._poll_tokens(prm[pl.argmax:pl.argmax + n_out])
+            pick.wait()
         tokens = prm[pl.argmax:pl.argmax + n_out].astype(np.int64) if mode.tokens else None
         out: Any = tokens
         if mode & Readback.LOGITS:
@@ -624,6 +636,21 @@ class Engine:
             hid = self.hidden_host.array(np.float32)[: n * st].reshape(n, st)[:, : self.args.n_embd].copy()
             return out, hid
         return out
+
+    @staticmethod
+    def _poll_tokens(words, limit_s: float = 0.05) -> None:
+        """Spin until every word has left _NO_TOKEN (the pick has written its
+        tokens to host memory) or limit_s has passed; the fence wait follows
+        either way. The GIL is let go every few hundred reads."""
+        t_end = time.perf_counter() + limit_s
+        last = words[-1:]
+        while True:
+            for _ in range(256):
+                if last[0] != _NO_TOKEN and (words != _NO_TOKEN).all():
+                    return
+            if time.perf_counter() > t_end:
+                return
+            time.sleep(0)
 
     def prefill(self, tokens, slot: int, start: int = 0, readback: Readback = Readback.ARGMAX, sampling=None):
         """Run a prompt through a slot in chunks of max_batch; returns the last
