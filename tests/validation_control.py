@@ -8,10 +8,11 @@ Three missing barriers: a dispatch's write read by a copy (read after write),
 a copy's write overwritten by a dispatch (write after write), and a dispatch
 reading a weight that a later copy overwrites (write after read). Under the
 Khronos layer with synchronization validation each must be reported; with the
-barriers the tracker records, nothing may be. (The layer, 1.3.239 and 1.4.309
-alike, reports nothing between two dispatches sharing a buffer even without a
-barrier, so the controls cross the dispatch/transfer boundary; dispatch-to-
-dispatch ordering is tested by value in test_kernels.py's dependent chain.)
+barriers the tracker records, nothing may be. (Two dispatches that both write
+one buffer were not reported with the barrier between them removed, by 1.3.239
+and 1.4.309 alike, so the controls cross the dispatch/transfer boundary; the
+ordering of dependent dispatches is tested by value in test_kernels.py's
+dependent chain.)
 """
 from __future__ import annotations
 
