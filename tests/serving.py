@@ -82,9 +82,10 @@ class ServerProcess:
         return self.proc.returncode
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def serve(tiny_gguf, tmp_path_factory):
-    """serve(*flags) -> a running ServerProcess on the tiny model, stopped at session end."""
+    """serve(*flags) -> a running ServerProcess on the tiny model, stopped at the
+    module's end (servers kept to the session's end held ~5 GB by its last modules)."""
     procs = []
 
     def start(*flags, model=str(tiny_gguf), ctx=CTX):
