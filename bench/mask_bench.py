@@ -44,6 +44,7 @@ def main() -> int:
     from vkengine.device import Device
     from vkengine.engine import Engine, EngineConfig
     from vkengine.model import load_model
+    from vkengine.options import Options
     from vkengine.serving import constrain
     from vkengine.serving.sampling import SamplingParams
     from vkengine.serving.scheduler import SchedulerConfig
@@ -51,30 +52,24 @@ def main() -> int:
     m = load_model(args.model)
     dev = Device(None)
     tok = m.tokenizer
-    eng = Engine(m, dev, EngineConfig(n_slots=4, n_ctx=2048, max_batch=512, max_out=4, max_in_flight=3))
+    eng = Engine(m, dev, EngineConfig(n_slots=4, n_ctx=2048, max_batch=512, max_out=4, max_in_flight=3,
+                                      options=Options.from_env()))   # (VKENGINE_POLL_PICKS=1 and the rest)
     w = Worker(eng, SchedulerConfig(n_slots=4, max_live=4, step_tokens=64))
     t0 = time.perf_counter()
     g = constrain.compile_grammar(tok, "json_schema", SCHEMA, "json_schema")
     compile_s = time.perf_counter() - t0
     mask_times: list[float] = []
-    real = constrain.Constraint.mask_into
 
-    def timed(self, out):
-        t = time.perf_counter()
-        try:
-            return real(self, out)
-        finally:
-            mask_times.append(time.perf_counter() - t)
-    real_apply = constrain.Constraint.apply
-
-    def timed_apply(self, logits):
-        t = time.perf_counter()
-        try:
-            return real_apply(self, logits)
-        finally:
-            mask_times.append(time.perf_counter() - t)
-    constrain.Constraint.mask_into = timed     # type: ignore[method-assign]
-    constrain.Constraint.apply = timed_apply   # type: ignore[method-assign]
+    def timed(real):
+        def call(self, arg):
+            t = time.perf_counter()
+            try:
+                return real(self, arg)
+            finally:
+                mask_times.append(time.perf_counter() - t)
+        return call
+    constrain.Constraint.mask_into = timed(constrain.Constraint.mask_into)   # type: ignore[method-assign]
+    constrain.Constraint.apply = timed(constrain.Constraint.apply)           # type: ignore[method-assign]
     prompt = tok.encode("Write a long story about a lighthouse keeper and the sea.")
     greedy = SamplingParams()
 

@@ -80,7 +80,7 @@ def test_chained_masked_steps_take_masks_after_the_step_before(eng, tiny_model, 
     """Two decode steps chained on the device, the second's masks given after
     the first is collected (as the runner does), against the same tokens chosen
     on the host from the logits; poll: collect() watches for the tokens in host
-    memory before the fence wait (EngineConfig.poll_picks)."""
+    memory before the fence wait (Options.poll_picks)."""
     eng.poll_picks = poll
     V = tiny_model.args.n_vocab
     prompts = _prompts(tiny_model)

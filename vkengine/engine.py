@@ -12,7 +12,6 @@ decode steps and mixed batches of several sequences are all steps.
 from __future__ import annotations
 
 import enum
-import os
 import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
@@ -78,10 +77,6 @@ class EngineConfig:
     options: Options = field(default_factory=Options)   # kernel path switches (Options.from_env at the edge)
     kv_types: KVTypes = KVTypes()   # the KV cache's K and V types (--cache-type-k, --cache-type-v)
     embeddings: bool = False  # steps may read back every row's final-normed hidden state (Readback.HIDDEN)
-    # collect() of a masked step watches for its tokens in host memory before it waits on the pick's fence
-    # (a fence wait can sleep past the moment the tokens land; bench/mask_bench.py --probe measures it).
-    # None: the VKENGINE_POLL_PICKS environment variable (1/0), off by default
-    poll_picks: bool | None = None
 
 
 class _Submitted(NamedTuple):
@@ -160,8 +155,7 @@ class Engine:
         # input is a token the sequence never gets, which a recurrent state
         # would have taken in (a KV row past the sequence is never read).
         self.max_in_flight = cfg.max_in_flight if self.kv.rewindable else 2
-        self.poll_picks = cfg.poll_picks if cfg.poll_picks is not None else \
-            os.environ.get("VKENGINE_POLL_PICKS", "0") not in ("", "0")
+        self.poll_picks = cfg.options.poll_picks   # (a fence wait can sleep past the tokens' arrival)
         self._params = [device.buffer(self.layout.words * 4, "host", f"params-{i}")
                         for i in range(self.max_in_flight)]
         self.params = self._params[0]
@@ -643,10 +637,9 @@ class Engine:
         tokens to host memory) or limit_s has passed; the fence wait follows
         either way. The GIL is let go every few hundred reads."""
         t_end = time.perf_counter() + limit_s
-        last = words[-1:]
         while True:
             for _ in range(256):
-                if last[0] != _NO_TOKEN and (words != _NO_TOKEN).all():
+                if (words != _NO_TOKEN).all():
                     return
             if time.perf_counter() > t_end:
                 return

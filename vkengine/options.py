@@ -77,6 +77,8 @@ class Options:
     xq8_in: bool = True           # ... with h' also as 8-bit blocks for a Q8_0 gate|up
     step_buckets: bool = True     # steps of more than 8 rows padded to a few shapes (GPUs)
     tiled_prompts: bool = True    # prompt steps padded to the tiled matmuls' rows (GPUs)
+    poll_picks: bool = False      # a masked step's collect() watches host memory for its tokens before the
+                                  # fence wait (bench/mask_bench.py --probe measures it; off until measured)
 
     @classmethod
     def from_env(cls, env=None) -> Options:
