@@ -8,9 +8,8 @@
 // it for text, where all sections share the position). q heads are q_head_stride
 // apart in a row (2*head_dim when each head's gate follows its query), k and v
 // heads start at columns k_col and v_col. One subgroup per (row, head); each
-// lane produces whole f16 pairs, or, into a q8_0 cache, whole units of 64
-// values (two 32-value blocks, whose max the lane takes itself, and their scale
-// word). cos/sin from the host table [pos][n_rot/2][2].
+// lane produces whole f16 pairs, or, into a q8_0 cache, words of 4 values whose
+// 32-value blocks' maxima the subgroup takes together. cos/sin from the host table [pos][n_rot/2][2].
 // The norm weights and the table share binding 0 (one weight-arena group).
 // The KV cache's layouts: kv.glsl (KV_K_Q8, KV_V_Q8).
 #include "common.glsl"
@@ -83,9 +82,50 @@ void main() {
         uint row = kv_at(pos);
         uint base = kind == 1u ? p.k_off + slot * sl.k_stride : p.v_off + slot * sl.v_stride;
         if (kind == 1u ? KV_K_Q8 != 0 : (kind == 2u && KV_V_Q8 != 0)) {
-            // q8_0: a lane a unit of 64 values (two blocks and their scale word)
             uint qrow = base + (row * p.n_kv + hh) * (p.head_dim / 4u);
             uint srow = base + (kind == 1u ? sl.k_scales : sl.v_scales) + (row * p.n_kv + hh) * (p.head_dim / 64u);
+            uint S = gl_SubgroupSize;
+            if (S >= 8u) {
+                // q8_0, a lane a word (4 values; two words a lane in subgroups of 8), a pass whole
+                // units of 16 words: each block's max a subgroupMax of its 8 words' lanes, the unit's
+                // scale word written by the lane of its first word (before: a lane took a whole unit
+                // of 64 values, 2 lanes busy on a 128-wide head; notes.md run 34)
+                uint nw = p.head_dim / 4u;
+                uint per = max(S, 16u);
+                uint lane = gl_SubgroupInvocationID;
+                for (uint w = 0u; w < nw; w += per) {
+                    uint wa = w + lane, wb = w + S + lane;            // this lane's words
+                    bool ona = wa < nw, onb = per > S && wb < nw;
+                    vec4 xa = vec4(0.0), xb = vec4(0.0);
+                    [[unroll]] for (uint j = 0u; j < 4u; j++) {
+                        if (ona) xa[j] = head_value(kind, src, 4u * wa + j, scale, wn, tb);
+                        if (onb) xb[j] = head_value(kind, src, 4u * wb + j, scale, wn, tb);
+                    }
+                    vec4 ya = abs(xa), yb = abs(xb);
+                    float aa = max(max(ya.x, ya.y), max(ya.z, ya.w)), ab = max(max(yb.x, yb.y), max(yb.z, yb.w));
+                    uint ba = lane / 8u, bb = (S + lane) / 8u;        // their blocks in this pass
+                    float ma = 0.0, ma2 = 0.0, mb = 0.0, mb2 = 0.0;  // the blocks' maxima, and the next ones'
+                    for (uint b = 0u; b < per / 8u; b++) {
+                        float m = subgroupMax(max(ba == b ? aa : 0.0, bb == b ? ab : 0.0));
+                        if (ba == b) ma = m;
+                        if (ba + 1u == b) ma2 = m;
+                        if (bb == b) mb = m;
+                        if (bb + 1u == b) mb2 = m;
+                    }
+                    if (ona) {
+                        float d = kv_q8_scale(ma);
+                        kv[qrow + wa] = kv_q8_pack(xa, kv_q8_inv(d));
+                        if ((wa & 15u) == 0u) kv[srow + wa / 16u] = packHalf2x16(vec2(d, kv_q8_scale(ma2)));
+                    }
+                    if (onb) {
+                        float d = kv_q8_scale(mb);
+                        kv[qrow + wb] = kv_q8_pack(xb, kv_q8_inv(d));
+                        if ((wb & 15u) == 0u) kv[srow + wb / 16u] = packHalf2x16(vec2(d, kv_q8_scale(mb2)));
+                    }
+                }
+                continue;
+            }
+            // subgroups under 8 lanes: a lane a unit of 64 values (two blocks and their scale word)
             for (uint u = gl_SubgroupInvocationID; u < p.head_dim / 64u; u += gl_SubgroupSize) {
                 vec2 ds;
                 [[unroll]] for (uint b = 0u; b < 2u; b++) {

@@ -97,8 +97,10 @@ class AttentionKernels(KernelBase):
                           table_off=table.off, k_off=k_cache.off, v_off=v_cache.off, slot_stride=slot_stride,
                           pos_off=pos_off, slot_off=slot_off, ring=ring)
         alg = self._alg(name, [table.buf, act, params, kv], push, self.caps.ew_wg, 1)
-        # an invocation a q word (2 dims), and per K or V head an f16 pair or 64 q8_0 values
-        units = {"f16": head_dim // 2, "q8_0": head_dim // 64}
+        # an invocation a q word (2 dims), and per K or V head an f16 pair or a q8_0 word (4 values)
+        units = {"f16": head_dim // 2, "q8_0": head_dim // 4}
+        if kv_types.quantized and self.caps.ew_wg % 16:   # (a q8_0 unit's 16 words in one workgroup)
+            raise VkEngineError(f"a q8_0 cache needs elementwise workgroups of a multiple of 16, not {self.caps.ew_wg}")
         per_row = n_head * head_dim // 2 + n_kv * (units[kv_types.k] + units[kv_types.v])
         width = (n_head + 2 * n_kv) * head_dim
         reads = [table.range, rows_range(qkv, n_rows, qkv_stride, width),
