@@ -36,6 +36,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--probe-only", action="store_true", help="the engine probe alone (no runner scenarios)")
     ap.add_argument("--probe", action="store_true",
                     help="also the engine alone (no runner): where a masked step's time goes")
     args = ap.parse_args()
@@ -97,11 +98,14 @@ def main() -> int:
 
     scen = {"free": ["free"], "json-device": ["device"], "json-host": ["host"],
             "batch-free": ["free"] * 4, "batch-mixed": ["device", "free", "free", "free"]}
-    run(["free"])
-    run(["device"])                            # warm-up: recordings of every step shape
     res: dict = {"model": Path(args.model).name, "n_vocab": m.args.n_vocab, "device": dev.info.name,
                  "tokens": args.tokens, "grammar_compile_s": round(compile_s, 3), "runs": {}}
-    for rep in range(args.reps):
+    if args.probe_only:
+        scen = {}
+    else:
+        run(["free"])
+        run(["device"])                            # warm-up: recordings of every step shape
+    for rep in range(args.reps if scen else 0):
         for name, kinds in scen.items():
             mask_times.clear()
             r = run(kinds)
@@ -119,13 +123,14 @@ def main() -> int:
                          "aggregate_tok_s_median": round(float(np.median([sum(r["decode_tok_s"]) for r in runs])), 1)}
         if "mask_us" in runs[-1]:
             summary[name]["mask_us"] = runs[-1]["mask_us"]
-    base = summary["free"]["first_request_tok_s_median"]
-    for name in ("json-device", "json-host"):
-        summary[name]["vs_free"] = round(summary[name]["first_request_tok_s_median"] / base, 3)
-    summary["batch-mixed"]["aggregate_vs_batch_free"] = round(
-        summary["batch-mixed"]["aggregate_tok_s_median"] / summary["batch-free"]["aggregate_tok_s_median"], 3)
+    if scen:
+        base = summary["free"]["first_request_tok_s_median"]
+        for name in ("json-device", "json-host"):
+            summary[name]["vs_free"] = round(summary[name]["first_request_tok_s_median"] / base, 3)
+        summary["batch-mixed"]["aggregate_vs_batch_free"] = round(
+            summary["batch-mixed"]["aggregate_tok_s_median"] / summary["batch-free"]["aggregate_tok_s_median"], 3)
     res["summary"] = summary
-    if args.probe:
+    if args.probe or args.probe_only:
         w.runner.settle()
         summary["probe"] = res["probe"] = probe(eng, prompt, args.tokens, args.reps)
     print(json.dumps(summary, indent=1))
@@ -146,6 +151,8 @@ def probe(eng, prompt: list[int], n: int, reps: int) -> dict:
     from vkengine.engine import Readback
     ones = np.full((1, eng.layout.mask_words), -1, np.int32)
 
+    waits: list[float] = []
+
     def run(kind: str, poll: bool, delay: float) -> float:
         eng.poll_picks = poll
         tok = eng.prefill(prompt, 0)
@@ -154,28 +161,41 @@ def probe(eng, prompt: list[int], n: int, reps: int) -> dict:
         early = ones if kind == "masked-early" else None
         eng.submit([int(tok[0]) if hasattr(tok, "__len__") else int(tok)], [pos], [0], [0], Readback.ARGMAX,
                    masked=masked, masks=ones if masked else None)
+        waits.clear()
         t0 = time.perf_counter()
         for i in range(1, n):
             eng.submit([0], [pos + i], [0], [0], Readback.ARGMAX, chain=[0], masked=masked, masks=early)
+            tw = time.perf_counter()
             eng.collect()
+            waits.append(time.perf_counter() - tw)
+            if delay:       # host work after a step's tokens arrive (a grammar's mask), in every kind
+                t = time.perf_counter() + delay
+                while time.perf_counter() < t:
+                    pass
             if kind == "masked-late":
-                if delay:
-                    t = time.perf_counter() + delay
-                    while time.perf_counter() < t:
-                        pass
                 eng.submit_masks(ones)
         eng.collect()
         return (n - 1) / (time.perf_counter() - t0)
 
+    # the host delay swept: the step grows by the delay where the host's round trip is on the
+    # critical path, and not at all while the forward of the step in flight hides it
     cases = [("free", False, 0.0), ("masked-early", False, 0.0), ("masked-late", False, 0.0),
-             ("masked-late", True, 0.0), ("masked-late", False, 3e-4), ("masked-late", True, 3e-4)]
-    out = {}
+             ("masked-late", True, 0.0)]
+    cases += [("masked-late", False, d) for d in (1e-4, 2e-4, 4e-4, 8e-4)]
+    cases += [("masked-early", False, 4e-4), ("free", False, 8e-4), ("masked-late", True, 4e-4)]
+    out: dict = {}
+    wait_us: dict = {}
     for kind, poll, delay in cases:
         run(kind, poll, delay)      # warm-up: the recordings
-        rates = [run(kind, poll, delay) for _ in range(reps)]
-        out[f"{kind}{'-poll' if poll else ''}{'-delay0.3ms' if delay else ''}"] = round(float(np.median(rates)), 1)
+        rates = []
+        for _ in range(reps):
+            rates.append(run(kind, poll, delay))
+        name = f"{kind}{'-poll' if poll else ''}{f'-delay{delay * 1e3:g}ms' if delay else ''}"
+        out[name] = round(float(np.median(rates)), 1)
+        wait_us[name] = round(float(np.median(waits)) * 1e6, 1)     # (the last rep's collect() waits)
     base = out["free"]
     out["vs_free"] = {k: round(v / base, 3) for k, v in out.items() if k != "free"}
+    out["collect_wait_us_median"] = wait_us
     eng.poll_picks = False
     return out
 
