@@ -151,7 +151,9 @@ def probe(eng, prompt: list[int], n: int, reps: int) -> dict:
     from vkengine.engine import Readback
     ones = np.full((1, eng.layout.mask_words), -1, np.int32)
 
-    waits: list[float] = []
+    waits: list[float] = []   # host time in collect(), submit() and submit_masks() a step (the last rep's)
+    subs: list[float] = []
+    msubs: list[float] = []
 
     def run(kind: str, poll: bool, delay: float) -> float:
         eng.poll_picks = poll
@@ -162,10 +164,14 @@ def probe(eng, prompt: list[int], n: int, reps: int) -> dict:
         eng.submit([int(tok[0]) if hasattr(tok, "__len__") else int(tok)], [pos], [0], [0], Readback.ARGMAX,
                    masked=masked, masks=ones if masked else None)
         waits.clear()
+        subs.clear()
+        msubs.clear()
         t0 = time.perf_counter()
         for i in range(1, n):
+            ts = time.perf_counter()
             eng.submit([0], [pos + i], [0], [0], Readback.ARGMAX, chain=[0], masked=masked, masks=early)
             tw = time.perf_counter()
+            subs.append(tw - ts)
             eng.collect()
             waits.append(time.perf_counter() - tw)
             if delay:       # host work after a step's tokens arrive (a grammar's mask), in every kind
@@ -173,7 +179,9 @@ def probe(eng, prompt: list[int], n: int, reps: int) -> dict:
                 while time.perf_counter() < t:
                     pass
             if kind == "masked-late":
+                tm = time.perf_counter()
                 eng.submit_masks(ones)
+                msubs.append(time.perf_counter() - tm)
         eng.collect()
         return (n - 1) / (time.perf_counter() - t0)
 
@@ -192,10 +200,12 @@ def probe(eng, prompt: list[int], n: int, reps: int) -> dict:
             rates.append(run(kind, poll, delay))
         name = f"{kind}{'-poll' if poll else ''}{f'-delay{delay * 1e3:g}ms' if delay else ''}"
         out[name] = round(float(np.median(rates)), 1)
-        wait_us[name] = round(float(np.median(waits)) * 1e6, 1)     # (the last rep's collect() waits)
+        wait_us[name] = {"collect": round(float(np.median(waits)) * 1e6, 1),
+                         "submit": round(float(np.median(subs)) * 1e6, 1),
+                         "submit_masks": round(float(np.median(msubs)) * 1e6, 1) if msubs else None}
     base = out["free"]
     out["vs_free"] = {k: round(v / base, 3) for k, v in out.items() if k != "free"}
-    out["collect_wait_us_median"] = wait_us
+    out["host_us_median"] = wait_us   # (a submit that blocks shows here, not as GPU time)
     eng.poll_picks = False
     return out
 
