@@ -462,3 +462,23 @@ def test_device_and_host_sampling_agree(device, tiny_models):
         host = [s.token for s in generate(eng, ids, 24, sp, ignore_eos=True)]
         assert dev == host
         assert len(set(dev)) > 3         # sampled, not one token over and over
+
+
+def test_close_frees_the_engines_buffers(device, tiny_models):
+    """An engine's close() gives back what it and its kernels allocated
+    (weights, KV cache, activations, params, readbacks, the matmuls' scratch)
+    and the pipelines bound to them, with a step still in flight; engines made
+    and closed in turn do not accumulate."""
+    def live():
+        return {b.id for b in device.buffers if not device.owns(b)}
+    before, dev_bytes, pipes = live(), device.allocated_bytes["device"], device.n_pipelines
+    for split_k in (False, True):     # (split K: the GPUs' matvecs, with their scratch buffers)
+        m, eng = _engine(device, tiny_models["q8_0"]["gguf"], caps=GPU_DECODE if split_k else None)
+        ids = m.tokenizer.encode(PROMPT)
+        tok = eng.prefill(ids, 0)
+        eng.step([int(tok)], [len(ids)], [0], [0], Readback.ARGMAX)
+        assert len(live() - before) > 5
+        eng.submit([int(tok)], [len(ids) + 1], [0], [0], Readback.ARGMAX)   # left in flight
+        eng.close()
+        assert live() == before, sorted(b.name for b in device.buffers if b.id in live() - before)
+        assert device.allocated_bytes["device"] == dev_bytes and device.n_pipelines <= pipes

@@ -367,6 +367,15 @@ class Device:
         return len(self._buffers)
 
     @property
+    def buffers(self) -> list[Buffer]:
+        """Every live buffer (a copy of the list)."""
+        return list(self._buffers)
+
+    def owns(self, buf: Buffer) -> bool:
+        """Whether buf is one of the device's own buffers (staging, readback)."""
+        return buf is self._staging or buf is self._readback
+
+    @property
     def allocated_bytes(self) -> dict[str, int]:
         out = {"device": 0, "host": 0}
         for b in self._buffers:

@@ -101,6 +101,7 @@ class Engine:
                  caps: Caps | None = None):
         """caps: what the kernels may do (default: decided from the device and cfg.options)."""
         self.model, self.device, self.cfg = model, device, cfg
+        known = {b.id for b in device.buffers}   # (close() frees what this constructor allocates)
         a = model.args
         self.args = a
         self.n_ctx = int(cfg.n_ctx or min(a.n_ctx_train, 4096))
@@ -177,6 +178,10 @@ class Engine:
         # do not depend on how its prompt was chunked or on who else ran.
         self._tiled_prompts = self.pad_steps and cfg.options.tiled_prompts
         self._inflight: deque[_Submitted] = deque()   # oldest first
+        # the buffers this engine allocated (weights, state, activations, params and readbacks):
+        # close() frees them. Engines are built one at a time on a device (nothing else allocates
+        # meanwhile); the device's own staging and readback buffers are not the engine's
+        self._own = [b for b in device.buffers if b.id not in known]
 
     def _check_memory(self, scratch_bytes: int) -> None:
         """Refuse, before allocating anything, a configuration whose weights, state
@@ -664,4 +669,18 @@ class Engine:
         return out[0] if out is not None else None
 
     def close(self) -> None:
+        """Wait for the steps in flight, then free the recorded steps and every
+        buffer this engine and its kernels allocated (their pipelines with
+        them); the engine is unusable after. Parking buffers a server's runner
+        holds are its own (it frees them)."""
+        while self._inflight:
+            sub = self._inflight.popleft()
+            sub.program.wait()
+            if sub.pick is not None:
+                sub.pick.wait()
         self._programs.clear()
+        dev = self.device
+        for b in [*self._own, *self.kernels.scratch_buffers()]:
+            if b in dev.buffers and not dev.owns(b):
+                dev.free(b)
+        self._own = []

@@ -49,6 +49,10 @@ class KernelBase:
             raise ValueError("these operands must live in the same activation buffer")
         return b
 
+    def scratch_buffers(self) -> list[Buffer]:
+        """The matmuls' scratch buffers allocated so far (the owner frees them)."""
+        return [*self._x16, *self._parts, *self._xq]
+
     def _scratch(self, bufs: list[Buffer], words: int, name: str) -> Buffer:
         """The last of `bufs`, or a new device buffer of at least `words` words
         appended to them where it is smaller. Recorded programs keep the
