@@ -156,13 +156,25 @@ def test_sigmoid_mul_head_gates_and_row_gate(device, hk, ws, rng):
 
 # -- gated delta rule -------------------------------------------------------------------
 
-@pytest.mark.parametrize("tiled,nk,nv,dk,dv,long", [(False, 2, 4, 16, 12, False), (True, 2, 4, 16, 12, False),
-                                                    (False, 3, 3, 24, 8, False), (True, 3, 3, 24, 8, False),
-                                                    (False, 1, 2, 128, 5, False), (True, 1, 2, 128, 5, False),
-                                                    (True, 2, 4, 32, 6, True)])
-def test_delta_rule(device, hk, ws, rng, tiled, nk, nv, dk, dv, long):
-    slots, positions = (LONG_SLOTS, LONG_POS) if long else (STEP_SLOTS, STEP_POS)
-    n, n_slots, snap_rows = len(slots), 4, 6
+# a step of three prompts: runs that start and end inside the chunked form's 32-row chunks
+# and one that spans three of them
+CHUNKY_SLOTS = [2] * 7 + [0] * 70 + [3] * 23
+CHUNKY_POS = list(range(30, 37)) + list(range(70)) + list(range(5, 28))
+
+DELTA_CASES = [(False, 2, 4, 16, 12, False), (True, 2, 4, 16, 12, False), (False, 3, 3, 24, 8, False),
+               (True, 3, 3, 24, 8, False), (False, 1, 2, 128, 5, False), (True, 1, 2, 128, 5, False),
+               (True, 2, 4, 32, 6, True)]
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("tiled,nk,nv,dk,dv,long", DELTA_CASES + [(True, 2, 4, 128, 40, "chunky")])
+def test_delta_rule(device, hk, ws, rng, tiled, nk, nv, dk, dv, long, chunked):
+    """chunked: delta_chunk.comp + delta_scan.comp (no snapshots there)."""
+    if long == "chunky" and not chunked:
+        pytest.skip("the chunk-shaped step is the chunked form's case")
+    slots, positions = ((CHUNKY_SLOTS, CHUNKY_POS) if long == "chunky" else (LONG_SLOTS, LONG_POS) if long
+                        else (STEP_SLOTS, STEP_POS))
+    n, n_slots, snap_rows = len(slots), 4, 0 if chunked else 6
     pos_off, slot_off = _rows_params(ws, slots, positions)
     qk = rh.l2_norm(rng.standard_normal((n, 2, nk, dk))).astype(np.float32)
     v = rng.standard_normal((n, nv, dv)).astype(np.float32)
@@ -178,13 +190,13 @@ def test_delta_rule(device, hk, ws, rng, tiled, nk, nv, dk, dv, long):
     os_ = nv * dv + 2
     orr = ws.act_region(n * os_)
     st = ws.act_region(S0.size, S0)
-    snap = ws.act_region(snap_rows * nv * dv * dk)
+    snap = ws.act_region(snap_rows * nv * dv * dk) if snap_rows else None
     scale = dk ** -0.5
     prog = device.program()
     hk.delta_rule(prog, wr.at(0, nv), wr.at(nv, nv), cr, cr.at(nk * dk, 0), cr.at(2 * nk * dk, 0), cs,
                   abr, abr.at(nv, 0), 2 * nv + 1, orr, os_, nk, nv, dk, dv, n, len(list(_groups(slots, positions))),
                   st, snap, snap_rows,
-                  ws.params, pos_off, slot_off, tiled, scale)
+                  ws.params, pos_off, slot_off, tiled, scale, chunked=chunked)
     prog.run()
     got = ws.read(orr).reshape(n, os_)
     assert np.isnan(got[:, nv * dv:]).all()
@@ -202,6 +214,8 @@ def test_delta_rule(device, hk, ws, rng, tiled, nk, nv, dk, dv, long):
         snaps.extend(states)
     _close(got[:, :nv * dv].reshape(n, nv, dv), want_o, atol_scale=1e-5)
     _close(ws.read(st).reshape(S0.shape), want_S, atol_scale=1e-5)
+    if not snap_rows:
+        return
     got_snap = ws.read(snap).reshape(snap_rows, nv, dv, dk)
     _close(got_snap, np.stack(snaps[:snap_rows]).transpose(0, 1, 3, 2), atol_scale=1e-5)
 

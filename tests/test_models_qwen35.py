@@ -13,6 +13,7 @@ import pytest
 from vkengine.engine import Engine, EngineConfig, Readback
 from vkengine.errors import VkEngineError
 from vkengine.model import load_model
+from vkengine.options import Options
 from vkengine.serving.generate import generate
 from vkengine.tools.synth.qwen35 import SHAPES, synth_qwen35
 from vkengine.tools.synth.writer import tokenizer_meta
@@ -93,6 +94,31 @@ def test_chunked_prefill_equals_single_prefill(device, qwen35_loaded, arch):
     _, eng2 = _engine(device, qwen35_loaded(arch, "gguf"))
     whole = eng2.prefill(ids, 0, readback=Readback.LOGITS)
     _close(chunked, whole)
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_chunked_delta_rule_in_the_engine(device, qwen35_loaded, arch):
+    """Prompt steps on the chunked delta rule (delta_chunk/delta_scan, the GPUs'
+    form from 64 rows; forced here from 2) against the numpy reference and the
+    row-at-a-time kernel's step-by-step decode; a long prompt whose steps cut its
+    32-row chunks, then a second sequence beside the first's continuation."""
+    opts = Options(delta_chunk=2)
+    m, eng = _engine(device, qwen35_loaded(arch, "gguf"), max_batch=48, options=opts)
+    ids = (m.tokenizer.encode(PROMPT) * 6)[:90]
+    got = np.concatenate([_prefill_logits(eng, ids[:48]), _prefill_logits(eng, ids[48:], start=48)])
+    want = RefQwen35(m.file, m.args).logits(ids)
+    _assert_logits_close(got, want)
+    _, eng1 = _engine(device, qwen35_loaded(arch, "gguf"), max_batch=48, options=Options(delta_chunk=0))
+    steps = np.stack([eng1.step([t], [p], [1], [0], Readback.LOGITS)[0] for p, t in enumerate(ids)])
+    _close(got, steps, tol=2e-4)
+    # one step: slot 0 continues for 5 rows, slot 2 starts a 30-row prompt
+    more = m.tokenizer.encode(" and over again")[:5]
+    other = ids[:30]
+    both = eng.step(more + other, [*range(90, 90 + len(more)), *range(30)], [0] * len(more) + [2] * 30,
+                    range(len(more) + 30), Readback.LOGITS)
+    alone = np.stack([eng1.step([t], [90 + i], [1], [0], Readback.LOGITS)[0] for i, t in enumerate(more)])
+    _close(both[:len(more)], alone, tol=2e-4)
+    _close(both[len(more):], steps[:30], tol=2e-4)
 
 
 @pytest.mark.parametrize("arch", ARCHES)

@@ -70,6 +70,8 @@ class Options:
     attn_items: int = 2048        # ... its target of work items a step's row (KV heads x groups x parts)
     attn_lp: bool = False         # ... a position scored by several lanes, q in registers (dec_lanes)
     attn_kpf: bool = False        # ... the next tile's K rows loaded during this one's softmax and V (dec_kpf)
+    delta_chunk: int = -1         # steps of at least this many rows take the chunked delta rule (delta_chunk/
+                                  # delta_scan.comp); 0: never; -1: the device's default (64 on GPUs, never on CPUs)
     splitk_wgs: int = 256         # split K of tiled matmuls whose grid has fewer workgroups (0: off)
     splitk_min: int = 512         # the fewest K columns a part of split K takes
     xq8: bool = False             # Q8_0 matvecs on integer dot products, x quantized first (opt-in)

@@ -22,6 +22,7 @@ class KernelBase:
         self._x16: list[Buffer] = []
         self._parts: list[Buffer] = []
         self._xq: list[Buffer] = []
+        self._dr: list[Buffer] = []    # the chunked delta rule's G, W, U and Aqk (delta_rule.py)
 
     def _alg(self, name: str, buffers: list[Buffer], push: bytes, wg: int, items: int | None = None):
         """The pipeline of a variant whose specialization constants are (workgroup size, items per workgroup)."""
@@ -51,7 +52,7 @@ class KernelBase:
 
     def scratch_buffers(self) -> list[Buffer]:
         """The matmuls' scratch buffers allocated so far (the owner frees them)."""
-        return [*self._x16, *self._parts, *self._xq]
+        return [*self._x16, *self._parts, *self._xq, *self._dr]
 
     def _scratch(self, bufs: list[Buffer], words: int, name: str) -> Buffer:
         """The last of `bufs`, or a new device buffer of at least `words` words

@@ -96,6 +96,10 @@ class Caps:
     # attention_dec keeps the next tile's K rows in registers (AttentionKernels.dec_kpf)
     attn_kpf: bool = False
 
+    # steps of at least this many rows run the gated delta rule in chunks
+    # (delta_chunk.comp + delta_scan.comp) instead of a row at a time; 0: never
+    delta_chunk_from: int = 0
+
     @property
     def wg(self) -> int:
         """Workgroup size of the row kernels: a subgroup per item."""
@@ -129,6 +133,8 @@ class Caps:
                            else MC2_FROM_ROWS if options.mc2_f16acc else MC2_F32_FROM_ROWS),
             mc2h_tiles=MC2H_TILES, split_k_wgs=options.splitk_wgs, split_k_min=options.splitk_min,
             xq8=gpu and int_dot and options.xq8, norm_in=norm_in, xq8_in=norm_in and int_dot and options.xq8_in,
+            delta_chunk_from=(options.delta_chunk if options.delta_chunk >= 0 else 64 if gpu else 0)
+            if info.max_workgroup_invocations >= 128 and info.max_shared_memory >= 32 * 1024 else 0,
             attention_mc=options.attn_mc,
             attention_mc_layouts=tuple((hd, nsg // ds) for hd, (nsg, ds, bc) in ATTN_MC.items()
                                        if attn_mc_shared_bytes(hd, nsg, bc) <= info.max_shared_memory))

@@ -14,6 +14,10 @@ from .types import Region, params_range, rows_range
 
 CONV_KMAX = 8             # KMAX in conv1d.comp
 DELTA_MAX_PER_LANE = 16   # MAXE in delta_rule.comp
+DELTA_CHUNK = 32          # C in delta_chunk.comp / delta_scan.comp: rows a chunk
+DELTA_CHUNK_DK = 128      # DKMAX there: the largest key head size of the chunked form
+DELTA_SCAN_DVB = 16       # DVB in delta_scan.comp: state columns a workgroup
+DELTA_CHUNK_WG = 128      # invocations a workgroup of both
 
 
 class DeltaRuleKernels(KernelBase):
@@ -44,10 +48,25 @@ class DeltaRuleKernels(KernelBase):
                    qkv_stride: int, alpha: Region, beta: Region, ab_stride: int, o: Region, o_stride: int,
                    nk: int, nv: int, dk: int, dv: int, n_rows: int, n_groups: int, state: Region,
                    snap: Region | None, snap_rows: int, params: Buffer, pos_off: int, slot_off: int,
-                   tiled: bool, scale: float, label: str = "delta_rule") -> None:
+                   tiled: bool, scale: float, label: str = "delta_rule", chunked: bool | None = None) -> None:
         """Gated delta rule over the rows of up to n_groups sequences (runs of equal
-        slots); state [slot][nv][dv][dk] fp32; `a_log` holds A = -exp(A_log)."""
+        slots); state [slot][nv][dv][dk] fp32; `a_log` holds A = -exp(A_log).
+        chunked: in chunks of DELTA_CHUNK rows (delta_chunk.comp, then
+        delta_scan.comp) rather than a row at a time; None: where the device's
+        caps say (steps of delta_chunk_from rows or more), never with snapshots."""
         c = self.caps
+        snap_rows = snap_rows if snap is not None else 0
+        if chunked is None:
+            chunked = (c.delta_chunk_from > 0 and n_rows >= c.delta_chunk_from and not snap_rows
+                       and dk <= DELTA_CHUNK_DK)
+        if chunked:
+            if snap_rows:
+                raise ValueError("the chunked delta rule keeps no snapshots")
+            if dk > DELTA_CHUNK_DK:
+                raise VkEngineError(f"the chunked delta rule takes key heads of at most {DELTA_CHUNK_DK}, not {dk}")
+            self._delta_chunked(prog, a_log, dt_bias, q, k, v, qkv_stride, alpha, beta, ab_stride, o, o_stride, nk, nv,
+                                dk, dv, n_rows, n_groups, state, params, pos_off, slot_off, tiled, scale, label)
+            return
         if dk > DELTA_MAX_PER_LANE * c.sg:
             raise VkEngineError(f"linear-attention key head size {dk} is not supported on subgroups of "
                                 f"{c.sg} (at most {DELTA_MAX_PER_LANE * c.sg})")
@@ -58,7 +77,6 @@ class DeltaRuleKernels(KernelBase):
         act = self._same_buffer(q, k, v, alpha, beta, o)
         if snap is not None and snap.buf is not state.buf:
             raise ValueError("recurrent state and its snapshots must share a buffer")
-        snap_rows = snap_rows if snap is not None else 0
         push = self._push("delta_rule", q_off=q.off, k_off=k.off, v_off=v.off, qkv_stride=qkv_stride, a_off=alpha.off,
                           b_off=beta.off, ab_stride=ab_stride, o_off=o.off, o_stride=o_stride, nk=nk, nv=nv, dk=dk,
                           dv=dv, n_rows=n_rows, n_groups=n_groups, wa_off=a_log.off, wdt_off=dt_bias.off,
@@ -73,3 +91,44 @@ class DeltaRuleKernels(KernelBase):
         if snap is not None and snap_rows:
             writes.append(snap.range)
         prog.dispatch(alg, push, self._grid(math.ceil(n_groups * nv * dv / c.items)), reads, writes, label)
+
+    def _delta_chunked(self, prog: Program, a_log: Region, dt_bias: Region, q: Region, k: Region, v: Region,
+                       qkv_stride: int, alpha: Region, beta: Region, ab_stride: int, o: Region, o_stride: int,
+                       nk: int, nv: int, dk: int, dv: int, n_rows: int, n_groups: int, state: Region,
+                       params: Buffer, pos_off: int, slot_off: int, tiled: bool, scale: float, label: str) -> None:
+        """The chunked form: delta_chunk.comp makes each chunk's G, W, U and Aqk in
+        a scratch buffer (all chunks and heads at once), delta_scan.comp walks each
+        sequence's chunks with its state."""
+        if nv % nk:
+            raise VkEngineError(f"{nv} value heads do not divide among {nk} key heads")
+        if a_log.buf is not dt_bias.buf:
+            raise ValueError("A and dt_bias must share a weight buffer")
+        act = self._same_buffer(q, k, v, alpha, beta, o)
+        C = DELTA_CHUNK
+        n_blocks = math.ceil(n_rows / C)
+        g_words, w_words, u_words, a_words = n_rows * nv, n_rows * nv * dk, n_rows * nv * dv, n_rows * nv * C
+        g_off = 0
+        w_off = g_off + g_words
+        u_off = w_off + w_words
+        aq_off = u_off + u_words
+        words = aq_off + a_words
+        scr = self._scratch(self._dr, words, "delta")
+        scr_range = (scr, 0, words * 4)
+        push = self._push("delta_chunk", q_off=q.off, k_off=k.off, v_off=v.off, qkv_stride=qkv_stride,
+                          a_off=alpha.off, b_off=beta.off, ab_stride=ab_stride, nk=nk, nv=nv, dk=dk, dv=dv,
+                          n_rows=n_rows, wa_off=a_log.off, wdt_off=dt_bias.off, slot_off=slot_off, tiled=int(tiled),
+                          g_off=g_off, w_off=w_off, u_off=u_off, aq_off=aq_off)
+        alg = self._alg("delta_chunk", [a_log.buf, act, params, scr], push, DELTA_CHUNK_WG, 1)
+        qk_reads = [rows_range(q, n_rows, qkv_stride, nk * dk), rows_range(k, n_rows, qkv_stride, nk * dk)]
+        prog.dispatch(alg, push, self._grid(n_blocks * nv),
+                      [a_log.range, dt_bias.range, *qk_reads, rows_range(v, n_rows, qkv_stride, nv * dv),
+                       rows_range(alpha, n_rows, ab_stride, nv), rows_range(beta, n_rows, ab_stride, nv),
+                       *params_range(params, (slot_off, n_rows))], [scr_range], label + "_chunk")
+        push = self._push("delta_scan", q_off=q.off, k_off=k.off, qkv_stride=qkv_stride, o_off=o.off,
+                          o_stride=o_stride, nk=nk, nv=nv, dk=dk, dv=dv, n_rows=n_rows, n_groups=n_groups,
+                          state_off=state.off, slot_stride=nv * dv * dk, pos_off=pos_off, slot_off=slot_off,
+                          tiled=int(tiled), g_off=g_off, w_off=w_off, u_off=u_off, aq_off=aq_off, scale=scale)
+        alg = self._alg("delta_scan", [act, params, state.buf, scr], push, DELTA_CHUNK_WG, 1)
+        prog.dispatch(alg, push, self._grid(n_groups * nv * math.ceil(dv / DELTA_SCAN_DVB)),
+                      [*qk_reads, state.range, scr_range, *params_range(params, (pos_off, n_rows), (slot_off, n_rows))],
+                      [rows_range(o, n_rows, o_stride, nv * dv), state.range], label + "_scan")

@@ -102,6 +102,11 @@ LAYOUTS: dict[str, tuple[Push, tuple[tuple[str, Push], ...]]] = {
     "delta_rule.comp": (Push("""uint q_off, k_off, v_off, qkv_stride, a_off, b_off, ab_stride, o_off, o_stride, nk,
                                 nv, dk, dv, n_rows, n_groups, wa_off, wdt_off, state_off, slot_stride, snap_off,
                                 snap_rows, pos_off, slot_off, tiled; float scale"""), ()),
+    "delta_chunk.comp": (Push("""uint q_off, k_off, v_off, qkv_stride, a_off, b_off, ab_stride, nk, nv, dk, dv, n_rows,
+                                 wa_off, wdt_off, slot_off, tiled, g_off, w_off, u_off, aq_off"""), ()),
+    "delta_scan.comp": (Push("""uint q_off, k_off, qkv_stride, o_off, o_stride, nk, nv, dk, dv, n_rows, n_groups,
+                                state_off, slot_stride, pos_off, slot_off, tiled, g_off, w_off, u_off, aq_off;
+                                float scale"""), ()),
     "norm_rope_kv.comp": (Push("""uint qkv_off, qkv_stride, q_head_stride, k_col, v_col, q_off, q_stride, n_rows,
                                   n_head, n_kv, head_dim, n_rot, table_off, wq_off, wk_off, k_off, v_off,
                                   slot_stride, pos_off, slot_off; float eps; uint ring"""), ()),
