@@ -12,11 +12,18 @@
 // One group of nv * ceil(dv / DVB) workgroups per possible sequence of the
 // step; group g takes the g-th run of equal slots (as delta_rule.comp).
 // Snapshots (speculative steps) are delta_rule.comp's alone.
+// Each chunk's W, q and k rows are staged in shared memory in turn (coalesced
+// loads; the products then read shared memory only): with the products reading
+// them from global memory a chunk took ~39 us on the H200, latency-bound.
+// The workgroup is 128 invocations (the host's DELTA_CHUNK_WG): for v' and
+// q S, (row, 4 columns) each; for S, a key dimension each, its DVB columns in
+// registers.
 #include "common.glsl"
 
 #define C 32
 #define DKMAX 128
 #define DVB 16
+#define NTH 128   // invocations (C rows x DVB / 4 column quads; DKMAX key dims)
 
 layout(binding = 0) buffer Act { float act[]; };
 layout(binding = 1) readonly buffer Params { uint params[]; };
@@ -33,9 +40,29 @@ layout(push_constant) uniform P {
 } p;
 
 shared float sS[DKMAX][DVB + 1];
+shared float sX[C][DKMAX + 1];    // the chunk's rows of W, then q, then k
+shared float sAq[C][C + 1];
 shared float snew[C][DVB];
-shared float sqs[C][DVB];
 shared float sG[C], sdec[C];
+
+// rows [lo, lo + n) of a [row][...] array (row stride `stride`, this head at `base`) into sX
+void stage(uint base, uint stride, uint lo, uint n, uint tid, bool from_scr) {
+    for (uint idx = tid; idx < n * p.dk; idx += NTH) {
+        uint i = idx / p.dk, d = idx % p.dk;
+        uint a = base + (lo + i) * stride + d;
+        sX[i][d] = from_scr ? scr[a] : act[a];
+    }
+}
+
+// sum_d sX[i][d] * S[d][j0 .. j0 + 3]
+vec4 rows_times_state(uint i, uint jq) {
+    vec4 acc = vec4(0.0);
+    for (uint d = 0; d < p.dk; d++) {
+        float x = sX[i][d];
+        acc += x * vec4(sS[d][jq], sS[d][jq + 1u], sS[d][jq + 2u], sS[d][jq + 3u]);
+    }
+    return acc;
+}
 
 void main() {
     uint nvb = (p.dv + DVB - 1u) / DVB;
@@ -44,7 +71,7 @@ void main() {
     uint hv = (wg / nvb) % p.nv;
     uint j0 = (wg % nvb) * DVB;
     uint nj = min(DVB, p.dv - j0);
-    uint tid = gl_LocalInvocationID.x, NT = gl_WorkGroupSize.x;
+    uint tid = gl_LocalInvocationID.x;
     if (grp >= p.n_groups) return;
     // the grp-th run of equal slots: rows [start, end) (the same for every invocation)
     uint start = 0u;
@@ -64,11 +91,14 @@ void main() {
     bool fresh = params[p.pos_off + start] == 0u;
     uint hk = p.tiled != 0u ? hv % p.nk : hv / (p.nv / p.nk);
     uint col = p.state_off + slot * p.slot_stride + hv * p.dv * p.dk;   // + j * dk + i
-    for (uint idx = tid; idx < DVB * p.dk; idx += NT) {
-        uint j = idx / p.dk, d = idx % p.dk;
-        sS[d][j] = (j < nj && !fresh) ? st[col + (j0 + j) * p.dk + d] : 0.0;
-    }
+    // S: a key dimension an invocation, its DVB columns in registers
+    uint d = tid;
+    float s[DVB];
+    [[unroll]] for (uint j = 0; j < DVB; j++)
+        s[j] = (d < p.dk && j < nj && !fresh) ? st[col + (j0 + j) * p.dk + d] : 0.0;
     uint qb = p.q_off + hk * p.dk, kb = p.k_off + hk * p.dk;
+    uint wstride = p.nv * p.dk;
+    uint ri = tid / (DVB / 4u), jq = (tid % (DVB / 4u)) * 4u;   // v' and q S: row ri, columns jq .. jq + 3
     for (uint c0 = start / C * C; c0 < end; c0 += C) {
         uint lo = max(start, c0), hi = min(end, c0 + C);
         uint n = hi - lo, l0 = lo - c0;
@@ -78,46 +108,46 @@ void main() {
             sG[tid] = G;
             sdec[tid] = exp(Gl - G);
         }
+        if (d < p.dk) [[unroll]] for (uint j = 0; j < DVB; j++) sS[d][j] = s[j];
+        for (uint idx = tid; idx < n * C; idx += NTH) {
+            uint i = idx / C, m = idx % C;
+            sAq[i][m] = m < n ? scr[p.aq_off + ((lo + i) * p.nv + hv) * C + l0 + m] : 0.0;
+        }
+        stage(p.w_off + hv * p.dk, wstride, lo, n, tid, true);
         barrier();
-        // v' = U - W S and q S
-        for (uint idx = tid; idx < n * DVB; idx += NT) {
-            uint i = idx / DVB, j = idx % DVB;
-            uint r = lo + i;
-            float ws = 0.0, qs = 0.0;
-            if (j < nj) {
-                uint wr = p.w_off + (r * p.nv + hv) * p.dk, qr = qb + r * p.qkv_stride;
-                for (uint d = 0; d < p.dk; d++) {
-                    float s = sS[d][j];
-                    ws += scr[wr + d] * s;
-                    qs += act[qr + d] * s;
-                }
-                ws = scr[p.u_off + (r * p.nv + hv) * p.dv + j0 + j] - ws;
+        // v' = U - W S
+        if (ri < n) {
+            vec4 ws = rows_times_state(ri, jq);
+            uint ur = p.u_off + ((lo + ri) * p.nv + hv) * p.dv + j0 + jq;
+            [[unroll]] for (uint c = 0; c < 4u; c++)
+                snew[ri][jq + c] = jq + c < nj ? scr[ur + c] - ws[c] : 0.0;
+        }
+        barrier();
+        stage(qb, p.qkv_stride, lo, n, tid, false);
+        barrier();
+        // o = scale (e^G q S + Aqk v')
+        if (ri < n) {
+            vec4 o = exp(sG[ri]) * rows_times_state(ri, jq);
+            for (uint m = 0; m <= ri; m++)
+                o += sAq[ri][m] * vec4(snew[m][jq], snew[m][jq + 1u], snew[m][jq + 2u], snew[m][jq + 3u]);
+            uint orow = p.o_off + (lo + ri) * p.o_stride + hv * p.dv + j0 + jq;
+            [[unroll]] for (uint c = 0; c < 4u; c++)
+                if (jq + c < nj) act[orow + c] = o[c] * p.scale;
+        }
+        barrier();
+        stage(kb, p.qkv_stride, lo, n, tid, false);
+        barrier();
+        // S = e^G_last S + (k e^(G_last - G))^T v'
+        if (d < p.dk) {
+            float dl = exp(Gl);
+            [[unroll]] for (uint j = 0; j < DVB; j++) s[j] *= dl;
+            for (uint i = 0; i < n; i++) {
+                float kd = sX[i][d] * sdec[i];
+                [[unroll]] for (uint j = 0; j < DVB; j++) s[j] += kd * snew[i][j];
             }
-            snew[i][j] = ws;
-            sqs[i][j] = qs;
-        }
-        barrier();
-        // outputs, and the state carried past the chunk
-        for (uint idx = tid; idx < n * DVB; idx += NT) {
-            uint i = idx / DVB, j = idx % DVB;
-            if (j >= nj) continue;
-            uint r = lo + i;
-            uint ar = p.aq_off + (r * p.nv + hv) * C + l0;
-            float o = exp(sG[i]) * sqs[i][j];
-            for (uint m = 0; m <= i; m++) o += scr[ar + m] * snew[m][j];
-            act[p.o_off + r * p.o_stride + hv * p.dv + j0 + j] = o * p.scale;
-        }
-        float dl = exp(Gl);
-        for (uint idx = tid; idx < DVB * p.dk; idx += NT) {
-            uint j = idx / p.dk, d = idx % p.dk;
-            float s = sS[d][j] * dl;
-            for (uint i = 0; i < n; i++) s += act[kb + (lo + i) * p.qkv_stride + d] * sdec[i] * snew[i][j];
-            sS[d][j] = s;
         }
         barrier();
     }
-    for (uint idx = tid; idx < DVB * p.dk; idx += NT) {
-        uint j = idx / p.dk, d = idx % p.dk;
-        if (j < nj) st[col + (j0 + j) * p.dk + d] = sS[d][j];
-    }
+    if (d < p.dk) [[unroll]] for (uint j = 0; j < DVB; j++)
+        if (j < nj) st[col + (j0 + j) * p.dk + d] = s[j];
 }

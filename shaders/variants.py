@@ -229,6 +229,8 @@ def _hybrid_table() -> dict[str, tuple[str, dict[str, int]]]:
                "norm_rope_kv", "sigmoid_mul", "moe_sort",
                "moe_combine", "moe_bias"):
         t[op] = (f"{op}.comp", {})
+    t["conv1d_rows"] = ("conv1d_rows.comp", {})
+    t["conv1d_rows_state"] = ("conv1d_rows.comp", {"STATE": 1})
     t["moe_router"] = ("moe_router.comp", {"FIXED": 0})
     t["moe_router_fixed"] = ("moe_router.comp", {"FIXED": 1})
     return t

@@ -71,10 +71,19 @@ def test_reference_delta_rule_chunked_equals_recurrent(rng):
 
 # -- conv1d --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("C,K,long", [(37, 4, False), (200, 2, False), (8, 1, False), (37, 4, True)])
-def test_conv1d(device, hk, ws, rng, C, K, long):
-    """long: a prompt-sized step (the kernel loads 8 rows at a time)."""
-    slots, positions = (LONG_SLOTS, LONG_POS) if long else (STEP_SLOTS, STEP_POS)
+# runs of 1 and 2 rows (shorter than the window), one across row blocks
+SHORT_SLOTS = [1] + [2] * 2 + [0] * 19 + [3]
+SHORT_POS = [9] + [4, 5] + list(range(19)) + [2]
+
+
+@pytest.mark.parametrize("by_rows", [False, True])
+@pytest.mark.parametrize("C,K,long", [(37, 4, False), (200, 2, False), (8, 1, False), (37, 4, True),
+                                      (37, 4, "short"), (19, 6, "short")])
+def test_conv1d(device, hk, ws, rng, C, K, long, by_rows):
+    """long: a prompt-sized step (the kernel loads 8 rows at a time); by_rows:
+    conv1d_rows.comp (no snapshots there)."""
+    slots, positions = ((SHORT_SLOTS, SHORT_POS) if long == "short" else (LONG_SLOTS, LONG_POS) if long
+                        else (STEP_SLOTS, STEP_POS))
     n, n_slots = len(slots), 4
     pos_off, slot_off = _rows_params(ws, slots, positions)
     w = rng.standard_normal((C, K)).astype(np.float32)
@@ -85,10 +94,10 @@ def test_conv1d(device, hk, ws, rng, C, K, long):
     xr = ws.act_region(n * xs, np.pad(x, ((0, 0), (0, 3))))
     yr = ws.act_region(n * ys)
     st = ws.act_region(max(state0.size, 4), state0 if state0.size else None)
-    snap_rows = 4
-    snap = ws.act_region(max(snap_rows * (K - 1) * C, 4))
+    snap_rows = 0 if by_rows else 4
+    snap = ws.act_region(max(snap_rows * (K - 1) * C, 4)) if snap_rows else None
     prog = device.program()
-    hk.conv1d(prog, wr, xr, xs, yr, ys, C, K, n, st, snap, snap_rows, ws.params, pos_off, slot_off)
+    hk.conv1d(prog, wr, xr, xs, yr, ys, C, K, n, st, snap, snap_rows, ws.params, pos_off, slot_off, by_rows=by_rows)
     prog.run()
     got = ws.read(yr).reshape(n, ys)
     assert np.isnan(got[:, C:]).all()
@@ -104,6 +113,7 @@ def test_conv1d(device, hk, ws, rng, C, K, long):
     _close(got[:, :C], want_y)
     if K > 1:
         _close(ws.read(st)[: state0.size].reshape(state0.shape), want_state)
+    if K > 1 and snap_rows:
         _close(ws.read(snap)[: snap_rows * (K - 1) * C].reshape(snap_rows, K - 1, C), np.stack(snaps[:snap_rows]))
 
 

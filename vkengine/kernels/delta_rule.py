@@ -13,6 +13,7 @@ from .base import KernelBase
 from .types import Region, params_range, rows_range
 
 CONV_KMAX = 8             # KMAX in conv1d.comp
+CONV_ROWS_BLOCK = 16      # RB in conv1d_rows.comp
 DELTA_MAX_PER_LANE = 16   # MAXE in delta_rule.comp
 DELTA_CHUNK = 32          # C in delta_chunk.comp / delta_scan.comp: rows a chunk
 DELTA_CHUNK_DK = 128      # DKMAX there: the largest key head size of the chunked form
@@ -23,15 +24,37 @@ DELTA_CHUNK_WG = 128      # invocations a workgroup of both
 class DeltaRuleKernels(KernelBase):
     def conv1d(self, prog: Program, w: Region, x: Region, x_stride: int, y: Region, y_stride: int,
                C: int, K: int, n_rows: int, state: Region, snap: Region | None, snap_rows: int,
-               params: Buffer, pos_off: int, slot_off: int, label: str = "conv1d") -> None:
+               params: Buffer, pos_off: int, slot_off: int, label: str = "conv1d",
+               by_rows: bool | None = None) -> None:
         """y = silu(causal depthwise conv(x)) with the last K-1 inputs per slot in `state`
-        ([slot][K-1][C]); with snap_rows > 0 the window after row r goes to snap[r]."""
+        ([slot][K-1][C]); with snap_rows > 0 the window after row r goes to snap[r].
+        by_rows: conv1d_rows.comp (row blocks in parallel, then the windows kept)
+        rather than an invocation a channel walking every row; None: for steps
+        that take the chunked delta rule (caps.delta_chunk_from), never with snapshots."""
         if not 1 <= K <= CONV_KMAX:
             raise VkEngineError(f"conv kernel size {K} is not supported (1..{CONV_KMAX})")
         act = self._same_buffer(x, y)
         if snap is not None and snap.buf is not state.buf:
             raise ValueError("conv state and its snapshots must share a buffer")
         snap_rows = snap_rows if snap is not None else 0
+        if by_rows is None:
+            by_rows = self.caps.delta_chunk_from > 0 and n_rows >= self.caps.delta_chunk_from and not snap_rows
+        if by_rows:
+            if snap_rows:
+                raise ValueError("conv1d_rows keeps no snapshots")
+            push = self._push("conv1d_rows", x_off=x.off, x_stride=x_stride, y_off=y.off, y_stride=y_stride,
+                              w_off=w.off, C=C, K=K, n_rows=n_rows, state_off=state.off, slot_stride=(K - 1) * C,
+                              pos_off=pos_off, slot_off=slot_off)
+            wg = self.caps.ew_wg
+            rows = [w.range, rows_range(x, n_rows, x_stride, C), state.range,
+                    *params_range(params, (pos_off, n_rows), (slot_off, n_rows))]
+            alg = self._alg("conv1d_rows", [w.buf, act, params, state.buf], push, wg, 1)
+            prog.dispatch(alg, push, self._grid(math.ceil(C / wg) * math.ceil(n_rows / CONV_ROWS_BLOCK)), rows,
+                          [rows_range(y, n_rows, y_stride, C)], label)
+            if K > 1:
+                alg = self._alg("conv1d_rows_state", [w.buf, act, params, state.buf], push, wg, 1)
+                prog.dispatch(alg, push, self._grid(math.ceil(C / wg)), rows, [state.range], label + "_state")
+            return
         push = self._push("conv1d", x_off=x.off, x_stride=x_stride, y_off=y.off, y_stride=y_stride, w_off=w.off, C=C,
                           K=K, n_rows=n_rows, state_off=state.off, slot_stride=(K - 1) * C,
                           snap_off=snap.off if snap is not None else 0, snap_rows=snap_rows, pos_off=pos_off,

@@ -96,6 +96,8 @@ LAYOUTS: dict[str, tuple[Push, tuple[tuple[str, Push], ...]]] = {
     "copy.comp": (Push("uint src_off, dst_off, n"), ()),
     "conv1d.comp": (Push("""uint x_off, x_stride, y_off, y_stride, w_off, C, K, n_rows, state_off, slot_stride,
                             snap_off, snap_rows, pos_off, slot_off"""), ()),
+    "conv1d_rows.comp": (Push("""uint x_off, x_stride, y_off, y_stride, w_off, C, K, n_rows, state_off, slot_stride,
+                                 pos_off, slot_off"""), ()),
     "l2_norm.comp": (Push("uint x_off, x_stride, y_off, y_stride, head_dim, n_heads, rows; float eps"), ()),
     "gated_rms_norm.comp": (Push("""uint x_off, x_stride, z_off, z_stride, y_off, y_stride, w_off, head_dim, n_heads,
                                     rows; float eps"""), ()),
