@@ -8,9 +8,9 @@
 //   contiguous and consecutive in position), and past the run's first row the
 //   slot's kept window (zeros when the run starts at position 0). Reads the
 //   state, writes only y.
-// - STATE: then the windows kept: an invocation a channel finds the end of
-//   each run and writes its last K-1 inputs (from x, or the old window where
-//   the run is shorter than K-1) over the slot's state.
+// - STATE: then the windows kept: an invocation a (channel, row block) writes,
+//   for each run that ends in its block, the run's last K-1 inputs (from x, or
+//   the old window where the run is shorter than K-1) over the slot's state.
 // No snapshots (speculative steps take conv1d.comp).
 #include "common.glsl"
 
@@ -65,13 +65,18 @@ void main() {
         act[p.y_off + r * p.y_stride + c] = silu(acc);
     }
 #else
-    uint c = workgroup_linear() * gl_WorkGroupSize.x + gl_LocalInvocationID.x;
-    if (c >= p.C) return;
+    uint n_cb = (p.C + gl_WorkGroupSize.x - 1u) / gl_WorkGroupSize.x;
+    uint wg = workgroup_linear();
+    uint c = (wg % n_cb) * gl_WorkGroupSize.x + gl_LocalInvocationID.x;
+    uint r0 = (wg / n_cb) * RB;
+    if (c >= p.C || r0 >= p.n_rows) return;
     uint km1 = p.K - 1u;
-    for (uint r = 0u; r < p.n_rows; r++) {
+    uint r1 = min(r0 + RB, p.n_rows);
+    for (uint r = r0; r < r1; r++) {
         uint slot = params[p.slot_off + r];
         if (r + 1u < p.n_rows && params[p.slot_off + r + 1u] == slot) continue;
-        // r ends its run: the window after it is inputs r-K+2 .. r (oldest first)
+        // r ends its run (one invocation a channel sees it): the window after it is
+        // inputs r-K+2 .. r (oldest first)
         uint back = rows_back(r, slot);
         float win[KMAX];
         [[unroll]] for (uint j = 0; j < KMAX; j++) {

@@ -69,9 +69,12 @@ void main() {
         sbeta[tid] = beta;
     }
     uint kb = p.k_off + hk * p.dk;
-    for (uint idx = tid; idx < C * p.dk; idx += NT) {
-        uint i = idx / p.dk, d = idx % p.dk;
-        sk[i][d] = i < nb ? act[kb + (r0 + i) * p.qkv_stride + d] : 0.0;
+    // a key dimension an invocation, all C loads issued before the stores (a loop of
+    // load-then-store waits on each load)
+    for (uint d = tid; d < p.dk; d += NT) {
+        float v[C];
+        [[unroll]] for (uint i = 0; i < C; i++) v[i] = act[kb + (r0 + min(i, nb - 1u)) * p.qkv_stride + d];
+        [[unroll]] for (uint i = 0; i < C; i++) sk[i][d] = i < nb ? v[i] : 0.0;
     }
     barrier();
     // G from the first row of the row's sequence in this chunk
@@ -94,10 +97,14 @@ void main() {
             float dec = exp(sG[i] - sG[j]);
             uint qr = qb + (r0 + i) * p.qkv_stride;
             float kk = 0.0, qk = 0.0;
-            for (uint d = 0; d < p.dk; d++) {
-                float kj = sk[j][d];
-                kk += sk[i][d] * kj;
-                qk += act[qr + d] * kj;
+            for (uint d0 = 0; d0 < p.dk; d0 += 8u) {   // q's loads 8 at a time (dk % 8 == 0)
+                float qv[8];
+                [[unroll]] for (uint u = 0; u < 8u; u++) qv[u] = act[qr + d0 + u];
+                [[unroll]] for (uint u = 0; u < 8u; u++) {
+                    float kj = sk[j][d0 + u];
+                    kk += sk[i][d0 + u] * kj;
+                    qk += qv[u] * kj;
+                }
             }
             if (j < i) a = sbeta[i] * kk * dec;
             aq = qk * dec;
@@ -119,18 +126,27 @@ void main() {
         }
     }
     barrier();
-    // W = T (beta k e^G), U = T (beta v); T is zero between sequences
-    for (uint idx = tid; idx < nb * p.dk; idx += NT) {
-        uint i = idx / p.dk, d = idx % p.dk;
-        float w = 0.0;
-        for (uint j = 0; j <= i; j++) w += sT[i][j] * (sbeta[j] * exp(sG[j])) * sk[j][d];
-        scr[p.w_off + ((r0 + i) * p.nv + hv) * p.dk + d] = w;
+    // W = T (beta k e^G), U = T (beta v); T is zero between sequences. A key (value)
+    // dimension an invocation: the chunk's C inputs of it in registers, then a row
+    // of outputs each
+    for (uint d = tid; d < p.dk; d += NT) {
+        float kv[C];
+        [[unroll]] for (uint j = 0; j < C; j++) kv[j] = sbeta[j] * exp(sG[j]) * sk[j][d];
+        for (uint i = 0; i < nb; i++) {
+            float w = 0.0;
+            [[unroll]] for (uint j = 0; j < C; j++) w += sT[i][j] * kv[j];
+            scr[p.w_off + ((r0 + i) * p.nv + hv) * p.dk + d] = w;
+        }
     }
     uint vb = p.v_off + hv * p.dv;
-    for (uint idx = tid; idx < nb * p.dv; idx += NT) {
-        uint i = idx / p.dv, e = idx % p.dv;
-        float u = 0.0;
-        for (uint j = 0; j <= i; j++) u += sT[i][j] * sbeta[j] * act[vb + (r0 + j) * p.qkv_stride + e];
-        scr[p.u_off + ((r0 + i) * p.nv + hv) * p.dv + e] = u;
+    for (uint e = tid; e < p.dv; e += NT) {
+        float vv[C];
+        [[unroll]] for (uint j = 0; j < C; j++) vv[j] = act[vb + (r0 + min(j, nb - 1u)) * p.qkv_stride + e];
+        [[unroll]] for (uint j = 0; j < C; j++) vv[j] *= sbeta[j];   // 0 past the step
+        for (uint i = 0; i < nb; i++) {
+            float u = 0.0;
+            [[unroll]] for (uint j = 0; j < C; j++) u += sT[i][j] * vv[j];
+            scr[p.u_off + ((r0 + i) * p.nv + hv) * p.dv + e] = u;
+        }
     }
 }

@@ -25,8 +25,9 @@ def _close(got, want, rtol=1e-4, atol_scale=1e-5):
     np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
 
 
-def _rows_params(ws, slots, pos, slot_off=128, pos_off=0):
+def _rows_params(ws, slots, pos, slot_off=None, pos_off=0):
     n = len(slots)
+    slot_off = max(128, n) if slot_off is None else slot_off
     ws.params.array()[pos_off:pos_off + n] = np.asarray(pos, np.uint32)
     ws.params.array()[slot_off:slot_off + n] = np.asarray(slots, np.uint32)
     return pos_off, slot_off
@@ -176,14 +177,19 @@ DELTA_CASES = [(False, 2, 4, 16, 12, False), (True, 2, 4, 16, 12, False), (False
                (True, 2, 4, 32, 6, True)]
 
 
+# more rows than delta_scan's run search takes at a time (128 invocations x 8 rows)
+HUGE_SLOTS = [1] * 600 + [3] * 500 + [0] * 30
+HUGE_POS = list(range(7, 607)) + list(range(500)) + list(range(30))
+
+
 @pytest.mark.parametrize("chunked", [False, True])
-@pytest.mark.parametrize("tiled,nk,nv,dk,dv,long", DELTA_CASES + [(True, 2, 4, 128, 40, "chunky")])
+
+@pytest.mark.parametrize("tiled,nk,nv,dk,dv,long", DELTA_CASES + [(True, 2, 4, 128, 40, "chunky"),
+                                                                  (False, 1, 2, 16, 8, "huge")])
 def test_delta_rule(device, hk, ws, rng, tiled, nk, nv, dk, dv, long, chunked):
     """chunked: delta_chunk.comp + delta_scan.comp (no snapshots there)."""
-    if long == "chunky" and not chunked:
-        pytest.skip("the chunk-shaped step is the chunked form's case")
-    slots, positions = ((CHUNKY_SLOTS, CHUNKY_POS) if long == "chunky" else (LONG_SLOTS, LONG_POS) if long
-                        else (STEP_SLOTS, STEP_POS))
+    slots, positions = {"chunky": (CHUNKY_SLOTS, CHUNKY_POS), "huge": (HUGE_SLOTS, HUGE_POS),
+                        True: (LONG_SLOTS, LONG_POS), False: (STEP_SLOTS, STEP_POS)}[long]
     n, n_slots, snap_rows = len(slots), 4, 0 if chunked else 6
     pos_off, slot_off = _rows_params(ws, slots, positions)
     qk = rh.l2_norm(rng.standard_normal((n, 2, nk, dk))).astype(np.float32)

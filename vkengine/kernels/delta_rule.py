@@ -53,7 +53,8 @@ class DeltaRuleKernels(KernelBase):
                           [rows_range(y, n_rows, y_stride, C)], label)
             if K > 1:
                 alg = self._alg("conv1d_rows_state", [w.buf, act, params, state.buf], push, wg, 1)
-                prog.dispatch(alg, push, self._grid(math.ceil(C / wg)), rows, [state.range], label + "_state")
+                prog.dispatch(alg, push, self._grid(math.ceil(C / wg) * math.ceil(n_rows / CONV_ROWS_BLOCK)), rows,
+                              [state.range], label + "_state")
             return
         push = self._push("conv1d", x_off=x.off, x_stride=x_stride, y_off=y.off, y_stride=y_stride, w_off=w.off, C=C,
                           K=K, n_rows=n_rows, state_off=state.off, slot_stride=(K - 1) * C,
@@ -81,12 +82,13 @@ class DeltaRuleKernels(KernelBase):
         snap_rows = snap_rows if snap is not None else 0
         if chunked is None:
             chunked = (c.delta_chunk_from > 0 and n_rows >= c.delta_chunk_from and not snap_rows
-                       and dk <= DELTA_CHUNK_DK)
+                       and dk <= DELTA_CHUNK_DK and dk % 8 == 0)
         if chunked:
             if snap_rows:
                 raise ValueError("the chunked delta rule keeps no snapshots")
-            if dk > DELTA_CHUNK_DK:
-                raise VkEngineError(f"the chunked delta rule takes key heads of at most {DELTA_CHUNK_DK}, not {dk}")
+            if dk > DELTA_CHUNK_DK or dk % 8:
+                raise VkEngineError(f"the chunked delta rule takes key heads of at most {DELTA_CHUNK_DK} and a "
+                                    f"multiple of 8, not {dk}")
             self._delta_chunked(prog, a_log, dt_bias, q, k, v, qkv_stride, alpha, beta, ab_stride, o, o_stride, nk, nv,
                                 dk, dv, n_rows, n_groups, state, params, pos_off, slot_off, tiled, scale, label)
             return
