@@ -34,6 +34,12 @@
 // summed through shared memory in a fixed order (so every subgroup of the
 // block computes bit-identical probabilities), and each accumulates its own
 // dims of O^T. Two workgroup barriers a block more.
+// SPLIT (prompt rows at depth: too few workgroups for the GPU, each walking
+// every key, ran at a tenth of the big prompt's FLOP rate on the H200):
+// gl_WorkGroupID.z takes the positions [z part_len, (z + 1) part_len) of its
+// rows' ranges, and instead of O / l writes O, m and l unnormalized to `part`
+// ([z][row][head] x (HD + 2) floats at part_off); attention_merge.comp then
+// combines a row's parts (flash-decoding's split K).
 // fp16 Q and P round to 11 significant bits, as llama.cpp's coopmat flash
 // attention does; S, the softmax and O stay fp32. Compiled by the newer glslc
 // (scripts/glslc-ext.sh).
@@ -72,6 +78,9 @@ layout(binding = 1) readonly restrict buffer Q4 { vec4 act4[]; };
 layout(binding = 2) readonly buffer Params { uint params[]; };
 layout(binding = 3) readonly restrict buffer Kv4 { uvec4 kv4[]; };
 layout(binding = 4) readonly buffer Sinks { float sinks[]; };
+#ifdef SPLIT
+layout(binding = 5) writeonly buffer Part { float part[]; };
+#endif
 
 layout(push_constant) uniform P {
     uint q_off, q_stride, o_off, o_stride;
@@ -86,6 +95,9 @@ layout(push_constant) uniform P {
     float softcap;
     uint ring;   // kv_at
     uint sink_off;   // sink_weight
+#ifdef SPLIT
+    uint part_len, part_off;
+#endif
 } p;
 
 // gpt-oss's attention sinks: a learned logit per query head (binding 4 at
@@ -183,6 +195,10 @@ void main() {
         barrier();
         uint kend = pass_end[0], kstart = pass_start[0];
         [[unroll]] for (uint s = 1; s < NSG; s++) { kend = max(kend, pass_end[s]); kstart = min(kstart, pass_start[s]); }
+#ifdef SPLIT
+        kstart = max(kstart, gl_WorkGroupID.z * p.part_len);   // this part's positions only
+        kend = min(kend, (gl_WorkGroupID.z + 1u) * p.part_len);
+#endif
         // K_AT(t, c), V_AT(t, c): halves 8c .. 8c+7 of position t's row as a
         // uvec4, loaded as they are (f16) or dequantized (q8_0, kv.glsl: the
         // uvec4 of quants that holds them and their scale word)
@@ -259,6 +275,9 @@ void main() {
             [[unroll]] for (uint j = 0; j < HB; j++) {
                 uint t = hf * HB + j;
                 bool ok = go && act_row && t0 + t <= my_pos && t0 + t >= my_lo;
+#ifdef SPLIT
+                ok = ok && t0 + t < kend;   // the part ends inside a row's range (its last block's tail)
+#endif
 #if DS == 1
                 float sc = Ss[s_base + r * LDS + t] * p.scale;
 #else
@@ -327,6 +346,25 @@ void main() {
         done = done || act_row;
     }
     if (!sg_live) return;
+#ifdef SPLIT
+    // O, m and l of this part as they are (attention_merge.comp normalizes)
+    uint pbase = p.part_off + ((gl_WorkGroupID.z * p.n_rows + row0) * p.n_head + h) * (HD + 2u);
+    uint prow = p.n_head * (HD + 2u);   // a row's stride in part
+    if (hf == 0u && row0 + r < p.n_rows) {
+        part[pbase + r * prow + HD] = m;
+        part[pbase + r * prow + HD + 1u] = l;
+    }
+    [[unroll]] for (uint j = 0; j < HDS / 16u; j++) {
+        subgroupBarrier();
+        coopMatStore(o[j], Ss, s_base, 16u, gl_CooperativeMatrixLayoutColumnMajor);
+        subgroupBarrier();
+        for (uint e = lane; e < 256u; e += 32u) {
+            uint rr = e / 16u, d = e % 16u;
+            if (row0 + rr < p.n_rows) part[pbase + rr * prow + dq * 8u + j * 16u + d] = Ss[s_base + e];
+        }
+    }
+    return;
+#endif
     // O / l, one 16 x 16 tile (16 dims of the 16 rows) at a time
     if (hf == 0u) {
         float den = l + (l > 0.0 ? sink_weight(h, m) : 0.0);

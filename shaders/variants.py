@@ -190,6 +190,10 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
         t[f"get_rows_p_{wt}"] = ("get_rows.comp", {**d, "ROW_PART": 1})   # a matrix split by rows
     for hd, (nsg, ds, bc) in ATTN_MC.items():
         t[f"attention_mc_d{hd}"] = ("attention_mc.comp", {"HD": hd, "NSG": nsg, "DS": ds, "BC": bc, EXT_DEFINE: 1})
+        # prompt rows at depth: positions split across workgroups, then attention_merge
+        t[f"attention_mc_d{hd}_split"] = ("attention_mc.comp", {"HD": hd, "NSG": nsg, "DS": ds, "BC": bc,
+                                                                 EXT_DEFINE: 1, "SPLIT": 1})
+    t["attention_merge"] = ("attention_merge.comp", {})
     for op in ("rms_norm", "rope_kv", "attention", "swiglu", "add", "add_bias", "softmax", "argmax_part", "argmax",
                "copy", "topk_part", "sample", "softcap", "mask_logits",
                "to_f16", "reduce_k"):
@@ -205,7 +209,7 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
     t["attention_dec"] = ("attention_dec.comp", {})   # decode by KV-head group, parts following the position
     t.update(_hybrid_table())
     # the KV cache's writers and readers for quantized K and/or V
-    kv_ops = [*KV_OPS, *(f"attention_mc_d{hd}" for hd in ATTN_MC_HEAD_DIMS)]
+    kv_ops = [*KV_OPS, *(f"attention_mc_d{hd}{sp}" for hd in ATTN_MC_HEAD_DIMS for sp in ("", "_split"))]
     for k in KV_TYPES:
         for v in KV_TYPES:
             if kv_tag(k, v):

@@ -23,6 +23,7 @@ class KernelBase:
         self._parts: list[Buffer] = []
         self._xq: list[Buffer] = []
         self._dr: list[Buffer] = []    # the chunked delta rule's G, W, U and Aqk (delta_rule.py)
+        self._amc: list[Buffer] = []   # attention_mc's parts (attention.py, its split form)
 
     def _alg(self, name: str, buffers: list[Buffer], push: bytes, wg: int, items: int | None = None):
         """The pipeline of a variant whose specialization constants are (workgroup size, items per workgroup)."""
@@ -52,7 +53,7 @@ class KernelBase:
 
     def scratch_buffers(self) -> list[Buffer]:
         """The matmuls' scratch buffers allocated so far (the owner frees them)."""
-        return [*self._x16, *self._parts, *self._xq, *self._dr]
+        return [*self._x16, *self._parts, *self._xq, *self._dr, *self._amc]
 
     def _scratch(self, bufs: list[Buffer], words: int, name: str) -> Buffer:
         """The last of `bufs`, or a new device buffer of at least `words` words
