@@ -34,10 +34,13 @@ PRE_TOKENIZERS: dict[str, list[str]] = {
     "gpt2": [_GPT2],
     "smollm": [r"\p{N}", _GPT2],
     "llama3": [_LLAMA3],
+    "llama-v3": [_LLAMA3],
     "llama-bpe": [_LLAMA3],
     "qwen2": [_QWEN2],
     "qwen35": [_QWEN35],
 }
+
+IGNORE_MERGES = ("llama3", "llama-v3", "llama-bpe")
 
 TOKEN_TYPE_NORMAL = 1
 TOKEN_TYPE_CONTROL = 3
@@ -144,7 +147,9 @@ def from_gguf(meta) -> Tokenizer:
         raise VkEngineError(f"pre-tokenizer {pre!r} is not supported (supported: {', '.join(sorted(PRE_TOKENIZERS))})")
     vocab = {t: i for i, t in enumerate(tokens)}
     merges = [tuple(m.split(" ", 1)) for m in merges_raw]
-    bpe = models.BPE(vocab=vocab, merges=merges, ignore_merges=False)
+    # Llama 3's pre-tokenizer types take a word that is a token as it is, without its merges
+    # (llama-vocab.cpp: ignore_merges for LLAMA_VOCAB_PRE_TYPE_LLAMA3; tokenizer.json's ignore_merges)
+    bpe = models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in IGNORE_MERGES)
     hf = HFTokenizer(bpe)
     hf.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_TOKENIZERS[pre]]
