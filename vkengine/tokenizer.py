@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -78,17 +79,42 @@ class Tokenizer:
         return self.hf.id_to_token(i) or ""
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
-        """The chat template rendered (extra: more template variables, e.g. tools)."""
+        """The chat template rendered (extra: more template variables, e.g. tools), in
+        the environment Hugging Face's apply_chat_template gives templates (their
+        released files are written for it): raise_exception, strftime_now (gpt-oss's
+        template dates its system message), the loop controls, and a tojson that
+        keeps non-ASCII text and quotes as they are. A template that refuses a
+        system message (Gemma 2's raises "System role not supported") gets it at the
+        head of the first user message, as llama.cpp's chat templates do."""
         if not self.chat_template:
             raise VkEngineError("this model has no chat template (tokenizer.chat_template); use a raw prompt")
+        try:
+            return self._render(messages, add_generation_prompt, extra)
+        except VkEngineError:
+            merged = _system_into_first_user(messages)
+            if merged is None:
+                raise
+            return self._render(merged, add_generation_prompt, extra)
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool, extra: dict) -> str:
         from jinja2 import TemplateError
+        from jinja2.ext import loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(msg):
             raise VkEngineError(f"chat template: {msg}")
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        def strftime_now(fmt):
+            return datetime.now().strftime(fmt)
+
+        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
         env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = strftime_now
+        env.filters["tojson"] = tojson
+        assert self.chat_template is not None
         try:
             tmpl = env.from_string(self.chat_template)
             return tmpl.render(
@@ -266,3 +292,24 @@ def from_hf_folder(folder: Path) -> Tokenizer:
                          if t in {a.content for a in hf.get_added_tokens_decoder().values() if a.special})
     return Tokenizer(hf=hf, bos_id=bos, eos_id=eos, add_bos=bool(cfg.get("add_bos_token", False)),
                      eot_ids=frozenset(eot), chat_template=cfg.get("chat_template"), special_ids=specials)
+
+
+def _system_into_first_user(messages: list[dict]) -> list[dict] | None:
+    """The conversation with its leading system message(s) put at the head of the
+    first user message (None: no system message to move)."""
+    n = 0
+    while n < len(messages) and messages[n].get("role") == "system":
+        n += 1
+    if not n:
+        return None
+    system = "\n\n".join(str(m.get("content") or "") for m in messages[:n])
+    rest = [dict(m) for m in messages[n:]]
+    for m in rest:
+        if m.get("role") == "user":
+            content = m.get("content")
+            if isinstance(content, list):   # content parts: the system text as a part before them
+                m["content"] = [{"type": "text", "text": system + "\n\n"}, *content]
+            else:
+                m["content"] = f"{system}\n\n{content or ''}"
+            return rest
+    return [{"role": "user", "content": system}, *rest]
