@@ -38,6 +38,14 @@ TEMPLATES = {
 }
 
 
+# where a template puts a tool's reply (in its own role: not a polyfill's user turn)
+REPLY = {"meta-llama-Llama-3.1-8B-Instruct": "<|start_header_id|>ipython<|end_header_id|>",
+         "meta-llama-Llama-3.3-70B-Instruct": "<|start_header_id|>ipython<|end_header_id|>",
+         "openai-gpt-oss-120b": "<|start|>functions.get_weather to=assistant",
+         "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use": "<|im_start|>tool\n<tool_response>",
+         "Qwen-Qwen3-0.6B": "<|im_start|>user\n<tool_response>"}
+
+
 @pytest.fixture(scope="module")
 def template_dir(llama_server_exe):
     from parity import llamacpp
@@ -60,7 +68,22 @@ def test_released_templates_render(template_dir, name):
     if tools:
         text = tok.apply_chat_template(CALLS, tools=TOOLS)
         assert "get_weather" in text and "21" in text
+        if name in REPLY:
+            assert REPLY[name] in text
         # tojson as Hugging Face's: the description's text as it is (jinja2's own escaped it: caf\\u00e9,
         # \\u0027, \\u003c); the R1 distill's template leaves descriptions out
         if name != "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B":
             assert "café's terrace: <sunny> & warm?" in text
+
+
+@pytest.mark.parametrize("name", ["google-gemma-2-2b-it", "microsoft-Phi-3.5-mini-instruct",
+                                  "deepseek-ai-DeepSeek-R1-Distill-Llama-8B"])
+def test_templates_without_tools_take_the_fallback(template_dir, name):
+    """Templates that do not read tools get the server's documented fallback (the
+    tools in a system message, calls and replies as Hermes-style text); Gemma's,
+    which alternates user and model only, then gets the replies as user turns."""
+    from server.tools import fallback_messages, parse
+    tok = _tok((template_dir / f"{name}.jinja").read_text(encoding="utf-8"))
+    tools = parse({"tools": TOOLS})
+    text = tok.apply_chat_template(fallback_messages(CALLS, tools))
+    assert "get_weather" in text and '"temp": 21' in text and "<tool_response>" in text

@@ -85,16 +85,35 @@ class Tokenizer:
         template dates its system message), the loop controls, and a tojson that
         keeps non-ASCII text and quotes as they are. A template that refuses a
         system message (Gemma 2's raises "System role not supported") gets it at the
-        head of the first user message, as llama.cpp's chat templates do."""
+        head of the first user message, and one that refuses the tool role (Gemma's
+        alternate user and model only) or drops it unsaid (Phi-3.5's) the tool replies
+        as user turns, as llama.cpp's chat templates do."""
         if not self.chat_template:
             raise VkEngineError("this model has no chat template (tokenizer.chat_template); use a raw prompt")
+        first: VkEngineError | None = None
         try:
-            return self._render(messages, add_generation_prompt, extra)
-        except VkEngineError:
-            merged = _system_into_first_user(messages)
-            if merged is None:
-                raise
-            return self._render(merged, add_generation_prompt, extra)
+            text = self._render(messages, add_generation_prompt, extra)
+            if _replies_kept(messages, text):
+                return text
+        except VkEngineError as e:
+            first = e
+        # llama.cpp's polyfills for what a template refuses: the system message in the first user turn,
+        # tool replies as user turns (Gemma's templates only alternate user and model)
+        sys_merged = _system_into_first_user(messages)
+        tools_user = _tool_as_user(messages)
+        both = _tool_as_user(sys_merged) if sys_merged is not None else None
+        for conv in (sys_merged, tools_user, both):
+            if conv is not None:
+                try:
+                    text = self._render(conv, add_generation_prompt, extra)
+                    if _replies_kept(conv, text):
+                        return text
+                except VkEngineError:
+                    pass
+        if first is not None:
+            raise first
+        raise VkEngineError("the chat template drops the tool replies of the conversation (role 'tool'), "
+                            "and again when they are given as user turns")
 
     def _render(self, messages: list[dict], add_generation_prompt: bool, extra: dict) -> str:
         from jinja2 import TemplateError
@@ -313,3 +332,28 @@ def _system_into_first_user(messages: list[dict]) -> list[dict] | None:
                 m["content"] = f"{system}\n\n{content or ''}"
             return rest
     return [{"role": "user", "content": system}, *rest]
+
+
+def _tool_as_user(messages: list[dict] | None) -> list[dict] | None:
+    """The conversation with its tool replies as user turns, consecutive turns of
+    one role joined (None: no tool reply)."""
+    if messages is None or not any(m.get("role") == "tool" for m in messages):
+        return None
+    out: list[dict] = []
+    for m in messages:
+        m = {**m, "role": "user"} if m.get("role") == "tool" else dict(m)
+        if out and out[-1].get("role") == m["role"] and isinstance(out[-1].get("content"), str) \
+                and isinstance(m.get("content"), str) and not out[-1].get("tool_calls") and not m.get("tool_calls"):
+            out[-1] = {**out[-1], "content": out[-1]["content"] + "\n\n" + m["content"]}
+        else:
+            out.append(m)
+    return out
+
+
+def _replies_kept(messages: list[dict], text: str) -> bool:
+    """Whether every tool reply's text is in the rendered conversation (some
+    templates skip the roles they do not know)."""
+    def kept(c: str) -> bool:   # as it is, or as a JSON string (Llama 3.1's template writes it so)
+        return c in text or json.dumps(c) in text or json.dumps(c, ensure_ascii=False) in text
+    return all(kept(m["content"]) for m in messages
+               if m.get("role") == "tool" and isinstance(m.get("content"), str) and m["content"])
