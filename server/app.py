@@ -146,6 +146,10 @@ def _prompt_ids(st: ServerState, gen: Generation) -> tuple[list[int], str, bool]
     tok = st.model.tokenizer
     if gen.messages is not None:
         msgs, extra = gen.messages, {}
+        for k, (v, fld) in gen.template_vars.items():   # a variable the template never reads: dropped unsaid
+            if not tool_calls.template_reads(tok.chat_template, k):
+                raise schemas.bad(fld, f"sets {k!r}, which this model's chat template does not read")
+            extra[k] = v
         if tool_calls.knows_tools(tok.chat_template):
             if gen.tools is not None:
                 extra["tools"] = list(gen.tools.functions)          # type: ignore[attr-defined]

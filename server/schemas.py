@@ -167,6 +167,7 @@ class Generation:
     grammar: tuple[str, object, str] | None = None  # (kind, spec, field): constrained output (constrain.py)
     tools: object = None                           # server/tools.py Tools: the functions offered (chat)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias; -inf: never)
+    template_vars: dict = field(default_factory=dict)  # (chat) variable -> (value, the field that set it)
 
 
 def _sampling(f: Fields) -> SamplingParams:
@@ -227,7 +228,6 @@ _CHAT_REFUSED = {
     "function_call": (_one_of("none", "auto"), "(legacy function calling) is not supported; use 'tool_choice'"),
     "modalities": (lambda v: v is None or v == ["text"], "must be [\"text\"]: only text output is supported"),
     "audio": (_empty, "(audio output) is not supported"),
-    "reasoning_effort": (_empty, "is not supported yet: the chat template is rendered with its own default"),
     "web_search_options": (_empty, "(web search) is not supported"),
 }
 _COMPLETIONS_REFUSED = {
@@ -411,7 +411,37 @@ def chat_completion(body: dict, max_tokens: int) -> Generation:
             raise bad("tool_choice", f"cannot be combined with '{common['grammar'][2]}': one output constraint a "
                                      "request")
         common["grammar"] = ("lark", tool_calls.lark_grammar(offered), "tool_choice")
-    return Generation(messages=tool_calls.history(out, msgs), n_probs=n_probs, tools=offered, **common)
+    return Generation(messages=tool_calls.history(out, msgs), n_probs=n_probs, tools=offered,
+                      template_vars=_template_vars(f), **common)
+
+
+# variables the server gives every chat template itself (chat_template_kwargs may not set them)
+_TEMPLATE_OWN = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
+REASONING_EFFORTS = ("minimal", "low", "medium", "high")
+
+
+def _template_vars(f: Fields) -> dict[str, tuple[object, str]]:
+    """llama-server's chat_template_kwargs (variables for the chat template, e.g.
+    Qwen3's enable_thinking) and OpenAI's reasoning_effort (the variable of that
+    name: gpt-oss's template reads it); whether the model's template reads them
+    is checked where it is rendered (app.py), a 400 when it does not."""
+    kw = f.body.get("chat_template_kwargs")
+    out: dict[str, tuple[object, str]] = {}
+    if kw is not None:
+        if not isinstance(kw, dict):
+            raise bad("chat_template_kwargs", "must be an object of template variables")
+        for k in kw:
+            if not isinstance(k, str) or not k.isidentifier():
+                raise bad("chat_template_kwargs", f"holds {k!r}, which is not a template variable name")
+            if k in _TEMPLATE_OWN:
+                raise bad("chat_template_kwargs", f"may not set {k!r}: the server renders it from the request")
+        out.update({k: (v, "chat_template_kwargs") for k, v in kw.items()})
+    effort = f.body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise bad("reasoning_effort", f"must be one of {', '.join(REASONING_EFFORTS)}")
+        out["reasoning_effort"] = (effort, "reasoning_effort")
+    return out
 
 
 MAX_EMBEDDING_INPUTS = 2048

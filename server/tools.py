@@ -119,6 +119,11 @@ def history(messages: list[dict], raw: list) -> list[dict]:
     return out
 
 
+def template_reads(template: str | None, name: str) -> bool:
+    """Whether a chat template's source names a variable (a word of its text)."""
+    return bool(template) and re.search(rf"\b{re.escape(name)}\b", template) is not None  # type: ignore[arg-type]
+
+
 def knows_tools(template: str | None) -> bool:
     return bool(template) and "tools" in template  # type: ignore[operator]
 

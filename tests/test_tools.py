@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import pytest
 
@@ -36,7 +37,9 @@ TOOLS = [WEATHER, FLIGHTS]
 SCHEMA = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 # a Hermes-style template, as Qwen2.5's writes tools, calls and tool replies
-HERMES = """{%- if tools %}<|im_start|>system
+HERMES = """{%- if reasoning_effort is defined or enable_thinking is defined %}<|im_start|>system
+Reasoning: {{ reasoning_effort | default('medium') }}, thinking: {{ enable_thinking | default(true) }}<|im_end|>
+{% endif %}{%- if tools %}<|im_start|>system
 {% if messages[0].role == 'system' %}{{ messages[0].content }}
 
 {% endif %}# Tools
@@ -190,3 +193,27 @@ def test_embedded_smollm2_named_call_and_schema(serve):
         model="x", messages=[{"role": "user", "content": "The capital of France, as JSON."}], max_tokens=60,
         temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
     jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+
+
+def test_template_variables(hermes, plain):
+    """chat_template_kwargs (llama-server's: Qwen3's enable_thinking) and OpenAI's
+    reasoning_effort (gpt-oss's template reads it) reach a template that reads
+    them; one that does not read them is a 400 naming the field, not a variable
+    dropped unsaid."""
+    msgs = [{"role": "user", "content": "hi"}]
+    r = httpx.post(hermes.url + "/apply-template", json={"messages": msgs, "reasoning_effort": "low",
+                                                          "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.status_code == 200, r.text
+    assert "Reasoning: low, thinking: False" in r.json()["prompt"]
+    r = httpx.post(hermes.url + "/apply-template", json={"messages": msgs})
+    assert "Reasoning:" not in r.json()["prompt"]
+    out = _client(hermes).chat.completions.create(model="x", messages=msgs, max_tokens=4, reasoning_effort="high")
+    assert out.choices[0].message.content is not None
+    for srv, body, field in ((plain, {"reasoning_effort": "high"}, "reasoning_effort"),       # not read there
+                             (plain, {"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
+                             (hermes, {"chat_template_kwargs": ["x"]}, "chat_template_kwargs"),
+                             (hermes, {"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+                             (hermes, {"reasoning_effort": "extreme"}, "reasoning_effort")):
+        r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, **body})
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["param"] == field
