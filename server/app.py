@@ -32,7 +32,7 @@ from vkengine.errors import VkEngineError
 from vkengine.model import Model
 from vkengine.serving.constrain import Grammar, compile_grammar
 
-from . import schemas
+from . import reasoning, schemas
 from . import tools as tool_calls
 from .formats import Format, LlamaCompletion, OpenAIChat, OpenAICompletion, Reply
 from .metrics import CONTENT_TYPE_LATEST, Metrics
@@ -57,6 +57,7 @@ class ServerState:
     mode: str = "batch"
     kv_cache: tuple[str, str] = ("f16", "f16")   # the KV cache's K and V types (--cache-type-k, --cache-type-v)
     pooling: str | None = None            # --embeddings: how /v1/embeddings pools (mean, cls, last); None: off
+    reasoning_format: str = "auto"        # --reasoning-format: reasoning_content apart (auto) or in content (none)
 
     @property
     def model_id(self) -> str:
@@ -209,6 +210,15 @@ async def _events(q: asyncio.Queue, reply: Reply, fmt: Format):
         yield obj
 
 
+def _reasoning(st: ServerState, gen: Generation, prompt_text: str):
+    """The reply's reasoning apart from its answer (server/reasoning.py), where the
+    model's template writes one and neither --reasoning-format nor the request's
+    reasoning_format says none."""
+    fmt = gen.reasoning_format or st.reasoning_format
+    mode = reasoning.mode_for(st.model.tokenizer.chat_template)
+    return reasoning.ReasoningSplit(mode, prompt_text) if mode and fmt != "none" else None
+
+
 async def generate(request: Request, st: ServerState, gen: Generation, kind: str) -> Response:
     # tokenizing (and rendering a chat template) may take a while for long prompts: off the event loop
     ids, text, truncated = await anyio.to_thread.run_sync(_prompt_ids, st, gen)
@@ -224,6 +234,7 @@ async def generate(request: Request, st: ServerState, gen: Generation, kind: str
     fmt = cls(reply, lambda t: tok.decode([t]), gen.stream, gen.return_tokens, gen.include_usage)
     if isinstance(fmt, OpenAIChat):
         fmt.tools = gen.tools
+        fmt.reasoning = _reasoning(st, gen, text)
 
     def cancel() -> None:
         if reply.finish is None:
@@ -287,6 +298,7 @@ async def generate_n(request: Request, st: ServerState, gen: Generation, kind: s
     for f in fmts:
         if isinstance(f, OpenAIChat):
             f.tools = gen.tools
+            f.reasoning = _reasoning(st, gen, text)
     jobs: list = [None] * gen.n
 
     def submit(i: int) -> None:

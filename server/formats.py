@@ -153,13 +153,28 @@ class OpenAIChat(Format):
         super().__init__(*a, **k)
         self.id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         self.tools: Any = None      # server/tools.py Tools: the reply's tool calls are parsed out of its text
-        self._sent = 0              # (tools) characters of the reply's text streamed as content
+        self.reasoning: Any = None  # server/reasoning.py ReasoningSplit: reasoning apart from the answer
+        self._sent = 0              # (tools) characters of the answer streamed as content
         self._calling = False       # (tools) a tool call has begun: no more content is streamed
+        self._sent_r = 0            # (reasoning) characters of it streamed as reasoning_content
+        self._sent_c = 0            # (reasoning, no tools) characters of the answer streamed
+
+    def _parts(self, final: bool) -> tuple[str, str, list[dict]]:
+        """(reasoning, answer, harmony's tool calls) of the reply so far."""
+        if self.reasoning is None:
+            return "", self.r.text, []
+        return self.reasoning.split(self.r.text, final)
+
+    def _calls(self, answer: str, harmony: list[dict]) -> tuple[str | None, list[dict]]:
+        """The answer's text and the reply's tool calls (harmony's, then those in the answer)."""
+        content, calls = extract(answer, self.tools)
+        hc = [c for c in (self.tools.call(h["name"], h["arguments"]) for h in harmony) if c is not None]
+        return (content or None) if hc + calls else content, hc + calls
 
     def _streamable(self) -> str:
-        """(tools) The reply's text that may be streamed now: everything before a
+        """(tools) The answer's text that may be streamed now: everything before a
         tool call, less a tail that may be the start of one."""
-        full = self.r.text
+        full = self._parts(False)[1]
         if self._calling:
             return ""
         head = full.lstrip()
@@ -178,16 +193,24 @@ class OpenAIChat(Format):
         out, self._sent = full[self._sent:end], max(self._sent, end)
         return out
 
+    def _reasoning_delta(self, final: bool) -> list[dict]:
+        if self.reasoning is None:
+            return []
+        r = self._parts(final)[0]
+        new, self._sent_r = r[self._sent_r:], max(self._sent_r, len(r))
+        return [self._chunk({"reasoning_content": new}, None)] if new else []
+
     def _tool_event(self, ev: Event) -> list[dict]:
         lp = self._logprobs([ev] if ev.top else [])
-        out = []
+        out = self._reasoning_delta(ev.finish is not None)
         text = self._streamable()
         if text or lp:
             out.append(self._chunk({"content": text}, None, lp))
         if ev.finish is None:
             return out
-        content, calls = extract(self.r.text, self.tools)
-        rest = self.r.text[self._sent:]
+        _, answer, harmony = self._parts(True)
+        content, calls = self._calls(answer, harmony)
+        rest = answer[self._sent:]
         if calls:
             rest = BLOCK.sub("", rest).strip()
             rest = "" if rest.startswith(("{", "<|python_tag|>")) else rest
@@ -220,8 +243,14 @@ class OpenAIChat(Format):
             return self._tool_event(ev)
         lp = self._logprobs([ev] if ev.top else [])
         out = []
-        if ev.text or lp:
-            out.append(self._chunk({"content": ev.text}, None, lp))
+        if self.reasoning is not None:
+            out += self._reasoning_delta(ev.finish is not None)
+            c = self._parts(ev.finish is not None)[1]
+            text, self._sent_c = c[self._sent_c:], max(self._sent_c, len(c))
+        else:
+            text = ev.text
+        if text or lp:
+            out.append(self._chunk({"content": text}, None, lp))
         if ev.finish is not None:
             out.append(self._chunk({}, finish_reason(ev.finish)))
         return out
@@ -232,12 +261,15 @@ class OpenAIChat(Format):
             if not self.include_usage:
                 return []
             return [{**self._chunk({}, None), "choices": [], "usage": r.usage()}]
-        message: dict[str, Any] = {"role": "assistant", "content": r.text}
+        reasoning, answer, harmony = self._parts(True)
+        message: dict[str, Any] = {"role": "assistant", "content": answer}
         finish = finish_reason(r.finish)
         if self.tools is not None:
-            content, calls = extract(r.text, self.tools)
+            content, calls = self._calls(answer, harmony)
             if calls:
                 message, finish = {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+        if reasoning.strip():
+            message["reasoning_content"] = reasoning.strip()
         return [{"id": self.id, "object": "chat.completion", "created": r.created, "model": r.model,
                  "choices": [{"index": self.index, "message": message,
                               "logprobs": self._logprobs(r.logprobs), "finish_reason": finish}],

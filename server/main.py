@@ -129,7 +129,7 @@ def build(args):
     st = ServerState(worker=worker, model=model, n_ctx=eng.n_ctx, metrics=metrics, max_tokens=args.max_tokens,
                      max_body=args.max_body, parallel=args.parallel, mode=args.mode,
                      kv_cache=(eng.kv.types.k, eng.kv.types.v),
-                     pooling=pooling)
+                     pooling=pooling, reasoning_format=args.reasoning_format)
     from .app import allowed_hosts
     return create_app(st, api_key=args.api_key, cors=args.cors,
                       hosts=allowed_hosts(args.host, args.allowed_hosts)), st, dev

@@ -168,6 +168,7 @@ class Generation:
     tools: object = None                           # server/tools.py Tools: the functions offered (chat)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias; -inf: never)
     template_vars: dict = field(default_factory=dict)  # (chat) variable -> (value, the field that set it)
+    reasoning_format: str | None = None            # (chat) llama-server's: auto / deepseek / none (None: the server's)
 
 
 def _sampling(f: Fields) -> SamplingParams:
@@ -411,8 +412,11 @@ def chat_completion(body: dict, max_tokens: int) -> Generation:
             raise bad("tool_choice", f"cannot be combined with '{common['grammar'][2]}': one output constraint a "
                                      "request")
         common["grammar"] = ("lark", tool_calls.lark_grammar(offered), "tool_choice")
+    rf = f.body.get("reasoning_format")
+    if rf is not None and rf not in ("auto", "deepseek", "none"):
+        raise bad("reasoning_format", "must be auto, deepseek or none")
     return Generation(messages=tool_calls.history(out, msgs), n_probs=n_probs, tools=offered,
-                      template_vars=_template_vars(f), **common)
+                      template_vars=_template_vars(f), reasoning_format=rf, **common)
 
 
 # variables the server gives every chat template itself (chat_template_kwargs may not set them)

@@ -45,6 +45,13 @@ class Tools:
     def names(self) -> list[str]:
         return [f["function"]["name"] for f in self.functions]
 
+    def call(self, name: str, arguments: str) -> dict | None:
+        """A tool call of one of these functions (harmony's, already apart from the text); None for others."""
+        if name not in self.names:
+            return None
+        return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                "function": {"name": name, "arguments": arguments}}
+
 
 def parse(body: dict) -> Tools | None:
     """The request's tools and tool_choice (None: no tools offered)."""
