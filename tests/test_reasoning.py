@@ -84,3 +84,43 @@ def test_server_gives_reasoning_content(thinker):
     assert parts["content"] == "" and parts["reasoning_content"].strip() == msg["reasoning_content"]
     r = httpx.post(thinker.url + "/v1/chat/completions", json={**body, "reasoning_format": "loud"}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_format"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("mode,text", [
+    ("think", "<think>\nThe user wants weather.\n</think>\n\n<tool_call>\n"
+              "{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>"),
+    ("harmony", HARMONY)])
+def test_reasoning_beside_tool_calls(mode, text, stream):
+    """A reply that reasons, then calls a tool (Qwen3's Hermes block after its
+    think block; gpt-oss's call to a function), through the chat format a few
+    characters at a time: the reasoning as reasoning_content, the call as
+    tool_calls with finish_reason tool_calls, no markup left in content."""
+    from server.formats import OpenAIChat, Reply
+    from server.tools import parse
+    from vkengine.serving.runner import Event
+    tools = parse({"tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]})
+    reply = Reply("m", "", 3)
+    fmt = OpenAIChat(reply, lambda t: "", stream)
+    fmt.tools, fmt.reasoning = tools, ReasoningSplit(mode, "")
+    objs = fmt.start()
+    for k in range(0, len(text), 5):
+        ev = Event(text=text[k:k + 5], token=1, finish="stop" if k + 5 >= len(text) else None)
+        reply.add(ev)
+        objs += fmt.event(ev)
+    objs += fmt.final()
+    if stream:
+        deltas = [c["delta"] for o in objs for c in o.get("choices", [])]
+        reasoning = "".join(d.get("reasoning_content") or "" for d in deltas)
+        content = "".join(d.get("content") or "" for d in deltas)
+        calls = [tc for d in deltas for tc in d.get("tool_calls") or []]
+        finish = [c["finish_reason"] for o in objs for c in o.get("choices", []) if c["finish_reason"]]
+    else:
+        msg = objs[-1]["choices"][0]["message"]
+        reasoning, content, calls = msg.get("reasoning_content") or "", msg["content"] or "", msg["tool_calls"]
+        finish = [objs[-1]["choices"][0]["finish_reason"]]
+    assert reasoning.strip() in ("The user wants weather.", "User wants weather. Call the tool.")
+    assert content.strip() == "" and finish == ["tool_calls"]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+        [("get_weather", {"city": "Paris"})]
