@@ -98,11 +98,12 @@ class Tokenizer:
         except VkEngineError as e:
             first = e
         # llama.cpp's polyfills for what a template refuses: the system message in the first user turn,
-        # tool replies as user turns (Gemma's templates only alternate user and model)
+        # tool replies as user turns (Gemma's templates only alternate user and model), tool-call ids of
+        # 9 letters and digits (Mistral's templates refuse others)
         sys_merged = _system_into_first_user(messages)
         tools_user = _tool_as_user(messages)
         both = _tool_as_user(sys_merged) if sys_merged is not None else None
-        for conv in (sys_merged, tools_user, both):
+        for conv in (sys_merged, tools_user, both, _short_call_ids(messages)):
             if conv is not None:
                 try:
                     text = self._render(conv, add_generation_prompt, extra)
@@ -357,3 +358,24 @@ def _replies_kept(messages: list[dict], text: str) -> bool:
         return c in text or json.dumps(c) in text or json.dumps(c, ensure_ascii=False) in text
     return all(kept(m["content"]) for m in messages
                if m.get("role") == "tool" and isinstance(m.get("content"), str) and m["content"])
+
+
+def _short_call_ids(messages: list[dict]) -> list[dict] | None:
+    """The conversation with its tool-call ids (and the replies' tool_call_id) as 9
+    letters and digits, the same id for the same original (None: no ids)."""
+    import hashlib
+
+    def short(i: object) -> str:
+        return hashlib.sha256(str(i).encode()).hexdigest()[:9]
+    if not any(m.get("tool_calls") or m.get("tool_call_id") for m in messages):
+        return None
+    out = []
+    for m in messages:
+        m = dict(m)
+        if m.get("tool_calls"):
+            m["tool_calls"] = [{**c, "id": short(c.get("id"))} if c.get("id") is not None else c
+                               for c in m["tool_calls"]]
+        if m.get("tool_call_id") is not None:
+            m["tool_call_id"] = short(m["tool_call_id"])
+        out.append(m)
+    return out
