@@ -22,6 +22,13 @@ DELTA_CHUNK_WG = 128      # invocations a workgroup of both
 
 
 class DeltaRuleKernels(KernelBase):
+    def _prompt_forms(self, n_rows: int, snap_rows: int) -> bool:
+        """Whether a step takes the prompt forms of these kernels (conv1d_rows, the
+        chunked delta rule): steps of caps.delta_chunk_from rows or more that keep
+        no snapshots."""
+        c = self.caps
+        return c.delta_chunk_from > 0 and n_rows >= c.delta_chunk_from and not snap_rows
+
     def conv1d(self, prog: Program, w: Region, x: Region, x_stride: int, y: Region, y_stride: int,
                C: int, K: int, n_rows: int, state: Region, snap: Region | None, snap_rows: int,
                params: Buffer, pos_off: int, slot_off: int, label: str = "conv1d",
@@ -38,7 +45,7 @@ class DeltaRuleKernels(KernelBase):
             raise ValueError("conv state and its snapshots must share a buffer")
         snap_rows = snap_rows if snap is not None else 0
         if by_rows is None:
-            by_rows = self.caps.delta_chunk_from > 0 and n_rows >= self.caps.delta_chunk_from and not snap_rows
+            by_rows = self._prompt_forms(n_rows, snap_rows)
         if by_rows:
             if snap_rows:
                 raise ValueError("conv1d_rows keeps no snapshots")
@@ -48,13 +55,12 @@ class DeltaRuleKernels(KernelBase):
             wg = self.caps.ew_wg
             rows = [w.range, rows_range(x, n_rows, x_stride, C), state.range,
                     *params_range(params, (pos_off, n_rows), (slot_off, n_rows))]
+            grid = self._grid(math.ceil(C / wg) * math.ceil(n_rows / CONV_ROWS_BLOCK))   # (channels, row blocks)
             alg = self._alg("conv1d_rows", [w.buf, act, params, state.buf], push, wg, 1)
-            prog.dispatch(alg, push, self._grid(math.ceil(C / wg) * math.ceil(n_rows / CONV_ROWS_BLOCK)), rows,
-                          [rows_range(y, n_rows, y_stride, C)], label)
+            prog.dispatch(alg, push, grid, rows, [rows_range(y, n_rows, y_stride, C)], label)
             if K > 1:
                 alg = self._alg("conv1d_rows_state", [w.buf, act, params, state.buf], push, wg, 1)
-                prog.dispatch(alg, push, self._grid(math.ceil(C / wg) * math.ceil(n_rows / CONV_ROWS_BLOCK)), rows,
-                              [state.range], label + "_state")
+                prog.dispatch(alg, push, grid, rows, [state.range], label + "_state")
             return
         push = self._push("conv1d", x_off=x.off, x_stride=x_stride, y_off=y.off, y_stride=y_stride, w_off=w.off, C=C,
                           K=K, n_rows=n_rows, state_off=state.off, slot_stride=(K - 1) * C,
@@ -80,26 +86,25 @@ class DeltaRuleKernels(KernelBase):
         caps say (steps of delta_chunk_from rows or more), never with snapshots."""
         c = self.caps
         snap_rows = snap_rows if snap is not None else 0
+        if nv % nk:
+            raise VkEngineError(f"{nv} value heads do not divide among {nk} key heads")
+        if a_log.buf is not dt_bias.buf:
+            raise ValueError("A and dt_bias must share a weight buffer")
+        act = self._same_buffer(q, k, v, alpha, beta, o)
         if chunked is None:
-            chunked = (c.delta_chunk_from > 0 and n_rows >= c.delta_chunk_from and not snap_rows
-                       and dk <= DELTA_CHUNK_DK and dk % 8 == 0)
+            chunked = self._prompt_forms(n_rows, snap_rows) and dk <= DELTA_CHUNK_DK and dk % 8 == 0
         if chunked:
             if snap_rows:
                 raise ValueError("the chunked delta rule keeps no snapshots")
             if dk > DELTA_CHUNK_DK or dk % 8:
                 raise VkEngineError(f"the chunked delta rule takes key heads of at most {DELTA_CHUNK_DK} and a "
                                     f"multiple of 8, not {dk}")
-            self._delta_chunked(prog, a_log, dt_bias, q, k, v, qkv_stride, alpha, beta, ab_stride, o, o_stride, nk, nv,
-                                dk, dv, n_rows, n_groups, state, params, pos_off, slot_off, tiled, scale, label)
+            self._delta_chunked(prog, act, a_log, dt_bias, q, k, v, qkv_stride, alpha, beta, ab_stride, o, o_stride,
+                                nk, nv, dk, dv, n_rows, n_groups, state, params, pos_off, slot_off, tiled, scale, label)
             return
         if dk > DELTA_MAX_PER_LANE * c.sg:
             raise VkEngineError(f"linear-attention key head size {dk} is not supported on subgroups of "
                                 f"{c.sg} (at most {DELTA_MAX_PER_LANE * c.sg})")
-        if nv % nk:
-            raise VkEngineError(f"{nv} value heads do not divide among {nk} key heads")
-        if a_log.buf is not dt_bias.buf:
-            raise ValueError("A and dt_bias must share a weight buffer")
-        act = self._same_buffer(q, k, v, alpha, beta, o)
         if snap is not None and snap.buf is not state.buf:
             raise ValueError("recurrent state and its snapshots must share a buffer")
         push = self._push("delta_rule", q_off=q.off, k_off=k.off, v_off=v.off, qkv_stride=qkv_stride, a_off=alpha.off,
@@ -117,18 +122,13 @@ class DeltaRuleKernels(KernelBase):
             writes.append(snap.range)
         prog.dispatch(alg, push, self._grid(math.ceil(n_groups * nv * dv / c.items)), reads, writes, label)
 
-    def _delta_chunked(self, prog: Program, a_log: Region, dt_bias: Region, q: Region, k: Region, v: Region,
-                       qkv_stride: int, alpha: Region, beta: Region, ab_stride: int, o: Region, o_stride: int,
-                       nk: int, nv: int, dk: int, dv: int, n_rows: int, n_groups: int, state: Region,
+    def _delta_chunked(self, prog: Program, act: Buffer, a_log: Region, dt_bias: Region, q: Region, k: Region,
+                       v: Region, qkv_stride: int, alpha: Region, beta: Region, ab_stride: int, o: Region,
+                       o_stride: int, nk: int, nv: int, dk: int, dv: int, n_rows: int, n_groups: int, state: Region,
                        params: Buffer, pos_off: int, slot_off: int, tiled: bool, scale: float, label: str) -> None:
         """The chunked form: delta_chunk.comp makes each chunk's G, W, U and Aqk in
         a scratch buffer (all chunks and heads at once), delta_scan.comp walks each
-        sequence's chunks with its state."""
-        if nv % nk:
-            raise VkEngineError(f"{nv} value heads do not divide among {nk} key heads")
-        if a_log.buf is not dt_bias.buf:
-            raise ValueError("A and dt_bias must share a weight buffer")
-        act = self._same_buffer(q, k, v, alpha, beta, o)
+        sequence's chunks with its state (delta_rule() checked the operands)."""
         C = DELTA_CHUNK
         n_blocks = math.ceil(n_rows / C)
         g_words, w_words, u_words, a_words = n_rows * nv, n_rows * nv * dk, n_rows * nv * dv, n_rows * nv * C
