@@ -64,7 +64,8 @@ def add_serve_args(p) -> None:
     p.add_argument("--cors", default=None, help="allowed CORS origin(s), comma separated (off unless given)")
     p.add_argument("--chat-template-file", default=None, metavar="PATH",
                    help="a jinja chat template in place of the model's (as llama-server's)")
-    p.add_argument("--reasoning-format", choices=["auto", "deepseek", "none"], default="auto",
+    from .reasoning import MODES
+    p.add_argument("--reasoning-format", choices=MODES, default="auto",
                    help="chat replies of models that reason first (<think> blocks: Qwen3, QwQ, the R1 distills; "
                         "gpt-oss's analysis channel): auto (or deepseek) gives the reasoning as reasoning_content "
                         "apart from content, as llama-server does; none leaves the reply's text as it is")

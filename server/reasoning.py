@@ -19,7 +19,7 @@ import json
 import re
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-MODES = ("none", "auto", "deepseek")      # llama-server's reasoning_format values we take (deepseek: auto)
+MODES = ("auto", "deepseek", "none")      # llama-server's reasoning_format values we take (deepseek: auto)
 
 
 def mode_for(template: str | None) -> str | None:

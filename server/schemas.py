@@ -412,9 +412,10 @@ def chat_completion(body: dict, max_tokens: int) -> Generation:
             raise bad("tool_choice", f"cannot be combined with '{common['grammar'][2]}': one output constraint a "
                                      "request")
         common["grammar"] = ("lark", tool_calls.lark_grammar(offered), "tool_choice")
+    from .reasoning import MODES
     rf = f.body.get("reasoning_format")
-    if rf is not None and rf not in ("auto", "deepseek", "none"):
-        raise bad("reasoning_format", "must be auto, deepseek or none")
+    if rf is not None and rf not in MODES:
+        raise bad("reasoning_format", f"must be {', '.join(MODES[:-1])} or {MODES[-1]}")
     return Generation(messages=tool_calls.history(out, msgs), n_probs=n_probs, tools=offered,
                       template_vars=_template_vars(f), reasoning_format=rf, **common)
 

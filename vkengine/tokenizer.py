@@ -4,6 +4,8 @@ llama.cpp does on the same file; the chat template rendered with jinja2;
 a streaming detokenizer that never emits half a UTF-8 character."""
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -118,25 +120,9 @@ class Tokenizer:
 
     def _render(self, messages: list[dict], add_generation_prompt: bool, extra: dict) -> str:
         from jinja2 import TemplateError
-        from jinja2.ext import loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(msg):
-            raise VkEngineError(f"chat template: {msg}")
-
-        def strftime_now(fmt):
-            return datetime.now().strftime(fmt)
-
-        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-        env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = strftime_now
-        env.filters["tojson"] = tojson
         assert self.chat_template is not None
         try:
-            tmpl = env.from_string(self.chat_template)
+            tmpl = _compiled_template(self.chat_template)
             return tmpl.render(
                 messages=messages, add_generation_prompt=add_generation_prompt,
                 bos_token=self.token_text(self.bos_id) if self.bos_id is not None else "",
@@ -314,6 +300,29 @@ def from_hf_folder(folder: Path) -> Tokenizer:
                      eot_ids=frozenset(eot), chat_template=cfg.get("chat_template"), special_ids=specials)
 
 
+@functools.lru_cache(maxsize=8)
+def _compiled_template(source: str):
+    """A chat template compiled once (a request with polyfills renders it up to five
+    times) in the environment Hugging Face's apply_chat_template gives templates."""
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(msg):
+        raise VkEngineError(f"chat template: {msg}")
+
+    def strftime_now(fmt):
+        return datetime.now().strftime(fmt)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    env.filters["tojson"] = tojson
+    return env.from_string(source)
+
+
 def _system_into_first_user(messages: list[dict]) -> list[dict] | None:
     """The conversation with its leading system message(s) put at the head of the
     first user message (None: no system message to move)."""
@@ -363,8 +372,6 @@ def _replies_kept(messages: list[dict], text: str) -> bool:
 def _short_call_ids(messages: list[dict]) -> list[dict] | None:
     """The conversation with its tool-call ids (and the replies' tool_call_id) as 9
     letters and digits, the same id for the same original (None: no ids)."""
-    import hashlib
-
     def short(i: object) -> str:
         return hashlib.sha256(str(i).encode()).hexdigest()[:9]
     if not any(m.get("tool_calls") or m.get("tool_call_id") for m in messages):
