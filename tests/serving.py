@@ -88,8 +88,13 @@ def serve(tiny_gguf, tmp_path_factory):
     module's end (servers kept to the session's end held ~5 GB by its last modules)."""
     procs = []
 
-    def start(*flags, model=str(tiny_gguf), ctx=CTX):
+    def start(*flags, model=str(tiny_gguf), ctx=CTX, template: str | None = None):
+        """template: a chat template's text, served with --chat-template-file."""
         base = [] if model is None else ["--model", model]
+        if template is not None:
+            f = tmp_path_factory.mktemp("tmpl") / "chat.jinja"
+            f.write_text(template)
+            base += ["--chat-template-file", str(f)]
         p = ServerProcess([*base, "--ctx", str(ctx), *flags],
                           tmp_path_factory.mktemp("server") / "server.log")
         procs.append(p)

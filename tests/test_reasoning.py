@@ -58,10 +58,8 @@ THINKING = """{%- for m in messages %}<|im_start|>{{ m.role }}
 
 
 @pytest.fixture(scope="module")
-def thinker(serve, tmp_path_factory):
-    f = tmp_path_factory.mktemp("tmpl") / "think.jinja"
-    f.write_text(THINKING)
-    return serve("--parallel", "2", "--max-tokens", "64", "--chat-template-file", str(f))
+def thinker(serve):
+    return serve("--parallel", "2", "--max-tokens", "64", template=THINKING)
 
 
 def test_server_gives_reasoning_content(thinker):

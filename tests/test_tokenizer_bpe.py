@@ -9,21 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from vkengine.gguf_file import GGUFFile
-from vkengine.tokenizer import from_gguf
-
-from .test_tokenizer_spm import vocab_dir  # noqa: F401 (the fixture)
+from .test_tokenizer_spm import assert_llama_cpp_test_data, vocab_dir  # noqa: F401 (the fixture)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("vocab", ["llama-bpe", "qwen2", "qwen35"])
 def test_llama_cpp_tokenizer_test_data(vocab_dir, vocab):  # noqa: F811
-    """each .inp text (split on __ggml_vocab_test__) encodes to the ids on its line of .out."""
-    path = vocab_dir / f"ggml-vocab-{vocab}.gguf"
-    tok = from_gguf(GGUFFile(path).meta)
-    texts = path.with_suffix(".gguf.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
-    ids = path.with_suffix(".gguf.out").read_text(encoding="utf-8").split("\n")
-    n = min(len(texts), len(ids))
-    assert n >= 40
-    for text, line in zip(texts[:n], ids[:n]):
-        assert tok.encode(text, add_special=False) == [int(x) for x in line.split()], repr(text)
+    assert_llama_cpp_test_data(vocab_dir, vocab)

@@ -38,8 +38,14 @@ def vocab_dir(llama_server_exe):
 @pytest.mark.slow
 @pytest.mark.parametrize("vocab", VOCABS)
 def test_llama_cpp_tokenizer_test_data(vocab_dir, vocab):
+    tok = assert_llama_cpp_test_data(vocab_dir, vocab)
+    assert tok.add_bos and tok.space_prefix
+
+
+def assert_llama_cpp_test_data(vocab_dir, vocab: str):
     """llama.cpp's tests/test-tokenizer-0 data: each .inp text (split on
-    __ggml_vocab_test__) encodes to the ids on its line of .out, without BOS."""
+    __ggml_vocab_test__) of models/ggml-vocab-{vocab}.gguf encodes to the ids on
+    its line of .out, without BOS. Returns the tokenizer."""
     path = vocab_dir / f"ggml-vocab-{vocab}.gguf"
     tok = from_gguf(GGUFFile(path).meta)
     texts = path.with_suffix(".gguf.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
@@ -48,7 +54,7 @@ def test_llama_cpp_tokenizer_test_data(vocab_dir, vocab):
     assert n >= 40
     for text, line in zip(texts[:n], ids[:n]):
         assert tok.encode(text, add_special=False) == [int(x) for x in line.split()], repr(text)
-    assert tok.add_bos and tok.space_prefix
+    return tok
 
 
 @pytest.fixture(scope="module")

@@ -77,10 +77,8 @@ def plain(serve):
 
 
 @pytest.fixture(scope="module")
-def hermes(serve, tmp_path_factory):
-    f = tmp_path_factory.mktemp("tmpl") / "hermes.jinja"
-    f.write_text(HERMES)
-    return serve("--parallel", "4", "--max-tokens", "256", "--chat-template-file", str(f))
+def hermes(serve):
+    return serve("--parallel", "4", "--max-tokens", "256", template=HERMES)
 
 
 def _client(srv):
