@@ -35,11 +35,14 @@
 // block computes bit-identical probabilities), and each accumulates its own
 // dims of O^T. Two workgroup barriers a block more.
 // SPLIT (prompt rows at depth: too few workgroups for the GPU, each walking
-// every key, ran at a tenth of the big prompt's FLOP rate on the H200):
-// gl_WorkGroupID.z takes the positions [z part_len, (z + 1) part_len) of its
-// rows' ranges, and instead of O / l writes O, m and l unnormalized to `part`
-// ([z][row][head] x (HD + 2) floats at part_off); attention_merge.comp then
-// combines a row's parts (flash-decoding's split K).
+// every key, ran at a tenth of the big prompt's FLOP rate on the H200): the
+// positions a pass of the workgroup walks, [kstart, kend), are cut into
+// n_parts pieces of whole BC blocks, gl_WorkGroupID.z taking the z-th (so the
+// parts follow the rows' actual positions, not the cache's length), and
+// instead of O / l it writes O, m and l unnormalized to `part` ([z][row][head]
+// x (HD + 2) floats at part_off; m = -inf, l = 0 where the piece holds none of
+// a row's positions); attention_merge.comp then combines a row's parts
+// (flash-decoding's split K).
 // fp16 Q and P round to 11 significant bits, as llama.cpp's coopmat flash
 // attention does; S, the softmax and O stay fp32. Compiled by the newer glslc
 // (scripts/glslc-ext.sh).
@@ -96,7 +99,7 @@ layout(push_constant) uniform P {
     uint ring;   // kv_at
     uint sink_off;   // sink_weight
 #ifdef SPLIT
-    uint part_len, part_off;
+    uint n_parts, part_off;
 #endif
 } p;
 
@@ -196,8 +199,12 @@ void main() {
         uint kend = pass_end[0], kstart = pass_start[0];
         [[unroll]] for (uint s = 1; s < NSG; s++) { kend = max(kend, pass_end[s]); kstart = min(kstart, pass_start[s]); }
 #ifdef SPLIT
-        kstart = max(kstart, gl_WorkGroupID.z * p.part_len);   // this part's positions only
-        kend = min(kend, (gl_WorkGroupID.z + 1u) * p.part_len);
+        {   // this part's piece of the pass's positions only
+            uint plen = ((kend - kstart + p.n_parts - 1u) / p.n_parts + BC - 1u) / BC * BC;
+            uint k0 = kstart;
+            kstart = min(k0 + gl_WorkGroupID.z * plen, kend);
+            kend = min(kend, k0 + (gl_WorkGroupID.z + 1u) * plen);
+        }
 #endif
         // K_AT(t, c), V_AT(t, c): halves 8c .. 8c+7 of position t's row as a
         // uvec4, loaded as they are (f16) or dequantized (q8_0, kv.glsl: the

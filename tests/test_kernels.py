@@ -1081,8 +1081,8 @@ def test_attention_decode_depth(device, kernels, rng, hd, n_head, n_kv, items, k
                                                      (64, 8, 1, True, "v"), (256, 8, 2, True, "f16"),
                                                      (256, 3, 3, False, "f16"), (256, 5, 1, False, "f16"),
                                                      (256, 8, 2, True, "kv")])
-@pytest.mark.parametrize("part", [0, 32])
-def test_attention_coopmat(device, coopmat_kernels, ws, rng, hd, n_head, n_kv, grow, kv, part):
+@pytest.mark.parametrize("parts", [1, 3, 16])
+def test_attention_coopmat(device, coopmat_kernels, ws, rng, hd, n_head, n_kv, grow, kv, parts):
     """attention_mc (cooperative matrices, prompt-sized steps): two prefill
     chunks of different slots (positions past several 32-position blocks) and
     decode rows of a third in one dispatch, so that 16-row blocks mix slots
@@ -1092,9 +1092,11 @@ def test_attention_coopmat(device, coopmat_kernels, ws, rng, hd, n_head, n_kv, g
     are what the tolerance allows for). grow: keys larger with the position,
     so that later blocks raise a row's running max past the kernel's slack and
     its output is rescaled. kv: f16, or which sides are q8_0 blocks (the
-    kernel dequantizes them to halves as it stages them). part 32: the split
-    form (each row's positions in parts of 32 across workgroups, then merged:
-    attention_merge.comp), as prompt rows at depth take it."""
+    kernel dequantizes them to halves as it stages them). parts 3, 16: the
+    split form (each workgroup's positions cut into pieces of whole 32-position
+    blocks across workgroups, then merged: attention_merge.comp), as prompt
+    rows at depth take it; 16 leaves pieces that hold none of a row's
+    positions."""
     assert coopmat_kernels.attention_on_coopmat(62, hd)
     slots = np.array([0] * 40 + [2, 2] + [1] * 20, np.uint32)
     pos = np.array(list(range(40)) + [99, 64] + list(range(50, 70)), np.uint32)
@@ -1110,26 +1112,27 @@ def test_attention_coopmat(device, coopmat_kernels, ws, rng, hd, n_head, n_kv, g
     c.vvals = c.vvals.astype(np.float16).astype(np.float32)
     prog = device.program()
     coopmat_kernels.attention(prog, c.qr, n_head * hd, c.orr, n_head * hd, len(slots), n_head, n_kv, hd, c.kc, c.vc,
-                              c.ss, ws.params, 0, 100, c.scale, n_ctx=ctx, kv_types=types, mc_part=part)
-    assert any(op.label.endswith("_merge") for op in prog.ops) == bool(part)
+                              c.ss, ws.params, 0, 100, c.scale, n_ctx=ctx, kv_types=types, mc_parts=parts)
+    assert any(op.label.endswith("_merge") for op in prog.ops) == (parts > 1)
     prog.run()
     c.check(ws.read(c.orr), c.q.astype(np.float16).astype(np.float32), rtol=2e-3, atol_scale=2e-3)
 
 
 @pytest.mark.parametrize("window,sink", [(0, False), (40, False), (0, True), (40, True)])
 def test_attention_merge(device, kernels, ws, rng, window, sink):
-    """attention_merge.comp (the split form of attention_mc, combined): parts of
-    32 positions whose (O, m, l) numpy computes with m above the part's true max
-    (the kernel's m may lag its rows' max), parts outside a row's range NaN
-    (never read), against numpy attention over the row's whole range."""
-    n_head, hd, part, ctx = 3, 40, 32, 130
+    """attention_merge.comp (the split form of attention_mc, combined): each
+    row's visible positions cut into 5 pieces at random points (some pieces
+    empty: m = -inf, l = 0, as the kernel leaves them), whose (O, m, l) numpy
+    computes with m above the piece's true max (the kernel's m may lag its
+    rows' max), against numpy attention over the row's whole range."""
+    n_head, hd, n_parts, ctx = 3, 40, 5, 130
     pos = np.array([0, 31, 32, 100, 129, 77], np.uint32)
     rows = len(pos)
-    n_parts = -(-ctx // part)
     scores = rng.standard_normal((rows, n_head, ctx)).astype(np.float64) * 3
     vals = rng.standard_normal((rows, n_head, ctx, hd))
     sinks = rng.standard_normal(n_head) * 2 if sink else None
-    parts = np.full((n_parts, rows, n_head, hd + 2), np.nan, np.float32)
+    parts = np.zeros((n_parts, rows, n_head, hd + 2), np.float32)
+    parts[:, :, :, hd] = -np.inf
     want = np.zeros((rows, n_head, hd))
     for r, p in enumerate(pos):
         lo = max(0, int(p) + 1 - window) if window else 0
@@ -1138,22 +1141,23 @@ def test_attention_merge(device, kernels, ws, rng, window, sink):
             e = np.exp(sc - sc.max())
             den = e.sum() + (np.exp(sinks[h] - sc.max()) if sink else 0.0)
             want[r, h] = e @ v / den
-            for z in range(lo // part, int(p) // part + 1):
-                a, b = max(lo, z * part), min(int(p) + 1, (z + 1) * part)
+            cuts = np.sort(rng.integers(lo, int(p) + 2, n_parts - 1))
+            for z, (a, b) in enumerate(zip([lo, *cuts], [*cuts, int(p) + 1])):
+                if a == b:
+                    continue
                 m = scores[r, h, a:b].max() + rng.uniform(0, 3)   # a running max that lags
                 ez = np.exp(scores[r, h, a:b] - m)
                 parts[z, r, h, :hd] = ez @ vals[r, h, a:b]
                 parts[z, r, h, hd], parts[z, r, h, hd + 1] = m, ez.sum()
-    ws.params.array()[:rows] = pos
+    assert (parts[:, :, :, hd] == -np.inf).any()
     pr = ws.act_region(parts.size, parts.reshape(-1))
-    orr = ws.act_region(rows * n_head * hd)
+    orr = ws.act_region(rows * n_head * hd, np.full(rows * n_head * hd, np.nan, np.float32))
     sr = ws.weight_region(sinks.astype(np.float32)) if sink else None
     c = kernels.caps
     push = kernels._push("attention_merge", o_off=orr.off, o_stride=n_head * hd, n_rows=rows, n_head=n_head,
-                         head_dim=hd, pos_off=0, window=window, part_len=part, part_off=pr.off,
+                         head_dim=hd, n_parts=n_parts, part_off=pr.off,
                          sink_off=sr.off if sr is not None else 0xFFFFFFFF)
-    alg = kernels._alg("attention_merge", [orr.buf, pr.buf, ws.params, sr.buf if sr is not None else ws.params],
-                       push, c.wg)
+    alg = kernels._alg("attention_merge", [orr.buf, pr.buf, sr.buf if sr is not None else pr.buf], push, c.wg)
     prog = device.program()
     prog.dispatch(alg, push, kernels._grid(-(-rows * n_head // c.items)), [pr.range], [orr.range], "merge")
     prog.run()
@@ -1171,8 +1175,8 @@ def test_attention_window_softcap(device, kernels, coopmat_kernels_or_none, ws, 
     local layers) and Gemma 2's score soft-cap, on every attention path: one
     pass, attention.comp's 64-position slices, attention_dec's parts and
     attention_mc's cooperative matrices (GPUs; 256-wide heads: two subgroups a
-    row block, "mc64": 64-wide, one; "_split": its split form, positions in
-    parts of 32 across workgroups, then merged): a prefill chunk of 40 rows that
+    row block, "mc64": 64-wide, one; "_split": its split form, each
+    workgroup's positions in 5 parts across workgroups, then merged): a prefill chunk of 40 rows that
     crosses the window (and the 32-position blocks), decode rows of two other
     slots far past it and just inside it, against numpy. Large q so that the
     cap changes the result. ring: the cache a ring of 100 positions
@@ -1209,7 +1213,7 @@ def test_attention_window_softcap(device, kernels, coopmat_kernels_or_none, ws, 
     kn.attention(prog, c.qr, n_head * hd, c.orr, n_head * hd, rows, n_head, n_kv, hd, c.kc, c.vc, c.ss,
                  ws.params, 0, 60, c.scale, tmp, ctx, sync, kv_types=types, window=window, softcap=softcap,
                  ring=kv_util.capacity(ring, types) if ring else 0, sinks=sr,
-                 mc_part=32 if path.endswith("_split") else 0)
+                 mc_parts=5 if path.endswith("_split") else 1)
     assert any(op.label.endswith("_merge") for op in prog.ops) == path.endswith("_split")
     ws.device.upload(c.orr.buf, np.full(c.orr.words, 0x7FC00000, np.uint32), c.orr.off * 4)
     prog.run()

@@ -440,6 +440,25 @@ def test_bench_depth_cli_errors():
             parse_depths(bad)
 
 
+def test_bench_profiles_a_long_prompt_in_steps(device, tiny_model):
+    """Engine.profile refuses a step of more rows than the activations hold (it
+    wrote past them: `bench --profile -p 16384` on the 8B, whose engine caps a
+    step's rows to fit one buffer, profiled one 16k-row step where prefill
+    runs four of 4k); bench profiles such a prompt step by step, summed by op."""
+    from vkengine.cli import _merge_profiles
+    eng = Engine(tiny_model, device, EngineConfig(n_slots=1, n_ctx=CTX, max_batch=16))
+    with pytest.raises(VkEngineError, match="a step takes 1..16 rows, got 17"):
+        eng.profile(17)
+    a, b = eng.profile(16, runs=1), eng.profile(8, runs=1, start_pos=16)
+    merged = _merge_profiles([a, b])
+    ua, ub = {k: (us, c) for k, us, c in a}, {k: (us, c) for k, us, c in b}
+    assert {k for k, _, _ in merged} == set(ua) | set(ub)
+    for k, us, c in merged:
+        assert us == pytest.approx(ua.get(k, (0, 0))[0] + ub.get(k, (0, 0))[0])
+        assert c == ua.get(k, (0, 0))[1] + ub.get(k, (0, 0))[1]
+    assert [us for _, us, _ in merged] == sorted((us for _, us, _ in merged), reverse=True)
+
+
 @pytest.mark.parametrize("sampling", list(SAMPLING))
 @pytest.mark.parametrize("mode", ["slices-q4", "batch", "batch-preempt"])
 @pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])

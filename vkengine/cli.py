@@ -147,10 +147,16 @@ def cmd_bench(args) -> int:
             steps = [(f"decode step (1 row at position {at})", 1, at, False)]
             steps += [(f"batched decode step ({b} sequences at position {at})", b, at, True) for b in parallel
                       if b > 1]
-            steps += [(f"prefill step ({args.n_prompt} rows from position {d})", args.n_prompt, d, False)] \
-                if args.n_prompt else []
+            if args.n_prompt:   # in steps of at most max_batch rows, as prefill runs it
+                n_steps = -(-args.n_prompt // eng.max_batch)
+                how = f", {n_steps} steps of up to {eng.max_batch} rows" if n_steps > 1 else ""
+                steps.append((f"prefill ({args.n_prompt} rows from position {d}{how})", args.n_prompt, d, False))
             for title, n, start, batched in steps:
-                prof = eng.profile(n, n if batched else 1, start_pos=start, batched=batched)
+                if batched:
+                    prof = eng.profile(n, n, start_pos=start, batched=True)
+                else:
+                    prof = _merge_profiles([eng.profile(min(eng.max_batch, n - c), 1, start_pos=start + c)
+                                            for c in range(0, n, eng.max_batch)])
                 total = sum(us for _, us, _ in prof)
                 print(f"{title}: {total:.0f} us GPU time")
                 for label, us, count in prof[:14]:
@@ -176,6 +182,17 @@ def cmd_bench(args) -> int:
             print(f"  {b['n_seq']} sequences x tg{b['n_gen']}{tag}: {b['tps']:.1f} tok/s aggregate "
                   f"{rel}{b['step_ms']:.2f} ms a step")
     return 0
+
+
+def _merge_profiles(profs: list[list[tuple[str, float, int]]]) -> list[tuple[str, float, int]]:
+    """Engine.profile's rows of several steps summed by label, slowest first."""
+    us: dict[str, float] = {}
+    count: dict[str, int] = {}
+    for prof in profs:
+        for label, t, c in prof:
+            us[label] = us.get(label, 0.0) + t
+            count[label] = count.get(label, 0) + c
+    return sorted(((k, v, count[k]) for k, v in us.items()), key=lambda r: -r[1])
 
 
 def cmd_synth(args) -> int:

@@ -412,6 +412,9 @@ class Engine:
         min-p 0.05) instead of the argmax."""
         if batched and n > self.n_slots:
             raise VkEngineError(f"a batched step of {n} rows needs {n} slots, the engine has {self.n_slots}")
+        if not 0 < n <= self.max_batch:
+            # (the activations hold max_batch rows: a longer step would write past them)
+            raise VkEngineError(f"a step takes 1..{self.max_batch} rows, got {n}")
         pl, prm = self.layout, self.params.array()
         prm[pl.tokens:pl.tokens + n] = np.arange(n) % self.n_vocab
         prm[pl.positions:pl.positions + n] = start_pos if batched else np.arange(start_pos, start_pos + n)

@@ -66,10 +66,9 @@ class Options:
     mc2_f16acc: bool = True       # mul_mc2 with fp16 sums (llama.cpp's default there); 0: fp32 sums
     mc2_from_rows: int | None = None   # matrices of at least this many rows on mul_mc2 (None: the table's)
     attn_mc: bool = True          # prompt attention on cooperative matrices (attention_mc.comp)
-    attn_mc_part: int = 0         # prompt rows at depth: positions a workgroup of attention_mc takes (its split
-                                  # form, then a merge) where a step's rows make few workgroups; 0: never.
-                                  # Opt-in (e.g. 2048) until run on a GPU: written 2026-12-04 (notes.md run 35)
-                                  # when the session's device time was spent; its GPU tests force it on
+    attn_mc_split: int = 1024     # prompt rows at depth: a step whose rows make fewer attention_mc workgroups
+                                  # than this cuts each one's positions into parts (its split form, then a
+                                  # merge) to reach it; 0: never (notes.md run 36)
     attn_dec: bool = True         # decode attention by KV-head group, parts following the position (attention_dec)
     attn_items: int = 2048        # ... its target of work items a step's row (KV heads x groups x parts)
     attn_lp: bool = False         # ... a position scored by several lanes, q in registers (dec_lanes)

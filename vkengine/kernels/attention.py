@@ -17,10 +17,9 @@ from .types import KVTypes, Region, params_range, rows_range
 class AttentionKernels(KernelBase):
     ATTN_CHUNK = 64     # positions per slice of split decode attention (notes.md run 18)
     ATTN_MC_FROM = 16   # rows from which attention runs on cooperative matrices (where it can)
-    # attention_mc's split form (prompt rows at depth): steps whose blocks make fewer workgroups than this
-    # take it, in parts of caps.attn_mc_part positions, at most ATTN_MC_MAX_PARTS parts (longer where the
-    # context needs more)
-    ATTN_MC_SPLIT_BELOW = 512
+    # attention_mc's split form (prompt rows at depth): a step whose row blocks make fewer workgroups than
+    # caps.attn_mc_split has each workgroup's positions cut into as many parts as reach it, at most
+    # ATTN_MC_MAX_PARTS (a part whose piece is empty costs a workgroup that exits, and the merge's reads)
     ATTN_MC_MAX_PARTS = 16
 
     DEC_MIN_CHUNK = 32  # attention_dec: a part's positions are a multiple of this
@@ -63,30 +62,33 @@ class AttentionKernels(KernelBase):
         return head_dim // 8 if self.caps.attn_kpf and lp == 1 and "k" not in tag and head_dim <= 128 else 0
 
     def _attention_mc_split(self, prog: Program, pc: dict, reads: list, out: list, n_rows: int, n_head: int,
-                            n_kv: int, head_dim: int, n_ctx: int, part: int, wgs: int, window: int, act: Buffer,
-                            kv: Buffer, params: Buffer, sb: Buffer, sinks: Region | None, label: str,
-                            tag: str) -> None:
-        """attention_mc's SPLIT form: workgroup z of a row block takes positions
-        [z part, (z + 1) part) and writes O, m, l to a scratch buffer;
-        attention_merge.comp combines each row's parts into o."""
-        c = self.caps
-        part = max(part, math.ceil(n_ctx / self.ATTN_MC_MAX_PARTS / 32) * 32)
-        n_parts = -(-n_ctx // part)
+                            n_kv: int, head_dim: int, n_parts: int, wgs: int, act: Buffer, kv: Buffer,
+                            params: Buffer, sb: Buffer, sinks: Region | None, label: str, tag: str) -> None:
+        """attention_mc's SPLIT form: workgroup z of a row block takes the z-th
+        of n_parts pieces of its rows' positions and writes O, m, l to a scratch
+        buffer; attention_merge.comp combines each row's parts into o."""
         words = n_parts * n_rows * n_head * (head_dim + 2)
         pbuf = self._scratch(self._amc, words, "attn_parts")
         prange = (pbuf, 0, words * 4)
         name = f"attention_mc_d{head_dim}_split" + tag
-        push = self._push(name, **pc, part_len=part, part_off=0)
+        push = self._push(name, **pc, n_parts=n_parts, part_off=0)
         alg = self._alg_spec(name, [act, act, params, kv, sb, pbuf], (), push)
         prog.dispatch(alg, push, (wgs, n_kv, n_parts), reads, [prange], label)
         push = self._push("attention_merge", o_off=pc["o_off"], o_stride=pc["o_stride"], n_rows=n_rows,
-                          n_head=n_head, head_dim=head_dim, pos_off=pc["pos_off"], window=window, part_len=part,
-                          part_off=0, sink_off=pc["sink_off"])
-        alg = self._alg("attention_merge", [act, pbuf, params, sb], push, c.wg)
-        mreads = [prange, (params, pc["pos_off"] * 4, (pc["pos_off"] + n_rows) * 4)]
-        if sinks is not None:
-            mreads.append(sinks.range)
-        prog.dispatch(alg, push, self._grid(math.ceil(n_rows * n_head / c.items)), mreads, out, label + "_merge")
+                          n_head=n_head, head_dim=head_dim, n_parts=n_parts, part_off=0, sink_off=pc["sink_off"])
+        alg = self._alg("attention_merge", [act, pbuf, sb], push, self.caps.wg)
+        mreads = [prange] + ([sinks.range] if sinks is not None else [])
+        prog.dispatch(alg, push, self._grid(math.ceil(n_rows * n_head / self.caps.items)), mreads, out,
+                      label + "_merge")
+
+    def attn_mc_parts(self, wgs: int) -> int:
+        """Parts of attention_mc's split form for a step of `wgs` workgroups
+        (row blocks x KV heads): enough to reach caps.attn_mc_split workgroups
+        (0: never), at most ATTN_MC_MAX_PARTS; 1: no split."""
+        target = self.caps.attn_mc_split
+        if not target or wgs >= target:
+            return 1
+        return min(self.ATTN_MC_MAX_PARTS, -(-target // wgs))
 
     def attention_parts(self, n_ctx: int, n_head: int, n_kv: int) -> int:
         """Parts of a (row, head) in split decode attention."""
@@ -173,7 +175,7 @@ class AttentionKernels(KernelBase):
                   params: Buffer, pos_off: int, slot_off: int, scale: float, split: Region | None = None,
                   n_ctx: int = 0, sync: Region | None = None, label: str = "attention",
                   kv_types: KVTypes = KVTypes(), window: int = 0, softcap: float = 0.0, ring: int = 0,
-                  sinks: Region | None = None, mc_part: int | None = None) -> None:
+                  sinks: Region | None = None, mc_parts: int | None = None) -> None:
         """o[r][h] = softmax(q[r][h] . K[slot][0..pos]) V[slot][0..pos].
         With `split` (scratch of attention_tmp_words), the cache's n_ctx and
         `sync` (attention_sync_words of zeros, left zero) the positions are cut
@@ -189,10 +191,9 @@ class AttentionKernels(KernelBase):
         (sliding-window layers' bounded caches: the window and a step's rows
         must fit in it). sinks: a logit per query head (gpt-oss) that joins each
         softmax's denominator with no value. On cooperative matrices, a step
-        whose rows make few workgroups has each row's positions split in parts
-        of mc_part (None: caps.attn_mc_part; 0: never) across workgroups, then
-        merged (attention_mc's SPLIT form and attention_merge.comp), when n_ctx
-        is longer than a part."""
+        whose rows make few workgroups has each workgroup's positions cut into
+        mc_parts parts (None: as attn_mc_parts says) across workgroups, then
+        merged (attention_mc's SPLIT form and attention_merge.comp)."""
         if head_dim % 8 or n_head % n_kv or q.off % 4 or q_stride % 4 or k_cache.off % 4 or v_cache.off % 4:
             raise VkEngineError(f"attention needs head_dim a multiple of 8 ({head_dim}), n_head a multiple of "
                                 f"n_kv ({n_head}/{n_kv}) and 16-byte aligned q rows and caches")
@@ -221,11 +222,10 @@ class AttentionKernels(KernelBase):
             blocks = math.ceil(n_rows / 16) * (n_head // n_kv)
             per_wg = dict(c.attention_mc_layouts)[head_dim]
             wgs = math.ceil(blocks / per_wg)
-            part = c.attn_mc_part if mc_part is None else mc_part
-            if part and wgs * n_kv < self.ATTN_MC_SPLIT_BELOW and n_ctx > part \
-                    and c.attention_mc_variant == "attention_mc_d{hd}":
-                self._attention_mc_split(prog, pc, reads, out, n_rows, n_head, n_kv, head_dim, n_ctx, part, wgs,
-                                         window, act, kv, params, sb, sinks, label, tag)
+            parts = self.attn_mc_parts(wgs * n_kv) if mc_parts is None else mc_parts
+            if parts > 1 and c.attention_mc_variant == "attention_mc_d{hd}":
+                self._attention_mc_split(prog, pc, reads, out, n_rows, n_head, n_kv, head_dim, parts, wgs, act,
+                                         kv, params, sb, sinks, label, tag)
                 return
             prog.dispatch(alg, push, (wgs, n_kv, 1), reads, out, label)
             return

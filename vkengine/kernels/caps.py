@@ -82,9 +82,9 @@ class Caps:
     # the device's shared memory holds
     attention_mc: bool
     attention_mc_layouts: tuple[tuple[int, int], ...]
-    # prompt rows at depth on attention_mc: positions a workgroup takes in its
-    # split form (AttentionKernels.attention); 0: never
-    attn_mc_part: int = 0
+    # prompt rows at depth on attention_mc: steps whose row blocks make fewer
+    # workgroups than this take its split form (AttentionKernels.attn_mc_parts); 0: never
+    attn_mc_split: int = 0
     attention_mc_variant: str = "attention_mc_d{hd}"   # by head size (bench/attn_probe.py swaps in others)
     # split decode attention as attention_dec.comp (K/V read once per KV head,
     # parts following each row's position) instead of attention.comp's
@@ -138,7 +138,7 @@ class Caps:
             xq8=gpu and int_dot and options.xq8, norm_in=norm_in, xq8_in=norm_in and int_dot and options.xq8_in,
             delta_chunk_from=(options.delta_chunk if options.delta_chunk >= 0 else 64 if gpu else 0)
             if info.max_workgroup_invocations >= 128 and info.max_shared_memory >= 32 * 1024 else 0,
-            attn_mc_part=options.attn_mc_part,
+            attn_mc_split=options.attn_mc_split,
             attention_mc=options.attn_mc,
             attention_mc_layouts=tuple((hd, nsg // ds) for hd, (nsg, ds, bc) in ATTN_MC.items()
                                        if attn_mc_shared_bytes(hd, nsg, bc) <= info.max_shared_memory))
