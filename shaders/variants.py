@@ -128,6 +128,11 @@ MC2_F32_FROM_ROWS = 16384   # with fp32 sums (VKENGINE_MC2_F16ACC=0)
 # take a block, half its dims each (notes.md run 27).
 ATTN_MC = {64: (4, 1, 32), 128: (4, 1, 32), 256: (4, 2, 32)}
 ATTN_MC_HEAD_DIMS = tuple(ATTN_MC)
+# The same on NVIDIA's workgroup-scope matrices (attention_mc2.comp,
+# VK_NV_cooperative_matrix2; f16 caches that do not wrap): (BR query rows, BC
+# positions) a workgroup by head size, llama.cpp's flash_attn_cm2 blocks
+# (ggml-vulkan.cpp get_fa_tuning_params_coopmat2: 64 x 64, 64 x 32 for heads of 256).
+ATTN_MC2 = {64: (64, 64), 128: (64, 64), 256: (64, 32)}
 
 
 def attn_mc_shared_bytes(hd: int, nsg: int, bc: int) -> int:
@@ -193,6 +198,9 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
         # prompt rows at depth: positions split across workgroups, then attention_merge
         t[f"attention_mc_d{hd}_split"] = ("attention_mc.comp", {"HD": hd, "NSG": nsg, "DS": ds, "BC": bc,
                                                                  EXT_DEFINE: 1, "SPLIT": 1})
+    for hd, (br, bc) in ATTN_MC2.items():
+        for sp, d in (("", {}), ("_split", {"SPLIT": 1})):
+            t[f"attention_mc2_d{hd}{sp}"] = ("attention_mc2.comp", {"HD": hd, "BR": br, "BC": bc, EXT_DEFINE: 1, **d})
     t["attention_merge"] = ("attention_merge.comp", {})
     for op in ("rms_norm", "rope_kv", "attention", "swiglu", "add", "add_bias", "softmax", "argmax_part", "argmax",
                "copy", "topk_part", "sample", "softcap", "mask_logits",

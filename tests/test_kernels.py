@@ -1074,15 +1074,16 @@ def test_attention_decode_depth(device, kernels, rng, hd, n_head, n_kv, items, k
     ws.close()
 
 
-@pytest.mark.parametrize("hd,n_head,n_kv,grow,kv", [(64, 8, 2, False, "f16"), (128, 4, 1, True, "f16"),
-                                                     (128, 3, 3, True, "f16"), (64, 8, 1, False, "f16"),
-                                                     (128, 6, 3, False, "f16"), (64, 8, 2, False, "kv"),
-                                                     (128, 4, 1, True, "kv"), (128, 6, 3, False, "k"),
-                                                     (64, 8, 1, True, "v"), (256, 8, 2, True, "f16"),
-                                                     (256, 3, 3, False, "f16"), (256, 5, 1, False, "f16"),
-                                                     (256, 8, 2, True, "kv")])
+_MC_CASES = [(64, 8, 2, False, "f16"), (128, 4, 1, True, "f16"), (128, 3, 3, True, "f16"), (64, 8, 1, False, "f16"),
+             (128, 6, 3, False, "f16"), (64, 8, 2, False, "kv"), (128, 4, 1, True, "kv"), (128, 6, 3, False, "k"),
+             (64, 8, 1, True, "v"), (256, 8, 2, True, "f16"), (256, 3, 3, False, "f16"), (256, 5, 1, False, "f16"),
+             (256, 8, 2, True, "kv")]
+
+
+@pytest.mark.parametrize("hd,n_head,n_kv,grow,kv,form", [(*c, "mc") for c in _MC_CASES]
+                         + [(*c, "mc2") for c in _MC_CASES if c[4] == "f16"])
 @pytest.mark.parametrize("parts", [1, 3, 16])
-def test_attention_coopmat(device, coopmat_kernels, ws, rng, hd, n_head, n_kv, grow, kv, parts):
+def test_attention_coopmat(device, coopmat_kernels, ws, rng, hd, n_head, n_kv, grow, kv, form, parts):
     """attention_mc (cooperative matrices, prompt-sized steps): two prefill
     chunks of different slots (positions past several 32-position blocks) and
     decode rows of a third in one dispatch, so that 16-row blocks mix slots
@@ -1096,8 +1097,13 @@ def test_attention_coopmat(device, coopmat_kernels, ws, rng, hd, n_head, n_kv, g
     split form (each workgroup's positions cut into pieces of whole 32-position
     blocks across workgroups, then merged: attention_merge.comp), as prompt
     rows at depth take it; 16 leaves pieces that hold none of a row's
-    positions."""
-    assert coopmat_kernels.attention_on_coopmat(62, hd)
+    positions. form mc2: attention_mc2.comp (NVIDIA's workgroup-scope
+    matrices, f16 caches; 64-row blocks, so all three slots share one)."""
+    kn = with_caps(coopmat_kernels, attention_mc2=form == "mc2")
+    if form == "mc2" and not device_has_coopmat2(device):
+        pytest.skip("the device has no VK_NV_cooperative_matrix2 (attention_mc2: NVIDIA GPUs)")
+    assert kn.attention_on_coopmat(62, hd)
+    assert kn.attention_on_coopmat2(62, hd) == (form == "mc2")
     slots = np.array([0] * 40 + [2, 2] + [1] * 20, np.uint32)
     pos = np.array(list(range(40)) + [99, 64] + list(range(50, 70)), np.uint32)
     types = KV_Q8.get(kv, KVTypes())
@@ -1111,8 +1117,8 @@ def test_attention_coopmat(device, coopmat_kernels, ws, rng, hd, n_head, n_kv, g
     c.kvals = c.kvals.astype(np.float16).astype(np.float32)
     c.vvals = c.vvals.astype(np.float16).astype(np.float32)
     prog = device.program()
-    coopmat_kernels.attention(prog, c.qr, n_head * hd, c.orr, n_head * hd, len(slots), n_head, n_kv, hd, c.kc, c.vc,
-                              c.ss, ws.params, 0, 100, c.scale, n_ctx=ctx, kv_types=types, mc_parts=parts)
+    kn.attention(prog, c.qr, n_head * hd, c.orr, n_head * hd, len(slots), n_head, n_kv, hd, c.kc, c.vc,
+                 c.ss, ws.params, 0, 100, c.scale, n_ctx=ctx, kv_types=types, mc_parts=parts)
     assert any(op.label.endswith("_merge") for op in prog.ops) == (parts > 1)
     prog.run()
     c.check(ws.read(c.orr), c.q.astype(np.float16).astype(np.float32), rtol=2e-3, atol_scale=2e-3)
@@ -1164,7 +1170,7 @@ def test_attention_merge(device, kernels, ws, rng, window, sink):
     _close(ws.read(orr).reshape(rows, n_head, hd), want, rtol=1e-4, atol_scale=1e-5)
 
 
-@pytest.mark.parametrize("path", ["none", "slices", "dec", "mc", "mc64", "mc_split", "mc64_split"])
+@pytest.mark.parametrize("path", ["none", "slices", "dec", "mc", "mc64", "mc_split", "mc64_split", "mc2", "mc2_split"])
 @pytest.mark.parametrize("window,softcap,kv,ring,sink", [
     (40, 0.0, "f16", 0, False), (7, 0.0, "kv", 0, False), (40, 2.0, "f16", 0, False), (0, 1.5, "f16", 0, False),
     (64, 0.0, "f16", 0, False), (40, 0.0, "f16", 100, False), (40, 2.0, "kv", 100, False),
@@ -1176,7 +1182,10 @@ def test_attention_window_softcap(device, kernels, coopmat_kernels_or_none, ws, 
     pass, attention.comp's 64-position slices, attention_dec's parts and
     attention_mc's cooperative matrices (GPUs; 256-wide heads: two subgroups a
     row block, "mc64": 64-wide, one; "_split": its split form, each
-    workgroup's positions in 5 parts across workgroups, then merged): a prefill chunk of 40 rows that
+    workgroup's positions in 5 parts across workgroups, then merged;
+    "mc2": attention_mc2 (NVIDIA's workgroup-scope matrices) with 64-wide heads,
+    "mc2_split" with 256-wide ones, where the cache is f16 and does not wrap
+    (attention_mc otherwise)): a prefill chunk of 40 rows that
     crosses the window (and the 32-position blocks), decode rows of two other
     slots far past it and just inside it, against numpy. Large q so that the
     cap changes the result. ring: the cache a ring of 100 positions
@@ -1187,11 +1196,13 @@ def test_attention_window_softcap(device, kernels, coopmat_kernels_or_none, ws, 
     if mc:
         if coopmat_kernels_or_none is None:
             pytest.skip("the device has no 16x16x16 f16 cooperative matrices (the GPU kernel tests run these)")
-        kn = coopmat_kernels_or_none
+        kn = with_caps(coopmat_kernels_or_none, attention_mc2=path.startswith("mc2"))
+        if path.startswith("mc2") and not device_has_coopmat2(device):
+            pytest.skip("the device has no VK_NV_cooperative_matrix2 (attention_mc2: NVIDIA GPUs)")
     else:
         # (43 rows would take attention_mc on GPUs: "none" is the one-pass kernel)
         kn = with_caps(kernels, attention_dec=path == "dec", attn_items=16, attention_mc=False)
-    hd, n_head, n_kv = (256, 4, 2) if path in ("mc", "mc_split") else (64, 6, 2)
+    hd, n_head, n_kv = (256, 4, 2) if path in ("mc", "mc_split", "mc2_split") else (64, 6, 2)
     slots = np.array([0] * 40 + [2, 1, 2], np.uint32)
     pos = np.array(list(range(20, 60)) + [299, window - 1 if window else 5, 130], np.uint32)
     types = KV_Q8.get(kv, KVTypes())
@@ -1215,6 +1226,8 @@ def test_attention_window_softcap(device, kernels, coopmat_kernels_or_none, ws, 
                  ring=kv_util.capacity(ring, types) if ring else 0, sinks=sr,
                  mc_parts=5 if path.endswith("_split") else 1)
     assert any(op.label.endswith("_merge") for op in prog.ops) == path.endswith("_split")
+    if mc:
+        assert kn.attention_on_coopmat2(rows, hd, types, ring) == (path.startswith("mc2") and not ring and kv == "f16")
     ws.device.upload(c.orr.buf, np.full(c.orr.words, 0x7FC00000, np.uint32), c.orr.off * 4)
     prog.run()
     if mc:

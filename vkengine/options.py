@@ -66,6 +66,7 @@ class Options:
     mc2_f16acc: bool = True       # mul_mc2 with fp16 sums (llama.cpp's default there); 0: fp32 sums
     mc2_from_rows: int | None = None   # matrices of at least this many rows on mul_mc2 (None: the table's)
     attn_mc: bool = True          # prompt attention on cooperative matrices (attention_mc.comp)
+    attn_mc2: bool = True         # ... on NVIDIA's workgroup-scope matrices where it can (attention_mc2.comp)
     attn_mc_split: int = 1024     # prompt rows at depth: a step whose rows make fewer attention_mc workgroups
                                   # than this cuts each one's positions into parts (its split form, then a
                                   # merge) to reach it; 0: never (notes.md run 36)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+from shaders.variants import ATTN_MC2
+
 from ..device import Buffer, Program
 from ..errors import VkEngineError
 from .base import KernelBase
@@ -62,18 +64,19 @@ class AttentionKernels(KernelBase):
         return head_dim // 8 if self.caps.attn_kpf and lp == 1 and "k" not in tag and head_dim <= 128 else 0
 
     def _attention_mc_split(self, prog: Program, pc: dict, reads: list, out: list, n_rows: int, n_head: int,
-                            n_kv: int, head_dim: int, n_parts: int, wgs: int, act: Buffer, kv: Buffer,
-                            params: Buffer, sb: Buffer, sinks: Region | None, label: str, tag: str) -> None:
-        """attention_mc's SPLIT form: workgroup z of a row block takes the z-th
-        of n_parts pieces of its rows' positions and writes O, m, l to a scratch
-        buffer; attention_merge.comp combines each row's parts into o."""
+                            n_kv: int, head_dim: int, n_parts: int, grid: tuple[int, int], act: Buffer,
+                            kv: Buffer, params: Buffer, sb: Buffer, sinks: Region | None, label: str,
+                            name: str) -> None:
+        """The SPLIT form of attention_mc (or attention_mc2: `name`, its split
+        variant): workgroup z of a row block takes the z-th of n_parts pieces of
+        its rows' positions and writes O, m, l to a scratch buffer;
+        attention_merge.comp combines each row's parts into o."""
         words = n_parts * n_rows * n_head * (head_dim + 2)
         pbuf = self._scratch(self._amc, words, "attn_parts")
         prange = (pbuf, 0, words * 4)
-        name = f"attention_mc_d{head_dim}_split" + tag
         push = self._push(name, **pc, n_parts=n_parts, part_off=0)
         alg = self._alg_spec(name, [act, act, params, kv, sb, pbuf], (), push)
-        prog.dispatch(alg, push, (wgs, n_kv, n_parts), reads, [prange], label)
+        prog.dispatch(alg, push, (*grid, n_parts), reads, [prange], label)
         push = self._push("attention_merge", o_off=pc["o_off"], o_stride=pc["o_stride"], n_rows=n_rows,
                           n_head=n_head, head_dim=head_dim, n_parts=n_parts, part_off=0, sink_off=pc["sink_off"])
         alg = self._alg("attention_merge", [act, pbuf, sb], push, self.caps.wg)
@@ -104,6 +107,15 @@ class AttentionKernels(KernelBase):
     def attention_sync_words(n_rows: int, n_head: int) -> int:
         """zeroed counters split-K attention needs: at most one per (row, head)"""
         return n_rows * n_head
+
+    def attention_on_coopmat2(self, n_rows: int, head_dim: int, kv_types: KVTypes = KVTypes(),
+                              ring: int = 0) -> bool:
+        """Whether attention() runs on attention_mc2 (NVIDIA's workgroup-scope
+        matrices): prompt-sized steps of an f16 cache that does not wrap, of the
+        head sizes it is compiled for."""
+        c = self.caps
+        return (c.coopmat and c.attention_mc and c.attention_mc2 and n_rows >= self.ATTN_MC_FROM
+                and head_dim in ATTN_MC2 and not kv_types.tag and ring == 0)
 
     def attention_on_coopmat(self, n_rows: int, head_dim: int) -> bool:
         """Whether attention() runs on cooperative matrices (attention_mc: 16
@@ -214,6 +226,20 @@ class AttentionKernels(KernelBase):
                 raise ValueError(f"{sinks.words} attention sinks for {n_head} heads")
             reads.append(sinks.range)
         sb = sinks.buf if sinks is not None else params   # (binding 4 unused without sinks)
+        if self.attention_on_coopmat2(n_rows, head_dim, kv_types, ring) and split is None:
+            # BR rows of one head a workgroup
+            wgs = math.ceil(n_rows / ATTN_MC2[head_dim][0]) * n_head
+            parts = self.attn_mc_parts(wgs) if mc_parts is None else mc_parts
+            name = f"attention_mc2_d{head_dim}"
+            if parts > 1:
+                self._attention_mc_split(prog, pc, reads, out, n_rows, n_head, n_kv, head_dim, parts,
+                                         (math.ceil(n_rows / ATTN_MC2[head_dim][0]), n_head), act, kv, params, sb,
+                                         sinks, label, name + "_split")
+                return
+            push = self._push(name, **pc)
+            alg = self._alg_spec(name, [act, act, params, kv, sb], (), push)
+            prog.dispatch(alg, push, (math.ceil(n_rows / ATTN_MC2[head_dim][0]), n_head, 1), reads, out, label)
+            return
         if self.attention_on_coopmat(n_rows, head_dim) and split is None:
             name = c.attention_mc_variant.format(hd=head_dim) + tag
             push = self._push(name, **pc)
@@ -224,8 +250,8 @@ class AttentionKernels(KernelBase):
             wgs = math.ceil(blocks / per_wg)
             parts = self.attn_mc_parts(wgs * n_kv) if mc_parts is None else mc_parts
             if parts > 1 and c.attention_mc_variant == "attention_mc_d{hd}":
-                self._attention_mc_split(prog, pc, reads, out, n_rows, n_head, n_kv, head_dim, parts, wgs, act,
-                                         kv, params, sb, sinks, label, tag)
+                self._attention_mc_split(prog, pc, reads, out, n_rows, n_head, n_kv, head_dim, parts, (wgs, n_kv),
+                                         act, kv, params, sb, sinks, label, f"attention_mc_d{head_dim}_split" + tag)
                 return
             prog.dispatch(alg, push, (wgs, n_kv, 1), reads, out, label)
             return

@@ -82,6 +82,9 @@ class Caps:
     # the device's shared memory holds
     attention_mc: bool
     attention_mc_layouts: tuple[tuple[int, int], ...]
+    # prompt attention of f16 caches that do not wrap on NVIDIA's workgroup-scope
+    # matrices (attention_mc2.comp) where the device has them (coopmat2)
+    attention_mc2: bool = False
     # prompt rows at depth on attention_mc: steps whose row blocks make fewer
     # workgroups than this take its split form (AttentionKernels.attn_mc_parts); 0: never
     attn_mc_split: int = 0
@@ -139,6 +142,7 @@ class Caps:
             delta_chunk_from=(options.delta_chunk if options.delta_chunk >= 0 else 64 if gpu else 0)
             if info.max_workgroup_invocations >= 128 and info.max_shared_memory >= 32 * 1024 else 0,
             attn_mc_split=options.attn_mc_split,
+            attention_mc2=coopmat and options.attn_mc and options.attn_mc2 and device_has_coopmat2(device),
             attention_mc=options.attn_mc,
             attention_mc_layouts=tuple((hd, nsg // ds) for hd, (nsg, ds, bc) in ATTN_MC.items()
                                        if attn_mc_shared_bytes(hd, nsg, bc) <= info.max_shared_memory))

@@ -81,6 +81,7 @@ LAYOUTS: dict[str, tuple[Push, tuple[tuple[str, Push], ...]]] = {
                              table_off, k_off, v_off, slot_stride, pos_off, slot_off, ring"""), ()),
     "attention.comp": (_ATTN + Push("uint chunk, n_parts, part_off, sync_off") + _ATTN_TAIL, ()),
     "attention_mc.comp": (_ATTN + _ATTN_TAIL, (("SPLIT", Push("uint n_parts, part_off")),)),
+    "attention_mc2.comp": (_ATTN + _ATTN_TAIL, (("SPLIT", Push("uint n_parts, part_off")),)),
     "attention_merge.comp": (Push("uint o_off, o_stride, n_rows, n_head, head_dim, n_parts, part_off, sink_off"), ()),
     "attention_dec.comp": (_ATTN + Push("uint n_parts, min_chunk, part_off, sync_off") + _ATTN_TAIL, ()),
     "swiglu.comp": (Push("uint gu_off, gu_stride, y_off, y_stride, F, rows"), (("OAI", Push("float alpha, limit")),)),
