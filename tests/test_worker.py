@@ -201,6 +201,42 @@ def test_prompt_rows_apart_equal_alone(device, tiny_model, sampling):
     assert got[2][2].seq.cache_hit > 0
 
 
+def test_prompt_row_cost_counts_the_rows_a_step_ran(device, tiny_model, monkeypatch):
+    """The scheduler's cost of a prompt row (what --prompt-ms divides) is a
+    prompt step's time over the rows the engine ran: where prompt steps are
+    padded to the tiled matmuls' rows, a step of 5 prompt rows costs what one
+    of 16 does (counting 5 made rows look dearer than they are, and newcomers'
+    chunks beside streams started small and grew over many steps)."""
+    from vkengine.serving.scheduler import Scheduler
+    seen: list[int] = []
+    real = Scheduler.observe_prompt
+
+    def observe(self, rows, seconds):
+        seen.append(rows)
+        return real(self, rows, seconds)
+    monkeypatch.setattr(Scheduler, "observe_prompt", observe)
+    tok = tiny_model.tokenizer
+    prompts = [tok.encode(TEXTS[i]) for i in range(4)]
+    reqs = [GenRequest(p, n, SamplingParams(), ignore_eos=True) for p, n in zip(prompts, N_TOKENS)]
+    steps: list[int] = []
+    engines = []
+
+    def setup(eng):
+        _tiled_prompts(eng)
+        engines.append(eng)
+        submit = eng.submit
+
+        def recording_submit(tokens, *a, prompt=False, **k):
+            if prompt:
+                steps.append(len(tokens))
+            return submit(tokens, *a, prompt=prompt, **k)
+        eng.submit = recording_submit
+    run_interleaved(device, tiny_model, CONFIGS["batch"], reqs, gap=2, setup=setup, caps=TILED16)
+    assert any(n < 16 for n in steps)                      # steps of fewer rows than the engine runs
+    assert seen == [engines[0].step_rows(n, prompt=True) for n in steps]
+    assert all(r >= 16 for r in seen)
+
+
 def test_rows_past_a_stop_leave_the_cached_prefix_right(device, tiny_model, ref_engine):
     """With three steps in flight, a stream that a stop string ends had two
     chained rows past its last token on the device; the second one's input is

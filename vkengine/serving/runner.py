@@ -433,9 +433,12 @@ class Runner:
         t_wait = time.perf_counter()
         res = self.eng.collect()
         now = time.perf_counter()
-        if prompt:   # its device time: from its submit or the step before it, whichever ended later
-            self.sched.observe_prompt(sum(len(w.tokens) for w in batch.work if w.prompt),
-                                      now - max(t0, self._last_collect))
+        if prompt:   # its device time: from its submit or the step before it, whichever ended later, over the
+            # rows it ran (padded: a GPU runs a prompt step of 28 rows as one of the tiled matmuls' 256 or more;
+            # counting 28 made a row look 10x dearer, so the newcomers' chunks beside streams started at 64 rows
+            # and took ~25 steps to grow to what prompt_ms fits: notes.md run 36)
+            rows = sum(len(w.tokens) for w in batch.work if w.prompt)
+            self.sched.observe_prompt(self.eng.step_rows(rows, prompt=True), now - max(t0, self._last_collect))
         self._last_collect = now
         if self.step_log is not None:
             self._log_step(batch, outs, chained, t0, t_wait, now)
