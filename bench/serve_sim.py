@@ -145,7 +145,7 @@ def serve(args) -> int:
     eng = SimEngine(model, Device(0), EngineConfig(n_slots=n_slots, n_ctx=args.ctx, max_batch=cfg.step_tokens,
                                                    max_out=n_slots, max_in_flight=args.in_flight))
     eng._sim_init()
-    metrics = Metrics(n_slots, cfg.max_live)
+    metrics = Metrics(n_slots, cfg.max_live, eng.n_ctx)
     worker = Worker(eng, cfg, metrics)
     st = ServerState(worker=worker, model=model, n_ctx=eng.n_ctx, metrics=metrics, max_tokens=4096,
                      max_body=1 << 20, parallel=args.parallel, mode=args.mode)

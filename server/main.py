@@ -124,7 +124,7 @@ def build(args):
     t0 = time.perf_counter()
     n_rec = eng.prepare_decode(n_slots, cfg.step_tokens)
     log.info("recorded %d decode and prompt steps ahead in %.2f s", n_rec, time.perf_counter() - t0)
-    metrics = Metrics(n_slots, cfg.max_live)
+    metrics = Metrics(n_slots, cfg.max_live, eng.n_ctx)
     worker = Worker(eng, cfg, metrics, step_log=args.step_log)
     st = ServerState(worker=worker, model=model, n_ctx=eng.n_ctx, metrics=metrics, max_tokens=args.max_tokens,
                      max_body=args.max_body, parallel=args.parallel, mode=args.mode,

@@ -17,9 +17,22 @@ from prometheus_client import (
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+# The Kubernetes Gateway API Inference Extension's model server protocol
+# (kubernetes-sigs/gateway-api-inference-extension docs/proposals/003-model-server-protocol): the gauges
+# its endpoint picker (and llm-d's) scrapes to route among model server pods, under vLLM's names, the
+# picker's defaults. KV-cache utilization is a fraction (1 = full), as vLLM reports it; older pickers read
+# it as vllm:gpu_cache_usage_perc, so both are written.
+GATEWAY_WAITING = "vllm:num_requests_waiting"
+GATEWAY_RUNNING = "vllm:num_requests_running"
+GATEWAY_KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+
+
 class Metrics:
-    def __init__(self, n_slots: int, max_live: int):
+    def __init__(self, n_slots: int, max_live: int, n_ctx: int = 0):
+        """n_ctx: positions a device KV slot holds (KV-cache utilization is the
+        live sequences' positions over n_slots x n_ctx)."""
         r = self.registry = CollectorRegistry()
+        self.kv_capacity = n_slots * n_ctx
         p = "vkengine_"
         self.http = Counter(p + "http_requests", "HTTP requests by route and status", ["route", "status"],
                             registry=r)
@@ -58,6 +71,15 @@ class Metrics:
         self.parked_bytes = Gauge(p + "kv_parked_bytes", "Bytes of the parked KV copies held", registry=r)
         self.programs = Gauge(p + "recorded_programs", "Engine steps recorded for replay (one per shape, LRU)",
                               registry=r)
+        self.kv_usage = Gauge(p + "kv_cache_usage_ratio", "Device KV-cache positions held by live sequences, "
+                              "over all slots' positions (0..1; a finished sequence's rows kept for prefix reuse "
+                              "do not count: they are given up when a slot is needed)", registry=r)
+        self.gw_waiting = Gauge(GATEWAY_WAITING, "Requests waiting for admission (the Gateway API Inference "
+                                "Extension's TotalQueuedRequests; = vkengine_queue_depth)", registry=r)
+        self.gw_running = Gauge(GATEWAY_RUNNING, "Requests admitted and being served, resident or parked "
+                                "(TotalRunningRequests; = vkengine_sequences_live)", registry=r)
+        self.gw_kv = [Gauge(name, "KV-cache utilization, 0..1 (KVCacheUtilization; = "
+                            "vkengine_kv_cache_usage_ratio)", registry=r) for name in GATEWAY_KV_USAGE]
         ProcessCollector(registry=r)       # process_resident_memory_bytes, open fds, ... (Linux)
 
     # engine thread
@@ -81,6 +103,14 @@ class Metrics:
     def state(self, snap: dict, inbox: int) -> None:
         self.queue.set(snap["waiting"] + inbox)
         self.live.set(snap["live"])
+        self.gw_waiting.set(snap["waiting"] + inbox)
+        self.gw_running.set(snap["live"])
+        if self.kv_capacity:
+            used = sum(s["n_cached"] for s in snap["slots"] if s["is_processing"])
+            usage = min(1.0, used / self.kv_capacity)
+            self.kv_usage.set(usage)
+            for g in self.gw_kv:
+                g.set(usage)
         self.parked.set(snap["parked"])
         self.slots_used.set(sum(s["is_processing"] for s in snap["slots"]))
         self.preemptions.set(snap["preemptions"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -427,6 +428,43 @@ def test_disconnect_frees_the_slot(small_server):
     assert _metric(u, 'vkengine_requests_total{finish="cancelled"}') == cancelled0 + 1
     slot = httpx.get(u + "/slots").json()[0]
     assert slot["is_processing"] is False and slot["n_cached"] < CTX // 2
+
+
+def test_gateway_metrics(small_server):
+    """The gauges the Kubernetes Gateway API Inference Extension's endpoint
+    picker routes by (its model server protocol, vLLM's names): waiting and
+    running requests and the KV cache's utilization (a fraction), beside ours,
+    while one request streams in the only slot and another waits for it."""
+    import threading
+    u = small_server.url
+
+    def gauges():   # one scrape
+        text = httpx.get(u + "/metrics").text
+        return {n: float(re.search(rf"^{n} (\S+)$", text, re.M).group(1))
+                for n in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+                          "vllm:gpu_cache_usage_perc", "vkengine_kv_cache_usage_ratio", "vkengine_queue_depth")}
+    body = {"prompt": "Hello", "n_predict": 100000, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", u + "/completion", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        for _ in range(4):
+            next(lines)
+        waiter = threading.Thread(target=complete, args=(u, False),
+                                  kwargs=dict(prompt="Again", n_predict=3, ignore_eos=True))
+        waiter.start()
+        deadline = time.monotonic() + 60
+        while (g := gauges())["vllm:num_requests_waiting"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert g["vllm:num_requests_waiting"] == 1 == g["vkengine_queue_depth"]
+        assert g["vllm:num_requests_running"] == 1
+        slot = httpx.get(u + "/slots").json()[0]
+        assert slot["is_processing"] and slot["n_cached"] >= 5
+        assert 0 < g["vllm:kv_cache_usage_perc"] <= 1
+        assert g["vllm:kv_cache_usage_perc"] == g["vllm:gpu_cache_usage_perc"] == g["vkengine_kv_cache_usage_ratio"]
+    waiter.join(120)
+    assert not waiter.is_alive()
+    assert wait_idle(u, 120) is not None
+    g = gauges()
+    assert g["vllm:num_requests_waiting"] == g["vllm:num_requests_running"] == g["vllm:kv_cache_usage_perc"] == 0
 
 
 def test_server_survives_bad_input_and_keeps_serving(batch_server, ref):
