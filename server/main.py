@@ -6,7 +6,6 @@ import dataclasses
 import logging
 import sys
 import threading
-import time
 from pathlib import Path
 
 import uvicorn
@@ -99,6 +98,8 @@ def build(args):
     from vkengine.engine import Engine, EngineConfig
     from vkengine.kernels import KVTypes
     from vkengine.model import load_model
+    from vkengine.startup import StartupClock
+    clock = StartupClock()
     scheduler_config(args)   # the flags' errors before the model loads
     kv_types = KVTypes(args.cache_type_k, args.cache_type_v)
     model = load_model(args.model)
@@ -108,11 +109,14 @@ def build(args):
         except OSError as e:
             raise VkEngineError(f"--chat-template-file: {e}") from None
     pooling = embedding_pooling(model, args.pooling) if args.embeddings else None
+    clock.mark("model file")
     dev = Device(device_index(args))
+    clock.mark("device")
     cfg, n_slots = scheduler_config(args, gpu=dev.info.type != "cpu")
     eng = Engine(model, dev, EngineConfig(n_slots=n_slots, n_ctx=args.ctx, max_batch=cfg.max_prompt_rows,
                                           max_out=n_slots, max_in_flight=3, options=Options.from_env(),
                                           kv_types=kv_types, embeddings=args.embeddings))
+    clock.mark("weights and buffers")
     if eng.max_batch < cfg.step_tokens:
         raise VkEngineError(f"--step-tokens {cfg.step_tokens} does not fit the device's buffers; "
                             f"use at most {eng.max_batch}")
@@ -121,10 +125,11 @@ def build(args):
             raise VkEngineError(f"--prompt-tokens {cfg.prompt_tokens} does not fit the device's buffers; "
                                 f"use at most {eng.max_batch}")
         cfg = dataclasses.replace(cfg, prompt_tokens=eng.max_batch)
-    t0 = time.perf_counter()
     n_rec = eng.prepare_decode(n_slots, cfg.step_tokens)
-    log.info("recorded %d decode and prompt steps ahead in %.2f s", n_rec, time.perf_counter() - t0)
+    clock.mark("pipelines and recording")   # (drivers compile a pipeline when it is created: on first use)
+    log.info("recorded %d decode and prompt steps ahead; startup: %s", n_rec, clock.summary())
     metrics = Metrics(n_slots, cfg.max_live, eng.n_ctx)
+    metrics.startup(clock.phases)
     worker = Worker(eng, cfg, metrics, step_log=args.step_log)
     st = ServerState(worker=worker, model=model, n_ctx=eng.n_ctx, metrics=metrics, max_tokens=args.max_tokens,
                      max_body=args.max_body, parallel=args.parallel, mode=args.mode,

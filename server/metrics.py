@@ -80,7 +80,13 @@ class Metrics:
                                 "(TotalRunningRequests; = vkengine_sequences_live)", registry=r)
         self.gw_kv = [Gauge(name, "KV-cache utilization, 0..1 (KVCacheUtilization; = "
                             "vkengine_kv_cache_usage_ratio)", registry=r) for name in GATEWAY_KV_USAGE]
+        self.startup_s = Gauge(p + "startup_seconds", "Where the server's startup went, by phase (imports: "
+                               "the process's age when the model began to load)", ["phase"], registry=r)
         ProcessCollector(registry=r)       # process_resident_memory_bytes, open fds, ... (Linux)
+
+    def startup(self, phases) -> None:
+        for name, seconds in phases:
+            self.startup_s.labels(name).set(seconds)
 
     # engine thread
     def step(self, rows: int, seconds: float) -> None:

@@ -430,6 +430,15 @@ def test_disconnect_frees_the_slot(small_server):
     assert slot["is_processing"] is False and slot["n_cached"] < CTX // 2
 
 
+def test_startup_phases_in_metrics(batch_server):
+    """Where the server's startup went (issue 35's cold start), by phase, in
+    /metrics; the imports from the process's own start (Linux /proc)."""
+    text = httpx.get(batch_server.url + "/metrics").text
+    got = dict(re.findall(r'^vkengine_startup_seconds\{phase="([^"]+)"\} (\S+)$', text, re.M))
+    assert set(got) == {"imports", "model file", "device", "weights and buffers", "pipelines and recording"}
+    assert all(float(v) >= 0 for v in got.values()) and float(got["imports"]) > 0
+
+
 def test_gateway_metrics(small_server):
     """The gauges the Kubernetes Gateway API Inference Extension's endpoint
     picker routes by (its model server protocol, vLLM's names): waiting and

@@ -99,7 +99,13 @@ def _sampling(args):
 
 def cmd_generate(args) -> int:
     from .serving.generate import GenStats, generate
+    from .startup import StartupClock
+    clock = StartupClock()
     model, dev, eng = _open(args)
+    clock.mark("model, device and weights")
+    if not args.mtp:   # the decode steps recorded now, not inside the decode tok/s (MTP runs its own steps)
+        eng.prepare_decode(1)
+        clock.mark("pipelines and recording")
     tok = model.tokenizer
     text = args.prompt
     if args.chat:
@@ -123,6 +129,7 @@ def cmd_generate(args) -> int:
         sys.stdout.write(step.text)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    print(f"[{dev.info.name}] startup: {clock.summary()}", file=sys.stderr)
     print(f"[{dev.info.name}] prompt {st.prompt_tokens} tokens, {st.prefill_tps:.1f} tok/s prefill; "
           f"generated {st.generated} tokens, {st.decode_tps:.1f} tok/s decode", file=sys.stderr)
     if mtp is not None:
