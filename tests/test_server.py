@@ -485,6 +485,7 @@ def test_server_survives_bad_input_and_keeps_serving(batch_server, ref):
 
 
 def test_metrics(batch_server):
+    complete(batch_server.url, False, prompt="Hello", n_predict=2)   # (alone, no request would have ended yet)
     text = httpx.get(batch_server.url + "/metrics").text
     for name in ("vkengine_requests_total", "vkengine_generated_tokens_total", "vkengine_queue_depth",
                  "vkengine_time_to_first_token_seconds_bucket", "vkengine_inter_token_seconds_bucket",
