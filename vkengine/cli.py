@@ -22,22 +22,32 @@ if TYPE_CHECKING:
     from .model import Model
 
 
-def _open(args, n_slots: int = 1, max_batch: int | None = None, max_out: int = 16):
+def _open(args, n_slots: int = 1, max_batch: int | None = None, max_out: int = 16, clock=None):
+    """(model, device, engine) for the flags; clock (a StartupClock): each phase marked."""
     from .device import Device
     from .engine import Engine, EngineConfig
     from .kernels import KVTypes
     from .model import load_model
     from .options import Options
+
+    def mark(phase: str) -> None:
+        if clock is not None:
+            clock.mark(phase)
     kv_types = KVTypes(args.cache_type_k, args.cache_type_v)
     model = _model_options(args, load_model(args.model))
+    mark("model file")
     dev = Device(device_index(args))
+    mark("device")
     cfg = EngineConfig(n_slots=n_slots, n_ctx=args.ctx, max_batch=max_batch or args.batch, max_out=max_out,
                        options=Options.from_env(), kv_types=kv_types)
     log = getattr(args, "experts_log", None)
     if log:
         from .tools.expert_log import RecordingEngine
-        return model, dev, RecordingEngine(model, dev, cfg, log=open(log, "w"))
-    return model, dev, Engine(model, dev, cfg)
+        eng: Engine = RecordingEngine(model, dev, cfg, log=open(log, "w"))
+    else:
+        eng = Engine(model, dev, cfg)
+    mark("weights and buffers")
+    return model, dev, eng
 
 
 def _model_options(args: argparse.Namespace, model: Model) -> Model:
@@ -101,8 +111,7 @@ def cmd_generate(args) -> int:
     from .serving.generate import GenStats, generate
     from .startup import StartupClock
     clock = StartupClock()
-    model, dev, eng = _open(args)
-    clock.mark("model, device and weights")
+    model, dev, eng = _open(args, clock=clock)
     if not args.mtp:   # the decode steps recorded now, not inside the decode tok/s (MTP runs its own steps)
         eng.prepare_decode(1)
         clock.mark("pipelines and recording")
