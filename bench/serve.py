@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import statistics
@@ -235,8 +236,10 @@ def run_mixed(url: str, streams: int, n_stream: int, prompt_words: int, newcomer
 
 
 class Server:
-    def __init__(self, cmd: list[str], url: str, cwd=None):
+    def __init__(self, cmd: list[str], url: str, cwd=None, keep: str | None = None, name: str = "server"):
+        """keep: a folder that gets the server's log when it stops (as <name>-<n>.log)."""
         self.log = Path(tempfile.mkstemp(prefix="bench-serve-", suffix=".log")[1])
+        self.keep, self.name = keep, name
         self._fh = open(self.log, "wb")
         self.proc = subprocess.Popen(cmd, cwd=cwd, stdout=self._fh, stderr=subprocess.STDOUT)
         self.url = url
@@ -251,6 +254,11 @@ class Server:
                 self.proc.kill()
                 self.proc.wait()
         self._fh.close()
+        if self.keep:
+            folder = Path(self.keep)
+            folder.mkdir(parents=True, exist_ok=True)
+            n = sum(1 for _ in folder.glob(f"{self.name}-*.log"))
+            shutil.copyfile(self.log, folder / f"{self.name}-{n}.log")
 
 
 def ours(args, parallel: int, mode: str) -> Server:
@@ -261,7 +269,7 @@ def ours(args, parallel: int, mode: str) -> Server:
     cmd += args.server_args.split()
     if args.model:
         cmd += ["--model", args.model]
-    return Server(cmd, f"http://127.0.0.1:{port}", cwd=ROOT)
+    return Server(cmd, f"http://127.0.0.1:{port}", cwd=ROOT, keep=args.keep_logs, name=f"ours-{mode}")
 
 
 def llama(args, parallel: int) -> Server:
@@ -271,7 +279,7 @@ def llama(args, parallel: int) -> Server:
     cmd = [args.llama_server, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", str(parallel),
            "-c", str(args.ctx * parallel), "-t", str(args.llama_threads or os.cpu_count() or 1)]
     cmd += args.llama_args.split()
-    return Server(cmd, f"http://127.0.0.1:{port}")
+    return Server(cmd, f"http://127.0.0.1:{port}", keep=args.keep_logs, name="llama-server")
 
 
 def _default_model() -> str:
@@ -330,6 +338,8 @@ def main(argv=None) -> int:
     ap.add_argument("--newcomer-predict", type=int, default=16, help="mixed scenario: the newcomers' reply length")
     ap.add_argument("--server-args", default="", help="extra arguments of our server (e.g. '--prompt-ms 25')")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--keep-logs", default=None, metavar="DIR",
+                    help="copy each server's log here when it stops (llama-server's prompt and batch timings)")
     args = ap.parse_args(argv)
     if args.repeat < 1 or args.warmup_s < 0:
         raise SystemExit("--repeat must be >= 1 and --warmup-s >= 0")

@@ -187,7 +187,8 @@ run_stage() {
       M=${SERVE_MIXED_IDS:-8192}
       python3 bench/serve.py --model "$f" --clients 4 -n 256 --newcomers 4 --newcomer-ids "$M" --newcomer-predict 16 \
         --ctx $((M + 64)) --llama-server /tmp/llb/bin/llama-server --llama-args="$la" \
-        --server-args="${SERVE_ARGS:-}" --json "$OUT/serve-mixed.json" 2>&1 | tee -a "$OUT/serve-long.log" | tail -5
+        --server-args="${SERVE_ARGS:-}" --json "$OUT/serve-mixed.json" --keep-logs "$OUT/serve-logs" 2>&1 \
+        | tee -a "$OUT/serve-long.log" | tail -5
       ;;
     cmd)
       # any command in this environment (GPU_CMD), e.g. a tuning script
