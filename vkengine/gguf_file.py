@@ -1,4 +1,4 @@
-"""Reading GGUF model files (through the `gguf` package) and Hugging Face
+"""Reading GGUF model files (their headers by vkengine.gguf_read) and Hugging Face
 safetensors folders behind one interface: metadata, and tensors as raw bytes of
 a known GGML type, kept quantized."""
 from __future__ import annotations
@@ -68,30 +68,28 @@ class GGUFFile(ModelFile):
         self.path = Path(path)
         if not self.path.is_file():
             raise VkEngineError(f"model file {self.path} does not exist")
+        from .gguf_read import GGUFFormatError, GGUFHeader
         try:
-            from gguf import GGUFReader
-            self._r = GGUFReader(str(self.path), "r")
-        except Exception as e:
+            self._h = GGUFHeader(self.path)
+        except (GGUFFormatError, OSError, ValueError) as e:
             raise VkEngineError(f"{self.path} is not a readable GGUF file: truncated or corrupt "
                                 f"({type(e).__name__}: {e})") from e
-        self._fields = self._r.fields
-        self._tensors = {t.name: t for t in self._r.tensors}
+        self._tensors = {t.name: t for t in self._h.tensors}
         size = self.path.stat().st_size
-        for t in self._r.tensors:
-            end = int(t.data_offset) + int(t.n_bytes)
+        for t in self._h.tensors:
+            end = t.data_offset + t.n_bytes
             if end > size:
                 raise VkEngineError(f"{self.path} is truncated: tensor {t.name} ends at byte {end}, "
                                     f"the file has {size}")
         self.arch = str(self.meta("general.architecture"))
 
     def meta(self, key: str, default: Any = _REQUIRED) -> Any:
-        f = self._fields.get(key)
-        if f is None:
+        if key not in self._h.fields:
             if default is _REQUIRED:
                 raise VkEngineError(f"{self.path.name}: metadata key {key!r} is missing")
             return default
         try:
-            return f.contents()
+            return self._h.value(key)
         except Exception as e:
             raise VkEngineError(f"{self.path.name}: metadata key {key!r} is unreadable ({e})") from e
 
@@ -103,7 +101,7 @@ class GGUFFile(ModelFile):
 
     def tensor_info(self, name: str) -> tuple[str, tuple[int, ...]]:
         t = self._get(name)
-        return type_name(int(t.tensor_type)), tuple(int(d) for d in reversed(list(t.shape)))
+        return type_name(t.tensor_type), tuple(reversed(t.shape))
 
     def _get(self, name: str):
         t = self._tensors.get(name)
@@ -114,7 +112,7 @@ class GGUFFile(ModelFile):
     def tensor(self, name: str) -> TensorData:
         t = self._get(name)
         tname, shape = self.tensor_info(name)
-        raw = np.asarray(t.data).reshape(-1).view(np.uint8)
+        raw = self._h.tensor_bytes(t)
         rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
         if raw.size != rows * row_bytes(tname, shape[-1]):
             raise VkEngineError(f"{self.path.name}: tensor {name} has {raw.size} bytes, expected "
