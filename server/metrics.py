@@ -107,9 +107,10 @@ class Metrics:
         self.generated.inc(job.n_generated)
 
     def state(self, snap: dict, inbox: int) -> None:
-        self.queue.set(snap["waiting"] + inbox)
+        waiting = snap["waiting"] + inbox
+        self.queue.set(waiting)
         self.live.set(snap["live"])
-        self.gw_waiting.set(snap["waiting"] + inbox)
+        self.gw_waiting.set(waiting)
         self.gw_running.set(snap["live"])
         if self.kv_capacity:
             used = sum(s["n_cached"] for s in snap["slots"] if s["is_processing"])

@@ -433,10 +433,9 @@ def test_disconnect_frees_the_slot(small_server):
 def test_startup_phases_in_metrics(batch_server):
     """Where the server's startup went (issue 35's cold start), by phase, in
     /metrics; the imports from the process's own start (Linux /proc)."""
-    text = httpx.get(batch_server.url + "/metrics").text
-    got = dict(re.findall(r'^vkengine_startup_seconds\{phase="([^"]+)"\} (\S+)$', text, re.M))
+    got = soak.by_label(soak.scrape(batch_server.url), "vkengine_startup_seconds", "phase")
     assert set(got) == {"imports", "model file", "device", "weights and buffers", "pipelines and recording"}
-    assert all(float(v) >= 0 for v in got.values()) and float(got["imports"]) > 0
+    assert all(v >= 0 for v in got.values()) and got["imports"] > 0
 
 
 def test_gateway_metrics(small_server):
@@ -447,11 +446,8 @@ def test_gateway_metrics(small_server):
     import threading
     u = small_server.url
 
-    def gauges():   # one scrape
-        text = httpx.get(u + "/metrics").text
-        return {n: float(re.search(rf"^{n} (\S+)$", text, re.M).group(1))
-                for n in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
-                          "vllm:gpu_cache_usage_perc", "vkengine_kv_cache_usage_ratio", "vkengine_queue_depth")}
+    def gauges():   # one scrape: {name: value} (they have no labels)
+        return soak.scrape(u)
     body = {"prompt": "Hello", "n_predict": 100000, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", u + "/completion", json=body, timeout=60) as r:
         lines = r.iter_lines()

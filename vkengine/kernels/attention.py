@@ -227,18 +227,16 @@ class AttentionKernels(KernelBase):
             reads.append(sinks.range)
         sb = sinks.buf if sinks is not None else params   # (binding 4 unused without sinks)
         if self.attention_on_coopmat2(n_rows, head_dim, kv_types, ring) and split is None:
-            # BR rows of one head a workgroup
-            wgs = math.ceil(n_rows / ATTN_MC2[head_dim][0]) * n_head
-            parts = self.attn_mc_parts(wgs) if mc_parts is None else mc_parts
+            row_blocks = math.ceil(n_rows / ATTN_MC2[head_dim][0])   # BR rows of one head a workgroup
+            parts = self.attn_mc_parts(row_blocks * n_head) if mc_parts is None else mc_parts
             name = f"attention_mc2_d{head_dim}"
             if parts > 1:
                 self._attention_mc_split(prog, pc, reads, out, n_rows, n_head, n_kv, head_dim, parts,
-                                         (math.ceil(n_rows / ATTN_MC2[head_dim][0]), n_head), act, kv, params, sb,
-                                         sinks, label, name + "_split")
+                                         (row_blocks, n_head), act, kv, params, sb, sinks, label, name + "_split")
                 return
             push = self._push(name, **pc)
             alg = self._alg_spec(name, [act, act, params, kv, sb], (), push)
-            prog.dispatch(alg, push, (math.ceil(n_rows / ATTN_MC2[head_dim][0]), n_head, 1), reads, out, label)
+            prog.dispatch(alg, push, (row_blocks, n_head, 1), reads, out, label)
             return
         if self.attention_on_coopmat(n_rows, head_dim) and split is None:
             name = c.attention_mc_variant.format(hd=head_dim) + tag
