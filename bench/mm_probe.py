@@ -13,9 +13,11 @@ Kernels:
                 weights loaded directly (F16) or decoded by the loads; only on
                 request (--kinds); x uploaded as halves (the engine converts it
                 with to_f16.comp)
-Measured and dropped (H200, 2026-11-30): BK = 64 (5-25% slower than 32) and
-issuing the next slice's global loads before the current slice's multiplies
-(within noise).
+Measured and dropped (H200, 2026-11-30, mul_mc): BK = 64 (5-25% slower than
+32) and issuing the next slice's global loads before the current slice's
+multiplies (within noise). Wall times here are only comparable within one
+process: on 2026-12-04 separate processes (one a kind) read 3-5x the engine's
+GPU timestamps for the same kernels (notes.md run 37); compare kinds in one run.
 
     here:   .venv/bin/python bench/mm_probe.py --compile-only
     there:  python3 bench/mm_probe.py --out $OUT/mm-probe.json
@@ -52,7 +54,10 @@ KINDS = {"mt128": None, "mt64": None,
          "mc2h_128x256": (128, 256, "ACC_F16", "UNROLL=4"), "mc2h_256x256": (256, 256, "ACC_F16", "UNROLL=4"),
          "mc2h_128x128": (128, 128, "ACC_F16"), "mc2h_256x128": (256, 128, "ACC_F16"),
          "mc2h_64x128": (64, 128, "ACC_F16"), "mc2h_64x256": (64, 256, "ACC_F16", "UNROLL=4"),
-         "mc2h_128x64": (128, 64, "ACC_F16")}
+         "mc2h_128x64": (128, 64, "ACC_F16"),
+         # k64: 64-deep slices (llama.cpp's BK for these tiles)
+         "mc2h_128x256k64": (128, 256, "ACC_F16", "UNROLL=4", "BK=64"),
+         "mc2h_64x256k64": (64, 256, "ACC_F16", "UNROLL=4", "BK=64")}
 
 
 def tile_of(kind: str) -> tuple[int, int]:
@@ -80,6 +85,8 @@ def variant(wt: str, kind: str) -> str:
 
 
 def main() -> int:
+    import faulthandler
+    faulthandler.enable()
     ap = probe_parser(__doc__, reps=8, runs=5)
     ap.add_argument("--kinds", default=",".join(k for k in KINDS if not k.startswith("mc2")),
                     help="default: all but mc2* (mul_mc2 needs VK_NV_cooperative_matrix2)")
@@ -123,6 +130,9 @@ def main() -> int:
                 bufs, grid_n = [wbuf, xbuf, act], n_pad // bn
             else:
                 bufs, grid_n = [wbuf, act, act], math.ceil(n / bn)
+            # progress: creating a pipeline takes the driver 5-40 s a kind on the H200,
+            # and a shape's rows print only after all its kinds ran
+            print(f"  {wt} {shape} {kind}: pipeline", file=sys.stderr, flush=True)
             alg = dev.algorithm(name, spirv.spirv(name), bufs, (), 40)
             prog = dev.program()
             push = struct.pack("<10I", 0, dw, K, M, n, 0, K, n * K, M, 0)

@@ -46,7 +46,7 @@ layout(push_constant) uniform P {
 } p;
 
 #ifndef BK
-#define BK 32
+#define BK 32               // slice depth; 64 needs K a multiple of 64 (Kernels.mc2_variant)
 #endif
 #ifndef UNROLL
 #define UNROLL 8            // slices per chunk

@@ -113,6 +113,11 @@ MC2_TYPES = ("f16", "q4_0", "q4_1", "q8_0")
 # (notes.md run 13; "From code comments": MC2H_TILES)
 MC2H_TILES = ((16384, (256, 256)), (6144, (128, 256)), (0, (64, 256)))
 MC2H_UNROLL = {(256, 256): 4, (128, 256): 4, (128, 128): 8, (64, 256): 4}
+# 64-deep slices (llama.cpp's BK there) where they measured faster: Q4_0 in the
+# 64 x 256 tile (the 8B's down projection 15.9 -> 13.4 ms a 512-row step; slower
+# on 128 x 256 in place of 256 x 256 and on 128 x 256: notes.md run 37).
+# VKENGINE_MC2_BK=32 turns it off.
+MC2_K64 = {"types": ("q4_0",), "tiles": ((64, 256),)}
 # Where the engine takes it: the matrices where it measured faster than mul_mc
 # (F16 and Q4_0 of 4096+ rows with fp16 sums; not Q8_0: notes.md runs 11 and
 # 13, "From code comments": MC2_ENGINE_TYPES).
@@ -191,6 +196,9 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
                 for (bm, bn), unroll in chunks.items():
                     t[f"mul_mc2{tag}_{bm}x{bn}_{wt}"] = ("mul_mc2.comp", {**d, "BM": bm, "BN": bn, "UNROLL": unroll,
                                                                          **sums, EXT_DEFINE: 1})
+                    if tag == "h" and wt in MC2_K64["types"] and (bm, bn) in MC2_K64["tiles"]:
+                        t[f"mul_mc2hk64_{bm}x{bn}_{wt}"] = ("mul_mc2.comp", {
+                            **d, "BM": bm, "BN": bn, "UNROLL": unroll, **sums, "BK": 64, EXT_DEFINE: 1})
         t[f"get_rows_{wt}"] = ("get_rows.comp", d)
         t[f"get_rows_p_{wt}"] = ("get_rows.comp", {**d, "ROW_PART": 1})   # a matrix split by rows
     for hd, (nsg, ds, bc) in ATTN_MC.items():

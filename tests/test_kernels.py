@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from shaders.variants import MC2_TYPES, MC2H_TILES, MC2H_UNROLL, WEIGHT_TYPES
+from shaders.variants import MC2_K64, MC2_TYPES, MC2H_TILES, MC2H_UNROLL, WEIGHT_TYPES
 from vkengine.kernels import KVTypes, Region, device_has_coopmat2
 
 from . import kv_util
@@ -175,11 +175,16 @@ def test_split_k_parts_rule(device, kernels):
 # mul_mc for every weight type; mul_mc2, with fp32 sums and with fp16 sums in
 # each of its tiles (mul_mc2h_<BM>x<BN>), for the types it loads
 MC2_KERNELS = ["mul_mc2"] + [f"mul_mc2h_{bm}x{bn}" for bm, bn in MC2H_UNROLL]
-COOPMAT_CASES = [(wt, "mul_mc") for wt in WEIGHT_TYPES] + [(wt, k) for wt in MC2_TYPES for k in MC2_KERNELS]
+# and its 64-deep slices where the engine takes them (MC2_K64; K = 96 falls back
+# to 32-deep, 2240 is whole slices but not whole chunks of 4)
+COOPMAT_SHAPES = [(3, 37, 96), (130, 131, 96), (200, 200, 2304)]
+COOPMAT_CASES = ([(wt, "mul_mc", *s) for wt in WEIGHT_TYPES for s in COOPMAT_SHAPES]
+                 + [(wt, k, *s) for wt in MC2_TYPES for k in MC2_KERNELS for s in COOPMAT_SHAPES]
+                 + [(wt, f"mul_mc2hk64_{bm}x{bn}", *s) for wt in MC2_K64["types"] for bm, bn in MC2_K64["tiles"]
+                    for s in COOPMAT_SHAPES + [(70, 300, 2240)]])
 
 
-@pytest.mark.parametrize("wt,kernel", COOPMAT_CASES)
-@pytest.mark.parametrize("n,M,K", [(3, 37, 96), (130, 131, 96), (200, 200, 2304)])
+@pytest.mark.parametrize("wt,kernel,n,M,K", COOPMAT_CASES)
 def test_mul_mat_coopmat(device, coopmat_kernels, ws, rng, wt, n, M, K, kernel):
     """Edges of the tile (rows past M, tokens past N, K not a multiple of the
     slice or of mul_mc2's chunk of 8 slices), a long K (mul_mc splits it in two
@@ -192,7 +197,7 @@ def test_mul_mat_coopmat(device, coopmat_kernels, ws, rng, wt, n, M, K, kernel):
     tiles = ((0, tuple(int(v) for v in kernel.split("_")[-1].split("x"))),) if f16acc else MC2H_TILES
     wgs, kmin = (1 << 30, 1024) if K > 1024 else (0, 512)
     kn = with_caps(coopmat_kernels, coopmat2=kernel != "mul_mc", mc2_types=MC2_TYPES, mc2_from_rows=0,
-                   split_k_wgs=wgs, split_k_min=kmin, mc2_f16acc=f16acc, mc2h_tiles=tiles)
+                   split_k_wgs=wgs, split_k_min=kmin, mc2_f16acc=f16acc, mc2h_tiles=tiles, mc2_k64="k64" in kernel)
     _check_mul_mat(device, kn, ws, rng, wt, n, M, max(K, 512) if wt in K_QUANTS else K, accumulate=n == 130)
 
 

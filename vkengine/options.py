@@ -65,6 +65,8 @@ class Options:
     coopmat2: bool = True         # mul_mc2 (VK_NV_cooperative_matrix2) where the device can
     mc2_f16acc: bool = True       # mul_mc2 with fp16 sums (llama.cpp's default there); 0: fp32 sums
     mc2_from_rows: int | None = None   # matrices of at least this many rows on mul_mc2 (None: the table's)
+    mc2_bk: int = 64              # mul_mc2's slice depth with fp16 sums: 64 where it measured faster
+                                  # (shaders/variants.py MC2_K64) and K allows, else 32
     attn_mc: bool = True          # prompt attention on cooperative matrices (attention_mc.comp)
     attn_mc2: bool = True         # ... on NVIDIA's workgroup-scope matrices where it can (attention_mc2.comp)
     attn_mc_split: int = 1024     # prompt rows at depth: a step whose rows make fewer attention_mc workgroups

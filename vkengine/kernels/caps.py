@@ -64,6 +64,7 @@ class Caps:
     mc2_types: tuple[str, ...]
     mc2_f16acc: bool
     mc2_from_rows: int
+    mc2_k64: bool                  # mul_mc2's 64-deep slices where they measured faster (MC2_K64)
     mc2h_tiles: tuple[tuple[int, tuple[int, int]], ...]   # (from rows, tile), widest first
     # split K of tiled matmuls whose tile grid has fewer workgroups than this
     # (a GPU runs ~100+ at once), parts of at least split_k_min columns; 0: off
@@ -137,6 +138,7 @@ class Caps:
             mc2_types=MC2_ENGINE_TYPES, mc2_f16acc=options.mc2_f16acc,
             mc2_from_rows=(options.mc2_from_rows if options.mc2_from_rows is not None
                            else MC2_FROM_ROWS if options.mc2_f16acc else MC2_F32_FROM_ROWS),
+            mc2_k64=options.mc2_bk == 64,
             mc2h_tiles=MC2H_TILES, split_k_wgs=options.splitk_wgs, split_k_min=options.splitk_min,
             xq8=gpu and int_dot and options.xq8, norm_in=norm_in, xq8_in=norm_in and int_dot and options.xq8_in,
             delta_chunk_from=(options.delta_chunk if options.delta_chunk >= 0 else 64 if gpu else 0)

@@ -9,6 +9,7 @@ import math
 
 from shaders.variants import (
     MATMUL_COLS,
+    MC2_K64,
     MC2_TILES,
     MC2_TYPES,
     MC_TILE,
@@ -120,9 +121,13 @@ class MatmulKernels(KernelBase):
     def mc2_variant(self, w: Matrix) -> tuple[int, int, str]:
         """mul_mc2's BM x BN tile for w and its variant: the first of the tile
         table whose row floor w reaches (fp32 sums: MC2_TILES; fp16 sums:
-        Caps.mc2h_tiles)."""
+        Caps.mc2h_tiles), with 64-deep slices where they measured faster
+        (MC2_K64) and K is a multiple of 64."""
         tiles, tag = (self.caps.mc2h_tiles, "h") if self.caps.mc2_f16acc else (MC2_TILES, "")
         bm, bn = next(t for rows, t in tiles if w.rows >= rows)
+        if (tag and self.caps.mc2_k64 and w.type in MC2_K64["types"] and (bm, bn) in MC2_K64["tiles"]
+                and w.cols % 64 == 0):
+            tag += "k64"
         return bm, bn, f"mul_mc2{tag}_{bm}x{bn}_{w.type}"
 
     def split_k_parts(self, groups: int, K: int, n: int, M: int) -> tuple[int, int]:
