@@ -25,7 +25,8 @@ words (as `vkengine bench` and llama-bench do), e.g. one client, 16k tokens:
 `--newcomers K --newcomer-ids N`: while the C clients stream (short prompts,
 --n-predict tokens), K more clients arrive together, once every stream has
 its first token, each with a prompt of N random token ids and
---newcomer-predict tokens: reported are the newcomers' TTFT (p50, p99), the
+--newcomer-predict tokens (the warm-up adds one prompt of N ids, so that
+pipelines built on first use are not timed): reported are the newcomers' TTFT (p50, p99), the
 streams' inter-token gaps while newcomers are in (p99), and the aggregate
 tok/s over the run.
 """
@@ -398,6 +399,10 @@ def mixed_main(args) -> int:
         url = args.llama_url if srv is None else srv.url
         try:
             warm_up(url, args)
+            # and one newcomer-sized prompt: pipelines of long prompts' shapes are built on first use (on a
+            # fresh H200, llama-server's first 8k-token prompt took 15.1 s against 1.0-2.2 s for the next
+            # ones, and its newcomers' TTFT p99 read 18.4 s against 4.8 s warm: notes.md run 37)
+            run_load(url, 1, 1, 2, args.prompt_words, seed=997, n_ids=args.newcomer_ids)
             r = run_mixed(url, args.clients, args.n_predict, args.prompt_words, args.newcomers, args.newcomer_ids,
                           args.newcomer_predict, args.seed)
         finally:

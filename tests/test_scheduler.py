@@ -235,6 +235,22 @@ def test_prompt_ms_sizes_chunks_by_their_measured_cost():
         SchedulerConfig(prompt_tokens=-1).validate()
 
 
+def test_prompt_ms_chunks_are_whole_granules():
+    """prompt_granule: a chunk sized by prompt_ms is rounded down to whole
+    granules (the rows the engine's tiled matmuls pad a step to), so that no
+    padded rows are paid for; below one granule it stays as measured."""
+    cfg = SchedulerConfig(n_slots=2, max_live=2, step_tokens=8, quantum=8, prompt_tokens=2048, prompt_ms=100.0,
+                          prompt_granule=256).validate()
+    sch = Scheduler(cfg, FakeRunner(2))
+    sch.observe_prompt(530, 0.1)                     # 530 rows fit 100 ms
+    assert sch.prompt_budget(1) == 512
+    sch = Scheduler(cfg, FakeRunner(2))
+    sch.observe_prompt(100, 0.1)                     # 1 ms a row: 100 rows, less than a granule
+    assert sch.prompt_budget(1) == 100
+    with pytest.raises(ValueError):
+        SchedulerConfig(n_slots=1, max_live=1, step_tokens=8, prompt_granule=0).validate()
+
+
 def test_decoders_advance_in_every_step_of_a_long_prefill():
     cfg = SchedulerConfig(n_slots=4, max_live=4, step_tokens=8, quantum=8)
     long_prompt = list(range(200))

@@ -203,10 +203,11 @@ def test_prompt_rows_apart_equal_alone(device, tiny_model, sampling):
 
 def test_prompt_row_cost_counts_the_rows_a_step_ran(device, tiny_model, monkeypatch):
     """The scheduler's cost of a prompt row (what --prompt-ms divides) is a
-    prompt step's time over the rows the engine ran: where prompt steps are
-    padded to the tiled matmuls' rows, a step of 5 prompt rows costs what one
-    of 16 does (counting 5 made rows look dearer than they are, and newcomers'
-    chunks beside streams started small and grew over many steps)."""
+    prompt step's time over the rows its matmuls ran: where prompt steps are
+    padded to the tiled matmuls, a step of 5 prompt rows costs what one of a
+    whole tile of tokens does (counting 5 made rows look dearer than they are,
+    and newcomers' chunks beside streams started small and grew over many
+    steps); and the scheduler sizes chunks in those tiles (prompt_granule)."""
     from vkengine.serving.scheduler import Scheduler
     seen: list[int] = []
     real = Scheduler.observe_prompt
@@ -231,10 +232,13 @@ def test_prompt_row_cost_counts_the_rows_a_step_ran(device, tiny_model, monkeypa
                 steps.append(len(tokens))
             return submit(tokens, *a, prompt=prompt, **k)
         eng.submit = recording_submit
-    run_interleaved(device, tiny_model, CONFIGS["batch"], reqs, gap=2, setup=setup, caps=TILED16)
+    _, w = run_interleaved(device, tiny_model, CONFIGS["batch"], reqs, gap=2, setup=setup, caps=TILED16)
+    eng = engines[0]
     assert any(n < 16 for n in steps)                      # steps of fewer rows than the engine runs
-    assert seen == [engines[0].step_rows(n, prompt=True) for n in steps]
-    assert all(r >= 16 for r in seen)
+    assert eng.prompt_granule == eng.kernels.prompt_granule > 1
+    assert seen == [eng.prompt_cost_rows(n) for n in steps]
+    assert all(r >= eng.step_rows(n, prompt=True) and r % eng.prompt_granule == 0 for r, n in zip(seen, steps))
+    assert w.runner.cfg.prompt_granule == eng.prompt_granule
 
 
 def test_rows_past_a_stop_leave_the_cached_prefix_right(device, tiny_model, ref_engine):

@@ -249,6 +249,19 @@ class Engine:
         tf = self.kernels.caps.tiled_from
         return self._tiled_prompts and tf is not None and self.max_batch >= tf
 
+    @property
+    def prompt_granule(self) -> int:
+        """Rows a prompt step's tiled matmuls pad to (their widest tile of
+        tokens; 1 where prompt steps are not padded): a chunk of whole granules
+        runs no padded rows."""
+        return self.kernels.prompt_granule if self.tiled_prompts else 1
+
+    def prompt_cost_rows(self, n: int) -> int:
+        """The rows a prompt step of n tokens costs: its step's rows (step_rows)
+        up to whole granules (prompt_granule)."""
+        g = self.prompt_granule
+        return -(-self.step_rows(n, prompt=True) // g) * g
+
     def step_rows(self, n: int, prompt: bool = False) -> int:
         """The rows a step of n tokens runs. Prompt rows where tiled_prompts:
         at least the tiled threshold. Otherwise n up to STEP_EXACT, else n rounded

@@ -118,6 +118,17 @@ class MatmulKernels(KernelBase):
         return (c.coopmat2 and w.type in c.mc2_types and w.type in MC2_TYPES
                 and w.rows >= c.mc2_from_rows and w.data is not None and w.data.off % 4 == 0)
 
+    @property
+    def prompt_granule(self) -> int:
+        """The widest tile of tokens the tiled matmuls pad a step's rows to
+        (mul_mc2's, mul_mc's or mul_mt's, whichever the device runs)."""
+        c = self.caps
+        if c.coopmat2:
+            return max(bn for _rows, (_bm, bn) in (c.mc2h_tiles if c.mc2_f16acc else MC2_TILES))
+        if c.coopmat:
+            return MC_TILE[1]
+        return 16 * TILE[1]
+
     def mc2_variant(self, w: Matrix) -> tuple[int, int, str]:
         """mul_mc2's BM x BN tile for w and its variant: the first of the tile
         table whose row floor w reaches (fp32 sums: MC2_TILES; fp16 sums:

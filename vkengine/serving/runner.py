@@ -193,6 +193,8 @@ class Runner:
         # the matvecs, as alone: tokens independent of who else runs)
         if engine.tiled_prompts and not cfg.prompt_apart:
             cfg = dataclasses.replace(cfg, prompt_apart=True)
+        if cfg.prompt_granule == 1 and engine.prompt_granule > 1:   # chunks of whole tiles (prompt_budget)
+            cfg = dataclasses.replace(cfg, prompt_granule=engine.prompt_granule)
         self.eng, self.cfg, self.metrics, self.step_log = engine, cfg, metrics, step_log
         self.kv = EngineKV(engine, slots if slots is not None else range(cfg.n_slots))
         if len(self.kv.slots) != cfg.n_slots or not all(0 <= s < engine.n_slots for s in self.kv.slots):
@@ -434,11 +436,11 @@ class Runner:
         res = self.eng.collect()
         now = time.perf_counter()
         if prompt:   # its device time: from its submit or the step before it, whichever ended later, over the
-            # rows it ran (padded: a GPU runs a prompt step of 28 rows as one of the tiled matmuls' 256 or more;
-            # counting 28 made a row look 10x dearer, so the newcomers' chunks beside streams started at 64 rows
-            # and took ~25 steps to grow to what prompt_ms fits: notes.md run 36)
+            # rows its matmuls ran (padded: a GPU runs a prompt step of 28 rows as one of the tiled matmuls'
+            # 256; counting 28 made a row look 10x dearer, so the newcomers' chunks beside streams started at
+            # 64 rows and took ~25 steps to grow to what prompt_ms fits: notes.md runs 36, 37)
             rows = sum(len(w.tokens) for w in batch.work if w.prompt)
-            self.sched.observe_prompt(self.eng.step_rows(rows, prompt=True), now - max(t0, self._last_collect))
+            self.sched.observe_prompt(self.eng.prompt_cost_rows(rows), now - max(t0, self._last_collect))
         self._last_collect = now
         if self.step_log is not None:
             self._log_step(batch, outs, chained, t0, t_wait, now)
