@@ -41,8 +41,8 @@ def add_serve_args(p) -> None:
     p.add_argument("--prompt-ms", type=float, default=None,
                    help="while sequences decode: a newcomer's prompt chunk may take as many rows as fit this many "
                         "milliseconds at the measured cost of a prompt row (at least --step-tokens, at most "
-                        "--prompt-tokens), which bounds the running streams' gap while it lasts "
-                        "(default: 100 on GPUs, 0 on a CPU); 0: --step-tokens rows")
+                        "--prompt-tokens, in whole tiles of the prompt matmuls), which bounds the running "
+                        "streams' gap while it lasts (default: 100 on GPUs, 0 on a CPU); 0: --step-tokens rows")
     p.add_argument("--min-prefix", type=int, default=8,
                    help="shortest cached prompt prefix worth copying from another slot (prefix cache)")
     p.add_argument("--host-cache", type=int, default=-1,
