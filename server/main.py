@@ -7,6 +7,7 @@ import logging
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 
@@ -92,8 +93,20 @@ def embedding_pooling(model, flag: str | None) -> str:
     return GGUF_POOLING[int(kind)] if kind is not None else "mean"
 
 
-def build(args):
-    """(app, state) for the flags: the model and engine are loaded here."""
+@dataclasses.dataclass
+class Built:
+    """A server's engine side, loaded (build_worker)."""
+    model: Any
+    device: Any
+    engine: Any
+    cfg: SchedulerConfig
+    metrics: Metrics
+    pooling: str | None
+
+
+def build_worker(args) -> tuple[Worker, Built]:
+    """The model, device, engine and engine thread (not started) for the flags:
+    a `vkengine serve` process's, or one Ray replica's (server/ray_app.py)."""
     from vkengine.device import Device
     from vkengine.engine import Engine, EngineConfig
     from vkengine.kernels import KVTypes
@@ -131,13 +144,19 @@ def build(args):
     metrics = Metrics(n_slots, cfg.max_live, eng.n_ctx)
     metrics.startup(clock.phases)
     worker = Worker(eng, cfg, metrics, step_log=args.step_log)
-    st = ServerState(worker=worker, model=model, n_ctx=eng.n_ctx, metrics=metrics, max_tokens=args.max_tokens,
-                     max_body=args.max_body, parallel=args.parallel, mode=args.mode,
-                     kv_cache=(eng.kv.types.k, eng.kv.types.v),
-                     pooling=pooling, reasoning_format=args.reasoning_format)
+    return worker, Built(model, dev, eng, worker.cfg, metrics, pooling)
+
+
+def build(args):
+    """(app, state) for the flags: the model and engine are loaded here."""
+    worker, b = build_worker(args)
+    st = ServerState(worker=worker, model=b.model, n_ctx=b.engine.n_ctx, metrics=b.metrics,
+                     max_tokens=args.max_tokens, max_body=args.max_body, parallel=args.parallel, mode=args.mode,
+                     kv_cache=(b.engine.kv.types.k, b.engine.kv.types.v),
+                     pooling=b.pooling, reasoning_format=args.reasoning_format)
     from .app import allowed_hosts
     return create_app(st, api_key=args.api_key, cors=args.cors,
-                      hosts=allowed_hosts(args.host, args.allowed_hosts)), st, dev
+                      hosts=allowed_hosts(args.host, args.allowed_hosts)), st, b.device
 
 
 def default_max_connections() -> int:
@@ -156,6 +175,15 @@ def serve_main(args) -> int:
         raise VkEngineError("--max-tokens and --max-body must be >= 1, --max-queue >= 0")
     if args.api_key is not None and not args.api_key.strip():
         raise VkEngineError("--api-key (or VKENGINE_API_KEY) is empty: give a key, or leave it out for no auth")
+    if getattr(args, "replicas", 0):
+        try:
+            import ray  # noqa: F401
+
+            from .ray_app import serve_replicas
+        except ImportError:
+            raise VkEngineError("--replicas serves through Ray Serve: pip install 'vkengine[ray]' "
+                                "(ray[serve])") from None
+        return serve_replicas(args)
     app, st, dev = build(args)
     log.info("%s on %s: mode %s, parallel %d, %d device slot(s), context %d, step %d tokens, prompt steps "
              "up to %d, KV cache K %s V %s", st.model_id, dev.info.name, args.mode, args.parallel,

@@ -80,5 +80,12 @@ def add_serve_args(p) -> None:
     p.add_argument("--step-log", default=os.environ.get("VKENGINE_STEP_LOG"), metavar="PATH",
                    help="append a JSON line per engine step (rows, prompt rows, chained, submit -> collected and "
                         "wait times in ms) to PATH: where a server's time goes (default: $VKENGINE_STEP_LOG)")
+    p.add_argument("--replicas", type=int, default=0,
+                   help="serve through Ray Serve (pip install 'vkengine[ray]') with this many engine replicas "
+                        "behind one ingress, prefix-aware routing between them (docs/ray-serve.md); "
+                        "0: one process, no Ray")
+    p.add_argument("--gpus-per-replica", type=float, default=None,
+                   help="with --replicas: Ray GPUs each replica takes (default 1 where Ray sees GPUs, else 0; "
+                        "a fraction stands several replicas on one GPU)")
     p.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds in-flight requests may finish after SIGINT/SIGTERM before they are cancelled")

@@ -1,0 +1,214 @@
+"""vkengine on Ray Serve (server/ray_app.py, issue 35): a local Ray instance in
+this process, two replicas of the tiny synthetic model behind the ingress,
+started as `vkengine serve --replicas 2` starts them (its flags, parsed by the
+serve parser). Clients speak HTTP to the ingress (httpx, the openai client);
+the replicas' own counters (VkReplica.stats, asked of one replica at a time)
+say where requests ran, what their prefix caches reused and what was
+cancelled; the kill test takes a replica down mid-request and waits for Ray to
+replace it."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import httpx
+import pytest
+
+from vkengine.engine import Engine, EngineConfig
+from vkengine.serving.generate import generate
+from vkengine.serving.sampling import SamplingParams
+
+from .serving import CTX, free_port, tiny_gguf, tiny_model  # noqa: F401  (fixtures)
+
+ray = pytest.importorskip("ray", reason="ray[serve] is a test dependency (pyproject's test extra)")
+serve = pytest.importorskip("ray.serve")
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_gguf):
+    """(ingress URL, replica handle) of `vkengine serve --replicas 2` on the tiny model."""
+    from server.options import add_serve_args
+    from server.ray_app import APP_NAME, start_replicas
+    from vkengine.options import add_model_args
+    p = argparse.ArgumentParser()
+    add_model_args(p)
+    add_serve_args(p)
+    port = free_port()
+    args = p.parse_args(["--model", str(tiny_gguf), "--ctx", str(CTX), "--parallel", "2", "--max-tokens", "100000",
+                         "--port", str(port), "--replicas", "2", "--gpus-per-replica", "0", "--embeddings"])
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    start_replicas(args, {"num_cpus": 4, "log_to_driver": False})
+    try:
+        yield f"http://127.0.0.1:{port}", serve.get_deployment_handle("VkReplica", app_name=APP_NAME)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def replica_stats(handle, timeout: float = 60.0) -> dict[str, dict]:
+    """Every replica's own counters, by replica id: unpinned calls (the router's
+    power of two choices) until both replicas answered (a handle learns of a
+    replacement replica a moment after Serve reports it running), then one
+    pinned call each."""
+    ids: set[str] = set()
+    deadline = time.monotonic() + timeout
+    while len(ids) < 2:
+        assert time.monotonic() < deadline, f"only {ids} answered"
+        ids.add(handle.stats.remote().result()["replica"])
+    return {r: handle.stats.remote(replica=r).result() for r in ids}
+
+
+@pytest.fixture(scope="module")
+def ref(device, tiny_model):
+    eng = Engine(tiny_model, device, EngineConfig(n_slots=1, n_ctx=CTX, max_batch=64, max_out=1))
+
+    def alone(prompt: str, n: int) -> list[int]:
+        ids = tiny_model.tokenizer.encode(prompt)
+        return [s.token for s in generate(eng, ids, n, SamplingParams(temperature=0.0), ignore_eos=True)]
+    return alone
+
+
+def sse(resp: httpx.Response) -> list:
+    out = []
+    for line in resp.iter_lines():
+        if line.startswith("data: "):
+            d = line[len("data: "):]
+            out.append(d if d == "[DONE]" else json.loads(d))
+    return out
+
+
+def test_every_route_through_the_ingress(cluster, ref):
+    """The ingress serves `vkengine serve`'s routes with its semantics: greedy
+    tokens equal to the engine's own, streams of one event a token, the
+    OpenAI routes through the official client, and a bad field a 400 naming it."""
+    from openai import OpenAI
+    url, _ = cluster
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
+    assert httpx.get(url + "/v1/models").json()["data"][0]["id"]
+    assert httpx.get(url + "/props").json()["total_slots"] == 2
+    ids = httpx.post(url + "/tokenize", json={"content": "Once upon a time"}).json()["tokens"]
+    assert httpx.post(url + "/detokenize", json={"tokens": ids}).json()["content"] == "Once upon a time"
+    assert "prompt" in httpx.post(url + "/apply-template",
+                                  json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    want = ref("Once upon a time", 12)
+    j = httpx.post(url + "/completion", json={"prompt": "Once upon a time", "n_predict": 12, "return_tokens": True,
+                                             "ignore_eos": True, "temperature": 0}, timeout=120).json()
+    assert j["tokens"] == want and j["timings"]["predicted_n"] == 12 and j["stop_type"] == "limit"
+    with httpx.stream("POST", url + "/completion", json={"prompt": "Once upon a time", "n_predict": 12,
+                                                         "return_tokens": True, "ignore_eos": True,
+                                                         "temperature": 0, "stream": True}, timeout=120) as r:
+        evs = sse(r)
+    assert [t for e in evs for t in e["tokens"]] == want
+    assert len(evs) == 13 and evs[-1]["stop"] is True      # a token an event, then the last object
+    client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    c = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Say hi"}], max_tokens=8,
+                                       temperature=0)
+    assert c.choices[0].message.content and c.usage.completion_tokens <= 8
+    chunks = list(client.completions.create(model="x", prompt="Once upon a time", max_tokens=6, temperature=0,
+                                            stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == j["content"][:len("".join(
+        ch.choices[0].text for ch in chunks))]
+    bad = httpx.post(url + "/completion", json={"prompt": "x", "n_predict": "many"})
+    assert bad.status_code == 400 and "n_predict" in bad.json()["error"]["message"]
+    e = client.embeddings.create(model="x", input=["one text", "another text"])
+    assert len(e.data) == 2 and len(e.data[0].embedding) == len(e.data[1].embedding) > 0
+    assert httpx.get(url + "/slots").status_code == 200
+    m = httpx.get(url + "/metrics")
+    assert m.status_code == 200 and 'vkengine_http_requests_total{route="/completion",status="200"}' in m.text
+
+
+def test_shared_prefixes_land_on_one_replica(cluster):
+    """Requests whose prompts share a prefix of several routing blocks go to the
+    replica that served it first, whose prefix cache then reuses it: asserted
+    through the replicas' own counters (requests served, prompt tokens cached)."""
+    url, handle = cluster
+    before = replica_stats(handle)
+    system = " ".join(f"rule {i}: be brief and exact." for i in range(24))   # ~170 tokens: five 32-token blocks
+    for i in range(8):
+        r = httpx.post(url + "/completion", json={"prompt": f"{system}\nQuestion {i}: what is {i} + {i}?",
+                                                  "n_predict": 4, "temperature": 0}, timeout=120)
+        assert r.status_code == 200, r.text
+    after = replica_stats(handle)
+    served = {r: after[r]["served"] - before[r]["served"] for r in after}
+    cached = {r: after[r]["cached_tokens"] - before[r]["cached_tokens"] for r in after}
+    assert sorted(served.values()) == [0, 8], served
+    top = max(served, key=lambda r: served[r])
+    assert cached[top] >= 7 * 128, cached      # the 7 requests after the first reused the shared prompt
+
+
+def test_client_disconnect_cancels_on_the_replica(cluster):
+    url, handle = cluster
+    before = replica_stats(handle)
+    with httpx.stream("POST", url + "/completion", json={"prompt": "Count forever:", "n_predict": 100000,
+                                                         "ignore_eos": True, "stream": True}, timeout=120) as r:
+        lines = r.iter_lines()
+        got = 0
+        for line in lines:
+            got += line.startswith("data: ")
+            if got == 3:
+                break
+    deadline = time.monotonic() + 60
+    while True:
+        now = replica_stats(handle)
+        cancelled = sum(now[r]["finished"].get("cancelled", 0) - before[r]["finished"].get("cancelled", 0)
+                        for r in now)
+        if cancelled == 1 and all(s["active"] == 0 for s in now.values()):
+            break
+        assert time.monotonic() < deadline, f"the replica kept the request: {now}"
+        time.sleep(0.5)
+
+
+def test_a_replica_killed_mid_request(cluster):
+    """A replica that dies mid-request: its client's stream ends with an error
+    object (not a hang, not a cut connection), Ray starts a replacement, and
+    the ingress serves again through both replicas."""
+    url, handle = cluster
+    with httpx.stream("POST", url + "/completion", json={"prompt": "Count forever:", "n_predict": 100000,
+                                                         "ignore_eos": True, "stream": True}, timeout=120) as r:
+        lines = r.iter_lines()
+        events = []
+        for line in lines:
+            if line.startswith("data: "):
+                events.append(json.loads(line[len("data: "):]))
+                if len(events) == 3:
+                    busy = [s for s in replica_stats(handle).values() if s["active"] > 0]
+                    assert len(busy) == 1
+                    ray.kill(ray.get_actor(busy[0]["actor"], namespace="serve"), no_restart=True)
+        # the stream's last object is the error, then the connection closes
+    assert "error" in events[-1] and "replica" in events[-1]["error"]["message"], events[-1]
+    assert all("error" not in e for e in events[:-1])
+    deadline = time.monotonic() + 120
+    while True:
+        st = serve.status().applications["vkengine"]
+        running = sum(n for state, n in st.deployments["VkReplica"].replica_states.items()
+                      if str(getattr(state, "value", state)) == "RUNNING")
+        if str(getattr(st.status, "value", st.status)) == "RUNNING" and running == 2:
+            break
+        assert time.monotonic() < deadline, f"no replacement replica: {st}"
+        time.sleep(1)
+    r2 = httpx.post(url + "/completion", json={"prompt": "Hello", "n_predict": 4}, timeout=120)
+    assert r2.status_code == 200 and r2.json()["tokens_predicted"] == 4
+    assert len(replica_stats(handle)) == 2
+
+
+def test_the_documented_config_builds(tiny_gguf):
+    """docs/ray-serve.yaml's application (the builder `serve run` imports) builds
+    from its args, with the model path replaced; a bad flag is refused before
+    any replica starts."""
+    from pathlib import Path
+
+    import yaml
+
+    from server.ray_app import app_builder
+    from vkengine.errors import VkEngineError
+    doc = yaml.safe_load((Path(__file__).parent.parent / "docs" / "ray-serve.yaml").read_text())
+    app = doc["applications"][0]
+    assert app["import_path"] == "server.ray_app:app_builder"
+    cfg = dict(app["args"])
+    cfg["argv"] = [str(tiny_gguf) if a == "/models/model.gguf" else a for a in cfg["argv"]]
+    built = app_builder(cfg)
+    assert type(built).__name__ == "Application"
+    with pytest.raises(VkEngineError, match="step-tokens"):
+        app_builder({**cfg, "argv": [*cfg["argv"], "--step-tokens", "1"]})
