@@ -81,6 +81,19 @@ class ReplicaServer:
         self.served = 0
         self.finished: dict[str, int] = {}
         self.cached_tokens = 0
+        self._reporter: asyncio.Task | None = None
+
+    async def report_forever(self, hub, every: float = 1.0) -> None:
+        """Send this replica's /metrics text and slots to the hub every `every` seconds
+        (the ingress's /metrics and /slots show every replica's)."""
+        while True:
+            try:
+                snap = self.worker.snapshot
+                await hub.report.remote(self.replica_id, self.info.metrics.render().decode(),
+                                        [{**s, "replica": self.replica_id} for s in snap["slots"]])
+            except Exception as e:          # (the hub restarting: the next report goes through)
+                log.warning("metrics report failed: %s", e)
+            await asyncio.sleep(every)
 
     async def generate(self, req: GenRequest):
         loop = asyncio.get_running_loop()
@@ -131,6 +144,60 @@ def assigned_device() -> int | None:
     return int(ids[0]) if ids else None
 
 
+# -- metrics across replicas ------------------------------------------------------
+HUB_MAX_AGE = 10.0          # seconds a replica's report counts (a dead replica's goes after this)
+
+
+class MetricsHub:
+    """A Ray actor (one an application, named) holding each replica's latest
+    /metrics text and slots, which the ingress reads."""
+
+    def __init__(self) -> None:
+        self.reports: dict[str, tuple[float, str, list]] = {}
+
+    def report(self, replica: str, text: str, slots: list) -> None:
+        self.reports[replica] = (time.monotonic(), text, slots)
+
+    def collect(self) -> dict[str, tuple[str, list]]:
+        now = time.monotonic()
+        self.reports = {r: v for r, v in self.reports.items() if now - v[0] <= HUB_MAX_AGE}
+        return {r: (text, slots) for r, (_t, text, slots) in self.reports.items()}
+
+
+def metrics_hub(app_name: str):
+    """The application's MetricsHub, created by whoever asks first."""
+    import ray
+    return ray.remote(num_cpus=0)(MetricsHub).options(
+        name=f"vkengine-metrics-{app_name}", namespace="vkengine", get_if_exists=True,
+        lifetime="detached").remote()
+
+
+def merge_metrics(own: bytes, replicas: dict[str, str]) -> bytes:
+    """One Prometheus text of the ingress's own metrics and every replica's, a
+    `replica` label on each replica sample; a family the replicas report is
+    theirs (the ingress's engine gauges stand idle), the others the ingress's
+    (its HTTP requests)."""
+    from prometheus_client.exposition import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+    fams: dict[str, Any] = {}
+    for rid, text in sorted(replicas.items()):
+        for f in text_string_to_metric_families(text):
+            if f.name == "vkengine_http_requests":
+                continue                  # (replicas take no HTTP; the ingress counts it)
+            m = fams.setdefault(f.name, f)
+            if m is not f:
+                m.samples.extend(s._replace(labels={**s.labels, "replica": rid}) for s in f.samples)
+            else:
+                f.samples = [s._replace(labels={**s.labels, "replica": rid}) for s in f.samples]
+    for f in text_string_to_metric_families(own.decode()):
+        fams.setdefault(f.name, f)
+
+    class _Collected:
+        def collect(self):
+            return list(fams.values())
+    return generate_latest(_Collected())
+
+
 # -- the ingress's worker ----------------------------------------------------------
 @dataclass(eq=False)
 class _Seq:
@@ -174,7 +241,20 @@ class RemoteWorker:
         self.fault: str | None = None
         self._accepting = True
         self._active = 0
+        self.replica_metrics: dict[str, str] = {}   # the hub's latest (poll_hub)
         self.snapshot: dict = {"slots": [], "active": 0}
+
+    async def poll_hub(self, hub, every: float = 1.0) -> None:
+        """Keep the replicas' metrics texts and slots (snapshot) from the hub fresh."""
+        while True:
+            try:
+                got = await hub.collect.remote()
+                self.replica_metrics = {r: text for r, (text, _s) in got.items()}
+                self.snapshot = {"slots": [s for _r, (_t, slots) in sorted(got.items()) for s in slots],
+                                 "active": self._active}
+            except Exception as e:
+                log.warning("reading the replicas' metrics failed: %s", e)
+            await asyncio.sleep(every)
 
     @property
     def accepting(self) -> bool:
@@ -253,8 +333,10 @@ def build_app(args, replicas: int = 1, gpus_per_replica: float = 0.0, autoscalin
     @serve.deployment(name="VkReplica", max_ongoing_requests=args.parallel + args.max_queue,
                       health_check_period_s=2, health_check_timeout_s=30, graceful_shutdown_timeout_s=5)
     class VkReplica(ReplicaServer):
-        def __init__(self, args):
-            super().__init__(args, serve.get_replica_context().replica_id.unique_id)
+        async def __init__(self, args):
+            ctx = serve.get_replica_context()
+            super().__init__(args, ctx.replica_id.unique_id)
+            self._reporter = asyncio.get_running_loop().create_task(self.report_forever(metrics_hub(ctx.app_name)))
 
         async def stats(self, replica: str | None = None) -> dict:      # (replica: the router's pin)
             return self.describe()
@@ -270,7 +352,11 @@ def build_app(args, replicas: int = 1, gpus_per_replica: float = 0.0, autoscalin
         model = load_model(a.model)
         n_ctx = int(a.ctx or min(model.args.n_ctx_train, 4096))
         worker = RemoteWorker(handle, cfg, max(1, replicas) * (a.parallel + a.max_queue))
-        st = ServerState(worker=worker, model=model, n_ctx=n_ctx, metrics=Metrics(n_slots, cfg.max_live, n_ctx),
+
+        class ClusterMetrics(Metrics):    # the ingress's own, and every replica's with its label
+            def render(self) -> bytes:
+                return merge_metrics(super().render(), worker.replica_metrics)
+        st = ServerState(worker=worker, model=model, n_ctx=n_ctx, metrics=ClusterMetrics(n_slots, cfg.max_live, n_ctx),
                          max_tokens=a.max_tokens, max_body=a.max_body, parallel=a.parallel, mode=a.mode,
                          kv_cache=(a.cache_type_k, a.cache_type_v), reasoning_format=a.reasoning_format,
                          pooling=embedding_pooling(model, a.pooling) if a.embeddings else None)
@@ -282,8 +368,12 @@ def build_app(args, replicas: int = 1, gpus_per_replica: float = 0.0, autoscalin
         def __init__(self, replica):
             self.replica = replica
 
-        def __serve_build_asgi_app__(self):    # (Ray Serve calls it after __init__, on the ingress replica)
-            return make_app(self.replica)
+        async def __serve_build_asgi_app__(self):    # (Ray Serve calls it after __init__, on the ingress)
+            app = make_app(self.replica)
+            worker = app.state.server.worker
+            self._poll = asyncio.get_running_loop().create_task(
+                worker.poll_hub(metrics_hub(serve.get_replica_context().app_name)))
+            return app
 
     router: dict[str, Any] = {"request_router_class": "server.ray_router:PrefixRouter",
                               "request_router_kwargs": {"imbalance": imbalance}}

@@ -114,9 +114,19 @@ def test_every_route_through_the_ingress(cluster, ref):
     assert bad.status_code == 400 and "n_predict" in bad.json()["error"]["message"]
     e = client.embeddings.create(model="x", input=["one text", "another text"])
     assert len(e.data) == 2 and len(e.data[0].embedding) == len(e.data[1].embedding) > 0
-    assert httpx.get(url + "/slots").status_code == 200
-    m = httpx.get(url + "/metrics")
-    assert m.status_code == 200 and 'vkengine_http_requests_total{route="/completion",status="200"}' in m.text
+    # every replica's slots and engine metrics through the ingress (replicas report each second)
+    deadline = time.monotonic() + 30
+    while True:
+        slots = httpx.get(url + "/slots").json()
+        m = httpx.get(url + "/metrics").text
+        owners = {s["replica"] for s in slots}
+        if len(slots) == 4 and len(owners) == 2 and all(f'vkengine_slots_total{{replica="{r}"}} 2.0' in m
+                                                        for r in owners):
+            break
+        assert time.monotonic() < deadline, (slots, m[:2000])
+        time.sleep(0.5)
+    assert 'vkengine_http_requests_total{route="/completion",status="200"}' in m     # the ingress's own
+    assert m.count("# TYPE vkengine_slots_total gauge") == 1 and "vllm:num_requests_running{replica=" in m
 
 
 def test_shared_prefixes_land_on_one_replica(cluster):
