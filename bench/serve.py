@@ -111,10 +111,10 @@ def prompt_ids(rng: random.Random, n: int) -> list[int]:
 
 
 def one_stream(client: httpx.Client, url: str, text: str | list[int], n_predict: int, temperature: float = 0.0,
-               seed: int = 0, times: list[float] | None = None) -> Stream:
+               seed: int = 0, times: list[float] | None = None, cache_prompt: bool = False) -> Stream:
     s = Stream()
     body = {"prompt": text, "n_predict": n_predict, "stream": True, "ignore_eos": True,
-            "temperature": temperature, "cache_prompt": False}
+            "temperature": temperature, "cache_prompt": cache_prompt}
     if temperature > 0:   # sampled (the servers' top-k 40, top-p 0.95, min-p 0.05), reproducibly
         body["seed"] = seed
     t0 = last = time.perf_counter()

@@ -317,11 +317,13 @@ class RemoteWorker:
 
 # -- the application -----------------------------------------------------------------
 def build_app(args, replicas: int = 1, gpus_per_replica: float = 0.0, autoscaling: dict | None = None,
-              imbalance: int = 4):
+              imbalance: int = 4, prefix_routing: bool = True):
     """The Ray Serve application: `replicas` VkReplica (or `autoscaling`, Ray's
     autoscaling_config: min_replicas, max_replicas, target_ongoing_requests)
     behind one VkIngress. gpus_per_replica: Ray GPUs a replica takes (1 on a GPU
-    node; a fraction stands several replicas on one GPU; 0 for CPU devices)."""
+    node; a fraction stands several replicas on one GPU; 0 for CPU devices).
+    prefix_routing=False: Ray's default router (power of two choices) instead
+    of PrefixRouter (bench/ray_scale.py compares them)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -362,7 +364,7 @@ def build_app(args, replicas: int = 1, gpus_per_replica: float = 0.0, autoscalin
                          pooling=embedding_pooling(model, a.pooling) if a.embeddings else None)
         return create_app(st, api_key=a.api_key, cors=a.cors, hosts=None)
 
-    @serve.deployment(name="VkIngress")
+    @serve.deployment(name="VkIngress", ray_actor_options={"num_cpus": 0})
     @serve.ingress()
     class VkIngress:
         def __init__(self, replica):
@@ -377,8 +379,11 @@ def build_app(args, replicas: int = 1, gpus_per_replica: float = 0.0, autoscalin
 
     router: dict[str, Any] = {"request_router_class": "server.ray_router:PrefixRouter",
                               "request_router_kwargs": {"imbalance": imbalance}}
-    opts: dict[str, Any] = {"ray_actor_options": {"num_gpus": gpus_per_replica, "num_cpus": 1},
-                            "request_router_config": RequestRouterConfig(**router)}
+    # placed by their GPUs: no CPU reservation (a replica's CPU work is one engine thread and an event loop,
+    # and reserving a core each left a 2-core node no room for the ingress)
+    opts: dict[str, Any] = {"ray_actor_options": {"num_gpus": gpus_per_replica, "num_cpus": 0}}
+    if prefix_routing:
+        opts["request_router_config"] = RequestRouterConfig(**router)
     if autoscaling:
         opts["autoscaling_config"] = autoscaling
     else:
@@ -390,13 +395,13 @@ def build_app(args, replicas: int = 1, gpus_per_replica: float = 0.0, autoscalin
 
 def app_builder(cfg: dict):
     """`serve run` / `serve deploy`'s application builder (docs/ray-serve.yaml):
-    args {argv: [vkengine serve flags], replicas, gpus_per_replica, autoscaling, imbalance}."""
+    args {argv: [vkengine serve flags], replicas, gpus_per_replica, autoscaling, imbalance, prefix_routing}."""
     args = parse_args([str(x) for x in cfg.get("argv", [])])
     return build_app(args, int(cfg.get("replicas", 1)), float(cfg.get("gpus_per_replica", 0.0)),
-                     cfg.get("autoscaling"), int(cfg.get("imbalance", 4)))
+                     cfg.get("autoscaling"), int(cfg.get("imbalance", 4)), bool(cfg.get("prefix_routing", True)))
 
 
-def start_replicas(args, ray_init: dict | None = None) -> None:
+def start_replicas(args, ray_init: dict | None = None, prefix_routing: bool = True) -> None:
     """The application on a local Ray instance (started here unless one runs),
     serving HTTP on --host:--port; returns once every replica is up."""
     import ray
@@ -407,7 +412,8 @@ def start_replicas(args, ray_init: dict | None = None) -> None:
     if gpus is None:
         gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= args.replicas else 0.0
     serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(build_app(args, args.replicas, gpus), name=APP_NAME, route_prefix="/")
+    serve.run(build_app(args, args.replicas, gpus, prefix_routing=prefix_routing), name=APP_NAME,
+              route_prefix="/")
 
 
 def serve_replicas(args) -> int:
