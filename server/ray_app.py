@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -417,18 +418,25 @@ def start_replicas(args, ray_init: dict | None = None, prefix_routing: bool = Tr
 
 
 def serve_replicas(args) -> int:
-    """`vkengine serve --replicas N`: start_replicas, then serve until interrupted."""
+    """`vkengine serve --replicas N`: start_replicas, then serve until SIGINT or
+    SIGTERM (handlers set first: a client can reach the ingress before serve.run
+    returns, and a SIGINT then raised KeyboardInterrupt out of it, exit 130, the
+    application left running on Ray)."""
+    import signal
+    import threading
+
     import ray
     from ray import serve
-    start_replicas(args)
-    log.info("serving %d replicas on Ray at http://%s:%d", args.replicas, args.host, args.port)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        pass
+        start_replicas(args)
+        log.info("serving %d replicas on Ray at http://%s:%d", args.replicas, args.host, args.port)
+        stop.wait()
+        log.info("stopping: the replicas finish within their graceful shutdown")
     finally:
         serve.shutdown()
         ray.shutdown()
-    print("server stopped")
+    print("server stopped", file=sys.stderr)
     return 0

@@ -1,0 +1,24 @@
+"""`vkengine serve --replicas N` as a user runs it: a subprocess that starts its
+own Ray instance, serves the tiny model through the ingress, and stops on
+SIGINT (the Ray application itself: tests/test_ray_serve.py)."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from .serving import CTX, ServerProcess, tiny_gguf  # noqa: F401  (fixtures)
+
+pytest.importorskip("ray", reason="ray[serve] is a test dependency (pyproject's test extra)")
+
+
+def test_serve_replicas_command(tiny_gguf, tmp_path):
+    p = ServerProcess(["--model", str(tiny_gguf), "--ctx", str(CTX), "--parallel", "2", "--replicas", "1"],
+                      tmp_path / "serve.log", ready_timeout=240)
+    try:
+        r = httpx.post(p.url + "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 4}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        rc = p.stop()
+    assert rc == 0, p.log()[-3000:]
+    assert "server stopped" in p.log()
