@@ -134,6 +134,13 @@ class ReplicaServer:
         if self.worker.fault is not None:
             raise RuntimeError(self.worker.fault)
 
+    def __del__(self) -> None:
+        """(Ray Serve's graceful shutdown: its in-flight requests have had
+        graceful_shutdown_timeout_s) the engine thread ends what is left."""
+        worker = getattr(self, "worker", None)
+        if worker is not None:
+            worker.stop(timeout=5.0)
+
 
 def assigned_device() -> int | None:
     """The Vulkan device of the GPU Ray assigned this replica: the index of Ray's
@@ -291,6 +298,7 @@ class RemoteWorker:
         self._active -= 1
 
     async def _pump(self, job: RemoteJob, emit) -> None:
+        from .worker import QueueFull, Unavailable
         finished = False
         try:
             async for ev, facts in job.response:
@@ -304,6 +312,9 @@ class RemoteWorker:
                 emit(Event(finish="error", error="the replica ended the request without a last event"))
         except asyncio.CancelledError:
             raise
+        except (QueueFull, Unavailable) as e:   # (raised on the replica; Ray's error is an instance of it)
+            emit(Event(finish="cancelled", error=f"the replica refused the request ({type(e).__name__}): "
+                                                 "retry later"))
         except Exception as e:        # the replica died, or Ray could not reach one: a clean error for the client
             log.warning("request failed on its replica: %s", e)
             emit(Event(finish="error", error=f"the replica serving this request failed ({type(e).__name__}); "
