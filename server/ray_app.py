@@ -154,6 +154,7 @@ def assigned_device() -> int | None:
 
 # -- metrics across replicas ------------------------------------------------------
 HUB_MAX_AGE = 10.0          # seconds a replica's report counts (a dead replica's goes after this)
+STARTUP_GRACE = 300.0       # seconds the ingress waits for a first replica's report before /health says so
 
 
 class MetricsHub:
@@ -246,17 +247,39 @@ class RemoteWorker:
         """max_requests: accepted at once across the replicas (replicas x
         (--parallel + --max-queue)); past it submit raises QueueFull (503)."""
         self.handle, self.cfg, self.max_requests = handle, cfg, max_requests
-        self.fault: str | None = None
         self._accepting = True
         self._active = 0
         self.replica_metrics: dict[str, str] = {}   # the hub's latest (poll_hub)
         self.snapshot: dict = {"slots": [], "active": 0}
+        self._t_start = time.monotonic()
+        self._last_seen: float | None = None        # when the hub last held a live replica's report
+
+    @property
+    def fault(self) -> str | None:
+        """Why the application cannot serve now (the ingress's /health answers 503
+        with it): no replica has reported for a while. Requests meanwhile wait
+        for one in Ray's queue rather than fail."""
+        now = time.monotonic()
+        if self._last_seen is None:
+            if now - self._t_start < STARTUP_GRACE:
+                return None
+            return f"no replica has reported in the {now - self._t_start:.0f} s since the ingress started"
+        if now - self._last_seen > HUB_MAX_AGE:
+            return (f"no replica is running (none reported in {now - self._last_seen:.0f} s; Ray replaces "
+                    "replicas that fail)")
+        return None
+
+    def saw(self, replicas: dict, now: float | None = None) -> None:
+        """The hub's latest reports (poll_hub; tests)."""
+        if replicas:
+            self._last_seen = time.monotonic() if now is None else now
 
     async def poll_hub(self, hub, every: float = 1.0) -> None:
         """Keep the replicas' metrics texts and slots (snapshot) from the hub fresh."""
         while True:
             try:
                 got = await hub.collect.remote()
+                self.saw(got)
                 self.replica_metrics = {r: text for r, (text, _s) in got.items()}
                 self.snapshot = {"slots": [s for _r, (_t, slots) in sorted(got.items()) for s in slots],
                                  "active": self._active}

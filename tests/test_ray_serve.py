@@ -222,3 +222,18 @@ def test_the_documented_config_builds(tiny_gguf):
     assert type(built).__name__ == "Application"
     with pytest.raises(VkEngineError, match="step-tokens"):
         app_builder({**cfg, "argv": [*cfg["argv"], "--step-tokens", "1"]})
+
+
+def test_ingress_health_follows_the_replicas():
+    """The ingress's /health (RemoteWorker.fault) is ok while replicas report to
+    the hub, and names the cause once none has for longer than a report lasts."""
+    from server.ray_app import HUB_MAX_AGE, STARTUP_GRACE, RemoteWorker
+    w = RemoteWorker(handle=None, cfg=None, max_requests=4)
+    assert w.fault is None                                   # starting: replicas may still be loading
+    w._t_start -= STARTUP_GRACE + 1
+    assert "no replica has reported" in w.fault
+    w.saw({"r1": ("text", [])})
+    assert w.fault is None
+    w.saw({})                                                # (an empty collection does not refresh it)
+    w._last_seen -= HUB_MAX_AGE + 1
+    assert "no replica is running" in w.fault
