@@ -352,13 +352,14 @@ class RemoteWorker:
 
 # -- the application -----------------------------------------------------------------
 def build_app(args, replicas: int = 1, gpus_per_replica: float = 0.0, autoscaling: dict | None = None,
-              imbalance: int = 4, prefix_routing: bool = True):
+              imbalance: int = 4, prefix_routing: bool = True, hosts: frozenset[str] | None = None):
     """The Ray Serve application: `replicas` VkReplica (or `autoscaling`, Ray's
     autoscaling_config: min_replicas, max_replicas, target_ongoing_requests)
     behind one VkIngress. gpus_per_replica: Ray GPUs a replica takes (1 on a GPU
     node; a fraction stands several replicas on one GPU; 0 for CPU devices).
     prefix_routing=False: Ray's default router (power of two choices) instead
-    of PrefixRouter (bench/ray_scale.py compares them)."""
+    of PrefixRouter (bench/ray_scale.py compares them). hosts: the Host names
+    the ingress answers (server.app.allowed_hosts; None: any)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -397,7 +398,7 @@ def build_app(args, replicas: int = 1, gpus_per_replica: float = 0.0, autoscalin
                          max_tokens=a.max_tokens, max_body=a.max_body, parallel=a.parallel, mode=a.mode,
                          kv_cache=(a.cache_type_k, a.cache_type_v), reasoning_format=a.reasoning_format,
                          pooling=embedding_pooling(model, a.pooling) if a.embeddings else None)
-        return create_app(st, api_key=a.api_key, cors=a.cors, hosts=None)
+        return create_app(st, api_key=a.api_key, cors=a.cors, hosts=hosts)
 
     @serve.deployment(name="VkIngress", ray_actor_options={"num_cpus": 0})
     @serve.ingress()
@@ -431,9 +432,12 @@ def build_app(args, replicas: int = 1, gpus_per_replica: float = 0.0, autoscalin
 def app_builder(cfg: dict):
     """`serve run` / `serve deploy`'s application builder (docs/ray-serve.yaml):
     args {argv: [vkengine serve flags], replicas, gpus_per_replica, autoscaling, imbalance, prefix_routing}."""
+    from .app import allowed_hosts
     args = parse_args([str(x) for x in cfg.get("argv", [])])
+    # (the proxy binds what http_options say, not --host: any Host unless --allowed-hosts names some)
     return build_app(args, int(cfg.get("replicas", 1)), float(cfg.get("gpus_per_replica", 0.0)),
-                     cfg.get("autoscaling"), int(cfg.get("imbalance", 4)), bool(cfg.get("prefix_routing", True)))
+                     cfg.get("autoscaling"), int(cfg.get("imbalance", 4)), bool(cfg.get("prefix_routing", True)),
+                     hosts=allowed_hosts("0.0.0.0", args.allowed_hosts))
 
 
 def start_replicas(args, ray_init: dict | None = None, prefix_routing: bool = True) -> None:
@@ -447,8 +451,9 @@ def start_replicas(args, ray_init: dict | None = None, prefix_routing: bool = Tr
     if gpus is None:
         gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= args.replicas else 0.0
     serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(build_app(args, args.replicas, gpus, prefix_routing=prefix_routing), name=APP_NAME,
-              route_prefix="/")
+    from .app import allowed_hosts
+    serve.run(build_app(args, args.replicas, gpus, prefix_routing=prefix_routing,
+                        hosts=allowed_hosts(args.host, args.allowed_hosts)), name=APP_NAME, route_prefix="/")
 
 
 def serve_replicas(args) -> int:

@@ -110,6 +110,8 @@ def test_every_route_through_the_ingress(cluster, ref):
                                             stream=True))
     assert "".join(ch.choices[0].text for ch in chunks) == j["content"][:len("".join(
         ch.choices[0].text for ch in chunks))]
+    # bound to loopback, as `vkengine serve`: a foreign Host header is refused (DNS rebinding)
+    assert httpx.get(url + "/health", headers={"Host": "evil.example"}).status_code == 403
     bad = httpx.post(url + "/completion", json={"prompt": "x", "n_predict": "many"})
     assert bad.status_code == 400 and "n_predict" in bad.json()["error"]["message"]
     e = client.embeddings.create(model="x", input=["one text", "another text"])
