@@ -239,3 +239,61 @@ def test_ingress_health_follows_the_replicas():
     w.saw({})                                                # (an empty collection does not refresh it)
     w._last_seen -= HUB_MAX_AGE + 1
     assert "no replica is running" in w.fault
+
+
+def test_replica_refusals_and_failures_reach_the_client_as_error_objects():
+    """RemoteWorker over a stand-in handle: a replica's refusal (its queue full,
+    or its engine failed: server.worker's QueueFull / Unavailable) ends the
+    reply with a 503-shaped error (finish "cancelled"), any other failure of the
+    call (a replica that died) with a 500-shaped one naming the replica; the
+    ingress's own admission limit raises QueueFull at submit, as vkengine serve."""
+    import asyncio
+
+    from server.formats import Reply
+    from server.ray_app import RemoteWorker
+    from server.worker import QueueFull
+    from vkengine.errors import VkEngineError
+    from vkengine.serving.runner import Event, GenRequest
+
+    class Failing:
+        def __init__(self, exc):
+            self.exc = exc
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            raise self.exc
+
+        def cancel(self):
+            pass
+
+    class Handle:
+        def __init__(self, exc):
+            self.exc = exc
+
+        def options(self, **kw):
+            return self
+
+        @property
+        def generate(self):
+            return self
+
+        def remote(self, req):
+            return Failing(self.exc)
+
+    async def reply_for(exc) -> dict:
+        w = RemoteWorker(Handle(exc), cfg=None, max_requests=1)
+        got: list[Event] = []
+        job = w.submit(GenRequest([1, 2, 3], 4), got.append)
+        with pytest.raises(QueueFull):
+            w.submit(GenRequest([1], 1), got.append)           # over the ingress's admission limit
+        await job.task
+        assert w.active == 0 and len(got) == 1
+        r = Reply("m", "p", 3)
+        r.add(got[0])
+        return r.error_body()["error"]
+    refused = asyncio.run(reply_for(QueueFull("full")))
+    assert refused["code"] == 503 and "refused" in refused["message"]
+    died = asyncio.run(reply_for(VkEngineError("actor died")))
+    assert died["code"] == 500 and "replica serving this request failed" in died["message"]
