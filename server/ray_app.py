@@ -193,11 +193,12 @@ def merge_metrics(own: bytes, replicas: dict[str, str]) -> bytes:
         for f in text_string_to_metric_families(text):
             if f.name == "vkengine_http_requests":
                 continue                  # (replicas take no HTTP; the ingress counts it)
-            m = fams.setdefault(f.name, f)
-            if m is not f:
-                m.samples.extend(s._replace(labels={**s.labels, "replica": rid}) for s in f.samples)
+            samples = [s._replace(labels={**s.labels, "replica": rid}) for s in f.samples]
+            if f.name in fams:
+                fams[f.name].samples.extend(samples)
             else:
-                f.samples = [s._replace(labels={**s.labels, "replica": rid}) for s in f.samples]
+                f.samples = samples
+                fams[f.name] = f
     for f in text_string_to_metric_families(own.decode()):
         fams.setdefault(f.name, f)
 
@@ -380,6 +381,7 @@ def build_app(args, replicas: int = 1, gpus_per_replica: float = 0.0, autoscalin
             return self.describe()
 
     def make_app(handle):
+        from vkengine.engine import Engine
         from vkengine.model import load_model
 
         from .app import ServerState, create_app
@@ -388,7 +390,7 @@ def build_app(args, replicas: int = 1, gpus_per_replica: float = 0.0, autoscalin
         a = args
         cfg, n_slots = scheduler_config(a)
         model = load_model(a.model)
-        n_ctx = int(a.ctx or min(model.args.n_ctx_train, 4096))
+        n_ctx = Engine.context_length(model.args, a.ctx)   # (what the replicas' engines hold)
         worker = RemoteWorker(handle, cfg, max(1, replicas) * (a.parallel + a.max_queue))
 
         class ClusterMetrics(Metrics):    # the ingress's own, and every replica's with its label

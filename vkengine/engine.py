@@ -97,6 +97,12 @@ class Engine:
     # stream for milliseconds (notes.md run 15)
     STEP_EXACT = 8
 
+    @staticmethod
+    def context_length(args, n_ctx: int | None) -> int:
+        """The positions a sequence may hold: n_ctx (--ctx) if given, else the
+        model's training length up to 4096."""
+        return int(n_ctx or min(args.n_ctx_train, 4096))
+
     def __init__(self, model: Model, device: Device, cfg: EngineConfig = EngineConfig(),
                  caps: Caps | None = None):
         """caps: what the kernels may do (default: decided from the device and cfg.options)."""
@@ -104,7 +110,7 @@ class Engine:
         known = {b.id for b in device.buffers}   # (close() frees what this constructor allocates)
         a = model.args
         self.args = a
-        self.n_ctx = int(cfg.n_ctx or min(a.n_ctx_train, 4096))
+        self.n_ctx = self.context_length(a, cfg.n_ctx)
         if self.n_ctx <= 0 or cfg.n_slots <= 0:
             raise VkEngineError("context length and slot count must be positive")
         if cfg.max_in_flight not in (2, 3):
