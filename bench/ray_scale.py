@@ -24,7 +24,6 @@ import argparse
 import json
 import random
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -34,35 +33,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from serve import WORDS, free_port, one_stream, pct, run_load  # noqa: E402 (same dir)
+from serve import WORDS, free_port, run_load  # noqa: E402 (same dir)
 
 
 def prefix_load(url: str, clients: int, requests: int, n_predict: int, system: list[str], seed: int) -> dict:
     """C clients, each sending `requests` streams whose prompts are one of the
-    shared system prompts plus a question of their own."""
+    shared system prompts plus a question of their own (the prefix cache on)."""
     rng = random.Random(seed)
     prompts = [[f"{rng.choice(system)}\nQuestion {i}.{j}: what is {rng.randrange(1000)} plus {rng.randrange(1000)}?"
                 for j in range(requests)] for i in range(clients)]
-    results: list[list] = [[] for _ in range(clients)]
-    conns = [httpx.Client(timeout=600) for _ in range(clients)]
-
-    def client(i):
-        for p in prompts[i]:
-            results[i].append(one_stream(conns[i], url, p, n_predict, cache_prompt=True))
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    for c in conns:
-        c.close()
-    streams = [s for r in results for s in r]
-    ttft = sorted(s.ttft for s in streams if s.ttft is not None)
-    return {"requests": len(streams), "errors": sum(1 for s in streams if s.error), "wall_s": wall,
-            "tok_s": sum(s.tokens for s in streams) / wall, "ttft_p50_ms": pct(ttft, 0.5),
-            "ttft_p99_ms": pct(ttft, 0.99)}
+    return run_load(url, clients, requests, n_predict, 0, seed, prompts=prompts, cache_prompt=True)
 
 
 def prompt_counters(url: str) -> dict[str, list[float]]:

@@ -144,10 +144,15 @@ def one_stream(client: httpx.Client, url: str, text: str | list[int], n_predict:
 
 
 def run_load(url: str, clients: int, requests: int, n_predict: int, prompt_words: int, seed: int,
-             temperature: float = 0.0, n_ids: int = 0) -> dict:
-    rng = random.Random(seed)
-    prompts = [[prompt_ids(rng, n_ids) if n_ids else prompt(rng, prompt_words) for _ in range(requests)]
-               for _ in range(clients)]
+             temperature: float = 0.0, n_ids: int = 0, prompts: list[list] | None = None,
+             cache_prompt: bool = False) -> dict:
+    """C clients, each sending `requests` streams one after another: random
+    prompts of prompt_words words (or n_ids token ids), or the given prompts
+    (a list a client, bench/ray_scale.py's shared prefixes, with cache_prompt)."""
+    if prompts is None:
+        rng = random.Random(seed)
+        prompts = [[prompt_ids(rng, n_ids) if n_ids else prompt(rng, prompt_words) for _ in range(requests)]
+                   for _ in range(clients)]
     results: list[list[Stream]] = [[] for _ in range(clients)]
 
     # the clients exist before the clock starts: making an httpx.Client loads
@@ -157,7 +162,8 @@ def run_load(url: str, clients: int, requests: int, n_predict: int, prompt_words
 
     def client(i):
         for j, p in enumerate(prompts[i]):
-            results[i].append(one_stream(conns[i], url, p, n_predict, temperature, seed * 1000 + i * requests + j))
+            results[i].append(one_stream(conns[i], url, p, n_predict, temperature, seed * 1000 + i * requests + j,
+                                         cache_prompt=cache_prompt))
     threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
     t0 = time.perf_counter()
     for t in threads:
