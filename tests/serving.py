@@ -22,6 +22,17 @@ def tiny_model(tiny_gguf):
     return load_model(tiny_gguf)
 
 
+def sse_events(resp) -> list:
+    """A streamed reply's `data:` objects (JSON, or the string "[DONE]")."""
+    import json
+    out = []
+    for line in resp.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
 def free_port() -> int:
     import socket
     with socket.socket() as s:

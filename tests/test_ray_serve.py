@@ -8,7 +8,6 @@ cancelled; the kill test takes a replica down mid-request and waits for Ray to
 replace it."""
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -20,7 +19,7 @@ from vkengine.engine import Engine, EngineConfig
 from vkengine.serving.generate import generate
 from vkengine.serving.sampling import SamplingParams
 
-from .serving import CTX, free_port, tiny_gguf, tiny_model  # noqa: F401  (fixtures)
+from .serving import CTX, free_port, sse_events, tiny_gguf, tiny_model  # noqa: F401  (fixtures)
 
 ray = pytest.importorskip("ray", reason="ray[serve] is a test dependency (pyproject's test extra)")
 serve = pytest.importorskip("ray.serve")
@@ -29,14 +28,9 @@ serve = pytest.importorskip("ray.serve")
 @pytest.fixture(scope="module")
 def cluster(tiny_gguf):
     """(ingress URL, replica handle) of `vkengine serve --replicas 2` on the tiny model."""
-    from server.options import add_serve_args
-    from server.ray_app import APP_NAME, start_replicas
-    from vkengine.options import add_model_args
-    p = argparse.ArgumentParser()
-    add_model_args(p)
-    add_serve_args(p)
+    from server.ray_app import APP_NAME, parse_args, start_replicas
     port = free_port()
-    args = p.parse_args(["--model", str(tiny_gguf), "--ctx", str(CTX), "--parallel", "2", "--max-tokens", "100000",
+    args = parse_args(["--model", str(tiny_gguf), "--ctx", str(CTX), "--parallel", "2", "--max-tokens", "100000",
                          "--port", str(port), "--replicas", "2", "--gpus-per-replica", "0", "--embeddings"])
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
     start_replicas(args, {"num_cpus": 4, "log_to_driver": False})
@@ -70,15 +64,6 @@ def ref(device, tiny_model):
     return alone
 
 
-def sse(resp: httpx.Response) -> list:
-    out = []
-    for line in resp.iter_lines():
-        if line.startswith("data: "):
-            d = line[len("data: "):]
-            out.append(d if d == "[DONE]" else json.loads(d))
-    return out
-
-
 def test_every_route_through_the_ingress(cluster, ref):
     """The ingress serves `vkengine serve`'s routes with its semantics: greedy
     tokens equal to the engine's own, streams of one event a token, the
@@ -99,7 +84,7 @@ def test_every_route_through_the_ingress(cluster, ref):
     with httpx.stream("POST", url + "/completion", json={"prompt": "Once upon a time", "n_predict": 12,
                                                          "return_tokens": True, "ignore_eos": True,
                                                          "temperature": 0, "stream": True}, timeout=120) as r:
-        evs = sse(r)
+        evs = sse_events(r)
     assert [t for e in evs for t in e["tokens"]] == want
     assert len(evs) == 13 and evs[-1]["stop"] is True      # a token an event, then the last object
     client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)

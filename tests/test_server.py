@@ -17,7 +17,7 @@ from vkengine.serving.generate import generate
 from vkengine.serving.sampling import SamplingParams
 
 from .httpcheck import soak
-from .serving import CTX, serve, tiny_gguf, tiny_model  # noqa: F401  (fixtures)
+from .serving import CTX, serve, sse_events, tiny_gguf, tiny_model  # noqa: F401  (fixtures)
 
 wait_idle = soak.wait_idle
 
@@ -54,15 +54,6 @@ def ref(device, tiny_model):
         steps = list(generate(eng, ids, n, SamplingParams(**sampling), ignore_eos=True))
         return [s.token for s in steps], "".join(s.text for s in steps)
     return alone
-
-
-def sse_events(resp: httpx.Response) -> list:
-    out = []
-    for line in resp.iter_lines():
-        if line.startswith("data: "):
-            data = line[len("data: "):]
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
 
 
 def complete(url: str, stream: bool, **body):
