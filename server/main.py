@@ -124,6 +124,7 @@ def build_worker(args) -> tuple[Worker, Built]:
     pooling = embedding_pooling(model, args.pooling) if args.embeddings else None
     clock.mark("model file")
     dev = Device(device_index(args))
+    dev.save_at_exit()   # what requests compiled after startup, for the next start
     clock.mark("device")
     cfg, n_slots = scheduler_config(args, gpu=dev.info.type != "cpu")
     eng = Engine(model, dev, EngineConfig(n_slots=n_slots, n_ctx=args.ctx, max_batch=cfg.max_prompt_rows,
@@ -140,7 +141,9 @@ def build_worker(args) -> tuple[Worker, Built]:
         cfg = dataclasses.replace(cfg, prompt_tokens=eng.max_batch)
     n_rec = eng.prepare_decode(n_slots, cfg.step_tokens)
     clock.mark("pipelines and recording")   # (drivers compile a pipeline when it is created: on first use)
-    log.info("recorded %d decode and prompt steps ahead; startup: %s", n_rec, clock.summary())
+    log.info("recorded %d decode and prompt steps ahead (%d pipelines; saved pipelines: %s); startup: %s", n_rec,
+             dev.n_pipelines, f"{dev.pipeline_cache_loaded} bytes loaded from {dev.pipeline_cache_file}"
+             if dev.pipeline_cache_loaded else "none", clock.summary())
     metrics = Metrics(n_slots, cfg.max_live, eng.n_ctx)
     metrics.startup(clock.phases)
     worker = Worker(eng, cfg, metrics, step_log=args.step_log)

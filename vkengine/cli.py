@@ -37,6 +37,8 @@ def _open(args, n_slots: int = 1, max_batch: int | None = None, max_out: int = 1
     model = _model_options(args, load_model(args.model))
     mark("model file")
     dev = Device(device_index(args))
+    # pipelines this run compiled (a bench's prompt sizes, say) kept for the next process
+    dev.save_at_exit()
     mark("device")
     cfg = EngineConfig(n_slots=n_slots, n_ctx=args.ctx, max_batch=max_batch or args.batch, max_out=max_out,
                        options=Options.from_env(), kv_types=kv_types)

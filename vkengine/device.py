@@ -14,11 +14,17 @@ message.
 """
 from __future__ import annotations
 
+import atexit
 import itertools
+import logging
 import os
+import re
 import struct
+import weakref
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -38,6 +44,8 @@ _ACCESS_HOST_READ = 0x00002000
 _GPU_STAGES = _STAGE_COMPUTE | _STAGE_TRANSFER
 _GPU_WRITES = _ACCESS_SHADER_WRITE | _ACCESS_TRANSFER_WRITE
 _GPU_ACCESS = _ACCESS_SHADER_READ | _ACCESS_SHADER_WRITE | _ACCESS_TRANSFER_READ | _ACCESS_TRANSFER_WRITE
+
+log = logging.getLogger("vkengine.device")
 
 _TYPE_RANK = {"discrete": 0, "integrated": 1, "virtual": 2, "cpu": 3, "other": 4}
 
@@ -240,7 +248,7 @@ class Program:
         for op in self.ops:
             if op.kind == "dispatch":
                 alg, push, groups = op.args
-                seq.record(kp.OpDispatch(alg, push, list(groups)))
+                seq.record(kp.OpDispatch(self.device.resolve(alg), push, list(groups)))
             elif op.kind == "barrier":
                 seq.record(kp.OpBarrier(*op.args))
             else:
@@ -297,10 +305,34 @@ def _fault_after(spec: str) -> int | None:
     return int(n)
 
 
+def pipeline_threads() -> int:
+    """Threads that create pipelines (VKENGINE_PIPELINE_THREADS; default: the
+    CPU's cores, at most 16). Drivers compile a pipeline when it is created, on
+    the calling thread: a fresh NVIDIA driver spent 52.8 s of an 8B server's 62 s
+    startup compiling one pipeline after another (docs/bench/notes.md run 37)."""
+    raw = os.environ.get("VKENGINE_PIPELINE_THREADS", "")
+    if raw:
+        if not raw.isdigit() or int(raw) < 1:
+            raise VkEngineError(f"VKENGINE_PIPELINE_THREADS={raw!r}: expected a whole number >= 1")
+        return int(raw)
+    return max(1, min(16, os.cpu_count() or 1))
+
+
+def pipeline_cache_dir() -> Path | None:
+    """Where compiled pipelines are kept between processes: VKENGINE_PIPELINE_CACHE
+    (a folder; "off" keeps none), else $XDG_CACHE_HOME/vkengine/pipelines."""
+    raw = os.environ.get("VKENGINE_PIPELINE_CACHE")
+    if raw is not None:
+        return None if raw.strip().lower() in ("", "off", "0", "none") else Path(raw).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "vkengine" / "pipelines"
+
+
 class Device:
     """One Vulkan device through kp: buffers, transfers, pipelines, programs."""
 
-    def __init__(self, index: int | None = None, staging_bytes: int = 32 << 20):
+    def __init__(self, index: int | None = None, staging_bytes: int = 32 << 20,
+                 pipeline_cache: Path | str | None = "default"):
         # a test's fault hook: VKENGINE_FAULT_INJECT=device_lost:N makes the N-th program wait fail as a
         # lost device would (server tests of what a GPU fault does to requests, /health and the process)
         self._fault_after = _fault_after(os.environ.get("VKENGINE_FAULT_INJECT", ""))
@@ -315,6 +347,21 @@ class Device:
         self.features = tuple(self._mgr.enabled_features())
         self._ids = itertools.count(1)
         self._algorithms: dict[tuple, Any] = {}
+        # pipelines are created on worker threads (the driver compiles them there, in parallel) and
+        # resolved when a program is recorded; the device's one VkPipelineCache shares what one compiled
+        # with the others and is saved to a file that the next process loads (patches/kp 0002)
+        self._shared_cache = hasattr(self._kp, "VKENGINE_PIPELINE_CACHE")
+        n_threads = pipeline_threads() if self._shared_cache else 1
+        self._pool = ThreadPoolExecutor(n_threads, thread_name_prefix="vk-pipeline") if n_threads > 1 else None
+        self.pipeline_cache_file: Path | None = None
+        self.pipeline_cache_loaded = 0    # bytes of saved pipelines the driver took at start
+        self._cache_saved_bytes = -1
+        if self._shared_cache:
+            folder = pipeline_cache_dir() if pipeline_cache == "default" else \
+                (Path(pipeline_cache) if pipeline_cache is not None else None)
+            if folder is not None:
+                self.pipeline_cache_file = folder / self._cache_name()
+                self._load_pipeline_cache()
         self._buffers: list[Buffer] = []
         self._staging = self.buffer(staging_bytes, "host", "staging")
         self._readback: Buffer | None = None
@@ -345,7 +392,13 @@ class Device:
         return b
 
     def free(self, buf: Buffer) -> None:
-        self._algorithms = {k: v for k, v in self._algorithms.items() if buf.id not in k[1]}
+        keep = {}
+        for k, v in self._algorithms.items():
+            if buf.id not in k[1]:
+                keep[k] = v
+            elif isinstance(v, Future):   # a pipeline being created on this buffer: let it finish first
+                v.exception()
+        self._algorithms = keep
         if buf in self._buffers:
             self._buffers.remove(buf)
         buf.tensor.destroy()
@@ -429,19 +482,112 @@ class Device:
     def algorithm(self, name: str, spirv: bytes, buffers: Sequence[Buffer], spec: Sequence[int], push_size: int):
         """A pipeline + descriptor set for shader `name` bound to `buffers`
         (binding i = buffers[i]), cached. Spec constants are 32-bit integers,
-        passed as raw bytes (kp 0.9.0 types them by the array's dtype)."""
+        passed as raw bytes (kp 0.9.0 types them by the array's dtype).
+        With pipeline threads, what is returned may still be compiling (a
+        Future): `resolve` (Program does, when it records) waits for it."""
         key = (name, tuple(b.id for b in buffers), tuple(spec), push_size)
         alg = self._algorithms.get(key)
         if alg is None:
-            spec_arr = np.frombuffer(struct.pack(f"<{len(spec)}I", *spec), np.float32) if spec \
-                else np.zeros(0, np.float32)
-            push_arr = np.zeros(push_size // 4, np.float32)
-            try:
-                alg = self._mgr.algorithm([b.tensor for b in buffers], spirv, [1, 1, 1], spec_arr, push_arr)
-            except Exception as e:
-                raise VkEngineError(f"pipeline creation failed for {name} on {self.info.name}: {e}") from e
+            tensors = [b.tensor for b in buffers]
+            if self._shared_cache:
+                spec_bytes = struct.pack(f"<{len(spec)}I", *spec)
+                if self._pool is not None:
+                    alg = self._pool.submit(self._create, name, tensors, spirv, spec_bytes, push_size)
+                else:
+                    alg = self._create(name, tensors, spirv, spec_bytes, push_size)
+            else:   # a kp built before patch 0002 (no shared cache, the GIL held while compiling)
+                spec_arr = np.frombuffer(struct.pack(f"<{len(spec)}I", *spec), np.float32) if spec \
+                    else np.zeros(0, np.float32)
+                try:
+                    alg = self._mgr.algorithm(tensors, spirv, [1, 1, 1], spec_arr,
+                                              np.zeros(push_size // 4, np.float32))
+                except Exception as e:
+                    raise VkEngineError(f"pipeline creation failed for {name} on {self.info.name}: {e}") from e
             self._algorithms[key] = alg
         return alg
+
+    def _create(self, name: str, tensors: list, spirv: bytes, spec: bytes, push_size: int):
+        try:
+            return self._mgr.algorithm_nogil(tensors, spirv, spec, push_size)
+        except Exception as e:
+            raise VkEngineError(f"pipeline creation failed for {name} on {self.info.name}: {e}") from e
+
+    @staticmethod
+    def resolve(alg):
+        """The pipeline itself, once created (waits for one still compiling)."""
+        return alg.result() if isinstance(alg, Future) else alg
+
+    def wait_pipelines(self) -> None:
+        """Wait until every pipeline asked for so far exists (raises the first failure)."""
+        for alg in list(self._algorithms.values()):
+            self.resolve(alg)
+
+    def _cache_name(self) -> str:
+        i = self.info
+        raw = f"{i.name}-{i.vendor_id:04x}-{i.driver_name}-{i.driver_info}"
+        return re.sub(r"[^A-Za-z0-9._-]+", "_", raw).strip("_")[:160] + ".bin"
+
+    def _load_pipeline_cache(self) -> None:
+        f = self.pipeline_cache_file
+        assert f is not None
+        try:
+            data = f.read_bytes()
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            log.warning("pipeline cache %s not read: %s", f, e)
+            return
+        try:
+            self._mgr.load_pipeline_cache(data)
+        except Exception as e:   # the driver ignores another driver's data; anything else: start without
+            log.warning("pipeline cache %s not loaded: %s", f, e)
+            return
+        now = self._mgr.pipeline_cache_data()
+        if now == data:   # taken whole: saved again only once it holds more
+            self.pipeline_cache_loaded = len(data)
+            self._cache_saved_bytes = len(now)
+            log.debug("pipeline cache: %d bytes loaded from %s", len(data), f)
+        else:   # another driver's or device's (the driver ignores it), or reordered: rewritten at the next save
+            self.pipeline_cache_loaded = len(now) if len(now) > 32 else 0
+            log.debug("pipeline cache %s: %d bytes, %d of them taken by the driver", f, len(data), len(now))
+
+    def save_at_exit(self) -> None:
+        """Save the pipeline cache when the process exits (what requests or a
+        bench compiled after startup), without keeping the device alive."""
+        ref = weakref.ref(self)
+
+        def save() -> None:
+            dev = ref()
+            if dev is not None:
+                dev.save_pipeline_cache()
+        atexit.register(save)
+
+    def save_pipeline_cache(self) -> int:
+        """Write the device's pipeline cache to its file when it holds more than
+        was loaded or last saved (atomically: replicas sharing the folder never
+        read half a file). Returns the bytes written (0: nothing new, no file,
+        or the write failed, which is logged and otherwise ignored)."""
+        f = self.pipeline_cache_file
+        if f is None or self._mgr is None:
+            return 0
+        self.wait_pipelines()
+        data = self._mgr.pipeline_cache_data()
+        if len(data) == self._cache_saved_bytes:
+            return 0
+        tmp = f.with_name(f"{f.name}.{os.getpid()}.tmp")
+        try:
+            f.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_bytes(data)
+            os.replace(tmp, f)
+        except OSError as e:
+            log.warning("pipeline cache not saved to %s: %s", f, e)
+            try:
+                tmp.unlink()
+            except OSError:
+                pass
+            return 0
+        self._cache_saved_bytes = len(data)
+        return len(data)
 
     @property
     def n_pipelines(self) -> int:
@@ -457,6 +603,11 @@ class Device:
         return Program(self, timestamps)
 
     def close(self) -> None:
+        if self._mgr is not None:
+            self.save_pipeline_cache()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         self._algorithms.clear()
         for b in list(self._buffers):
             b.tensor.destroy()

@@ -350,12 +350,13 @@ class Engine:
                     for mode in (A, S) if self.can_sample else (A,):
                         prompt += [(n, k, mode, buf, ()) for k in range(1, min(max_rows, self.max_out, 4) + 1)]
         keys = prompt[:max(0, self.program_cache - len(decode) - 8)] + decode
-        n_rec = 0
-        for k in keys:
-            if (*k, MAIN) not in self._programs:
-                self._program(*k).prepare()
-                n_rec += 1
-        return n_rec
+        # every program's operations first (their pipelines start compiling on the device's pipeline
+        # threads as they are asked for), then the recordings, which wait for them
+        progs = [self._program(*k) for k in keys if (*k, MAIN) not in self._programs]
+        for prog in progs:
+            prog.prepare()
+        self.device.save_pipeline_cache()
+        return len(progs)
 
     def _record(self, n: int, n_out: int, readback: Readback, timestamps: bool = False, buf: int = 0,
                 chain: tuple[int, ...] = (), pass_: Pass = MAIN, pick: bool = True) -> Program:

@@ -1,0 +1,124 @@
+"""Pipelines created on threads and kept between processes (issue 35, cold start):
+the device's one VkPipelineCache (patches/kp/0002), saved to a file and loaded
+by the next Device; pipelines compiled on worker threads and resolved when a
+program is recorded."""
+from __future__ import annotations
+
+import struct
+from concurrent.futures import Future
+
+import numpy as np
+import pytest
+
+from vkengine.device import Device, pipeline_cache_dir, pipeline_threads
+from vkengine.errors import VkEngineError
+from vkengine.kernels import Kernels, Region
+
+
+def _adds(dev: Device, kernels: Kernels, n: int = 4096, copies: int = 6):
+    """A program of `copies` independent adds, each on its own buffers (so each
+    its own pipeline), and the expected outputs."""
+    prog = dev.program()
+    outs = []
+    for i in range(copies):
+        b = dev.buffer(2 * n * 4, "device", f"act{i}")
+        dev.upload(b, np.full(n, i, np.float32))
+        kernels.add(prog, Region(b, 0, n), n, Region(b, 0, n), n, Region(b, n, n), n, n, 1)
+        outs.append((b, 2.0 * i))
+    return prog, outs
+
+
+def _check(dev: Device, outs) -> None:
+    for o, want in outs:
+        got = dev.download(o, o.nbytes // 2, dtype=np.float32)
+        assert (got == want).all(), (o.name, got[:4], want)
+
+
+def test_pipelines_compile_on_threads_and_resolve_when_recorded(tmp_path, monkeypatch):
+    monkeypatch.setenv("VKENGINE_PIPELINE_THREADS", "4")
+    with Device(pipeline_cache=tmp_path) as dev:
+        kernels = Kernels(dev)
+        prog, outs = _adds(dev, kernels)
+        pending = list(dev._algorithms.values())
+        assert len(pending) == 6 and all(isinstance(a, Future) for a in pending)   # on the pipeline threads
+        prog.run()   # recording waits for them
+        _check(dev, outs)
+        prog.run()
+        _check(dev, outs)
+
+
+def test_a_buffer_freed_while_its_pipeline_compiles(tmp_path, monkeypatch):
+    monkeypatch.setenv("VKENGINE_PIPELINE_THREADS", "2")
+    with Device(pipeline_cache=tmp_path) as dev:
+        kernels = Kernels(dev)
+        prog, outs = _adds(dev, kernels, copies=4)
+        dev.free(outs[0][0])   # waits for that pipeline, then drops it with the buffer
+        assert dev.n_pipelines == 3
+        prog2, outs2 = _adds(dev, kernels, copies=2)
+        prog2.run()
+        _check(dev, outs2)
+
+
+def _header(data: bytes) -> tuple[int, int, int]:
+    """(header size, header version, vendor id) of VkPipelineCacheHeaderVersionOne."""
+    return struct.unpack_from("<III", data)
+
+
+def test_the_pipeline_cache_is_saved_and_the_next_device_loads_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("VKENGINE_PIPELINE_THREADS", "1")   # also the path without threads
+    with Device(pipeline_cache=tmp_path) as dev:
+        f = dev.pipeline_cache_file
+        assert f is not None and f.parent == tmp_path and not f.exists()
+        prog, outs = _adds(dev, Kernels(dev), copies=2)
+        prog.run()
+        _check(dev, outs)
+        written = dev.save_pipeline_cache()
+        assert written > 0 and f.stat().st_size == written
+        size, version, vendor = _header(f.read_bytes())
+        assert size >= 32 and version == 1 and vendor == dev.info.vendor_id
+        assert dev.save_pipeline_cache() == 0   # nothing new since
+    assert not list(tmp_path.glob("*.tmp"))
+    with Device(pipeline_cache=tmp_path) as dev2:
+        assert dev2.pipeline_cache_file == f
+        assert dev2.pipeline_cache_loaded == f.stat().st_size
+        prog, outs = _adds(dev2, Kernels(dev2), copies=2)
+        prog.run()
+        _check(dev2, outs)
+
+
+@pytest.mark.parametrize("content", ["garbage", "other-vendor"])
+def test_a_foreign_or_broken_cache_file_is_ignored_and_replaced(tmp_path, content):
+    with Device(pipeline_cache=tmp_path) as probe:
+        f = probe.pipeline_cache_file
+        vendor = probe.info.vendor_id
+    assert f is not None
+    if content == "garbage":
+        f.write_bytes(np.random.default_rng(0).integers(0, 256, 4096, np.uint8).tobytes())
+    else:   # a well-formed header of another vendor's driver, with an entry the driver must not use
+        f.write_bytes(struct.pack("<IIII", 32, 1, vendor ^ 0x1234, 7) + bytes(16) + b"\x01" * 256)
+    with Device(pipeline_cache=tmp_path) as dev:
+        assert dev.pipeline_cache_loaded < f.stat().st_size
+        prog, outs = _adds(dev, Kernels(dev), copies=2)
+        prog.run()
+        _check(dev, outs)
+        assert dev.save_pipeline_cache() > 0
+    size, version, got_vendor = _header(f.read_bytes())
+    assert (version, got_vendor) == (1, vendor)
+
+
+def test_pipeline_cache_and_threads_settings(monkeypatch, tmp_path):
+    monkeypatch.setenv("VKENGINE_PIPELINE_CACHE", "off")
+    assert pipeline_cache_dir() is None
+    with Device() as dev:
+        assert dev.pipeline_cache_file is None and dev.save_pipeline_cache() == 0
+    monkeypatch.setenv("VKENGINE_PIPELINE_CACHE", str(tmp_path / "p"))
+    assert pipeline_cache_dir() == tmp_path / "p"
+    monkeypatch.delenv("VKENGINE_PIPELINE_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert pipeline_cache_dir() == tmp_path / "xdg" / "vkengine" / "pipelines"
+    monkeypatch.setenv("VKENGINE_PIPELINE_THREADS", "3")
+    assert pipeline_threads() == 3
+    for bad in ("0", "many", "-2"):
+        monkeypatch.setenv("VKENGINE_PIPELINE_THREADS", bad)
+        with pytest.raises(VkEngineError, match="VKENGINE_PIPELINE_THREADS"):
+            pipeline_threads()
