@@ -114,6 +114,8 @@ def main(argv=None) -> int:
             time.sleep(2.5)
             row["prefix"]["hit_rate"] = hit_rate(before, prompt_counters(url))
             rows.append(row)
+            if args.json:   # after each configuration: a run cut short keeps what it measured
+                Path(args.json).write_text(json.dumps({"args": vars(args), "results": rows}, indent=1))
             serve.delete(APP_NAME)
             load = row.get("load")
             print(f"replicas {r} routing {'prefix' if routing else 'pow2'}: "
