@@ -141,8 +141,9 @@ def build_worker(args) -> tuple[Worker, Built]:
         cfg = dataclasses.replace(cfg, prompt_tokens=eng.max_batch)
     n_rec = eng.prepare_decode(n_slots, cfg.step_tokens)
     clock.mark("pipelines and recording")   # (drivers compile a pipeline when it is created: on first use)
-    log.info("recorded %d decode and prompt steps ahead (%d pipelines; saved pipelines: %s); startup: %s", n_rec,
-             dev.n_pipelines, f"{dev.pipeline_cache_loaded} bytes loaded from {dev.pipeline_cache_file}"
+    log.info("recorded %d decode and prompt steps ahead (%d pipelines, slowest: %s; saved pipelines: %s); "
+             "startup: %s", n_rec, dev.n_pipelines, dev.slowest_pipelines(),
+             f"{dev.pipeline_cache_loaded} bytes loaded from {dev.pipeline_cache_file}"
              if dev.pipeline_cache_loaded else "none", clock.summary())
     metrics = Metrics(n_slots, cfg.max_live, eng.n_ctx)
     metrics.startup(clock.phases)

@@ -20,6 +20,7 @@ import logging
 import os
 import re
 import struct
+import time
 import weakref
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -331,7 +332,7 @@ def pipeline_cache_dir() -> Path | None:
 class Device:
     """One Vulkan device through kp: buffers, transfers, pipelines, programs."""
 
-    def __init__(self, index: int | None = None, staging_bytes: int = 32 << 20,
+    def __init__(self, index: int | None = None, staging_bytes: int = 64 << 20,
                  pipeline_cache: Path | str | None = "default"):
         # a test's fault hook: VKENGINE_FAULT_INJECT=device_lost:N makes the N-th program wait fail as a
         # lost device would (server tests of what a GPU fault does to requests, /health and the process)
@@ -354,6 +355,7 @@ class Device:
         n_threads = pipeline_threads() if self._shared_cache else 1
         self._pool = ThreadPoolExecutor(n_threads, thread_name_prefix="vk-pipeline") if n_threads > 1 else None
         self.pipeline_cache_file: Path | None = None
+        self.pipeline_times: list[tuple[str, float, float]] = []   # (shader, start, end) of each creation
         self.pipeline_cache_loaded = 0    # bytes of saved pipelines the driver took at start
         self._cache_saved_bytes = -1
         if self._shared_cache:
@@ -458,6 +460,63 @@ class Device:
             p.copy(self._staging, buf, 0, offset + i, n)
             p.run()
 
+    def upload_blocks(self, buf: Buffer, offset: int, parts: Sequence[np.ndarray], stream) -> int:
+        """Write the bytes a quant.Stream takes from the blocks of `parts` (GGUF
+        bytes, whole blocks each: a memory-mapped file's tensors) at a byte
+        offset, straight into the staging buffer's two halves in turn: the CPU
+        fills one half while the GPU copies the other, and no repacked copy of
+        the tensor is ever built (a server's weights phase: issue 35's cold
+        start). Returns the bytes written (padded to whole words)."""
+        from .quant import fill_blocks
+        st = stream
+        sizes = [np.asarray(p).nbytes for p in parts]
+        if any(n % st.block for n in sizes):
+            raise ValueError(f"upload_blocks: parts of {sizes} bytes are not whole {st.block}-byte blocks")
+        total = sum(sizes) // st.block * st.out
+        padded = (total + 3) & ~3
+        if offset < 0 or offset + padded > buf.nbytes:
+            raise ValueError(f"upload of {padded} bytes at {offset} overflows {buf.name} ({buf.nbytes} bytes)")
+        if buf.kind == "host":
+            dst = buf.array(np.uint8)[offset:offset + padded]
+            pos = 0
+            for part in parts:
+                blocks = np.asarray(part).reshape(-1).view(np.uint8).reshape(-1, st.block)
+                fill_n = blocks.shape[0] * st.out
+                fill_blocks(dst[pos:pos + fill_n], blocks, st)
+                pos += fill_n
+            dst[pos:] = 0
+            return padded
+        staging = self._staging.array(np.uint8)
+        half = self._staging.nbytes // 2
+        per = max(4, half // st.out // 4 * 4)          # blocks a chunk: whole words of output
+        inflight: list[Program | None] = [None, None]
+        turn = 0
+        out = offset
+        for part in parts:
+            blocks = np.asarray(part).reshape(-1).view(np.uint8).reshape(-1, st.block)
+            for j in range(0, blocks.shape[0], per):
+                chunk = blocks[j:j + per]
+                n = chunk.shape[0] * st.out
+                prev = inflight[turn]
+                if prev is not None:
+                    prev.wait()     # the GPU is done reading this half
+                base = turn * half
+                fill_blocks(staging[base:base + n], chunk, st)
+                size = n
+                if out + n == offset + total and padded != total:   # the last chunk: zeros to a whole word
+                    staging[base + n:base + n + padded - total] = 0
+                    size += padded - total
+                prog = Program(self)
+                prog.copy(self._staging, buf, base, out, size)
+                prog.submit()
+                inflight[turn] = prog
+                out += n
+                turn ^= 1
+        for q in inflight:
+            if q is not None:
+                q.wait()
+        return padded
+
     def download(self, buf: Buffer, offset: int = 0, nbytes: int | None = None, dtype=np.uint8) -> np.ndarray:
         """Copy of bytes [offset, offset + nbytes) of a buffer, as `dtype`."""
         nbytes = buf.nbytes - offset if nbytes is None else nbytes
@@ -507,10 +566,18 @@ class Device:
         return alg
 
     def _create(self, name: str, tensors: list, spirv: bytes, spec: bytes, push_size: int):
+        t0 = time.perf_counter()
         try:
-            return self._mgr.algorithm_nogil(tensors, spirv, spec, push_size)
+            alg = self._mgr.algorithm_nogil(tensors, spirv, spec, push_size)
         except Exception as e:
             raise VkEngineError(f"pipeline creation failed for {name} on {self.info.name}: {e}") from e
+        self.pipeline_times.append((name, t0, time.perf_counter()))
+        return alg
+
+    def slowest_pipelines(self, n: int = 3) -> str:
+        """The n pipelines that took longest to create (the driver compiling them), for a startup log."""
+        top = sorted(self.pipeline_times, key=lambda t: t[1] - t[2])[:n]
+        return ", ".join(f"{name} {b - a:.2f} s" for name, a, b in top) or "none"
 
     @staticmethod
     def resolve(alg):

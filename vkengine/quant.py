@@ -10,6 +10,8 @@ to 212 bytes).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -110,6 +112,49 @@ def repack(name: str, raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray
     else:
         scales = scale_bytes.reshape(-1).view(np.uint32)
     return values, scales
+
+
+@dataclass(frozen=True)
+class Stream:
+    """How a repacked buffer's bytes come from GGUF blocks, for uploading them
+    without building the repacked array first (Device.upload_blocks): each
+    block of `block` bytes gives bytes [lo, hi) of itself, written as `out`
+    bytes (zeros after hi - lo); the whole padded with zeros to whole words.
+    The same bytes as `repack` gives (tests/test_quant_stream.py)."""
+    block: int
+    lo: int
+    hi: int
+    out: int
+
+
+def repack_streams(name: str, rows: int, cols: int) -> tuple[Stream, Stream | None]:
+    """(values, scales or None) of a (rows, cols) tensor, as `repack` lays them out."""
+    check_shape(name, rows, cols)
+    _, b = block_shape(name)
+    if name in ("f32", "f16", "bf16", "q4_k", "q5_k", "iq4_xs"):
+        return Stream(b, 0, b, b), None
+    if name == "q6_k":
+        return Stream(b, 0, b, 212), None
+    s = _SPLIT[name]
+    return Stream(b, s, b, b - s), Stream(b, 0, s, s)
+
+
+def fill_blocks(dst: np.ndarray, blocks: np.ndarray, st: Stream) -> None:
+    """Write the stream's bytes of `blocks` ((k, st.block) uint8) into dst
+    (k * st.out bytes), in the widest unit that divides every offset (a 16-bit
+    copy of Q4_0's 18-byte blocks runs ~2x a byte-wise one)."""
+    k = blocks.shape[0]
+    width = st.hi - st.lo
+    unit = next(u for u in (4, 2, 1) if not (st.block % u or st.lo % u or st.hi % u or st.out % u)
+                and blocks.ctypes.data % u == 0 and dst.ctypes.data % u == 0)
+    dt = {4: np.uint32, 2: np.uint16, 1: np.uint8}[unit]
+    src = blocks.reshape(-1).view(dt).reshape(k, st.block // unit)[:, st.lo // unit:st.hi // unit]
+    out = dst[:k * st.out].view(dt).reshape(k, st.out // unit)
+    if width == st.out:
+        np.copyto(out, src)
+    else:
+        np.copyto(out[:, :width // unit], src)
+        out[:, width // unit:] = 0
 
 
 def dequantize(name: str, raw: np.ndarray, rows: int, cols: int) -> np.ndarray:

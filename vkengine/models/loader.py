@@ -13,12 +13,16 @@ from ..arena import Arena, ArenaPlan, packed_words, row_parts, split_limit_words
 from ..errors import VkEngineError
 from ..gguf_file import ModelFile, SafetensorsFolder
 from ..kernels import Matrix
-from ..quant import check_shape, dequantize, repack, row_bytes, row_slice
+from ..quant import check_shape, dequantize, repack_streams, row_bytes, row_slice
 
 
 def _rows(produce: Callable[[], np.ndarray], type_: str, cols: int, r0: int, r1: int) -> Callable[[], np.ndarray]:
     """A producer of rows [r0, r1) of what `produce` gives."""
-    return lambda: row_slice(produce(), type_, cols, r0, r1)
+    def rows():
+        raw = produce()
+        return row_slice(np.concatenate([np.asarray(p).reshape(-1).view(np.uint8) for p in raw])
+                         if isinstance(raw, list) else raw, type_, cols, r0, r1)
+    return rows
 
 
 class WeightPlanner:
@@ -73,9 +77,8 @@ class WeightPlanner:
         if len(types) != 1:
             raise VkEngineError(f"internal: mixed types fused: {names}")
 
-        def produce():
-            return np.concatenate([self.mf.tensor(n).raw for n in names]) if len(names) > 1 \
-                else self.mf.tensor(names[0]).raw
+        def produce():   # fused tensors as a list of parts (uploaded one after another, never concatenated)
+            return [self.mf.tensor(n).raw for n in names] if len(names) > 1 else self.mf.tensor(names[0]).raw
         return self.matrix_raw(types.pop(), sum(rows_each), cols, produce, names[0])
 
     def fused(self, names: list[str], rows_each: list[int], cols: int) -> list[tuple[int, int]]:
@@ -131,11 +134,20 @@ class WeightPlanner:
                 built.append(out)
                 continue
             t, rows, cols, produce = payload
-            values, scales = repack(t, produce(), rows, cols)
-            arena.write(regs[0], values)
-            if scales is not None:
-                arena.write(regs[1], scales)
-            built.append([Matrix(t, rows, cols, regs[0], regs[1] if scales is not None else None)])
+            raw = produce()
+            parts = raw if isinstance(raw, list) else [raw]
+            expected = rows * row_bytes(t, cols)
+            if sum(np.asarray(p).nbytes for p in parts) != expected:
+                raise VkEngineError(f"{t} tensor of {rows}x{cols} should hold {expected} bytes, it holds "
+                                    f"{sum(np.asarray(p).nbytes for p in parts)}")
+            # repacked on the way into the staging buffer (quant.repack_streams: the same bytes as repack)
+            vs, ss = repack_streams(t, rows, cols)
+            for reg, st in ((regs[0], vs), (regs[1] if ss is not None else None, ss)):
+                if reg is not None and st is not None:
+                    if (sum(np.asarray(p).nbytes for p in parts) // st.block * st.out + 3) // 4 > reg.words:
+                        raise VkEngineError(f"internal: {t} {rows}x{cols} does not fit its region")
+                    device.upload_blocks(reg.buf, reg.off * 4, parts, st)
+            built.append([Matrix(t, rows, cols, regs[0], regs[1] if ss is not None else None)])
         return [built[j][i] for j, i in self.handles], arena
 
 
