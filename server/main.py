@@ -141,10 +141,12 @@ def build_worker(args) -> tuple[Worker, Built]:
         cfg = dataclasses.replace(cfg, prompt_tokens=eng.max_batch)
     n_rec = eng.prepare_decode(n_slots, cfg.step_tokens)
     clock.mark("pipelines and recording")   # (drivers compile a pipeline when it is created: on first use)
-    log.info("recorded %d decode and prompt steps ahead (%d pipelines, slowest: %s; saved pipelines: %s); "
+    log.info("recorded %d decode and prompt steps ahead (%d pipelines, slowest: %s; saved pipelines: %s%s); "
              "startup: %s", n_rec, dev.n_pipelines, dev.slowest_pipelines(),
              f"{dev.pipeline_cache_loaded} bytes loaded from {dev.pipeline_cache_file}"
-             if dev.pipeline_cache_loaded else "none", clock.summary())
+             if dev.pipeline_cache_loaded else "none",
+             f"; still compiling, their steps on stand-in kernels until built: {', '.join(sorted(dev.slow))}"
+             if dev.slow_pending else "", clock.summary())
     metrics = Metrics(n_slots, cfg.max_live, eng.n_ctx)
     metrics.startup(clock.phases)
     worker = Worker(eng, cfg, metrics, step_log=args.step_log)

@@ -4,6 +4,7 @@ against its Hugging Face copy, and the embedded SmolLM2 generating text."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 import pytest
@@ -482,3 +483,41 @@ def test_close_frees_the_engines_buffers(device, tiny_models):
         eng.close()
         assert live() == before, sorted(b.name for b in device.buffers if b.id in live() - before)
         assert device.allocated_bytes["device"] == dev_bytes and device.n_pipelines <= pipes
+
+
+def test_a_slow_pipeline_is_not_waited_for(tiny_models, monkeypatch):
+    """A pipeline the driver takes long to build (a fresh NVIDIA driver: 36.5 s for the 1B's largest mul_mc2
+    tile) does not hold up prepare_decode: steps whose matmul would use it are recorded on a stand-in (here
+    mul_mt's other tile; mul_mc for mul_mc2) and give the reference's logits; once it is built the steps are
+    recorded again on it, with the same logits. The delay is injected (VKENGINE_PIPELINE_DELAY): lavapipe
+    builds every pipeline in milliseconds."""
+    from vkengine.device import Device
+    slow, stand_in = "mul_mt64_q8_0", "mul_mt_q8_0"
+    monkeypatch.setenv("VKENGINE_PIPELINE_THREADS", "4")
+    monkeypatch.setenv("VKENGINE_PIPELINE_DELAY", f"{slow}:4")
+    monkeypatch.setattr(Engine, "SLOW_PIPELINE_S", 0.5)
+    with Device(pipeline_cache=None) as dev:
+        m, eng = _engine(dev, tiny_models["q8_0"]["gguf"], caps={"tiled_from": 2, "coopmat": False,
+                                                                 "coopmat2": False}, max_batch=32, max_out=32)
+        t0 = time.perf_counter()
+        eng.prepare_decode(2)
+        assert time.perf_counter() - t0 < 3.0, "prepare_decode waited for the slow pipeline"
+        assert dev.is_slow(slow) and eng._provisional
+        assert {k[0] for k in dev._algorithms} >= {slow, stand_in}
+        ids = m.tokenizer.encode(PROMPT)
+        want = RefLlama(m.file, m.args).logits(ids)
+        _assert_logits_close(_prefill_logits(eng, ids), want)     # on the stand-in
+        key = next(k for k in eng._provisional if k[0] == len(ids))
+        names = {k[0] for k, v in dev._algorithms.items()
+                 for op in eng._programs[key].ops if op.kind == "dispatch" and op.args[0] is v}
+        assert stand_in in names and slow not in names
+        deadline = time.perf_counter() + 20
+        while dev.slow_pending and time.perf_counter() < deadline:
+            time.sleep(0.1)
+        assert not dev.slow_pending
+        for _ in range(2):   # (steps alternate between two params buffers: one program each)
+            _assert_logits_close(_prefill_logits(eng, ids), want)   # recorded again, on its own kernel
+        assert not any(k[0] == len(ids) for k in eng._provisional)
+        slow_algs = [dev.resolve(v) for k, v in dev._algorithms.items() if k[0] == slow]
+        ops = [dev.resolve(op.args[0]) for op in eng._programs[key].ops if op.kind == "dispatch"]
+        assert any(a is b for a in ops for b in slow_algs)

@@ -76,3 +76,18 @@ def test_upload_blocks_refuses_partial_blocks_and_overflow(small_staging):
             dev.upload_blocks(buf, 0, [np.zeros(18 * 5, np.uint8)], vs)
     finally:
         dev.free(buf)
+
+
+def test_large_chunks_fill_on_threads(rng):
+    """Chunks of thousands of blocks are filled by several threads (Device._fill_pool): the same bytes."""
+    with Device(staging_bytes=4 << 20, pipeline_cache=None) as dev:
+        dev._fill_threads = 3
+        rows, cols = 4801, 256                      # 38,408 Q4_0 blocks, cut in 3
+        raw = rng.integers(0, 256, rows * row_bytes("q4_0", cols), np.uint8)
+        want = _expect("q4_0", [raw], [rows], cols)
+        for st, w in zip(repack_streams("q4_0", rows, cols), want):
+            buf = dev.buffer(len(w), "device", "dst")
+            assert dev.upload_blocks(buf, 0, [raw], st) == len(w)
+            assert dev.download(buf, 0, len(w)).tobytes() == w
+            dev.free(buf)
+        assert dev._filler is not None

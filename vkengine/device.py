@@ -15,11 +15,14 @@ message.
 from __future__ import annotations
 
 import atexit
+import functools
 import itertools
 import logging
 import os
+import queue
 import re
 import struct
+import threading
 import time
 import weakref
 from collections.abc import Iterable, Sequence
@@ -257,6 +260,11 @@ class Program:
                 seq.record(kp.OpCopyRegion(src.tensor, dst.tensor, so, do, size))
         self._seq = seq
 
+    def compiling(self) -> bool:
+        """Whether a pipeline of this program is still being created."""
+        return any(op.kind == "dispatch" and isinstance(op.args[0], Future) and not op.args[0].done()
+                   for op in self.ops)
+
     @property
     def n_dispatches(self) -> int:
         return sum(op.kind == "dispatch" for op in self.ops)
@@ -306,6 +314,20 @@ def _fault_after(spec: str) -> int | None:
     return int(n)
 
 
+def _pipeline_delay(spec: str) -> dict[str, float]:
+    """A test's hook: VKENGINE_PIPELINE_DELAY=shader:seconds[,...] makes creating that shader's pipelines
+    take that much longer, as a driver compiling a large kernel would (tests of the slow-pipeline path on
+    lavapipe, whose pipelines all build in milliseconds)."""
+    out: dict[str, float] = {}
+    for item in filter(None, spec.split(",")):
+        name, _, secs = item.partition(":")
+        try:
+            out[name] = float(secs)
+        except ValueError:
+            raise VkEngineError(f"VKENGINE_PIPELINE_DELAY={spec!r}: expected shader:seconds[,...]") from None
+    return out
+
+
 def pipeline_threads() -> int:
     """Threads that create pipelines (VKENGINE_PIPELINE_THREADS; default: the
     CPU's cores, at most 16). Drivers compile a pipeline when it is created, on
@@ -329,10 +351,48 @@ def pipeline_cache_dir() -> Path | None:
     return Path(base) / "vkengine" / "pipelines"
 
 
+class _Workers:
+    """A pool of daemon threads: a pipeline still compiling when the process
+    exits (a server stopped while the driver builds a large kernel) does not
+    hold up its exit, as ThreadPoolExecutor's joined threads would."""
+
+    def __init__(self, n: int, name: str):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(n)]
+        for t in self._threads:
+            t.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fut, fn, args = job
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:
+                fut.set_exception(e)
+
+    def submit(self, fn, *args) -> Future:
+        fut: Future = Future()
+        self._jobs.put((fut, fn, args))
+        return fut
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop the threads after the jobs queued so far (wait: until those are done)."""
+        for _ in self._threads:
+            self._jobs.put(None)
+        if wait:
+            for t in self._threads:
+                t.join()
+
+
 class Device:
     """One Vulkan device through kp: buffers, transfers, pipelines, programs."""
 
-    def __init__(self, index: int | None = None, staging_bytes: int = 64 << 20,
+    def __init__(self, index: int | None = None, staging_bytes: int = 32 << 20,
                  pipeline_cache: Path | str | None = "default"):
         # a test's fault hook: VKENGINE_FAULT_INJECT=device_lost:N makes the N-th program wait fail as a
         # lost device would (server tests of what a GPU fault does to requests, /health and the process)
@@ -353,9 +413,16 @@ class Device:
         # with the others and is saved to a file that the next process loads (patches/kp 0002)
         self._shared_cache = hasattr(self._kp, "VKENGINE_PIPELINE_CACHE")
         n_threads = pipeline_threads() if self._shared_cache else 1
-        self._pool = ThreadPoolExecutor(n_threads, thread_name_prefix="vk-pipeline") if n_threads > 1 else None
+        self._pool = _Workers(n_threads, "vk-pipeline") if n_threads > 1 else None
         self.pipeline_cache_file: Path | None = None
+        self._fill_threads = max(1, min(8, os.cpu_count() or 1))
+        self._filler: ThreadPoolExecutor | None = None
         self.pipeline_times: list[tuple[str, float, float]] = []   # (shader, start, end) of each creation
+        # shaders whose pipelines were still compiling when settle() stopped waiting: the kernels that have a
+        # quicker-to-build alternative use it meanwhile (MatmulKernels._mul_tiled); emptied as they finish
+        self._slow: set[str] = set()
+        self._save_lock = threading.Lock()
+        self._delay = _pipeline_delay(os.environ.get("VKENGINE_PIPELINE_DELAY", ""))
         self.pipeline_cache_loaded = 0    # bytes of saved pipelines the driver took at start
         self._cache_saved_bytes = -1
         if self._shared_cache:
@@ -460,6 +527,12 @@ class Device:
             p.copy(self._staging, buf, 0, offset + i, n)
             p.run()
 
+    def _fill_pool(self) -> ThreadPoolExecutor | None:
+        """Threads that fill the staging buffer (upload_blocks), made on first use."""
+        if self._fill_threads > 1 and self._filler is None:
+            self._filler = ThreadPoolExecutor(self._fill_threads, thread_name_prefix="vk-fill")
+        return self._filler
+
     def upload_blocks(self, buf: Buffer, offset: int, parts: Sequence[np.ndarray], stream) -> int:
         """Write the bytes a quant.Stream takes from the blocks of `parts` (GGUF
         bytes, whole blocks each: a memory-mapped file's tensors) at a byte
@@ -501,7 +574,7 @@ class Device:
                 if prev is not None:
                     prev.wait()     # the GPU is done reading this half
                 base = turn * half
-                fill_blocks(staging[base:base + n], chunk, st)
+                fill_blocks(staging[base:base + n], chunk, st, self._fill_pool(), self._fill_threads)
                 size = n
                 if out + n == offset + total and padded != total:   # the last chunk: zeros to a whole word
                     staging[base + n:base + n + padded - total] = 0
@@ -567,6 +640,8 @@ class Device:
 
     def _create(self, name: str, tensors: list, spirv: bytes, spec: bytes, push_size: int):
         t0 = time.perf_counter()
+        if name in self._delay:
+            time.sleep(self._delay[name])
         try:
             alg = self._mgr.algorithm_nogil(tensors, spirv, spec, push_size)
         except Exception as e:
@@ -583,6 +658,44 @@ class Device:
     def resolve(alg):
         """The pipeline itself, once created (waits for one still compiling)."""
         return alg.result() if isinstance(alg, Future) else alg
+
+    def settle(self, grace: float) -> set[str]:
+        """Wait up to `grace` seconds for the pipelines being created; the shaders
+        of those still compiling then are `slow` until they finish (a fresh
+        NVIDIA driver took 36.5 s for mul_mc2h_256x256_q4_0 and under a second
+        for every other pipeline of the 1B: notes.md run 38). When the last
+        finishes, the pipeline cache is saved. Returns the slow shaders."""
+        deadline = time.perf_counter() + grace
+        for (name, *_), alg in list(self._algorithms.items()):
+            if isinstance(alg, Future) and not alg.done():
+                try:
+                    alg.exception(timeout=max(0.0, deadline - time.perf_counter()))
+                except TimeoutError:
+                    self._slow.add(name)
+        for (name, *_), alg in list(self._algorithms.items()):
+            if name in self._slow and isinstance(alg, Future):
+                alg.add_done_callback(functools.partial(self._slow_done, name))
+        return set(self._slow)
+
+    def _slow_done(self, name: str, _fut: Future | None = None) -> None:
+        if not any(k[0] == name and isinstance(a, Future) and not a.done() for k, a in list(self._algorithms.items())):
+            self._slow.discard(name)
+            if not self._slow:
+                log.info("slow pipelines compiled; saving the pipeline cache")
+                self.save_pipeline_cache()
+
+    def is_slow(self, name: str) -> bool:
+        """Whether shader `name`'s pipeline is still compiling after settle()."""
+        return name in self._slow
+
+    @property
+    def slow_pending(self) -> bool:
+        return bool(self._slow)
+
+    @property
+    def slow(self) -> set[str]:
+        """The shaders still compiling after settle()."""
+        return set(self._slow)
 
     def wait_pipelines(self) -> None:
         """Wait until every pipeline asked for so far exists (raises the first failure)."""
@@ -637,8 +750,11 @@ class Device:
         f = self.pipeline_cache_file
         if f is None or self._mgr is None:
             return 0
-        self.wait_pipelines()
-        data = self._mgr.pipeline_cache_data()
+        with self._save_lock:
+            return self._save(f)
+
+    def _save(self, f: Path) -> int:
+        data = self._mgr.pipeline_cache_data()   # (the pipelines created so far; those compiling join later)
         if len(data) == self._cache_saved_bytes:
             return 0
         tmp = f.with_name(f"{f.name}.{os.getpid()}.tmp")
@@ -675,6 +791,9 @@ class Device:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self._filler is not None:
+            self._filler.shutdown(wait=True)
+            self._filler = None
         self._algorithms.clear()
         for b in list(self._buffers):
             b.tensor.destroy()

@@ -96,6 +96,10 @@ class Engine:
     # length and chunk mix: each new shape is a recording that holds every
     # stream for milliseconds (notes.md run 15)
     STEP_EXACT = 8
+    # seconds prepare_decode waits for the pipelines it asked for before it records the steps of those still
+    # compiling on stand-in kernels (Device.settle): all but one of the 1B's built in under a second on a fresh
+    # NVIDIA driver with 16 threads, that one in 36.5 s (notes.md run 38)
+    SLOW_PIPELINE_S = 2.0
 
     @staticmethod
     def context_length(args, n_ctx: int | None) -> int:
@@ -173,6 +177,7 @@ class Engine:
         self.hidden_host = (device.buffer(max_rows * self.scratch.stride("emb") * 4, "host", "hidden")
                             if cfg.embeddings else None)
         self._programs: OrderedDict[tuple, Program] = OrderedDict()
+        self._provisional: set[tuple] = set()   # programs recorded on a stand-in for a compiling kernel
         # Pad rows (step_rows) need a sequence's rows to depend on nothing past
         # its positions: true of attention, not of a recurrent state. GPUs only:
         # on lavapipe a step's time grows with its rows, and a recording is
@@ -299,11 +304,19 @@ class Engine:
         logits), "pick" its second (masks, then the tokens chosen)."""
         key = (n, n_out, readback, buf, chain, pass_) + ((part,) if part else ())
         prog = self._programs.get(key)
+        if prog is not None and key in self._provisional and not self.device.slow_pending:
+            # recorded on a stand-in kernel while its own compiled: record it again, on its own
+            self._provisional.discard(key)
+            del self._programs[key]
+            prog = None
         if prog is not None:
             self._programs.move_to_end(key)
             return prog
+        before = self.kernels.substituted
         prog = (self._record_pick(n_out, readback, buf) if part == "pick" else
                 self._record(n, n_out, readback, buf=buf, chain=chain, pass_=pass_, pick=part != "forward"))
+        if self.kernels.substituted != before:
+            self._provisional.add(key)
         self._programs[key] = prog
         if len(self._programs) > self.program_cache:
             self._programs.popitem(last=False)
@@ -351,8 +364,17 @@ class Engine:
                         prompt += [(n, k, mode, buf, ()) for k in range(1, min(max_rows, self.max_out, 4) + 1)]
         keys = prompt[:max(0, self.program_cache - len(decode) - 8)] + decode
         # every program's operations first (their pipelines start compiling on the device's pipeline
-        # threads as they are asked for), then the recordings, which wait for them
-        progs = [self._program(*k) for k in keys if (*k, MAIN) not in self._programs]
+        # threads as they are asked for), then the recordings, which wait for them; except that a pipeline
+        # still compiling after SLOW_PIPELINE_S (a fresh NVIDIA driver: 36.5 s for the 1B's largest mul_mc2
+        # tile) is not waited for: the steps that use it are recorded on a stand-in kernel (mul_mc) and
+        # recorded again once it is built (_program)
+        todo = [k for k in keys if (*k, MAIN) not in self._programs]
+        progs = [self._program(*k) for k in todo]
+        if self.device.settle(self.SLOW_PIPELINE_S):
+            for i, k in enumerate(todo):
+                if progs[i].compiling():
+                    self._programs.pop((*k, MAIN), None)
+                    progs[i] = self._program(*k)
         for prog in progs:
             prog.prepare()
         self.device.save_pipeline_cache()

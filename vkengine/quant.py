@@ -139,11 +139,20 @@ def repack_streams(name: str, rows: int, cols: int) -> tuple[Stream, Stream | No
     return Stream(b, s, b, b - s), Stream(b, 0, s, s)
 
 
-def fill_blocks(dst: np.ndarray, blocks: np.ndarray, st: Stream) -> None:
+def fill_blocks(dst: np.ndarray, blocks: np.ndarray, st: Stream, pool=None, parts: int = 1) -> None:
     """Write the stream's bytes of `blocks` ((k, st.block) uint8) into dst
     (k * st.out bytes), in the widest unit that divides every offset (a 16-bit
-    copy of Q4_0's 18-byte blocks runs ~2x a byte-wise one)."""
+    copy of Q4_0's 18-byte blocks runs ~2x a byte-wise one). With a pool, in
+    `parts` ranges of blocks on its threads (numpy copies without the GIL: one
+    thread filled 1.56 GB/s of the 8B's weights on the H200's host)."""
     k = blocks.shape[0]
+    if pool is not None and parts > 1 and k >= 4096:
+        step = -(-k // parts)
+        futs = [pool.submit(fill_blocks, dst[i * st.out:(i + step) * st.out], blocks[i:i + step], st)
+                for i in range(0, k, step)]
+        for f in futs:
+            f.result()
+        return
     width = st.hi - st.lo
     unit = next(u for u in (4, 2, 1) if not (st.block % u or st.lo % u or st.hi % u or st.out % u)
                 and blocks.ctypes.data % u == 0 and dst.ctypes.data % u == 0)

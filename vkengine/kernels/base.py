@@ -26,6 +26,9 @@ class KernelBase:
         self._xq: list[Buffer] = []
         self._dr: list[Buffer] = []    # the chunked delta rule's G, W, U and Aqk (delta_rule.py)
         self._amc: list[Buffer] = []   # attention_mc's parts (attention.py, its split form)
+        # matmuls recorded on another kernel because theirs was still compiling (Device.is_slow): the
+        # engine records those steps again once it is built
+        self.substituted = 0
 
     def _alg(self, name: str, buffers: list[Buffer], push: bytes, wg: int, items: int | None = None):
         """The pipeline of a variant whose specialization constants are (workgroup size, items per workgroup)."""

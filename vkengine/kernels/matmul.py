@@ -326,12 +326,19 @@ class MatmulKernels(KernelBase):
         mc2 = self.on_coopmat2(w)
         if mc2:
             bm, bn, variant = self.mc2_variant(w)
+            if self.device.is_slow(variant):   # still compiling (Device.settle): mul_mc meanwhile
+                mc2 = False
+                self.substituted += 1
+        if mc2:
+            pass
         elif self.caps.coopmat:
             (bm, bn), variant = MC_TILE[:2], f"mul_mc_{w.type}"
         else:
-            tile, variant = TILE, f"mul_mt_{w.type}"
-            if math.ceil(w.rows / (16 * TILE[0])) * math.ceil(n / (16 * TILE[1])) < self.caps.small_tiles_below:
-                tile, variant = TILE_SMALL, f"mul_mt64_{w.type}"
+            small = math.ceil(w.rows / (16 * TILE[0])) * math.ceil(n / (16 * TILE[1])) < self.caps.small_tiles_below
+            if self.device.is_slow(f"mul_mt64_{w.type}" if small else f"mul_mt_{w.type}"):
+                small = not small   # the other tile while this one compiles (either multiplies any shape)
+                self.substituted += 1
+            tile, variant = (TILE_SMALL, f"mul_mt64_{w.type}") if small else (TILE, f"mul_mt_{w.type}")
             bm, bn = 16 * tile[0], 16 * tile[1]
         yr = rows_range(y, n, y_stride, w.rows)
         gm, gn = math.ceil(w.rows / bm), math.ceil(n / bn)
