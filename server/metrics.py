@@ -69,6 +69,8 @@ class Metrics:
         self.parked_handles = Gauge(p + "kv_parked", "Parked KV copies held (parked sequences, host prefix cache)",
                                     registry=r)
         self.parked_bytes = Gauge(p + "kv_parked_bytes", "Bytes of the parked KV copies held", registry=r)
+        self.compiling = Gauge(p + "pipelines_compiling", "Pipelines the driver is still building after startup "
+                               "(their steps run on stand-in kernels until then)", registry=r)
         self.programs = Gauge(p + "recorded_programs", "Engine steps recorded for replay (one per shape, LRU)",
                               registry=r)
         self.kv_usage = Gauge(p + "kv_cache_usage_ratio", "Device KV-cache positions held by live sequences, "
@@ -133,6 +135,7 @@ class Metrics:
             self.parked_handles.set(mem["parked_handles"])
             self.parked_bytes.set(mem["parked_bytes"])
             self.programs.set(mem["programs"])
+            self.compiling.set(mem.get("pipelines_compiling", 0))
 
     # event loop
     def http_request(self, route: str, status: int) -> None:

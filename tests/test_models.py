@@ -498,10 +498,12 @@ def test_a_slow_pipeline_is_not_waited_for(tiny_models, monkeypatch):
     monkeypatch.setattr(Engine, "SLOW_PIPELINE_S", 0.5)
     with Device(pipeline_cache=None) as dev:
         m, eng = _engine(dev, tiny_models["q8_0"]["gguf"], caps={"tiled_from": 2, "coopmat": False,
-                                                                 "coopmat2": False}, max_batch=32, max_out=32)
+                                                                 "coopmat2": False, "small_tiles_below": 1 << 30},
+                         max_batch=32, max_out=32)
         t0 = time.perf_counter()
         eng.prepare_decode(2)
         assert time.perf_counter() - t0 < 3.0, "prepare_decode waited for the slow pipeline"
+        assert dev.slow == {slow}
         assert dev.is_slow(slow) and eng._provisional
         assert {k[0] for k in dev._algorithms} >= {slow, stand_in}
         ids = m.tokenizer.encode(PROMPT)

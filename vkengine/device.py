@@ -25,7 +25,7 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -659,21 +659,28 @@ class Device:
         """The pipeline itself, once created (waits for one still compiling)."""
         return alg.result() if isinstance(alg, Future) else alg
 
-    def settle(self, grace: float) -> set[str]:
-        """Wait up to `grace` seconds for the pipelines being created; the shaders
+    def settle(self, grace: float, stand_in: Callable[[str], bool] = lambda name: True) -> set[str]:
+        """Wait for the pipelines being created: those of shaders without a
+        stand-in to the end, those with one (`stand_in(name)`: the kernels can
+        record another while it builds) up to `grace` seconds more; the shaders
         of those still compiling then are `slow` until they finish (a fresh
         NVIDIA driver took 36.5 s for mul_mc2h_256x256_q4_0 and under a second
         for every other pipeline of the 1B: notes.md run 38). When the last
         finishes, the pipeline cache is saved. Returns the slow shaders."""
+        pending = [(name, alg) for (name, *_), alg in list(self._algorithms.items())
+                   if isinstance(alg, Future) and not alg.done()]
+        for name, alg in pending:
+            if not stand_in(name):
+                alg.exception()
         deadline = time.perf_counter() + grace
-        for (name, *_), alg in list(self._algorithms.items()):
-            if isinstance(alg, Future) and not alg.done():
+        for name, alg in pending:
+            if stand_in(name):
                 try:
                     alg.exception(timeout=max(0.0, deadline - time.perf_counter()))
                 except TimeoutError:
                     self._slow.add(name)
-        for (name, *_), alg in list(self._algorithms.items()):
-            if name in self._slow and isinstance(alg, Future):
+        for name, alg in pending:
+            if name in self._slow:
                 alg.add_done_callback(functools.partial(self._slow_done, name))
         return set(self._slow)
 

@@ -96,10 +96,11 @@ class Engine:
     # length and chunk mix: each new shape is a recording that holds every
     # stream for milliseconds (notes.md run 15)
     STEP_EXACT = 8
-    # seconds prepare_decode waits for the pipelines it asked for before it records the steps of those still
-    # compiling on stand-in kernels (Device.settle): all but one of the 1B's built in under a second on a fresh
-    # NVIDIA driver with 16 threads, that one in 36.5 s (notes.md run 38)
-    SLOW_PIPELINE_S = 2.0
+    # seconds prepare_decode waits, once every other pipeline it asked for is built, for those that have a
+    # stand-in (Kernels.has_stand_in) before it records their steps on the stand-in (Device.settle): all but
+    # one of the 1B's built in under a second on a fresh NVIDIA driver with 16 threads, that one in 36.5 s
+    # (notes.md run 38); from the driver's or vkengine's pipeline cache, milliseconds
+    SLOW_PIPELINE_S = 0.3
 
     @staticmethod
     def context_length(args, n_ctx: int | None) -> int:
@@ -370,7 +371,7 @@ class Engine:
         # recorded again once it is built (_program)
         todo = [k for k in keys if (*k, MAIN) not in self._programs]
         progs = [self._program(*k) for k in todo]
-        if self.device.settle(self.SLOW_PIPELINE_S):
+        if self.device.settle(self.SLOW_PIPELINE_S, self.kernels.has_stand_in):
             for i, k in enumerate(todo):
                 if progs[i].compiling():
                     self._programs.pop((*k, MAIN), None)

@@ -110,6 +110,11 @@ class MatmulKernels(KernelBase):
                 and rope.k_cache.buf is rope.v_cache.buf
                 and not rope.kv_types.quantized)   # a q8_0 cache is written by rope_kv (its blocks' maxima)
 
+    @staticmethod
+    def has_stand_in(shader: str) -> bool:
+        """Whether _mul_tiled can record another kernel while this one's pipeline builds."""
+        return shader.startswith(("mul_mc2", "mul_mt_", "mul_mt64_"))
+
     def on_coopmat2(self, w: Matrix) -> bool:
         """Whether a prefill-sized mul_mat of w runs mul_mc2: the types and
         sizes where it measured faster (Caps.mc2_types, mc2_from_rows). Its

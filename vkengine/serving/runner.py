@@ -609,4 +609,5 @@ class Runner:
         return {"device_bytes": alloc["device"], "host_bytes": alloc["host"], "buffers": dev.n_buffers,
                 "pool_buffers": len(self.kv.pool), "pool_bytes": sum(b.nbytes for b in self.kv.pool),
                 "parked_handles": len(self.kv.held), "programs": self.eng.n_programs,
-                "parked_bytes": sum(h.buffer.nbytes for h in self.kv.held.values())}
+                "parked_bytes": sum(h.buffer.nbytes for h in self.kv.held.values()),
+                "pipelines_compiling": len(dev.slow)}
