@@ -725,6 +725,7 @@ class Engine:
             if sub.pick is not None:
                 sub.pick.wait()
         self._programs.clear()
+        self._provisional.clear()
         dev = self.device
         for b in [*self._own, *self.kernels.scratch_buffers()]:
             if b in dev.buffers and not dev.owns(b):
