@@ -104,6 +104,9 @@ def one_run(name: str, cmd: list[str], env: dict[str, str], url: str, ours: bool
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+            if ours:   # the startup line: pipelines, the slowest of them, those still compiling, the phases
+                row["startup_log"] = [ln for ln in log.read_text(errors="replace").splitlines()
+                                      if "decode and prompt steps ahead" in ln][-1:]
             log.unlink(missing_ok=True)
     return row
 
