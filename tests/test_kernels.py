@@ -1381,3 +1381,25 @@ def test_topk_part_lists(device, kernels, ws, rng):
             np.testing.assert_array_equal(lists[r, s, :R, 1].view(np.uint32), want + s * chunk,
                                           err_msg=f"row {r} slice {s}")
             np.testing.assert_array_equal(lists[r, s, :R, 0], sl[want])
+
+
+def test_attention_while_attention_mc2_compiles(device, kernels, ws, rng, monkeypatch):
+    """A prompt step whose attention would run on attention_mc2 while that pipeline is still compiling
+    (Device.settle marked it slow) is recorded on another attention kernel (here the plain one: lavapipe
+    has no cooperative matrices) and counted as a stand-in, with numpy's result."""
+    kn = with_caps(kernels)
+    monkeypatch.setattr(kn, "attention_on_coopmat2", lambda *a, **k: True)
+    monkeypatch.setattr(kn, "attention_on_coopmat", lambda *a, **k: False)
+    hd, n_head, n_kv = 64, 4, 2
+    monkeypatch.setattr(device, "_slow", {f"attention_mc2_d{hd}", f"attention_mc2_d{hd}_split"})
+    slots = np.zeros(24, np.uint32)
+    pos = np.arange(24, dtype=np.uint32)
+    c = _AttentionCase(ws, rng, 1, 64, n_head, n_kv, hd, slots, pos, 40)
+    before = kn.substituted
+    prog = device.program()
+    kn.attention(prog, c.qr, n_head * hd, c.orr, n_head * hd, len(slots), n_head, n_kv, hd, c.kc, c.vc, c.ss,
+                 ws.params, 0, 40, c.scale)
+    assert kn.substituted == before + 1
+    assert not any(k[0].startswith("attention_mc2") for k in device._algorithms)
+    prog.run()
+    c.check(ws.read(c.orr), c.q, atol_scale=1e-5)

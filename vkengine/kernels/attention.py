@@ -226,10 +226,16 @@ class AttentionKernels(KernelBase):
                 raise ValueError(f"{sinks.words} attention sinks for {n_head} heads")
             reads.append(sinks.range)
         sb = sinks.buf if sinks is not None else params   # (binding 4 unused without sinks)
-        if self.attention_on_coopmat2(n_rows, head_dim, kv_types, ring) and split is None:
+        mc2 = self.attention_on_coopmat2(n_rows, head_dim, kv_types, ring) and split is None
+        if mc2:
             row_blocks = math.ceil(n_rows / ATTN_MC2[head_dim][0])   # BR rows of one head a workgroup
             parts = self.attn_mc_parts(row_blocks * n_head) if mc_parts is None else mc_parts
             name = f"attention_mc2_d{head_dim}"
+            if self.device.is_slow(name + "_split" if parts > 1 else name):
+                # still compiling (Device.settle): attention_mc (or the plain kernel) meanwhile
+                mc2 = False
+                self.substituted += 1
+        if mc2:
             if parts > 1:
                 self._attention_mc_split(prog, pc, reads, out, n_rows, n_head, n_kv, head_dim, parts,
                                          (row_blocks, n_head), act, kv, params, sb, sinks, label, name + "_split")

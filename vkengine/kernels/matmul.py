@@ -112,8 +112,9 @@ class MatmulKernels(KernelBase):
 
     @staticmethod
     def has_stand_in(shader: str) -> bool:
-        """Whether _mul_tiled can record another kernel while this one's pipeline builds."""
-        return shader.startswith(("mul_mc2", "mul_mt_", "mul_mt64_"))
+        """Whether another kernel can be recorded while this one's pipeline builds
+        (_mul_tiled's tiles, AttentionKernels.attention's attention_mc2)."""
+        return shader.startswith(("mul_mc2", "mul_mt_", "mul_mt64_", "attention_mc2_"))
 
     def on_coopmat2(self, w: Matrix) -> bool:
         """Whether a prefill-sized mul_mat of w runs mul_mc2: the types and
