@@ -43,7 +43,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-from serve import free_port, one_stream  # noqa: E402 (same dir)
+from serve import free_port, one_stream, wait_ready  # noqa: E402 (same dir)
 
 
 def phases(url: str) -> tuple[dict[str, float], float]:
@@ -69,19 +69,11 @@ def one_run(name: str, cmd: list[str], env: dict[str, str], url: str, ours: bool
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         try:
             deadline = t0 + timeout
-            while True:
-                if proc.poll() is not None:
-                    row["error"] = f"exited {proc.returncode}: {log.read_text()[-2000:]}"
-                    return row
-                if time.perf_counter() > deadline:
-                    row["error"] = f"not ready within {timeout} s"
-                    return row
-                try:
-                    if httpx.get(url + "/health", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.02)
+            try:   # (polled every 20 ms: the ready time is what is measured)
+                wait_ready(url, proc, log, timeout, interval=0.02)
+            except SystemExit as e:   # exited, or not ready in time
+                row["error"] = str(e)[-2000:]
+                return row
             row["ready_s"] = round(time.perf_counter() - t0, 3)
             with httpx.Client(timeout=timeout) as client:
                 st = one_stream(client, url, "Tell me a story about a lighthouse keeper.", 8)

@@ -69,7 +69,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_ready(url: str, proc: subprocess.Popen | None, log: Path | None, timeout: float = 600) -> None:
+def wait_ready(url: str, proc: subprocess.Popen | None, log: Path | None, timeout: float = 600,
+               interval: float = 0.25) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
@@ -79,7 +80,7 @@ def wait_ready(url: str, proc: subprocess.Popen | None, log: Path | None, timeou
                 return
         except httpx.TransportError:
             pass
-        time.sleep(0.25)
+        time.sleep(interval)
     raise SystemExit(f"{url} did not become ready")
 
 

@@ -704,11 +704,6 @@ class Device:
         """The shaders still compiling after settle()."""
         return set(self._slow)
 
-    def wait_pipelines(self) -> None:
-        """Wait until every pipeline asked for so far exists (raises the first failure)."""
-        for alg in list(self._algorithms.values()):
-            self.resolve(alg)
-
     def _cache_name(self) -> str:
         i = self.info
         raw = f"{i.name}-{i.vendor_id:04x}-{i.driver_name}-{i.driver_info}"

@@ -137,16 +137,15 @@ class WeightPlanner:
             raw = produce()
             parts = raw if isinstance(raw, list) else [raw]
             expected = rows * row_bytes(t, cols)
-            if sum(np.asarray(p).nbytes for p in parts) != expected:
-                raise VkEngineError(f"{t} tensor of {rows}x{cols} should hold {expected} bytes, it holds "
-                                    f"{sum(np.asarray(p).nbytes for p in parts)}")
+            nbytes = sum(np.asarray(p).nbytes for p in parts)
+            if nbytes != expected:
+                raise VkEngineError(f"{t} tensor of {rows}x{cols} should hold {expected} bytes, it holds {nbytes}")
             # repacked on the way into the staging buffer (quant.repack_streams: the same bytes as repack)
             vs, ss = repack_streams(t, rows, cols)
-            for reg, st in ((regs[0], vs), (regs[1] if ss is not None else None, ss)):
-                if reg is not None and st is not None:
-                    if (sum(np.asarray(p).nbytes for p in parts) // st.block * st.out + 3) // 4 > reg.words:
-                        raise VkEngineError(f"internal: {t} {rows}x{cols} does not fit its region")
-                    device.upload_blocks(reg.buf, reg.off * 4, parts, st)
+            for reg, st in zip(regs, (vs,) if ss is None else (vs, ss)):
+                if (nbytes // st.block * st.out + 3) // 4 > reg.words:
+                    raise VkEngineError(f"internal: {t} {rows}x{cols} does not fit its region")
+                device.upload_blocks(reg.buf, reg.off * 4, parts, st)
             built.append([Matrix(t, rows, cols, regs[0], regs[1] if ss is not None else None)])
         return [built[j][i] for j, i in self.handles], arena
 
