@@ -29,6 +29,12 @@ def add_synth_args(p) -> None:
     p.add_argument("--workers", type=int, default=None)
     p.add_argument("--tokenizer-from", default=None,
                    help="GGUF whose tokenizer to copy (default: the embedded SmolLM2)")
+    p.add_argument("--mtp-accept", action="store_true",
+                   help="qwen35, qwen35moe: a model whose MTP block drafts exactly the main model's next greedy "
+                   "tokens, so speculative decoding (--mtp) accepts nearly every draft: for measuring its "
+                   "mechanics, as random weights' drafts are never accepted. Every block adds zero to the "
+                   "residual stream (the output is a function of the last token; all matmuls and the expert "
+                   "choice still run); default name <arch>-<shape>-mtp-accept")
 
 
 def synth_main(args) -> int:
@@ -36,12 +42,17 @@ def synth_main(args) -> int:
     bad = set(formats) - {"gguf", "hf"}
     if bad or not formats:
         raise VkEngineError(f"--formats takes gguf and/or hf, got {args.formats!r}")
-    name = args.name or f"{args.arch}-{args.shape if not args.config else 'custom'}"
+    # a model made with --mtp-accept must not take the plain model's file name
+    name = args.name or (f"{args.arch}-{args.shape if not args.config else 'custom'}"
+                         + ("-mtp-accept" if args.mtp_accept else ""))
     tok = Path(args.tokenizer_from) if args.tokenizer_from else None
     if args.arch in ("qwen35", "qwen35moe"):
         qc = qwen35.config_for(args.arch, args.shape, args.config)
-        out = qwen35.synth_qwen35(qc, args.quant, args.seed, Path(args.out), name, formats, args.workers, tok)
+        out = qwen35.synth_qwen35(qc, args.quant, args.seed, Path(args.out), name, formats, args.workers, tok,
+                                  mtp_accept=args.mtp_accept)
     else:
+        if args.mtp_accept:
+            raise VkEngineError(f"--mtp-accept: {args.arch} has no MTP block (qwen35 and qwen35moe have one)")
         lc = llama.config_for(args.shape, args.config, args.arch)
         out = llama.synth_llama(lc, args.quant, args.seed, Path(args.out), name, formats, args.workers, tok)
     for k, v in out.items():

@@ -11,6 +11,10 @@ _LinearAttentionVReorderBase), A_log stored as -exp(A_log), the +1 of the
 zero-centred RMSNorms folded in. The GGUF tensor is quantized; the HF copy is
 its dequantized values brought back to HF order and conventions, so both files
 compute the same logits (up to float rounding of the conventions).
+
+mtp_accept rewrites a few tensors so that the MTP block drafts what the main
+model will say (_mtp_accept_plan): speculative decoding's mechanics measured
+with random weights, whose own drafts are never accepted.
 """
 from __future__ import annotations
 
@@ -128,7 +132,8 @@ def hf_name(c: Qwen35SynthConfig, gguf_name: str) -> str:
 
 def _tensor_plan(c: Qwen35SynthConfig, n_vocab: int) -> list[tuple]:
     """(GGUF name, numpy shape, init, quantized, v-head reorder) of every tensor.
-    init: ("normal", std) | ("norm"[, gain]) (GGUF value gain * (1 + small)) | ("ssm_a",) | ("dt",);
+    init: ("normal", std) | ("norm"[, gain]) (GGUF value gain * (1 + small)) | ("ssm_a",) | ("dt",)
+    (and, from _mtp_accept_plan: ("const", value) | ("eye",) | ("copy", GGUF name, its init));
     reorder: (axis, first index, head size) of the value-head block, or None."""
     D, hd, L = c.n_embd, c.head_dim, c.n_layer
     vw = c.nv * c.dv
@@ -197,6 +202,51 @@ def _tensor_plan(c: Qwen35SynthConfig, n_vocab: int) -> list[tuple]:
     return plan
 
 
+# Matrices whose product is a block's addition to the residual stream
+# (attention, linear attention, dense FFN, routed and shared experts)
+_RESIDUAL_OUT = ("attn_output.weight", "ssm_out.weight", "ffn_down.weight", "ffn_down_exps.weight",
+                 "ffn_down_shexp.weight")
+
+
+def _mtp_accept_plan(plan: list[tuple]) -> list[tuple]:
+    """The plan of a model whose MTP block's drafts are the main model's own
+    greedy tokens, so speculative decoding accepts (almost) all of them.
+
+    Every block, the MTP block's layer too, adds zero to the residual stream
+    (its output matrices are zeros), so the main model's final hidden state is
+    its token's embedding e and its next greedy token a function of that token
+    alone: f(t) = argmax(head . output_norm(e_t)). The MTP block computes
+    eh_proj . [enorm(e_t) | hnorm(h)]; with eh_proj = [I | 0] and enorm's
+    weight all ones that is rmsnorm(e_t), its layer adds zero, and its head
+    norm (output_norm's weight) and head (the main one: the file has no MTP
+    embedding or head) give head . output_norm(rmsnorm(e_t)), which is the
+    main logits up to the eps of a second RMSNorm. So the draft after t_p is
+    f(t_p), the greedy token at p, and a chained draft f(d) is the greedy token
+    after d. Quantizing keeps this: each 32-block of [I | 0] holds one 1.0 or
+    none, so every row dequantizes to the same multiple of the identity (1 in
+    the float types, q4_0, q5_0 and mxfp4; within 3e-4 of 1 in the others),
+    which the head's RMSNorm removes (tiny models on lavapipe accepted every
+    draft, in q8_0, q4_0, q4_1, q5_1, mxfp4, f16 and bf16, tied or not).
+
+    Every matmul still runs on full-size weights and the routers still choose
+    experts by their random weights (outputs of zero, but the experts of each
+    row's token read), so a step moves the bytes a real one does. With tied
+    embeddings (the dense 0.8B and 4B shapes) f(t) is mostly t itself, as
+    e_t . e_t dominates the logits: the output soon repeats one token."""
+    out = []
+    for name, shape, init, quantized, reorder in plan:
+        if name.endswith(_RESIDUAL_OUT):
+            init = ("const", 0.0)
+        elif name.endswith("nextn.eh_proj.weight"):
+            init = ("eye",)
+        elif name.endswith("nextn.enorm.weight"):
+            init = ("const", 1.0)
+        elif name.endswith("nextn.shared_head_norm.weight"):
+            init = ("copy", "output_norm.weight", next(p[2] for p in plan if p[0] == "output_norm.weight"))
+        out.append((name, shape, init, quantized, reorder))
+    return out
+
+
 def _v_reorder(x: np.ndarray, spec, nk: int, nv: int, inverse: bool = False) -> np.ndarray:
     """Value heads grouped by key head (HF) <-> tiled (GGUF), on one axis from an index."""
     if spec is None or nk == nv:
@@ -216,9 +266,16 @@ def _make_tensor(job):
     from gguf import quants
 
     from ...quant import BY_NAME, dequantize
-    rng = rng_for(seed, name)
+    source = name
+    if init[0] == "copy":       # another tensor's values: its init, from its generator
+        _, source, init = init
+    rng = rng_for(seed, source)
     kind = init[0]
-    if kind == "norm":      # GGUF value (the +1 folded in), times an optional gain
+    if kind == "const":
+        w = np.full(shape, init[1], np.float32)
+    elif kind == "eye":        # [I | 0]
+        w = np.eye(*shape, dtype=np.float32)
+    elif kind == "norm":      # GGUF value (the +1 folded in), times an optional gain
         w = (init[1] if len(init) > 1 else 1.0) * (1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32))
     elif kind == "ssm_a":      # A = -exp(A_log), A_log = log(U(0.05, 2)): decays from fast to slow
         w = -rng.uniform(0.05, 2.0, shape).astype(np.float32)
@@ -293,7 +350,7 @@ def _hf_config(c: Qwen35SynthConfig, n_vocab: int, tmeta: dict) -> dict:
 
 
 def _write_gguf(path: Path, c: Qwen35SynthConfig, quant: str, seed: int, name: str, n_vocab: int, tmeta: dict,
-                plan, results) -> None:
+                plan, results, mtp_accept: bool) -> None:
     """results: (name, raw bytes, type, ...) of every plan entry, in plan order."""
     import gguf
 
@@ -333,24 +390,33 @@ def _write_gguf(path: Path, c: Qwen35SynthConfig, quant: str, seed: int, name: s
     w.add_file_type(FILE_TYPES[quant])
     w.add_string("vkengine.synth.seed", str(seed))
     w.add_string("vkengine.synth.config", json.dumps(asdict(c)))
+    if mtp_accept:      # tells the file apart from the plain model of the same seed
+        w.add_bool("vkengine.synth.mtp_accept", True)
     add_meta(w, tmeta)
     write_gguf_tensors(w, [(n, s, quant if quantized else "f32") for n, s, _, quantized, _ in plan], results)
 
 
 def synth_qwen35(c: Qwen35SynthConfig, quant: str, seed: int, out_dir: Path, name: str = "synth",
                  formats=("gguf", "hf"), workers: int | None = None,
-                 tokenizer_from: Path | None = None, tmeta: dict | None = None) -> dict[str, Path]:
+                 tokenizer_from: Path | None = None, tmeta: dict | None = None,
+                 mtp_accept: bool = False) -> dict[str, Path]:
     """Write the model; returns {"gguf": file, "hf": folder} for what was written.
-    tmeta: tokenizer fields already read (writer.tokenizer_meta) to reuse."""
+    tmeta: tokenizer fields already read (writer.tokenizer_meta) to reuse.
+    mtp_accept: blocks that add nothing and an MTP block that drafts the main
+    model's greedy tokens (_mtp_accept_plan), for measuring speculative decoding."""
     check_quant(quant)
     if c.nv % c.nk or c.n_embd % 32 or (c.nv * c.dv) % 32 or (c.n_ff or c.n_ff_exp) % 32:
         raise VkEngineError("shapes must divide value heads among key heads and keep matrix columns "
                             "multiples of 32")
+    if mtp_accept and not c.mtp:
+        raise VkEngineError("--mtp-accept needs a model with an MTP block: this config has mtp = false")
     tmeta = tmeta or tokenizer_meta(tokenizer_from)
     n_vocab = len(tmeta["tokenizer.ggml.tokens"])
     out_dir.mkdir(parents=True, exist_ok=True)
     want_hf = "hf" in formats
     plan = _tensor_plan(c, n_vocab)
+    if mtp_accept:
+        plan = _mtp_accept_plan(plan)
     jobs = [(n, s, init, qz, ro, seed, quant, c.nk, c.nv, want_hf) for n, s, init, qz, ro in plan]
     # the Hugging Face copy needs every tensor at once; GGUF alone streams
     # (a 35B-A3B shape is larger than this machine's memory)
@@ -361,7 +427,7 @@ def synth_qwen35(c: Qwen35SynthConfig, quant: str, seed: int, out_dir: Path, nam
         tmp = path.with_suffix(".gguf.tmp")
         _write_gguf(tmp, c, quant, seed, name, n_vocab, tmeta, plan,
                     (results[p[0]] for p in plan) if results is not None
-                    else iter_tensors(_make_tensor, jobs, workers))
+                    else iter_tensors(_make_tensor, jobs, workers), mtp_accept)
         os.replace(tmp, path)
         written["gguf"] = path
     if want_hf:
