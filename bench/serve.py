@@ -269,15 +269,16 @@ class Server:
             shutil.copyfile(self.log, folder / f"{self.name}-{n}.log")
 
 
-def ours(args, parallel: int, mode: str) -> Server:
+def ours(args, parallel: int, mode: str, extra: tuple[str, ...] = ()) -> Server:
     port = free_port()
     cmd = [sys.executable, "-m", "server", "--port", str(port), "--parallel", str(parallel),
            "--mode", mode, "--ctx", str(args.ctx), "--quantum", str(args.quantum),
            "--step-tokens", str(args.step_tokens), "--max-queue", str(max(64, args.clients))]
-    cmd += args.server_args.split()
+    cmd += args.server_args.split() + list(extra)
     if args.model:
         cmd += ["--model", args.model]
-    return Server(cmd, f"http://127.0.0.1:{port}", cwd=ROOT, keep=args.keep_logs, name=f"ours-{mode}")
+    return Server(cmd, f"http://127.0.0.1:{port}", cwd=ROOT, keep=args.keep_logs,
+                  name=f"ours-{mode}{'-mtp' if extra else ''}")
 
 
 def llama(args, parallel: int) -> Server:
@@ -288,6 +289,13 @@ def llama(args, parallel: int) -> Server:
            "-c", str(args.ctx * parallel), "-t", str(args.llama_threads or os.cpu_count() or 1)]
     cmd += args.llama_args.split()
     return Server(cmd, f"http://127.0.0.1:{port}", keep=args.keep_logs, name="llama-server")
+
+
+def _drafts(url: str) -> tuple[float, float]:
+    """Our server's drafts verified and accepted so far (--mtp)."""
+    from soak import scrape, total
+    m = scrape(url)
+    return total(m, "vkengine_spec_draft_tokens_total"), total(m, "vkengine_spec_accepted_tokens_total")
 
 
 def _default_model() -> str:
@@ -326,7 +334,10 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx", type=int, default=1024, help="context per sequence")
     ap.add_argument("--quantum", type=int, default=8)
     ap.add_argument("--step-tokens", type=int, default=64)
-    ap.add_argument("--configs", default="serial,slices,batch", help="comma separated: serial, slices, batch")
+    ap.add_argument("--configs", default="serial,slices,batch",
+                    help="comma separated: serial, slices, batch, and serial-mtp, batch-mtp (the same with --mtp "
+                         "--draft D: greedy replies drafted by the model's MTP block)")
+    ap.add_argument("--draft", type=int, default=2, help="the -mtp configurations' --draft")
     ap.add_argument("--llama-server", default=None, help="llama-server binary: adds 'llama-server -np C'")
     ap.add_argument("--llama-url", default=None, help="a running llama-server to measure instead of starting one")
     ap.add_argument("--llama-threads", type=int, default=None)
@@ -360,10 +371,11 @@ def main(argv=None) -> int:
         plan.append("llama-server")
     for name in plan:
         srv = None
-        if name == "serial":
-            srv = ours(args, 1, "batch")
-        elif name in ("slices", "batch"):
-            srv = ours(args, args.clients, name)
+        mtp = ("--mtp", "--draft", str(args.draft)) if name.endswith("-mtp") else ()
+        if name in ("serial", "serial-mtp"):
+            srv = ours(args, 1, "batch", mtp)
+        elif name in ("slices", "batch", "batch-mtp"):
+            srv = ours(args, args.clients, name.removesuffix("-mtp"), mtp)
         elif name == "llama-server":
             srv = None if args.llama_url else llama(args, args.clients)
         else:
@@ -371,15 +383,23 @@ def main(argv=None) -> int:
         url = args.llama_url if srv is None else srv.url
         try:
             n_warm = warm_up(url, args)
+            drafts0 = _drafts(url) if mtp else (0.0, 0.0)
             runs = [run_load(url, args.clients, args.requests, args.n_predict, args.prompt_words, args.seed + i,
                              args.temperature, args.prompt_ids) for i in range(args.repeat)]
+            if mtp:   # the drafts of the timed runs (the server's counters)
+                drafted, accepted = (b - a for a, b in zip(drafts0, _drafts(url)))
+                print(f"{name}: {drafted:.0f} drafts, {accepted:.0f} accepted", file=sys.stderr)
         finally:
             if srv is not None:
                 srv.stop()
         r = sorted(runs, key=lambda x: x["tok_s"])[(len(runs) - 1) // 2]
         r["tok_s_runs"] = [x["tok_s"] for x in runs]
         r["warmup_loads"] = n_warm
-        r["config"] = name if name != "serial" else "serial (--parallel 1)"
+        base = name.removesuffix("-mtp")
+        r["config"] = (base if base != "serial" else "serial (--parallel 1)") + (f" --mtp --draft {args.draft}"
+                                                                               if mtp else "")
+        if mtp:
+            r["drafted"], r["accepted"] = drafted, accepted
         rows.append(r)
         runs = ", ".join(f"{x:.0f}" for x in r["tok_s_runs"])
         print(f"{r['config']}: {r['tok_s']:.1f} tok/s (runs: {runs}), TTFT p50 {r['ttft_p50_ms']:.0f} ms, "

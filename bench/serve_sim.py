@@ -55,8 +55,8 @@ def sim_engine_class():
             self.can_sample = not self.host_sampling   # sampled tokens drawn "on the device", as on GPUs
 
         def submit(self, tokens, positions, slots, out_rows=(), readback=Readback.ARGMAX, chain=None,
-                   sampling=None, prompt=False, masked=False, masks=None):
-            # (prompt: the step's time model does not change; masks: its fixed tokens ignore them)
+                   sampling=None, prompt=False, masked=False, masks=None, pass_=None):
+            # (prompt, pass_: the step's time model does not change; masks: its fixed tokens ignore them)
             if len(self._sim_q) >= self.max_in_flight:
                 raise RuntimeError(f"{self.max_in_flight} steps are already in flight")
             n = len(tokens)

@@ -45,6 +45,8 @@ class Reply:
         n_cached = j.seq.cache_hit if j else 0
         out: dict[str, Any] = {"cache_n": n_cached, "prompt_n": self.n_prompt - n_cached,
                                "predicted_n": len(self.tokens)}
+        if j and j.spec:   # (llama-server's names, where it drafts)
+            out.update(draft_n=j.drafted, draft_n_accepted=j.accepted)
         if j and j.t_first is not None and j.t_last is not None:
             pm = (j.t_first - j.t_submit) * 1e3
             dm = (j.t_last - j.t_first) * 1e3

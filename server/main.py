@@ -114,8 +114,13 @@ def build_worker(args) -> tuple[Worker, Built]:
     from vkengine.startup import StartupClock
     clock = StartupClock()
     scheduler_config(args)   # the flags' errors before the model loads
+    mtp = getattr(args, "mtp", False)
+    if mtp and args.draft < 1:
+        raise VkEngineError("--draft must be >= 1")
     kv_types = KVTypes(args.cache_type_k, args.cache_type_v)
     model = load_model(args.model)
+    if mtp and not model.args.n_nextn:
+        raise VkEngineError(f"{model.name} has no MTP block (nextn tensors) to draft with: drop --mtp")
     if args.chat_template_file:
         try:
             model.tokenizer.chat_template = Path(args.chat_template_file).read_text()
@@ -127,9 +132,18 @@ def build_worker(args) -> tuple[Worker, Built]:
     dev.save_at_exit()   # what requests compiled after startup, for the next start
     clock.mark("device")
     cfg, n_slots = scheduler_config(args, gpu=dev.info.type != "cpu")
+    options = Options.from_env()
+    caps, max_out = None, n_slots
+    if mtp:   # verify steps: every slot's token and its drafts, each row computed as alone, snapshots for all
+        from vkengine.kernels import Caps
+        from vkengine.serving.speculate import verify_rows
+        caps = Caps.detect(dev, options)
+        rows = verify_rows(caps, n_slots, args.draft)
+        model = dataclasses.replace(model, args=dataclasses.replace(model.args, mtp_snap_rows=rows))
+        max_out = max(n_slots, rows)
     eng = Engine(model, dev, EngineConfig(n_slots=n_slots, n_ctx=args.ctx, max_batch=cfg.max_prompt_rows,
-                                          max_out=n_slots, max_in_flight=3, options=Options.from_env(),
-                                          kv_types=kv_types, embeddings=args.embeddings))
+                                          max_out=max_out, max_in_flight=3, options=options,
+                                          kv_types=kv_types, embeddings=args.embeddings), caps=caps)
     clock.mark("weights and buffers")
     if eng.max_batch < cfg.step_tokens:
         raise VkEngineError(f"--step-tokens {cfg.step_tokens} does not fit the device's buffers; "
@@ -149,7 +163,7 @@ def build_worker(args) -> tuple[Worker, Built]:
              if dev.slow_pending else "", clock.summary())
     metrics = Metrics(n_slots, cfg.max_live, eng.n_ctx)
     metrics.startup(clock.phases)
-    worker = Worker(eng, cfg, metrics, step_log=args.step_log)
+    worker = Worker(eng, cfg, metrics, step_log=args.step_log, mtp_draft=args.draft if mtp else 0)
     return worker, Built(model, dev, eng, worker.cfg, metrics, pooling)
 
 
@@ -192,8 +206,10 @@ def serve_main(args) -> int:
         return serve_replicas(args)
     app, st, dev = build(args)
     log.info("%s on %s: mode %s, parallel %d, %d device slot(s), context %d, step %d tokens, prompt steps "
-             "up to %d, KV cache K %s V %s", st.model_id, dev.info.name, args.mode, args.parallel,
-             st.worker.cfg.n_slots, st.n_ctx, st.worker.cfg.step_tokens, st.worker.cfg.max_prompt_rows, *st.kv_cache)
+             "up to %d, KV cache K %s V %s%s", st.model_id, dev.info.name, args.mode, args.parallel,
+             st.worker.cfg.n_slots, st.n_ctx, st.worker.cfg.step_tokens, st.worker.cfg.max_prompt_rows, *st.kv_cache,
+             f", MTP drafts {args.draft} a step (verify steps of up to {st.worker.runner.spec.rows} rows)"
+             if st.worker.runner.spec is not None else "")
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log.warning("listening on %s without --api-key: anyone who can reach it can use it", args.host)
     from .guard import AcceptErrorFilter, GuardedH11Protocol

@@ -49,6 +49,9 @@ class Metrics:
                                 buckets=_LATENCY, registry=r)
         self.itl_s = Histogram(p + "inter_token_seconds", "Between consecutive tokens of one request",
                                buckets=_LATENCY, registry=r)
+        self.drafted = Counter(p + "spec_draft_tokens", "Drafts verified (--mtp speculative decoding)", registry=r)
+        self.accepted = Counter(p + "spec_accepted_tokens", "Drafts accepted (--mtp speculative decoding)",
+                                registry=r)
         self.queue = Gauge(p + "queue_depth", "Requests waiting for admission", registry=r)
         self.live = Gauge(p + "sequences_live", "Sequences admitted (resident or parked)", registry=r)
         self.parked = Gauge(p + "sequences_parked", "Live sequences parked in host memory", registry=r)
@@ -101,6 +104,10 @@ class Metrics:
 
     def inter_token(self, seconds: float) -> None:
         self.itl_s.observe(seconds)
+
+    def speculated(self, drafted: int, accepted: int) -> None:
+        self.drafted.inc(drafted)
+        self.accepted.inc(accepted)
 
     def finished(self, job, finish: str) -> None:
         self.requests.labels(finish).inc()

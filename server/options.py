@@ -74,6 +74,11 @@ def add_serve_args(p) -> None:
                         "--embeddings); generation stays on")
     p.add_argument("--pooling", choices=["mean", "cls", "last"], default=None,
                    help="how --embeddings pools a prompt's rows (default: the GGUF's pooling_type, else mean)")
+    p.add_argument("--mtp", action="store_true",
+                   help="greedy requests decode speculatively with the model's own multi-token-prediction block "
+                        "(Qwen3.5 nextn tensors): --draft tokens drafted a step and verified in one step of the "
+                        "model, the output unchanged; other requests decode as usual beside them")
+    p.add_argument("--draft", type=int, default=2, help="tokens drafted per sequence and step with --mtp")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond --parallel (then 503)")
     p.add_argument("--max-tokens", type=int, default=4096, help="upper bound of n_predict/max_tokens")
     p.add_argument("--max-body", type=int, default=1 << 20, help="request body limit in bytes")

@@ -34,11 +34,14 @@ class Unavailable(VkEngineError):
 
 
 class Worker:
-    def __init__(self, engine: Engine, cfg: SchedulerConfig, metrics=None, step_log: str | None = None):
-        """step_log: a file to append a JSON line per engine step to (Runner's step_log)."""
+    def __init__(self, engine: Engine, cfg: SchedulerConfig, metrics=None, step_log: str | None = None,
+                 mtp_draft: int = 0):
+        """step_log: a file to append a JSON line per engine step to (Runner's step_log);
+        mtp_draft: drafts a step of greedy requests' speculative decoding (Runner's)."""
         self._log_file: TextIO | None = open(step_log, "a", buffering=1 << 16) if step_log else None
         self._inbox: deque[tuple[str, Job]] = deque()
-        self.runner = Runner(engine, cfg, metrics, self._log_file, arrivals=lambda: bool(self._inbox))
+        self.runner = Runner(engine, cfg, metrics, self._log_file, arrivals=lambda: bool(self._inbox),
+                             mtp_draft=mtp_draft)
         self.eng, self.cfg, self.metrics = engine, self.runner.cfg, metrics
         self._cv = threading.Condition()
         self._active = 0                  # submitted and not finished (live + waiting)

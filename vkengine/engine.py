@@ -268,6 +268,13 @@ class Engine:
         runs no padded rows."""
         return self.kernels.prompt_granule if self.tiled_prompts else 1
 
+    @property
+    def exact_rows(self) -> int:
+        """The most rows a step may hold and still compute each row as a
+        one-row step does: below every row count where its kernels change
+        (Kernels.step_thresholds). Speculative verify steps stay within it."""
+        return min([t - 1 for t in self.kernels.step_thresholds(self.max_out)] + [self.max_batch])
+
     def prompt_cost_rows(self, n: int) -> int:
         """The rows a prompt step of n tokens costs: its step's rows (step_rows)
         up to whole granules (prompt_granule)."""

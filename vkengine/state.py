@@ -378,17 +378,28 @@ class HybridState(KVCache):
     def commit_snapshot(self, slot: int, row: int, length: int) -> None:
         """Roll slot's recurrent state back to the snapshot of row `row` of the last
         snapshot step (which then covers `length` positions)."""
-        if not 0 <= row < self.snap_rows:
-            raise ValueError(f"snapshot row {row} out of range 0..{self.snap_rows - 1}")
+        self.commit_snapshots([(slot, row, length)])
+
+    def commit_snapshots(self, rollbacks) -> None:
+        """commit_snapshot for each (slot, row, length), in one device program
+        (a server's verify step rolls back several sequences at once)."""
+        rollbacks = list(rollbacks)
+        for _, row, _ in rollbacks:
+            if not 0 <= row < self.snap_rows:
+                raise ValueError(f"snapshot row {row} out of range 0..{self.snap_rows - 1}")
+        if not rollbacks:
+            return
         p = self.device.program()
-        for layer in self.rec_layers:
-            conv, ssm, conv_s, ssm_s = self._rregions[layer]
-            p.copy(conv.buf, conv.buf, (conv_s.off + row * self.conv_words) * 4,
-                   (conv.off + slot * self.conv_words) * 4, self.conv_words * 4, "rollback")
-            p.copy(ssm.buf, ssm.buf, (ssm_s.off + row * self.ssm_words) * 4,
-                   (ssm.off + slot * self.ssm_words) * 4, self.ssm_words * 4, "rollback")
+        for slot, row, _ in rollbacks:
+            for layer in self.rec_layers:
+                conv, ssm, conv_s, ssm_s = self._rregions[layer]
+                p.copy(conv.buf, conv.buf, (conv_s.off + row * self.conv_words) * 4,
+                       (conv.off + slot * self.conv_words) * 4, self.conv_words * 4, "rollback")
+                p.copy(ssm.buf, ssm.buf, (ssm_s.off + row * self.ssm_words) * 4,
+                       (ssm.off + slot * self.ssm_words) * 4, self.ssm_words * 4, "rollback")
         p.run()
-        self.length[slot] = length
+        for slot, _, length in rollbacks:
+            self.length[slot] = length
 
     # -- parking and prefix copies ----------------------------------------------------
     def park_bytes(self, slot: int, length: int) -> int:

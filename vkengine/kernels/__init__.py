@@ -34,10 +34,15 @@ class Kernels(MatmulKernels, AttentionKernels, NormKernels, ElementwiseKernels, 
         of fewer rows runs others): the tiled matmuls, attention on cooperative
         matrices (any head size: conservative), and the end of split decode
         attention (steps of up to max_out rows, Graph.attention)."""
-        c = self.caps
+        return self.thresholds_of(self.caps, max_out)
+
+    @classmethod
+    def thresholds_of(cls, c: Caps, max_out: int | None) -> list[int]:
+        """step_thresholds for caps c, before any Kernels exist (max_out None:
+        leave out split attention's, which follows the engine's max_out)."""
         t = [c.tiled_from] if c.tiled_from is not None else []
         if c.coopmat and c.attention_mc:
-            t.append(self.ATTN_MC_FROM)
-        if c.split_attention:
+            t.append(cls.ATTN_MC_FROM)
+        if c.split_attention and max_out is not None:
             t.append(max_out + 1)
         return t

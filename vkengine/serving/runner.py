@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, Protocol, TextIO
 
 import numpy as np
 
-from ..engine import Engine, Readback
+from ..engine import MAIN, Engine, Pass, Readback
 from ..errors import VkEngineError
 from ..kernels import Kernels
 from .embed import Pool, check_normalize, normalize
@@ -90,7 +90,11 @@ class Job:
     pool: Pool | None = None              # an embedding request's pooled hidden states
     masked: bool = False                  # its grammar's mask applies on the device (Engine.submit masked)
     dead_end: bool = False                # its grammar allowed nothing for its row in flight
-
+    spec: bool = False                    # decoded speculatively with the model's MTP block (speculate.py)
+    drafts: list[int] = field(default_factory=list)   # the MTP block's drafts for its next positions
+    mtp_at: int = -1                      # the position of drafts[0]
+    drafted: int = 0                      # drafts verified so far
+    accepted: int = 0                     # of which accepted
 
     @property
     def needs_logits(self) -> bool:
@@ -127,6 +131,7 @@ class RunnerMetrics(Protocol):
     def ttft(self, seconds: float) -> None: ...
     def inter_token(self, seconds: float) -> None: ...
     def finished(self, job: Job, finish: str) -> None: ...
+    def speculated(self, drafted: int, accepted: int) -> None: ...
 
 
 class EngineKV:
@@ -134,23 +139,31 @@ class EngineKV:
     scheduler's slot i is the engine's slot slots[i]. Parked rows go to
     host-visible buffers that are pooled and reused."""
 
-    def __init__(self, eng: Engine, slots: Sequence[int], keep: int = 8):
-        self.eng, self.slots, self.keep = eng, list(slots), keep
+    def __init__(self, eng: Engine, slots: Sequence[int], keep: int = 8, extra: int = 0):
+        """extra: KV rows parked beyond a sequence's length (1 with MTP drafts:
+        the MTP block's row of the pending token, which it has already run)."""
+        self.eng, self.slots, self.keep, self.extra = eng, list(slots), keep, extra
         self.pool: list = []
         self.held: dict[int, Any] = {}     # handles parked and not yet released, by id
+        self.asked: dict[int, int] = {}    # the length each handle was parked for, by id
 
     def park(self, slot: int, length: int):
-        need = self.eng.kv.park_bytes(self.slots[slot], length)
+        rows = min(length + self.extra, self.eng.n_ctx)
+        need = self.eng.kv.park_bytes(self.slots[slot], rows)
         fit = [b for b in self.pool if b.nbytes >= need]
         buf = min(fit, key=lambda b: b.nbytes) if fit else None
         if buf is not None:
             self.pool.remove(buf)
-        handle = self.eng.kv.park(self.slots[slot], length, into=buf)
+        handle = self.eng.kv.park(self.slots[slot], rows, into=buf)
         self.held[id(handle)] = handle
+        self.asked[id(handle)] = length
         return handle
 
     def restore(self, handle, slot: int, length: int) -> None:
-        self.eng.kv.restore(handle, self.slots[slot], length)
+        """Rows [0, length) of a handle into a slot: all it holds when length is
+        what it was parked for (a sequence resuming; its extra rows too)."""
+        whole = length == self.asked.get(id(handle), handle.length)
+        self.eng.kv.restore(handle, self.slots[slot], handle.length if whole else length)
 
     def reusable(self, source: tuple, length: int) -> int:
         """How many of the first `length` positions of a prefix source (("slot", i)
@@ -166,6 +179,7 @@ class EngineKV:
 
     def release(self, handle) -> None:
         del self.held[id(handle)]
+        self.asked.pop(id(handle), None)
         self.pool.append(handle.buffer)
         if len(self.pool) > self.keep:
             self.eng.device.free(self.pool.pop(0))
@@ -182,12 +196,21 @@ def top_logprobs(row: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
 class Runner:
     def __init__(self, engine: Engine, cfg: SchedulerConfig, metrics: RunnerMetrics | None = None,
                  step_log: TextIO | None = None, slots: Sequence[int] | None = None,
-                 arrivals: Callable[[], bool] = lambda: False):
+                 arrivals: Callable[[], bool] = lambda: False, mtp_draft: int = 0):
         """slots: the engine's slots the scheduler's cfg.n_slots map to (default
         0..n_slots-1). step_log: a JSON line per collected step (rows, prompt
         rows, outputs, chained, submit -> collected and the wait inside
         collect, in ms). arrivals(): whether requests are waiting to be added
-        (a decode step is then not chained, so they join the next one)."""
+        (a decode step is then not chained, so they join the next one).
+        mtp_draft: greedy requests decode speculatively with the model's MTP
+        block, up to this many drafts a step (vkengine.serving.speculate; the
+        engine's state needs snapshot rows for them)."""
+        spec = None
+        if mtp_draft:
+            from .speculate import Speculator
+            spec = Speculator(engine, mtp_draft)
+            # a verify step's rows are decode rows alone: prompt chunks run in steps of their own
+            cfg = dataclasses.replace(cfg, prompt_apart=True)
         # where the engine pads prompt steps to its tiled matmuls, a step's
         # decode rows and prompt rows run as two engine steps (decode rows on
         # the matvecs, as alone: tokens independent of who else runs)
@@ -196,7 +219,7 @@ class Runner:
         if cfg.prompt_granule == 1 and engine.prompt_granule > 1:   # chunks of whole tiles (prompt_budget)
             cfg = dataclasses.replace(cfg, prompt_granule=engine.prompt_granule)
         self.eng, self.cfg, self.metrics, self.step_log = engine, cfg, metrics, step_log
-        self.kv = EngineKV(engine, slots if slots is not None else range(cfg.n_slots))
+        self.kv = EngineKV(engine, slots if slots is not None else range(cfg.n_slots), extra=1 if spec else 0)
         if len(self.kv.slots) != cfg.n_slots or not all(0 <= s < engine.n_slots for s in self.kv.slots):
             raise ValueError(f"the scheduler's {cfg.n_slots} slots need as many of the engine's "
                              f"0..{engine.n_slots - 1}")
@@ -213,6 +236,9 @@ class Runner:
         self._t0 = time.perf_counter()
         self._last_collect = 0.0
         self._mask_pending = False    # the newest step in flight is masked and waits for its masks
+        self.spec = spec
+        if spec is not None:
+            spec.bind(self)
 
     @property
     def prompt_apart(self) -> bool:
@@ -254,6 +280,8 @@ class Runner:
         # a grammar's mask on the device where its token is chosen there (greedy, or drawn on the device)
         job.masked = job.constraint is not None and not req.host_logits and \
             (job.on_device or not req.sampling.needs_logits)
+        job.spec = (self.spec is not None and not req.sampling.needs_logits and not req.host_logits
+                    and job.constraint is None and job.pool is None)
         job.seq.data = job
         return job
 
@@ -318,6 +346,9 @@ class Runner:
         batch = self.sched.schedule()
         if batch is None:
             return False
+        if self.spec is not None and any(w.seq.data.spec for w in batch.work):
+            self.spec.turn(batch)    # (synchronous: nothing is left on the device)
+            return True
         if self.prompt_apart:
             for part, prompt in zip(batch.split(), (False, True)):
                 if part is not None:
@@ -348,8 +379,10 @@ class Runner:
             self.sched.postprocess(batch)
 
     # -- steps ------------------------------------------------------------------------
-    def _submit(self, batch: Batch, prompt: bool) -> None:
-        """Submit a composed step (or one of its two parts: Batch.split)."""
+    def _submit(self, batch: Batch, prompt: bool, pass_: Pass = MAIN) -> None:
+        """Submit a composed step (or one of its two parts: Batch.split); pass_:
+        the forward it runs (a speculating sequence's prompt keeps its rows'
+        hidden states for the MTP block)."""
         outs = batch.out_seqs
         readback, sampling = self._readback(outs)
         if any(s.data.needs_logits for s in outs):
@@ -364,7 +397,8 @@ class Runner:
         # grammars' masks on the device: every row's token is known here, so are its masks
         masked = bool(readback.tokens and not readback & Readback.LOGITS and any(s.data.masked for s in outs))
         self.eng.submit(batch.tokens, batch.positions, self._slots(batch), batch.out_rows, readback,
-                        sampling=sampling, prompt=prompt, masked=masked, masks=self._masks(outs) if masked else None)
+                        sampling=sampling, prompt=prompt, masked=masked, masks=self._masks(outs) if masked else None,
+                        pass_=pass_)
         self.inflight.append(InFlight(batch, outs, readback, time.perf_counter(), False, prompt, masked))
 
     def _masks(self, outs: list[Seq]) -> np.ndarray:

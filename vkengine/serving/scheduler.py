@@ -288,10 +288,12 @@ class Scheduler:
         self._place()
         return self._compose()
 
-    def postprocess(self, batch: Batch) -> None:
-        """The batch ran: its rows now have KV."""
+    def postprocess(self, batch: Batch, accepted: dict[int, int] | None = None) -> None:
+        """The batch ran: its rows now have KV. accepted[id(seq)]: the drafts a
+        speculative step ran after a sequence's row and accepted (its positions
+        beyond the work's tokens that now have KV too; vkengine.serving.speculate)."""
         for w in batch.work:
-            w.seq.n_cached += len(w.tokens)
+            w.seq.n_cached += len(w.tokens) + (accepted.get(id(w.seq), 0) if accepted else 0)
             w.seq.inflight -= len(w.tokens)
         for seq in {id(w.seq): w.seq for w in batch.work}.values():
             seq.turn += 1

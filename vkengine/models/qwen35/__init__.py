@@ -177,7 +177,10 @@ class Qwen35(Architecture):
     def state_bytes(self, a: Qwen35Args, n_slots: int, n_ctx: int,
                     kv_types: KVTypes = KVTypes(), max_step: int = 0) -> tuple[int, int]:
         per_pos, kv_slot = super().state_bytes(a, n_slots, n_ctx, kv_types)
-        return per_pos, kv_slot + 4 * len(a.rec_layers) * ((a.conv_kernel - 1) * a.conv_dim + a.nv * a.dv * a.dk)
+        rec = 4 * len(a.rec_layers) * ((a.conv_kernel - 1) * a.conv_dim + a.nv * a.dv * a.dk)
+        # speculative steps' snapshot rows (a recurrent state each, shared by the slots: spread over them)
+        snaps = -(-(a.mtp_snap_rows if a.n_nextn else 0) * rec // max(1, n_slots))
+        return per_pos, kv_slot + rec + snaps
 
     def has_mtp(self, a: Qwen35Args, w: Qwen35Weights) -> bool:
         return a.n_nextn > 0 and w.mtp is not None

@@ -1,0 +1,182 @@
+"""MTP speculative decoding inside the runner (vkengine/serving/speculate.py),
+on tiny random qwen35 / qwen35moe models (lavapipe): every request's tokens
+equal those of the same requests run without drafts (greedy ones, and sampled,
+grammar-held and log-probability-reporting ones beside them), with requests arriving while others decode, in batch mode
+(several slots) and slices mode (one slot, sequences parked on the host in
+turns), with drafts the model rejects, drafts forced right, and drafts right in
+part (rolled back mid-step)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from vkengine.engine import Engine, EngineConfig
+from vkengine.errors import VkEngineError
+from vkengine.model import load_model
+from vkengine.serving.constrain import compile_grammar
+from vkengine.serving.runner import Event, GenRequest, Runner
+from vkengine.serving.sampling import SamplingParams
+from vkengine.serving.scheduler import SchedulerConfig
+from vkengine.serving.speculate import Speculator
+
+from .test_models_qwen35 import ARCHES, PROMPT, qwen35_loaded, qwen35_models  # noqa: F401 (shared fixtures)
+from .test_synth_mtp_accept import accept_models  # noqa: F401 (shared fixture)
+
+ROWS = 12      # a verify step's rows (snapshot and output rows of the engine)
+
+
+def _engine(device, model, n_slots=3, rows=ROWS, **kw):
+    model = dataclasses.replace(model, args=dataclasses.replace(model.args, mtp_snap_rows=rows))
+    return Engine(model, device, EngineConfig(**{"n_slots": n_slots, "n_ctx": 96, "max_batch": 24,
+                                                 "max_out": max(rows, n_slots), **kw}))
+
+
+def _requests(m):
+    tok = m.tokenizer
+    texts = [PROMPT, "Once upon a time, in a land far away,", "def fib(n):\n    return",
+             "1, 2, 3, 4, 5, 6, 7, 8,"]
+    greedy = SamplingParams()
+    sampled = SamplingParams(temperature=0.9, top_k=20, seed=5)
+    return [GenRequest(tok.encode(texts[0]), 20, greedy, ignore_eos=True),
+            GenRequest(tok.encode(texts[1]) * 3, 14, greedy, ignore_eos=True),   # a chunked prompt (> max_batch)
+            GenRequest(tok.encode(texts[2]), 11, sampled, ignore_eos=True),       # decodes beside them unspeculated
+            GenRequest(tok.encode(texts[3]), 17, greedy, ignore_eos=True, stop=("\n\n",))]
+
+
+def _unspeculated(m):
+    """Greedy requests that do not speculate: a grammar's (its mask on the
+    device) and one whose log-probabilities are reported (logits on the host)."""
+    tok = m.tokenizer
+    g = compile_grammar(tok, "gbnf", 'root ::= [a-z ]+ "." [a-z ]*', "grammar")
+    return [GenRequest(tok.encode("Say it in words:"), 9, grammar=g, ignore_eos=True),
+            GenRequest(tok.encode("Numbers: 1, 2,"), 7, n_probs=3, ignore_eos=True)]
+
+
+def _run(eng, cfg, reqs, arrive, draft=0, spec_cls=None):
+    """Each request's tokens and finish: request i is added before turn arrive[i]."""
+    runner = Runner(eng, cfg, mtp_draft=draft)
+    if spec_cls is not None:
+        runner.spec = spec_cls(eng, draft)
+        runner.spec.bind(runner)
+    events: list[list[Event]] = [[] for _ in reqs]
+    jobs = [runner.make_job(r, events[i].append) for i, r in enumerate(reqs)]
+    turn = 0
+    while turn < 2000:
+        for i, a in enumerate(arrive):
+            if a == turn:
+                runner.add(jobs[i])
+        if not runner.step() and turn > max(arrive):
+            break
+        turn += 1
+    runner.settle()
+    assert all(j.done for j in jobs), "a request never ended"
+    out = [([e.token for e in ev if e.token is not None], ev[-1].finish) for ev in events]
+    return out, jobs, runner
+
+
+@pytest.mark.parametrize("arch,mode", [("qwen35", "batch"), ("qwen35moe", "batch"), ("qwen35", "slices")])
+def test_speculative_tokens_equal_plain(device, qwen35_loaded, arch, mode):
+    m = qwen35_loaded(arch)
+    slots = 3 if mode == "batch" else 1
+    eng = _engine(device, m, n_slots=slots)
+    cfg = SchedulerConfig(n_slots=slots, max_live=3, step_tokens=16, quantum=3, newcomer_first=mode == "slices",
+                          host_cache=3)   # (finished sequences' state kept on the host: the follow-up's prefix)
+    reqs = _requests(m) + _unspeculated(m)
+    arrive = [0, 2, 3, 9, 1, 5]
+    first, _, _ = _run(eng, cfg, reqs[:1], [0])
+    # the conversation's next turn, once the first reply is done: its state is reused (the prefix cache)
+    reqs.append(GenRequest(list(reqs[0].prompt) + first[0][0] + m.tokenizer.encode(" And then"), 10,
+                           ignore_eos=True))
+    arrive.append(60)
+    want, _, _ = _run(eng, cfg, reqs, arrive)
+    got, jobs, runner = _run(eng, cfg, reqs, arrive, draft=2)
+    assert got == want
+    assert [j.spec for j in jobs] == [True, True, False, True, False, False, True]
+    assert sum(j.drafted for j in jobs) >= 10 and runner.spec.steps > 0
+    # (from the first turn's finished state, or from it still running, parked, in slices mode)
+    assert jobs[-1].seq.cache_hit > len(reqs[0].prompt)
+    if mode == "slices":
+        assert runner.sched.stats["parks"] > 0 and runner.sched.stats["restores"] > 0
+
+
+class _Forced(Speculator):
+    """The MTP block's drafts replaced before each verify step by the true
+    continuation (right) or by it with the second draft wrong (half), so that
+    verify steps accept all drafts or roll back mid-step."""
+    truth: dict[int, list[int]] = {}
+    half = False
+
+    def turn(self, batch):
+        for w in batch.work:
+            job = w.seq.data
+            if job.drafts and job.mtp_at == w.start + 1:
+                t = self.truth[id(job.req)]
+                job.drafts = list(t[job.mtp_at:job.mtp_at + len(job.drafts)])
+                if self.half and len(job.drafts) > 1:
+                    job.drafts[1] = (job.drafts[1] + 1) % self.e.n_vocab
+        super().turn(batch)
+
+
+@pytest.mark.parametrize("half", [False, True])
+def test_forced_drafts_keep_tokens(device, qwen35_loaded, half):
+    m = qwen35_loaded("qwen35")
+    eng = _engine(device, m)
+    cfg = SchedulerConfig(n_slots=3, max_live=3, step_tokens=16)
+    reqs = [r for i, r in enumerate(_requests(m)) if i != 2]
+    arrive = [0, 1, 4]
+    want, _, _ = _run(eng, cfg, reqs, arrive)
+    _Forced.truth = {id(r): list(r.prompt) + toks for r, (toks, _) in zip(reqs, want)}
+    _Forced.half = half
+    got, jobs, runner = _run(eng, cfg, reqs, arrive, draft=3, spec_cls=_Forced)
+    assert got == want
+    drafted, accepted = sum(j.drafted for j in jobs), sum(j.accepted for j in jobs)
+    assert drafted >= 10
+    if half:
+        assert 0 < accepted < drafted     # the second draft always rejected: rolled back after row 1
+    else:
+        assert accepted == drafted
+        n_tokens = sum(len(t) for t, _ in want)
+        assert runner.spec.steps <= n_tokens // 2    # several tokens a verify step
+
+
+def test_context_end_and_budget(device, qwen35_loaded):
+    """Drafts stop at the context length and at max_tokens: the reply ends as without them."""
+    m = qwen35_loaded("qwen35")
+    eng = _engine(device, m, n_slots=2, n_ctx=40)
+    cfg = SchedulerConfig(n_slots=2, max_live=2, step_tokens=16)
+    ids = m.tokenizer.encode(PROMPT)
+    reqs = [GenRequest(ids, 100, ignore_eos=True), GenRequest(ids[:5], 3, ignore_eos=True)]
+    want, _, _ = _run(eng, cfg, reqs, [0, 0])
+    _Forced.truth = {id(r): list(r.prompt) + toks for r, (toks, _) in zip(reqs, want)}
+    _Forced.half = False
+    got, _, _ = _run(eng, cfg, reqs, [0, 0], draft=3, spec_cls=_Forced)
+    assert got == want
+    assert want[0][1] == "length" and len(want[0][0]) == 40 - len(ids) + 1
+
+
+def test_speculation_needs_an_mtp_block_and_rows(device, qwen35_loaded):
+    m = qwen35_loaded("qwen35")
+    eng = _engine(device, m, rows=1, n_slots=1)
+    with pytest.raises(VkEngineError, match="snapshot rows"):
+        Runner(eng, SchedulerConfig(n_slots=1, max_live=1), mtp_draft=2)
+    with pytest.raises(VkEngineError, match="--draft"):
+        Speculator(_engine(device, m, n_slots=1), 0)
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_drafts_accepted_with_the_mtp_accept_model(device, accept_models, arch):
+    """`synth --mtp-accept`'s model: its own MTP block's drafts are accepted
+    (nearly) always, in several sequences' verify steps at once, and the tokens
+    stay those of plain decoding."""
+    m = load_model(accept_models[arch]["gguf"])
+    eng = _engine(device, m)
+    cfg = SchedulerConfig(n_slots=3, max_live=3, step_tokens=16)
+    reqs = [r for i, r in enumerate(_requests(m)) if i != 2]
+    arrive = [0, 1, 4]
+    want, _, _ = _run(eng, cfg, reqs, arrive)
+    got, jobs, runner = _run(eng, cfg, reqs, arrive, draft=3)
+    assert got == want
+    drafted, accepted = sum(j.drafted for j in jobs), sum(j.accepted for j in jobs)
+    assert drafted >= 20 and accepted >= 0.9 * drafted, (accepted, drafted)
+    assert runner.spec.steps <= sum(len(t) for t, _ in want) // 2

@@ -1,0 +1,339 @@
+"""Speculative decoding inside the runner (the server's, generate()'s) with the
+model's own multi-token-prediction block (Qwen3.5's `nextn.*` tensors; the
+single-sequence form is vkengine/serving/mtp.py, whose round this follows).
+Greedy requests speculate (`Job.spec`); the others decode as usual, in the
+same steps. Output: exactly the plain greedy tokens, because the main model
+verifies every draft and a row of a step is computed as it would be alone
+(rows below Kernels.step_thresholds; tests/test_speculate.py checks it
+against runs without drafts, interleaved, in batch and slices modes).
+
+A runner turn whose batch holds a speculating sequence (Runner.submit_next)
+runs here, synchronously (nothing stays on the device after it):
+
+1. The decode rows: one verify step holds, per speculating sequence, its
+   pending token t_p and its drafts d_1..d_k (positions p..p+k), and one row per
+   other sequence; every row's token comes back, each row's final-normed
+   hidden state stays in `hn`, and the recurrent state after each row in
+   snapshot rows (vkengine/state.py). Drafts are accepted while d_{i+1} equals
+   the greedy token of row i; a sequence that rejected some has its recurrent
+   state rolled back to the snapshot of its last accepted row (one program for
+   all). The accepted tokens then go through the runner's _take one by one
+   (stop strings, EOS, max_tokens end a reply mid-way as without drafts).
+2. The MTP block catches up, for all those sequences in one step, on the
+   positions accepted (row q: token q and the hidden state of q - 1); its last
+   row drafts the next position, and further drafts chain the block on its own
+   hidden state, one step for all sequences per draft.
+3. The prompt rows: a step of their own (the runner's prompt_apart) keeping
+   every row's hidden state, then the MTP block over the same positions, so
+   that its KV rows follow the prompt; a prompt that is done gets drafts as in 2.
+
+What a verify step may hold: its rows must stay below the row counts where
+the kernels change and within the state's snapshot rows and the engine's
+output rows (`Speculator.rows`; `verify_rows` sizes a server's engine for its
+slots). When the step's decode rows leave no room, drafts are cut, the most
+first, down to none; a sequence with no room for drafts skips the MTP block
+that round (its later drafts are then worse, never its output).
+
+Drafts are host data on the Job, so a parked sequence keeps them, and the
+runner parks one KV row more (EngineKV.extra: the MTP block's row of the
+pending token). The MTP block's rows for a prefix reused from the cache are
+those of the sequence that left it (stale if it did not speculate): drafts
+can be worse there too, the output not.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..engine import MAIN, Engine, Pass, Readback
+from ..errors import VkEngineError
+from ..kernels import Caps, Kernels
+from ..state import HybridState
+from .scheduler import Batch, Work
+
+if TYPE_CHECKING:
+    from .runner import Job, Runner
+
+
+def verify_rows(caps: Caps, n_slots: int, draft: int) -> int:
+    """Rows a server's verify step should hold (its state's snapshot rows and
+    its engine's output rows): every slot's pending token and `draft` drafts,
+    below the row counts where the kernels change (at most the tiled matmuls'
+    threshold and attention on cooperative matrices' less one)."""
+    bound = min(Kernels.thresholds_of(caps, None), default=1 << 30) - 1
+    return max(1, min(n_slots * (draft + 1), bound))
+
+
+@dataclass
+class _Segment:
+    """A sequence's rows of an MTP block step: tokens at positions start..,
+    row r reading the hidden state hmap[r] (of `hn` or `mtp_hn`)."""
+    job: Job
+    start: int
+    tokens: list[int]
+    hmap: list[int]
+    draft: bool            # its last row drafts the position after it
+    zero_first: bool = False   # position 0: its hidden state is zeros (no previous position)
+
+
+class Speculator:
+    def __init__(self, engine: Engine, draft: int):
+        e = engine
+        if not e.arch.has_mtp(e.args, e.weights):
+            raise VkEngineError(f"{e.model.name} has no MTP block (nextn tensors) to draft with: drop --mtp")
+        if draft < 1:
+            raise VkEngineError("--draft must be >= 1")
+        if not isinstance(e.kv, HybridState):
+            raise VkEngineError(f"{e.model.name}: speculative decoding here rolls back a hybrid model's state")
+        self.e, self.k, self.state = e, draft, e.kv
+        self.rows = min(e.kv.snap_rows, e.max_out, e.exact_rows)
+        if self.rows < 2:
+            raise VkEngineError("the engine's state keeps no snapshot rows for verify steps: build it from model "
+                                "args with mtp_snap_rows (verify_rows) and max_out at least that")
+        z = e.scratch.region("mtp_zero")     # the zero hidden state of position 0
+        e.device.upload(z.buf, np.zeros(e.scratch.widths["mtp_zero"], np.float32), z.off * 4)
+        self.steps = 0                     # verify steps run
+        self.mtp_steps = 0                 # MTP block steps run
+        # MTP block steps in flight: (the jobs their output rows draft for, rows, submitted at)
+        self._pending: deque[tuple[list[Job], int, float]] = deque()
+
+    def bind(self, runner: Runner) -> None:
+        self.r = runner
+
+    # -- a turn -------------------------------------------------------------------------
+    def turn(self, batch: Batch) -> None:
+        dec, pro = batch.split()
+        if dec is not None:
+            self._verify(dec)
+        if pro is not None:
+            self._prompt(pro)
+
+    def _room(self, work: list[Work]) -> list[int]:
+        """The drafts each decode row's sequence may verify this step (0 for
+        those that do not speculate): what its reply and the context leave,
+        cut (the largest first) until the step fits self.rows."""
+        e = self.e
+        room = []
+        for w in work:
+            job: Job = w.seq.data
+            left = job.req.max_tokens - (len(w.seq.tokens) - w.seq.n_prompt)   # tokens still to come
+            room.append(max(0, min(self.k, left - 1, e.n_ctx - 2 - w.start)) if job.spec else 0)
+        over = len(work) + sum(room) - self.rows
+        while over > 0 and any(room):
+            i = max(range(len(room)), key=lambda j: room[j])
+            room[i] -= 1
+            over -= 1
+        return room
+
+    def _verify(self, dec: Batch) -> None:
+        r, e = self.r, self.e
+        room = self._room(dec.work)
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        outs = []
+        plan: list[tuple[Work, int, list[int], bool]] = []   # (work, first row, drafts verified, speculates now)
+        for w, n in zip(dec.work, room):
+            job: Job = w.seq.data
+            drafts = job.drafts[:n] if job.spec and job.drafts and job.mtp_at == w.start + 1 else []
+            off = len(tokens)
+            rows = [int(w.tokens[0])] + drafts
+            tokens += rows
+            positions += range(w.start, w.start + len(rows))
+            slots += [self._slot(w.seq)] * len(rows)
+            outs += [w.seq] * len(rows)
+            plan.append((w, off, drafts, n > 0))
+        readback, sampling = r._readback(outs)
+        if any(s.data.needs_logits for s in outs):
+            readback = Readback.LOGITS   # the host chooses every token of a step that reads logits
+        masked = readback.tokens and any(s.data.masked for s in outs)
+        pass_ = Pass(hidden_rows=any(p[3] for p in plan), snapshots=any(p[2] for p in plan))
+        t0 = time.perf_counter()
+        e.submit(tokens, positions, slots, range(len(tokens)), readback, sampling=sampling, masked=masked,
+                 masks=r._masks(outs) if masked else None, pass_=pass_)
+        res = e.collect()
+        now = time.perf_counter()
+        self.steps += 1
+        if readback == Readback.SAMPLE | Readback.LOGITS:      # (tokens, logits): a pair a row
+            res = list(zip(*res))
+        greedy = [self._token(x, readback) for x in res]
+        accepted: dict[int, int] = {}
+        rollbacks = []
+        for w, off, drafts, _ in plan:
+            n_acc = 0
+            while n_acc < len(drafts) and drafts[n_acc] == greedy[off + n_acc]:
+                n_acc += 1
+            accepted[id(w.seq)] = n_acc
+            if n_acc < len(drafts):   # the state after its last accepted row
+                rollbacks.append((self._slot(w.seq), off + n_acc, w.start + n_acc + 1))
+        if rollbacks:
+            self.state.commit_snapshots(rollbacks)
+        if r.metrics:
+            r.metrics.step(len(tokens), now - t0)
+        self._log(len(tokens), sum(len(p[2]) for p in plan), sum(accepted.values()), t0, now)
+        r.sched.postprocess(dec, accepted)
+        # the MTP block over each speculating sequence's accepted positions (p+1 ..: its tokens are the
+        # greedy ones of rows 0..n_acc) goes to the device first; the tokens' host work overlaps it
+        segs: list[_Segment] = []
+        for w, off, drafts, speculates in plan:
+            job = w.seq.data
+            job.drafts = []
+            if speculates:
+                n_acc = accepted[id(w.seq)]
+                segs.append(_Segment(job, w.start + 1, greedy[off:off + n_acc + 1],
+                                     list(range(off, off + n_acc + 1)), True))
+        self._mtp(segs, "hn")
+        for w, off, drafts, _ in plan:
+            job = w.seq.data
+            n_acc = accepted[id(w.seq)]
+            if drafts:
+                job.drafted += len(drafts)
+                job.accepted += n_acc
+                if r.metrics:
+                    r.metrics.speculated(len(drafts), n_acc)
+            for i in range(n_acc + 1):   # its tokens in order, as a step each would have given them
+                if job.done:
+                    break
+                r._guard(w.seq, r._take, job, res[off + i], readback, now)
+        r.deliver()     # (their text and events while the MTP block's steps run)
+        self._drain()
+
+    def _prompt(self, pro: Batch) -> None:
+        r = self.r
+        spec = any(w.seq.data.spec for w in pro.work)
+        r._submit(pro, True, Pass(hidden_rows=True) if spec else MAIN)
+        r._collect_oldest()
+        r.deliver()     # (a finished prompt's first token does not wait for the MTP block)
+        segs: list[_Segment] = []
+        off = 0
+        for w in pro.work:
+            job, seq = w.seq.data, w.seq
+            c0, c1 = w.start, w.start + len(w.tokens)
+            if job.spec and not job.done:
+                # position q pairs token q with the hidden state of q - 1; this chunk's rows give those of
+                # c0..c1-1, so positions c0+1..c1 (0..c1 from the start, zeros before position 0) where
+                # token q is known: c1's is the next chunk's first or, after the last chunk, the reply's first
+                a = 0 if c0 == 0 else c0 + 1
+                b = min(c1, len(seq.tokens) - 1, self.e.n_ctx - 1)
+                if b >= a:
+                    segs.append(_Segment(job, a, seq.tokens[a:b + 1],
+                                         [off + max(q - 1 - c0, 0) for q in range(a, b + 1)],
+                                         w.output and b == len(seq.tokens) - 1, zero_first=a == 0))
+            off += len(w.tokens)
+        self._mtp(segs, "hn")
+        self._drain()
+
+    # -- the MTP block ------------------------------------------------------------------
+    def _mtp(self, segs: list[_Segment], hidden: str) -> None:
+        """Run the MTP block over the segments (in steps of at most max_batch
+        rows and max_out drafting rows, a zero-first segment first in its step)
+        and draft: after each step, its drafting sequences' further drafts
+        chain on `mtp_hn` before anything else overwrites it."""
+        e = self.e
+        pieces: list[_Segment] = []
+        for s in segs:   # (a segment longer than a step: pieces, the last one drafting)
+            for i in range(0, len(s.tokens), e.max_batch):
+                n = min(e.max_batch, len(s.tokens) - i)
+                pieces.append(_Segment(s.job, s.start + i, s.tokens[i:i + n], s.hmap[i:i + n],
+                                       s.draft and i + n == len(s.tokens), s.zero_first and i == 0))
+        step: list[_Segment] = []
+        for s in pieces:
+            rows = sum(len(x.tokens) for x in step)
+            outs = sum(x.draft for x in step)
+            if step and (s.zero_first or rows + len(s.tokens) > e.max_batch or outs + s.draft > e.max_out):
+                self._mtp_step(step, hidden)
+                step = []
+            step.append(s)
+        if step:
+            self._mtp_step(step, hidden)
+
+    def _mtp_step(self, step: list[_Segment], hidden: str) -> None:
+        """One MTP block step over the segments, then (submitted behind it, each
+        taking its tokens from the step before on the device: Engine.submit's
+        chain) the further drafts of its drafting sequences: the block at each
+        draft's position with that draft and its own hidden state, one step for
+        all per draft."""
+        tokens = [t for s in step for t in s.tokens]
+        positions = [s.start + i for s in step for i in range(len(s.tokens))]
+        slots = [self._slot(s.job.seq) for s in step for _ in s.tokens]
+        hmap = [h for s in step for h in s.hmap]
+        rows, n = [], 0            # (the drafting segments' last rows)
+        for s in step:
+            n += len(s.tokens)
+            if s.draft:
+                rows.append(n - 1)
+        jobs = [s.job for s in step if s.draft]
+        for s in step:
+            if s.draft:
+                s.job.drafts = []
+                s.job.mtp_at = s.start + len(s.tokens)     # the position its first draft is for
+        want = {id(j): self._want(j) for j in jobs}
+        self._submit(tokens, positions, slots, rows, Readback.ARGMAX if rows else Readback.NONE,
+                     Pass(mtp=True, hidden=hidden, zero_first=step[0].zero_first), hmap, jobs)
+        d = 1
+        while True:
+            keep = [i for i, j in enumerate(jobs) if want[id(j)] > d]   # (indices of the step before's outputs)
+            if not keep:
+                return
+            jobs = [jobs[i] for i in keep]
+            self._submit([0] * len(keep), [j.mtp_at + d - 1 for j in jobs], [self._slot(j.seq) for j in jobs],
+                         range(len(keep)), Readback.ARGMAX, Pass(mtp=True, hidden="mtp_hn"), [rows[i] for i in keep],
+                         jobs, chain=keep)
+            rows = list(range(len(keep)))
+            d += 1
+
+    def _submit(self, tokens, positions, slots, out_rows, readback: Readback, pass_: Pass, hmap, jobs: list[Job],
+                chain: list[int] | None = None) -> None:
+        """Submit an MTP block step whose output rows draft for `jobs` (in
+        order), collecting the oldest first when the engine has as many in
+        flight as it takes; a chained step follows the one it reads at once."""
+        e = self.e
+        if e.in_flight >= e.max_in_flight:
+            self._collect()
+        e.submit(tokens, positions, slots, out_rows, readback, pass_=pass_, hmap=hmap, chain=chain)
+        self._pending.append((jobs, len(tokens), time.perf_counter()))
+        self.mtp_steps += 1
+
+    def _collect(self) -> None:
+        jobs, n, t0 = self._pending.popleft()
+        got = self.e.collect()
+        if self.r.metrics:
+            self.r.metrics.step(n, time.perf_counter() - t0)
+        for j, t in zip(jobs, got if got is not None else ()):
+            j.drafts.append(int(t))
+
+    def _drain(self) -> None:
+        while self._pending:
+            self._collect()
+
+    def _want(self, job: Job) -> int:
+        """Drafts worth making for a sequence's next verify step: --draft, less
+        what its reply and the context leave (its pending token is at mtp_at - 1)."""
+        left = job.req.max_tokens - (job.mtp_at - job.seq.n_prompt)   # (its pending token's is the last made)
+        return max(0, min(self.k, left - 1, self.e.n_ctx - 1 - job.mtp_at))
+
+    def _slot(self, seq) -> int:
+        """The engine slot of a resident sequence."""
+        assert seq.slot is not None
+        return self.r.kv.slots[seq.slot]
+
+    @staticmethod
+    def _token(x, readback: Readback) -> int:
+        """A verify row's greedy token, as Runner._take chooses it for a greedy
+        request (from the logits where the step read them back)."""
+        if readback & Readback.LOGITS:
+            lg = x[1] if readback & Readback.SAMPLE else x
+            return int(np.argmax(lg))
+        return int(x)
+
+    def _log(self, rows: int, drafted: int, accepted: int, t0: float, now: float) -> None:
+        log = self.r.step_log
+        if log is not None:
+            log.write(json.dumps({"t_ms": round((t0 - self.r._t0) * 1e3, 3), "rows": rows, "prompt_rows": 0,
+                                  "drafted": drafted, "accepted": accepted, "chained": False,
+                                  "dt_ms": round((now - t0) * 1e3, 3)}) + "\n")
