@@ -13,6 +13,9 @@
 // kernels do; the sums stay fp32.
 // Compiled by the newer glslc (scripts/glslc-ext.sh); only GPUs whose driver
 // reports 16x16x16 f16 x f16 -> f32 subgroup matrices run it.
+// MUL_ID (mul_mc_id): the experts' matmul of a prompt step in such tiles, over
+// moe_sort.comp's work list of (expert, block of its pairs), as mul_mt.comp's
+// MUL_ID (mul_tiled_cols.glsl).
 #extension GL_EXT_control_flow_attributes : require
 #extension GL_EXT_shader_explicit_arithmetic_types_float16 : require
 #extension GL_KHR_cooperative_matrix : require
@@ -37,9 +40,13 @@ layout(push_constant) uniform P {
     // multiple of the K slice and of the weight type's unit span: Kernels
     // takes multiples of 256; 0: all of K, z = 0); reduce_k.comp adds the parts
     uint klen, z_stride;
+#ifdef MUL_ID
+    uint k, list_off, list_stride, cnt_off, blocks_off, x_slot_stride, y_slot_stride;
+#endif
 } p;
 
 #include "quant.glsl"
+#include "mul_tiled_cols.glsl"
 
 #ifndef BK
 #define BK 32
@@ -69,20 +76,20 @@ vec4 xr_[XPT];
 
 // global -> registers: slice k0's weight units (rows past M and columns past K
 // read as zeros) and x values
-void fetch(uint k0, uint row0, uint col0, uint tid) {
+void fetch(uint k0, uint row0, uint col0, uint tid, uint N) {
     uint ubase = (k0 / GSPAN) * UPS;
     [[unroll]] for (uint t = 0; t < WPT; t++) {
         uint i = tid + t * 256u;
         uint r = i / UPS, u = ubase + i % UPS;
         wr_[t] = Raw(uvec4(0u), uvec4(0u));
         if (i < BM * UPS && row0 + r < p.M && u * UNIT_VALUES < p.K)
-            wr_[t] = unit_fetch(p.w_off, p.w_off2, row0 + r, u, p.K);
+            wr_[t] = unit_fetch(p.w_off, p.w_off2, W_ROW0 + row0 + r, u, p.K);
     }
     [[unroll]] for (uint t = 0; t < XPT; t++) {
         uint i = tid + t * 256u;
         uint c = i / (BK / 4u), k4 = i % (BK / 4u);
         uint col = col0 + c;
-        xr_[t] = col < p.N && k0 + k4 * 4u < p.K ? act4[(p.x_off + col * p.x_stride + k0) / 4u + k4] : vec4(0.0);
+        xr_[t] = col < N && k0 + k4 * 4u < p.K ? act4[(x_row(col) + k0) / 4u + k4] : vec4(0.0);
     }
 }
 
@@ -114,7 +121,9 @@ void main() {
     uint sg = gl_SubgroupID;
     uint lane = gl_SubgroupInvocationID;
     uint row0 = gl_WorkGroupID.x * BM;
-    uint col0 = gl_WorkGroupID.y * BN;
+    uint col0 = tile_cols(BN);
+    if (col0 == NO_TILE) return;     // (uniform: past the work list)
+    uint N = n_cols();
     uint wr = sg % SGM, wc = sg / SGM;
     coopmat<float, gl_ScopeSubgroup, 16, 16, gl_MatrixUseAccumulator> acc[TMC * TNC];   // [i * TNC + j]
     [[unroll]] for (uint i = 0; i < TMC * TNC; i++)
@@ -122,7 +131,7 @@ void main() {
 
     uint kb = gl_WorkGroupID.z * p.klen, ke = p.klen == 0u ? p.K : min(p.K, kb + p.klen);
     for (uint k0 = kb; k0 < ke; k0 += BK) {
-        fetch(k0, row0, col0, tid);
+        fetch(k0, row0, col0, tid, N);
         stash(k0, tid);
         barrier();
         [[unroll]] for (uint kk = 0; kk < BK; kk += 16u) {
@@ -147,8 +156,8 @@ void main() {
             for (uint e = lane; e < 256u; e += gl_SubgroupSize) {
                 uint row = row0 + wr * WM + i * 16u + (e & 15u);
                 uint col = col0 + wc * WN + j * 16u + (e >> 4);
-                if (row < p.M && col < p.N) {
-                    uint yi = p.y_off + gl_WorkGroupID.z * p.z_stride + col * p.y_stride + row;
+                if (row < p.M && col < N) {
+                    uint yi = y_row(col) + row;
                     float s = Cs[sg * 256u + e];
                     act[yi] = p.accumulate != 0u ? act[yi] + s : s;
                 }

@@ -6,6 +6,11 @@
 // memory once per tile instead of once per token) and copies BN token rows, then
 // every invocation does TM x TN x BK multiply-adds from shared memory.
 // Uses barrier(), which lavapipe runs slowly: Kernels picks it on GPUs only.
+// MUL_ID (mul_mt_id): the experts' matmul of a prompt step, as mul_mm_id.comp
+// computes it (y[r][i] = W[e][...] . x[r][i] for the pairs (r, i) routed to
+// expert e) but in tiles: grid y walks moe_sort.comp's (BLOCKS) work list of
+// (expert e, block of BN of its pairs), the tile's rows are expert e's, and
+// its token columns gather the listed pairs' x rows and scatter their y rows.
 #extension GL_EXT_control_flow_attributes : require
 
 layout(local_size_x = 256, local_size_y = 1, local_size_z = 1) in;
@@ -26,9 +31,13 @@ layout(push_constant) uniform P {
     // multiple of the K slice and of the weight type's unit span: Kernels
     // takes multiples of 256; 0: all of K, z = 0); reduce_k.comp adds the parts
     uint klen, z_stride;
+#ifdef MUL_ID
+    uint k, list_off, list_stride, cnt_off, blocks_off, x_slot_stride, y_slot_stride;
+#endif
 } p;
 
 #include "quant.glsl"
+#include "mul_tiled_cols.glsl"
 
 #define BM (16 * TM)
 #define BN (16 * TN)
@@ -39,7 +48,9 @@ shared vec4 Xs[BK][BN / 4];   // Xs[k][c / 4][c % 4] = x[col0 + c][k0 + k]
 void main() {
     uint tid = gl_LocalInvocationID.x;
     uint row0 = gl_WorkGroupID.x * BM;
-    uint col0 = gl_WorkGroupID.y * BN;
+    uint col0 = tile_cols(BN);
+    if (col0 == NO_TILE) return;     // (uniform: past the work list)
+    uint N = n_cols();
     uint tx = tid % 16u, ty = tid / 16u;
     // The units whose values fall in a BK slice: those of the slice's UNIT_SPAN
     // group (K-quant units interleave within 64 or 128 columns). Units spanning
@@ -58,7 +69,7 @@ void main() {
             uint u = ubase + i % UPS;
             uint row = row0 + r;
             Raw raw = Raw(uvec4(0u), uvec4(0u));   // rows past M decode to zeros
-            if (row < p.M) raw = unit_fetch(p.w_off, p.w_off2, row, u, p.K);
+            if (row < p.M) raw = unit_fetch(p.w_off, p.w_off2, W_ROW0 + row, u, p.K);
             vec4 v[UNIT_GROUPS];
             uint xo[UNIT_GROUPS];
             unit_decode(raw, u, v, xo);
@@ -73,7 +84,7 @@ void main() {
             uint c = i / (BK / 4u);
             uint k4 = i % (BK / 4u);
             uint col = col0 + c;
-            vec4 xv = col < p.N ? act4[(p.x_off + col * p.x_stride + k0) / 4u + k4] : vec4(0.0);
+            vec4 xv = col < N ? act4[(x_row(col) + k0) / 4u + k4] : vec4(0.0);
             [[unroll]] for (uint e = 0; e < 4u; e++) Xs[k4 * 4u + e][c >> 2][c & 3u] = xv[e];
         }
         barrier();
@@ -94,11 +105,12 @@ void main() {
     }
     [[unroll]] for (uint j = 0; j < TN; j++) {
         uint col = col0 + tx * TN + j;
-        if (col >= p.N) continue;
+        if (col >= N) continue;
+        uint yb = y_row(col);
         [[unroll]] for (uint i = 0; i < TM; i++) {
             uint row = row0 + ty * TM + i;
             if (row < p.M) {
-                uint yi = p.y_off + gl_WorkGroupID.z * p.z_stride + col * p.y_stride + row;
+                uint yi = yb + row;
                 float s = acc[j][i / 4u][i % 4u];
                 act[yi] = p.accumulate != 0u ? act[yi] + s : s;
             }

@@ -101,6 +101,11 @@ XQ8_TYPES = ("q8_0",)
 # mul_mc's tile: BM weight rows x BN tokens, its 8 subgroups in an SGM x SGN grid
 # (the fastest layout measured; notes.md, "From code comments": MC_TILE).
 MC_TILE = (64, 128, 1, 8)
+# The experts' tiles of a prompt step (MUL_ID: mul_mc_id, mul_mt_id): an expert
+# gets n x k / E of a step's n rows on average (16 at 512 rows of qwen35moe's
+# 256 experts, 8 used), so narrow token blocks (BN 32 on the cooperative
+# matrices, 64 on mul_mt) waste little on padded columns. Not measured on a GPU.
+MC_ID_TILE = (128, 32, 4, 2)
 # mul_mc2's tiles with fp32 sums (VK_NV_cooperative_matrix2: one workgroup-scope
 # BM x BN matrix a workgroup) by the rows they start from, their chunks, and the
 # weight types it loads (notes.md run 11).
@@ -191,6 +196,10 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
         t[f"mul_mt64_{wt}"] = ("mul_mt.comp", {**d, "TM": TILE_SMALL[0], "TN": TILE_SMALL[1]})
         bm, bn, sgm, sgn = MC_TILE
         t[f"mul_mc_{wt}"] = ("mul_mc.comp", {**d, "BM": bm, "BN": bn, "SGM": sgm, "SGN": sgn, EXT_DEFINE: 1})
+        t[f"mul_mt_id_{wt}"] = ("mul_mt.comp", {**d, "TM": TILE_SMALL[0], "TN": TILE_SMALL[1], "MUL_ID": 1})
+        bm, bn, sgm, sgn = MC_ID_TILE
+        t[f"mul_mc_id_{wt}"] = ("mul_mc.comp", {**d, "BM": bm, "BN": bn, "SGM": sgm, "SGN": sgn, "MUL_ID": 1,
+                                                EXT_DEFINE: 1})
         if wt in MC2_TYPES:
             for tag, chunks, sums in (("", MC2_UNROLL, {}), ("h", MC2H_UNROLL, {"ACC_F16": 1})):
                 for (bm, bn), unroll in chunks.items():
@@ -252,6 +261,7 @@ def _hybrid_table() -> dict[str, tuple[str, dict[str, int]]]:
     t["conv1d_rows"] = ("conv1d_rows.comp", {})
     t["conv1d_rows_state"] = ("conv1d_rows.comp", {"STATE": 1})
     t["moe_router"] = ("moe_router.comp", {"FIXED": 0})
+    t["moe_sort_blocks"] = ("moe_sort.comp", {"BLOCKS": 1})   # and the tiled expert matmuls' work list
     t["moe_router_fixed"] = ("moe_router.comp", {"FIXED": 1})
     return t
 

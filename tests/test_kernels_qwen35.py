@@ -372,3 +372,53 @@ def test_expert_matmuls_and_combine(device, hk, ws, rng, wt, batched):
     if batched:
         counts = ws.read(cnt, np.uint32)
         np.testing.assert_array_equal(counts, np.bincount(ids.reshape(-1), minlength=E))
+
+
+@pytest.mark.parametrize("kind", ["mt", "mc"])
+@pytest.mark.parametrize("wt", ["q4_0", "q8_0", "f16", "q4_k", "mxfp4"])
+def test_tiled_expert_matmuls(device, ws, rng, wt, kind):
+    """The experts' matmuls of a prompt step in tiles (mul_mt_id; mul_mc_id on
+    cooperative matrices, the GPU kit runs it) over moe_sort's work list:
+    gate/up (x shared by a row's experts) and down (one x per pair) against
+    numpy, with experts of more pairs than a block, of one, and of none; the
+    work list holds each expert's blocks once."""
+    from .conftest import kernels_for
+    kn = kernels_for(device, tiled_from=2, expert_tiles=True, **({} if kind == "mc" else {"coopmat": False}))
+    if kind == "mc" and not kn.caps.coopmat:
+        pytest.skip("the device has no 16x16x16 f16 cooperative matrices (the GPU kernel tests run these)")
+    E, M, k, n = 7, 70, 3, 150
+    K = 256 if wt == "q4_k" else 96
+    raw, wf = random_quantized(wt, E * M, K, rng)
+    mat = upload_matrix(ws, wt, raw, E * M, K)
+    W = wf.reshape(E, M, K).astype(np.float64)
+    ids = np.stack([rng.permutation(5)[:k] for _ in range(n)]).astype(np.uint32)   # experts 5, 6: none
+    ids[7] = [6, 0, 2]                                     # ... but 6 gets one pair
+    rs = 2 * k
+    route = np.concatenate([ids.view(np.float32), rng.uniform(0.1, 1.0, (n, k)).astype(np.float32)], 1)
+    rr = ws.act_region(route.size, route)
+    lst, cnt, blk = ws.act_region(n * (E + 1)), ws.act_region(E), ws.act_region(n * k)
+    x = rng.standard_normal((n, K)).astype(np.float32)
+    xs = rng.standard_normal((n, k, K)).astype(np.float32)
+    xr, xsr = ws.act_region(x.size, x), ws.act_region(xs.size, xs)
+    ys = k * M + 4
+    yr, y2 = ws.act_region(n * ys), ws.act_region(n * ys)
+    variant, _, bn = kn.expert_tile(mat)
+    assert variant.startswith(f"mul_{kind}_id_")
+    prog = device.program()
+    kn.moe_sort(prog, rr, rs, k, n, E, lst, E + 1, cnt, blocks=(blk, bn))
+    kn.mul_tiled_id(prog, mat, M, E, xr, K, 0, lst, E + 1, cnt, blk, k, yr, ys, M, n)
+    kn.mul_tiled_id(prog, mat, M, E, xsr, k * K, K, lst, E + 1, cnt, blk, k, y2, ys, M, n)
+    prog.run()
+    counts = np.bincount(ids.reshape(-1), minlength=E)
+    np.testing.assert_array_equal(ws.read(cnt, np.uint32), counts)
+    words = ws.read(blk, np.uint32)
+    want_blocks = sorted((e << 16) | b for e in range(E) for b in range(-(-int(counts[e]) // bn)))
+    assert words[0] == len(want_blocks) and sorted(words[1:1 + words[0]]) == want_blocks
+    assert max(counts) > bn                               # an expert's pairs span blocks
+    # fp16 operands on the cooperative matrices (W and x rounded to 11 bits), fp32 in mul_mt
+    tol = (2e-3 if kind == "mc" else 1e-5) * np.sqrt(K)
+    got = ws.read(yr).reshape(n, ys)
+    _close(got[:, :k * M].reshape(n, k, M), np.einsum("rimk,rk->rim", W[ids], x.astype(np.float64)), atol_scale=tol)
+    assert np.isnan(got[:, k * M:]).all()
+    down = np.einsum("rimk,rik->rim", W[ids], xs.astype(np.float64))
+    _close(ws.read(y2).reshape(n, ys)[:, :k * M].reshape(n, k, M), down, atol_scale=tol)

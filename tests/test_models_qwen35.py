@@ -308,3 +308,25 @@ def test_weights_split_across_buffers(device, qwen35_loaded, monkeypatch):
         eng.out = _prefill_logits(eng, ids)
         eng.dec = np.stack([eng.step([t], [len(ids) + i], [0], [0], Readback.LOGITS)[0] for i, t in enumerate(ids[:4])])
     assert np.array_equal(split.out, whole.out) and np.array_equal(split.dec, whole.dec)
+
+
+def test_tiled_expert_matmuls_in_prompt_steps(device, qwen35_loaded):
+    """Caps.expert_tiles (opt-in on GPUs; forced here): a prompt step's experts
+    run mul_mt_id (mul_mc_id on cooperative matrices) over moe_sort's work list
+    and the logits agree with mul_mm_id's and with the numpy reference."""
+    import dataclasses as dc
+
+    from vkengine.kernels import Caps
+    m = qwen35_loaded("qwen35moe")
+    ids = (m.tokenizer.encode(PROMPT) * 8)[:150]
+    n = len(ids)
+    cfg = EngineConfig(n_slots=1, n_ctx=256, max_batch=160, max_out=n)
+    tiled = dc.replace(Caps.detect(device), tiled_from=1 << 20, expert_tiles=True)   # (dense matmuls as before)
+    plain, eng = Engine(m, device, cfg), Engine(m, device, cfg, caps=tiled)
+    labels = [label for label, _, _ in eng.profile(n, runs=1)]
+    assert any(label.startswith("mul_tiled_id") for label in labels)
+    assert not any(label.startswith("mul_tiled_id") for label, _, _ in plain.profile(n, runs=1))
+    got, want = _prefill_logits(eng, ids), _prefill_logits(plain, ids)
+    # (on cooperative matrices, mul_mc_id: W and x rounded to fp16)
+    _assert_logits_close(got, want, rel=2e-3 if tiled.coopmat else 1e-4)
+    _assert_logits_close(got, RefQwen35(m.file, m.args).forward(ids)[0])

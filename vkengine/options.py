@@ -85,6 +85,9 @@ class Options:
     xq8_in: bool = True           # ... with h' also as 8-bit blocks for a Q8_0 gate|up
     step_buckets: bool = True     # steps of more than 8 rows padded to a few shapes (GPUs)
     tiled_prompts: bool = True    # prompt steps padded to the tiled matmuls' rows (GPUs)
+    expert_tiles: bool = False    # prompt steps' expert matmuls in tiles (mul_mc_id on cooperative matrices,
+                                  # mul_mt_id elsewhere) instead of mul_mm_id's 8 columns a pass; GPUs; opt-in
+                                  # until measured (issue 34)
     poll_picks: bool = False      # a masked step's collect() watches host memory for its tokens before the
                                   # fence wait (bench/mask_bench.py --probe measures it; off until measured)
 

@@ -21,18 +21,31 @@ class MoeOps(GraphBase):
         self.k.moe_router(self.p, self._r(logits), self.s.stride(logits), self._r(route), self.s.stride(route),
                            n_expert, k, self._rows(route), w_scale, rec, rec_stride, fx)
 
-    def moe_sort(self, route: str, k: int, n_expert: int) -> None:
-        """Group the step's (row, slot) pairs by expert into `elist` / `ecnt`."""
+    def moe_sort(self, route: str, k: int, n_expert: int, bn: int = 0) -> None:
+        """Group the step's (row, slot) pairs by expert into `elist` / `ecnt`
+        (bn: and the work list of tiled expert matmuls of bn-pair blocks into
+        `eblk`, k words a row)."""
+        blocks = None
+        if bn:
+            n = self._rows(route)
+            if 1 + self.k.expert_blocks(n * k, n_expert, bn) > n * self.s.stride("eblk"):
+                raise ValueError("the expert work list does not fit eblk: too few rows for tiled expert matmuls")
+            blocks = (self._r("eblk"), bn)
         self.k.moe_sort(self.p, self._r(route), self.s.stride(route), k, self._rows(route), n_expert,
-                         self._r("elist"), self.s.stride("elist"), self._r("ecnt"))
+                         self._r("elist"), self.s.stride("elist"), self._r("ecnt"), blocks)
 
     def experts(self, w: Matrix, rows_per_expert: int, x: str, route: str, k: int, out: str,
-                per_slot_input: bool, batched_experts: int = 0) -> None:
+                per_slot_input: bool, batched_experts: int = 0, tiled: bool = False) -> None:
         """out[r][i] = W[e_ri] @ x[r] (x shared by the k experts) or @ x[r][i].
-        batched_experts = E: expert-major over moe_sort's lists (prefill); 0: one
-        matvec per pair (decode)."""
+        batched_experts = E: expert-major over moe_sort's lists (prefill; tiled:
+        the tiled matmuls over its work list); 0: one matvec per pair (decode)."""
         xs = w.cols if per_slot_input else 0
-        if batched_experts:
+        if tiled:
+            self.k.mul_tiled_id(self.p, w, rows_per_expert, batched_experts, self._r(x), self.s.stride(x), xs,
+                                 self._r("elist"), self.s.stride("elist"), self._r("ecnt"), self._r("eblk"), k,
+                                 self._r(out), self.s.stride(out), rows_per_expert, self._rows(x),
+                                 label=f"mul_tiled_id {out}<-{x}")
+        elif batched_experts:
             self.k.mul_mm_id(self.p, w, rows_per_expert, batched_experts, self._r(x), self.s.stride(x), xs,
                               self._r("elist"), self.s.stride("elist"), self._r("ecnt"), k, self._r(out),
                               self.s.stride(out), rows_per_expert, self._rows(x), label=f"mul_mm_id {out}<-{x}")
@@ -50,14 +63,18 @@ class MoeOps(GraphBase):
         expert on average. biases = (gate|up E x 2F, down E x D): each expert's
         (gpt-oss); oai = (alpha, limit): gpt-oss's clamped SwiGLU."""
         batched = n_expert if self.n * k >= 4 * n_expert else 0
+        # tiles where the device has them for both stacks (one work list, one block width)
+        tile_gu, tile_dn = (self.k.expert_tile(gate_up), self.k.expert_tile(down)) if batched else (None, None)
+        tiled = tile_gu is not None and tile_dn is not None and tile_gu[2] == tile_dn[2] and "eblk" in self.s.widths
         if batched:
-            self.moe_sort("route", k, n_expert)
-        self.experts(gate_up, 2 * n_ff_exp, "h", "route", k, "gu_e", per_slot_input=False, batched_experts=batched)
+            self.moe_sort("route", k, n_expert, bn=tile_gu[2] if tiled and tile_gu else 0)
+        self.experts(gate_up, 2 * n_ff_exp, "h", "route", k, "gu_e", per_slot_input=False, batched_experts=batched,
+                     tiled=tiled)
         if biases is not None:
             self.expert_bias(biases[0], 2 * n_ff_exp, "route", k, "gu_e")
         self.swiglu_split("gu_e", "ff_e", n_ff_exp, k, oai)
         self.experts(down, self.s.widths[out], "ff_e", "route", k, "dn_e", per_slot_input=True,
-                     batched_experts=batched)
+                     batched_experts=batched, tiled=tiled)
         if biases is not None:
             self.expert_bias(biases[1], self.s.widths[out], "route", k, "dn_e")
         self.moe_combine("dn_e", "route", k, out)

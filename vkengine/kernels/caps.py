@@ -106,6 +106,9 @@ class Caps:
     # steps of at least this many rows run the gated delta rule in chunks
     # (delta_chunk.comp + delta_scan.comp) instead of a row at a time; 0: never
     delta_chunk_from: int = 0
+    # prompt steps' expert matmuls in tiles over moe_sort's work list (mul_mc_id /
+    # mul_mt_id, MoeKernels.expert_tile) instead of mul_mm_id
+    expert_tiles: bool = False
 
     @property
     def wg(self) -> int:
@@ -143,7 +146,7 @@ class Caps:
             xq8=gpu and int_dot and options.xq8, norm_in=norm_in, xq8_in=norm_in and int_dot and options.xq8_in,
             delta_chunk_from=(options.delta_chunk if options.delta_chunk >= 0 else 64 if gpu else 0)
             if info.max_workgroup_invocations >= 128 and info.max_shared_memory >= 32 * 1024 else 0,
-            attn_mc_split=options.attn_mc_split,
+            attn_mc_split=options.attn_mc_split, expert_tiles=tiled_from is not None and options.expert_tiles,
             attention_mc2=coopmat and options.attn_mc and options.attn_mc2 and device_has_coopmat2(device),
             attention_mc=options.attn_mc,
             attention_mc_layouts=tuple((hd, nsg // ds) for hd, (nsg, ds, bc) in ATTN_MC.items()

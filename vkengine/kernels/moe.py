@@ -1,12 +1,16 @@
 """Mixtures of experts: the router's top-k (moe_router.comp), the experts'
 products one matvec per (row, expert) pair (mul_mv_id.comp: decode) or
 expert-major over lists of the pairs routed to each expert (moe_sort.comp,
-mul_mm_id.comp: prompt steps), and the weighted sum into the residual
-(moe_combine.comp). A layer's expert stack larger than one storage buffer is
-held in parts of whole experts, one dispatch each."""
+mul_mm_id.comp: prompt steps; with Caps.expert_tiles, the tiled matmuls'
+MUL_ID variants over moe_sort's work list of (expert, block of its pairs):
+mul_mc_id on cooperative matrices, mul_mt_id elsewhere), and the weighted sum
+into the residual (moe_combine.comp). A layer's expert stack larger than one
+storage buffer is held in parts of whole experts, one dispatch each."""
 from __future__ import annotations
 
 import math
+
+from shaders.variants import MC_ID_TILE, TILE_SMALL
 
 from ..device import Program
 from ..errors import VkEngineError
@@ -85,15 +89,67 @@ class MoeKernels(KernelBase):
                       [rows_range(y, n_rows, y_stride, (k - 1) * y_slot_stride + M)], label or variant)
 
     def moe_sort(self, prog: Program, route: Region, route_stride: int, k: int, n_rows: int, E: int,
-                 lst: Region, list_stride: int, cnt: Region, label: str = "moe_sort") -> None:
-        """Per expert e: lst[j][e] = the j-th pair r*k + i routed to e, cnt[e] = their number."""
-        act = self._same_buffer(route, lst, cnt)
-        push = self._push("moe_sort", ids_off=route.off, ids_stride=route_stride, k=k, n_rows=n_rows, E=E,
-                          list_off=lst.off, list_stride=list_stride, cnt_off=cnt.off)
-        alg = self._alg("moe_sort", [act], push, self.caps.ew_wg, 1)
-        prog.dispatch(alg, push, self._grid(math.ceil(E / self.caps.ew_wg)),
-                      [rows_range(route, n_rows, route_stride, k)],
-                      [rows_range(lst, n_rows, list_stride, E), (cnt.buf, cnt.off * 4, (cnt.off + E) * 4)], label)
+                 lst: Region, list_stride: int, cnt: Region, blocks: tuple[Region, int] | None = None,
+                 label: str = "moe_sort") -> None:
+        """Per expert e: lst[j][e] = the j-th pair r*k + i routed to e, cnt[e] = their number.
+        blocks = (region, bn): also the tiled expert matmuls' work list there
+        (one workgroup does it all: moe_sort.comp BLOCKS), words enough for
+        expert_blocks(n_rows * k, E, bn) + 1."""
+        act = self._same_buffer(route, lst, cnt, *([blocks[0]] if blocks else []))
+        writes = [rows_range(lst, n_rows, list_stride, E), (cnt.buf, cnt.off * 4, (cnt.off + E) * 4)]
+        pc = dict(ids_off=route.off, ids_stride=route_stride, k=k, n_rows=n_rows, E=E, list_off=lst.off,
+                  list_stride=list_stride, cnt_off=cnt.off)
+        if blocks is None:
+            variant, grid = "moe_sort", self._grid(math.ceil(E / self.caps.ew_wg))
+        else:
+            b, bn = blocks
+            variant, grid = "moe_sort_blocks", (1, 1, 1)
+            pc.update(bn=bn, blocks_off=b.off)
+            writes.append((b.buf, b.off * 4, (b.off + 1 + self.expert_blocks(n_rows * k, E, bn)) * 4))
+        push = self._push(variant, **pc)
+        alg = self._alg(variant, [act], push, self.caps.ew_wg, 1)
+        prog.dispatch(alg, push, grid, [rows_range(route, n_rows, route_stride, k)], writes, label)
+
+    @staticmethod
+    def expert_blocks(pairs: int, E: int, bn: int) -> int:
+        """The most (expert, block of bn pairs) entries of a work list of `pairs`
+        pairs: every expert's partial block beside the whole ones."""
+        return math.ceil(pairs / bn) + min(E, pairs)
+
+    def expert_tile(self, w: Matrix) -> tuple[str, int, int] | None:
+        """(variant, BM, BN) of the tiled expert matmul of w on this device, or
+        None where prompt steps keep mul_mm_id (Caps.expert_tiles off, a CPU, or
+        a stack split across buffers)."""
+        c = self.caps
+        if not c.expert_tiles or c.tiled_from is None or w.parts:
+            return None
+        if c.coopmat:
+            return f"mul_mc_id_{w.type}", MC_ID_TILE[0], MC_ID_TILE[1]
+        return f"mul_mt_id_{w.type}", 16 * TILE_SMALL[0], 16 * TILE_SMALL[1]
+
+    def mul_tiled_id(self, prog: Program, w: Matrix, M: int, E: int, x: Region, x_stride: int, x_slot_stride: int,
+                     lst: Region, list_stride: int, cnt: Region, blocks: Region, k: int, y: Region, y_stride: int,
+                     y_slot_stride: int, n_rows: int, label: str = "") -> None:
+        """mul_mm_id's products in tiles (expert_tile's variant): grid y walks
+        moe_sort's work list in `blocks` (made for this variant's BN)."""
+        tile = self.expert_tile(w)
+        if tile is None:
+            raise ValueError("no tiled expert matmul for this matrix on this device (expert_tile)")
+        variant, bm, bn = tile
+        assert w.data is not None
+        act = self._same_buffer(x, lst, cnt, blocks, y)
+        self._check_id(w, M, x, x_stride, x_slot_stride)
+        pc = dict(w_off=w.data.off, w_off2=w.scales.off if w.scales else 0, K=w.cols, M=M, N=0, x_off=x.off,
+                  x_stride=x_stride, y_off=y.off, y_stride=y_stride, k=k, list_off=lst.off, list_stride=list_stride,
+                  cnt_off=cnt.off, blocks_off=blocks.off, x_slot_stride=x_slot_stride, y_slot_stride=y_slot_stride)
+        push = self._push(variant, **pc)
+        alg = self._alg_spec(variant, [w.data.buf, act, act], (), push)
+        n_blocks = self.expert_blocks(n_rows * k, E, bn)
+        reads = w.regions + [rows_range(x, n_rows, x_stride, (k - 1) * x_slot_stride + w.cols),
+                             rows_range(lst, n_rows, list_stride, E), (cnt.buf, cnt.off * 4, (cnt.off + E) * 4),
+                             (blocks.buf, blocks.off * 4, (blocks.off + 1 + n_blocks) * 4)]
+        prog.dispatch(alg, push, (math.ceil(M / bm), n_blocks, 1), reads,
+                      [rows_range(y, n_rows, y_stride, (k - 1) * y_slot_stride + M)], label or variant)
 
     def mul_mm_id(self, prog: Program, w: Matrix, M: int, E: int, x: Region, x_stride: int, x_slot_stride: int,
                   lst: Region, list_stride: int, cnt: Region, k: int, y: Region, y_stride: int, y_slot_stride: int,

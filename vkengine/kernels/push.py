@@ -63,13 +63,15 @@ _ATTN = Push("""uint q_off, q_stride, o_off, o_stride, n_rows, n_head, n_kv, hea
 # (gpt-oss; 0xffffffff: none), after each variant's own
 _ATTN_TAIL = Push("uint window; float softcap; uint ring, sink_off")
 _MUL_ID = "uint w_off, w_off2, K, M, k"
+# the tiled matmuls' expert variant (MUL_ID: mul_tiled_cols.glsl)
+_TILED_ID = Push("uint k, list_off, list_stride, cnt_off, blocks_off, x_slot_stride, y_slot_stride")
 
 # by source file: the base layout and the (define, fields) that variants append, in order
 LAYOUTS: dict[str, tuple[Push, tuple[tuple[str, Push], ...]]] = {
     "mul_mv.comp": (_MUL_MV, ()),
     "mul_mvk.comp": (_MUL_MV, (("XQ8", Push("uint xq_off, xd_off")), ("NORM_PARTS", Push("uint sq_stride"))),),
-    "mul_mt.comp": (_TILED + Push("uint klen, z_stride"), ()),
-    "mul_mc.comp": (_TILED + Push("uint klen, z_stride"), ()),
+    "mul_mt.comp": (_TILED + Push("uint klen, z_stride"), (("MUL_ID", _TILED_ID),)),
+    "mul_mc.comp": (_TILED + Push("uint klen, z_stride"), (("MUL_ID", _TILED_ID),)),
     "mul_mc2.comp": (_TILED, ()),
     "reduce_k.comp": (Push("uint parts, z_stride, M, N, y_off, y_stride, accumulate"), ()),
     "quantize_q8.comp": (Push("uint x_off, x_stride, K, rows, q_off, d_off"), ()),
@@ -118,7 +120,8 @@ LAYOUTS: dict[str, tuple[Push, tuple[tuple[str, Push], ...]]] = {
                               "rows"), ()),
     "moe_router.comp": (Push("""uint h_off, h_stride, l_off, l_stride, y_off, y_stride, E, D, k, rows, w_off, rec_off,
                                 rec_stride; float w_scale"""), ()),
-    "moe_sort.comp": (Push("uint ids_off, ids_stride, k, n_rows, E, list_off, list_stride, cnt_off"), ()),
+    "moe_sort.comp": (Push("uint ids_off, ids_stride, k, n_rows, E, list_off, list_stride, cnt_off"),
+                      (("BLOCKS", Push("uint bn, blocks_off")),)),
     "mul_mv_id.comp": (Push(_MUL_ID + ", n_rows, ids_off, ids_stride, x_off, x_stride, x_slot_stride, y_off, "
                             "y_stride, y_slot_stride"), (("EXPERT_PART", Push("uint e_lo, e_hi")),)),
     "mul_mm_id.comp": (Push(_MUL_ID + ", list_off, list_stride, cnt_off, x_off, x_stride, x_slot_stride, y_off, "
