@@ -23,6 +23,11 @@
 #           beside 4 newcomers with SERVE_MIXED_IDS-token prompts (SERVE_ARGS: our server's extra flags)
 #   cmd     run $GPU_CMD (e.g. python3 bench/mv_probe.py --out $OUT/mv-probe.json)
 #   qwen35  the hybrid models' tests, and tests/gpu/hf_oracle_qwen35.py (transformers as oracle)
+#   mtp     MTP speculative decoding in the server (issue 34): MTP_MODELS (arch:shape:quant, written with
+#           synth --mtp-accept: drafts always right) through bench/serve.py, serial vs serial-mtp at C = 1
+#           and batch vs batch-mtp at C = 4, --draft MTP_DRAFT (default 2)
+#   moe     MoE prompt steps (issue 34): MOE_MODEL's pp512 / pp2048 with mul_mm_id and with the tiled expert
+#           matmuls (VKENGINE_EXPERT_TILES=1), and llama-bench on the same file, in the same call
 # Everything the GPU machine lacks travels in .vk/: the Vulkan loader and the
 # GL vendor-neutral libraries that NVIDIA's Vulkan ICD (libGLX_nvidia) needs, libfmt,
 # the patched kp wheel for its Python 3.12, gguf, a tokenizer-only GGUF, the
@@ -78,12 +83,14 @@ build_llama() {
   echo "llama.cpp Vulkan build: $((SECONDS - t0)) s"
 }
 
-# synth_model arch:shape:quant -> path of that synthetic GGUF (written once)
+# synth_model arch:shape:quant[:accept] -> path of that synthetic GGUF (written once; accept: synth
+# --mtp-accept, a model whose MTP drafts are always right)
 synth_model() {
-  local arch=${1%%:*} rest=${1#*:}; local shape=${rest%%:*} q=${rest##*:}
-  local f=/tmp/vkengine-bench-models/$arch-$shape-$q.gguf
-  [ -f "$f" ] || python3 -m vkengine.cli synth --arch "$arch" --shape "$shape" --quant "$q" \
-    --out /tmp/vkengine-bench-models --name "$arch-$shape" --formats gguf \
+  local arch=${1%%:*} rest=${1#*:}; local shape=${rest%%:*} q=${rest#*:}; local extra="" tag=""
+  case $q in *:accept) q=${q%:accept}; extra=--mtp-accept; tag=-mtp-accept ;; esac
+  local f=/tmp/vkengine-bench-models/$arch-$shape$tag-$q.gguf
+  [ -f "$f" ] || python3 -m vkengine.cli synth --arch "$arch" --shape "$shape" --quant "$q" $extra \
+    --out /tmp/vkengine-bench-models --name "$arch-$shape$tag" --formats gguf \
     --tokenizer-from "$VKENGINE_TOKENIZER_GGUF" >/dev/null || return 1
   echo "$f"
 }
@@ -122,7 +129,8 @@ run_stage() {
       # then Hugging Face transformers as the oracle
       [ -x /tmp/llb/bin/llama-server ] && export VKENGINE_LLAMA_SERVER=/tmp/llb/bin/llama-server
       python3 -m pytest -q -p no:cacheprovider tests/test_kernels_qwen35.py tests/test_models_qwen35.py \
-        tests/test_mtp_qwen35.py tests/test_gguf_qwen35.py --junitxml="$OUT/gpu-qwen35.xml" 2>&1 \
+        tests/test_mtp_qwen35.py tests/test_gguf_qwen35.py tests/test_speculate.py tests/test_synth_mtp_accept.py \
+        tests/test_server_mtp.py --junitxml="$OUT/gpu-qwen35.xml" 2>&1 \
         | tee "$OUT/gpu-qwen35.log" | tail -15
       python3 tests/gpu/hf_oracle_qwen35.py 2>&1 | tee "$OUT/hf-oracle-qwen35.log"
       ;;
@@ -190,6 +198,31 @@ run_stage() {
         --server-args="${SERVE_ARGS:-}" --json "$OUT/serve-mixed.json" --keep-logs "$OUT/serve-logs" 2>&1 \
         | tee -a "$OUT/serve-long.log" | tail -5
       ;;
+    mtp)
+      for spec in ${MTP_MODELS:-qwen35:0.8B:q4_0 qwen35moe:35B-A3B:q4_0}; do
+        f=$(synth_model "$spec:accept") || continue
+        for C in 1 4; do
+          cfg=$([ "$C" = 1 ] && echo serial,serial-mtp || echo batch,batch-mtp)
+          python3 bench/serve.py --model "$f" --clients "$C" --requests 2 -n "${MTP_TOKENS:-128}" --configs "$cfg" \
+            --draft "${MTP_DRAFT:-2}" --ctx 1024 --json "$OUT/mtp-$(basename "$f" .gguf)-c$C.json" 2>&1 \
+            | tee -a "$OUT/mtp.log" | tail -6
+        done
+      done
+      ;;
+    moe)
+      build_llama
+      f=$(synth_model "${MOE_MODEL:-qwen35moe:35B-A3B:q4_0}") || return 1
+      for tiles in 0 1; do
+        for P in 512 2048; do
+          echo "== VKENGINE_EXPERT_TILES=$tiles pp$P" | tee -a "$OUT/moe.log"
+          VKENGINE_EXPERT_TILES=$tiles python3 -m vkengine.cli bench -m "$f" -p "$P" -n 0 -r 2 --ctx $((P + 256)) 2>&1 \
+            | tee -a "$OUT/moe.log" | tail -3
+        done
+      done
+      VKENGINE_EXPERT_TILES=1 python3 -m vkengine.cli bench -m "$f" -p 512 -n 0 -r 1 --profile 2>&1 \
+        | tee -a "$OUT/moe.log" | head -30
+      /tmp/llb/bin/llama-bench -m "$f" -p 512,2048 -n 0 -r 2 -ngl 99 2>&1 | tee -a "$OUT/moe.log" | tail -6
+      ;;
     cmd)
       # any command in this environment (GPU_CMD), e.g. a tuning script
       eval "${GPU_CMD:?set GPU_CMD}" 2>&1 | tee -a "$OUT/cmd.log"
@@ -203,7 +236,7 @@ run_stage() {
 # Each stage has a time limit (T_<stage> seconds, default 590) so that one
 # that hangs cannot eat the rest of the call.
 stage_timeout() { local v="T_${1//-/_}"; echo "${!v:-590}"; }
-case " $stages " in *tests\ *|*parity*|*bench*|*qwen35*|*llama*|*serve-long*) build_llama ;; esac
+case " $stages " in *tests\ *|*parity*|*bench*|*qwen35*|*llama*|*serve-long*|*moe*) build_llama ;; esac
 export -f build_llama synth_model run_stage
 for group in $stages; do
   if [ "${group#*+}" = "$group" ]; then
