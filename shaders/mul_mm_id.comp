@@ -8,6 +8,9 @@
 // grid: (row groups folded into x/y, experts in z)
 // EXPERT_PART: this dispatch binds experts [e_lo, e_hi) of a stack split across
 // buffers (grid z = e_hi - e_lo); lists and counts stay indexed by expert id.
+// BLOCKS (decode steps of several rows): grid z walks moe_sort.comp's work list
+// of (expert, block of NCOLS pairs), so the experts the rows share are read
+// once and the grid holds only the blocks that exist (most experts have no pair).
 #include "common.glsl"
 
 layout(binding = 0) readonly buffer Wq { uint wq[]; };
@@ -24,6 +27,9 @@ layout(push_constant) uniform P {
 #ifdef EXPERT_PART
     uint e_lo, e_hi;
 #endif
+#ifdef BLOCKS
+    uint blocks_off;
+#endif
 } p;
 
 #include "quant.glsl"
@@ -31,17 +37,27 @@ layout(push_constant) uniform P {
 #define NCOLS 8
 
 void main() {
-#ifdef EXPERT_PART
+#if defined(EXPERT_PART)
     uint e = p.e_lo + gl_WorkGroupID.z, e_row0 = gl_WorkGroupID.z * p.M;
+    uint b_lo = 0u;
+#elif defined(BLOCKS)
+    if (gl_WorkGroupID.z >= actu[p.blocks_off]) return;
+    uint blk = actu[p.blocks_off + 1u + gl_WorkGroupID.z];
+    uint e = blk >> 16, e_row0 = e * p.M;
+    uint b_lo = (blk & 0xffffu) * NCOLS;
 #else
     uint e = gl_WorkGroupID.z, e_row0 = e * p.M;
+    uint b_lo = 0u;
 #endif
     uint cnt = actu[p.cnt_off + e];
+#ifdef BLOCKS
+    cnt = min(cnt, b_lo + NCOLS);        // this block's pairs alone
+#endif
     if (cnt == 0u) return;
     uvec2 rows = workgroup_items(p.M);
     uint units = units_per_row(p.K);
     for (uint m = rows.x + gl_SubgroupID; m < rows.y; m += gl_NumSubgroups) {
-        for (uint b0 = 0u; b0 < cnt; b0 += NCOLS) {
+        for (uint b0 = b_lo; b0 < cnt; b0 += NCOLS) {
             uint nc = min(uint(NCOLS), cnt - b0);
             uint xb[NCOLS];
             uint yb[NCOLS];

@@ -254,6 +254,8 @@ def _hybrid_table() -> dict[str, tuple[str, dict[str, int]]]:
         # experts split across buffers (storage-buffer range below one layer's experts)
         t[f"mul_mv_idp_{wt}"] = ("mul_mv_id.comp", {**d, "EXPERT_PART": 1})
         t[f"mul_mm_idp_{wt}"] = ("mul_mm_id.comp", {**d, "EXPERT_PART": 1})
+        # decode steps of several rows: the experts they share read once (moe_sort's work list)
+        t[f"mul_mm_idb_{wt}"] = ("mul_mm_id.comp", {**d, "BLOCKS": 1})
     for op in ("conv1d", "l2_norm", "delta_rule", "delta_chunk", "delta_scan", "gated_rms_norm",
                "norm_rope_kv", "sigmoid_mul", "moe_sort",
                "moe_combine", "moe_bias"):

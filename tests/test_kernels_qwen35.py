@@ -422,3 +422,34 @@ def test_tiled_expert_matmuls(device, ws, rng, wt, kind):
     assert np.isnan(got[:, k * M:]).all()
     down = np.einsum("rimk,rik->rim", W[ids], xs.astype(np.float64))
     _close(ws.read(y2).reshape(n, ys)[:, :k * M].reshape(n, k, M), down, atol_scale=tol)
+
+
+@pytest.mark.parametrize("wt", ["q4_0", "q8_0", "f16", "q4_k", "mxfp4"])
+@pytest.mark.parametrize("n", [2, 4, 16])
+def test_expert_union_equals_per_pair(device, hk, ws, rng, wt, n):
+    """Decode rows of several sequences with Caps.expert_union: mul_mm_id over
+    moe_sort's work list of (expert, block of 8 pairs), each expert the rows
+    share read once, gives every pair's sum bit for bit as mul_mv_id's one
+    matvec per pair (a server's batched rows equal each row alone)."""
+    E, M, k = 9, 37, 3
+    K = 256 if wt == "q4_k" else 64
+    raw, _ = random_quantized(wt, E * M, K, rng)
+    mat = upload_matrix(ws, wt, raw, E * M, K)
+    ids = np.stack([rng.permutation(4 if n == 16 else E)[:k] for _ in range(n)]).astype(np.uint32)  # shared
+    rs = 2 * k
+    route = np.concatenate([ids.view(np.float32), np.ones((n, k), np.float32)], 1)
+    rr = ws.act_region(route.size, route)
+    lst, cnt, blk = ws.act_region(n * (E + 1)), ws.act_region(E), ws.act_region(n * (2 * k + 1))
+    xs = rng.standard_normal((n, k, K)).astype(np.float32)
+    xsr = ws.act_region(xs.size, xs)
+    ys = k * M
+    y_pair, y_union = ws.act_region(n * ys), ws.act_region(n * ys)
+    prog = device.program()
+    hk.mul_mat_id(prog, mat, M, xsr, k * K, K, rr, rs, k, y_pair, ys, M, n)
+    hk.moe_sort(prog, rr, rs, k, n, E, lst, E + 1, cnt, blocks=(blk, 8))
+    hk.mul_mm_id(prog, mat, M, E, xsr, k * K, K, lst, E + 1, cnt, k, y_union, ys, M, n, blocks=blk)
+    prog.run()
+    np.testing.assert_array_equal(ws.read(y_union), ws.read(y_pair))
+    words = ws.read(blk, np.uint32)
+    counts = np.bincount(ids.reshape(-1), minlength=E)
+    assert words[0] == sum(-(-int(c) // 8) for c in counts)

@@ -330,3 +330,26 @@ def test_tiled_expert_matmuls_in_prompt_steps(device, qwen35_loaded):
     # (on cooperative matrices, mul_mc_id: W and x rounded to fp16)
     _assert_logits_close(got, want, rel=2e-3 if tiled.coopmat else 1e-4)
     _assert_logits_close(got, RefQwen35(m.file, m.args).forward(ids)[0])
+
+
+def test_expert_union_in_batched_decode(device, qwen35_loaded):
+    """Caps.expert_union (opt-in): a decode step of 4 sequences reads each expert
+    they share once (mul_mm_id over moe_sort's work list) and its logits equal,
+    bit for bit, those of the per-pair matvecs (each row as alone)."""
+    import dataclasses as dc
+
+    from vkengine.kernels import Caps
+    m = qwen35_loaded("qwen35moe")
+    ids = m.tokenizer.encode(PROMPT)
+    cfg = EngineConfig(n_slots=4, n_ctx=128, max_batch=64, max_out=4)
+    plain = Engine(m, device, cfg)
+    union = Engine(m, device, cfg, caps=dc.replace(Caps.detect(device), expert_union=True))
+    assert any(label.startswith("mul_mm_id") for label, _, _ in union.profile(4, 4, runs=1, batched=True))
+    assert not any(label.startswith("mul_mm_id") for label, _, _ in plain.profile(4, 4, runs=1, batched=True))
+    out = []
+    for eng in (plain, union):
+        for s in range(4):                                  # four sequences at different depths
+            eng.step(ids[:5 + 3 * s], range(5 + 3 * s), [s] * (5 + 3 * s))
+        toks, pos = [ids[5 + 3 * s] for s in range(4)], [5 + 3 * s for s in range(4)]
+        out.append(eng.step(toks, pos, range(4), range(4), Readback.LOGITS))
+    np.testing.assert_array_equal(out[1], out[0])

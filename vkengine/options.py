@@ -88,6 +88,9 @@ class Options:
     expert_tiles: bool = False    # prompt steps' expert matmuls in tiles (mul_mc_id on cooperative matrices,
                                   # mul_mt_id elsewhere) instead of mul_mm_id's 8 columns a pass; GPUs; opt-in
                                   # until measured (issue 34)
+    expert_union: bool = False    # decode steps of several rows: each expert the rows share read once (mul_mm_id
+                                  # over moe_sort's work list) instead of once per pair (mul_mv_id); opt-in until
+                                  # measured (issue 34)
     poll_picks: bool = False      # a masked step's collect() watches host memory for its tokens before the
                                   # fence wait (bench/mask_bench.py --probe measures it; off until measured)
 

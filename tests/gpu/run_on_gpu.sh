@@ -26,8 +26,9 @@
 #   mtp     MTP speculative decoding in the server (issue 34): MTP_MODELS (arch:shape:quant, written with
 #           synth --mtp-accept: drafts always right) through bench/serve.py, serial vs serial-mtp at C = 1
 #           and batch vs batch-mtp at C = 4, --draft MTP_DRAFT (default 2)
-#   moe     MoE prompt steps (issue 34): MOE_MODEL's pp512 / pp2048 with mul_mm_id and with the tiled expert
-#           matmuls (VKENGINE_EXPERT_TILES=1), and llama-bench on the same file, in the same call
+#   moe     MoE steps (issue 34): MOE_MODEL's pp512 / pp2048 with mul_mm_id and with the tiled expert
+#           matmuls (VKENGINE_EXPERT_TILES=1), batched decode of 1/4/16 rows with and without
+#           VKENGINE_EXPERT_UNION=1, and llama-bench on the same file, in the same call
 # Everything the GPU machine lacks travels in .vk/: the Vulkan loader and the
 # GL vendor-neutral libraries that NVIDIA's Vulkan ICD (libGLX_nvidia) needs, libfmt,
 # the patched kp wheel for its Python 3.12, gguf, a tokenizer-only GGUF, the
@@ -221,6 +222,11 @@ run_stage() {
       done
       VKENGINE_EXPERT_TILES=1 python3 -m vkengine.cli bench -m "$f" -p 512 -n 0 -r 1 --profile 2>&1 \
         | tee -a "$OUT/moe.log" | head -30
+      for union in 0 1; do   # batched decode: each expert the rows share read once (VKENGINE_EXPERT_UNION)
+        echo "== VKENGINE_EXPERT_UNION=$union" | tee -a "$OUT/moe.log"
+        VKENGINE_EXPERT_UNION=$union python3 -m vkengine.cli bench -m "$f" -p 0 -n 64 -r 2 --parallel 1,4,16 2>&1 \
+          | tee -a "$OUT/moe.log" | tail -4
+      done
       /tmp/llb/bin/llama-bench -m "$f" -p 512,2048 -n 0 -r 2 -ngl 99 2>&1 | tee -a "$OUT/moe.log" | tail -6
       ;;
     cmd)

@@ -4,6 +4,7 @@ weighted sum, and the SwiGLU of each routed expert."""
 from __future__ import annotations
 
 from ..kernels import Matrix, Region
+from ..kernels.moe import MM_ID_COLS
 from .core import GraphBase
 
 
@@ -23,8 +24,7 @@ class MoeOps(GraphBase):
 
     def moe_sort(self, route: str, k: int, n_expert: int, bn: int = 0) -> None:
         """Group the step's (row, slot) pairs by expert into `elist` / `ecnt`
-        (bn: and the work list of tiled expert matmuls of bn-pair blocks into
-        `eblk`, k words a row)."""
+        (bn: and the work list of blocks of bn pairs into `eblk`, 2k + 1 words a row)."""
         blocks = None
         if bn:
             n = self._rows(route)
@@ -35,10 +35,11 @@ class MoeOps(GraphBase):
                          self._r("elist"), self.s.stride("elist"), self._r("ecnt"), blocks)
 
     def experts(self, w: Matrix, rows_per_expert: int, x: str, route: str, k: int, out: str,
-                per_slot_input: bool, batched_experts: int = 0, tiled: bool = False) -> None:
+                per_slot_input: bool, batched_experts: int = 0, tiled: bool = False, union: bool = False) -> None:
         """out[r][i] = W[e_ri] @ x[r] (x shared by the k experts) or @ x[r][i].
         batched_experts = E: expert-major over moe_sort's lists (prefill; tiled:
-        the tiled matmuls over its work list); 0: one matvec per pair (decode)."""
+        the tiled matmuls over its work list; union: mul_mm_id over its work
+        list, decode rows); 0: one matvec per pair (decode)."""
         xs = w.cols if per_slot_input else 0
         if tiled:
             self.k.mul_tiled_id(self.p, w, rows_per_expert, batched_experts, self._r(x), self.s.stride(x), xs,
@@ -48,7 +49,8 @@ class MoeOps(GraphBase):
         elif batched_experts:
             self.k.mul_mm_id(self.p, w, rows_per_expert, batched_experts, self._r(x), self.s.stride(x), xs,
                               self._r("elist"), self.s.stride("elist"), self._r("ecnt"), k, self._r(out),
-                              self.s.stride(out), rows_per_expert, self._rows(x), label=f"mul_mm_id {out}<-{x}")
+                              self.s.stride(out), rows_per_expert, self._rows(x), label=f"mul_mm_id {out}<-{x}",
+                              blocks=self._r("eblk") if union else None)
         else:
             self.k.mul_mat_id(self.p, w, rows_per_expert, self._r(x), self.s.stride(x), xs, self._r(route),
                                self.s.stride(route), k, self._r(out), self.s.stride(out), rows_per_expert,
@@ -66,15 +68,21 @@ class MoeOps(GraphBase):
         # tiles where the device has them for both stacks (one work list, one block width)
         tile_gu, tile_dn = (self.k.expert_tile(gate_up), self.k.expert_tile(down)) if batched else (None, None)
         tiled = tile_gu is not None and tile_dn is not None and tile_gu[2] == tile_dn[2] and "eblk" in self.s.widths
-        if batched:
+        # decode rows of several sequences: each expert they share read once (Caps.expert_union)
+        union = (not batched and self.n > 1 and self.k.caps.expert_union and not gate_up.parts and not down.parts
+                 and "eblk" in self.s.widths)
+        if union:
+            batched = n_expert
+            self.moe_sort("route", k, n_expert, bn=MM_ID_COLS)
+        elif batched:
             self.moe_sort("route", k, n_expert, bn=tile_gu[2] if tiled and tile_gu else 0)
         self.experts(gate_up, 2 * n_ff_exp, "h", "route", k, "gu_e", per_slot_input=False, batched_experts=batched,
-                     tiled=tiled)
+                     tiled=tiled, union=union)
         if biases is not None:
             self.expert_bias(biases[0], 2 * n_ff_exp, "route", k, "gu_e")
         self.swiglu_split("gu_e", "ff_e", n_ff_exp, k, oai)
         self.experts(down, self.s.widths[out], "ff_e", "route", k, "dn_e", per_slot_input=True,
-                     batched_experts=batched, tiled=tiled)
+                     batched_experts=batched, tiled=tiled, union=union)
         if biases is not None:
             self.expert_bias(biases[1], self.s.widths[out], "route", k, "dn_e")
         self.moe_combine("dn_e", "route", k, out)

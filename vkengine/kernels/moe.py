@@ -18,6 +18,7 @@ from .base import KernelBase
 from .types import NO_MAP, Matrix, Region, rows_range
 
 ROUTER_KMAX = 16       # KMAX in moe_router.comp
+MM_ID_COLS = 8         # NCOLS in mul_mm_id.comp: the pairs of an expert one pass over its rows serves
 
 
 class MoeKernels(KernelBase):
@@ -153,10 +154,15 @@ class MoeKernels(KernelBase):
 
     def mul_mm_id(self, prog: Program, w: Matrix, M: int, E: int, x: Region, x_stride: int, x_slot_stride: int,
                   lst: Region, list_stride: int, cnt: Region, k: int, y: Region, y_stride: int, y_slot_stride: int,
-                  n_rows: int, label: str = "", part: tuple[int, int] | None = None) -> None:
+                  n_rows: int, label: str = "", part: tuple[int, int] | None = None,
+                  blocks: Region | None = None) -> None:
         """The same products as mul_mat_id, expert-major over moe_sort's lists: each
         dequantized weight unit serves up to 8 pairs of its expert (prefill).
-        A split stack: one dispatch per part, as mul_mat_id."""
+        A split stack: one dispatch per part, as mul_mat_id. blocks: grid z
+        walks moe_sort's work list of (expert, block of MM_ID_COLS pairs) in it
+        instead of every expert (decode steps of several rows: Caps.expert_union)."""
+        if blocks is not None and w.parts:
+            raise ValueError("a stack split across buffers takes mul_mm_id without a work list")
         if w.parts:
             for r0, pw in w.parts:
                 self.mul_mm_id(prog, pw, M, E, x, x_stride, x_slot_stride, lst, list_stride, cnt, k, y, y_stride,
@@ -165,17 +171,22 @@ class MoeKernels(KernelBase):
         assert w.data is not None
         act = self._same_buffer(x, lst, cnt, y)
         self._check_id(w, M, x, x_stride, x_slot_stride)
-        variant = f"mul_mm_id_{w.type}" if part is None else f"mul_mm_idp_{w.type}"
+        variant = (f"mul_mm_idb_{w.type}" if blocks is not None else
+                   f"mul_mm_id_{w.type}" if part is None else f"mul_mm_idp_{w.type}")
         pc = dict(w_off=w.data.off, w_off2=w.scales.off if w.scales else 0, K=w.cols, M=M, k=k, list_off=lst.off,
                   list_stride=list_stride, cnt_off=cnt.off, x_off=x.off, x_stride=x_stride,
                   x_slot_stride=x_slot_stride, y_off=y.off, y_stride=y_stride, y_slot_stride=y_slot_stride)
         if part is not None:
             pc.update(e_lo=part[0], e_hi=part[1])
-        push = self._push(variant, **pc)
-        alg = self._alg(variant, [w.data.buf, act], push, self.caps.wg)
         reads = w.regions + [rows_range(x, n_rows, x_stride, (k - 1) * x_slot_stride + w.cols),
                              rows_range(lst, n_rows, list_stride, E), (cnt.buf, cnt.off * 4, (cnt.off + E) * 4)]
         n_exp = E if part is None else part[1] - part[0]
+        if blocks is not None:
+            pc.update(blocks_off=blocks.off)
+            n_exp = self.expert_blocks(n_rows * k, E, MM_ID_COLS)
+            reads.append((blocks.buf, blocks.off * 4, (blocks.off + 1 + n_exp) * 4))
+        push = self._push(variant, **pc)
+        alg = self._alg(variant, [w.data.buf, act], push, self.caps.wg)
         prog.dispatch(alg, push, self._grid(math.ceil(M / self.caps.items), n_exp), reads,
                       [rows_range(y, n_rows, y_stride, (k - 1) * y_slot_stride + M)], label or variant)
 

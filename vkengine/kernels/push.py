@@ -125,7 +125,8 @@ LAYOUTS: dict[str, tuple[Push, tuple[tuple[str, Push], ...]]] = {
     "mul_mv_id.comp": (Push(_MUL_ID + ", n_rows, ids_off, ids_stride, x_off, x_stride, x_slot_stride, y_off, "
                             "y_stride, y_slot_stride"), (("EXPERT_PART", Push("uint e_lo, e_hi")),)),
     "mul_mm_id.comp": (Push(_MUL_ID + ", list_off, list_stride, cnt_off, x_off, x_stride, x_slot_stride, y_off, "
-                            "y_stride, y_slot_stride"), (("EXPERT_PART", Push("uint e_lo, e_hi")),)),
+                            "y_stride, y_slot_stride"), (("EXPERT_PART", Push("uint e_lo, e_hi")),
+                                                         ("BLOCKS", Push("uint blocks_off")))),
     "moe_combine.comp": (Push("uint e_off, e_stride, e_slot_stride, route_off, route_stride, k, y_off, y_stride, D, "
                               "rows"), ()),
 }

@@ -314,7 +314,7 @@ class GptOss(Architecture):
         k, E = a.n_expert_used, a.n_expert
         return {"x": a.n_embd, "h": a.n_embd, "t": a.n_embd, "qkv": a.qkv_width, "q": q, "att": q,
                 "rl": E, "route": 2 * k, "gu_e": k * 2 * a.n_ff_exp, "ff_e": k * a.n_ff_exp, "dn_e": k * a.n_embd,
-                "elist": E, "ecnt": E, "eblk": k, "out_h": a.n_embd, "out_logits": a.n_vocab}
+                "elist": E, "ecnt": E, "eblk": 2 * k + 1, "out_h": a.n_embd, "out_logits": a.n_vocab}
 
     def load_weights(self, mf: ModelFile, a: GptOssArgs, device, n_ctx: int) -> GptOssWeights:
         return _load_weights(mf, a, device, n_ctx)

@@ -252,7 +252,7 @@ def _moe_widths(a: LlamaArgs) -> dict[str, int]:
     expert's [gate | up], SwiGLU and output, moe_sort's lists, counts and work list."""
     k, E = a.n_expert_used, a.n_expert
     return {"rl": E, "route": 2 * k, "gu_e": k * 2 * a.n_ff_exp, "ff_e": k * a.n_ff_exp, "dn_e": k * a.n_embd,
-            "elist": E, "ecnt": E, "eblk": k}
+            "elist": E, "ecnt": E, "eblk": 2 * k + 1}
 
 
 def _experts(g: Graph, a: LlamaArgs, X: Experts) -> None:

@@ -46,7 +46,7 @@ def _scratch_widths(a: Qwen35Args) -> dict[str, int]:
              att=a.n_head * a.head_dim)
     if a.moe:
         w.update(rl=a.n_expert, route=2 * k, gu_e=k * 2 * a.n_ff_exp, ff_e=k * a.n_ff_exp, dn_e=k * D,
-                 elist=a.n_expert, ecnt=a.n_expert, eblk=k, gu_s=2 * a.n_ff_shexp, ff_s=a.n_ff_shexp, sg=1)
+                 elist=a.n_expert, ecnt=a.n_expert, eblk=2 * k + 1, gu_s=2 * a.n_ff_shexp, ff_s=a.n_ff_shexp, sg=1)
         if a.fixed_experts:
             w["rec"] = (len(a.moe_layers) + a.n_nextn) * k
     else:
