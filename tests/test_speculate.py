@@ -180,3 +180,17 @@ def test_drafts_accepted_with_the_mtp_accept_model(device, accept_models, arch):
     drafted, accepted = sum(j.drafted for j in jobs), sum(j.accepted for j in jobs)
     assert drafted >= 20 and accepted >= 0.9 * drafted, (accepted, drafted)
     assert runner.spec.steps <= sum(len(t) for t, _ in want) // 2
+
+
+def test_no_room_for_drafts_runs_plain_chained_steps(device, qwen35_loaded):
+    """More sequences decoding than a verify step has rows for drafts: their
+    steps run as the runner's own (chained), and drafting resumes when a
+    sequence leaves; the tokens stay those of plain decoding."""
+    m = qwen35_loaded("qwen35")
+    eng = _engine(device, m, n_slots=3, rows=3)            # three decode rows leave none for drafts
+    cfg = SchedulerConfig(n_slots=3, max_live=3, step_tokens=16)
+    reqs = [r for i, r in enumerate(_requests(m)) if i != 2]
+    want, _, _ = _run(eng, cfg, reqs, [0, 0, 0])
+    got, jobs, runner = _run(eng, cfg, reqs, [0, 0, 0], draft=2)
+    assert got == want
+    assert runner.chained_steps > 0 and runner.spec.steps > 0 and sum(j.drafted for j in jobs) > 0

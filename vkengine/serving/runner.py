@@ -346,7 +346,7 @@ class Runner:
         batch = self.sched.schedule()
         if batch is None:
             return False
-        if self.spec is not None and any(w.seq.data.spec for w in batch.work):
+        if self.spec is not None and self.spec.wants(batch):
             self.spec.turn(batch)    # (synchronous: nothing is left on the device)
             return True
         if self.prompt_apart:

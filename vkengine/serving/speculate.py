@@ -7,8 +7,9 @@ verifies every draft and a row of a step is computed as it would be alone
 (rows below Kernels.step_thresholds; tests/test_speculate.py checks it
 against runs without drafts, interleaved, in batch and slices modes).
 
-A runner turn whose batch holds a speculating sequence (Runner.submit_next)
-runs here, synchronously (nothing stays on the device after it):
+A runner turn whose batch holds a speculating sequence with prompt rows or
+room for drafts (Runner.submit_next, Speculator.wants) runs here,
+synchronously (nothing stays on the device after it):
 
 1. The decode rows: one verify step holds, per speculating sequence, its
    pending token t_p and its drafts d_1..d_k (positions p..p+k), and one row per
@@ -32,7 +33,8 @@ the kernels change and within the state's snapshot rows and the engine's
 output rows (`Speculator.rows`; `verify_rows` sizes a server's engine for its
 slots). When the step's decode rows leave no room, drafts are cut, the most
 first, down to none; a sequence with no room for drafts skips the MTP block
-that round (its later drafts are then worse, never its output).
+that round (its later drafts are then worse, never its output), and a step
+with no room for any runs as the runner's own (chained, as without --mtp).
 
 Drafts are host data on the Job, so a parked sequence keeps them, and the
 runner parks one KV row more (EngineKV.extra: the MTP block's row of the
@@ -106,6 +108,17 @@ class Speculator:
         self.r = runner
 
     # -- a turn -------------------------------------------------------------------------
+    def wants(self, batch: Batch) -> bool:
+        """Whether the batch needs a speculative turn: a speculating sequence's
+        prompt rows (the MTP block follows them), or room for drafts beside its
+        decode rows. Otherwise (more sequences decode than leave room for any
+        draft) the runner's own turn runs it, chained steps and all, and those
+        sequences' drafts resume, from stale MTP rows, when room returns."""
+        dec, pro = batch.split()
+        if pro is not None and any(w.seq.data.spec for w in pro.work):
+            return True
+        return dec is not None and any(self._room(dec.work))
+
     def turn(self, batch: Batch) -> None:
         dec, pro = batch.split()
         if dec is not None:
