@@ -14,7 +14,7 @@ import pytest
 from vkengine.cli import main
 from vkengine.gguf_file import GGUFFile
 from vkengine.model import load_model
-from vkengine.serving.mtp import MtpRunner, MtpStats, generate_mtp
+from vkengine.serving.generate import GenStats
 from vkengine.tools.synth.qwen35 import SHAPES, synth_qwen35
 from vkengine.tools.synth.writer import tokenizer_meta
 
@@ -33,13 +33,12 @@ def accept_models(tmp_path_factory, tokenizer_source):
 
 
 def _mtp_run(device, model, n=24):
-    """(greedy output, MTP output, stats) of n tokens after PROMPT, 3 drafts a round."""
+    """(greedy output, MTP output, stats) of n tokens after PROMPT, 3 drafts a step."""
     eng = _engine(device, model)
     ids = model.tokenizer.encode(PROMPT)
     want = _greedy(eng, ids, n)
-    st = MtpStats()
-    got = [(s.token, s.text, s.finish) for s in generate_mtp(MtpRunner(eng), ids, n, n_draft=3, ignore_eos=True,
-                                                             stats=st)]
+    st = GenStats()
+    got = _greedy(eng, ids, n, mtp_draft=3, stats=st)
     return want, got, st
 
 

@@ -124,16 +124,12 @@ def cmd_generate(args) -> int:
     ids = tok.encode(text)
     st = GenStats()
     sampling = _sampling(args)
-    mtp = None
-    if args.mtp:
-        from .serving.mtp import MtpRunner, MtpStats, generate_mtp
-        if sampling.needs_logits:
-            raise VkEngineError("--mtp decodes greedily: use --temp 0 (and no repeat penalty)")
-        st = mtp = MtpStats()
-        steps = generate_mtp(MtpRunner(eng), ids, args.n_predict, args.draft, args.stop,
-                             ignore_eos=args.ignore_eos, stats=mtp)
-    else:
-        steps = generate(eng, ids, args.n_predict, sampling, args.stop, ignore_eos=args.ignore_eos, stats=st)
+    if args.mtp and sampling.needs_logits:
+        raise VkEngineError("--mtp decodes greedily: use --temp 0 (and no repeat penalty)")
+    if args.mtp and args.draft < 1:
+        raise VkEngineError("--draft must be >= 1")
+    steps = generate(eng, ids, args.n_predict, sampling, args.stop, ignore_eos=args.ignore_eos, stats=st,
+                     mtp_draft=args.draft if args.mtp else 0)
     if not args.chat:
         sys.stdout.write(args.prompt)
     for step in steps:
@@ -143,9 +139,9 @@ def cmd_generate(args) -> int:
     print(f"[{dev.info.name}] startup: {clock.summary()}", file=sys.stderr)
     print(f"[{dev.info.name}] prompt {st.prompt_tokens} tokens, {st.prefill_tps:.1f} tok/s prefill; "
           f"generated {st.generated} tokens, {st.decode_tps:.1f} tok/s decode", file=sys.stderr)
-    if mtp is not None:
-        print(f"[mtp] {mtp.verify_steps} verify steps, drafts accepted {mtp.accepted}/{mtp.drafted} "
-              f"({100 * mtp.acceptance:.0f}%), {mtp.generated / max(mtp.verify_steps, 1):.2f} tokens per step",
+    if args.mtp:   # (the first token comes from the prompt's step)
+        print(f"[mtp] {st.verify_steps} verify steps, drafts accepted {st.accepted}/{st.drafted} "
+              f"({100 * st.acceptance:.0f}%), {(st.generated - 1) / max(st.verify_steps, 1):.2f} tokens per step",
               file=sys.stderr)
     return 0
 

@@ -542,7 +542,7 @@ class Engine:
         wants a sequence's tokens independent of what else runs keeps prompt
         rows and decode rows in separate steps (the server's runner does).
 
-        pass_ (MTP, vkengine.serving.mtp): which forward the step runs; hmap:
+        pass_ (MTP, vkengine.serving.speculate): which forward the step runs; hmap:
         for an MTP pass, the hidden-state row each row reads.
 
         masked=True (constrained decoding; ARGMAX or SAMPLE, no LOGITS): each

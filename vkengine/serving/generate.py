@@ -32,6 +32,13 @@ class GenStats:
     generated: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    drafted: int = 0          # with mtp_draft: drafts the model verified
+    accepted: int = 0         # ... and accepted
+    verify_steps: int = 0     # ... in this many steps of the model
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
     def prefill_tps(self) -> float:
@@ -46,12 +53,15 @@ class GenStats:
 def generate(engine: Engine, prompt: Sequence[int], max_tokens: int = 128,
              sampling: SamplingParams = SamplingParams(), stop: Sequence[str] = (), slot: int = 0,
              ignore_eos: bool = False, stats: GenStats | None = None, suppress: Sequence[int] = (),
-             logits: bool = False) -> Iterator[Step]:
+             logits: bool = False, mtp_draft: int = 0) -> Iterator[Step]:
     """Yield the generated tokens of `prompt` (token ids), run in the engine's
     slot `slot`. suppress: token ids never generated; logits: each Step carries
-    the logits row its token was chosen from."""
+    the logits row its token was chosen from; mtp_draft: greedy decoding
+    drafted by the model's MTP block, up to this many tokens a step (the
+    server's speculative decoding, vkengine/serving/speculate.py: the same
+    tokens in fewer steps of the model)."""
     runner = Runner(engine, SchedulerConfig(n_slots=1, max_live=1, step_tokens=engine.max_batch, max_queue=0),
-                    slots=[slot])
+                    slots=[slot], mtp_draft=mtp_draft)
     events: deque[Event] = deque()
     job = runner.make_job(GenRequest(prompt, max_tokens, sampling, tuple(stop), ignore_eos,
                                      suppress=frozenset(int(t) for t in suppress), logits=logits), events.append)
@@ -72,6 +82,8 @@ def generate(engine: Engine, prompt: Sequence[int], max_tokens: int = 128,
             st.generated += 1
             st.prefill_s = job.t_first - job.t_submit
             st.decode_s = job.t_last - job.t_first
+            st.drafted, st.accepted = job.drafted, job.accepted
+            st.verify_steps = runner.spec.steps if runner.spec is not None else 0
             yield Step(ev.token, ev.text, ev.finish, ev.logits)
             if ev.finish is not None:
                 return

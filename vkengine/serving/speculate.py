@@ -1,8 +1,10 @@
-"""Speculative decoding inside the runner (the server's, generate()'s) with the
-model's own multi-token-prediction block (Qwen3.5's `nextn.*` tensors; the
-single-sequence form is vkengine/serving/mtp.py, whose round this follows).
-Greedy requests speculate (`Job.spec`); the others decode as usual, in the
-same steps. Output: exactly the plain greedy tokens, because the main model
+"""Speculative decoding inside the runner (the server's, generate()'s: the CLI's
+`generate --mtp`) with the model's own multi-token-prediction block (Qwen3.5's
+`nextn.*` tensors; the pairing of rows follows llama.cpp's
+common/speculative.cpp: the MTP block at position p takes token p and the main
+model's final-normed hidden state of p - 1, zeros at position 0). Greedy
+requests speculate (`Job.spec`); the others decode as usual, in the same
+steps. Output: exactly the plain greedy tokens, because the main model
 verifies every draft and a row of a step is computed as it would be alone
 (rows below Kernels.step_thresholds; tests/test_speculate.py checks it
 against runs without drafts, interleaved, in batch and slices modes).
