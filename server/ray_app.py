@@ -62,6 +62,9 @@ class JobFacts:
     decode_s: float | None = None     # first -> last token
     stop_type: str = "none"
     stop_word: str = ""
+    spec: bool = False                # drafted by the MTP block (--mtp): its drafts verified and accepted
+    drafted: int = 0
+    accepted: int = 0
 
 
 class ReplicaServer:
@@ -115,7 +118,8 @@ class ReplicaServer:
                                  stop_word=job.out.stop_word or "",
                                  prompt_s=None if job.t_first is None else job.t_first - job.t_submit,
                                  decode_s=None if job.t_first is None or job.t_last is None
-                                 else job.t_last - job.t_first)
+                                 else job.t_last - job.t_first,
+                                 spec=job.spec, drafted=job.drafted, accepted=job.accepted)
                 yield ev, facts
                 return
         finally:
@@ -222,8 +226,8 @@ class _Out:
 @dataclass(eq=False)
 class RemoteJob:
     """The ingress's stand-in for a replica's Job: what server/formats.py reads
-    (seq.cache_hit, the times, stop_type, out.stop_word), filled in when the
-    replica's last event arrives."""
+    (seq.cache_hit, the times, stop_type, out.stop_word, the drafts), filled in
+    when the replica's last event arrives."""
     req: GenRequest
     seq: _Seq = field(default_factory=_Seq)
     out: _Out = field(default_factory=_Out)
@@ -231,11 +235,15 @@ class RemoteJob:
     t_submit: float = field(default_factory=time.perf_counter)
     t_first: float | None = None
     t_last: float | None = None
+    spec: bool = False
+    drafted: int = 0
+    accepted: int = 0
     task: asyncio.Task | None = None
     response: Any = None
 
     def settle(self, facts: JobFacts) -> None:
         self.seq.cache_hit, self.stop_type, self.out.stop_word = facts.cache_hit, facts.stop_type, facts.stop_word
+        self.spec, self.drafted, self.accepted = facts.spec, facts.drafted, facts.accepted
         if facts.prompt_s is not None:
             self.t_first = self.t_submit + facts.prompt_s
             self.t_last = self.t_first + (facts.decode_s or 0.0)

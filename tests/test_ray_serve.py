@@ -282,3 +282,18 @@ def test_replica_refusals_and_failures_reach_the_client_as_error_objects():
     assert refused["code"] == 503 and "refused" in refused["message"]
     died = asyncio.run(reply_for(VkEngineError("actor died")))
     assert died["code"] == 500 and "replica serving this request failed" in died["message"]
+
+
+def test_the_ingress_reply_carries_the_replicas_drafts():
+    """A replica's --mtp drafts reach the ingress's reply (llama-server's timings
+    draft_n / draft_n_accepted) through the job's facts; a reply that did not
+    speculate has none."""
+    from server.formats import Reply
+    from server.ray_app import JobFacts, RemoteJob
+    from vkengine.serving.runner import GenRequest
+    for spec, want in ((True, {"draft_n": 12, "draft_n_accepted": 9}), (False, {})):
+        job = RemoteJob(GenRequest([1, 2, 3], 8))
+        job.settle(JobFacts(cache_hit=1, prompt_s=0.1, decode_s=0.2, spec=spec, drafted=12, accepted=9))
+        t = Reply("m", "x", 3, tokens=list(range(8)), job=job).timings()   # type: ignore[arg-type]
+        assert {k: t[k] for k in ("draft_n", "draft_n_accepted") if k in t} == want
+        assert t["cache_n"] == 1 and t["predicted_n"] == 8
