@@ -8,6 +8,8 @@ part (rolled back mid-step)."""
 from __future__ import annotations
 
 import dataclasses
+import io
+import json
 
 import pytest
 
@@ -53,9 +55,9 @@ def _unspeculated(m):
             GenRequest(tok.encode("Numbers: 1, 2,"), 7, n_probs=3, ignore_eos=True)]
 
 
-def _run(eng, cfg, reqs, arrive, draft=0, spec_cls=None):
+def _run(eng, cfg, reqs, arrive, draft=0, spec_cls=None, step_log=None):
     """Each request's tokens and finish: request i is added before turn arrive[i]."""
-    runner = Runner(eng, cfg, mtp_draft=draft)
+    runner = Runner(eng, cfg, mtp_draft=draft, step_log=step_log)
     if spec_cls is not None:
         runner.spec = spec_cls(eng, draft)
         runner.spec.bind(runner)
@@ -195,11 +197,15 @@ def test_drafts_accepted_with_the_mtp_accept_model(device, accept_models, arch):
     reqs = [r for i, r in enumerate(_requests(m)) if i != 2]
     arrive = [0, 1, 4]
     want, _, _ = _run(eng, cfg, reqs, arrive)
-    got, jobs, runner = _run(eng, cfg, reqs, arrive, draft=3)
+    log = io.StringIO()
+    got, jobs, runner = _run(eng, cfg, reqs, arrive, draft=3, step_log=log)
     assert got == want
     drafted, accepted = sum(j.drafted for j in jobs), sum(j.accepted for j in jobs)
     assert drafted >= 20 and accepted >= 0.9 * drafted, (accepted, drafted)
     assert runner.spec.steps <= sum(len(t) for t, _ in want) // 2
+    verify = [x for x in map(json.loads, log.getvalue().splitlines()) if "drafted" in x]   # the step log's lines
+    assert len(verify) == runner.spec.steps and sum(x["drafted"] for x in verify) == drafted
+    assert sum(x["accepted"] for x in verify) == accepted and all(x["dt_ms"] >= x["wait_ms"] >= 0 for x in verify)
 
 
 def test_no_room_for_drafts_runs_plain_chained_steps(device, qwen35_loaded):

@@ -173,6 +173,7 @@ class Speculator:
         t0 = time.perf_counter()
         e.submit(tokens, positions, slots, range(len(tokens)), readback, sampling=sampling, masked=masked,
                  masks=r._masks(outs) if masked else None, pass_=pass_)
+        t_wait = time.perf_counter()
         res = e.collect()
         now = time.perf_counter()
         self.steps += 1
@@ -192,7 +193,7 @@ class Speculator:
             self.state.commit_snapshots(rollbacks)
         if r.metrics:
             r.metrics.step(len(tokens), now - t0)
-        self._log(len(tokens), sum(len(p[2]) for p in plan), sum(accepted.values()), t0, now)
+        self._log(len(tokens), sum(len(p[2]) for p in plan), sum(accepted.values()), t0, t_wait, now)
         r.sched.postprocess(dec, accepted)
         # the MTP block over each speculating sequence's accepted positions (p+1 ..: its tokens are the
         # greedy ones of rows 0..n_acc) goes to the device first; the tokens' host work overlaps it
@@ -348,9 +349,11 @@ class Speculator:
             return int(np.argmax(lg))
         return int(x)
 
-    def _log(self, rows: int, drafted: int, accepted: int, t0: float, now: float) -> None:
+    def _log(self, rows: int, drafted: int, accepted: int, t0: float, t_wait: float, now: float) -> None:
+        """A verify step's line in the runner's step log (its fields, and the drafts)."""
         log = self.r.step_log
         if log is not None:
             log.write(json.dumps({"t_ms": round((t0 - self.r._t0) * 1e3, 3), "rows": rows, "prompt_rows": 0,
-                                  "drafted": drafted, "accepted": accepted, "chained": False,
-                                  "dt_ms": round((now - t0) * 1e3, 3)}) + "\n")
+                                  "outs": rows, "chained": False, "in_flight": 1,
+                                  "dt_ms": round((now - t0) * 1e3, 3), "wait_ms": round((now - t_wait) * 1e3, 3),
+                                  "drafted": drafted, "accepted": accepted}) + "\n")
