@@ -86,6 +86,9 @@ class _Segment:
 
 
 class Speculator:
+    """One runner's speculative turns (the module's docstring), up to `draft`
+    drafts a sequence and step, over its engine's MTP block."""
+
     def __init__(self, engine: Engine, draft: int):
         e = engine
         if not e.arch.has_mtp(e.args, e.weights):
