@@ -224,7 +224,7 @@ async def generate(request: Request, st: ServerState, gen: Generation, kind: str
     ids, text, truncated = await anyio.to_thread.run_sync(_prompt_ids, st, gen)
     budget = gen.max_tokens if gen.max_tokens is not None else st.max_tokens
     req = GenRequest(ids, budget, gen.sampling, gen.stop, gen.ignore_eos, gen.n_probs, gen.cache_prompt,
-                     grammar=gen.grammar, logit_bias=gen.logit_bias)
+                     grammar=gen.grammar, logit_bias=gen.logit_bias, draft_max=gen.draft_max)
     loop = asyncio.get_running_loop()
     q: asyncio.Queue = asyncio.Queue()
     job = st.worker.submit(req, lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev))
@@ -305,7 +305,7 @@ async def generate_n(request: Request, st: ServerState, gen: Generation, kind: s
         sp = gen.sampling if gen.sampling.seed is None else dataclasses.replace(gen.sampling,
                                                                                seed=gen.sampling.seed + i)
         req = GenRequest(ids, budget, sp, gen.stop, gen.ignore_eos, gen.n_probs, gen.cache_prompt,
-                         grammar=gen.grammar, logit_bias=gen.logit_bias)
+                         grammar=gen.grammar, logit_bias=gen.logit_bias, draft_max=gen.draft_max)
         def emit(ev, i: int = i) -> None:
             loop.call_soon_threadsafe(q.put_nowait, (i, ev))
         jobs[i] = replies[i].job = st.worker.submit(req, emit)

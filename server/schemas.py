@@ -169,6 +169,8 @@ class Generation:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias; -inf: never)
     template_vars: dict = field(default_factory=dict)  # (chat) variable -> (value, the field that set it)
     reasoning_format: str | None = None            # (chat) llama-server's: auto / deepseek / none (None: the server's)
+    draft_max: int | None = None                   # llama-server's speculative.n_max: drafts a step at most
+                                                   # (--mtp; 0: none; None: the server's --draft)
 
 
 def _sampling(f: Fields) -> SamplingParams:
@@ -335,7 +337,7 @@ def completion(body: dict, n_vocab: int, max_tokens: int) -> Generation:
         n_probs=f.integer("n_probs", 0, lo=0, hi=20), ignore_eos=f.flag("ignore_eos", False),
         cache_prompt=f.flag("cache_prompt", True), truncate=f.flag("truncate", False),
         n_keep=f.integer("n_keep", 0, lo=-1), return_tokens=f.flag("return_tokens", False),
-        grammar=_grammar(f, openai=False), logit_bias=_logit_bias(f))
+        grammar=_grammar(f, openai=False), logit_bias=_logit_bias(f), draft_max=_draft_max(f))
 
 
 def _stream_options(f: Fields) -> bool:
@@ -356,7 +358,14 @@ def _openai_common(f: Fields, max_tokens: int) -> dict:
                 logit_bias=_logit_bias(f),
                 include_usage=_stream_options(f), ignore_eos=f.flag("ignore_eos", False),
                 cache_prompt=f.flag("cache_prompt", True), truncate=f.flag("truncate", False),
-                n_keep=f.integer("n_keep", 0, lo=-1))
+                n_keep=f.integer("n_keep", 0, lo=-1), draft_max=_draft_max(f))
+
+
+def _draft_max(f: Fields) -> int | None:
+    """llama-server's `speculative.n_max` (a flat key with a dot): the drafts a
+    step at most for this request under --mtp (0: none); it changes the speed,
+    never the tokens."""
+    return f.integer("speculative.n_max", None, lo=0)
 
 
 def openai_completion(body: dict, n_vocab: int, max_tokens: int) -> Generation:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 
 from vkengine.engine import Engine, EngineConfig
@@ -54,6 +55,12 @@ def test_mtp_server_clients_get_their_alone_tokens(serve, qwen35_models, alone, 
             assert "draft_n" not in t          # a sampled reply decodes without drafts
     assert _metric(srv.url, "vkengine_spec_draft_tokens_total") >= sum(N[i] for i in (0, 2, 3)) // 2
     assert _metric(srv.url, "vkengine_spec_accepted_tokens_total") >= 0
+    if mode == "batch":   # llama-server's speculative.n_max: 0 decodes without drafts, same tokens
+        toks, text, final = complete(srv.url, False, prompt=PROMPTS[0], n_predict=N[0], ignore_eos=True,
+                                     temperature=0, **{"speculative.n_max": 0})
+        assert (toks, text) == alone(PROMPTS[0], N[0], temperature=0.0) and "draft_n" not in final["timings"]
+        r = httpx.post(srv.url + "/completion", json={"prompt": "x", "speculative.n_max": -1})
+        assert r.status_code == 400 and "speculative.n_max" in r.json()["error"]["message"]
 
 
 def test_mtp_needs_an_mtp_block(tiny_gguf, tmp_path):

@@ -220,3 +220,19 @@ def test_no_room_for_drafts_runs_plain_chained_steps(device, qwen35_loaded):
     got, jobs, runner = _run(eng, cfg, reqs, [0, 0, 0], draft=2)
     assert got == want
     assert runner.chained_steps > 0 and runner.spec.steps > 0 and sum(j.drafted for j in jobs) > 0
+
+
+def test_a_request_caps_its_drafts(device, accept_models):
+    """GenRequest.draft_max (llama-server's speculative.n_max): 0 decodes
+    without drafts, 1 drafts one token a step; the tokens stay the same."""
+    m = load_model(accept_models["qwen35"]["gguf"])
+    eng = _engine(device, m)
+    cfg = SchedulerConfig(n_slots=3, max_live=3, step_tokens=16)
+    ids = m.tokenizer.encode(PROMPT)
+    reqs = [GenRequest(ids, 16, ignore_eos=True, draft_max=d) for d in (None, 1, 0)]
+    want, _, _ = _run(eng, cfg, reqs, [0, 0, 0])
+    got, jobs, _ = _run(eng, cfg, reqs, [0, 0, 0], draft=3)
+    assert got == want
+    assert [j.spec for j in jobs] == [True, True, False] and jobs[2].drafted == 0
+    assert jobs[0].drafted > jobs[1].drafted > 0
+    assert jobs[1].drafted <= 8     # one draft a step: at most 2 of its 16 tokens a step (the first: the prompt's)

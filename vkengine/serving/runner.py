@@ -49,6 +49,7 @@ class GenRequest:
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token, added to its logit; -inf: never), on the host
     embed: str | None = None              # an embedding (pooling: mean, cls, last) instead of tokens
     embd_normalize: int = 2               # its normalization (llama-server's embd_normalize)
+    draft_max: int | None = None          # MTP drafts a step at most (0: none; None: the runner's mtp_draft)
 
     @property
     def host_logits(self) -> bool:
@@ -281,7 +282,7 @@ class Runner:
         job.masked = job.constraint is not None and not req.host_logits and \
             (job.on_device or not req.sampling.needs_logits)
         job.spec = (self.spec is not None and not req.sampling.needs_logits and not req.host_logits
-                    and job.constraint is None and job.pool is None)
+                    and job.constraint is None and job.pool is None and req.draft_max != 0)
         job.seq.data = job
         return job
 

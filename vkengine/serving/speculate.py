@@ -140,7 +140,7 @@ class Speculator:
         for w in work:
             job: Job = w.seq.data
             left = job.req.max_tokens - (len(w.seq.tokens) - w.seq.n_prompt)   # tokens still to come
-            room.append(max(0, min(self.k, left - 1, e.n_ctx - 2 - w.start)) if job.spec else 0)
+            room.append(max(0, min(self._most(job), left - 1, e.n_ctx - 2 - w.start)) if job.spec else 0)
         over = len(work) + sum(room) - self.rows
         while over > 0 and any(room):
             i = max(range(len(room)), key=lambda j: room[j])
@@ -336,7 +336,12 @@ class Speculator:
         """Drafts worth making for a sequence's next verify step: --draft, less
         what its reply and the context leave (its pending token is at mtp_at - 1)."""
         left = job.req.max_tokens - (job.mtp_at - job.seq.n_prompt)   # (its pending token's is the last made)
-        return max(0, min(self.k, left - 1, self.e.n_ctx - 1 - job.mtp_at))
+        return max(0, min(self._most(job), left - 1, self.e.n_ctx - 1 - job.mtp_at))
+
+    def _most(self, job: Job) -> int:
+        """Drafts a step for this request at most: --draft, or less where it asks (speculative.n_max)."""
+        d = job.req.draft_max
+        return self.k if d is None else min(self.k, d)
 
     def _slot(self, seq) -> int:
         """The engine slot of a resident sequence."""
