@@ -103,22 +103,23 @@ def test_speculative_tokens_equal_plain(device, qwen35_loaded, arch, mode):
 
 
 def test_verify_steps_beside_device_draws_and_host_logits(device, qwen35_loaded):
-    """A verify step that also holds a row drawn on the device (as on GPUs) and
-    one whose logits the host reads (n_probs) reads the logits and keeps the
-    device's draw for that row, as the runner's own steps do: every request's
-    tokens equal those without drafts."""
+    """A verify step that also holds a row drawn on the device (as on GPUs), one
+    whose logits the host reads (n_probs) and a grammar's (its mask then applied
+    on the host) reads the logits and keeps the device's draw for that row, as
+    the runner's own steps do: every request's tokens equal those without drafts."""
     m = qwen35_loaded("qwen35")
-    eng = _engine(device, m, device_sampling=True)
-    cfg = SchedulerConfig(n_slots=3, max_live=3, step_tokens=16)
+    eng = _engine(device, m, n_slots=4, device_sampling=True)
+    cfg = SchedulerConfig(n_slots=4, max_live=4, step_tokens=16)
     tok = m.tokenizer
     reqs = [GenRequest(tok.encode(PROMPT), 14, ignore_eos=True),
             GenRequest(tok.encode("Once upon a time"), 10, SamplingParams(temperature=1.5, top_k=40, seed=3),
                        ignore_eos=True),
-            GenRequest(tok.encode("Numbers: 1, 2,"), 10, n_probs=3, ignore_eos=True)]
-    want, _, _ = _run(eng, cfg, reqs, [0, 0, 0])
-    got, jobs, runner = _run(eng, cfg, reqs, [0, 0, 0], draft=2)
+            GenRequest(tok.encode("Numbers: 1, 2,"), 10, n_probs=3, ignore_eos=True),
+            _unspeculated(m)[0]]
+    want, _, _ = _run(eng, cfg, reqs, [0, 0, 0, 0])
+    got, jobs, runner = _run(eng, cfg, reqs, [0, 0, 0, 0], draft=2)
     assert got == want
-    assert [j.spec for j in jobs] == [True, False, False] and jobs[1].on_device
+    assert [j.spec for j in jobs] == [True, False, False, False] and jobs[1].on_device and jobs[3].masked
     assert runner.spec.steps >= 8 and jobs[0].drafted > 0
 
 

@@ -385,22 +385,32 @@ class Runner:
         the forward it runs (a speculating sequence's prompt keeps its rows'
         hidden states for the MTP block)."""
         outs = batch.out_seqs
-        readback, sampling = self._readback(outs)
-        if any(s.data.needs_logits for s in outs):
-            readback |= Readback.LOGITS
-            if readback & Readback.ARGMAX:   # the host chooses every token of a step that reads logits
-                readback = Readback.LOGITS
+        readback, sampling, masked = self._step_readback(outs)
         if any(w.seq.data.pool is not None for w in batch.work):
             readback |= Readback.HIDDEN   # an embedding's rows: every row's hidden state comes back
         alone = Readback.LOGITS | Readback.HIDDEN
         if self.inflight and (readback & alone or self.inflight[-1].readback & alone):
             self._collect_oldest()     # a step that reads logits or hidden states back runs alone (the other part)
-        # grammars' masks on the device: every row's token is known here, so are its masks
-        masked = bool(readback.tokens and not readback & Readback.LOGITS and any(s.data.masked for s in outs))
         self.eng.submit(batch.tokens, batch.positions, self._slots(batch), batch.out_rows, readback,
                         sampling=sampling, prompt=prompt, masked=masked, masks=self._masks(outs) if masked else None,
                         pass_=pass_)
         self.inflight.append(InFlight(batch, outs, readback, time.perf_counter(), False, prompt, masked))
+
+    @classmethod
+    def _step_readback(cls, outs: list[Seq]) -> tuple[Readback, list | None, bool]:
+        """A step's readback for the sequences of its output rows (a sequence once
+        per row), its sampling rows, and whether grammars' masks apply on the
+        device: tokens chosen or drawn on the device (_readback), and the logits
+        too where a row's request needs them, the host then choosing every token
+        but those drawn on the device."""
+        readback, sampling = cls._readback(outs)
+        if any(s.data.needs_logits for s in outs):
+            readback |= Readback.LOGITS
+            if readback & Readback.ARGMAX:   # the host chooses every token of a step that reads logits
+                readback = Readback.LOGITS
+        # grammars' masks on the device: every row's token is known here, so are its masks
+        masked = bool(readback.tokens and not readback & Readback.LOGITS and any(s.data.masked for s in outs))
+        return readback, sampling, masked
 
     def _masks(self, outs: list[Seq]) -> np.ndarray:
         """The token masks of a masked step's output rows, from each grammar's

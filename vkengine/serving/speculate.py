@@ -166,12 +166,7 @@ class Speculator:
             slots += [self._slot(w.seq)] * len(rows)
             outs += [w.seq] * len(rows)
             plan.append((w, off, drafts, n > 0))
-        readback, sampling = r._readback(outs)
-        if any(s.data.needs_logits for s in outs):   # as Runner._submit: rows drawn on the device stay so
-            readback |= Readback.LOGITS
-            if readback & Readback.ARGMAX:   # the host chooses every token of a step that reads logits
-                readback = Readback.LOGITS
-        masked = readback.tokens and any(s.data.masked for s in outs)
+        readback, sampling, masked = r._step_readback(outs)
         pass_ = Pass(hidden_rows=any(p[3] for p in plan), snapshots=any(p[2] for p in plan))
         t0 = time.perf_counter()
         e.submit(tokens, positions, slots, range(len(tokens)), readback, sampling=sampling, masked=masked,
