@@ -135,12 +135,7 @@ class Speculator:
         """The drafts each decode row's sequence may verify this step (0 for
         those that do not speculate): what its reply and the context leave,
         cut (the largest first) until the step fits self.rows."""
-        e = self.e
-        room = []
-        for w in work:
-            job: Job = w.seq.data
-            left = job.req.max_tokens - (len(w.seq.tokens) - w.seq.n_prompt)   # tokens still to come
-            room.append(max(0, min(self._most(job), left - 1, e.n_ctx - 2 - w.start)) if job.spec else 0)
+        room = [self._drafts_after(w.seq.data, w.start) if w.seq.data.spec else 0 for w in work]
         over = len(work) + sum(room) - self.rows
         while over > 0 and any(room):
             i = max(range(len(room)), key=lambda j: room[j])
@@ -288,7 +283,7 @@ class Speculator:
             if s.draft:
                 s.job.drafts = []
                 s.job.mtp_at = s.start + len(s.tokens)     # the position its first draft is for
-        want = {id(j): self._want(j) for j in jobs}
+        want = {id(j): self._drafts_after(j, j.mtp_at - 1) for j in jobs}
         self._submit(tokens, positions, slots, rows, Readback.ARGMAX if rows else Readback.NONE,
                      Pass(mtp=True, hidden=hidden, zero_first=step[0].zero_first), hmap, jobs)
         d = 1
@@ -327,16 +322,14 @@ class Speculator:
         while self._pending:
             self._collect()
 
-    def _want(self, job: Job) -> int:
-        """Drafts worth making for a sequence's next verify step: --draft, less
-        what its reply and the context leave (its pending token is at mtp_at - 1)."""
-        left = job.req.max_tokens - (job.mtp_at - job.seq.n_prompt)   # (its pending token's is the last made)
-        return max(0, min(self._most(job), left - 1, self.e.n_ctx - 1 - job.mtp_at))
-
-    def _most(self, job: Job) -> int:
-        """Drafts a step for this request at most: --draft, or less where it asks (speculative.n_max)."""
-        d = job.req.draft_max
-        return self.k if d is None else min(self.k, d)
+    def _drafts_after(self, job: Job, p: int) -> int:
+        """Drafts worth verifying after a sequence's pending token at position p:
+        --draft (less where the request asks: speculative.n_max), less what its
+        reply (that token is its (p + 1 - n_prompt)-th) and the context (the
+        drafts' rows and the MTP block's next row below n_ctx) leave."""
+        most = self.k if job.req.draft_max is None else min(self.k, job.req.draft_max)
+        left = job.req.max_tokens - (p + 1 - job.seq.n_prompt)     # tokens still to come
+        return max(0, min(most, left - 1, self.e.n_ctx - 2 - p))
 
     def _slot(self, seq) -> int:
         """The engine slot of a resident sequence."""
