@@ -115,12 +115,11 @@ def build_worker(args) -> tuple[Worker, Built]:
     clock = StartupClock()
     scheduler_config(args)   # the flags' errors before the model loads
     mtp = getattr(args, "mtp", False)
-    if mtp and args.draft < 1:
-        raise VkEngineError("--draft must be >= 1")
     kv_types = KVTypes(args.cache_type_k, args.cache_type_v)
     model = load_model(args.model)
-    if mtp and not model.args.n_nextn:
-        raise VkEngineError(f"{model.name} has no MTP block (nextn tensors) to draft with: drop --mtp")
+    if mtp:
+        from vkengine.serving.speculate import check_mtp
+        check_mtp(model, args.draft)
     if args.chat_template_file:
         try:
             model.tokenizer.chat_template = Path(args.chat_template_file).read_text()

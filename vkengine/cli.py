@@ -61,8 +61,8 @@ def _model_options(args: argparse.Namespace, model: Model) -> Model:
             raise VkEngineError("--fixed-experts and --experts-log need a mixture-of-experts model")
         change["fixed_experts"] = True
     if getattr(args, "mtp", False):
-        if not model.args.n_nextn:
-            raise VkEngineError(f"{model.name} has no MTP block (nextn tensors): drop --mtp")
+        from .serving.speculate import check_mtp
+        check_mtp(model, args.draft)
         if getattr(args, "experts_log", None):
             raise VkEngineError("--experts-log records plain engine steps; drop --mtp to use it")
         change["mtp_snap_rows"] = args.draft + 1
@@ -126,8 +126,6 @@ def cmd_generate(args) -> int:
     sampling = _sampling(args)
     if args.mtp and sampling.needs_logits:
         raise VkEngineError("--mtp decodes greedily: use --temp 0 (and no repeat penalty)")
-    if args.mtp and args.draft < 1:
-        raise VkEngineError("--draft must be >= 1")
     steps = generate(eng, ids, args.n_predict, sampling, args.stop, ignore_eos=args.ignore_eos, stats=st,
                      mtp_draft=args.draft if args.mtp else 0)
     if not args.chat:

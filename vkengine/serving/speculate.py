@@ -57,11 +57,21 @@ import numpy as np
 from ..engine import MAIN, Engine, Pass, Readback
 from ..errors import VkEngineError
 from ..kernels import Caps, Kernels
+from ..model import Model
 from ..state import HybridState
 from .scheduler import Batch, Work
 
 if TYPE_CHECKING:
     from .runner import Job, Runner
+
+
+def check_mtp(model: Model, draft: int) -> None:
+    """The flags' errors of drafting `draft` tokens with the model's MTP block
+    (--mtp --draft), before its weights load."""
+    if draft < 1:
+        raise VkEngineError("--draft must be >= 1")
+    if not model.args.n_nextn:
+        raise VkEngineError(f"{model.name} has no MTP block (nextn tensors) to draft with: drop --mtp")
 
 
 def verify_rows(caps: Caps, n_slots: int, draft: int) -> int:
@@ -91,10 +101,9 @@ class Speculator:
 
     def __init__(self, engine: Engine, draft: int):
         e = engine
+        check_mtp(e.model, draft)
         if not e.arch.has_mtp(e.args, e.weights):
-            raise VkEngineError(f"{e.model.name} has no MTP block (nextn tensors) to draft with: drop --mtp")
-        if draft < 1:
-            raise VkEngineError("--draft must be >= 1")
+            raise VkEngineError(f"{e.model.name}: its MTP block's weights did not load")
         if not isinstance(e.kv, HybridState):
             raise VkEngineError(f"{e.model.name}: speculative decoding here rolls back a hybrid model's state")
         self.e, self.k, self.state = e, draft, e.kv
