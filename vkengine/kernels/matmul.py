@@ -330,13 +330,11 @@ class MatmulKernels(KernelBase):
         (split_k_parts)."""
         assert w.data is not None
         mc2 = self.on_coopmat2(w)
+        if mc2 and self.device.is_slow(self.mc2_variant(w)[2]):   # still compiling (Device.settle): mul_mc meanwhile
+            mc2 = False
+            self.substituted += 1
         if mc2:
             bm, bn, variant = self.mc2_variant(w)
-            if self.device.is_slow(variant):   # still compiling (Device.settle): mul_mc meanwhile
-                mc2 = False
-                self.substituted += 1
-        if mc2:
-            pass
         elif self.caps.coopmat:
             (bm, bn), variant = MC_TILE[:2], f"mul_mc_{w.type}"
         else:
