@@ -28,21 +28,29 @@ def _open(args, n_slots: int = 1, max_batch: int | None = None, max_out: int = 1
     from .engine import Engine, EngineConfig
     from .kernels import KVTypes
     from .model import load_model
-    from .options import Options
+    from .options import Options, split_devices
 
     def mark(phase: str) -> None:
         if clock is not None:
             clock.mark(phase)
     kv_types = KVTypes(args.cache_type_k, args.cache_type_v)
+    split = split_devices(args)
     model = _model_options(args, load_model(args.model))
     mark("model file")
+    cfg = EngineConfig(n_slots=n_slots, n_ctx=args.ctx, max_batch=max_batch or args.batch, max_out=max_out,
+                       options=Options.from_env(), kv_types=kv_types)
+    log = getattr(args, "experts_log", None)
+    if split is not None:   # the layers across several devices (vkengine.split)
+        from .split import open_split
+        if log:
+            raise VkEngineError("--experts-log records one device's steps; drop --devices to use it")
+        split_eng = open_split(model, split, args.tensor_split, cfg)
+        mark("weights and buffers")
+        return model, split_eng.device, split_eng
     dev = Device(device_index(args))
     # pipelines this run compiled (a bench's prompt sizes, say) kept for the next process
     dev.save_at_exit()
     mark("device")
-    cfg = EngineConfig(n_slots=n_slots, n_ctx=args.ctx, max_batch=max_batch or args.batch, max_out=max_out,
-                       options=Options.from_env(), kv_types=kv_types)
-    log = getattr(args, "experts_log", None)
     if log:
         from .tools.expert_log import RecordingEngine
         eng: Engine = RecordingEngine(model, dev, cfg, log=open(log, "w"))

@@ -177,6 +177,11 @@ class Engine:
         self.logits_host = device.buffer(self.max_out * a.n_vocab * 4, "host", "logits")
         self.hidden_host = (device.buffer(max_rows * self.scratch.stride("emb") * 4, "host", "hidden")
                             if cfg.embeddings else None)
+        # a part of a split model (vkengine.split): the residual stream of a step's rows arrives in
+        # handoff_in (host-visible, written by the host from the part before) and leaves in handoff_out
+        hand = max_rows * self.scratch.stride(self.arch.residual) * 4
+        self.handoff_in = device.buffer(hand, "host", "handoff-in") if not a.first_part else None
+        self.handoff_out = device.buffer(hand, "host", "handoff-out") if not a.last_part else None
         self._programs: OrderedDict[tuple, Program] = OrderedDict()
         self._provisional: set[tuple] = set()   # programs recorded on a stand-in for a compiling kernel
         # Pad rows (step_rows) need a sequence's rows to depend on nothing past
@@ -190,6 +195,7 @@ class Engine:
         # do not depend on how its prompt was chunked or on who else ran.
         self._tiled_prompts = self.pad_steps and cfg.options.tiled_prompts
         self._inflight: deque[_Submitted] = deque()   # oldest first
+        self.last_rows = 0   # rows the newest step ran (its pad rows too)
         # the buffers this engine allocated (weights, state, activations, params and readbacks):
         # close() frees them. Engines are built one at a time on a device (nothing else allocates
         # meanwhile); the device's own staging and readback buffers are not the engine's
@@ -201,7 +207,7 @@ class Engine:
         grant such allocations lazily and the process is killed later, mid-request."""
         cfg, dev = self.cfg, self.device
         mf = self.model.file
-        weights = sum(mf.tensor_bytes(n) for n in mf.tensor_names())
+        weights = sum(mf.tensor_bytes(n) for n in mf.tensor_names() if self.arch.holds_tensor(self.args, n))
         per_pos, per_slot = self.arch.state_bytes(self.args, cfg.n_slots, self.n_ctx, cfg.kv_types,
                                                   max_step=self.max_batch)
         kv = (per_pos * self.n_ctx + per_slot) * cfg.n_slots
@@ -371,6 +377,8 @@ class Engine:
                     for mode in (A, S) if self.can_sample else (A,):
                         prompt += [(n, k, mode, buf, ()) for k in range(1, min(max_rows, self.max_out, 4) + 1)]
         keys = prompt[:max(0, self.program_cache - len(decode) - 8)] + decode
+        if not self.args.last_part:   # a split model's earlier part: no output rows, nothing read back or chained
+            keys = sorted({(k[0], 0, Readback.NONE, k[3], ()) for k in keys})
         # every program's operations first (their pipelines start compiling on the device's pipeline
         # threads as they are asked for), then the recordings, which wait for them; except that a pipeline
         # still compiling after SLOW_PIPELINE_S (a fresh NVIDIA driver: 36.5 s for the 1B's largest mul_mc2
@@ -407,12 +415,19 @@ class Engine:
             prog.copy(self.params_dev, self.params_dev, (pl.argmax + chain[i]) * 4, (pl.tokens + i) * 4,
                       (k - i) * 4, "chain")
             i = k
+        res = self.scratch.region(self.arch.residual)
+        hand = n * self.scratch.stride(self.arch.residual) * 4
+        if self.handoff_in is not None and not pass_.mtp:   # the part before's residual stream
+            prog.copy(self.handoff_in, res.buf, 0, res.off * 4, hand, "handoff")
         g = Graph(self.kernels, prog, self.scratch, self.params_dev, pl, self.kv, n, n_out, self.weights.rope,
                   self.args.rms_eps, snap_rows=n if pass_.snapshots else 0)
         if pass_.mtp:
             self.arch.forward_mtp(g, self.args, self.weights, pass_.hidden, pl.hmap, pass_.zero_first)
         else:
             self.arch.forward(g, self.args, self.weights, hidden_rows=pass_.hidden_rows)
+        if self.handoff_out is not None:   # to the next part (no output rows here)
+            prog.copy(res.buf, self.handoff_out, res.off * 4, 0, hand, "handoff")
+            return prog
         if pick:
             self._pick(g, prog, n_out, readback, params)
         if readback & Readback.HIDDEN:   # every row's final-normed hidden state, rows packed as on the device
@@ -554,6 +569,52 @@ class Engine:
         mask from the token the step before it chose (collected meanwhile)
         while the GPU runs this step's forward. Nothing else is submitted
         until they are."""
+        tok, pos, slt, outs, mode, samp, chain_key = self.check_submit(
+            tokens, positions, slots, out_rows, readback, chain, sampling, pass_, hmap, masked)
+        n, n_out = len(tok), len(outs)
+        n_req = n
+        if not pass_.mtp:   # (the MTP block keeps KV rows only, in its own layer)
+            self.kv.begin_step(pos, slt)   # a recurrent state checks and accounts for the rows
+        n_run = self.step_rows(n, prompt) if not chain_key else n
+        tiled_prompt = prompt and self.tiled_prompts
+        if n_run > n and (tiled_prompt or (n, n_out, mode, self._next_params, chain_key, pass_) not in self._programs):
+            # pad rows: token 0 in the last row's slot at the positions after that
+            # slot's last one in this step. Their KV rows lie past the sequence
+            # (no row of this step reads them, a later step writes each before
+            # reading it, and parking and prefix reuse take only rows the
+            # sequence has), and their outputs are never read
+            s = slt[-1]
+            top = int(pos[slt == s].max())
+            if top + (n_run - n) < self.n_ctx:
+                tok = np.concatenate([tok, np.zeros(n_run - n, np.int64)])
+                pos = np.concatenate([pos, np.arange(top + 1, top + 1 + n_run - n, dtype=np.int64)])
+                slt = np.concatenate([slt, np.full(n_run - n, s, np.int64)])
+                n = n_run
+        self.last_rows = n   # (the rows it runs: a split model's part hands on that many)
+        buf = self._next_params
+        self._next_params = (buf + 1) % len(self._params)
+        pl, prm = self.layout, self._params[buf].array()
+        prm[pl.tokens:pl.tokens + n] = tok
+        prm[pl.positions:pl.positions + n] = pos
+        prm[pl.slots:pl.slots + n] = slt
+        prm[pl.out_rows:pl.out_rows + n_out] = outs
+        if hmap is not None:
+            prm[pl.hmap:pl.hmap + n] = hmap
+        if samp is not None:
+            words = self._sampling_words(samp)
+            prm[pl.sampling:pl.sampling + words.size] = words
+        prog = self._program(n, n_out, mode, buf, chain_key, pass_, part="forward" if masked else "")
+        prog.submit()
+        self._inflight.append(_Submitted(prog, mode, n_out, buf, n_req, masked=masked))
+        if masked and masks is not None:
+            self.submit_masks(masks)
+
+    def check_submit(self, tokens, positions, slots, out_rows, readback: Readback, chain, sampling, pass_: Pass,
+                     hmap, masked: bool) -> tuple:
+        """Every check submit makes before it changes anything (a split model's
+        last part is asked before its other parts run): the rows as arrays
+        (tokens, positions, slots, out_rows), the readback mode, the sampling
+        rows and the chain."""
         if len(self._inflight) >= self.max_in_flight:
             raise RuntimeError(f"{self.max_in_flight} steps are already in flight: collect() one first")
         if self._inflight and self._inflight[-1].masked and self._inflight[-1].pick is None:
@@ -567,11 +628,12 @@ class Engine:
             raise RuntimeError("a step that reads logits or hidden states back runs alone: collect() the step "
                                "in flight first")
         n, n_out = len(tokens), len(out_rows)
-        n_req = n
         if not 0 < n <= self.max_batch:
             raise VkEngineError(f"a step takes 1..{self.max_batch} tokens, got {n}")
         if n_out > self.max_out:
             raise VkEngineError(f"a step produces at most {self.max_out} logit rows, asked for {n_out}")
+        if n_out and not self.args.last_part:
+            raise ValueError("only the last part of a split model produces output rows")
         if len(positions) != n or len(slots) != n:
             raise ValueError("tokens, positions and slots differ in length")
         if pass_.mtp != (hmap is not None) or (hmap is not None and len(hmap) != n):
@@ -611,40 +673,7 @@ class Engine:
             if not (np.isfinite(samp).all() and (k == np.round(k)).all() and (k >= 1).all()
                     and (k <= Kernels.SAMPLE_K).all() and (samp[:, 4] >= 0).all() and (samp[:, 4] < 1).all()):
                 raise ValueError(f"sampling: finite values, top_k in 1..{Kernels.SAMPLE_K}, u in [0, 1)")
-        if not pass_.mtp:   # (the MTP block keeps KV rows only, in its own layer)
-            self.kv.begin_step(pos, slt)   # a recurrent state checks and accounts for the rows
-        n_run = self.step_rows(n, prompt) if not chain_key else n
-        tiled_prompt = prompt and self.tiled_prompts
-        if n_run > n and (tiled_prompt or (n, n_out, mode, self._next_params, chain_key, pass_) not in self._programs):
-            # pad rows: token 0 in the last row's slot at the positions after that
-            # slot's last one in this step. Their KV rows lie past the sequence
-            # (no row of this step reads them, a later step writes each before
-            # reading it, and parking and prefix reuse take only rows the
-            # sequence has), and their outputs are never read
-            s = slt[-1]
-            top = int(pos[slt == s].max())
-            if top + (n_run - n) < self.n_ctx:
-                tok = np.concatenate([tok, np.zeros(n_run - n, np.int64)])
-                pos = np.concatenate([pos, np.arange(top + 1, top + 1 + n_run - n, dtype=np.int64)])
-                slt = np.concatenate([slt, np.full(n_run - n, s, np.int64)])
-                n = n_run
-        buf = self._next_params
-        self._next_params = (buf + 1) % len(self._params)
-        pl, prm = self.layout, self._params[buf].array()
-        prm[pl.tokens:pl.tokens + n] = tok
-        prm[pl.positions:pl.positions + n] = pos
-        prm[pl.slots:pl.slots + n] = slt
-        prm[pl.out_rows:pl.out_rows + n_out] = outs
-        if hmap is not None:
-            prm[pl.hmap:pl.hmap + n] = hmap
-        if samp is not None:
-            words = self._sampling_words(samp)
-            prm[pl.sampling:pl.sampling + words.size] = words
-        prog = self._program(n, n_out, mode, buf, chain_key, pass_, part="forward" if masked else "")
-        prog.submit()
-        self._inflight.append(_Submitted(prog, mode, n_out, buf, n_req, masked=masked))
-        if masked and masks is not None:
-            self.submit_masks(masks)
+        return tok, pos, slt, outs, mode, samp, chain_key
 
     def submit_masks(self, masks) -> None:
         """The token masks of the masked step in flight (the newest): its tokens

@@ -24,6 +24,12 @@ def add_model_args(p, model: bool = True) -> None:
         add_cache_args(p)
     p.add_argument("--device", type=int, default=None, help="Vulkan device index (see `vkengine devices`); "
                    "VKENGINE_DEVICE also works")
+    if model:
+        p.add_argument("--devices", type=device_list, default=None, metavar="I,J[,...]",
+                       help="split the model's layers across these Vulkan devices, in order (llama.cpp's -sm layer); "
+                            "an index may repeat (parts on one device, each its own Vulkan device)")
+        p.add_argument("--tensor-split", "-ts", default=None, metavar="P,Q[,...]",
+                       help="with --devices: each device's share of the layers (default equal; llama.cpp's -ts)")
 
 
 def cache_type(value: str) -> str:
@@ -40,6 +46,29 @@ def add_cache_args(p) -> None:
         p.add_argument(f"--cache-type-{side}", short, type=cache_type, default="f16", metavar="|".join(KV_TYPES),
                        help=f"{side.upper()} cache type: f16 (default) or q8_0 (blocks of 32 values with an f16 "
                             "scale, as llama.cpp's; 0.53x the bytes, heads a multiple of 64)")
+
+
+def device_list(value: str) -> list[int]:
+    """A --devices value: two or more comma-separated device indices."""
+    try:
+        out = [int(x) for x in value.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: comma-separated Vulkan device indices, e.g. 0,1") from None
+    if len(out) < 2 or min(out) < 0:
+        raise argparse.ArgumentTypeError(f"{value!r}: two or more device indices (>= 0); one device is --device")
+    return out
+
+
+def split_devices(args) -> list[int] | None:
+    """The devices a split model runs on (--devices), or None: one device (--device)."""
+    devs = getattr(args, "devices", None)
+    if devs is None:
+        if getattr(args, "tensor_split", None):
+            raise VkEngineError("--tensor-split needs --devices")
+        return None
+    if getattr(args, "device", None) is not None:
+        raise VkEngineError("give --device (one device) or --devices (a split), not both")
+    return list(devs)
 
 
 def device_index(args) -> int | None:

@@ -187,6 +187,10 @@ class KVCache:
         p.run()
         return Parked(length, into, rows, int(self.hi[slot]))
 
+    def free(self, buffer: Buffer) -> None:
+        """Free a parking buffer (park's `into`) that is no longer kept."""
+        self.device.free(buffer)
+
     def restore(self, parked: Parked, slot: int, length: int | None = None) -> None:
         """Bring back positions [0, length) (default: all) of a parked sequence
         into any slot; a shorter length restores a prefix (prefix cache)."""

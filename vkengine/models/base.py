@@ -40,6 +40,30 @@ if TYPE_CHECKING:
     from ..graph import Graph
 
 
+@dataclass(frozen=True)
+class Part:
+    """The layers [start, stop) of a model's n_layer that one device holds when
+    the model is split across devices (--devices; llama.cpp's -sm layer): the
+    first part embeds the tokens, the last holds the final norm, the output
+    head and any multi-token-prediction block; the residual stream crosses
+    from each part to the next (Engine's handoff)."""
+    start: int
+    stop: int
+    n_layer: int
+
+    @property
+    def first(self) -> bool:
+        return self.start == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stop == self.n_layer
+
+    def owns(self, layer: int) -> bool:
+        """Whether this part holds a layer (an index >= n_layer: the MTP block's, the last part's)."""
+        return self.start <= layer < self.stop or (self.last and layer >= self.n_layer)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelArgs:
     """Hyperparameters every architecture has; an architecture's Args adds its own."""
@@ -58,6 +82,26 @@ class ModelArgs:
     # run-time choices, set at the edge (CLI) with dataclasses.replace
     fixed_experts: bool = False   # MoE parity mode: fixed-order fp32 router, choices recorded
     mtp_snap_rows: int = 0        # rows of a speculative step that can be rolled back to (MTP: drafts + 1)
+    part: Part | None = None      # the layers one device holds of a model split across devices (None: all)
+
+    def owns(self, layer: int) -> bool:
+        """Whether this device holds a layer (all of them unless the model is split)."""
+        return self.part is None or self.part.owns(layer)
+
+    @property
+    def first_part(self) -> bool:
+        """Whether this device embeds the tokens (the first part, or the whole model)."""
+        return self.part is None or self.part.first
+
+    @property
+    def last_part(self) -> bool:
+        """Whether this device holds the output head (the last part, or the whole model)."""
+        return self.part is None or self.part.last
+
+    @property
+    def part_layers(self) -> range:
+        """The main layers this device runs, in order."""
+        return range(self.part.start, self.part.stop) if self.part is not None else range(self.n_layer)
 
     @property
     def n_kv_heads(self) -> int:
@@ -66,7 +110,7 @@ class ModelArgs:
     @property
     def kv_layers(self) -> list[int]:
         """The layers whose KV rows the per-sequence state keeps."""
-        return list(range(self.n_layer))
+        return [i for i in range(self.n_layer) if self.owns(i)]
 
     @property
     def ring_layers(self) -> list[int]:
@@ -111,6 +155,10 @@ class Architecture(ABC):
     names: ClassVar[tuple[str, ...]] = ()             # GGUF general.architecture values it serves
     hf_architectures: ClassVar[tuple[str, ...]] = ()  # Hugging Face config.json "architectures"
     hf_names: ClassVar[dict[str, str]] = {}           # HF tensor-name pattern -> GGUF name
+    # whether its graph and loader take a Part (ModelArgs.part: a model split across devices), and the
+    # activation array that carries the residual stream from one part to the next
+    splittable: ClassVar[bool] = False
+    residual: ClassVar[str] = "x"
 
     def __init__(self) -> None:
         self._hf_re = [(re.compile(k + "$"), v) for k, v in self.hf_names.items()]
@@ -121,6 +169,18 @@ class Architecture(ABC):
             if pat.match(name):
                 return pat.sub(repl, name)
         return None
+
+    def holds_tensor(self, a: ModelArgs, name: str) -> bool:
+        """Whether the device of a's part loads tensor `name` (a GGUF name): a
+        block's tensors where the part owns the block, the token embedding on
+        the first part (and on the last where the output head reuses it), the
+        rest on the last part. (What the engine's memory check counts.)"""
+        m = re.match(r"blk\.(\d+)\.", name)
+        if m:
+            return a.owns(int(m.group(1)))
+        if name == "token_embd.weight":
+            return a.first_part or a.last_part
+        return a.last_part or name.startswith("rope_")
 
     @abstractmethod
     def args(self, mf: ModelFile) -> ModelArgs:

@@ -229,12 +229,17 @@ class Layer:
 
 @dataclass
 class LlamaWeights:
-    tok_embd: Matrix
-    out_norm: Region
-    output: Matrix
-    layers: list[Layer]
+    tok_embd: Matrix | None     # (None: parts of a split model other than the first and, unless the
+    out_norm: Region | None     # head reuses the embedding, the last; the head on the last part only)
+    output: Matrix | None
+    layers: list[Layer | None]  # (None: a layer another part holds)
     rope: Region
     arena: Arena
+
+    def layer(self, i: int) -> Layer:
+        L = self.layers[i]
+        assert L is not None, f"layer {i} is held by another part"
+        return L
 
 
 def _scratch_widths(a: LlamaArgs) -> dict[str, int]:
@@ -264,16 +269,22 @@ def _experts(g: Graph, a: LlamaArgs, X: Experts) -> None:
 
 def _forward(g: Graph, a: LlamaArgs, w: LlamaWeights) -> None:
     """One step: g.n token rows through every layer; logits for the g.n_out
-    requested rows into out_logits."""
-    g.embed(w.tok_embd, "x")
+    requested rows into out_logits. A part of a split model (a.part) runs its
+    own layers: the first embeds the tokens, the others start from the
+    residual stream the part before left in x; the last runs the head."""
+    run = a.part_layers
+    if a.first_part:
+        assert w.tok_embd is not None
+        g.embed(w.tok_embd, "x")
     scale = 1.0 / math.sqrt(a.head_dim)
     # The RMSNorms after the residual adds: split between the add's matvec and
     # the matvecs that read them where they can (Graph.residual_norm: decode
     # steps on GPUs; att_in/ffn_in the sums of squares those take), else fused
     # into the add, else dispatches of their own
-    g.rms_norm("x", w.layers[0].attn_norm, "h")
+    g.rms_norm("x", w.layer(run.start).attn_norm, "h")
     att_in = None
-    for i, L in enumerate(w.layers):
+    for i in run:
+        L = w.layer(i)
         if L.q_norm is not None or L.qkv_bias is not None:
             # q|k|v into qkv, then (biases added) RoPE and the cache write: the
             # matvecs' fused RoPE epilogue has neither a bias nor a norm
@@ -297,18 +308,19 @@ def _forward(g: Graph, a: LlamaArgs, w: LlamaWeights) -> None:
             g.matmul_norm(L.wo, "att", "x", L.ffn_norm, "h")
             _experts(g, a, L.experts)
             att_in = None
-            if i + 1 < len(w.layers):
-                g.rms_norm("x", w.layers[i + 1].attn_norm, "h")
+            if i + 1 < run.stop:
+                g.rms_norm("x", w.layer(i + 1).attn_norm, "h")
             continue
         assert L.down is not None
         ffn_in = g.residual_norm(L.wo, "att", "x", L.ffn_norm, "h", [L.gate_up], glu_reader=True)
         g.gate_up_swiglu(L.gate_up, "h", "gu", "ff", norm_in=ffn_in)
-        if i + 1 < len(w.layers):
-            nxt = w.layers[i + 1]
+        if i + 1 < run.stop:   # (a part's last layer leaves x alone: the next part norms it)
+            nxt = w.layer(i + 1)
             att_in = g.residual_norm(L.down, "ff", "x", nxt.attn_norm, "h", [nxt.qkv])
         else:
             g.matmul(L.down, "ff", "x", accumulate=True)
     if g.n_out:
+        assert w.out_norm is not None and w.output is not None
         g.rms_norm("x", w.out_norm, "out_h", gather=True)
         g.matmul(w.output, "out_h", "out_logits", no_epilogues=True)
 
@@ -330,9 +342,11 @@ def _load_weights(mf: ModelFile, a: LlamaArgs, device, n_ctx: int) -> LlamaWeigh
     """Plan, allocate and upload every weight (kept quantized)."""
     D, F, hd = a.n_embd, a.n_ff, a.head_dim
     p = WeightPlanner(mf, device)
-    i_embd = p.matrix(["token_embd.weight"], [a.n_vocab], D)
-    i_onorm = p.vector("output_norm.weight", D)
-    i_out = p.matrix(["output.weight"], [a.n_vocab], D) if mf.has("output.weight") else i_embd
+    tied = not mf.has("output.weight")
+    i_embd = (p.matrix(["token_embd.weight"], [a.n_vocab], D)
+              if a.first_part or (tied and a.last_part) else None)
+    i_onorm = p.vector("output_norm.weight", D) if a.last_part else None
+    i_out = (i_embd if tied else p.matrix(["output.weight"], [a.n_vocab], D)) if a.last_part else None
     freq_factors = mf.tensor("rope_freqs.weight").as_f32() if mf.has("rope_freqs.weight") else None
     if a.rope_long:
         freq_factors = a.rope_factors(n_ctx)
@@ -343,14 +357,17 @@ def _load_weights(mf: ModelFile, a: LlamaArgs, device, n_ctx: int) -> LlamaWeigh
     # the RoPE table and every q/k norm weight in one buffer (norm_rope_kv binds them together)
     entries = [("rope table", lambda: table, table.size)]
     if a.qk_norm:
-        for i in range(a.n_layer):
+        for i in range(a.n_layer):   # (every layer's: small, and the table's indices stay the layer's)
             for t in ("attn_q_norm", "attn_k_norm"):
                 name = f"blk.{i}.{t}.weight"
                 entries.append((name, p.value(name, hd), hd))
     i_table = p.vectors(entries)
     i_rope = i_table[0]
-    layers: list[dict[str, Any]] = []
+    layers: list[dict[str, Any] | None] = []
     for i in range(a.n_layer):
+        if not a.owns(i):
+            layers.append(None)
+            continue
         pre = f"blk.{i}."
         bias = None
         if a.qkv_bias:
@@ -375,7 +392,8 @@ def _load_weights(mf: ModelFile, a: LlamaArgs, device, n_ctx: int) -> LlamaWeigh
                     down=p.matrix([pre + "ffn_down.weight"], [D], F)))))
     b, arena = p.build(device)
     return LlamaWeights(
-        tok_embd=b[i_embd], out_norm=b[i_onorm], output=b[i_out], rope=b[i_rope], arena=arena,
+        tok_embd=b[i_embd] if i_embd is not None else None, out_norm=b[i_onorm] if i_onorm is not None else None,
+        output=b[i_out] if i_out is not None else None, rope=b[i_rope], arena=arena,
         layers=[Layer(attn_norm=b[L["attn_norm"]], qkv=[(b[h], c) for h, c in L["qkv"]], wo=b[L["wo"]],
                       ffn_norm=b[L["ffn_norm"]], gate_up=[(b[h], c) for h, c in L.get("gate_up", [])],
                       down=b[L["down"]] if "down" in L else None,
@@ -384,13 +402,14 @@ def _load_weights(mf: ModelFile, a: LlamaArgs, device, n_ctx: int) -> LlamaWeigh
                       qkv_bias=b[L["qkv_bias"]] if L["qkv_bias"] is not None else None,
                       q_norm=b[L["q_norm"]] if L["q_norm"] is not None else None,
                       k_norm=b[L["k_norm"]] if L["k_norm"] is not None else None)
-                for L in layers])
+                if L is not None else None for L in layers])
 
 
 class Llama(Architecture):
     names: ClassVar[tuple[str, ...]] = ("llama",)
     hf_architectures: ClassVar[tuple[str, ...]] = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM")
     hf_names = {**HF_NAMES, **HF_MOE_NAMES}
+    splittable = True
 
     def args(self, mf: ModelFile) -> LlamaArgs:
         a = LlamaArgs.from_file(mf)

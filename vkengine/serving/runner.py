@@ -183,7 +183,7 @@ class EngineKV:
         self.asked.pop(id(handle), None)
         self.pool.append(handle.buffer)
         if len(self.pool) > self.keep:
-            self.eng.device.free(self.pool.pop(0))
+            self.eng.kv.free(self.pool.pop(0))
 
 
 def top_logprobs(row: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:

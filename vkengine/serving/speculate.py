@@ -58,7 +58,6 @@ from ..engine import MAIN, Engine, Pass, Readback
 from ..errors import VkEngineError
 from ..kernels import Caps, Kernels
 from ..model import Model
-from ..state import HybridState
 from .scheduler import Batch, Work
 
 if TYPE_CHECKING:
@@ -104,7 +103,7 @@ class Speculator:
         check_mtp(e.model, draft)
         if not e.arch.has_mtp(e.args, e.weights):
             raise VkEngineError(f"{e.model.name}: its MTP block's weights did not load")
-        if not isinstance(e.kv, HybridState):
+        if not hasattr(e.kv, "commit_snapshots"):   # (a HybridState, or a split model's parts of them)
             raise VkEngineError(f"{e.model.name}: speculative decoding here rolls back a hybrid model's state")
         self.e, self.k, self.state = e, draft, e.kv
         self.rows = min(e.kv.snap_rows, e.max_out, e.exact_rows)

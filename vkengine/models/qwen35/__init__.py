@@ -114,10 +114,16 @@ def _block(g: Graph, a: Qwen35Args, L: Layer, layer: int, w: Qwen35Weights, moe_
 def _forward(g: Graph, a: Qwen35Args, w: Qwen35Weights, hidden_rows: bool = False) -> None:
     """One step: g.n token rows through every layer; logits of the g.n_out
     requested rows into out_logits. hidden_rows: also the final-normed hidden
-    state of every row into `hn` (the MTP block's input)."""
-    g.embed(w.tok_embd, "x")
-    for i, L in enumerate(w.layers):
-        _block(g, a, L, i, w, i)
+    state of every row into `hn` (the MTP block's input). A part of a split
+    model runs its own layers (as llama.py's _forward)."""
+    if a.first_part:
+        assert w.tok_embd is not None
+        g.embed(w.tok_embd, "x")
+    for i in a.part_layers:
+        _block(g, a, w.layer(i), i, w, i)
+    if not a.last_part:
+        return
+    assert w.out_norm is not None and w.output is not None
     if hidden_rows:
         g.rms_norm_into("x", w.out_norm, "hn")
     if g.n_out:
@@ -153,6 +159,7 @@ class Qwen35(Architecture):
     hf_architectures = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
                         "Qwen3_5MoeForConditionalGeneration")
     hf_names = HF_NAMES
+    splittable = True
 
     def args(self, mf: ModelFile) -> Qwen35Args:
         return Qwen35Args.from_file(mf)

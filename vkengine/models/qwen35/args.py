@@ -107,12 +107,13 @@ class Qwen35Args(ModelArgs):
 
     @property
     def attn_layers(self) -> list[int]:
-        full = [i for i, t in enumerate(self.layer_types) if t == "full"]
-        return full + ([self.n_layer] if self.n_nextn else [])   # the MTP block has its own KV cache
+        full = [i for i, t in enumerate(self.layer_types) if t == "full" and self.owns(i)]
+        # the MTP block has its own KV cache (on the last part of a split model)
+        return full + ([self.n_layer] if self.n_nextn and self.last_part else [])
 
     @property
     def rec_layers(self) -> list[int]:
-        return [i for i, t in enumerate(self.layer_types) if t == "linear"]
+        return [i for i, t in enumerate(self.layer_types) if t == "linear" and self.owns(i)]
 
     @property
     def kv_layers(self) -> list[int]:

@@ -75,13 +75,18 @@ class Mtp:
 
 @dataclass
 class Qwen35Weights:
-    tok_embd: Matrix
-    out_norm: Region
-    output: Matrix
-    layers: list[Layer]
+    tok_embd: Matrix | None     # (None where a part of a split model does not use it: see
+    out_norm: Region | None     # vkengine/models/llama.py LlamaWeights)
+    output: Matrix | None
+    layers: list[Layer | None]  # (None: a layer another part holds)
     rope: Region
-    mtp: Mtp | None
+    mtp: Mtp | None             # (the last part's)
     arena: Arena
+
+    def layer(self, i: int) -> Layer:
+        L = self.layers[i]
+        assert L is not None, f"layer {i} is held by another part"
+        return L
 
 
 def _plan_layer(p: WeightPlanner, a, prefix: str, kind: str, qk_norms: list) -> dict:
@@ -154,14 +159,19 @@ def load_weights(mf: ModelFile, a, device, n_ctx: int) -> Qwen35Weights:
     """Plan, allocate and upload every weight (matrices kept quantized)."""
     D = a.n_embd
     p = WeightPlanner(mf, device, hf_value)
-    i_embd = p.matrix(["token_embd.weight"], [a.n_vocab], D)
-    i_onorm = p.vector("output_norm.weight", D)
-    i_out = p.matrix(["output.weight"], [a.n_vocab], D) if mf.has("output.weight") else i_embd
+    last = a.last_part
+    # the token embedding where a part embeds tokens (the first; the last too where the head or the
+    # MTP block reuses it), the head on the last part only
+    mp = mtp_prefix(mf, a) if a.n_nextn else ""
+    reuse = not mf.has("output.weight") or (a.n_nextn and not mf.has(mp + "nextn.embed_tokens.weight"))
+    i_embd = p.matrix(["token_embd.weight"], [a.n_vocab], D) if a.first_part or (last and reuse) else None
+    i_onorm = p.vector("output_norm.weight", D) if last else None
+    i_out = (p.matrix(["output.weight"], [a.n_vocab], D) if mf.has("output.weight") else i_embd) if last else None
     qk_norms: list[str] = []
-    layers = [_plan_layer(p, a, f"blk.{i}.", t, qk_norms) for i, t in enumerate(a.layer_types)]
+    layers = [_plan_layer(p, a, f"blk.{i}.", t, qk_norms) if a.owns(i) else None
+              for i, t in enumerate(a.layer_types)]
     mtp: dict[str, Any] | None = None
-    if a.n_nextn:
-        mp = mtp_prefix(mf, a)
+    if a.n_nextn and last:
         mtp = dict(layer=_plan_layer(p, a, mp, "full", qk_norms),
                    eh_proj=p.matrix([mp + "nextn.eh_proj.weight"], [D], 2 * D),
                    enorm=p.vector(mp + "nextn.enorm.weight", D), hnorm=p.vector(mp + "nextn.hnorm.weight", D))
@@ -170,6 +180,7 @@ def load_weights(mf: ModelFile, a, device, n_ctx: int) -> Qwen35Weights:
         emb, head = mp + "nextn.embed_tokens.weight", mp + "nextn.shared_head_head.weight"
         mtp["embed"] = p.matrix([emb], [a.n_vocab], D) if mf.has(emb) else i_embd
         mtp["head"] = p.matrix([head], [a.n_vocab], D) if mf.has(head) else i_out
+        assert None not in (mtp["head_norm"], mtp["embed"], mtp["head"])
     # the RoPE table and every q/k norm weight in one buffer (bound together)
     table = rope_table(n_ctx, a.n_rot, a.rope_base)
     entries = [("rope table", lambda: table, table.size)]
@@ -181,9 +192,11 @@ def load_weights(mf: ModelFile, a, device, n_ctx: int) -> Qwen35Weights:
     b, arena = p.build(device)
     rope = b[i_rope[0]]
     norms = [(b[i_rope[1 + 2 * j]], b[i_rope[2 + 2 * j]]) for j in range(len(qk_norms))]
-    built_layers = [_build_layer(L, b, norms, D) for L in layers]
+    built_layers = [_build_layer(L, b, norms, D) if L is not None else None for L in layers]
     m = None
     if mtp is not None:
         m = Mtp(b[mtp["eh_proj"]], b[mtp["enorm"]], b[mtp["hnorm"]], b[mtp["head_norm"]], b[mtp["embed"]],
                 b[mtp["head"]], _build_layer(mtp["layer"], b, norms, D))
-    return Qwen35Weights(b[i_embd], b[i_onorm], b[i_out], built_layers, rope, m, arena)
+    def opt(i):
+        return b[i] if i is not None else None
+    return Qwen35Weights(opt(i_embd), opt(i_onorm), opt(i_out), built_layers, rope, m, arena)

@@ -1,0 +1,13 @@
+# call 3: mul_mc2's forms: kernel tests, then the 8B pp512 profile A/B in the engine, llama-bench beside
+timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "coopmat" --tb=short > $OUT/kt.log 2>&1; tail -2 $OUT/kt.log
+grep -E "^FAILED" $OUT/kt.log | head -8
+build_llama > $OUT/llb.txt 2>&1
+f=$(synth_model llama:8b:q4_0)
+prof() { echo "== $*"; env "$@" timeout 80 python3 -m vkengine.cli bench --model $f -p 512 -n 0 -r 2 --profile 2>&1 | sed -n '/^prefill/,$p' | grep -E "prefill|mul_mat|tok/s"; }
+prof VKENGINE_MC2_BK=32
+prof VKENGINE_MC2_BK=64
+prof VKENGINE_MC2_SC=2
+prof VKENGINE_MC2_BK=64 VKENGINE_MC2_SC=2
+prof VKENGINE_MC2_BK=32
+prof VKENGINE_MC2_BK=64
+timeout 60 /tmp/llb/bin/llama-bench -m $f -p 512 -n 0 -r 3 -ngl 99 2>&1 | grep -E "pp512|error"
