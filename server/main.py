@@ -111,9 +111,11 @@ def build_worker(args) -> tuple[Worker, Built]:
     from vkengine.engine import Engine, EngineConfig
     from vkengine.kernels import KVTypes
     from vkengine.model import load_model
+    from vkengine.options import split_devices
     from vkengine.startup import StartupClock
     clock = StartupClock()
     scheduler_config(args)   # the flags' errors before the model loads
+    split = split_devices(args)
     mtp = getattr(args, "mtp", False)
     kv_types = KVTypes(args.cache_type_k, args.cache_type_v)
     model = load_model(args.model)
@@ -127,8 +129,11 @@ def build_worker(args) -> tuple[Worker, Built]:
             raise VkEngineError(f"--chat-template-file: {e}") from None
     pooling = embedding_pooling(model, args.pooling) if args.embeddings else None
     clock.mark("model file")
-    dev = Device(device_index(args))
-    dev.save_at_exit()   # what requests compiled after startup, for the next start
+    # one device, or (--devices) the first of a split model's: their kind sets the scheduler's defaults
+    devs = [Device(i) for i in split] if split is not None else [Device(device_index(args))]
+    for d in devs:
+        d.save_at_exit()   # what requests compiled after startup, for the next start
+    dev = devs[0]
     clock.mark("device")
     cfg, n_slots = scheduler_config(args, gpu=dev.info.type != "cpu")
     options = Options.from_env()
@@ -136,13 +141,17 @@ def build_worker(args) -> tuple[Worker, Built]:
     if mtp:   # verify steps: every slot's token and its drafts, each row computed as alone, snapshots for all
         from vkengine.kernels import Caps
         from vkengine.serving.speculate import verify_rows
-        caps = Caps.detect(dev, options)
-        rows = verify_rows(caps, n_slots, args.draft)
+        caps = [Caps.detect(d, options) for d in devs]
+        rows = min(verify_rows(c, n_slots, args.draft) for c in caps)
         model = dataclasses.replace(model, args=dataclasses.replace(model.args, mtp_snap_rows=rows))
         max_out = max(n_slots, rows)
-    eng = Engine(model, dev, EngineConfig(n_slots=n_slots, n_ctx=args.ctx, max_batch=cfg.max_prompt_rows,
-                                          max_out=max_out, max_in_flight=3, options=options,
-                                          kv_types=kv_types, embeddings=args.embeddings), caps=caps)
+    ecfg = EngineConfig(n_slots=n_slots, n_ctx=args.ctx, max_batch=cfg.max_prompt_rows, max_out=max_out,
+                        max_in_flight=3, options=options, kv_types=kv_types, embeddings=args.embeddings)
+    if split is not None:   # the layers across the devices (vkengine.split)
+        from vkengine.split import SplitEngine, parse_split
+        eng: Any = SplitEngine(model, devs, ecfg, parse_split(args.tensor_split, len(devs)), caps)
+    else:
+        eng = Engine(model, dev, ecfg, caps=caps[0] if caps else None)
     clock.mark("weights and buffers")
     if eng.max_batch < cfg.step_tokens:
         raise VkEngineError(f"--step-tokens {cfg.step_tokens} does not fit the device's buffers; "
@@ -205,8 +214,9 @@ def serve_main(args) -> int:
         return serve_replicas(args)
     app, st, dev = build(args)
     log.info("%s on %s: mode %s, parallel %d, %d device slot(s), context %d, step %d tokens, prompt steps "
-             "up to %d, KV cache K %s V %s%s", st.model_id, dev.info.name, args.mode, args.parallel,
+             "up to %d, KV cache K %s V %s%s%s", st.model_id, dev.info.name, args.mode, args.parallel,
              st.worker.cfg.n_slots, st.n_ctx, st.worker.cfg.step_tokens, st.worker.cfg.max_prompt_rows, *st.kv_cache,
+             f"; {st.worker.runner.eng.describe()}" if hasattr(st.worker.runner.eng, "describe") else "",
              f", MTP drafts {args.draft} a step (verify steps of up to {st.worker.runner.spec.rows} rows)"
              if st.worker.runner.spec is not None else "")
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:

@@ -77,7 +77,7 @@ class ReplicaServer:
 
         from .main import build_worker
         args = copy.copy(args)
-        if args.device is None:
+        if args.device is None and getattr(args, "devices", None) is None:   # (--devices: a split model's own)
             args.device = assigned_device()
         self.replica_id = replica_id
         self.worker, self.info = build_worker(args)

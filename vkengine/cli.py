@@ -142,6 +142,8 @@ def cmd_generate(args) -> int:
         sys.stdout.write(step.text)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    if hasattr(eng, "describe"):
+        print(f"[{eng.describe()}]", file=sys.stderr)
     print(f"[{dev.info.name}] startup: {clock.summary()}", file=sys.stderr)
     print(f"[{dev.info.name}] prompt {st.prompt_tokens} tokens, {st.prefill_tps:.1f} tok/s prefill; "
           f"generated {st.generated} tokens, {st.decode_tps:.1f} tok/s decode", file=sys.stderr)
@@ -190,7 +192,7 @@ def cmd_bench(args) -> int:
         print(json.dumps(runs[0] if len(runs) == 1 else runs, indent=1))
         return 0
     for r in runs:
-        line = f"{model.name} on {dev.info.name}:"
+        line = f"{model.name} on {eng.describe() if hasattr(eng, 'describe') else dev.info.name}:"
         tag = f" @ d{r['depth']}" if r["depth"] or len(runs) > 1 else ""
         if args.n_prompt:
             line += f" pp{args.n_prompt}{tag} {r['pp_tps']:.1f} tok/s"

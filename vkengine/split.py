@@ -187,6 +187,12 @@ class SplitEngine:
         self.max_in_flight = last.max_in_flight
         self.res_stride = first.scratch.stride(self.arch.residual)
 
+    def describe(self) -> str:
+        """Which layers each device holds, for logs: "split across 2 devices: layers 0-14 on [0] ..."."""
+        return f"split across {len(self.parts)} devices: " + ", ".join(
+            f"layers {p.start}-{p.stop - 1} on [{e.device.info.index}] {e.device.info.name}"
+            for p, e in zip(self.split, self.parts))
+
     # -- what the callers read ------------------------------------------------------------
     @property
     def n_slots(self) -> int:

@@ -81,6 +81,8 @@ def run_bench(eng: Engine, n_prompt: int, n_gen: int, reps: int = 3, seed: int =
     V = eng.n_vocab
     out: dict[str, Any] = {"model": eng.model.name, "device": eng.device.info.name, "n_prompt": n_prompt,
                            "n_gen": n_gen, "depth": depth}
+    if hasattr(eng, "describe"):   # a split model (vkengine.split): which layers each device holds
+        out["split"] = eng.describe()
     if depth + max(n_prompt, n_gen) > eng.n_ctx:
         raise VkEngineError(f"depth {depth} + {max(n_prompt, n_gen)} tokens do not fit the context length "
                             f"{eng.n_ctx} (--ctx)")
