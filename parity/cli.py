@@ -12,14 +12,15 @@ import sys
 from pathlib import Path
 
 from vkengine.errors import VkEngineError
-from vkengine.options import add_cache_args
+from vkengine.options import add_cache_args, device_list
 
 
 def cmd_run(args) -> int:
     from .run import RunConfig, run_parity
     cfg = RunConfig(model=args.model, prompts=args.prompts, n_predict=args.n_predict, n_probs=args.n_probs,
                     endpoint=args.endpoint, endpoint_b=args.endpoint_b, out=args.out, note=args.note,
-                    device=args.device, repeats=args.repeats,
+                    device=args.device, devices=tuple(args.devices) if args.devices else None,
+                    tensor_split=args.tensor_split, repeats=args.repeats,
                     server=Path(args.server) if args.server else None, server_args=tuple(args.server_args.split()),
                     cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v)
     art = run_parity(cfg)
@@ -112,6 +113,10 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--note", help="deviation note recorded in the artifact (required reading when below a bar)")
     r.add_argument("--device", type=int, default=None,
                    help="Vulkan device index (default: VKENGINE_DEVICE or the best)")
+    r.add_argument("--devices", type=device_list, default=None, metavar="I,J[,...]",
+                   help="our side's model split across these devices by layers (vkengine's --devices)")
+    r.add_argument("--tensor-split", "-ts", default=None, metavar="P,Q[,...]",
+                   help="with --devices: each device's share of the layers")
     add_cache_args(r)   # both sides: llama-server started with -ctk/-ctv (and -fa on for a q8_0 V cache)
     r.set_defaults(fn=cmd_run)
 
@@ -149,7 +154,10 @@ def main(argv: list[str] | None = None) -> int:
         print("error: arguments after `--` are for serve-reference only", file=sys.stderr)
         return 2
     try:
-        if args.cmd == "run" and args.device is None and os.environ.get("VKENGINE_DEVICE"):
+        if args.cmd == "run":
+            from vkengine.options import split_devices
+            split_devices(args)   # (--device with --devices, --tensor-split alone: refused)
+        if args.cmd == "run" and args.device is None and args.devices is None and os.environ.get("VKENGINE_DEVICE"):
             if not os.environ["VKENGINE_DEVICE"].isdigit():
                 raise VkEngineError(f"VKENGINE_DEVICE={os.environ['VKENGINE_DEVICE']!r} is not a device index")
             args.device = int(os.environ["VKENGINE_DEVICE"])

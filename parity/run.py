@@ -65,6 +65,8 @@ class RunConfig:
     out: str | None = None
     note: str | None = None
     device: int | None = None
+    devices: tuple[int, ...] | None = None   # our side split across these devices (vkengine.split)
+    tensor_split: str | None = None          # their shares of the layers
     repeats: int = 2
     cache: Path | None = None         # llama.cpp build cache (default: ~/.cache/vkengine/...)
     server: Path | None = None        # another llama-server binary (e.g. a Vulkan build)
@@ -112,9 +114,12 @@ def run_parity(cfg: RunConfig, log: Log = stderr_log, engine: Engine | None = No
                                                   cfg.repeats, log, kv_cache)
     t_ref = time.monotonic() - t0
     if engine is None:
-        dev = Device(cfg.device)
-        engine = Engine(model, dev, engine_config(max(map(len, ids)), cfg.n_predict, model.args.n_ctx_train,
-                                                  Options.from_env(), kv_types))
+        ecfg = engine_config(max(map(len, ids)), cfg.n_predict, model.args.n_ctx_train, Options.from_env(), kv_types)
+        if cfg.devices:
+            from vkengine.split import open_split
+            engine = open_split(model, cfg.devices, cfg.tensor_split, ecfg)
+        else:
+            engine = Engine(model, Device(cfg.device), ecfg)
     need = max(map(len, ids)) + cfg.n_predict
     if need > engine.n_ctx:
         raise VkEngineError(f"the longest prompt plus N needs {need} positions; the engine has {engine.n_ctx}")
@@ -145,7 +150,8 @@ def run_parity(cfg: RunConfig, log: Log = stderr_log, engine: Engine | None = No
         "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "engine": {"name": "vkengine", "version": vkengine.__version__, "git_commit": commit, "git_dirty": dirty},
         "device": {"name": info.name, "type": info.type, "driver": info.driver_name,
-                   "driver_info": info.driver_info, "vulkan_api": info.api_version},
+                   "driver_info": info.driver_info, "vulkan_api": info.api_version,
+                   **({"split": engine.describe()} if hasattr(engine, "describe") else {})},
         "llama_cpp": {"modes": {m.name: m.describe() for m in (mode_a, mode_b)}},
         "model": {"file": model.path.name, "sha256": model.sha256(), "architecture": model.file.arch},
         "kv_cache": {"k": kv_types.k, "v": kv_types.v},   # both sides' (llama-server: -ctk, -ctv)

@@ -410,3 +410,29 @@ def test_cli_q8_cache_on_both_sides(llama_server_exe, tmp_path):
     assert modes["A"]["args"] == ["-fa", "on", "-ctk", "q8_0", "-ctv", "q8_0"]
     assert modes["B"]["command"][-10:] == ["-fa", "on", "-b", "64", "-ub", "64", "-ctk", "q8_0", "-ctv", "q8_0"]
     assert len(doc["cases"][0]["engine"]) == 4 and len(doc["cases"][0]["mode_a"]) == 4
+
+
+@pytest.mark.slow
+def test_harness_with_split_engine(reference_server, reference_server_b, smollm2_engine, smollm2, device, tmp_path):
+    """`parity run --devices`: the harness over the embedded model split across
+    two Vulkan devices (on the one physical device) records the split and
+    gives the unsplit engine's tokens and figures."""
+    from vkengine.device import Device
+    from vkengine.split import SplitEngine
+    devs = [Device(device.info.index) for _ in range(2)]
+    split = SplitEngine(smollm2, devs, smollm2_engine.cfg, [2, 1])
+    try:
+        runs = []
+        for eng in (smollm2_engine, split):
+            cfg = RunConfig(model=None, prompts="short", n_predict=12, endpoint=reference_server.url,
+                            endpoint_b=reference_server_b.url, out=str(tmp_path / "p.json"), note="test")
+            runs.append(run_parity(cfg, engine=eng))
+        whole, parted = runs
+        assert parted["device"]["split"].startswith("split across 2 devices: layers 0-19 on")
+        assert "split" not in whole["device"]
+        assert [c["engine"] for c in parted["cases"]] == [c["engine"] for c in whole["cases"]]
+        assert parted["summary"] == whole["summary"]
+    finally:
+        split.close()
+        for d in devs:
+            d.close()
