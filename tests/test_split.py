@@ -106,6 +106,38 @@ def test_split_logits_equal_whole(device, devices, model_of, name, n_parts, spli
         parted.close()
 
 
+def test_split_boundary_norm_as_whole(device, devices, model_of):
+    """On the GPUs' decode path (split-K matvecs with the RMSNorm split between
+    a residual add and its readers, forced here on lavapipe) the part before
+    the boundary computes the next layer's norm as the whole model does and
+    hands h' with its sums of squares over: decode logits bit for bit."""
+    import dataclasses as dc
+
+    from vkengine.kernels import Caps
+
+    from .test_models import GPU_DECODE
+    m = model_of("llama")
+    caps = dc.replace(Caps.detect(device), **GPU_DECODE, xq8_in=False)
+    cfg = EngineConfig(n_slots=2, n_ctx=96, max_batch=16, max_out=8)
+    whole = Engine(m, device, cfg, caps=caps)
+    parted = SplitEngine(m, devices[:2], cfg, caps=[caps, caps])
+    try:
+        assert parted.parts[0].hands_norm(1) and parted.parts[0].hands_norm(2)
+        ids = m.tokenizer.encode(PROMPT)[:10]
+        got = []
+        for e in (whole, parted):
+            rows = [e.step([t, t], [p, p], [0, 1], [0, 1], Readback.LOGITS) for p, t in enumerate(ids)]
+            rows.append(e.step([ids[0]], [len(ids)], [1], [0], Readback.LOGITS))
+            got.append(rows)
+        for a, b in zip(*got):
+            np.testing.assert_array_equal(a, b)
+        labels = [op.label for prog in parted.parts[0]._programs.values() for op in prog.ops if op.kind == "dispatch"]
+        assert any(lb.endswith("x<-ff+rms_norm_parts") for lb in labels), labels   # (the boundary's, split)
+    finally:
+        whole.close()
+        parted.close()
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen35"])
 def test_split_parks_each_part(device, devices, model_of, name):
     """A sequence parked from a slot, other sequences run there, then restored to

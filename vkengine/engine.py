@@ -14,9 +14,9 @@ from __future__ import annotations
 import enum
 import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 
@@ -177,11 +177,15 @@ class Engine:
         self.logits_host = device.buffer(self.max_out * a.n_vocab * 4, "host", "logits")
         self.hidden_host = (device.buffer(max_rows * self.scratch.stride("emb") * 4, "host", "hidden")
                             if cfg.embeddings else None)
-        # a part of a split model (vkengine.split): the residual stream of a step's rows arrives in
-        # handoff_in (host-visible, written by the host from the part before) and leaves in handoff_out
-        hand = max_rows * self.scratch.stride(self.arch.residual) * 4
+        # a part of a split model (vkengine.split): the arrays the architecture hands on (its residual
+        # stream; Architecture.handoff) of a step's rows arrive in handoff_in (host-visible, written by
+        # the host from the part before's handoff_out), one after another
+        hand = max_rows * sum(self.scratch.stride(name) for name in self.arch.handoff) * 4
         self.handoff_in = device.buffer(hand, "host", "handoff-in") if not a.first_part else None
         self.handoff_out = device.buffer(hand, "host", "handoff-out") if not a.last_part else None
+        # whether the part before hands over its last layer's norm split (Architecture.hands_norm) for a
+        # step of n rows: the part before's hands_norm (SplitEngine sets it)
+        self.takes_norm: Callable[[int], bool] | None = None
         self._programs: OrderedDict[tuple, Program] = OrderedDict()
         self._provisional: set[tuple] = set()   # programs recorded on a stand-in for a compiling kernel
         # Pad rows (step_rows) need a sequence's rows to depend on nothing past
@@ -237,6 +241,17 @@ class Engine:
     @property
     def n_slots(self) -> int:
         return self.cfg.n_slots
+
+    def hands_norm(self, n: int) -> bool:
+        """A split model's part before the last: whether a step of n rows hands
+        the next part its first layer's norm split (Architecture.hands_norm)."""
+        g = Graph(self.kernels, cast(Program, None), self.scratch, self.params_dev, self.layout, self.kv, n, 0,
+                  self.weights.rope, self.args.rms_eps)   # (the choice only: nothing is recorded)
+        return self.arch.hands_norm(g, self.args, self.weights)
+
+    def handoff_words(self, n: int) -> int:
+        """Words of handoff_out (and of the next part's handoff_in) a step of n rows fills."""
+        return n * sum(self.scratch.stride(name) for name in self.arch.handoff)
 
     @property
     def n_programs(self) -> int:
@@ -415,18 +430,17 @@ class Engine:
             prog.copy(self.params_dev, self.params_dev, (pl.argmax + chain[i]) * 4, (pl.tokens + i) * 4,
                       (k - i) * 4, "chain")
             i = k
-        res = self.scratch.region(self.arch.residual)
-        hand = n * self.scratch.stride(self.arch.residual) * 4
-        if self.handoff_in is not None and not pass_.mtp:   # the part before's residual stream
-            prog.copy(self.handoff_in, res.buf, 0, res.off * 4, hand, "handoff")
+        if self.handoff_in is not None and not pass_.mtp:   # what the part before handed on
+            self._handoff(prog, n, self.handoff_in, into=True)
         g = Graph(self.kernels, prog, self.scratch, self.params_dev, pl, self.kv, n, n_out, self.weights.rope,
                   self.args.rms_eps, snap_rows=n if pass_.snapshots else 0)
+        g.norm_handed = self.takes_norm is not None and not pass_.mtp and self.takes_norm(n)
         if pass_.mtp:
             self.arch.forward_mtp(g, self.args, self.weights, pass_.hidden, pl.hmap, pass_.zero_first)
         else:
             self.arch.forward(g, self.args, self.weights, hidden_rows=pass_.hidden_rows)
         if self.handoff_out is not None:   # to the next part (no output rows here)
-            prog.copy(res.buf, self.handoff_out, res.off * 4, 0, hand, "handoff")
+            self._handoff(prog, n, self.handoff_out, into=False)
             return prog
         if pick:
             self._pick(g, prog, n_out, readback, params)
@@ -442,6 +456,18 @@ class Engine:
             for i in range(n_out):   # rows are stride apart on the device, packed on the host
                 prog.copy(r.buf, self.logits_host, (r.off + i * stride) * 4, i * V * 4, V * 4, "logits")
         return prog
+
+    def _handoff(self, prog: Program, n: int, host, into: bool) -> None:
+        """Copy the first n rows of each handed-on array from the host buffer
+        (into=True) or to it, the arrays one after another."""
+        off = 0
+        for name in self.arch.handoff:
+            r, words = self.scratch.region(name), n * self.scratch.stride(name)
+            if into:
+                prog.copy(host, r.buf, off * 4, r.off * 4, words * 4, "handoff")
+            else:
+                prog.copy(r.buf, host, r.off * 4, off * 4, words * 4, "handoff")
+            off += words
 
     def _pick(self, g: Graph, prog: Program, n_out: int, readback: Readback, params) -> None:
         """The output rows' tokens chosen (greedy or drawn) into the host params."""
@@ -533,7 +559,7 @@ class Engine:
 
     def submit(self, tokens, positions, slots, out_rows=(), readback: Readback = Readback.ARGMAX,
                chain: Sequence[int] | None = None, sampling=None, prompt: bool = False, pass_: Pass = MAIN,
-               hmap=None, masked: bool = False, masks=None) -> None:
+               hmap=None, masked: bool = False, masks=None, rows: int | None = None) -> None:
         """The first half of step(): check, write the params, start the step on
         the device and return at once, so that the caller's host work (a server
         delivering the previous step's text) overlaps the GPU's; collect()
@@ -560,6 +586,9 @@ class Engine:
         pass_ (MTP, vkengine.serving.speculate): which forward the step runs; hmap:
         for an MTP pass, the hidden-state row each row reads.
 
+        rows: the rows to run, pad rows included (default pad_rows'; a split
+        model's parts all run the last part's choice).
+
         masked=True (constrained decoding; ARGMAX or SAMPLE, no LOGITS): each
         output row's tokens are chosen among those its mask allows (masks[j]:
         Kernels.mask_words(n_vocab) uint32 words, bit t of word t // 32 set:
@@ -575,9 +604,8 @@ class Engine:
         n_req = n
         if not pass_.mtp:   # (the MTP block keeps KV rows only, in its own layer)
             self.kv.begin_step(pos, slt)   # a recurrent state checks and accounts for the rows
-        n_run = self.step_rows(n, prompt) if not chain_key else n
-        tiled_prompt = prompt and self.tiled_prompts
-        if n_run > n and (tiled_prompt or (n, n_out, mode, self._next_params, chain_key, pass_) not in self._programs):
+        n_run = self.pad_rows(n, n_out, mode, chain_key, pass_, prompt, pos, slt) if rows is None else rows
+        if n_run > n:
             # pad rows: token 0 in the last row's slot at the positions after that
             # slot's last one in this step. Their KV rows lie past the sequence
             # (no row of this step reads them, a later step writes each before
@@ -585,11 +613,10 @@ class Engine:
             # sequence has), and their outputs are never read
             s = slt[-1]
             top = int(pos[slt == s].max())
-            if top + (n_run - n) < self.n_ctx:
-                tok = np.concatenate([tok, np.zeros(n_run - n, np.int64)])
-                pos = np.concatenate([pos, np.arange(top + 1, top + 1 + n_run - n, dtype=np.int64)])
-                slt = np.concatenate([slt, np.full(n_run - n, s, np.int64)])
-                n = n_run
+            tok = np.concatenate([tok, np.zeros(n_run - n, np.int64)])
+            pos = np.concatenate([pos, np.arange(top + 1, top + 1 + n_run - n, dtype=np.int64)])
+            slt = np.concatenate([slt, np.full(n_run - n, s, np.int64)])
+            n = n_run
         self.last_rows = n   # (the rows it runs: a split model's part hands on that many)
         buf = self._next_params
         self._next_params = (buf + 1) % len(self._params)
@@ -608,6 +635,20 @@ class Engine:
         self._inflight.append(_Submitted(prog, mode, n_out, buf, n_req, masked=masked))
         if masked and masks is not None:
             self.submit_masks(masks)
+
+    def pad_rows(self, n: int, n_out: int, mode: Readback, chain_key: tuple[int, ...], pass_: Pass, prompt: bool,
+                 pos: np.ndarray, slt: np.ndarray) -> int:
+        """The rows a step of n rows runs (n, or more with pad rows: step_rows):
+        a prompt step's where tiled_prompts, another's where no program of
+        exactly n rows is recorded, and only where the pad rows' positions fit
+        the context."""
+        n_run = self.step_rows(n, prompt) if not chain_key else n
+        tiled_prompt = prompt and self.tiled_prompts
+        if n_run > n and (tiled_prompt or (n, n_out, mode, self._next_params, chain_key, pass_) not in self._programs):
+            top = int(pos[slt == slt[-1]].max())
+            if top + (n_run - n) < self.n_ctx:
+                return n_run
+        return n
 
     def check_submit(self, tokens, positions, slots, out_rows, readback: Readback, chain, sampling, pass_: Pass,
                      hmap, masked: bool) -> tuple:

@@ -172,7 +172,7 @@ class SplitEngine:
             for e in self.parts:
                 e.close()
             raise
-        first, last = self.parts[0], self.parts[-1]
+        last = self.parts[-1]
         self.last = last
         self.n_ctx = last.n_ctx
         self.max_batch = min(e.max_batch for e in self.parts)
@@ -185,7 +185,8 @@ class SplitEngine:
         self.kernels = last.kernels
         self.max_out = last.max_out
         self.max_in_flight = last.max_in_flight
-        self.res_stride = first.scratch.stride(self.arch.residual)
+        for before, after in zip(self.parts, self.parts[1:]):
+            after.takes_norm = before.hands_norm
 
     def describe(self) -> str:
         """Which layers each device holds, for logs: "split across 2 devices: layers 0-14 on [0] ..."."""
@@ -247,16 +248,19 @@ class SplitEngine:
             return
         if chain is not None:
             raise RuntimeError("a split model's steps are not chained (can_chain is False)")
-        # every check the last part makes, before any part's state moves
-        last.check_submit(tokens, positions, slots, out_rows, readback, None, sampling, pass_, hmap, masked)
+        # every check the last part makes, before any part's state moves; every part runs the rows (pad rows
+        # too) the last part would run alone
+        tok, pos, slt, outs, mode, _, _ = last.check_submit(tokens, positions, slots, out_rows, readback, None,
+                                                            sampling, pass_, hmap, masked)
+        rows = last.pad_rows(len(tok), len(outs), mode, (), pass_, prompt, pos, slt)
         for e, nxt in zip(self.parts, self.parts[1:]):
-            e.submit(tokens, positions, slots, (), Readback.NONE, prompt=prompt, pass_=pass_)
+            e.submit(tokens, positions, slots, (), Readback.NONE, prompt=prompt, pass_=pass_, rows=rows)
             e.collect()
             assert e.handoff_out is not None and nxt.handoff_in is not None
-            words = e.last_rows * self.res_stride
+            words = e.handoff_words(e.last_rows)
             nxt.handoff_in.array()[:words] = e.handoff_out.array()[:words]
         last.submit(tokens, positions, slots, out_rows, readback, sampling=sampling, prompt=prompt, pass_=pass_,
-                    hmap=hmap, masked=masked, masks=masks)
+                    hmap=hmap, masked=masked, masks=masks, rows=rows)
 
     def submit_masks(self, masks) -> None:
         self.last.submit_masks(masks)

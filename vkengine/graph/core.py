@@ -87,6 +87,8 @@ class GraphBase:
         self.rope_table = rope_table
         self.eps = eps
         self.snap_rows = snap_rows   # rows whose recurrent state a speculative step keeps
+        # a split model's later part: the part before handed over h as NormParts' h' (Graph.handed_norm_in)
+        self.norm_handed = False
 
     def _rows(self, name: str) -> int:
         return self.n_out if name.startswith("out_") else self.n

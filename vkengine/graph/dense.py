@@ -49,22 +49,48 @@ class DenseOps(GraphBase):
         (Kernels.takes_q8_in) the producer writes those too (in `norm_q8`).
         Else matmul_norm, and None: h is the norm."""
         n = self._rows(x)
-        if "norm_slots" in self.s.widths:
-            slots = Region(self.s.buf, self.s.offsets["norm_slots"], self.s.strides["norm_slots"] * self.s.max_rows)
-            parts = NormParts(norm_w, self.s.region(h), self.s.stride(h), slots, w.rows // 4)
-            if (self.k.fuses_norm_parts(w, n, self.s.region(out), parts)
-                    and all(self.k.fuses_norm_in(m, n, slots) for pieces in readers for m, _ in pieces)):
-                q8 = self._q8_out(w.rows)
-                if not (q8 is not None and glu_reader and len(readers) == 1 and len(readers[0]) == 1
-                        and self.k.takes_q8_in(readers[0][0][0], n) and self.k.fuses_norm_parts_q8(w, n, q8)):
-                    q8 = None
-                self.k.mul_mat(self.p, w, self.s.region(x), self.s.stride(x), self.s.region(out),
-                               self.s.stride(out), n, accumulate=True,
-                               norm_parts=replace(parts, q8=q8),
-                               label=f"mul_mat {out}<-{x}+rms_norm_parts" + ("+q8" if q8 else ""))
-                return NormIn(slots, self.eps, q8)
+        parts = self._norm_parts(w, x, out, norm_w, h, readers)
+        if parts is not None:
+            q8 = self._q8_out(w.rows)
+            if not (q8 is not None and glu_reader and len(readers) == 1 and len(readers[0]) == 1
+                    and self.k.takes_q8_in(readers[0][0][0], n) and self.k.fuses_norm_parts_q8(w, n, q8)):
+                q8 = None
+            self.k.mul_mat(self.p, w, self.s.region(x), self.s.stride(x), self.s.region(out),
+                           self.s.stride(out), n, accumulate=True,
+                           norm_parts=replace(parts, q8=q8),
+                           label=f"mul_mat {out}<-{x}+rms_norm_parts" + ("+q8" if q8 else ""))
+            return NormIn(parts.slots, self.eps, q8)
         self.matmul_norm(w, x, out, norm_w, h)
         return None
+
+    def splits_norm(self, w: Matrix, x: str, out: str, norm_w: Region, h: str,
+                    readers: list[list[tuple[Matrix, int]]]) -> bool:
+        """Whether residual_norm with these arguments splits the norm (returns a NormIn)."""
+        return self._norm_parts(w, x, out, norm_w, h, readers) is not None
+
+    def _norm_parts(self, w: Matrix, x: str, out: str, norm_w: Region, h: str,
+                    readers: list[list[tuple[Matrix, int]]]) -> NormParts | None:
+        """residual_norm's choice: the NormParts its matvec writes where the
+        norm is split between it and the readers, else None. Records nothing."""
+        if "norm_slots" not in self.s.widths:
+            return None
+        n = self._rows(x)
+        parts = NormParts(norm_w, self.s.region(h), self.s.stride(h), self._norm_slots(), w.rows // 4)
+        if (self.k.fuses_norm_parts(w, n, self.s.region(out), parts)
+                and all(self.k.fuses_norm_in(m, n, parts.slots) for pieces in readers for m, _ in pieces)):
+            return parts
+        return None
+
+    def _norm_slots(self) -> Region:
+        """The sums of squares of every row (NormParts.slots, NormIn.slots)."""
+        return Region(self.s.buf, self.s.offsets["norm_slots"], self.s.strides["norm_slots"] * self.s.max_rows)
+
+    def handed_norm_in(self) -> NormIn | None:
+        """A split model's later part: the NormIn of the h' the part before
+        handed over with its residual stream (norm_handed: its last layer split
+        the next layer's norm, as residual_norm does in the whole model), else
+        None (h is the norm)."""
+        return NormIn(self._norm_slots(), self.eps) if self.norm_handed else None
 
     def _q8_out(self, rows: int) -> Q8Out | None:
         """Where a producer of `rows`-value rows of h' writes their 8-bit blocks

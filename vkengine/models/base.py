@@ -156,9 +156,9 @@ class Architecture(ABC):
     hf_architectures: ClassVar[tuple[str, ...]] = ()  # Hugging Face config.json "architectures"
     hf_names: ClassVar[dict[str, str]] = {}           # HF tensor-name pattern -> GGUF name
     # whether its graph and loader take a Part (ModelArgs.part: a model split across devices), and the
-    # activation array that carries the residual stream from one part to the next
+    # activation arrays a part hands the next (the residual stream; llama's also the next layer's norm)
     splittable: ClassVar[bool] = False
-    residual: ClassVar[str] = "x"
+    handoff: ClassVar[tuple[str, ...]] = ("x",)
 
     def __init__(self) -> None:
         self._hf_re = [(re.compile(k + "$"), v) for k, v in self.hf_names.items()]
@@ -227,6 +227,13 @@ class Architecture(ABC):
         n_full = len(a.kv_layers) - n_ring
         pos = KVCache.position_bytes(1, a.n_kv_heads, a.head_dim, kv_types)
         return n_full * pos, (n_full * (cap - n_ctx) + n_ring * ring) * pos
+
+    def hands_norm(self, g: Graph, a: Any, w: Any) -> bool:
+        """A part of a split model before the last: whether its last layer hands
+        the next part h' with the sums of squares (the norm split with the next
+        layer's readers, Graph.residual_norm) rather than h itself; g: a step's
+        rows, for the choice only (nothing is recorded)."""
+        return False
 
     # -- optional abilities ------------------------------------------------------------------
     def has_mtp(self, a: Any, w: Any) -> bool:

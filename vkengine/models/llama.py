@@ -235,6 +235,10 @@ class LlamaWeights:
     layers: list[Layer | None]  # (None: a layer another part holds)
     rope: Region
     arena: Arena
+    # a split model's part before the last: the next part's first layer's norm and its readers (whose kernels
+    # decide, as in the whole model, whether that norm is split with them: _forward)
+    next_norm: Region | None = None
+    next_qkv: list[tuple[Matrix, int]] | None = None
 
     def layer(self, i: int) -> Layer:
         L = self.layers[i]
@@ -270,19 +274,21 @@ def _experts(g: Graph, a: LlamaArgs, X: Experts) -> None:
 def _forward(g: Graph, a: LlamaArgs, w: LlamaWeights) -> None:
     """One step: g.n token rows through every layer; logits for the g.n_out
     requested rows into out_logits. A part of a split model (a.part) runs its
-    own layers: the first embeds the tokens, the others start from the
-    residual stream the part before left in x; the last runs the head."""
+    own layers: the first embeds the tokens; the others start from what the
+    part before handed over (x, and the norm of their first layer in h:
+    _next); the last runs the head."""
     run = a.part_layers
-    if a.first_part:
-        assert w.tok_embd is not None
-        g.embed(w.tok_embd, "x")
-    scale = 1.0 / math.sqrt(a.head_dim)
     # The RMSNorms after the residual adds: split between the add's matvec and
     # the matvecs that read them where they can (Graph.residual_norm: decode
     # steps on GPUs; att_in/ffn_in the sums of squares those take), else fused
     # into the add, else dispatches of their own
-    g.rms_norm("x", w.layer(run.start).attn_norm, "h")
-    att_in = None
+    if a.first_part:
+        assert w.tok_embd is not None
+        g.embed(w.tok_embd, "x")
+        g.rms_norm("x", w.layer(run.start).attn_norm, "h")
+        att_in = None
+    else:
+        att_in = g.handed_norm_in()
     for i in run:
         L = w.layer(i)
         if L.q_norm is not None or L.qkv_bias is not None:
@@ -302,27 +308,47 @@ def _forward(g: Graph, a: LlamaArgs, w: LlamaWeights) -> None:
         else:
             g.qkv_rope(i, L.qkv, "h", "qkv", "q", a.n_head, a.n_head_kv, a.head_dim, a.n_rot, a.rope_neox,
                        norm_in=att_in)
-        g.attention(i, "q", "att", a.n_head, a.n_head_kv, a.head_dim, scale)
+        g.attention(i, "q", "att", a.n_head, a.n_head_kv, a.head_dim, 1.0 / math.sqrt(a.head_dim))
+        nxt = _next(w, i, run)
         if L.experts is not None:
             # the router and the expert products take the normalized h
             g.matmul_norm(L.wo, "att", "x", L.ffn_norm, "h")
             _experts(g, a, L.experts)
             att_in = None
-            if i + 1 < run.stop:
-                g.rms_norm("x", w.layer(i + 1).attn_norm, "h")
+            if nxt is not None:
+                g.rms_norm("x", nxt[0], "h")
             continue
         assert L.down is not None
         ffn_in = g.residual_norm(L.wo, "att", "x", L.ffn_norm, "h", [L.gate_up], glu_reader=True)
         g.gate_up_swiglu(L.gate_up, "h", "gu", "ff", norm_in=ffn_in)
-        if i + 1 < run.stop:   # (a part's last layer leaves x alone: the next part norms it)
-            nxt = w.layer(i + 1)
-            att_in = g.residual_norm(L.down, "ff", "x", nxt.attn_norm, "h", [nxt.qkv])
+        if nxt is not None:
+            att_in = g.residual_norm(L.down, "ff", "x", nxt[0], "h", [nxt[1]])
         else:
             g.matmul(L.down, "ff", "x", accumulate=True)
     if g.n_out:
         assert w.out_norm is not None and w.output is not None
         g.rms_norm("x", w.out_norm, "out_h", gather=True)
         g.matmul(w.output, "out_h", "out_logits", no_epilogues=True)
+
+
+def _next(w: LlamaWeights, i: int, run: range) -> tuple[Region, list[tuple[Matrix, int]]] | None:
+    """The norm and q|k|v of the layer after layer i: the part's own, the next
+    part's first (a part before the last computes that layer's norm as the
+    whole model does, and hands it over), or None after the model's last."""
+    if i + 1 < run.stop:
+        nxt = w.layer(i + 1)
+        return nxt.attn_norm, nxt.qkv
+    if w.next_norm is not None and w.next_qkv is not None:
+        return w.next_norm, w.next_qkv
+    return None
+
+
+def _hands_norm(g: Graph, a: LlamaArgs, w: LlamaWeights) -> bool:
+    """Whether _forward's last layer of this part splits the next layer's norm (Architecture.hands_norm)."""
+    L = w.layer(a.part_layers.stop - 1)
+    if L.experts is not None or L.down is None or w.next_norm is None or w.next_qkv is None:
+        return False
+    return g.splits_norm(L.down, "ff", "x", w.next_norm, "h", [w.next_qkv])
 
 
 # -- loading ----------------------------------------------------------------------
@@ -336,6 +362,14 @@ def _down_experts(p: WeightPlanner, pre: str, a: LlamaArgs) -> int:
     """E*D x n_ff_exp: every expert's down projection, stacked."""
     t, produce = expert_raw(p, pre, "down", a.n_expert, a.n_embd, a.n_ff_exp)
     return p.matrix_raw(t, a.n_expert * a.n_embd, a.n_ff_exp, produce, pre + "ffn_down_exps", unit=a.n_embd)
+
+
+def _plan_qkv(p: WeightPlanner, mf: ModelFile, pre: str, a: LlamaArgs) -> list[tuple[int, int]]:
+    hd = a.head_dim
+    if mf.has(pre + "attn_qkv.weight"):
+        return [(p.matrix([pre + "attn_qkv.weight"], [a.qkv_width], a.n_embd), 0)]
+    return p.fused([pre + "attn_q.weight", pre + "attn_k.weight", pre + "attn_v.weight"],
+                   [a.n_head * hd, a.n_head_kv * hd, a.n_head_kv * hd], a.n_embd)
 
 
 def _load_weights(mf: ModelFile, a: LlamaArgs, device, n_ctx: int) -> LlamaWeights:
@@ -378,9 +412,7 @@ def _load_weights(mf: ModelFile, a: LlamaArgs, device, n_ctx: int) -> LlamaWeigh
             qkv_bias=bias, q_norm=i_table[1 + 2 * i] if a.qk_norm else None,
             k_norm=i_table[2 + 2 * i] if a.qk_norm else None,
             attn_norm=p.vector(pre + "attn_norm.weight", D),
-            qkv=[(p.matrix([pre + "attn_qkv.weight"], [a.qkv_width], D), 0)] if mf.has(pre + "attn_qkv.weight")
-            else p.fused([pre + "attn_q.weight", pre + "attn_k.weight", pre + "attn_v.weight"],
-                         [a.n_head * hd, a.n_head_kv * hd, a.n_head_kv * hd], D),
+            qkv=_plan_qkv(p, mf, pre, a),
             wo=p.matrix([pre + "attn_output.weight"], [D], a.n_head * hd),
             ffn_norm=p.vector(pre + "ffn_norm.weight", D),
             **(dict(router=p.matrix([pre + "ffn_gate_inp.weight"], [a.n_expert], D),
@@ -390,8 +422,13 @@ def _load_weights(mf: ModelFile, a: LlamaArgs, device, n_ctx: int) -> LlamaWeigh
                     if mf.has(pre + "ffn_gate.weight") else     # phi3: [gate | up] in one ffn_up
                     [(p.matrix([pre + "ffn_up.weight"], [2 * F], D), 0)],
                     down=p.matrix([pre + "ffn_down.weight"], [D], F)))))
+    nxt = None
+    if a.part is not None and not a.part.last:   # (a copy of one layer's q|k|v: the boundary's choice, _forward)
+        pre = f"blk.{a.part.stop}."
+        nxt = (p.vector(pre + "attn_norm.weight", D), _plan_qkv(p, mf, pre, a))
     b, arena = p.build(device)
     return LlamaWeights(
+        next_norm=b[nxt[0]] if nxt else None, next_qkv=[(b[h], c) for h, c in nxt[1]] if nxt else None,
         tok_embd=b[i_embd] if i_embd is not None else None, out_norm=b[i_onorm] if i_onorm is not None else None,
         output=b[i_out] if i_out is not None else None, rope=b[i_rope], arena=arena,
         layers=[Layer(attn_norm=b[L["attn_norm"]], qkv=[(b[h], c) for h, c in L["qkv"]], wo=b[L["wo"]],
@@ -410,6 +447,7 @@ class Llama(Architecture):
     hf_architectures: ClassVar[tuple[str, ...]] = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM")
     hf_names = {**HF_NAMES, **HF_MOE_NAMES}
     splittable = True
+    handoff = ("x", "h", "norm_slots")   # (h: the next layer's norm, or h' with its sums of squares)
 
     def args(self, mf: ModelFile) -> LlamaArgs:
         a = LlamaArgs.from_file(mf)
@@ -434,6 +472,9 @@ class Llama(Architecture):
         if hidden_rows:
             raise VkEngineError("llama models have no MTP block to feed hidden states to")
         _forward(g, a, w)
+
+    def hands_norm(self, g: Graph, a: LlamaArgs, w: LlamaWeights) -> bool:
+        return _hands_norm(g, a, w)
 
 
 ARCHITECTURE = Llama()
