@@ -179,9 +179,11 @@ class Engine:
                             if cfg.embeddings else None)
         # a part of a split model (vkengine.split): the arrays the architecture hands on (its residual
         # stream; Architecture.handoff) of a step's rows arrive in handoff_in (host-visible, written by
-        # the host from the part before's handoff_out), one after another
+        # the host from the part before's handoff_out), one after another; one a params buffer, as a
+        # step in flight may not have read its own when the host writes the next step's
         hand = max_rows * sum(self.scratch.stride(name) for name in self.arch.handoff) * 4
-        self.handoff_in = device.buffer(hand, "host", "handoff-in") if not a.first_part else None
+        self._handoff_in = ([device.buffer(hand, "host", f"handoff-in-{i}") for i in range(len(self._params))]
+                            if not a.first_part else [])
         self.handoff_out = device.buffer(hand, "host", "handoff-out") if not a.last_part else None
         # whether the part before hands over its last layer's norm split (Architecture.hands_norm) for a
         # step of n rows: the part before's hands_norm (SplitEngine sets it)
@@ -248,6 +250,11 @@ class Engine:
         g = Graph(self.kernels, cast(Program, None), self.scratch, self.params_dev, self.layout, self.kv, n, 0,
                   self.weights.rope, self.args.rms_eps)   # (the choice only: nothing is recorded)
         return self.arch.hands_norm(g, self.args, self.weights)
+
+    @property
+    def handoff_in(self):
+        """The host buffer the next step submitted reads the part before's arrays from (a split model's later part)."""
+        return self._handoff_in[self._next_params] if self._handoff_in else None
 
     def handoff_words(self, n: int) -> int:
         """Words of handoff_out (and of the next part's handoff_in) a step of n rows fills."""
@@ -430,8 +437,8 @@ class Engine:
             prog.copy(self.params_dev, self.params_dev, (pl.argmax + chain[i]) * 4, (pl.tokens + i) * 4,
                       (k - i) * 4, "chain")
             i = k
-        if self.handoff_in is not None and not pass_.mtp:   # what the part before handed on
-            self._handoff(prog, n, self.handoff_in, into=True)
+        if self._handoff_in and not pass_.mtp:   # what the part before handed on
+            self._handoff(prog, n, self._handoff_in[buf], into=True)
         g = Graph(self.kernels, prog, self.scratch, self.params_dev, pl, self.kv, n, n_out, self.weights.rope,
                   self.args.rms_eps, snap_rows=n if pass_.snapshots else 0)
         g.norm_handed = self.takes_norm is not None and not pass_.mtp and self.takes_norm(n)
@@ -782,13 +789,23 @@ class Engine:
         if start + len(tokens) > self.n_ctx:
             raise VkEngineError(f"prompt of {len(tokens)} tokens (from position {start}) does not fit the "
                                 f"context length {self.n_ctx}")
-        out = None
+        if self.in_flight:
+            raise RuntimeError("prefill runs alone: collect() the steps in flight first")
+        # chunks submitted up to max_in_flight ahead (none read back until the last), so the device goes from
+        # one to the next without waiting for the host; a split model's first parts run the next chunk
+        # while its last part runs this one
         for c in range(0, len(tokens), self.max_batch):
             chunk = tokens[c:c + self.max_batch]
             last = c + len(chunk) == len(tokens)
-            out = self.step(chunk, range(start + c, start + c + len(chunk)), [slot] * len(chunk),
-                            [len(chunk) - 1] if last else (), readback if last else Readback.NONE,
-                            sampling if last else None, prompt=True)
+            mode = readback if last else Readback.NONE
+            while self.in_flight and (self.in_flight >= self.max_in_flight
+                                      or mode & (Readback.LOGITS | Readback.HIDDEN)):   # (those run alone)
+                self.collect()
+            self.submit(chunk, range(start + c, start + c + len(chunk)), [slot] * len(chunk),
+                        [len(chunk) - 1] if last else (), mode, sampling=sampling if last else None, prompt=True)
+        while self.in_flight > 1:
+            self.collect()
+        out = self.collect()
         return out[0] if out is not None else None
 
     def close(self) -> None:
