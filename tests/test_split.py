@@ -78,7 +78,7 @@ def _pair(device, devices, model, n_parts=2, split=None, **kw):
 
 
 @pytest.mark.parametrize("name,n_parts,split", [("llama", 2, None), ("smollm2", 3, [1, 2, 1]), ("qwen35", 2, None),
-                                                ("qwen35moe", 2, [1, 3])])
+                                                ("qwen35", 3, [1, 1, 2]), ("qwen35moe", 2, [1, 3])])
 def test_split_logits_equal_whole(device, devices, model_of, name, n_parts, split):
     """Prompt chunks, then decode rows of several sequences in one step: the
     split engine's logits are the whole engine's, bit for bit."""
@@ -312,3 +312,20 @@ def test_split_server_concurrent_clients(serve, device):
         together = list(ex.map(lambda p: ask(split.url, p), prompts))
     assert together == alone
     assert "split across 2 devices" in split.log()
+
+
+def test_split_fits_where_one_device_does_not_smollm2(device, devices, smollm2):
+    """With each device's memory capped (VKENGINE_MEMORY_MIB: a smaller GPU's
+    stand-in) below the model's weights, one device refuses the model and a
+    split across three loads it, each part counting only its own weights."""
+    from vkengine.options import Options
+    mf = smollm2.file
+    weights = sum(mf.tensor_bytes(n) for n in mf.tensor_names()) >> 20   # MiB (~100 for the Q4_1 135M)
+    cfg = EngineConfig(n_ctx=64, max_batch=8, options=Options(memory_mib=int(weights * 0.6)))
+    with pytest.raises(VkEngineError, match="the weights alone do not fit.*--devices"):
+        Engine(smollm2, device, cfg)
+    parted = SplitEngine(smollm2, devices[:3], cfg)
+    try:
+        assert parted.step([1, 2, 3], [0, 1, 2], [0, 0, 0], [2]).shape == (1,)
+    finally:
+        parted.close()

@@ -222,6 +222,9 @@ class Engine:
         max_cols = max((s[-1] for s in shapes if len(s) == 2), default=0)
         scratch_bytes += self.kernels.scratch_bytes_bound(self.max_batch, max_cols)
         budget = dev.memory_bytes
+        capped = 0 < cfg.options.memory_mib * 2 ** 20 < budget   # (VKENGINE_MEMORY_MIB)
+        if capped:
+            budget = cfg.options.memory_mib * 2 ** 20
         need = weights + kv + scratch_bytes
         if need <= budget:
             return
@@ -229,10 +232,12 @@ class Engine:
         what = (f"{self.model.name} with {cfg.n_slots} slot(s) x {self.n_ctx} positions needs "
                 f"{need / gib:.2f} GiB (weights {weights / gib:.2f}, KV cache {kv / gib:.2f}, activations "
                 f"{scratch_bytes / gib:.2f}); {dev.info.name} has {budget / gib:.2f} GiB"
-                f"{' of host memory available' if dev.info.type == 'cpu' else ''}")
+                f"{' for it (VKENGINE_MEMORY_MIB)' if capped else ''}"
+                f"{' of host memory available' if dev.info.type == 'cpu' and not capped else ''}")
         room = (budget - weights - scratch_bytes) // per_pos
         if weights > budget:
-            raise VkEngineError(f"{what}: the weights alone do not fit; use a smaller or more quantized model")
+            raise VkEngineError(f"{what}: the weights alone do not fit; use a smaller or more quantized model, or "
+                                "split it across devices (--devices)")
         if room < 1:
             raise VkEngineError(f"{what}: the weights and the activations of a {self.max_batch}-row step do not "
                                 "fit; use fewer rows per step (--step-tokens, --batch) or a smaller model")

@@ -120,6 +120,8 @@ class Options:
     expert_union: bool = False    # decode steps of several rows: each expert the rows share read once (mul_mm_id
                                   # over moe_sort's work list) instead of once per pair (mul_mv_id); opt-in until
                                   # measured (issue 34)
+    memory_mib: int = 0           # MiB of a device's memory an engine (or a split model's part) may fill (0: all):
+                                  # a GPU shared with other work, or one standing in for a smaller card
     poll_picks: bool = False      # a masked step's collect() watches host memory for its tokens before the
                                   # fence wait (bench/mask_bench.py --probe measures it; off until measured)
 

@@ -26,6 +26,12 @@
 #   mtp     MTP speculative decoding in the server (issue 34): MTP_MODELS (arch:shape:quant, written with
 #           synth --mtp-accept: drafts always right) through bench/serve.py, serial vs serial-mtp at C = 1
 #           and batch vs batch-mtp at C = 4, --draft MTP_DRAFT (default 2)
+#   split   a model split across devices by layers (issue 36): tests/test_split.py on this machine's devices,
+#           then SPLIT_MODEL (default llama:8b:q4_0) whole vs split over SPLIT_DEVICES (default 0,1 where
+#           there are two GPUs, else 0,0: two Vulkan devices on the one GPU): bench pp512/tg128 and batched
+#           decode of 1/4/16, llama-bench -sm none vs -sm layer, the serve bench at C = 4 and 16 (ours whole,
+#           ours split, llama-server -sm layer); SPLIT_CAP_MIB (VKENGINE_MEMORY_MIB): each device's memory
+#           capped, so that a model needs the split (SPLIT_BIG_MODEL, default qwen35moe:35B-A3B:q4_0)
 #   moe     MoE steps (issue 34): MOE_MODEL's pp512 / pp2048 with mul_mm_id and with the tiled expert
 #           matmuls (VKENGINE_EXPERT_TILES=1), batched decode of 1/4/16 rows with and without
 #           VKENGINE_EXPERT_UNION=1, and llama-bench on the same file, in the same call
@@ -229,6 +235,41 @@ run_stage() {
       done
       /tmp/llb/bin/llama-bench -m "$f" -p 512,2048 -n 0 -r 2 -ngl 99 2>&1 | tee -a "$OUT/moe.log" | tail -6
       ;;
+    split)
+      build_llama
+      n_gpu=$(python3 -m vkengine.cli devices --json | python3 -c \
+        'import json, sys; print(sum(d["type"] != "cpu" for d in json.load(sys.stdin)))')
+      devs=${SPLIT_DEVICES:-$([ "${n_gpu:-1}" -ge 2 ] && echo 0,1 || echo 0,0)}
+      echo "== $n_gpu GPU(s); split over devices $devs" | tee -a "$OUT/split.log"
+      python3 -m pytest -q -p no:cacheprovider tests/test_split.py -k "not smollm2" \
+        --junitxml="$OUT/gpu-split.xml" 2>&1 | tee "$OUT/gpu-split-tests.log" | tail -5
+      f=$(synth_model "${SPLIT_MODEL:-llama:8b:q4_0}") || return 1
+      for d in "" "--devices $devs"; do
+        echo "== vkengine bench ${d:-(one device)}" | tee -a "$OUT/split.log"
+        python3 -m vkengine.cli bench -m "$f" -p 512 -n 128 -r 2 --parallel 1,4,16 $d 2>&1 | tee -a "$OUT/split.log" \
+          | tail -4
+      done
+      for sm in none layer; do
+        /tmp/llb/bin/llama-bench -m "$f" -p 512 -n 128 -r 2 -ngl 99 -sm $sm 2>&1 | tee -a "$OUT/split.log" | tail -4
+      done
+      for C in 4 16; do
+        python3 bench/serve.py --model "$f" --clients "$C" --requests 2 -n 64 --configs batch \
+          --llama-server /tmp/llb/bin/llama-server --llama-args="-ngl 99 -sm none" \
+          --json "$OUT/split-serve-whole-c$C.json" 2>&1 | tee -a "$OUT/split.log" | tail -4
+        python3 bench/serve.py --model "$f" --clients "$C" --requests 2 -n 64 --configs batch \
+          --server-args="--devices $devs" --llama-server /tmp/llb/bin/llama-server --llama-args="-ngl 99 -sm layer" \
+          --json "$OUT/split-serve-split-c$C.json" 2>&1 | tee -a "$OUT/split.log" | tail -4
+      done
+      if [ -n "${SPLIT_CAP_MIB:-}" ]; then   # a model over one (capped) device's memory: refused whole, served split
+        g=$(synth_model "${SPLIT_BIG_MODEL:-qwen35moe:35B-A3B:q4_0}") || return 1
+        for d in "" "--devices $devs"; do
+          echo "== VKENGINE_MEMORY_MIB=$SPLIT_CAP_MIB vkengine bench ${d:-(one device)}" | tee -a "$OUT/split.log"
+          VKENGINE_MEMORY_MIB=$SPLIT_CAP_MIB python3 -m vkengine.cli bench -m "$g" -p 512 -n 128 -r 2 \
+            --parallel 1,4 $d 2>&1 | tee -a "$OUT/split.log" | tail -4
+        done
+        /tmp/llb/bin/llama-bench -m "$g" -p 512 -n 128 -r 2 -ngl 99 -sm layer 2>&1 | tee -a "$OUT/split.log" | tail -4
+      fi
+      ;;
     cmd)
       # any command in this environment (GPU_CMD), e.g. a tuning script
       eval "${GPU_CMD:?set GPU_CMD}" 2>&1 | tee -a "$OUT/cmd.log"
@@ -242,7 +283,7 @@ run_stage() {
 # Each stage has a time limit (T_<stage> seconds, default 590) so that one
 # that hangs cannot eat the rest of the call.
 stage_timeout() { local v="T_${1//-/_}"; echo "${!v:-590}"; }
-case " $stages " in *tests\ *|*parity*|*bench*|*qwen35*|*llama*|*serve-long*|*moe*) build_llama ;; esac
+case " $stages " in *tests\ *|*parity*|*bench*|*qwen35*|*llama*|*serve-long*|*moe*|*split*) build_llama ;; esac
 export -f build_llama synth_model run_stage
 for group in $stages; do
   if [ "${group#*+}" = "$group" ]; then
