@@ -329,3 +329,18 @@ def test_split_fits_where_one_device_does_not_smollm2(device, devices, smollm2):
         assert parted.step([1, 2, 3], [0, 1, 2], [0, 0, 0], [2]).shape == (1,)
     finally:
         parted.close()
+
+
+def test_split_embeddings(device, devices, model_of):
+    """Embeddings (every row's final-normed hidden state, read back from the last part) as the whole model's."""
+    m = model_of("qwen35")
+    whole, parted = _pair(device, devices, m, embeddings=True)
+    try:
+        ids = m.tokenizer.encode(PROMPT)[:12]
+        a = whole.step(ids, range(len(ids)), [0] * len(ids), [], Readback.NONE | Readback.HIDDEN)
+        b = parted.step(ids, range(len(ids)), [0] * len(ids), [], Readback.NONE | Readback.HIDDEN)
+        np.testing.assert_array_equal(a[1], b[1])
+        assert a[1].shape == (len(ids), m.args.n_embd)
+    finally:
+        whole.close()
+        parted.close()
