@@ -253,6 +253,27 @@ def test_split_runner_interleaved(device, devices, model_of, name, mode):
         parted.close()
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen35"])
+def test_split_runner_prompt_ahead(device, devices, model_of, name):
+    """A lone long prompt over a split engine: its next chunk is submitted
+    while the one before is still in flight (the first part runs it beside the
+    last part's), and the replies are the whole engine's."""
+    m = model_of(name)
+    whole, parted = _pair(device, devices, m, n_slots=2, max_batch=16)
+    try:
+        cfg = SchedulerConfig(n_slots=2, max_live=2, step_tokens=8)
+        tok = m.tokenizer
+        reqs = [GenRequest(tok.encode(PROMPT) * 4, 6, ignore_eos=True),
+                GenRequest(tok.encode("Once upon a time") * 3, 5, ignore_eos=True)]
+        want, plain = _run(whole, cfg, reqs, [0, 30])
+        got, runner = _run(parted, cfg, reqs, [0, 30])
+        assert got == want
+        assert plain.ahead_steps == 0 and runner.ahead_steps >= 3, runner.ahead_steps
+    finally:
+        whole.close()
+        parted.close()
+
+
 def test_split_speculative(device, devices, model_of):
     """MTP drafts over a split qwen35 (the MTP block on the last part, each
     part's recurrent state rolled back on a rejected draft): the tokens of

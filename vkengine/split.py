@@ -147,6 +147,7 @@ class SplitEngine:
     """Engine's interface over one Engine a part (the module's docstring)."""
 
     can_chain = False
+    overlaps_steps = True   # a step submitted with one in flight runs its first parts beside it (Runner.ahead)
 
     def __init__(self, model: Model, devices: Sequence[Device], cfg: EngineConfig = EngineConfig(),
                  split: Sequence[float] | None = None, caps: Sequence[Caps] | None = None):

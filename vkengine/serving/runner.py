@@ -228,9 +228,13 @@ class Runner:
         self._arrivals = arrivals
         self.inflight: deque[InFlight] = deque()   # steps on the device, oldest first
         self.chain = engine.can_chain        # chain decode steps (see collect)
+        # a lone prompt's next chunk submitted before this one is collected (see collect): where the engine
+        # overlaps steps (a split model: its first part runs the next chunk while its last runs this one)
+        self.ahead = getattr(engine, "overlaps_steps", False) and spec is None
         # steps on the device at once: the running one and the chained ones queued behind it
-        self.depth = engine.max_in_flight if self.chain else 1
+        self.depth = engine.max_in_flight if self.chain or self.ahead else 1
         self.chained_steps = 0
+        self.ahead_steps = 0
         self.device_sampling = engine.can_sample   # sampled replies drawn on the device
         self._late: list[tuple[Job, int, Event, float]] = []   # tokens collected, their host work pending
         self._finish_after: list[Seq] = []    # failed while their row was on the device
@@ -330,7 +334,7 @@ class Runner:
         tokens dropped; its slot keeps the tokens it has (Scheduler.finish)."""
         if not self.inflight:
             return False
-        while len(self.inflight) < self.depth and self._chain():
+        while len(self.inflight) < self.depth and (self._chain() or self._prompt_ahead()):
             pass
         self._collect_oldest()
         return True
@@ -471,6 +475,21 @@ class Runner:
         self._mask_pending = masked
         self.inflight.append(InFlight(nxt, nxt.out_seqs, readback, time.perf_counter(), True, False, masked))
         self.chained_steps += 1
+        return True
+
+    def _prompt_ahead(self) -> bool:
+        """Submit the next chunks of the prompts of the newest step in flight
+        when that step outputs nothing and the engine overlaps steps
+        (Scheduler.prompt_ahead); whether it did. Not while a newcomer waits
+        for a place (it is admitted once the device is free)."""
+        if not self.ahead or self.inflight[-1].outs or self._mask_pending or self._arrivals() or \
+                (self.sched.waiting and len(self.sched.live) < self.cfg.max_live):
+            return False
+        nxt = self.sched.prompt_ahead(self.inflight[-1].batch)
+        if nxt is None:
+            return False
+        self._submit(nxt, True)
+        self.ahead_steps += 1
         return True
 
     def _collect_oldest(self) -> None:

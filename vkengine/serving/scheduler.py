@@ -461,6 +461,29 @@ class Scheduler:
             w.seq.inflight += 1
         return Batch(work)
 
+    def prompt_ahead(self, batch: Batch) -> Batch | None:
+        """The prompt step that follows `batch` (still on the device) when
+        `batch` holds prompt rows only and none of them outputs: each of its
+        sequences' next chunk, as long as this one (the one reaching its
+        prompt's end outputs its last row), for an engine whose parts can start
+        a step before the one in flight is done (a split model: its first part
+        runs the next chunk while its last runs this one). No placement: the
+        sequences keep their slots. None when a row of `batch` outputs or
+        nothing follows."""
+        if any(w.output for w in batch.work):
+            return None
+        work = []
+        for w in batch.work:
+            s = w.seq
+            if s.state != LIVE or s.cancelled or s.slot is None or s.pending <= 0:
+                continue
+            start = s.taken
+            n = min(len(w.tokens), s.pending)
+            work.append(Work(s, start, s.tokens[start:start + n], start + n == len(s.tokens)))
+        for w in work:
+            w.seq.inflight += len(w.tokens)
+        return Batch(work) if work else None
+
     def _next_tick(self) -> int:
         self._tick += 1
         return self._tick
