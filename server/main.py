@@ -150,6 +150,7 @@ def build_worker(args) -> tuple[Worker, Built]:
     if split is not None:   # the layers across the devices (vkengine.split)
         from vkengine.split import SplitEngine, parse_split
         eng: Any = SplitEngine(model, devs, ecfg, parse_split(args.tensor_split, len(devs)), caps)
+        log.info("%s: %s", model.name, eng.describe())
     else:
         eng = Engine(model, dev, ecfg, caps=caps[0] if caps else None)
     clock.mark("weights and buffers")

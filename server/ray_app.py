@@ -77,7 +77,11 @@ class ReplicaServer:
 
         from .main import build_worker
         args = copy.copy(args)
-        if args.device is None and getattr(args, "devices", None) is None:   # (--devices: a split model's own)
+        if getattr(args, "devices", None) is not None:   # a split model: the GPUs Ray assigned, in order
+            ids = assigned_devices()
+            if len(ids) >= len(args.devices):
+                args.devices = ids[:len(args.devices)]
+        elif args.device is None:
             args.device = assigned_device()
         self.replica_id = replica_id
         self.worker, self.info = build_worker(args)
@@ -154,6 +158,12 @@ def assigned_device() -> int | None:
     import ray
     ids = ray.get_gpu_ids()
     return int(ids[0]) if ids else None
+
+
+def assigned_devices() -> list[int]:
+    """The Vulkan devices of every GPU Ray assigned this replica (assigned_device's rule)."""
+    import ray
+    return [int(i) for i in ray.get_gpu_ids()]
 
 
 # -- metrics across replicas ------------------------------------------------------
@@ -458,8 +468,9 @@ def start_replicas(args, ray_init: dict | None = None, prefix_routing: bool = Tr
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(ignore_reinit_error=True, include_dashboard=False, **(ray_init or {}))
     gpus = args.gpus_per_replica
-    if gpus is None:
-        gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= args.replicas else 0.0
+    if gpus is None:   # a GPU a replica (a split model's replica: one a part) where the node has them
+        each = len(args.devices) if getattr(args, "devices", None) else 1
+        gpus = float(each) if ray.cluster_resources().get("GPU", 0) >= args.replicas * each else 0.0
     serve.start(http_options={"host": args.host, "port": args.port})
     from .app import allowed_hosts
     serve.run(build_app(args, args.replicas, gpus, prefix_routing=prefix_routing,

@@ -668,10 +668,11 @@ class Runner:
     # -- introspection ---------------------------------------------------------------------
     def memory(self) -> dict:
         """What the engine holds (for /metrics; a soak checks it returns to its idle level)."""
-        dev = self.eng.device
-        alloc = dev.allocated_bytes
-        return {"device_bytes": alloc["device"], "host_bytes": alloc["host"], "buffers": dev.n_buffers,
+        devs = getattr(self.eng, "devices", [self.eng.device])   # (a split model: every part's device)
+        alloc = [d.allocated_bytes for d in devs]
+        return {"device_bytes": sum(a["device"] for a in alloc), "host_bytes": sum(a["host"] for a in alloc),
+                "buffers": sum(d.n_buffers for d in devs),
                 "pool_buffers": len(self.kv.pool), "pool_bytes": sum(b.nbytes for b in self.kv.pool),
                 "parked_handles": len(self.kv.held), "programs": self.eng.n_programs,
                 "parked_bytes": sum(h.buffer.nbytes for h in self.kv.held.values()),
-                "pipelines_compiling": len(dev.slow)}
+                "pipelines_compiling": sum(len(d.slow) for d in devs)}
