@@ -34,11 +34,28 @@ def devices(device):
         d.close()
 
 
+@pytest.fixture(scope="module")
+def window_models(tmp_path_factory, tokenizer_source):
+    """Tiny gemma2, gemma3 and gpt-oss models (sliding-window layers in rings; gpt-oss: MXFP4 experts)."""
+    from vkengine.model import load_model
+    from vkengine.tools.synth.llama import synth_llama
+
+    from .test_models_gemma import CONFIGS
+    from .test_models_gptoss import CONFIG
+    out = tmp_path_factory.mktemp("synth-split")
+    specs = {**{a: (c, "q8_0") for a, c in CONFIGS.items()}, "gpt-oss": (CONFIG, "mxfp4")}
+    return {a: load_model(synth_llama(c, q, seed=3, out_dir=out, name=f"{a}-split", workers=1,
+                                      tokenizer_from=tokenizer_source, formats=("gguf",))["gguf"])
+            for a, (c, q) in specs.items()}
+
+
 @pytest.fixture
 def model_of(request, tiny_model, qwen35_loaded):   # noqa: F811
     def get(name):
         if name == "smollm2":   # the embedded model (30 layers: three parts)
             return request.getfixturevalue("smollm2")
+        if name in ("gemma2", "gemma3", "gpt-oss"):
+            return request.getfixturevalue("window_models")[name]
         return tiny_model if name == "llama" else qwen35_loaded(name)
     return get
 
@@ -78,10 +95,12 @@ def _pair(device, devices, model, n_parts=2, split=None, **kw):
 
 
 @pytest.mark.parametrize("name,n_parts,split", [("llama", 2, None), ("smollm2", 3, [1, 2, 1]), ("qwen35", 2, None),
-                                                ("qwen35", 3, [1, 1, 2]), ("qwen35moe", 2, [1, 3])])
+                                                ("qwen35", 3, [1, 1, 2]), ("qwen35moe", 2, [1, 3]),
+                                                ("gemma2", 3, None), ("gemma3", 2, [1, 2]), ("gpt-oss", 2, None)])
 def test_split_logits_equal_whole(device, devices, model_of, name, n_parts, split):
     """Prompt chunks, then decode rows of several sequences in one step: the
-    split engine's logits are the whole engine's, bit for bit."""
+    split engine's logits are the whole engine's, bit for bit (gemma, gpt-oss:
+    prompts past the sliding window, each part's ring layers its own)."""
     m = model_of(name)
     whole, parted = _pair(device, devices, m, n_parts, split)
     try:
@@ -187,20 +206,18 @@ def test_split_bad_input_moves_nothing(device, devices, model_of):
         parted.close()
 
 
-def test_split_refusals(device, devices, model_of, tmp_path, tokenizer_source):
-    from vkengine.model import load_model
-    from vkengine.tools.synth.llama import SynthConfig, synth_llama
+def test_split_refusals(device, devices, model_of):
     m = model_of("llama")
     with pytest.raises(VkEngineError, match="cannot be split across 3"):
         SplitEngine(dataclasses.replace(m, args=dataclasses.replace(m.args, n_layer=2)), devices[:3])
     q = model_of("qwen35moe")
     with pytest.raises(VkEngineError, match="--fixed-experts records expert choices on one device"):
         SplitEngine(dataclasses.replace(q, args=dataclasses.replace(q.args, fixed_experts=True)), devices[:2])
-    c = SynthConfig(n_embd=64, n_layer=2, n_head=2, n_head_kv=1, n_ff=64, n_ctx=64, arch="gemma3", head_size=64,
-                    tied=True, window=8)
-    g = synth_llama(c, "q8_0", 0, tmp_path, "g", formats=("gguf",), workers=1, tokenizer_from=tokenizer_source)
-    with pytest.raises(VkEngineError, match="Gemma3 models cannot be split across devices yet"):
-        SplitEngine(load_model(g["gguf"]), devices[:2])
+
+    class Unsplittable(type(m.arch)):   # an architecture whose graph does not take a part
+        splittable = False
+    with pytest.raises(VkEngineError, match="Unsplittable models cannot be split across devices yet"):
+        SplitEngine(dataclasses.replace(m, arch=Unsplittable()), devices[:2])
 
 
 # -- the server's runner ------------------------------------------------------------------

@@ -156,7 +156,7 @@ class SplitEngine:
         decided from its device)."""
         if not model.arch.splittable:
             raise VkEngineError(f"{model.name}: {type(model.arch).__name__} models cannot be split across devices "
-                                "yet (llama, qwen2, qwen3, qwen3moe, phi3, qwen35 and qwen35moe can)")
+                                "yet; run it on one (--device)")
         if model.args.fixed_experts:
             raise VkEngineError("--fixed-experts records expert choices on one device; run it unsplit")
         parts = plan_parts(model.args.n_layer, split if split is not None else [1.0] * len(devices))

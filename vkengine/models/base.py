@@ -139,7 +139,7 @@ class SlidingWindowArgs(ModelArgs):
 
     @property
     def ring_layers(self) -> list[int]:
-        return [i for i, s in enumerate(self.swa) if s] if self.window else []
+        return [i for i, s in enumerate(self.swa) if s and self.owns(i)] if self.window else []
 
     @property
     def ring_window(self) -> int:

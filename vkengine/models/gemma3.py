@@ -41,7 +41,7 @@ from ..graph import Graph
 from ..kernels import Matrix, Region
 from ..rope import rope_table
 from .base import Architecture, SlidingWindowArgs
-from .loader import WeightPlanner
+from .loader import WeightPlanner, built, plan_ends
 
 HF_NAMES = {
     r"model\.embed_tokens\.weight": "token_embd.weight",
@@ -206,17 +206,26 @@ class Layer:
 
 @dataclass
 class GemmaWeights:
-    tok_embd: Matrix
-    out_norm: Region
-    output: Matrix
-    layers: list[Layer]
+    tok_embd: Matrix | None              # (None where a part of a split model does not use it: see
+    out_norm: Region | None              # vkengine/models/llama.py LlamaWeights)
+    output: Matrix | None
+    layers: list[Layer | None]           # (None: a layer another part holds)
     rope: Region                         # the global layers' table
     arena: Arena
 
+    def layer(self, i: int) -> Layer:
+        L = self.layers[i]
+        assert L is not None, f"layer {i} is held by another part"
+        return L
+
 
 def _forward(g: Graph, a: GemmaArgs, w: GemmaWeights) -> None:
-    g.embed(w.tok_embd, "x", scale=a.embd_scale)
-    for i, L in enumerate(w.layers):
+    """One step (a part of a split model: its own layers, as llama.py's _forward)."""
+    if a.first_part:
+        assert w.tok_embd is not None
+        g.embed(w.tok_embd, "x", scale=a.embd_scale)
+    for i in a.part_layers:
+        L = w.layer(i)
         g.rms_norm("x", L.attn_norm, "h")
         if L.q_norm is not None and L.k_norm is not None:
             for m, col in L.qkv:
@@ -239,6 +248,7 @@ def _forward(g: Graph, a: GemmaArgs, w: GemmaWeights) -> None:
         g.rms_norm("t", L.post_ffw_norm, "h")
         g.add("x", "h", "x")
     if g.n_out:
+        assert w.out_norm is not None and w.output is not None
         g.rms_norm("x", w.out_norm, "out_h", gather=True)
         g.matmul(w.output, "out_h", "out_logits", no_epilogues=True)
         if a.final_softcap:
@@ -253,9 +263,7 @@ def _hf_norm(name: str, v: np.ndarray) -> np.ndarray:
 def _load_weights(mf: ModelFile, a: GemmaArgs, device, n_ctx: int) -> GemmaWeights:
     D, F, hd = a.n_embd, a.n_ff, a.head_dim
     p = WeightPlanner(mf, device, hf_value=_hf_norm)
-    i_embd = p.matrix(["token_embd.weight"], [a.n_vocab], D)
-    i_onorm = p.vector("output_norm.weight", D)
-    i_out = p.matrix(["output.weight"], [a.n_vocab], D) if mf.has("output.weight") else i_embd
+    i_embd, i_onorm, i_out = plan_ends(p, mf, a)
     glob = rope_table(n_ctx, a.n_rot, a.rope_base, a.rope_freq_scale)
     local = rope_table(n_ctx, a.n_rot, a.rope_base_swa, a.rope_freq_scale_swa)
     # both tables and every q/k norm weight in one buffer (norm_rope_kv binds a table and the norms together)
@@ -267,9 +275,12 @@ def _load_weights(mf: ModelFile, a: GemmaArgs, device, n_ctx: int) -> GemmaWeigh
                 name = f"blk.{i}.{t}.weight"
                 entries.append((name, p.value(name, hd), hd))
     i_table = p.vectors(entries)
-    layers: list[dict[str, Any]] = []
+    layers: list[dict[str, Any] | None] = []
     for i in range(a.n_layer):
         pre = f"blk.{i}."
+        if not a.owns(i):
+            layers.append(None)
+            continue
         layers.append(dict(
             attn_norm=p.vector(pre + "attn_norm.weight", D),
             qkv=p.fused([pre + "attn_q.weight", pre + "attn_k.weight", pre + "attn_v.weight"],
@@ -282,14 +293,14 @@ def _load_weights(mf: ModelFile, a: GemmaArgs, device, n_ctx: int) -> GemmaWeigh
             post_ffw_norm=p.vector(pre + "post_ffw_norm.weight", D)))
     b, arena = p.build(device)
     return GemmaWeights(
-        tok_embd=b[i_embd], out_norm=b[i_onorm], output=b[i_out], rope=b[i_table[0]], arena=arena,
+        tok_embd=built(b, i_embd), out_norm=built(b, i_onorm), output=built(b, i_out), rope=b[i_table[0]], arena=arena,
         layers=[Layer(attn_norm=b[L["attn_norm"]], qkv=[(b[h], c) for h, c in L["qkv"]], wo=b[L["wo"]],
                       post_attn_norm=b[L["post_attn_norm"]], ffn_norm=b[L["ffn_norm"]],
                       gate_up=[(b[h], c) for h, c in L["gate_up"]], down=b[L["down"]],
                       post_ffw_norm=b[L["post_ffw_norm"]], rope=b[i_table[1 if a.swa[i] else 0]],
                       q_norm=b[i_table[2 + 2 * i]] if a.qk_norm else None,
                       k_norm=b[i_table[3 + 2 * i]] if a.qk_norm else None)
-                for i, L in enumerate(layers)])
+                if L is not None else None for i, L in enumerate(layers)])
 
 
 class Gemma3(Architecture):
@@ -297,6 +308,7 @@ class Gemma3(Architecture):
     hf_architectures: ClassVar[tuple[str, ...]] = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
     hf_names = HF_NAMES_MM
     kind = "gemma3"
+    splittable = True
 
     def args(self, mf: ModelFile) -> GemmaArgs:
         a = _hf_args(mf, self.kind) if isinstance(mf, SafetensorsFolder) else _gguf_args(mf, self.kind)

@@ -44,7 +44,7 @@ from ..quant import mxfp4_from_hf
 from ..rope import Yarn, rope_table
 from .base import Architecture, SlidingWindowArgs
 from .gemma3 import hf_layer_kinds, swa_pattern
-from .loader import WeightPlanner, expert_raw, gate_up_experts
+from .loader import WeightPlanner, built, expert_raw, gate_up_experts, plan_ends
 
 SWIGLU_OAI = (1.702, 7.0)   # (alpha, limit): llama.cpp's openai-moe.cpp constants
 
@@ -170,18 +170,27 @@ class Layer:
 
 @dataclass
 class GptOssWeights:
-    tok_embd: Matrix
-    out_norm: Region
-    output: Matrix
-    layers: list[Layer]
+    tok_embd: Matrix | None     # (None where a part of a split model does not use it: see
+    out_norm: Region | None     # vkengine/models/llama.py LlamaWeights)
+    output: Matrix | None
+    layers: list[Layer | None]  # (None: a layer another part holds)
     rope: Region
     arena: Arena
 
+    def layer(self, i: int) -> Layer:
+        L = self.layers[i]
+        assert L is not None, f"layer {i} is held by another part"
+        return L
+
 
 def _forward(g: Graph, a: GptOssArgs, w: GptOssWeights) -> None:
-    g.embed(w.tok_embd, "x")
+    """One step (a part of a split model: its own layers, as llama.py's _forward)."""
+    if a.first_part:
+        assert w.tok_embd is not None
+        g.embed(w.tok_embd, "x")
     scale = 1.0 / math.sqrt(a.head_dim)
-    for i, L in enumerate(w.layers):
+    for i in a.part_layers:
+        L = w.layer(i)
         g.rms_norm("x", L.attn_norm, "h")
         for m, col in L.qkv:
             g.matmul(m, "h", "qkv", col=col)
@@ -199,6 +208,7 @@ def _forward(g: Graph, a: GptOssArgs, w: GptOssWeights) -> None:
         g.routed_experts(L.gate_up, L.down, a.n_expert, a.n_expert_used, a.n_ff_exp,
                          biases=(L.gate_up_bias, L.down_bias), oai=SWIGLU_OAI)
     if g.n_out:
+        assert w.out_norm is not None and w.output is not None
         g.rms_norm("x", w.out_norm, "out_h", gather=True)
         g.matmul(w.output, "out_h", "out_logits", no_epilogues=True)
 
@@ -258,15 +268,16 @@ def _hf_experts(p: WeightPlanner, pre: str, which: str, E: int, rows: int, cols:
 def _load_weights(mf: ModelFile, a: GptOssArgs, device, n_ctx: int) -> GptOssWeights:
     D, hd, E, F = a.n_embd, a.head_dim, a.n_expert, a.n_ff_exp
     p = WeightPlanner(mf, device)
-    i_embd = p.matrix(["token_embd.weight"], [a.n_vocab], D)
-    i_onorm = p.vector("output_norm.weight", D)
-    i_out = p.matrix(["output.weight"], [a.n_vocab], D) if mf.has("output.weight") else i_embd
+    i_embd, i_onorm, i_out = plan_ends(p, mf, a)
     table = rope_table(n_ctx, a.n_rot, a.rope_base, yarn=a.yarn)
     table = (table * np.float32(a.rope_attn_factor)).astype(np.float32)
     i_rope = p.vectors([("rope table", lambda: table, table.size)])[0]
-    layers: list[dict[str, Any]] = []
+    layers: list[dict[str, Any] | None] = []
     for i in range(a.n_layer):
         pre = f"blk.{i}."
+        if not a.owns(i):
+            layers.append(None)
+            continue
         qkv_b = [p.value(pre + f"attn_{t}.bias", n) for t, n in
                  (("q", a.n_head * hd), ("k", a.n_head_kv * hd), ("v", a.n_head_kv * hd))]
         if p.hf:
@@ -294,15 +305,16 @@ def _load_weights(mf: ModelFile, a: GptOssArgs, device, n_ctx: int) -> GptOssWei
             down_bias=p.vector(pre + "ffn_down_exps.bias", E * D)))
     b, arena = p.build(device)
     return GptOssWeights(
-        tok_embd=b[i_embd], out_norm=b[i_onorm], output=b[i_out], rope=b[i_rope], arena=arena,
+        tok_embd=built(b, i_embd), out_norm=built(b, i_onorm), output=built(b, i_out), rope=b[i_rope], arena=arena,
         layers=[Layer(**{k: ([(b[h], c) for h, c in v] if k == "qkv" else b[v])   # type: ignore[arg-type]
-                         for k, v in L.items()}) for L in layers])
+                         for k, v in L.items()}) if L is not None else None for L in layers])
 
 
 class GptOss(Architecture):
     names: ClassVar[tuple[str, ...]] = ("gpt-oss",)
     hf_architectures: ClassVar[tuple[str, ...]] = ("GptOssForCausalLM",)
     hf_names: ClassVar[dict[str, str]] = HF_NAMES
+    splittable = True
 
     def args(self, mf: ModelFile) -> GptOssArgs:
         return GptOssArgs.from_file(mf)

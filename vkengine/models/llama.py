@@ -25,7 +25,7 @@ from ..graph import Graph
 from ..kernels import Matrix, Region
 from ..rope import Yarn, rope_table
 from .base import Architecture, ModelArgs
-from .loader import WeightPlanner, expert_raw, gate_up_experts
+from .loader import WeightPlanner, built, expert_raw, gate_up_experts, plan_ends
 
 # Hugging Face tensor names -> GGUF names (data; applied when a folder is opened)
 HF_NAMES = {
@@ -376,11 +376,7 @@ def _load_weights(mf: ModelFile, a: LlamaArgs, device, n_ctx: int) -> LlamaWeigh
     """Plan, allocate and upload every weight (kept quantized)."""
     D, F, hd = a.n_embd, a.n_ff, a.head_dim
     p = WeightPlanner(mf, device)
-    tied = not mf.has("output.weight")
-    i_embd = (p.matrix(["token_embd.weight"], [a.n_vocab], D)
-              if a.first_part or (tied and a.last_part) else None)
-    i_onorm = p.vector("output_norm.weight", D) if a.last_part else None
-    i_out = (i_embd if tied else p.matrix(["output.weight"], [a.n_vocab], D)) if a.last_part else None
+    i_embd, i_onorm, i_out = plan_ends(p, mf, a)
     freq_factors = mf.tensor("rope_freqs.weight").as_f32() if mf.has("rope_freqs.weight") else None
     if a.rope_long:
         freq_factors = a.rope_factors(n_ctx)
@@ -429,8 +425,7 @@ def _load_weights(mf: ModelFile, a: LlamaArgs, device, n_ctx: int) -> LlamaWeigh
     b, arena = p.build(device)
     return LlamaWeights(
         next_norm=b[nxt[0]] if nxt else None, next_qkv=[(b[h], c) for h, c in nxt[1]] if nxt else None,
-        tok_embd=b[i_embd] if i_embd is not None else None, out_norm=b[i_onorm] if i_onorm is not None else None,
-        output=b[i_out] if i_out is not None else None, rope=b[i_rope], arena=arena,
+        tok_embd=built(b, i_embd), out_norm=built(b, i_onorm), output=built(b, i_out), rope=b[i_rope], arena=arena,
         layers=[Layer(attn_norm=b[L["attn_norm"]], qkv=[(b[h], c) for h, c in L["qkv"]], wo=b[L["wo"]],
                       ffn_norm=b[L["ffn_norm"]], gate_up=[(b[h], c) for h, c in L.get("gate_up", [])],
                       down=b[L["down"]] if "down" in L else None,

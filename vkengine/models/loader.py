@@ -190,3 +190,21 @@ def gate_up_experts(p: WeightPlanner, prefix: str, E: int, F: int, D: int) -> in
         u = dequantize(tu, pu(), E * F, D).reshape(E, F, D)
         return np.ascontiguousarray(np.concatenate([g, u], axis=1)).view(np.uint8).reshape(-1)
     return p.matrix_raw(t, E * 2 * F, D, stacked, f"{prefix}ffn_gate_up_exps", unit=2 * F)
+
+
+def plan_ends(p: WeightPlanner, mf: ModelFile, a) -> tuple[int | None, int | None, int | None]:
+    """(token embedding, final norm, output head) handles of a model's part
+    (ModelArgs.part; the whole model: all three): the embedding on the first
+    part and, where the head reuses it, the last; the norm and head on the
+    last. None: a tensor this part does not load."""
+    D = a.n_embd
+    tied = not mf.has("output.weight")
+    i_embd = p.matrix(["token_embd.weight"], [a.n_vocab], D) if a.first_part or (tied and a.last_part) else None
+    if not a.last_part:
+        return i_embd, None, None
+    return i_embd, p.vector("output_norm.weight", D), i_embd if tied else p.matrix(["output.weight"], [a.n_vocab], D)
+
+
+def built(b: list, handle: int | None):
+    """What build made of a handle (None: not loaded)."""
+    return b[handle] if handle is not None else None

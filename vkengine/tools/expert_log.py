@@ -24,6 +24,7 @@ class RecordingEngine(Engine):
     def __init__(self, *args, log: TextIO, **kwargs):
         super().__init__(*args, **kwargs)
         self.log = log
+        self.max_in_flight = 1   # (so Engine.prefill collects each chunk before the next)
 
     def submit(self, tokens, positions, slots, out_rows=(), readback: Readback = Readback.ARGMAX,
                chain=None, sampling=None, prompt: bool = False, pass_: Pass = MAIN, hmap=None, masked: bool = False,
