@@ -6,19 +6,23 @@ recurrent state (a Part, vkengine/models/base.py): an Engine of its own, built
 from the model's args with `part` set. The first part embeds the tokens, the
 last holds the final norm, the output head, the token choice on the device and
 any MTP block. A step runs the parts in order: each leaves its rows' residual
-stream in a host-visible buffer (Engine.handoff_out), which the host copies
-into the next device's (handoff_in), where the next part's program starts.
-Vulkan devices share no memory without external-memory extensions, so the
-host is the bridge: n_embd floats a row, ~16 KiB a decode row of an 8B model.
+stream (Architecture.handoff: x; the llama graph's also the next layer's norm
+h and its sums of squares, computed as the whole model computes them) in a
+host-visible buffer (Engine.handoff_out), which the host copies into the next
+device's (handoff_in), where the next part's program starts. Vulkan devices
+share no memory without external-memory extensions, so the host is the
+bridge: 16-36 KiB a row of the 8B shape. A split model's logits are the whole
+model's bit for bit.
 
 SplitEngine offers the Engine's interface (step, submit, collect, prefill,
 prepare_decode, profile, kv ...), so the runner, the server, generate, bench
 and parity run on it unchanged. The parts before the last are run and waited
 for inside submit; the last is left in flight, so the next step's first
 parts run on their devices while the last part runs the step before
-(pipelining between consecutive steps). A row's token cannot go from the last
-device to the first without the host, so steps are not chained (can_chain is
-False: the runner then gives each step its tokens).
+(pipelining between consecutive steps: Engine.prefill's chunks, the server's
+lone prompts, Runner.ahead). A row's token cannot go from the last device to
+the first without the host, so steps are not chained (can_chain is False: the
+runner then gives each step its tokens).
 
 Per-sequence state splits the same way (SplitState): each part parks,
 restores and copies its own share of a sequence, and a parked sequence is the
