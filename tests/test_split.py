@@ -188,6 +188,34 @@ def test_split_parks_each_part(device, devices, model_of, name):
         parted.close()
 
 
+def test_split_chained_on_the_host(device, devices, model_of):
+    """Decode steps chained to the step in flight (Engine.submit's chain): the
+    split engine takes the tokens on the host, and every step's tokens are the
+    whole engine's; the results come back in submission order."""
+    m = model_of("qwen35")
+    whole, parted = _pair(device, devices, m)
+    try:
+        outs = []
+        for e in (whole, parted):
+            for s in range(3):
+                e.prefill([5 + s, 6, 7, 8], s, readback=Readback.NONE)
+            got = []
+            e.submit([1, 2, 3], [4, 4, 4], [0, 1, 2], [0, 1, 2])
+            for p in range(5, 9):   # each chained to the one before, two in flight (row order reversed once)
+                chain = [2, 1, 0] if p == 6 else [0, 1, 2]
+                e.submit([0, 0, 0], [p] * 3, [0, 1, 2] if p != 6 else [2, 1, 0], [0, 1, 2], chain=chain)
+                got.append(e.collect().tolist())
+            got.append(e.collect().tolist())
+            assert e.in_flight == 0
+            outs.append(got)
+        assert outs[0] == outs[1]
+        with pytest.raises(RuntimeError, match="needs a step in flight that reads its tokens"):
+            parted.submit([0], [9], [0], [0], chain=[0])
+    finally:
+        whole.close()
+        parted.close()
+
+
 def test_split_bad_input_moves_nothing(device, devices, model_of):
     """A step the last part refuses (an output row past the rows) is refused
     before any part runs: a hybrid model's recurrent state still continues."""
@@ -198,7 +226,7 @@ def test_split_bad_input_moves_nothing(device, devices, model_of):
         want = whole.prefill(p, 0, readback=Readback.LOGITS)
         with pytest.raises(ValueError, match="output row out of range"):
             parted.step(p, range(12), [0] * 12, [12], Readback.LOGITS)
-        with pytest.raises(RuntimeError, match="not chained"):
+        with pytest.raises(RuntimeError, match="a chained step needs a step in flight"):
             parted.submit([1], [0], [0], [0], chain=[0])
         np.testing.assert_array_equal(parted.prefill(p, 0, readback=Readback.LOGITS), want)
     finally:
@@ -263,6 +291,7 @@ def test_split_runner_interleaved(device, devices, model_of, name, mode):
         want, _ = _run(whole, cfg, reqs, arrive)
         got, runner = _run(parted, cfg, reqs, arrive)
         assert got == want
+        assert runner.chained_steps > 0   # (chained on the host: SplitEngine.submit)
         if mode == "slices":
             assert runner.sched.stats["parks"] > 0 and runner.sched.stats["restores"] > 0
     finally:

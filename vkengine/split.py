@@ -21,8 +21,9 @@ for inside submit; the last is left in flight, so the next step's first
 parts run on their devices while the last part runs the step before
 (pipelining between consecutive steps: Engine.prefill's chunks, the server's
 lone prompts, Runner.ahead). A row's token cannot go from the last device to
-the first without the host, so steps are not chained (can_chain is False: the
-runner then gives each step its tokens).
+the first without the host, so a chained step is chained on the host: submit
+waits for the step before and takes its tokens (the runner then delivers that
+step's text while this one runs, as with chaining on one device).
 
 Per-sequence state splits the same way (SplitState): each part parks,
 restores and copies its own share of a sequence, and a parked sequence is the
@@ -31,6 +32,7 @@ list of the parts' handles.
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -150,7 +152,7 @@ class SplitState:
 class SplitEngine:
     """Engine's interface over one Engine a part (the module's docstring)."""
 
-    can_chain = False
+    can_chain = True        # on the host (submit): the step before is waited for, its tokens taken
     overlaps_steps = True   # a step submitted with one in flight runs its first parts beside it (Runner.ahead)
 
     def __init__(self, model: Model, devices: Sequence[Device], cfg: EngineConfig = EngineConfig(),
@@ -192,6 +194,8 @@ class SplitEngine:
         self.max_in_flight = last.max_in_flight
         for before, after in zip(self.parts, self.parts[1:]):
             after.takes_norm = before.hands_norm
+        self._modes: deque[Readback] = deque()   # the readback of each step submitted and not yet collected
+        self._done: deque[Any] = deque()         # the oldest of them, collected early (a chained submit)
 
     def describe(self) -> str:
         """Which layers each device holds, for logs: "split across 2 devices: layers 0-14 on [0] ..."."""
@@ -214,7 +218,7 @@ class SplitEngine:
 
     @property
     def in_flight(self) -> int:
-        return self.last.in_flight
+        return len(self._modes)
 
     @property
     def tiled_prompts(self) -> bool:
@@ -244,15 +248,29 @@ class SplitEngine:
         """Engine.submit: the parts before the last run now (the host waits for
         each and hands its rows' residual stream on), the last is left in
         flight. An MTP pass runs on the last part alone (its block and the
-        hidden states it reads live there), and only it may be chained (to the
-        last part's step before it)."""
+        hidden states it reads live there; chained, on the last part's device).
+
+        chain (Engine.submit's): the token of the step before cannot reach the
+        first device without the host, so the host takes it: the steps on the
+        device are waited for (their results kept for collect()), then this
+        step runs with their newest's tokens. The caller still gets the GPU
+        working on this step while it handles the step before's tokens."""
         last = self.last
         if pass_.mtp:
             last.submit(tokens, positions, slots, out_rows, readback, chain=chain, sampling=sampling,
                         prompt=prompt, pass_=pass_, hmap=hmap, masked=masked, masks=masks)
+            self._modes.append(readback)
             return
         if chain is not None:
-            raise RuntimeError("a split model's steps are not chained (can_chain is False)")
+            if not self._modes or self._modes[-1] not in (Readback.ARGMAX, Readback.SAMPLE):
+                raise RuntimeError("a chained step needs a step in flight that reads its tokens back")
+            while last.in_flight:
+                self._done.append(last.collect())
+            prev = self._done[-1]
+            if any(not 0 <= int(j) < len(prev) for j in chain) or len(chain) != len(tokens):
+                raise ValueError(f"chain must give, for each of the {len(tokens)} rows, an output row of the step "
+                                 "in flight")
+            tokens = [int(prev[int(j)]) for j in chain]
         # every check the last part makes, before any part's state moves; every part runs the rows (pad rows
         # too) the last part would run alone
         tok, pos, slt, outs, mode, _, _ = last.check_submit(tokens, positions, slots, out_rows, readback, None,
@@ -266,12 +284,17 @@ class SplitEngine:
             nxt.handoff_in.array()[:words] = e.handoff_out.array()[:words]
         last.submit(tokens, positions, slots, out_rows, readback, sampling=sampling, prompt=prompt, pass_=pass_,
                     hmap=hmap, masked=masked, masks=masks, rows=rows)
+        self._modes.append(readback)
 
     def submit_masks(self, masks) -> None:
         self.last.submit_masks(masks)
 
     def collect(self) -> Any:
-        return self.last.collect()
+        if not self._modes:
+            raise RuntimeError("no step in flight")
+        out = self._done.popleft() if self._done else self.last.collect()
+        self._modes.popleft()
+        return out
 
     # -- recording ahead, profiles, teardown --------------------------------------------------
     def prepare_decode(self, max_rows: int, prompt_rows: int = 0) -> int:
