@@ -471,5 +471,14 @@ class Llama(Architecture):
     def hands_norm(self, g: Graph, a: LlamaArgs, w: LlamaWeights) -> bool:
         return _hands_norm(g, a, w)
 
+    def holds_tensor(self, a: ModelArgs, name: str) -> bool:
+        # (a part before the last: also the next part's first layer's norm and q|k|v, _load_weights)
+        if super().holds_tensor(a, name):
+            return True
+        if a.part is None or a.part.last:
+            return False
+        pre = f"blk.{a.part.stop}."
+        return name in [pre + t + ".weight" for t in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_qkv")]
+
 
 ARCHITECTURE = Llama()
