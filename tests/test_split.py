@@ -181,6 +181,12 @@ def test_split_parks_each_part(device, devices, model_of, name):
         assert parted.kv.reusable_prefix(2, 24) == 24
         np.testing.assert_array_equal(parted.step([9], [24], [1], [0], Readback.LOGITS),
                                       whole.step([9], [24], [0], [0], Readback.LOGITS))
+        # a pooled buffer too small for one part's share: that part's is replaced, the other's reused
+        small = parted.kv.park(1, 3)
+        again = parted.kv.park(2, 20, into=small.buffer)
+        assert again.parts[0].buffer is not small.parts[0].buffer or again.parts[1].buffer is not small.parts[1].buffer
+        assert all(b.nbytes >= parted.kv.states[i].park_bytes(2, 20) for i, b in enumerate(again.buffer.parts))
+        parted.kv.free(again.buffer)
         parted.kv.free(parked.buffer)
         assert want is not None
     finally:

@@ -118,7 +118,13 @@ class SplitState:
         return sum(s.park_bytes(slot, length) for s in self.states)
 
     def park(self, slot: int, length: int, into: SplitBuffer | None = None) -> SplitParked:
-        bufs = into.parts if into is not None else [None] * len(self.states)
+        """Each part parks its share into its buffer of `into` (one too small for
+        it is freed, and the part takes a new one)."""
+        bufs: list[Any] = into.parts if into is not None else [None] * len(self.states)
+        for i, (s, b) in enumerate(zip(self.states, bufs)):
+            if b is not None and b.nbytes < s.park_bytes(slot, length):
+                s.free(b)
+                bufs[i] = None
         return SplitParked([s.park(slot, length, into=b) for s, b in zip(self.states, bufs)])
 
     def restore(self, parked: SplitParked, slot: int, length: int | None = None) -> None:
@@ -315,6 +321,8 @@ class SplitEngine:
         return sorted(((k, v, counts[k]) for k, v in us.items()), key=lambda r: -r[1])
 
     def close(self) -> None:
+        self._done.clear()
+        self._modes.clear()
         for e in self.parts:
             e.close()
 
