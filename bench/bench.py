@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from vkengine.options import add_cache_args  # noqa: E402 (after the path)
+from vkengine.options import add_cache_args, device_list  # noqa: E402 (after the path)
 
 SHAPE_ALIASES = {"135m": "smollm2-135m", "1b": "1b", "8b": "8b", "tiny": "tiny", "small": "small"}
 
@@ -86,10 +86,13 @@ def gguf_weight_bytes(path: Path) -> tuple[int, int]:
 
 
 def run_llama_bench(exe: str, model: Path, n_prompt: int, n_gen: int, reps: int,
-                    depths: list[int] | None = None, kv: tuple[str, str] = ("f16", "f16")) -> dict[int, dict]:
-    """llama-bench's pp and tg at each depth (its -d) with K/V cache types kv: {depth: {...}}."""
+                    depths: list[int] | None = None, kv: tuple[str, str] = ("f16", "f16"),
+                    split: list[str] | None = None) -> dict[int, dict]:
+    """llama-bench's pp and tg at each depth (its -d) with K/V cache types kv: {depth: {...}};
+    split: its -sm/-ts arguments (our --devices' peer: -sm layer)."""
     depths = depths or [0]
     cmd = [exe, "-m", str(model), "-p", str(n_prompt), "-n", str(n_gen), "-r", str(reps), "-ngl", "99", "-o", "json"]
+    cmd += split or []
     if depths != [0]:
         cmd += ["-d", ",".join(map(str, depths))]
     if kv != ("f16", "f16"):   # (llama.cpp needs flash attention for a quantized V cache)
@@ -114,10 +117,11 @@ def run_llama_bench(exe: str, model: Path, n_prompt: int, n_gen: int, reps: int,
 
 
 def _ours(path: str, device: int | None, n_prompt: int, n_gen: int, reps: int, par: list[int],
-          depths: list[int], kv: tuple[str, str] = ("f16", "f16")):
+          depths: list[int], kv: tuple[str, str] = ("f16", "f16"), devices: list[int] | None = None,
+          tensor_split: str | None = None):
     """Our pp/tg (and batched decode) on one model at each depth with K/V cache
-    types kv, in the calling process; also the bytes a decode step reads per
-    position of context."""
+    types kv, in the calling process (devices: split across them by layers,
+    vkengine.split); also the bytes a decode step reads per position of context."""
     from vkengine.device import Device
     from vkengine.engine import Engine, EngineConfig
     from vkengine.kernels import KVTypes
@@ -125,10 +129,14 @@ def _ours(path: str, device: int | None, n_prompt: int, n_gen: int, reps: int, p
     from vkengine.options import Options
     from vkengine.tools.bench import bench_rows, run_batched, run_bench
     model = load_model(Path(path))
-    eng = Engine(model, Device(device),
-                 EngineConfig(n_slots=max(par, default=1), n_ctx=max(depths) + max(n_prompt, n_gen) + 8,
-                              max_batch=bench_rows(n_prompt, max(par, default=1), depths),
-                              max_out=max(par, default=1), options=Options.from_env(), kv_types=KVTypes(*kv)))
+    cfg = EngineConfig(n_slots=max(par, default=1), n_ctx=max(depths) + max(n_prompt, n_gen) + 8,
+                       max_batch=bench_rows(n_prompt, max(par, default=1), depths),
+                       max_out=max(par, default=1), options=Options.from_env(), kv_types=KVTypes(*kv))
+    if devices:
+        from vkengine.split import open_split
+        eng = open_split(model, devices, tensor_split, cfg)
+    else:
+        eng = Engine(model, Device(device), cfg)
     runs = []
     for d in depths:
         ours = run_bench(eng, n_prompt, n_gen, reps, depth=d)
@@ -150,6 +158,10 @@ def main(argv=None) -> int:
     ap.add_argument("-n", "--n-gen", type=int, default=128)
     ap.add_argument("-r", "--reps", type=int, default=3)
     ap.add_argument("--device", type=int, default=None)
+    ap.add_argument("--devices", type=device_list, default=None, metavar="I,J[,...]",
+                    help="ours split across these devices by layers (vkengine --devices); llama-bench with -sm layer")
+    ap.add_argument("--tensor-split", "-ts", default=None, metavar="P,Q[,...]",
+                    help="with --devices: each device's share of the layers (both engines)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench"))
     ap.add_argument("--parallel", default="", metavar="B[,B...]",
                     help="also measure batched decode: B sequences stepping together (the server's batch mode)")
@@ -196,8 +208,9 @@ def main(argv=None) -> int:
         # not found), which had understated every model after the first
         with mp.get_context("spawn").Pool(1) as pool:
             runs, kv_per_pos = pool.apply(_ours, (str(path), args.device, args.n_prompt, args.n_gen, args.reps,
-                                                  par, depths, kv))
-        peers = run_llama_bench(args.llama_bench, path, args.n_prompt, args.n_gen, args.reps, depths, kv) \
+                                                  par, depths, kv, args.devices, args.tensor_split))
+        split = (["-sm", "layer"] + (["-ts", args.tensor_split] if args.tensor_split else [])) if args.devices else None
+        peers = run_llama_bench(args.llama_bench, path, args.n_prompt, args.n_gen, args.reps, depths, kv, split) \
             if args.llama_bench else {}
         for d, (ours, batched) in zip(depths, runs):
             peer = peers.get(d, {})
@@ -232,6 +245,7 @@ def main(argv=None) -> int:
                                                 else "mul_mt (fp32)",
            "copy_bandwidth": bw, "n_prompt": args.n_prompt, "n_gen": args.n_gen,
            "reps": args.reps, "depths": depths, "kv_cache": {"k": kv[0], "v": kv[1]}, "peer": args.llama_label,
+           **({"devices": args.devices, "tensor_split": args.tensor_split} if args.devices else {}),
            "note": args.note, "results": results}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -249,6 +263,9 @@ def table(doc: dict) -> str:
              + (f", depths {', '.join(map(str, doc['depths']))}" if doc.get("depths", [0]) != [0] else "")
              + (f", KV cache K {doc['kv_cache']['k']} V {doc['kv_cache']['v']} (both engines)"
                 if doc.get("kv_cache", {"k": "f16", "v": "f16"}) != {"k": "f16", "v": "f16"} else "")
+             + (f", split across devices {','.join(map(str, doc['devices']))} by layers"
+                f"{' (' + doc['tensor_split'] + ')' if doc.get('tensor_split') else ''}, peer -sm layer"
+                if doc.get("devices") else "")
              + (f"; our prefill matmul: {doc['prefill_kernel']}" if doc.get("prefill_kernel") else ""),
              "", "| model | weights | pp ours | pp peer | pp ratio | tg ours | tg peer | tg ratio | tg GB/s "
                  "| of copy bw |",

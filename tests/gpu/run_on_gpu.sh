@@ -28,8 +28,8 @@
 #           and batch vs batch-mtp at C = 4, --draft MTP_DRAFT (default 2)
 #   split   a model split across devices by layers (issue 36): tests/test_split.py on this machine's devices,
 #           then SPLIT_MODEL (default llama:8b:q4_0) whole vs split over SPLIT_DEVICES (default 0,1 where
-#           there are two GPUs, else 0,0: two Vulkan devices on the one GPU): bench pp512/tg128 and batched
-#           decode of 1/4/16, llama-bench -sm none vs -sm layer, the serve bench at C = 4 and 16 (ours whole,
+#           there are two GPUs, else 0,0: two Vulkan devices on the one GPU): bench/bench.py pp512/tg128 and
+#           batched decode of 4/16 beside llama-bench (-sm none, then -sm layer), the serve bench at C = 4 and 16 (ours whole,
 #           ours split, llama-server -sm layer); SPLIT_CAP_MIB (VKENGINE_MEMORY_MIB): each device's memory
 #           capped, so that a model needs the split (SPLIT_BIG_MODEL, default qwen35moe:35B-A3B:q4_0)
 #   moe     MoE steps (issue 34): MOE_MODEL's pp512 / pp2048 with mul_mm_id and with the tiled expert
@@ -244,13 +244,11 @@ run_stage() {
       python3 -m pytest -q -p no:cacheprovider tests/test_split.py -k "not smollm2" \
         --junitxml="$OUT/gpu-split.xml" 2>&1 | tee "$OUT/gpu-split-tests.log" | tail -5
       f=$(synth_model "${SPLIT_MODEL:-llama:8b:q4_0}") || return 1
-      for d in "" "--devices $devs"; do
-        echo "== vkengine bench ${d:-(one device)}" | tee -a "$OUT/split.log"
-        python3 -m vkengine.cli bench -m "$f" -p 512 -n 128 -r 2 --parallel 1,4,16 $d 2>&1 | tee -a "$OUT/split.log" \
-          | tail -4
-      done
-      for sm in none layer; do
-        /tmp/llb/bin/llama-bench -m "$f" -p 512 -n 128 -r 2 -ngl 99 -sm $sm 2>&1 | tee -a "$OUT/split.log" | tail -4
+      for d in "" "--devices $devs"; do   # bench/bench.py rows (docs/bench): llama-bench -sm none, then -sm layer
+        echo "== bench/bench.py ${d:-(one device)}" | tee -a "$OUT/split.log"
+        python3 bench/bench.py --out "$OUT/bench" --models= --files "$f" --llama-bench /tmp/llb/bin/llama-bench \
+          -r 2 --parallel 4,16 $d --llama-label "llama.cpp 11434 Vulkan (int dot + coopmat)" 2>&1 \
+          | tee -a "$OUT/split.log" | tail -4
       done
       for C in 4 16; do
         python3 bench/serve.py --model "$f" --clients "$C" --requests 2 -n 64 --configs batch \
