@@ -321,6 +321,14 @@ def test_split_runner_prompt_ahead(device, devices, model_of, name):
         got, runner = _run(parted, cfg, reqs, [0, 30])
         assert got == want
         assert plain.ahead_steps == 0 and runner.ahead_steps >= 3, runner.ahead_steps
+        # beside a running stream (prompt rows in steps of their own), no chunk goes ahead: the stream's
+        # next decode step would wait behind it
+        cfg = dataclasses.replace(cfg, prompt_apart=True)
+        reqs = [GenRequest(tok.encode("Once upon a time"), 30, ignore_eos=True),
+                GenRequest(tok.encode(PROMPT) * 3, 5, ignore_eos=True)]
+        want, _ = _run(whole, cfg, reqs, [0, 3])
+        got, runner = _run(parted, cfg, reqs, [0, 3])
+        assert got == want and runner.ahead_steps == 0
     finally:
         whole.close()
         parted.close()

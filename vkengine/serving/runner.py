@@ -479,13 +479,19 @@ class Runner:
 
     def _prompt_ahead(self) -> bool:
         """Submit the next chunks of the prompts of the newest step in flight
-        when that step outputs nothing and the engine overlaps steps
-        (Scheduler.prompt_ahead); whether it did. Not while a newcomer waits
-        for a place (it is admitted once the device is free)."""
+        when that step outputs nothing, every live sequence is in it and the
+        engine overlaps steps (Scheduler.prompt_ahead); whether it did. Not
+        while a newcomer waits for a place (it is admitted once the device is
+        free), nor beside running streams (their next decode step would wait
+        behind the chunks)."""
+        batch = self.inflight[-1].batch
         if not self.ahead or self.inflight[-1].outs or self._mask_pending or self._arrivals() or \
                 (self.sched.waiting and len(self.sched.live) < self.cfg.max_live):
             return False
-        nxt = self.sched.prompt_ahead(self.inflight[-1].batch)
+        mine = {id(w.seq) for w in batch.work}
+        if any(id(s) not in mine for s in self.sched.live):
+            return False
+        nxt = self.sched.prompt_ahead(batch)
         if nxt is None:
             return False
         self._submit(nxt, True)
