@@ -202,6 +202,9 @@ class Engine:
         self._tiled_prompts = self.pad_steps and cfg.options.tiled_prompts
         self._inflight: deque[_Submitted] = deque()   # oldest first
         self.last_rows = 0   # rows the newest step ran (its pad rows too)
+        # whether callers chain decode steps on this device (prepare_decode records them); a split model's
+        # parts: no, SplitEngine chains on the host
+        self.device_chains = True
         # the buffers this engine allocated (weights, state, activations, params and readbacks):
         # close() frees them. Engines are built one at a time on a device (nothing else allocates
         # meanwhile); the device's own staging and readback buffers are not the engine's
@@ -386,13 +389,13 @@ class Engine:
         top = min(max_rows, self.max_out, self.max_batch, self.program_cache // (4 * len(self._params)))
         for n in range(1, top + 1):
             for buf in range(len(self._params)):
-                for chain in ((), tuple(range(n))) if self.can_chain else ((),):
+                for chain in ((), tuple(range(n))) if self.can_chain and self.device_chains else ((),):
                     decode.append((n, n, A, buf, chain))   # the key order of _program's arguments
         if self.can_sample:   # sampled replies' steps (their tokens drawn on the device), within a quarter
             top_s = min(top, self.program_cache // (8 * len(self._params)))
             for n in range(1, top_s + 1):
                 for buf in range(len(self._params)):
-                    for chain in ((), tuple(range(n))) if self.can_chain else ((),):
+                    for chain in ((), tuple(range(n))) if self.can_chain and self.device_chains else ((),):
                         decode.append((n, n, S, buf, chain))
         prompt: list[key] = []
         if self.pad_steps:

@@ -200,6 +200,8 @@ class SplitEngine:
         self.max_in_flight = last.max_in_flight
         for before, after in zip(self.parts, self.parts[1:]):
             after.takes_norm = before.hands_norm
+        for e in self.parts:
+            e.device_chains = False   # (chained on the host: prepare_decode records no chained steps)
         self._modes: deque[Readback] = deque()   # the readback of each step submitted and not yet collected
         self._done: deque[Any] = deque()         # the oldest of them, collected early (a chained submit)
 
