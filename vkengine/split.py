@@ -197,7 +197,9 @@ class SplitEngine:
         self.devices = [e.device for e in self.parts]
         self.kernels = last.kernels
         self.max_out = last.max_out
-        self.max_in_flight = last.max_in_flight
+        # two: the step on the last device and the one whose first parts run beside it (a third would only
+        # make the host wait a step longer inside a host-chained submit before it delivers the oldest)
+        self.max_in_flight = min(2, last.max_in_flight)
         for before, after in zip(self.parts, self.parts[1:]):
             after.takes_norm = before.hands_norm
         for e in self.parts:
