@@ -20,6 +20,9 @@ if ! ls .vk/kp-*cp312*.whl >/dev/null 2>&1; then
   cp "$whl" .vk/
 fi
 ls .vk/gguf-*.whl >/dev/null 2>&1 || .venv/bin/python -m pip download -q --no-deps --only-binary=:all: -d .vk gguf
+# grammars and JSON schemas (vkengine/serving/constrain.py): llguidance's abi3 wheel for the device's Python 3.12
+ls .vk/llguidance-*.whl >/dev/null 2>&1 || .venv/bin/python -m pip download -q --no-deps --only-binary=:all: \
+  --python-version 3.12 --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .vk llguidance
 # the server's packages that the GPU machine's image lacks (pure Python)
 ls .vk/starlette-*.whl >/dev/null 2>&1 || .venv/bin/python -m pip download -q --no-deps --only-binary=:all: -d .vk starlette uvicorn
 [ -f .vk/smollm2-tokenizer.gguf ] || .venv/bin/python -c \
