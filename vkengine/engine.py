@@ -181,7 +181,8 @@ class Engine:
         # stream; Architecture.handoff) of a step's rows arrive in handoff_in (host-visible, written by
         # the host from the part before's handoff_out), one after another; one a params buffer, as a
         # step in flight may not have read its own when the host writes the next step's
-        hand = max_rows * sum(self.scratch.stride(name) for name in self.arch.handoff) * 4
+        self._handoff_row = sum(self.scratch.stride(name) for name in self.arch.handoff)   # words a row
+        hand = max_rows * self._handoff_row * 4
         self._handoff_in = ([device.buffer(hand, "host", f"handoff-in-{i}") for i in range(len(self._params))]
                             if not a.first_part else [])
         self.handoff_out = device.buffer(hand, "host", "handoff-out") if not a.last_part else None
@@ -266,7 +267,7 @@ class Engine:
 
     def handoff_words(self, n: int) -> int:
         """Words of handoff_out (and of the next part's handoff_in) a step of n rows fills."""
-        return n * sum(self.scratch.stride(name) for name in self.arch.handoff)
+        return n * self._handoff_row
 
     @property
     def n_programs(self) -> int:

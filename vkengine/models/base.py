@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
 from ..errors import VkEngineError
 from ..gguf_file import ModelFile
@@ -144,6 +144,20 @@ class SlidingWindowArgs(ModelArgs):
     @property
     def ring_window(self) -> int:
         return self.window
+
+
+L = TypeVar("L")
+
+
+class PartLayers(Generic[L]):
+    """An architecture's weights whose `layers` hold None where another part of
+    a split model (ModelArgs.part) holds the layer."""
+    layers: list[L | None]
+
+    def layer(self, i: int) -> L:
+        layer = self.layers[i]
+        assert layer is not None, f"layer {i} is held by another part"
+        return layer
 
 
 class ModelWeights(Protocol):

@@ -40,7 +40,7 @@ from ..gguf_file import ModelFile, SafetensorsFolder
 from ..graph import Graph
 from ..kernels import Matrix, Region
 from ..rope import rope_table
-from .base import Architecture, SlidingWindowArgs
+from .base import Architecture, PartLayers, SlidingWindowArgs
 from .loader import WeightPlanner, built, plan_ends
 
 HF_NAMES = {
@@ -205,18 +205,13 @@ class Layer:
 
 
 @dataclass
-class GemmaWeights:
+class GemmaWeights(PartLayers[Layer]):
     tok_embd: Matrix | None              # (None where a part of a split model does not use it: see
     out_norm: Region | None              # vkengine/models/llama.py LlamaWeights)
     output: Matrix | None
     layers: list[Layer | None]           # (None: a layer another part holds)
     rope: Region                         # the global layers' table
     arena: Arena
-
-    def layer(self, i: int) -> Layer:
-        L = self.layers[i]
-        assert L is not None, f"layer {i} is held by another part"
-        return L
 
 
 def _forward(g: Graph, a: GemmaArgs, w: GemmaWeights) -> None:

@@ -42,7 +42,7 @@ from ..graph import Graph
 from ..kernels import Matrix, Region
 from ..quant import mxfp4_from_hf
 from ..rope import Yarn, rope_table
-from .base import Architecture, SlidingWindowArgs
+from .base import Architecture, PartLayers, SlidingWindowArgs
 from .gemma3 import hf_layer_kinds, swa_pattern
 from .loader import WeightPlanner, built, expert_raw, gate_up_experts, plan_ends
 
@@ -169,18 +169,13 @@ class Layer:
 
 
 @dataclass
-class GptOssWeights:
+class GptOssWeights(PartLayers[Layer]):
     tok_embd: Matrix | None     # (None where a part of a split model does not use it: see
     out_norm: Region | None     # vkengine/models/llama.py LlamaWeights)
     output: Matrix | None
     layers: list[Layer | None]  # (None: a layer another part holds)
     rope: Region
     arena: Arena
-
-    def layer(self, i: int) -> Layer:
-        L = self.layers[i]
-        assert L is not None, f"layer {i} is held by another part"
-        return L
 
 
 def _forward(g: Graph, a: GptOssArgs, w: GptOssWeights) -> None:

@@ -24,7 +24,7 @@ from ..gguf_file import ModelFile, SafetensorsFolder
 from ..graph import Graph
 from ..kernels import Matrix, Region
 from ..rope import Yarn, rope_table
-from .base import Architecture, ModelArgs
+from .base import Architecture, ModelArgs, PartLayers
 from .loader import WeightPlanner, built, expert_raw, gate_up_experts, plan_ends
 
 # Hugging Face tensor names -> GGUF names (data; applied when a folder is opened)
@@ -228,7 +228,7 @@ class Layer:
 
 
 @dataclass
-class LlamaWeights:
+class LlamaWeights(PartLayers[Layer]):
     tok_embd: Matrix | None     # (None: parts of a split model other than the first and, unless the
     out_norm: Region | None     # head reuses the embedding, the last; the head on the last part only)
     output: Matrix | None
@@ -239,11 +239,6 @@ class LlamaWeights:
     # decide, as in the whole model, whether that norm is split with them: _forward)
     next_norm: Region | None = None
     next_qkv: list[tuple[Matrix, int]] | None = None
-
-    def layer(self, i: int) -> Layer:
-        L = self.layers[i]
-        assert L is not None, f"layer {i} is held by another part"
-        return L
 
 
 def _scratch_widths(a: LlamaArgs) -> dict[str, int]:

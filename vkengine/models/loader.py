@@ -192,14 +192,17 @@ def gate_up_experts(p: WeightPlanner, prefix: str, E: int, F: int, D: int) -> in
     return p.matrix_raw(t, E * 2 * F, D, stacked, f"{prefix}ffn_gate_up_exps", unit=2 * F)
 
 
-def plan_ends(p: WeightPlanner, mf: ModelFile, a) -> tuple[int | None, int | None, int | None]:
+def plan_ends(p: WeightPlanner, mf: ModelFile, a, embed_on_last: bool = False
+              ) -> tuple[int | None, int | None, int | None]:
     """(token embedding, final norm, output head) handles of a model's part
     (ModelArgs.part; the whole model: all three): the embedding on the first
-    part and, where the head reuses it, the last; the norm and head on the
-    last. None: a tensor this part does not load."""
+    part and, where the head (or, embed_on_last, another block of the last
+    part) reuses it, the last; the norm and head on the last. None: a tensor
+    this part does not load."""
     D = a.n_embd
     tied = not mf.has("output.weight")
-    i_embd = p.matrix(["token_embd.weight"], [a.n_vocab], D) if a.first_part or (tied and a.last_part) else None
+    on_last = a.last_part and (tied or embed_on_last)
+    i_embd = p.matrix(["token_embd.weight"], [a.n_vocab], D) if a.first_part or on_last else None
     if not a.last_part:
         return i_embd, None, None
     return i_embd, p.vector("output_norm.weight", D), i_embd if tied else p.matrix(["output.weight"], [a.n_vocab], D)

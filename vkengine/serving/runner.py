@@ -485,7 +485,7 @@ class Runner:
         free), nor beside running streams (their next decode step would wait
         behind the chunks)."""
         batch = self.inflight[-1].batch
-        if not self.ahead or self.inflight[-1].outs or self._mask_pending or self._arrivals() or \
+        if not self.ahead or self._mask_pending or self._arrivals() or \
                 (self.sched.waiting and len(self.sched.live) < self.cfg.max_live):
             return False
         mine = {id(w.seq) for w in batch.work}

@@ -15,7 +15,8 @@ from ...arena import Arena
 from ...gguf_file import ModelFile, SafetensorsFolder
 from ...kernels import Matrix, Region
 from ...rope import rope_table
-from ..loader import WeightPlanner, expert_raw, gate_up_experts
+from ..base import PartLayers
+from ..loader import WeightPlanner, built, expert_raw, gate_up_experts, plan_ends
 from .args import MTP_BLOCK, hf_value
 
 
@@ -74,7 +75,7 @@ class Mtp:
 
 
 @dataclass
-class Qwen35Weights:
+class Qwen35Weights(PartLayers[Layer]):
     tok_embd: Matrix | None     # (None where a part of a split model does not use it: see
     out_norm: Region | None     # vkengine/models/llama.py LlamaWeights)
     output: Matrix | None
@@ -82,11 +83,6 @@ class Qwen35Weights:
     rope: Region
     mtp: Mtp | None             # (the last part's)
     arena: Arena
-
-    def layer(self, i: int) -> Layer:
-        L = self.layers[i]
-        assert L is not None, f"layer {i} is held by another part"
-        return L
 
 
 def _plan_layer(p: WeightPlanner, a, prefix: str, kind: str, qk_norms: list) -> dict:
@@ -159,19 +155,15 @@ def load_weights(mf: ModelFile, a, device, n_ctx: int) -> Qwen35Weights:
     """Plan, allocate and upload every weight (matrices kept quantized)."""
     D = a.n_embd
     p = WeightPlanner(mf, device, hf_value)
-    last = a.last_part
-    # the token embedding where a part embeds tokens (the first; the last too where the head or the
-    # MTP block reuses it), the head on the last part only
+    # (the last part keeps the token embedding too where the MTP block reuses it)
     mp = mtp_prefix(mf, a) if a.n_nextn else ""
-    reuse = not mf.has("output.weight") or (a.n_nextn and not mf.has(mp + "nextn.embed_tokens.weight"))
-    i_embd = p.matrix(["token_embd.weight"], [a.n_vocab], D) if a.first_part or (last and reuse) else None
-    i_onorm = p.vector("output_norm.weight", D) if last else None
-    i_out = (p.matrix(["output.weight"], [a.n_vocab], D) if mf.has("output.weight") else i_embd) if last else None
+    i_embd, i_onorm, i_out = plan_ends(p, mf, a, embed_on_last=bool(a.n_nextn)
+                                       and not mf.has(mp + "nextn.embed_tokens.weight"))
     qk_norms: list[str] = []
     layers = [_plan_layer(p, a, f"blk.{i}.", t, qk_norms) if a.owns(i) else None
               for i, t in enumerate(a.layer_types)]
     mtp: dict[str, Any] | None = None
-    if a.n_nextn and last:
+    if a.n_nextn and a.last_part:
         mtp = dict(layer=_plan_layer(p, a, mp, "full", qk_norms),
                    eh_proj=p.matrix([mp + "nextn.eh_proj.weight"], [D], 2 * D),
                    enorm=p.vector(mp + "nextn.enorm.weight", D), hnorm=p.vector(mp + "nextn.hnorm.weight", D))
@@ -197,6 +189,4 @@ def load_weights(mf: ModelFile, a, device, n_ctx: int) -> Qwen35Weights:
     if mtp is not None:
         m = Mtp(b[mtp["eh_proj"]], b[mtp["enorm"]], b[mtp["hnorm"]], b[mtp["head_norm"]], b[mtp["embed"]],
                 b[mtp["head"]], _build_layer(mtp["layer"], b, norms, D))
-    def opt(i):
-        return b[i] if i is not None else None
-    return Qwen35Weights(opt(i_embd), opt(i_onorm), opt(i_out), built_layers, rope, m, arena)
+    return Qwen35Weights(built(b, i_embd), built(b, i_onorm), built(b, i_out), built_layers, rope, m, arena)
