@@ -9,7 +9,7 @@
 // itself from f32 weights, each as one serial fp32 sum over the hidden size in
 // index order with no fused multiply-add (`precise`), so the choice does not
 // depend on the device, its subgroup size or the batch; it stores them in l[r].
-// One subgroup per row; lane j owns experts j, j + S, ...
+// One subgroup per row; lane j owns experts j, j + S, ... (at most 64: E <= 64 S).
 #include "common.glsl"
 
 layout(binding = 0) readonly buffer Wq { float wf[]; };
@@ -44,19 +44,26 @@ void main() {
             act[lb + e] = acc;
         }
 #endif
-        uint sel[KMAX];
+        // a lane's experts e = lane + j * S are marked taken in bit j of its mask
+        // (no rescan of the earlier winners: that loop over sel[] held
+        // the decode step's router at ~125 us a layer on the H200)
+        uvec2 taken = uvec2(0u);
         float selv[KMAX];
+        uint sel[KMAX];
         for (uint t = 0u; t < p.k; t++) {
             float best = -1.0 / 0.0;
             uint bi = NONE;
-            for (uint e = lane; e < p.E; e += gl_SubgroupSize) {
-                bool taken = false;
-                for (uint u = 0u; u < t; u++) taken = taken || sel[u] == e;
+            for (uint e = lane, j = 0u; e < p.E; e += gl_SubgroupSize, j++) {
                 float v = act[lb + e];
-                if (!taken && (bi == NONE || v > best)) { best = v; bi = e; }
+                bool free_ = ((j < 32u ? taken.x >> j : taken.y >> (j - 32u)) & 1u) == 0u;
+                if (free_ && (bi == NONE || v > best)) { best = v; bi = e; }
             }
             float m = subgroupMax(bi == NONE ? -1.0 / 0.0 : best);
             uint win = subgroupMin(bi != NONE && best == m ? bi : NONE);
+            if (win == bi) {
+                uint j = (win - lane) / gl_SubgroupSize;
+                if (j < 32u) taken.x |= 1u << j; else taken.y |= 1u << (j - 32u);
+            }
             sel[t] = win;
             selv[t] = m;
         }

@@ -280,8 +280,9 @@ def test_norm_rope_kv(device, hk, ws, rng, hd, n_rot, k, v):
 # -- MoE routing and experts ----------------------------------------------------------------
 
 @pytest.mark.parametrize("fixed", [False, True])
-def test_moe_router(device, hk, ws, rng, fixed):
-    rows, E, k, D = 7, 37, 5, 24
+@pytest.mark.parametrize("E, k", [(37, 5), (300, 10)])   # 300: more than 32 experts a lane on lavapipe's 8 lanes
+def test_moe_router(device, hk, ws, rng, fixed, E, k):
+    rows, D = 7, 24
     h = rng.standard_normal((rows, D)).astype(np.float32)
     w = rng.standard_normal((E, D)).astype(np.float32)
     if fixed:
@@ -325,6 +326,37 @@ def test_moe_bias(device, hk, ws, rng):
         for i in range(k):
             want[r, i * M:(i + 1) * M] += b[ids[r, i]]
     np.testing.assert_array_equal(ws.read(yr).reshape(n, -1), want)
+
+
+@pytest.mark.parametrize("n, k, E, bn", [(1, 8, 256, 8), (5, 3, 9, 8), (300, 8, 37, 64), (700, 4, 130, 32)])
+def test_moe_sort(device, hk, ws, rng, n, k, E, bn):
+    """moe_sort's lists against numpy: each expert's pairs r*k + i in increasing
+    order (runs of pairs longer than a subgroup's unrolled reads, experts of
+    none, one and many pairs, more experts than a workgroup's subgroups), the
+    counts, and the tiled matmuls' work list in (expert, block) order."""
+    ids = np.stack([rng.choice(E - 2, k, replace=False) for _ in range(n)]).astype(np.uint32)  # last two: none
+    ids[n // 2, 0] = E - 1                                                   # ... but the last gets one
+    hot = min(5, E - 3)
+    ids[:, k - 1] = np.where((ids[:, :k - 1] == hot).any(1), ids[:, k - 1], hot)   # one expert of ~every row
+    rs = 2 * k + 1
+    route = np.concatenate([ids.view(np.float32), np.ones((n, k + 1), np.float32)], 1)
+    rr = ws.act_region(route.size, route)
+    ls = E + 3
+    lst, cnt = ws.act_region(n * k * ls), ws.act_region(E)
+    blk = ws.act_region(1 + hk.expert_blocks(n * k, E, bn))
+    prog = device.program()
+    hk.moe_sort(prog, rr, rs, k, n, E, lst, ls, cnt, blocks=(blk, bn))
+    prog.run()
+    flat = ids.reshape(-1)
+    counts = np.bincount(flat, minlength=E)
+    np.testing.assert_array_equal(ws.read(cnt, np.uint32), counts)
+    lists = ws.read(lst, np.uint32).reshape(n * k, ls)
+    for e in range(E):
+        np.testing.assert_array_equal(lists[:counts[e], e], np.flatnonzero(flat == e), err_msg=f"expert {e}")
+    want = [(e << 16) | b for e in range(E) for b in range(-(-int(counts[e]) // bn))]
+    words = ws.read(blk, np.uint32)
+    assert words[0] == len(want)
+    np.testing.assert_array_equal(words[1:1 + len(want)], want)
 
 
 @pytest.mark.parametrize("wt", ["f32", "f16", "q8_0", "q4_0", "q4_k", "q6_k", "mxfp4", "iq4_nl", "iq4_xs"])

@@ -42,6 +42,9 @@ class MoeKernels(KernelBase):
         the logits in a fixed serial order (parity mode) instead of reading them."""
         if not 1 <= k <= min(E, ROUTER_KMAX):
             raise VkEngineError(f"{k} experts per token out of {E} is not supported (at most {ROUTER_KMAX})")
+        if E > 64 * self.caps.sg:
+            raise VkEngineError(f"{E} experts: this device's router handles at most {64 * self.caps.sg} "
+                                f"(64 a lane of its {self.caps.sg}-lane subgroups)")
         act = self._same_buffer(logits, y, *([rec] if rec is not None else []))
         w, h, h_stride, D = fixed if fixed is not None else (None, logits, 0, 0)
         if fixed is not None:
@@ -92,24 +95,27 @@ class MoeKernels(KernelBase):
     def moe_sort(self, prog: Program, route: Region, route_stride: int, k: int, n_rows: int, E: int,
                  lst: Region, list_stride: int, cnt: Region, blocks: tuple[Region, int] | None = None,
                  label: str = "moe_sort") -> None:
-        """Per expert e: lst[j][e] = the j-th pair r*k + i routed to e, cnt[e] = their number.
-        blocks = (region, bn): also the tiled expert matmuls' work list there
-        (one workgroup does it all: moe_sort.comp BLOCKS), words enough for
-        expert_blocks(n_rows * k, E, bn) + 1."""
+        """Per expert e: lst[j][e] = the j-th pair r*k + i routed to e (in increasing
+        order), cnt[e] = their number (one subgroup per expert). blocks = (region,
+        bn): also the tiled expert matmuls' work list there, words enough for
+        expert_blocks(n_rows * k, E, bn) + 1, in increasing (expert, block) order
+        (a second dispatch, one workgroup: moe_sort.comp BLOCKS)."""
         act = self._same_buffer(route, lst, cnt, *([blocks[0]] if blocks else []))
-        writes = [rows_range(lst, n_rows, list_stride, E), (cnt.buf, cnt.off * 4, (cnt.off + E) * 4)]
+        counts = (cnt.buf, cnt.off * 4, (cnt.off + E) * 4)
         pc = dict(ids_off=route.off, ids_stride=route_stride, k=k, n_rows=n_rows, E=E, list_off=lst.off,
                   list_stride=list_stride, cnt_off=cnt.off)
-        if blocks is None:
-            variant, grid = "moe_sort", self._grid(math.ceil(E / self.caps.ew_wg))
-        else:
+        push = self._push("moe_sort", **pc)
+        alg = self._alg("moe_sort", [act], push, self.caps.wg)
+        prog.dispatch(alg, push, self._grid(math.ceil(E / self.caps.items)),
+                      [rows_range(route, n_rows, route_stride, k)], [rows_range(lst, n_rows, list_stride, E), counts],
+                      label)
+        if blocks is not None:
             b, bn = blocks
-            variant, grid = "moe_sort_blocks", (1, 1, 1)
-            pc.update(bn=bn, blocks_off=b.off)
-            writes.append((b.buf, b.off * 4, (b.off + 1 + self.expert_blocks(n_rows * k, E, bn)) * 4))
-        push = self._push(variant, **pc)
-        alg = self._alg(variant, [act], push, self.caps.ew_wg, 1)
-        prog.dispatch(alg, push, grid, [rows_range(route, n_rows, route_stride, k)], writes, label)
+            push = self._push("moe_sort_blocks", **pc, bn=bn, blocks_off=b.off)
+            alg = self._alg("moe_sort_blocks", [act], push, self.caps.ew_wg, 1)
+            prog.dispatch(alg, push, (1, 1, 1), [counts],
+                          [(b.buf, b.off * 4, (b.off + 1 + self.expert_blocks(n_rows * k, E, bn)) * 4)],
+                          "moe_blocks")
 
     @staticmethod
     def expert_blocks(pairs: int, E: int, bn: int) -> int:
