@@ -27,6 +27,10 @@
 // nv*dv subgroups per possible sequence in the step; group g takes the g-th
 // run of equal slots. Snapshots: with snap_rows > 0, S after row r < snap_rows
 // is also written to snapshot r (speculative decoding rolls back to it).
+// qk_norm != 0: q and k arrive raw and are L2-normalized here (as l2_norm.comp:
+// x / sqrt(|x|^2 + qk_eps)), their squared norms reduced beside the row's dot
+// products, which are scaled instead of the vectors: one dispatch and barrier
+// less a layer (the decode step's l2_norm; the chunked prompt form keeps it).
 // Key heads serve nv/nk value heads each: hv -> hv % nk when `tiled` (GGUF,
 // llama.cpp's converter reorders value heads so ggml can broadcast), else
 // hv / (nv/nk) (Hugging Face's repeat_interleave).
@@ -47,6 +51,8 @@ layout(push_constant) uniform P {
     uint state_off, slot_stride, snap_off, snap_rows;
     uint pos_off, slot_off, tiled;
     float scale;
+    uint qk_norm;
+    float qk_eps;
 } p;
 
 // state entries per lane: dk / subgroup size (dk <= 128 on subgroups of 8)
@@ -121,15 +127,24 @@ void main() {
             // S^T k, S^T q (before the decay) and k.q: three independent reductions at once, so a
             // row waits for one reduction's latency: with S' = decay S + k delta^T,
             // S'^T q = decay S^T q + (k.q) delta
-            float ks = 0.0, qs = 0.0, qk = 0.0;
+            float ks = 0.0, qs = 0.0, qk = 0.0, k2 = 0.0, q2 = 0.0;
             [[unroll]] for (uint e = 0; e < MAXE; e++) {
                 ks += s[e] * kk[e];
                 qs += s[e] * qq[e];
                 qk += kk[e] * qq[e];
+                k2 += kk[e] * kk[e];
+                q2 += qq[e] * qq[e];
             }
             ks = subgroupAdd(ks);
             qs = subgroupAdd(qs);
             qk = subgroupAdd(qk);
+            if (p.qk_norm != 0u) {
+                float ik = inversesqrt(subgroupAdd(k2) + p.qk_eps), iq = inversesqrt(subgroupAdd(q2) + p.qk_eps);
+                ks *= ik;
+                qs *= iq;
+                qk *= ik * iq;
+                [[unroll]] for (uint e = 0; e < MAXE; e++) kk[e] *= ik;
+            }
             float delta = (vr - decay * ks) * beta;
             [[unroll]] for (uint e = 0; e < MAXE; e++) s[e] = s[e] * decay + kk[e] * delta;
             float o = decay * qs + qk * delta;

@@ -183,18 +183,23 @@ HUGE_POS = list(range(7, 607)) + list(range(500)) + list(range(30))
 
 
 @pytest.mark.parametrize("chunked", [False, True])
-
-@pytest.mark.parametrize("tiled,nk,nv,dk,dv,long", DELTA_CASES + [(True, 2, 4, 128, 40, "chunky"),
-                                                                  (False, 1, 2, 16, 8, "huge")])
-def test_delta_rule(device, hk, ws, rng, tiled, nk, nv, dk, dv, long, chunked):
-    """chunked: delta_chunk.comp + delta_scan.comp (no snapshots there)."""
+@pytest.mark.parametrize("tiled,nk,nv,dk,dv,long,raw",
+                         [(*c, raw) for c in DELTA_CASES + [(True, 2, 4, 128, 40, "chunky")] for raw in (False, True)]
+                         + [(False, 1, 2, 16, 8, "huge", False)])
+def test_delta_rule(device, hk, ws, rng, tiled, nk, nv, dk, dv, long, chunked, raw):
+    """chunked: delta_chunk.comp + delta_scan.comp (no snapshots there).
+    raw: q and k not normalized yet (qk_norm_eps: in the row kernel itself, by
+    l2_norm before the chunked form)."""
     slots, positions = {"chunky": (CHUNKY_SLOTS, CHUNKY_POS), "huge": (HUGE_SLOTS, HUGE_POS),
                         True: (LONG_SLOTS, LONG_POS), False: (STEP_SLOTS, STEP_POS)}[long]
     n, n_slots, snap_rows = len(slots), 4, 0 if chunked else 6
     pos_off, slot_off = _rows_params(ws, slots, positions)
-    qk = rh.l2_norm(rng.standard_normal((n, 2, nk, dk))).astype(np.float32)
+    qk_in = (rng.standard_normal((n, 2, nk, dk)) * (3.0 if raw else 1.0)).astype(np.float32)
+    qk = rh.l2_norm(qk_in.astype(np.float64))
+    if not raw:
+        qk_in = qk = qk.astype(np.float32)
     v = rng.standard_normal((n, nv, dv)).astype(np.float32)
-    conv = np.concatenate([qk.reshape(n, -1), v.reshape(n, -1), np.zeros((n, 3), np.float32)], 1)
+    conv = np.concatenate([qk_in.reshape(n, -1), v.reshape(n, -1), np.zeros((n, 3), np.float32)], 1)
     cs = conv.shape[1]
     ab = rng.standard_normal((n, 2 * nv + 1)).astype(np.float32)        # [alpha | beta | pad]
     A = -np.exp(rng.uniform(-1, 1, nv)).astype(np.float32)
@@ -212,7 +217,7 @@ def test_delta_rule(device, hk, ws, rng, tiled, nk, nv, dk, dv, long, chunked):
     hk.delta_rule(prog, wr.at(0, nv), wr.at(nv, nv), cr, cr.at(nk * dk, 0), cr.at(2 * nk * dk, 0), cs,
                   abr, abr.at(nv, 0), 2 * nv + 1, orr, os_, nk, nv, dk, dv, n, len(list(_groups(slots, positions))),
                   st, snap, snap_rows,
-                  ws.params, pos_off, slot_off, tiled, scale, chunked=chunked)
+                  ws.params, pos_off, slot_off, tiled, scale, chunked=chunked, qk_norm_eps=1e-6 if raw else None)
     prog.run()
     got = ws.read(orr).reshape(n, os_)
     assert np.isnan(got[:, nv * dv:]).all()

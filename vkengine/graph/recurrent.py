@@ -44,14 +44,17 @@ class RecurrentOps(GraphBase):
                        self.snap_rows, self.params, self.pl.positions, self.pl.slots)
 
     def delta_rule(self, layer: int, conv: str, lin: str, a_col: int, b_col: int, out: str, a_log: Region,
-                   dt_bias: Region, nk: int, nv: int, dk: int, dv: int, tiled: bool) -> None:
-        """out = gated delta rule of conv's q, k, v (q, k normalized already) with
-        decay/beta inputs lin[:, a_col], lin[:, b_col], and the layer's state."""
+                   dt_bias: Region, nk: int, nv: int, dk: int, dv: int, tiled: bool,
+                   qk_norm_eps: float | None = None) -> None:
+        """out = gated delta rule of conv's q, k, v with decay/beta inputs
+        lin[:, a_col], lin[:, b_col], and the layer's state; q, k normalized
+        already, or (qk_norm_eps) L2-normalized on the way (Kernels.delta_rule)."""
         st = self.rec
         c = self._r(conv)
         self.k.delta_rule(self.p, a_log, dt_bias, c, c.at(nk * dk, 0), c.at(2 * nk * dk, 0), self.s.stride(conv),
                            self._r(lin, a_col), self._r(lin, b_col), self.s.stride(lin), self._r(out),
                            self.s.stride(out), nk, nv, dk, dv, self.n, self.n_groups, st.ssm(layer),
                            st.ssm_snap(layer) if self.snap_rows else None, self.snap_rows, self.params,
-                           self.pl.positions, self.pl.slots, tiled, dk ** -0.5)
+                           self.pl.positions, self.pl.slots, tiled, dk ** -0.5,
+                           qk_norm_eps=qk_norm_eps)
 

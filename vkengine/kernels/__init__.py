@@ -25,7 +25,7 @@ __all__ = ["Caps", "KVTypes", "Kernels", "Matrix", "NormIn", "NormOut", "NormPar
            "device_has_coopmat2", "q8_words", "rows_range"]
 
 
-class Kernels(MatmulKernels, AttentionKernels, NormKernels, ElementwiseKernels, SampleKernels, DeltaRuleKernels,
+class Kernels(MatmulKernels, AttentionKernels, DeltaRuleKernels, NormKernels, ElementwiseKernels, SampleKernels,
               MoeKernels):
     """Every kernel wrapper, for one device and its Caps."""
 

@@ -9,7 +9,7 @@ import math
 
 from ..device import Buffer, Program
 from ..errors import VkEngineError
-from .base import KernelBase
+from .norm import NormKernels
 from .types import Region, params_range, rows_range
 
 CONV_KMAX = 8             # KMAX in conv1d.comp
@@ -21,7 +21,7 @@ DELTA_SCAN_DVB = 16       # DVB in delta_scan.comp: state columns a workgroup
 DELTA_CHUNK_WG = 128      # invocations a workgroup of both
 
 
-class DeltaRuleKernels(KernelBase):
+class DeltaRuleKernels(NormKernels):   # (its l2_norm before the chunked form)
     def _prompt_forms(self, n_rows: int, snap_rows: int) -> bool:
         """Whether a step takes the prompt forms of these kernels (conv1d_rows, the
         chunked delta rule): steps of caps.delta_chunk_from rows or more that keep
@@ -78,12 +78,16 @@ class DeltaRuleKernels(KernelBase):
                    qkv_stride: int, alpha: Region, beta: Region, ab_stride: int, o: Region, o_stride: int,
                    nk: int, nv: int, dk: int, dv: int, n_rows: int, n_groups: int, state: Region,
                    snap: Region | None, snap_rows: int, params: Buffer, pos_off: int, slot_off: int,
-                   tiled: bool, scale: float, label: str = "delta_rule", chunked: bool | None = None) -> None:
+                   tiled: bool, scale: float, label: str = "delta_rule", chunked: bool | None = None,
+                   qk_norm_eps: float | None = None) -> None:
         """Gated delta rule over the rows of up to n_groups sequences (runs of equal
         slots); state [slot][nv][dv][dk] fp32; `a_log` holds A = -exp(A_log).
         chunked: in chunks of DELTA_CHUNK rows (delta_chunk.comp, then
         delta_scan.comp) rather than a row at a time; None: where the device's
-        caps say (steps of delta_chunk_from rows or more), never with snapshots."""
+        caps say (steps of delta_chunk_from rows or more), never with snapshots.
+        qk_norm_eps: q and k are raw, L2-normalize them first (l2_norm's form, eps
+        inside the root): in the row-at-a-time kernel itself, in place by l2_norm
+        before the chunked form (which leaves them normalized)."""
         c = self.caps
         snap_rows = snap_rows if snap is not None else 0
         if nv % nk:
@@ -93,6 +97,12 @@ class DeltaRuleKernels(KernelBase):
         act = self._same_buffer(q, k, v, alpha, beta, o)
         if chunked is None:
             chunked = self._prompt_forms(n_rows, snap_rows) and dk <= DELTA_CHUNK_DK and dk % 8 == 0
+        if chunked and qk_norm_eps is not None:
+            if k.off == q.off + nk * dk:        # [q | k] adjacent: one dispatch
+                self.l2_norm(prog, q, qkv_stride, q, qkv_stride, dk, 2 * nk, n_rows, qk_norm_eps)
+            else:
+                for r in (q, k):
+                    self.l2_norm(prog, r, qkv_stride, r, qkv_stride, dk, nk, n_rows, qk_norm_eps)
         if chunked:
             if snap_rows:
                 raise ValueError("the chunked delta rule keeps no snapshots")
@@ -111,7 +121,8 @@ class DeltaRuleKernels(KernelBase):
                           b_off=beta.off, ab_stride=ab_stride, o_off=o.off, o_stride=o_stride, nk=nk, nv=nv, dk=dk,
                           dv=dv, n_rows=n_rows, n_groups=n_groups, wa_off=a_log.off, wdt_off=dt_bias.off,
                           state_off=state.off, slot_stride=nv * dv * dk, snap_off=snap.off if snap is not None else 0,
-                          snap_rows=snap_rows, pos_off=pos_off, slot_off=slot_off, tiled=int(tiled), scale=scale)
+                          snap_rows=snap_rows, pos_off=pos_off, slot_off=slot_off, tiled=int(tiled), scale=scale,
+                          qk_norm=int(qk_norm_eps is not None), qk_eps=qk_norm_eps or 0.0)
         alg = self._alg("delta_rule", [a_log.buf, act, params, state.buf], push, c.wg)
         reads = [a_log.range, dt_bias.range, rows_range(q, n_rows, qkv_stride, nk * dk),
                  rows_range(k, n_rows, qkv_stride, nk * dk), rows_range(v, n_rows, qkv_stride, nv * dv),

@@ -63,11 +63,11 @@ def _linear_attn(g: Graph, a: Qwen35Args, L: LinearAttn, layer: int) -> None:
     for m, col in L.lin_in:                                   # [qkv | z | beta | alpha]
         g.matmul(m, "h", "lin", col=col)
     g.conv1d(layer, "lin", "conv", L.conv, a.conv_dim, a.conv_kernel)
-    g.l2_norm("conv", a.dk, 2 * a.nk)                         # q and k heads
     z_col = a.conv_dim
     b_col = z_col + a.nv * a.dv
+    # q and k heads L2-normalized by the delta rule (in its decode kernel, no dispatch of their own)
     g.delta_rule(layer, "conv", "lin", b_col + a.nv, b_col, "o", L.a, L.dt, a.nk, a.nv, a.dk, a.dv,
-                 a.v_heads_tiled)
+                 a.v_heads_tiled, qk_norm_eps=1e-6)
     g.gated_rms_norm("o", "lin", z_col, L.norm, a.dv, a.nv)
     g.matmul(L.out, "o", "x", accumulate=True)
 
@@ -82,6 +82,10 @@ def _full_attn(g: Graph, a: Qwen35Args, L: FullAttn, layer: int, w: Qwen35Weight
 
 
 def _moe(g: Graph, a: Qwen35Args, F: MoeFfn, record_col: int | None) -> None:
+    """Router logits, the shared expert's gate|up and its gate logit all read h
+    (no barrier between them); then the router's top-k beside the shared
+    expert's gating, its down projection beside the routed experts' gate|up:
+    six barriers a layer where one op after another took eight."""
     k = a.n_expert_used
     record = ("rec", record_col) if record_col is not None else None
     if F.router_f32 is not None:                              # parity mode: fixed-order fp32 logits
@@ -89,12 +93,13 @@ def _moe(g: Graph, a: Qwen35Args, F: MoeFfn, record_col: int | None) -> None:
     else:
         assert F.router is not None
         g.matmul(F.router, "h", "rl")
-        g.moe_route("rl", "route", a.n_expert, k, a.expert_weights_scale, record=record)
-    g.routed_experts(F.gate_up, F.down, a.n_expert, k, a.n_ff_exp)
     g.gate_up_swiglu(F.sh_gate_up, "h", "gu_s", "ff_s")      # shared expert, gated by sigmoid(h . w)
     g.matmul(F.sh_gate, "h", "sg")
+    if F.router_f32 is None:
+        g.moe_route("rl", "route", a.n_expert, k, a.expert_weights_scale, record=record)
     g.row_gate("ff_s", "sg")
     g.matmul(F.sh_down, "ff_s", "x", accumulate=True)
+    g.routed_experts(F.gate_up, F.down, a.n_expert, k, a.n_ff_exp)
 
 
 def _block(g: Graph, a: Qwen35Args, L: Layer, layer: int, w: Qwen35Weights, moe_index: int) -> None:
