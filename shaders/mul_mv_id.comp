@@ -10,6 +10,12 @@
 // EXPERT_PART: the stacked experts are split across buffers (a device whose
 // storage-buffer range is smaller than one layer's experts); this dispatch
 // binds experts [e_lo, e_hi) and skips the pairs routed elsewhere.
+// GLU: each expert's M rows are gate (rows [0, M/2)) over up; y[r][i][m] =
+// silu(gate_m . x) * (up_m . x) for m < M/2 (the SwiGLU of the routed experts
+// without a dispatch and a barrier of its own).
+// COMBINE: y[r][m] += sum_i wt[r][i] * (W[ids[r][i]][m] . x[r][i]), the weights
+// at route[r][k + i] (moe_combine.comp's sum, in slot order, folded into the
+// down projection: grid z is the rows, each subgroup an output row's k dots).
 #include "common.glsl"
 
 layout(binding = 0) readonly buffer Wq { uint wq[]; };
@@ -42,8 +48,34 @@ float row_dot(uint grow, uint xb) {
     return acc;
 }
 
+#ifdef COMBINE
+#define KMAX 16   // experts a row (moe_router.comp's KMAX)
 void main() {
     uvec2 rows = workgroup_items(p.M);
+    uint r = gl_WorkGroupID.z;
+    uint rb = p.ids_off + r * p.ids_stride;
+    for (uint m = rows.x + gl_SubgroupID; m < rows.y; m += gl_NumSubgroups) {
+        float part[KMAX];   // the k dots' lane partials first (their loads in flight together)
+        [[unroll]] for (uint i = 0u; i < KMAX; i++) {
+            if (i < p.k) part[i] = row_dot(actu[rb + i] * p.M + m, p.x_off + r * p.x_stride + i * p.x_slot_stride);
+        }
+        float s = 0.0;
+        [[unroll]] for (uint i = 0u; i < KMAX; i++) {
+            if (i < p.k) s += act[rb + p.k + i] * subgroupAdd(part[i]);
+        }
+        if (subgroupElect()) {
+            uint yi = p.y_off + r * p.y_stride + m;
+            act[yi] = act[yi] + s;
+        }
+    }
+}
+#else
+void main() {
+#ifdef GLU
+    uvec2 rows = workgroup_items(p.M / 2u);
+#else
+    uvec2 rows = workgroup_items(p.M);
+#endif
     uint pair = gl_WorkGroupID.z;
     uint r = pair / p.k;
     uint i = pair % p.k;
@@ -54,7 +86,15 @@ void main() {
 #endif
     uint xb = p.x_off + r * p.x_stride + i * p.x_slot_stride;
     for (uint m = rows.x + gl_SubgroupID; m < rows.y; m += gl_NumSubgroups) {
+#ifdef GLU
+        float g = row_dot(e * p.M + m, xb), u = row_dot(e * p.M + p.M / 2u + m, xb);
+        g = subgroupAdd(g);
+        u = subgroupAdd(u);
+        if (subgroupElect()) act[p.y_off + r * p.y_stride + i * p.y_slot_stride + m] = silu(g) * u;
+#else
         float s = subgroupAdd(row_dot(e * p.M + m, xb));
         if (subgroupElect()) act[p.y_off + r * p.y_stride + i * p.y_slot_stride + m] = s;
+#endif
     }
 }
+#endif

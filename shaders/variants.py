@@ -253,6 +253,9 @@ def _hybrid_table() -> dict[str, tuple[str, dict[str, int]]]:
         t[f"mul_mm_id_{wt}"] = ("mul_mm_id.comp", d)
         # experts split across buffers (storage-buffer range below one layer's experts)
         t[f"mul_mv_idp_{wt}"] = ("mul_mv_id.comp", {**d, "EXPERT_PART": 1})
+        # decode steps' routed experts: gate|up with the SwiGLU, down with the weighted sum into the residual
+        t[f"mul_mv_idg_{wt}"] = ("mul_mv_id.comp", {**d, "GLU": 1})
+        t[f"mul_mv_idc_{wt}"] = ("mul_mv_id.comp", {**d, "COMBINE": 1})
         t[f"mul_mm_idp_{wt}"] = ("mul_mm_id.comp", {**d, "EXPERT_PART": 1})
         # decode steps of several rows: the experts they share read once (moe_sort's work list)
         t[f"mul_mm_idb_{wt}"] = ("mul_mm_id.comp", {**d, "BLOCKS": 1})

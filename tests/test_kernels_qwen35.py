@@ -411,6 +411,52 @@ def test_expert_matmuls_and_combine(device, hk, ws, rng, wt, batched):
         np.testing.assert_array_equal(counts, np.bincount(ids.reshape(-1), minlength=E))
 
 
+@pytest.mark.parametrize("wt", ["f32", "q8_0", "q4_0", "q4_k", "mxfp4"])
+def test_expert_matvec_epilogues(device, hk, ws, rng, wt):
+    """Decode rows' routed experts with the fused epilogues: gate|up's matvec
+    with the SwiGLU (each expert's rows gate over up) and down's with the
+    router-weighted sum into the residual, against numpy and against the
+    unfused kernels (mul_mv_id, swiglu, moe_combine)."""
+    E, F, D, k, n = 7, 24, 40, 3, 5
+    K = 256 if wt == "q4_k" else 64
+    raw_gu, wgu = random_quantized(wt, E * 2 * F, K, rng)
+    Kd = K                                   # down's input width (its x is its own here: weight blocks need K)
+    raw_dn, wdn = random_quantized(wt, E * D, Kd, rng)
+    gu_m = upload_matrix(ws, wt, raw_gu, E * 2 * F, K)
+    dn_m = upload_matrix(ws, wt, raw_dn, E * D, Kd)
+    Wgu = wgu.reshape(E, 2 * F, K).astype(np.float64)
+    Wdn = wdn.reshape(E, D, Kd).astype(np.float64)
+    ids = np.stack([rng.permutation(E)[:k] for _ in range(n)]).astype(np.uint32)
+    wts = rng.uniform(0.1, 1.0, (n, k)).astype(np.float32)
+    rs = 2 * k + 1
+    route = np.concatenate([ids.view(np.float32), wts, np.zeros((n, 1), np.float32)], 1)
+    rr = ws.act_region(route.size, route)
+    h = rng.standard_normal((n, K)).astype(np.float32)
+    hr = ws.act_region(h.size, h)
+    ff, ff_ref = ws.act_region(n * k * F), ws.act_region(n * k * F)
+    gu = ws.act_region(n * k * 2 * F)
+    xs = rng.standard_normal((n, k, Kd)).astype(np.float32)
+    xsr = ws.act_region(xs.size, xs)
+    res = rng.standard_normal((n, D)).astype(np.float32)
+    y, y_ref, dn = ws.act_region(res.size, res), ws.act_region(res.size, res), ws.act_region(n * k * D)
+    prog = device.program()
+    hk.mul_mat_id(prog, gu_m, 2 * F, hr, K, 0, rr, rs, k, ff, k * F, F, n, epilogue="glu")
+    hk.mul_mat_id(prog, dn_m, D, xsr, k * Kd, Kd, rr, rs, k, y, D, 0, n, epilogue="combine")
+    hk.mul_mat_id(prog, gu_m, 2 * F, hr, K, 0, rr, rs, k, gu, k * 2 * F, 2 * F, n)
+    hk.swiglu(prog, gu, 2 * F, ff_ref, F, F, n * k)
+    hk.mul_mat_id(prog, dn_m, D, xsr, k * Kd, Kd, rr, rs, k, dn, k * D, D, n)
+    hk.moe_combine(prog, dn, k * D, D, rr, rs, k, y_ref, D, D, n)
+    prog.run()
+    g = np.einsum("rifk,rk->rif", Wgu[ids][:, :, :F], h.astype(np.float64))
+    u = np.einsum("rifk,rk->rif", Wgu[ids][:, :, F:], h.astype(np.float64))
+    tol = 1e-5 * np.sqrt(K)
+    _close(ws.read(ff).reshape(n, k, F), g / (1 + np.exp(-g)) * u, atol_scale=tol)
+    want = res + np.einsum("ri,rim->rm", wts.astype(np.float64), np.einsum("rimk,rik->rim", Wdn[ids], xs))
+    _close(ws.read(y).reshape(n, D), want, atol_scale=tol)
+    np.testing.assert_allclose(ws.read(ff), ws.read(ff_ref), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(ws.read(y), ws.read(y_ref), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("kind", ["mt", "mc"])
 @pytest.mark.parametrize("wt", ["q4_0", "q8_0", "f16", "q4_k", "mxfp4"])
 def test_tiled_expert_matmuls(device, ws, rng, wt, kind):

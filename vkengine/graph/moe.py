@@ -76,6 +76,18 @@ class MoeOps(GraphBase):
             self.moe_sort("route", k, n_expert, bn=MM_ID_COLS)
         elif batched:
             self.moe_sort("route", k, n_expert, bn=tile_gu[2] if tiled and tile_gu else 0)
+        elif biases is None and oai is None and not gate_up.parts and not down.parts:
+            # decode rows, one matvec per pair: the SwiGLU in gate|up's matvec, the weighted sum in down's
+            F = n_ff_exp
+            if self.s.stride("ff_e") != k * F:
+                raise ValueError("the fused expert matvecs need packed ff_e rows")
+            self.k.mul_mat_id(self.p, gate_up, 2 * F, self._r("h"), self.s.stride("h"), 0, self._r("route"),
+                              self.s.stride("route"), k, self._r("ff_e"), k * F, F, self._rows("h"),
+                              label="mul_mat_id ff_e+swiglu<-h", epilogue="glu")
+            self.k.mul_mat_id(self.p, down, self.s.widths[out], self._r("ff_e"), k * F, F, self._r("route"),
+                              self.s.stride("route"), k, self._r(out), self.s.stride(out), 0, self._rows(out),
+                              label=f"mul_mat_id {out}+=moe<-ff_e", epilogue="combine")
+            return
         self.experts(gate_up, 2 * n_ff_exp, "h", "route", k, "gu_e", per_slot_input=False, batched_experts=batched,
                      tiled=tiled, union=union)
         if biases is not None:

@@ -63,13 +63,21 @@ class MoeKernels(KernelBase):
 
     def mul_mat_id(self, prog: Program, w: Matrix, M: int, x: Region, x_stride: int, x_slot_stride: int,
                    route: Region, route_stride: int, k: int, y: Region, y_stride: int, y_slot_stride: int,
-                   n_rows: int, label: str = "", part: tuple[int, int] | None = None) -> None:
+                   n_rows: int, label: str = "", part: tuple[int, int] | None = None, epilogue: str = "") -> None:
         """y[r][i] = W[e_ri] @ x[r][i] (x_slot_stride 0: x[r] for every i), one
         matvec per pair: decode-sized steps. W holds E*M rows (M per expert).
         A stack split across buffers (W.parts of whole experts): one dispatch per
         part, with part = (e_lo, e_hi) of the experts it holds; the pairs routed
-        to other experts are left to their parts."""
+        to other experts are left to their parts.
+        epilogue "glu": each expert's rows are gate over up, y[r][i][:M/2] =
+        silu(gate @ x) * (up @ x); "combine": y[r] += sum_i weight_ri * W[e_ri] @
+        x[r][i] (moe_combine's sum, the weights at route[r][k + i]), y_slot_stride
+        unused. Neither on a stack split across buffers."""
+        if epilogue not in ("", "glu", "combine"):
+            raise ValueError(f"unknown expert matvec epilogue {epilogue!r}")
         if w.parts:
+            if epilogue:
+                raise ValueError("expert matvec epilogues need the stack in one buffer")
             for r0, pw in w.parts:
                 self.mul_mat_id(prog, pw, M, x, x_stride, x_slot_stride, route, route_stride, k, y, y_stride,
                                 y_slot_stride, n_rows, label, (r0 // M, (r0 + pw.rows) // M))
@@ -77,7 +85,12 @@ class MoeKernels(KernelBase):
         assert w.data is not None
         act = self._same_buffer(x, route, y)
         self._check_id(w, M, x, x_stride, x_slot_stride)
-        variant = f"mul_mv_id_{w.type}" if part is None else f"mul_mv_idp_{w.type}"
+        if epilogue == "glu" and M % 2:
+            raise ValueError(f"a gate|up expert of {M} rows")
+        if epilogue == "combine" and k > ROUTER_KMAX:
+            raise VkEngineError(f"{k} experts a row: the combined down projection takes at most {ROUTER_KMAX}")
+        kind = {"": "id", "glu": "idg", "combine": "idc"}[epilogue]
+        variant = f"mul_mv_{kind}_{w.type}" if part is None else f"mul_mv_idp_{w.type}"
         pc = dict(w_off=w.data.off, w_off2=w.scales.off if w.scales else 0, K=w.cols, M=M, k=k, n_rows=n_rows,
                   ids_off=route.off, ids_stride=route_stride, x_off=x.off, x_stride=x_stride,
                   x_slot_stride=x_slot_stride, y_off=y.off, y_stride=y_stride, y_slot_stride=y_slot_stride)
@@ -88,9 +101,15 @@ class MoeKernels(KernelBase):
         if n_rows * k > 65535:
             raise VkEngineError(f"{n_rows} rows x {k} experts exceed one dispatch; use a smaller batch")
         reads = w.regions + [rows_range(x, n_rows, x_stride, (k - 1) * x_slot_stride + w.cols),
-                             rows_range(route, n_rows, route_stride, k)]
-        prog.dispatch(alg, push, self._grid(math.ceil(M / self.caps.items), n_rows * k), reads,
-                      [rows_range(y, n_rows, y_stride, (k - 1) * y_slot_stride + M)], label or variant)
+                             rows_range(route, n_rows, route_stride, 2 * k if epilogue == "combine" else k)]
+        if epilogue == "combine":
+            yr = rows_range(y, n_rows, y_stride, M)
+            prog.dispatch(alg, push, self._grid(math.ceil(M / self.caps.items), n_rows), reads + [yr], [yr],
+                          label or variant)
+            return
+        out_rows = M // 2 if epilogue == "glu" else M
+        prog.dispatch(alg, push, self._grid(math.ceil(out_rows / self.caps.items), n_rows * k), reads,
+                      [rows_range(y, n_rows, y_stride, (k - 1) * y_slot_stride + out_rows)], label or variant)
 
     def moe_sort(self, prog: Program, route: Region, route_stride: int, k: int, n_rows: int, E: int,
                  lst: Region, list_stride: int, cnt: Region, blocks: tuple[Region, int] | None = None,
