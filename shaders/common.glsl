@@ -31,6 +31,12 @@ uvec2 workgroup_items(uint n_items) {
 }
 
 float silu(float x) { return x / (1.0 + exp(-x)); }
+// SwiGLU's product, not contracted into anything around it, so that every kernel
+// that makes it (swiglu.comp, the expert matvecs' GLU epilogue) rounds alike
+float silu_mul(float g, float u) {
+    precise float r = silu(g) * u;
+    return r;
+}
 // GELU, tanh approximation (Gemma's gelu_pytorch_tanh; ggml_gelu): tanh's
 // argument clamped where it is +-1 in float32 (tanh of large values is inf / inf
 // on some drivers)

@@ -19,7 +19,9 @@ void main() {
     uint d = t % p.D;
     float s = 0.0;
     for (uint i = 0u; i < p.k; i++) {
-        s += act[p.route_off + r * p.route_stride + p.k + i] * act[p.e_off + r * p.e_stride + i * p.e_slot_stride + d];
+        // an explicit fma: the same rounding as mul_mv_id.comp's COMBINE whatever a compiler contracts
+        s = fma(act[p.route_off + r * p.route_stride + p.k + i], act[p.e_off + r * p.e_stride + i * p.e_slot_stride + d],
+                s);
     }
     uint yi = p.y_off + r * p.y_stride + d;
     act[yi] = act[yi] + s;

@@ -61,7 +61,7 @@ void main() {
         }
         float s = 0.0;
         [[unroll]] for (uint i = 0u; i < KMAX; i++) {
-            if (i < p.k) s += act[rb + p.k + i] * subgroupAdd(part[i]);
+            if (i < p.k) s = fma(act[rb + p.k + i], subgroupAdd(part[i]), s);   // (as moe_combine.comp)
         }
         if (subgroupElect()) {
             uint yi = p.y_off + r * p.y_stride + m;
@@ -90,7 +90,7 @@ void main() {
         float g = row_dot(e * p.M + m, xb), u = row_dot(e * p.M + p.M / 2u + m, xb);
         g = subgroupAdd(g);
         u = subgroupAdd(u);
-        if (subgroupElect()) act[p.y_off + r * p.y_stride + i * p.y_slot_stride + m] = silu(g) * u;
+        if (subgroupElect()) act[p.y_off + r * p.y_stride + i * p.y_slot_stride + m] = silu_mul(g, u);
 #else
         float s = subgroupAdd(row_dot(e * p.M + m, xb));
         if (subgroupElect()) act[p.y_off + r * p.y_stride + i * p.y_slot_stride + m] = s;

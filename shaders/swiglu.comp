@@ -28,7 +28,7 @@ float glu(float g, float u) {
 #elif defined(GELU)
     return gelu_tanh(g) * u;
 #else
-    return silu(g) * u;
+    return silu_mul(g, u);
 #endif
 }
 
