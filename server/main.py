@@ -164,8 +164,8 @@ def build_worker(args) -> tuple[Worker, Built]:
         cfg = dataclasses.replace(cfg, prompt_tokens=eng.max_batch)
     n_rec = eng.prepare_decode(n_slots, cfg.step_tokens)
     clock.mark("pipelines and recording")   # (drivers compile a pipeline when it is created: on first use)
-    log.info("recorded %d decode and prompt steps ahead (%d pipelines, slowest: %s; saved pipelines: %s%s); "
-             "startup: %s", n_rec, dev.n_pipelines, dev.slowest_pipelines(),
+    log.info("recorded %d decode and prompt steps ahead (%d pipelines, slowest: %s; %s; saved pipelines: %s%s); "
+             "startup: %s", n_rec, dev.n_pipelines, dev.slowest_pipelines(), dev.pipeline_report(),
              f"{dev.pipeline_cache_loaded} bytes loaded from {dev.pipeline_cache_file}"
              if dev.pipeline_cache_loaded else "none",
              f"; still compiling, their steps on stand-in kernels until built: {', '.join(sorted(dev.slow))}"

@@ -47,6 +47,23 @@ def test_pipelines_compile_on_threads_and_resolve_when_recorded(tmp_path, monkey
         _check(dev, outs)
 
 
+def test_settle_reports_what_the_start_waited_for(tmp_path, monkeypatch):
+    """settle() waits for the pipelines without a stand-in and says for how long and
+    which finished last (the startup log's pipeline_report: what a fresh driver's
+    start spends its time on)."""
+    monkeypatch.setenv("VKENGINE_PIPELINE_THREADS", "4")
+    monkeypatch.setenv("VKENGINE_PIPELINE_DELAY", "add:0.4")
+    with Device(pipeline_cache=tmp_path) as dev:
+        prog, outs = _adds(dev, Kernels(dev), copies=3)
+        assert dev.settle(0.0, stand_in=lambda name: False) == set()
+        wait, last = dev.settle_wait
+        assert wait >= 0.3 and last == "add"
+        report = dev.pipeline_report()
+        assert report.startswith("3 pipelines created") and "on 4 thread(s)" in report and "(the last: add)" in report
+        prog.run()
+        _check(dev, outs)
+
+
 def test_a_buffer_freed_while_its_pipeline_compiles(tmp_path, monkeypatch):
     monkeypatch.setenv("VKENGINE_PIPELINE_THREADS", "2")
     with Device(pipeline_cache=tmp_path) as dev:

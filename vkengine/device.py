@@ -358,8 +358,8 @@ class _Workers:
 
     def __init__(self, n: int, name: str):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(n)]
-        for t in self._threads:
+        self.threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(n)]
+        for t in self.threads:
             t.start()
 
     def _run(self) -> None:
@@ -382,10 +382,10 @@ class _Workers:
 
     def shutdown(self, wait: bool = True) -> None:
         """Stop the threads after the jobs queued so far (wait: until those are done)."""
-        for _ in self._threads:
+        for _ in self.threads:
             self._jobs.put(None)
         if wait:
-            for t in self._threads:
+            for t in self.threads:
                 t.join()
 
 
@@ -418,6 +418,8 @@ class Device:
         self._fill_threads = max(1, min(8, os.cpu_count() or 1))
         self._filler: ThreadPoolExecutor | None = None
         self.pipeline_times: list[tuple[str, float, float]] = []   # (shader, start, end) of each creation
+        # the last settle(): seconds it waited for the pipelines without a stand-in, and the last of them to finish
+        self.settle_wait: tuple[float, str] = (0.0, "")
         # shaders whose pipelines were still compiling when settle() stopped waiting: the kernels that have a
         # quicker-to-build alternative use it meanwhile (MatmulKernels._mul_tiled); emptied as they finish
         self._slow: set[str] = set()
@@ -649,6 +651,16 @@ class Device:
         self.pipeline_times.append((name, t0, time.perf_counter()))
         return alg
 
+    def pipeline_report(self) -> str:
+        """How pipeline creation went, for a startup log: how many, their compile
+        time summed (against the threads that ran them: a fresh driver is bound by
+        the CPU's cores), and what the last settle() waited for."""
+        total = sum(b - a for _, a, b in self.pipeline_times)
+        threads = len(self._pool.threads) if self._pool is not None else 1
+        wait, last = self.settle_wait
+        return (f"{len(self.pipeline_times)} pipelines created, {total:.2f} s of compiling on {threads} thread(s); "
+                f"waited {wait:.2f} s for those without a stand-in" + (f" (the last: {last})" if last else ""))
+
     def slowest_pipelines(self, n: int = 3) -> str:
         """The n pipelines that took longest to create (the driver compiling them), for a startup log."""
         top = sorted(self.pipeline_times, key=lambda t: t[1] - t[2])[:n]
@@ -669,9 +681,13 @@ class Device:
         finishes, the pipeline cache is saved. Returns the slow shaders."""
         pending = [(name, alg) for (name, *_), alg in list(self._algorithms.items())
                    if isinstance(alg, Future) and not alg.done()]
+        t0 = time.perf_counter()
         for name, alg in pending:
             if not stand_in(name):
                 alg.exception()
+        waited = [name for name, _ in pending if not stand_in(name)]
+        last = max((t for t in self.pipeline_times if t[0] in waited), key=lambda t: t[2], default=None)
+        self.settle_wait = (time.perf_counter() - t0, last[0] if last else "")
         deadline = time.perf_counter() + grace
         for name, alg in pending:
             if stand_in(name):
