@@ -27,7 +27,7 @@ import numpy as np
 from ...errors import VkEngineError
 from ...gguf_file import ModelFile
 from ...graph import Graph
-from ...kernels import KVTypes
+from ...kernels import KVTypes, Matrix, Region
 from ...state import HybridState, KVCache
 from ..base import Architecture
 from .args import HF_NAMES, Qwen35Args
@@ -59,7 +59,9 @@ def _scratch_widths(a: Qwen35Args) -> dict[str, int]:
 
 # -- the graph ---------------------------------------------------------------------------
 
-def _linear_attn(g: Graph, a: Qwen35Args, L: LinearAttn, layer: int) -> None:
+def _linear_attn(g: Graph, a: Qwen35Args, L: LinearAttn, layer: int) -> tuple[Matrix, str]:
+    """The mixer up to its output projection, which it returns with its input
+    (_block adds it to the residual with the post-attention norm fused)."""
     for m, col in L.lin_in:                                   # [qkv | z | beta | alpha]
         g.matmul(m, "h", "lin", col=col)
     g.conv1d(layer, "lin", "conv", L.conv, a.conv_dim, a.conv_kernel)
@@ -69,16 +71,17 @@ def _linear_attn(g: Graph, a: Qwen35Args, L: LinearAttn, layer: int) -> None:
     g.delta_rule(layer, "conv", "lin", b_col + a.nv, b_col, "o", L.a, L.dt, a.nk, a.nv, a.dk, a.dv,
                  a.v_heads_tiled, qk_norm_eps=1e-6)
     g.gated_rms_norm("o", "lin", z_col, L.norm, a.dv, a.nv)
-    g.matmul(L.out, "o", "x", accumulate=True)
+    return L.out, "o"
 
 
-def _full_attn(g: Graph, a: Qwen35Args, L: FullAttn, layer: int, w: Qwen35Weights) -> None:
+def _full_attn(g: Graph, a: Qwen35Args, L: FullAttn, layer: int, w: Qwen35Weights) -> tuple[Matrix, str]:
+    """As _linear_attn: up to the output projection."""
     for m, col in L.qkv:                                      # [q0 g0 q1 g1 ... | k | v]
         g.matmul(m, "h", "aqkv", col=col)
     g.norm_rope_kv(layer, "aqkv", "q", w.rope, L.q_norm, L.k_norm, a.n_head, a.n_head_kv, a.head_dim, a.n_rot)
     g.attention(layer, "q", "att", a.n_head, a.n_head_kv, a.head_dim, 1.0 / math.sqrt(a.head_dim))
     g.head_gate("att", "aqkv", a.head_dim)
-    g.matmul(L.wo, "att", "x", accumulate=True)
+    return L.wo, "att"
 
 
 def _moe(g: Graph, a: Qwen35Args, F: MoeFfn, record_col: int | None) -> None:
@@ -102,18 +105,31 @@ def _moe(g: Graph, a: Qwen35Args, F: MoeFfn, record_col: int | None) -> None:
     g.routed_experts(F.gate_up, F.down, a.n_expert, k, a.n_ff_exp)
 
 
-def _block(g: Graph, a: Qwen35Args, L: Layer, layer: int, w: Qwen35Weights, moe_index: int) -> None:
-    g.rms_norm("x", L.attn_norm, "h")
+def _block(g: Graph, a: Qwen35Args, L: Layer, layer: int, w: Qwen35Weights, moe_index: int, h_ready: bool,
+           next_norm: Region | None) -> bool:
+    """One layer. h_ready: the layer before left h = its attention norm's output
+    already. The residual adds that a norm follows take it where the matvec can
+    (Graph.matmul_norm: decode steps on GPUs, one dispatch and barrier less;
+    elsewhere a matmul and rms_norm as before): the mixer's output projection
+    with the post-attention norm and, where next_norm (the next layer's
+    attention norm, in this part) is given, a dense FFN's down projection with
+    it. Returns whether h holds the next layer's normed input."""
+    if not h_ready:
+        g.rms_norm("x", L.attn_norm, "h")
     if isinstance(L.mixer, LinearAttn):
-        _linear_attn(g, a, L.mixer, layer)
+        w_out, mixed = _linear_attn(g, a, L.mixer, layer)
     else:
-        _full_attn(g, a, L.mixer, layer, w)
-    g.rms_norm("x", L.post_norm, "h")
+        w_out, mixed = _full_attn(g, a, L.mixer, layer, w)
+    g.matmul_norm(w_out, mixed, "x", L.post_norm, "h")
     if isinstance(L.ffn, MoeFfn):
         _moe(g, a, L.ffn, moe_index * a.n_expert_used if a.fixed_experts else None)
-    else:
-        g.gate_up_swiglu(L.ffn.gate_up, "h", "gu", "ff")
+        return False
+    g.gate_up_swiglu(L.ffn.gate_up, "h", "gu", "ff")
+    if next_norm is None:
         g.matmul(L.ffn.down, "ff", "x", accumulate=True)
+        return False
+    g.matmul_norm(L.ffn.down, "ff", "x", next_norm, "h")
+    return True
 
 
 def _forward(g: Graph, a: Qwen35Args, w: Qwen35Weights, hidden_rows: bool = False) -> None:
@@ -124,8 +140,10 @@ def _forward(g: Graph, a: Qwen35Args, w: Qwen35Weights, hidden_rows: bool = Fals
     if a.first_part:
         assert w.tok_embd is not None
         g.embed(w.tok_embd, "x")
+    h_ready = False
     for i in a.part_layers:
-        _block(g, a, w.layer(i), i, w, i)
+        nxt = w.layer(i + 1).attn_norm if i + 1 in a.part_layers else None
+        h_ready = _block(g, a, w.layer(i), i, w, i, h_ready, nxt)
     if not a.last_part:
         return
     assert w.out_norm is not None and w.output is not None
@@ -152,7 +170,7 @@ def _forward_mtp(g: Graph, a: Qwen35Args, w: Qwen35Weights, hidden: str, map_off
     if zero_first:
         g.rms_norm_into("mtp_zero", m.hnorm, "mtp_cat", col=D, rows=1)
     g.matmul(m.eh_proj, "mtp_cat", "x")
-    _block(g, a, m.layer, a.n_layer, w, len(a.moe_layers))
+    _block(g, a, m.layer, a.n_layer, w, len(a.moe_layers), False, None)
     g.rms_norm_into("x", m.head_norm, "mtp_hn")
     if g.n_out:
         g.rms_norm("x", m.head_norm, "out_h", gather=True)
