@@ -16,12 +16,28 @@
 // COMBINE: y[r][m] += sum_i wt[r][i] * (W[ids[r][i]][m] . x[r][i]), the weights
 // at route[r][k + i] (moe_combine.comp's sum, in slot order, folded into the
 // down projection: grid z is the rows, each subgroup an output row's k dots).
+// With norm != 0 it also takes the RMSNorm after that residual add, as mul_mvk's
+// NORM epilogue does: y written through a coherent binding (2), each workgroup
+// counts itself on the zeroed word sync_off, and the last one computes every
+// row's h[r] = y[r] / sqrt(mean(y[r]^2) + eps) * w (w at nw_off, binding 3) and
+// resets the word: the next layer's attention norm without a dispatch and a
+// barrier of its own, in rms_norm.comp WG_ROW's arithmetic (the same workgroup
+// size, loads, reduction order and expressions: the host fuses it only where
+// that kernel is the device's, so h is bit for bit what the unfused ops give).
 #include "common.glsl"
 
 layout(binding = 0) readonly buffer Wq { uint wq[]; };
 layout(binding = 1) buffer Act { float act[]; };
 layout(binding = 1) readonly buffer Act4 { vec4 act4[]; };
 layout(binding = 1) readonly buffer ActU { uint actu[]; };
+#ifdef COMBINE
+layout(binding = 2) coherent buffer Y { float yc[]; };
+layout(binding = 2) coherent buffer Y4 { vec4 yc4[]; };
+layout(binding = 2) coherent buffer Yu { uint ycu[]; };
+layout(binding = 3) readonly buffer NW { vec4 nw4[]; };
+shared float npart[32];
+shared uint s_last;
+#endif
 
 layout(push_constant) uniform P {
     uint w_off, w_off2;          // expert 0's weight words / scale words
@@ -31,6 +47,10 @@ layout(push_constant) uniform P {
     uint y_off, y_stride, y_slot_stride;
 #ifdef EXPERT_PART
     uint e_lo, e_hi;
+#endif
+#ifdef COMBINE
+    uint norm, sync_off, nw_off, h_off, h_stride;
+    float eps;
 #endif
 } p;
 
@@ -65,7 +85,53 @@ void main() {
         }
         if (subgroupElect()) {
             uint yi = p.y_off + r * p.y_stride + m;
-            act[yi] = act[yi] + s;
+            yc[yi] = yc[yi] + s;
+        }
+    }
+    if (p.norm != 0u) {   // (uniform: a push constant)
+        memoryBarrierBuffer();
+        barrier();
+        if (gl_LocalInvocationID.x == 0u) {
+            uint total = gl_NumWorkGroups.x * gl_NumWorkGroups.y * gl_NumWorkGroups.z;
+            s_last = atomicAdd(ycu[p.sync_off], 1u) == total - 1u ? 1u : 0u;
+        }
+        barrier();
+        if (s_last != 0u) {
+            memoryBarrierBuffer();
+            uint L = gl_LocalInvocationID.x, S = gl_WorkGroupSize.x, n4 = p.M / 4u;
+            for (uint rr = 0u; rr < p.n_rows; rr++) {
+                uint xb = (p.y_off + rr * p.y_stride) / 4u;
+                float ss = 0.0;
+                for (uint i0 = L; i0 < n4; i0 += S * 4u) {
+                    vec4 v[4];
+                    [[unroll]] for (uint u = 0; u < 4u; u++) {
+                        uint i = i0 + u * S;
+                        v[u] = i < n4 ? yc4[xb + i] : vec4(0.0);
+                    }
+                    [[unroll]] for (uint u = 0; u < 4u; u++) ss += dot(v[u], v[u]);
+                }
+                ss = subgroupAdd(ss);
+                if (subgroupElect()) npart[gl_SubgroupID] = ss;
+                barrier();
+                ss = npart[0];
+                for (uint g = 1; g < gl_NumSubgroups; g++) ss += npart[g];
+                float scale = inversesqrt(ss / float(p.M) + p.eps);
+                barrier();   // (npart is the next row's)
+                uint yb = (p.h_off + rr * p.h_stride) / 4u, wb = p.nw_off / 4u;
+                for (uint i0 = L; i0 < n4; i0 += S * 4u) {
+                    vec4 v[4];
+                    vec4 w[4];
+                    [[unroll]] for (uint u = 0; u < 4u; u++) {
+                        uint i = i0 + u * S;
+                        if (i < n4) { v[u] = yc4[xb + i]; w[u] = nw4[wb + i]; }
+                    }
+                    [[unroll]] for (uint u = 0; u < 4u; u++) {
+                        uint i = i0 + u * S;
+                        if (i < n4) yc4[yb + i] = v[u] * scale * w[u];
+                    }
+                }
+            }
+            if (L == 0u) ycu[p.sync_off] = 0u;
         }
     }
 }

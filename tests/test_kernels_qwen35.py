@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vkengine.kernels import KVTypes
+from vkengine.kernels import KVTypes, NormOut
 from vkengine.rope import rope_table
 
 from . import kv_util
@@ -446,6 +446,22 @@ def test_expert_matvec_epilogues(device, hk, ws, rng, wt):
     hk.swiglu(prog, gu, 2 * F, ff_ref, F, F, n * k)
     hk.mul_mat_id(prog, dn_m, D, xsr, k * Kd, Kd, rr, rs, k, dn, k * D, D, n)
     hk.moe_combine(prog, dn, k * D, D, rr, rs, k, y_ref, D, D, n)
+    # and with the RMSNorm after the residual add (the next layer's input) by its last workgroup, twice (the
+    # counter left zero for the next dispatch), on kernels whose rms_norm is a workgroup a row (GPUs'; forced
+    # here), which it must equal bit for bit
+    from .conftest import kernels_for
+    kn = kernels_for(device, split_k=True)
+    nw = (1 + 0.3 * rng.standard_normal(D)).astype(np.float32)
+    ynorm, hs = ws.act_region(res.size, res), D + 4
+    h_out, h_ref = ws.act_region(n * hs), ws.act_region(n * hs)
+    sync = ws.act_region(1, np.zeros(1, np.float32))
+    nwr = ws.weight_region(nw)
+    norm = NormOut(nwr, h_out, hs, sync, 1e-6)
+    assert kn.combine_takes_norm(D, ynorm, D, norm)
+    assert hk.combine_takes_norm(D, ynorm, D, norm) == hk.caps.split_k   # (a subgroup a row elsewhere: not fused)
+    for _ in range(2):
+        kn.mul_mat_id(prog, dn_m, D, xsr, k * Kd, Kd, rr, rs, k, ynorm, D, 0, n, epilogue="combine", norm=norm)
+    kn.rms_norm(prog, nwr, ynorm, D, h_ref, hs, D, n, 1e-6, ws.params)
     prog.run()
     g = np.einsum("rifk,rk->rif", Wgu[ids][:, :, :F], h.astype(np.float64))
     u = np.einsum("rifk,rk->rif", Wgu[ids][:, :, F:], h.astype(np.float64))
@@ -456,6 +472,12 @@ def test_expert_matvec_epilogues(device, hk, ws, rng, wt):
     # bit for bit as the unfused kernels (a server's rows equal whatever path their step took)
     np.testing.assert_array_equal(ws.read(ff), ws.read(ff_ref))
     np.testing.assert_array_equal(ws.read(y), ws.read(y_ref))
+    y2 = ws.read(ynorm).reshape(n, D).astype(np.float64)
+    _close(y2, res + 2 * (want - res), atol_scale=2 * tol)
+    hn = y2 / np.sqrt((y2 * y2).mean(1, keepdims=True) + 1e-6) * nw
+    _close(ws.read(h_out).reshape(n, hs)[:, :D], hn, atol_scale=1e-5)
+    np.testing.assert_array_equal(ws.read(h_out).reshape(n, hs)[:, :D], ws.read(h_ref).reshape(n, hs)[:, :D])
+    assert ws.read(sync, np.uint32)[0] == 0
 
 
 @pytest.mark.parametrize("kind", ["mt", "mc"])

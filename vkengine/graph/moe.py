@@ -3,7 +3,7 @@ matvec per pair in decode steps, expert-major in prompt steps), their
 weighted sum, and the SwiGLU of each routed expert."""
 from __future__ import annotations
 
-from ..kernels import Matrix, Region
+from ..kernels import Matrix, NormOut, Region
 from ..kernels.moe import MM_ID_COLS
 from .core import GraphBase
 
@@ -58,12 +58,15 @@ class MoeOps(GraphBase):
 
     def routed_experts(self, gate_up: Matrix, down: Matrix, n_expert: int, k: int, n_ff_exp: int,
                        out: str = "x", biases: tuple[Region, Region] | None = None,
-                       oai: tuple[float, float] | None = None) -> None:
+                       oai: tuple[float, float] | None = None, norm: tuple[Region, str] | None = None) -> bool:
         """out[r] += the SwiGLU FFNs of h[r] through its k routed experts (route,
         after moe_route), weighted: one matvec per pair in decode steps,
         expert-major batched matmuls once a step routes several rows to each
         expert on average. biases = (gate|up E x 2F, down E x D): each expert's
-        (gpt-oss); oai = (alpha, limit): gpt-oss's clamped SwiGLU."""
+        (gpt-oss); oai = (alpha, limit): gpt-oss's clamped SwiGLU. norm = (weight,
+        h): the RMSNorm that follows into h, taken by the down projection's
+        matvec where it runs fused (decode rows); returns whether it did (else
+        the caller norms)."""
         batched = n_expert if self.n * k >= 4 * n_expert else 0
         # tiles where the device has them for both stacks (one work list, one block width)
         tile_gu, tile_dn = (self.k.expert_tile(gate_up), self.k.expert_tile(down)) if batched else (None, None)
@@ -84,10 +87,17 @@ class MoeOps(GraphBase):
             self.k.mul_mat_id(self.p, gate_up, 2 * F, self._r("h"), self.s.stride("h"), 0, self._r("route"),
                               self.s.stride("route"), k, self._r("ff_e"), k * F, F, self._rows("h"),
                               label="mul_mat_id ff_e+swiglu<-h", epilogue="glu")
+            nout = None
+            if norm is not None and "out_sync" in self.s.widths:
+                nout = NormOut(norm[0], self._r(norm[1]), self.s.stride(norm[1]),
+                               Region(self.s.buf, self.s.offsets["out_sync"], 1), self.eps)
+                if not self.k.combine_takes_norm(self.s.widths[out], self._r(out), self.s.stride(out), nout):
+                    nout = None
             self.k.mul_mat_id(self.p, down, self.s.widths[out], self._r("ff_e"), k * F, F, self._r("route"),
                               self.s.stride("route"), k, self._r(out), self.s.stride(out), 0, self._rows(out),
-                              label=f"mul_mat_id {out}+=moe<-ff_e", epilogue="combine")
-            return
+                              label=f"mul_mat_id {out}+=moe<-ff_e" + ("+rms_norm" if nout else ""),
+                              epilogue="combine", norm=nout)
+            return nout is not None
         self.experts(gate_up, 2 * n_ff_exp, "h", "route", k, "gu_e", per_slot_input=False, batched_experts=batched,
                      tiled=tiled, union=union)
         if biases is not None:
@@ -98,6 +108,7 @@ class MoeOps(GraphBase):
         if biases is not None:
             self.expert_bias(biases[1], self.s.widths[out], "route", k, "dn_e")
         self.moe_combine("dn_e", "route", k, out)
+        return False
 
     def expert_bias(self, b: Region, M: int, route: str, k: int, y: str) -> None:
         """y[r][i][:M] += b[expert of route[r][i]] (y rows hold k slots of M)."""

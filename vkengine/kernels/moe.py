@@ -15,7 +15,7 @@ from shaders.variants import MC_ID_TILE, TILE_SMALL
 from ..device import Program
 from ..errors import VkEngineError
 from .base import KernelBase
-from .types import NO_MAP, Matrix, Region, rows_range
+from .types import NO_MAP, Matrix, NormOut, Region, rows_range
 
 ROUTER_KMAX = 16       # KMAX in moe_router.comp
 MM_ID_COLS = 8         # NCOLS in mul_mm_id.comp: the pairs of an expert one pass over its rows serves
@@ -63,7 +63,8 @@ class MoeKernels(KernelBase):
 
     def mul_mat_id(self, prog: Program, w: Matrix, M: int, x: Region, x_stride: int, x_slot_stride: int,
                    route: Region, route_stride: int, k: int, y: Region, y_stride: int, y_slot_stride: int,
-                   n_rows: int, label: str = "", part: tuple[int, int] | None = None, epilogue: str = "") -> None:
+                   n_rows: int, label: str = "", part: tuple[int, int] | None = None, epilogue: str = "",
+                   norm: NormOut | None = None) -> None:
         """y[r][i] = W[e_ri] @ x[r][i] (x_slot_stride 0: x[r] for every i), one
         matvec per pair: decode-sized steps. W holds E*M rows (M per expert).
         A stack split across buffers (W.parts of whole experts): one dispatch per
@@ -72,7 +73,9 @@ class MoeKernels(KernelBase):
         epilogue "glu": each expert's rows are gate over up, y[r][i][:M/2] =
         silu(gate @ x) * (up @ x); "combine": y[r] += sum_i weight_ri * W[e_ri] @
         x[r][i] (moe_combine's sum, the weights at route[r][k + i]), y_slot_stride
-        unused. Neither on a stack split across buffers."""
+        unused. Neither on a stack split across buffers. norm (with "combine"):
+        also norm.h[r] = rms_norm(y[r]) * norm.weight, by the last workgroup
+        (norm.sync: a zeroed word of y's buffer, left zero)."""
         if epilogue not in ("", "glu", "combine"):
             raise ValueError(f"unknown expert matvec epilogue {epilogue!r}")
         if w.parts:
@@ -87,29 +90,55 @@ class MoeKernels(KernelBase):
         self._check_id(w, M, x, x_stride, x_slot_stride)
         if epilogue == "glu" and M % 2:
             raise ValueError(f"a gate|up expert of {M} rows")
+        if norm is not None and not self.combine_takes_norm(M, y, y_stride, norm):
+            raise ValueError("the expert matvec's norm needs rows of a multiple of 4 floats, 16-byte aligned, and "
+                             "h and its counter in y's buffer")
+        if norm is not None and epilogue != "combine":
+            raise ValueError("only the combined down projection takes the norm")
         if epilogue == "combine" and k > ROUTER_KMAX:
             raise VkEngineError(f"{k} experts a row: the combined down projection takes at most {ROUTER_KMAX}")
         kind = {"": "id", "glu": "idg", "combine": "idc"}[epilogue]
         variant = f"mul_mv_{kind}_{w.type}" if part is None else f"mul_mv_idp_{w.type}"
-        pc = dict(w_off=w.data.off, w_off2=w.scales.off if w.scales else 0, K=w.cols, M=M, k=k, n_rows=n_rows,
-                  ids_off=route.off, ids_stride=route_stride, x_off=x.off, x_stride=x_stride,
-                  x_slot_stride=x_slot_stride, y_off=y.off, y_stride=y_stride, y_slot_stride=y_slot_stride)
+        pc: dict[str, int | float] = dict(
+            w_off=w.data.off, w_off2=w.scales.off if w.scales else 0, K=w.cols, M=M, k=k, n_rows=n_rows,
+            ids_off=route.off, ids_stride=route_stride, x_off=x.off, x_stride=x_stride, x_slot_stride=x_slot_stride,
+            y_off=y.off, y_stride=y_stride, y_slot_stride=y_slot_stride)
         if part is not None:
             pc.update(e_lo=part[0], e_hi=part[1])
+        bufs = [w.data.buf, act]
+        if epilogue == "combine":
+            pc.update(norm=int(norm is not None), sync_off=norm.sync.off if norm else 0,
+                      nw_off=norm.weight.off if norm else 0, h_off=norm.h.off if norm else 0,
+                      h_stride=norm.h_stride if norm else 0, eps=norm.eps if norm else 0.0)
+            bufs += [act, norm.weight.buf if norm else act]
         push = self._push(variant, **pc)
-        alg = self._alg(variant, [w.data.buf, act], push, self.caps.wg)
+        alg = self._alg(variant, bufs, push, self.caps.wg)
         if n_rows * k > 65535:
             raise VkEngineError(f"{n_rows} rows x {k} experts exceed one dispatch; use a smaller batch")
         reads = w.regions + [rows_range(x, n_rows, x_stride, (k - 1) * x_slot_stride + w.cols),
                              rows_range(route, n_rows, route_stride, 2 * k if epilogue == "combine" else k)]
         if epilogue == "combine":
             yr = rows_range(y, n_rows, y_stride, M)
-            prog.dispatch(alg, push, self._grid(math.ceil(M / self.caps.items), n_rows), reads + [yr], [yr],
+            writes = [yr]
+            if norm is not None:
+                reads += [norm.weight.range, norm.sync.range]
+                writes += [rows_range(norm.h, n_rows, norm.h_stride, M), norm.sync.range]
+            prog.dispatch(alg, push, self._grid(math.ceil(M / self.caps.items), n_rows), reads + [yr], writes,
                           label or variant)
             return
         out_rows = M // 2 if epilogue == "glu" else M
         prog.dispatch(alg, push, self._grid(math.ceil(out_rows / self.caps.items), n_rows * k), reads,
                       [rows_range(y, n_rows, y_stride, (k - 1) * y_slot_stride + out_rows)], label or variant)
+
+    def combine_takes_norm(self, M: int, y: Region, y_stride: int, norm: NormOut) -> bool:
+        """Whether mul_mat_id(epilogue="combine", norm=...) can take the RMSNorm
+        after its residual add: on devices whose rms_norm runs a workgroup a row
+        (rms_norm_wg: GPUs, Caps.split_k), whose arithmetic the epilogue
+        repeats, so that h is bit for bit the unfused ops'; 16-byte aligned
+        rows."""
+        return (self.caps.split_k and M % 4 == 0 and not (y.off % 4 or y_stride % 4 or norm.h.off % 4
+                                                          or norm.h_stride % 4 or norm.weight.off % 4)
+                and norm.sync.buf is y.buf and norm.h.buf is y.buf)
 
     def moe_sort(self, prog: Program, route: Region, route_stride: int, k: int, n_rows: int, E: int,
                  lst: Region, list_stride: int, cnt: Region, blocks: tuple[Region, int] | None = None,

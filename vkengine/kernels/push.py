@@ -124,7 +124,9 @@ LAYOUTS: dict[str, tuple[Push, tuple[tuple[str, Push], ...]]] = {
     "moe_sort.comp": (Push("uint ids_off, ids_stride, k, n_rows, E, list_off, list_stride, cnt_off"),
                       (("BLOCKS", Push("uint bn, blocks_off")),)),
     "mul_mv_id.comp": (Push(_MUL_ID + ", n_rows, ids_off, ids_stride, x_off, x_stride, x_slot_stride, y_off, "
-                            "y_stride, y_slot_stride"), (("EXPERT_PART", Push("uint e_lo, e_hi")),)),
+                            "y_stride, y_slot_stride"), (("EXPERT_PART", Push("uint e_lo, e_hi")),
+                                                         ("COMBINE", Push("uint norm, sync_off, nw_off, h_off, "
+                                                                          "h_stride; float eps")))),
     "mul_mm_id.comp": (Push(_MUL_ID + ", list_off, list_stride, cnt_off, x_off, x_stride, x_slot_stride, y_off, "
                             "y_stride, y_slot_stride"), (("EXPERT_PART", Push("uint e_lo, e_hi")),
                                                          ("BLOCKS", Push("uint blocks_off")))),

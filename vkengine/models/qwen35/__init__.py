@@ -84,11 +84,13 @@ def _full_attn(g: Graph, a: Qwen35Args, L: FullAttn, layer: int, w: Qwen35Weight
     return L.wo, "att"
 
 
-def _moe(g: Graph, a: Qwen35Args, F: MoeFfn, record_col: int | None) -> None:
+def _moe(g: Graph, a: Qwen35Args, F: MoeFfn, record_col: int | None, next_norm: Region | None) -> bool:
     """Router logits, the shared expert's gate|up and its gate logit all read h
     (no barrier between them); then the router's top-k beside the shared
     expert's gating, its down projection beside the routed experts' gate|up:
-    six barriers a layer where one op after another took eight."""
+    six barriers a layer where one op after another took eight. next_norm: the
+    next layer's attention norm, which the routed experts' down projection may
+    take (returns whether it did)."""
     k = a.n_expert_used
     record = ("rec", record_col) if record_col is not None else None
     if F.router_f32 is not None:                              # parity mode: fixed-order fp32 logits
@@ -102,7 +104,8 @@ def _moe(g: Graph, a: Qwen35Args, F: MoeFfn, record_col: int | None) -> None:
         g.moe_route("rl", "route", a.n_expert, k, a.expert_weights_scale, record=record)
     g.row_gate("ff_s", "sg")
     g.matmul(F.sh_down, "ff_s", "x", accumulate=True)
-    g.routed_experts(F.gate_up, F.down, a.n_expert, k, a.n_ff_exp)
+    return g.routed_experts(F.gate_up, F.down, a.n_expert, k, a.n_ff_exp,
+                            norm=(next_norm, "h") if next_norm is not None else None)
 
 
 def _block(g: Graph, a: Qwen35Args, L: Layer, layer: int, w: Qwen35Weights, moe_index: int, h_ready: bool,
@@ -113,7 +116,8 @@ def _block(g: Graph, a: Qwen35Args, L: Layer, layer: int, w: Qwen35Weights, moe_
     elsewhere a matmul and rms_norm as before): the mixer's output projection
     with the post-attention norm and, where next_norm (the next layer's
     attention norm, in this part) is given, a dense FFN's down projection with
-    it. Returns whether h holds the next layer's normed input."""
+    it, or the routed experts' (mul_mv_id's COMBINE, decode rows). Returns
+    whether h holds the next layer's normed input."""
     if not h_ready:
         g.rms_norm("x", L.attn_norm, "h")
     if isinstance(L.mixer, LinearAttn):
@@ -122,8 +126,7 @@ def _block(g: Graph, a: Qwen35Args, L: Layer, layer: int, w: Qwen35Weights, moe_
         w_out, mixed = _full_attn(g, a, L.mixer, layer, w)
     g.matmul_norm(w_out, mixed, "x", L.post_norm, "h")
     if isinstance(L.ffn, MoeFfn):
-        _moe(g, a, L.ffn, moe_index * a.n_expert_used if a.fixed_experts else None)
-        return False
+        return _moe(g, a, L.ffn, moe_index * a.n_expert_used if a.fixed_experts else None, next_norm)
     g.gate_up_swiglu(L.ffn.gate_up, "h", "gu", "ff")
     if next_norm is None:
         g.matmul(L.ffn.down, "ff", "x", accumulate=True)
