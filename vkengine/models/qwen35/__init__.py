@@ -87,10 +87,11 @@ def _full_attn(g: Graph, a: Qwen35Args, L: FullAttn, layer: int, w: Qwen35Weight
 def _moe(g: Graph, a: Qwen35Args, F: MoeFfn, record_col: int | None, next_norm: Region | None) -> bool:
     """Router logits, the shared expert's gate|up and its gate logit all read h
     (no barrier between them); then the router's top-k beside the shared
-    expert's gating, its down projection beside the routed experts' gate|up:
-    six barriers a layer where one op after another took eight. next_norm: the
-    next layer's attention norm, which the routed experts' down projection may
-    take (returns whether it did)."""
+    expert's gating, its down projection beside the routed experts' gate|up,
+    then their down projection: a GPU decode step's MoE in four groups of
+    dispatches (with the fused expert matvecs) where op after op took eight.
+    next_norm: the next layer's attention norm, which the routed experts' down
+    projection may take (returns whether it did)."""
     k = a.n_expert_used
     record = ("rec", record_col) if record_col is not None else None
     if F.router_f32 is not None:                              # parity mode: fixed-order fp32 logits
