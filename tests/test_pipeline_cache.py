@@ -64,6 +64,28 @@ def test_settle_reports_what_the_start_waited_for(tmp_path, monkeypatch):
         _check(dev, outs)
 
 
+def test_pipelines_with_a_stand_in_compile_after_the_others():
+    """The pipeline threads take a kernel with a stand-in (Kernels.has_stand_in:
+    a start records another while it builds) only after every other queued one,
+    so that a fresh driver's start waits for what it needs first; shutdown still
+    runs every job queued before it."""
+    import threading
+
+    from vkengine.device import _Workers
+    pool = _Workers(1, "t")
+    gate, order = threading.Event(), []
+    pool.submit(gate.wait)                         # (holds the one thread while the others queue)
+    done = [pool.submit(order.append, "mul_mc2h_256x256_q4_0", low=True), pool.submit(order.append, "rms_norm"),
+            pool.submit(order.append, "attention_mc2_d128", low=True), pool.submit(order.append, "mul_mvk")]
+    gate.set()
+    pool.shutdown(wait=True)
+    assert all(f.done() for f in done)
+    assert order == ["rms_norm", "mul_mvk", "mul_mc2h_256x256_q4_0", "attention_mc2_d128"]
+    with Device(pipeline_cache=None) as dev:
+        Kernels(dev)
+        assert dev.deferrable("mul_mc2h_128x256_q4_0") and not dev.deferrable("mul_mvk_q4_0")
+
+
 def test_a_buffer_freed_while_its_pipeline_compiles(tmp_path, monkeypatch):
     monkeypatch.setenv("VKENGINE_PIPELINE_THREADS", "2")
     with Device(pipeline_cache=tmp_path) as dev:

@@ -354,17 +354,19 @@ def pipeline_cache_dir() -> Path | None:
 class _Workers:
     """A pool of daemon threads: a pipeline still compiling when the process
     exits (a server stopped while the driver builds a large kernel) does not
-    hold up its exit, as ThreadPoolExecutor's joined threads would."""
+    hold up its exit, as ThreadPoolExecutor's joined threads would. Jobs
+    submitted `low` run after every other queued job (in order within each)."""
 
     def __init__(self, n: int, name: str):
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._jobs: queue.PriorityQueue = queue.PriorityQueue()
+        self._order = itertools.count()
         self.threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(n)]
         for t in self.threads:
             t.start()
 
     def _run(self) -> None:
         while True:
-            job = self._jobs.get()
+            job = self._jobs.get()[2]
             if job is None:
                 return
             fut, fn, args = job
@@ -375,15 +377,15 @@ class _Workers:
             except BaseException as e:
                 fut.set_exception(e)
 
-    def submit(self, fn, *args) -> Future:
+    def submit(self, fn, *args, low: bool = False) -> Future:
         fut: Future = Future()
-        self._jobs.put((fut, fn, args))
+        self._jobs.put((1 if low else 0, next(self._order), (fut, fn, args)))
         return fut
 
     def shutdown(self, wait: bool = True) -> None:
         """Stop the threads after the jobs queued so far (wait: until those are done)."""
         for _ in self.threads:
-            self._jobs.put(None)
+            self._jobs.put((2, next(self._order), None))
         if wait:
             for t in self.threads:
                 t.join()
@@ -420,6 +422,9 @@ class Device:
         self.pipeline_times: list[tuple[str, float, float]] = []   # (shader, start, end) of each creation
         # the last settle(): seconds it waited for the pipelines without a stand-in, and the last of them to finish
         self.settle_wait: tuple[float, str] = (0.0, "")
+        # shaders whose pipelines may wait behind the others' on the pipeline threads (a kernel with a stand-in:
+        # Kernels sets MatmulKernels.has_stand_in), so that a start's must-haves compile first
+        self.deferrable: Callable[[str], bool] = lambda name: False
         # shaders whose pipelines were still compiling when settle() stopped waiting: the kernels that have a
         # quicker-to-build alternative use it meanwhile (MatmulKernels._mul_tiled); emptied as they finish
         self._slow: set[str] = set()
@@ -626,7 +631,9 @@ class Device:
             if self._shared_cache:
                 spec_bytes = struct.pack(f"<{len(spec)}I", *spec)
                 if self._pool is not None:
-                    alg = self._pool.submit(self._create, name, tensors, spirv, spec_bytes, push_size)
+                    # (a kernel with a stand-in waits behind those without one: a start needs only those)
+                    alg = self._pool.submit(self._create, name, tensors, spirv, spec_bytes, push_size,
+                                            low=self.deferrable(name))
                 else:
                     alg = self._create(name, tensors, spirv, spec_bytes, push_size)
             else:   # a kp built before patch 0002 (no shared cache, the GIL held while compiling)

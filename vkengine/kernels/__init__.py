@@ -11,6 +11,9 @@ are in weight buffers in the layouts of shaders/quant.glsl.
 """
 from __future__ import annotations
 
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 from .attention import AttentionKernels
 from .caps import Caps, device_has_coopmat2
 from .delta_rule import DeltaRuleKernels
@@ -21,6 +24,9 @@ from .norm import NormKernels
 from .sample import SampleKernels
 from .types import KVTypes, Matrix, NormIn, NormOut, NormParts, Q8Out, Region, RopeOut, q8_words, rows_range
 
+if TYPE_CHECKING:
+    from ..device import Device
+
 __all__ = ["Caps", "KVTypes", "Kernels", "Matrix", "NormIn", "NormOut", "NormParts", "Q8Out", "Region", "RopeOut",
            "device_has_coopmat2", "q8_words", "rows_range"]
 
@@ -28,6 +34,12 @@ __all__ = ["Caps", "KVTypes", "Kernels", "Matrix", "NormIn", "NormOut", "NormPar
 class Kernels(MatmulKernels, AttentionKernels, DeltaRuleKernels, NormKernels, ElementwiseKernels, SampleKernels,
               MoeKernels):
     """Every kernel wrapper, for one device and its Caps."""
+
+    def __init__(self, device: Device, caps: Caps | None = None, spirv_cache: Path | None = None) -> None:
+        super().__init__(device, caps, spirv_cache)
+        # pipelines of kernels that have a stand-in (a slow one is recorded on it meanwhile) compile after
+        # the others on the device's pipeline threads: a start waits only for those without one
+        device.deferrable = self.has_stand_in
 
     def step_thresholds(self, max_out: int) -> list[int]:
         """Row counts from which a step's kernels change on this device (a step
