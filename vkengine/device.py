@@ -689,10 +689,10 @@ class Device:
         pending = [(name, alg) for (name, *_), alg in list(self._algorithms.items())
                    if isinstance(alg, Future) and not alg.done()]
         t0 = time.perf_counter()
+        waited = {name for name, alg in pending if not stand_in(name)}
         for name, alg in pending:
-            if not stand_in(name):
+            if name in waited:
                 alg.exception()
-        waited = [name for name, _ in pending if not stand_in(name)]
         last = max((t for t in self.pipeline_times if t[0] in waited), key=lambda t: t[2], default=None)
         self.settle_wait = (time.perf_counter() - t0, last[0] if last else "")
         deadline = time.perf_counter() + grace

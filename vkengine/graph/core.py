@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..device import Buffer, Program
-from ..kernels import Kernels, Region
+from ..kernels import Kernels, NormOut, Region
 from ..kernels.sample import SampleKernels
 from ..state import KVCache
 
@@ -92,6 +92,14 @@ class GraphBase:
 
     def _rows(self, name: str) -> int:
         return self.n_out if name.startswith("out_") else self.n
+
+    def _norm_out(self, norm_w: Region, h: str) -> NormOut | None:
+        """What a residual add's matvec needs to take the RMSNorm after it into h
+        (its counter: the scratch's out_sync word), or None without that word."""
+        if "out_sync" not in self.s.widths:
+            return None
+        return NormOut(norm_w, self.s.region(h), self.s.stride(h), Region(self.s.buf, self.s.offsets["out_sync"], 1),
+                       self.eps)
 
     def _r(self, name: str, col: int = 0) -> Region:
         return self.s.region(name, col)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..kernels import Matrix, NormIn, NormOut, NormParts, Q8Out, Region, RopeOut
+from ..kernels import Matrix, NormIn, NormParts, Q8Out, Region, RopeOut
 from .core import GraphBase
 
 
@@ -110,13 +110,11 @@ class DenseOps(GraphBase):
         * norm_w: one dispatch where the matvec can take the norm (decode-sized
         steps on GPUs, kernels.fuses_norm), else matmul and rms_norm."""
         n = self._rows(x)
-        if "out_sync" in self.s.widths:
-            sync = Region(self.s.buf, self.s.offsets["out_sync"], 1)
-            norm = NormOut(norm_w, self.s.region(h), self.s.stride(h), sync, self.eps)
-            if self.k.fuses_norm(w, n, self.s.region(out), self.s.stride(out), norm):
-                self.k.mul_mat(self.p, w, self.s.region(x), self.s.stride(x), self.s.region(out), self.s.stride(out),
-                               n, accumulate=True, norm=norm, label=f"mul_mat {out}<-{x}+rms_norm")
-                return
+        norm = self._norm_out(norm_w, h)
+        if norm is not None and self.k.fuses_norm(w, n, self.s.region(out), self.s.stride(out), norm):
+            self.k.mul_mat(self.p, w, self.s.region(x), self.s.stride(x), self.s.region(out), self.s.stride(out),
+                           n, accumulate=True, norm=norm, label=f"mul_mat {out}<-{x}+rms_norm")
+            return
         self.matmul(w, x, out, accumulate=True)
         self.rms_norm(out, norm_w, h)
 

@@ -35,11 +35,14 @@ class MoeOps(GraphBase):
                          self._r("elist"), self.s.stride("elist"), self._r("ecnt"), blocks)
 
     def experts(self, w: Matrix, rows_per_expert: int, x: str, route: str, k: int, out: str,
-                per_slot_input: bool, batched_experts: int = 0, tiled: bool = False, union: bool = False) -> None:
+                per_slot_input: bool, batched_experts: int = 0, tiled: bool = False, union: bool = False,
+                epilogue: str = "", norm: NormOut | None = None) -> None:
         """out[r][i] = W[e_ri] @ x[r] (x shared by the k experts) or @ x[r][i].
         batched_experts = E: expert-major over moe_sort's lists (prefill; tiled:
         the tiled matmuls over its work list; union: mul_mm_id over its work
-        list, decode rows); 0: one matvec per pair (decode)."""
+        list, decode rows); 0: one matvec per pair (decode), with its epilogue
+        and norm if given (Kernels.mul_mat_id: "glu" writes out[r][i] as the
+        SwiGLU of the expert's gate|up, "combine" adds the weighted sum to out[r])."""
         xs = w.cols if per_slot_input else 0
         if tiled:
             self.k.mul_tiled_id(self.p, w, rows_per_expert, batched_experts, self._r(x), self.s.stride(x), xs,
@@ -52,9 +55,12 @@ class MoeOps(GraphBase):
                               self.s.stride(out), rows_per_expert, self._rows(x), label=f"mul_mm_id {out}<-{x}",
                               blocks=self._r("eblk") if union else None)
         else:
+            tag = {"": "", "glu": "+swiglu", "combine": "+=moe"}[epilogue]
             self.k.mul_mat_id(self.p, w, rows_per_expert, self._r(x), self.s.stride(x), xs, self._r(route),
-                               self.s.stride(route), k, self._r(out), self.s.stride(out), rows_per_expert,
-                               self._rows(x), label=f"mul_mat_id {out}<-{x}")
+                               self.s.stride(route), k, self._r(out), self.s.stride(out),
+                               rows_per_expert // 2 if epilogue == "glu" else rows_per_expert, self._rows(x),
+                               label=f"mul_mat_id {out}{tag}<-{x}" + ("+rms_norm" if norm else ""),
+                               epilogue=epilogue, norm=norm)
 
     def routed_experts(self, gate_up: Matrix, down: Matrix, n_expert: int, k: int, n_ff_exp: int,
                        out: str = "x", biases: tuple[Region, Region] | None = None,
@@ -81,22 +87,15 @@ class MoeOps(GraphBase):
             self.moe_sort("route", k, n_expert, bn=tile_gu[2] if tiled and tile_gu else 0)
         elif biases is None and oai is None and not gate_up.parts and not down.parts:
             # decode rows, one matvec per pair: the SwiGLU in gate|up's matvec, the weighted sum in down's
-            F = n_ff_exp
-            if self.s.stride("ff_e") != k * F:
+            if self.s.stride("ff_e") != k * n_ff_exp:
                 raise ValueError("the fused expert matvecs need packed ff_e rows")
-            self.k.mul_mat_id(self.p, gate_up, 2 * F, self._r("h"), self.s.stride("h"), 0, self._r("route"),
-                              self.s.stride("route"), k, self._r("ff_e"), k * F, F, self._rows("h"),
-                              label="mul_mat_id ff_e+swiglu<-h", epilogue="glu")
-            nout = None
-            if norm is not None and "out_sync" in self.s.widths:
-                nout = NormOut(norm[0], self._r(norm[1]), self.s.stride(norm[1]),
-                               Region(self.s.buf, self.s.offsets["out_sync"], 1), self.eps)
-                if not self.k.combine_takes_norm(self.s.widths[out], self._r(out), self.s.stride(out), nout):
-                    nout = None
-            self.k.mul_mat_id(self.p, down, self.s.widths[out], self._r("ff_e"), k * F, F, self._r("route"),
-                              self.s.stride("route"), k, self._r(out), self.s.stride(out), 0, self._rows(out),
-                              label=f"mul_mat_id {out}+=moe<-ff_e" + ("+rms_norm" if nout else ""),
-                              epilogue="combine", norm=nout)
+            self.experts(gate_up, 2 * n_ff_exp, "h", "route", k, "ff_e", per_slot_input=False, epilogue="glu")
+            nout = self._norm_out(*norm) if norm is not None else None
+            if nout is not None and not self.k.combine_takes_norm(self.s.widths[out], self._r(out),
+                                                                  self.s.stride(out), nout):
+                nout = None
+            self.experts(down, self.s.widths[out], "ff_e", "route", k, out, per_slot_input=True, epilogue="combine",
+                         norm=nout)
             return nout is not None
         self.experts(gate_up, 2 * n_ff_exp, "h", "route", k, "gu_e", per_slot_input=False, batched_experts=batched,
                      tiled=tiled, union=union)

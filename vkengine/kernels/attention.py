@@ -41,11 +41,6 @@ class AttentionKernels(KernelBase):
         items = self.caps.items   # a workgroup takes this many consecutive parts
         return gq, n_groups, -(-parts // items) * items
 
-    def min_subgroup(self) -> int:
-        """The smallest subgroup the kernels may run with: the device's own where
-        it is fixed, else at most 8 (lavapipe's vary)."""
-        return self.caps.sg if self.device.info.subgroups_fixed else min(self.caps.sg, 8)
-
     def dec_lanes(self, head_dim: int) -> int:
         """attention_dec's lanes a position (LP): 16 dims a lane where
         Caps.attn_lp asks for it, at most the smallest subgroup the device may

@@ -30,6 +30,11 @@ class KernelBase:
         # engine records those steps again once it is built
         self.substituted = 0
 
+    def min_subgroup(self) -> int:
+        """The smallest subgroup the kernels may run with: the device's own where
+        it is fixed, else at most 8 (lavapipe's vary)."""
+        return self.caps.sg if self.device.info.subgroups_fixed else min(self.caps.sg, 8)
+
     def _alg(self, name: str, buffers: list[Buffer], push: bytes, wg: int, items: int | None = None):
         """The pipeline of a variant whose specialization constants are (workgroup size, items per workgroup)."""
         spv = spirv.spirv(name, self._spirv_cache)

@@ -42,8 +42,7 @@ class MoeKernels(KernelBase):
         the logits in a fixed serial order (parity mode) instead of reading them."""
         if not 1 <= k <= min(E, ROUTER_KMAX):
             raise VkEngineError(f"{k} experts per token out of {E} is not supported (at most {ROUTER_KMAX})")
-        # (the smallest subgroup the driver may pick where sizes vary: lavapipe's are 8 or fewer lanes)
-        sg = self.caps.sg if self.device.info.subgroups_fixed else min(self.caps.sg, 8)
+        sg = self.min_subgroup()   # (lane j's experts j, j + S, ... in a 64-bit mask)
         if E > 64 * sg:
             raise VkEngineError(f"{E} experts: this device's router handles at most {64 * sg} "
                                 f"(64 a lane of its {sg}-lane subgroups)")
