@@ -196,6 +196,10 @@ def test_gpu_decode_path(device, models, arch):
     assert ("add_bias" in labels) == (arch == "qwen2")
     assert ("norm_rope_kv" in labels) == (arch in ("qwen3", "qwen3moe", "qwen3-yarn"))
     assert any(lb.startswith("mul_mat_id") for lb in labels) == (arch in ("qwen3moe", "mixtral")), labels
+    # the experts' down projection takes the next layer's attention norm (mul_mv_id's COMBINE): no rms_norm
+    # dispatch of its own but the first layer's and the head's
+    fused = {lb for lb in labels if lb.startswith("mul_mat_id") and lb.endswith("+rms_norm")}
+    assert bool(fused) == (arch in ("qwen3moe", "mixtral")), labels
 
 
 @pytest.mark.parametrize("arch", ARCHES)

@@ -259,11 +259,15 @@ def _moe_widths(a: LlamaArgs) -> dict[str, int]:
             "elist": E, "ecnt": E, "eblk": 2 * k + 1}
 
 
-def _experts(g: Graph, a: LlamaArgs, X: Experts) -> None:
-    """x[r] += the routed experts' SwiGLU FFNs of h[r], weighted (Graph.routed_experts, as qwen35moe's)."""
+def _experts(g: Graph, a: LlamaArgs, X: Experts, next_norm: Region | None) -> bool:
+    """x[r] += the routed experts' SwiGLU FFNs of h[r], weighted (Graph.routed_experts, as qwen35moe's).
+    next_norm: the next layer's attention norm, into h, which the experts' down
+    projection takes where it runs fused (mul_mv_id's COMBINE: decode rows on
+    GPUs); returns whether it did."""
     g.matmul(X.router, "h", "rl")
     g.moe_route("rl", "route", a.n_expert, a.n_expert_used)
-    g.routed_experts(X.gate_up, X.down, a.n_expert, a.n_expert_used, a.n_ff_exp)
+    return g.routed_experts(X.gate_up, X.down, a.n_expert, a.n_expert_used, a.n_ff_exp,
+                            norm=(next_norm, "h") if next_norm is not None else None)
 
 
 def _forward(g: Graph, a: LlamaArgs, w: LlamaWeights) -> None:
@@ -308,9 +312,8 @@ def _forward(g: Graph, a: LlamaArgs, w: LlamaWeights) -> None:
         if L.experts is not None:
             # the router and the expert products take the normalized h
             g.matmul_norm(L.wo, "att", "x", L.ffn_norm, "h")
-            _experts(g, a, L.experts)
             att_in = None
-            if nxt is not None:
+            if not _experts(g, a, L.experts, nxt[0] if nxt is not None else None) and nxt is not None:
                 g.rms_norm("x", nxt[0], "h")
             continue
         assert L.down is not None
