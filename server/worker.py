@@ -151,6 +151,9 @@ class Worker:
             self._accepting = False
         r = self.runner
         r.inflight.clear()                   # (their results are gone with the device)
+        if r.spec is not None:
+            r.spec.forget()
+        r.held = None
         self._drain_inbox()
         r.cancel_all(f"{why}; the server is stopping (its supervisor restarts it)")
         if self._log_file is not None:

@@ -126,9 +126,14 @@ def test_verify_steps_beside_device_draws_and_host_logits(device, qwen35_loaded)
 class _Forced(Speculator):
     """The MTP block's drafts replaced before each verify step by the true
     continuation (right) or by it with the second draft wrong (half), so that
-    verify steps accept all drafts or roll back mid-step."""
+    verify steps accept all drafts or roll back mid-step. (The drafts are
+    replaced on the host, so no verify step reads them on the device: each
+    turn's runs after the MTP steps' drafts reach the host.)"""
     truth: dict[int, list[int]] = {}
     half = False
+
+    def _submit_verify(self, dec, on_device=False):
+        return None if on_device else super()._submit_verify(dec)
 
     def turn(self, batch):
         for w in batch.work:
@@ -204,6 +209,7 @@ def test_drafts_accepted_with_the_mtp_accept_model(device, accept_models, arch):
     drafted, accepted = sum(j.drafted for j in jobs), sum(j.accepted for j in jobs)
     assert drafted >= 20 and accepted >= 0.9 * drafted, (accepted, drafted)
     assert runner.spec.steps <= sum(len(t) for t, _ in want) // 2
+    assert runner.spec.chained > 0    # (verify steps that read their drafts on the device: Speculator.ahead)
     verify = [x for x in map(json.loads, log.getvalue().splitlines()) if "drafted" in x]   # the step log's lines
     assert len(verify) == runner.spec.steps and sum(x["drafted"] for x in verify) == drafted
     assert sum(x["accepted"] for x in verify) == accepted and all(x["dt_ms"] >= x["wait_ms"] >= 0 for x in verify)
@@ -237,3 +243,24 @@ def test_a_request_caps_its_drafts(device, accept_models):
     assert [j.spec for j in jobs] == [True, True, False] and jobs[2].drafted == 0
     assert jobs[0].drafted > jobs[1].drafted > 0
     assert jobs[1].drafted <= 8     # one draft a step: at most 2 of its 16 tokens a step (the first: the prompt's)
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_verify_steps_follow_the_mtp_steps_on_the_device(device, accept_models, arch):
+    """A lone stream: every verify step after the first is submitted behind the
+    MTP steps that draft it, reading their drafts on the device (Engine.submit's
+    draft_rows; Speculator.ahead), and the tokens stay those of plain decoding;
+    a request arriving meanwhile joins at the next turn, and its tokens are its own."""
+    m = load_model(accept_models[arch]["gguf"])
+    eng = _engine(device, m)
+    cfg = SchedulerConfig(n_slots=3, max_live=3, step_tokens=16)
+    ids = m.tokenizer.encode(PROMPT)
+    reqs = [GenRequest(ids, 25, ignore_eos=True)]
+    want, _, _ = _run(eng, cfg, reqs, [0])
+    got, jobs, runner = _run(eng, cfg, reqs, [0], draft=3)
+    assert got == want and jobs[0].accepted >= 0.9 * jobs[0].drafted > 0
+    assert runner.spec.chained == runner.spec.steps - 1 > 0, (runner.spec.chained, runner.spec.steps)
+    late = GenRequest(m.tokenizer.encode("def fib(n):"), 9, ignore_eos=True)
+    want2, _, _ = _run(eng, cfg, [reqs[0], late], [0, 3])
+    got2, _, runner = _run(eng, cfg, [reqs[0], late], [0, 3], draft=3)
+    assert got2 == want2 and got2[0] == want[0] and runner.spec.chained > 0

@@ -42,6 +42,7 @@ class Readback(enum.Flag):
         return bool(self & (Readback.ARGMAX | Readback.SAMPLE))
 
 
+_DRAFTS = 1 << 24   # a chain entry >= this: the device's drafts word (entry - _DRAFTS), see Engine._record
 _NO_TOKEN = np.uint32(0xFFFFFFFF)   # a masked step's token words until its pick writes them
 _READBACKS = (Readback.NONE, Readback.ARGMAX, Readback.SAMPLE, Readback.LOGITS, Readback.SAMPLE | Readback.LOGITS)
 
@@ -58,6 +59,7 @@ class Pass:
     snapshots: bool = False
     hidden: str = ""
     zero_first: bool = False
+    drafts_at: int = -1    # an MTP step: its chosen tokens also to the device's drafts[drafts_at:] (ParamsLayout)
 
 
 MAIN = Pass()
@@ -158,7 +160,9 @@ class Engine:
                 rows = self.max_out if name.startswith("out_") else max_rows
                 device.upload(self.scratch.buf, np.zeros(self.scratch.strides[name] * rows, np.uint32),
                               self.scratch.offsets[name] * 4)
-        self.layout = ParamsLayout(max_rows, self.max_out, Kernels.mask_words(a.n_vocab))
+        # (an MTP model's drafts left on the device: a word per output row of each of its draft steps)
+        self.layout = ParamsLayout(max_rows, self.max_out, Kernels.mask_words(a.n_vocab),
+                                   draft_words=self.max_out * max(0, a.mtp_snap_rows - 1))
         # A host params buffer per step that may be in flight, used in turn, so
         # that a step can be written and submitted while the ones before it
         # still run. Three (a server: two chained steps queued behind the
@@ -436,15 +440,17 @@ class Engine:
         if pass_.mtp:   # the rows of the hidden states the MTP block reads
             prog.copy(params, self.params_dev, pl.hmap * 4, pl.hmap * 4, n * 4, "hmap")
         # chained step: row i's token is output j = chain[i] of the step before it,
-        # whose greedy tokens are still in the device's params (runs of consecutive
-        # rows copied at once)
+        # whose greedy tokens are still in the device's params, or (j >= _DRAFTS)
+        # the draft an MTP step left at drafts[j - _DRAFTS], or (j < 0) the host's
+        # (runs of consecutive rows copied at once)
+        src = [-1 if j < 0 else pl.argmax + j if j < _DRAFTS else pl.drafts + j - _DRAFTS for j in chain]
         i = 0
-        while i < len(chain):
+        while i < len(src):
             k = i + 1
-            while k < len(chain) and chain[k] == chain[k - 1] + 1:
+            while k < len(src) and src[i] >= 0 and src[k] == src[k - 1] + 1:
                 k += 1
-            prog.copy(self.params_dev, self.params_dev, (pl.argmax + chain[i]) * 4, (pl.tokens + i) * 4,
-                      (k - i) * 4, "chain")
+            if src[i] >= 0:
+                prog.copy(self.params_dev, self.params_dev, src[i] * 4, (pl.tokens + i) * 4, (k - i) * 4, "chain")
             i = k
         if self._handoff_in and not pass_.mtp:   # what the part before handed on
             self._handoff(prog, n, self._handoff_in[buf], into=True)
@@ -460,6 +466,9 @@ class Engine:
             return prog
         if pick:
             self._pick(g, prog, n_out, readback, params)
+            if pass_.drafts_at >= 0 and n_out and readback.tokens:   # (for a verify step behind it)
+                prog.copy(self.params_dev, self.params_dev, pl.argmax * 4, (pl.drafts + pass_.drafts_at) * 4,
+                          n_out * 4, "drafts")
         if readback & Readback.HIDDEN:   # every row's final-normed hidden state, rows packed as on the device
             assert self.hidden_host is not None
             self.arch.final_norm(g, self.args, self.weights, "emb")
@@ -575,7 +584,8 @@ class Engine:
 
     def submit(self, tokens, positions, slots, out_rows=(), readback: Readback = Readback.ARGMAX,
                chain: Sequence[int] | None = None, sampling=None, prompt: bool = False, pass_: Pass = MAIN,
-               hmap=None, masked: bool = False, masks=None, rows: int | None = None) -> None:
+               hmap=None, masked: bool = False, masks=None, rows: int | None = None,
+               draft_rows: Sequence[tuple[int, int]] | None = None) -> None:
         """The first half of step(): check, write the params, start the step on
         the device and return at once, so that the caller's host work (a server
         delivering the previous step's text) overlaps the GPU's; collect()
@@ -600,7 +610,10 @@ class Engine:
         rows and decode rows in separate steps (the server's runner does).
 
         pass_ (MTP, vkengine.serving.speculate): which forward the step runs; hmap:
-        for an MTP pass, the hidden-state row each row reads.
+        for an MTP pass, the hidden-state row each row reads. draft_rows: (row,
+        i) pairs, row's token being the draft an MTP step left on the device at
+        drafts[i] (Pass.drafts_at; tokens[row] is then ignored), so that a
+        verify step can follow the MTP steps before their drafts reach the host.
 
         rows: the rows to run, pad rows included (default pad_rows'; a split
         model's parts all run the last part's choice).
@@ -615,7 +628,7 @@ class Engine:
         while the GPU runs this step's forward. Nothing else is submitted
         until they are."""
         tok, pos, slt, outs, mode, samp, chain_key = self.check_submit(
-            tokens, positions, slots, out_rows, readback, chain, sampling, pass_, hmap, masked)
+            tokens, positions, slots, out_rows, readback, chain, sampling, pass_, hmap, masked, draft_rows)
         n, n_out = len(tok), len(outs)
         n_req = n
         if not pass_.mtp:   # (the MTP block keeps KV rows only, in its own layer)
@@ -667,7 +680,7 @@ class Engine:
         return n
 
     def check_submit(self, tokens, positions, slots, out_rows, readback: Readback, chain, sampling, pass_: Pass,
-                     hmap, masked: bool) -> tuple:
+                     hmap, masked: bool, draft_rows: Sequence[tuple[int, int]] | None = None) -> tuple:
         """Every check submit makes before it changes anything (a split model's
         last part is asked before its other parts run): the rows as arrays
         (tokens, positions, slots, out_rows), the readback mode, the sampling
@@ -707,6 +720,19 @@ class Engine:
             if len(chain_key) != n or min(chain_key) < 0 or max(chain_key) >= prev.n_out:
                 raise ValueError(f"chain must give, for each of the {n} rows, an output row of the step in flight")
             tok = np.zeros(n, np.int64)
+        if draft_rows:
+            if chain is not None:
+                raise ValueError("a step takes its tokens from a step in flight (chain) or from drafts, not both")
+            dw = self.layout.draft_words
+            key = [-1] * n
+            for row, i in draft_rows:
+                if not (0 <= row < n and 0 <= i < dw) or key[row] >= 0:
+                    raise ValueError(f"draft_rows: distinct rows in 0..{n - 1}, draft words in 0..{dw - 1}")
+                key[row] = _DRAFTS + int(i)
+                tok[row] = 0
+            chain_key = tuple(key)
+        if pass_.drafts_at >= 0 and (not pass_.mtp or pass_.drafts_at + len(out_rows) > self.layout.draft_words):
+            raise ValueError("drafts_at: an MTP step's tokens within the device's draft words")
         if tok.min() < 0 or tok.max() >= self.n_vocab:
             raise VkEngineError(f"token id out of range 0..{self.n_vocab - 1}")
         if pos.min() < 0 or pos.max() >= self.n_ctx:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .arena import Arena, ArenaPlan
-from .device import Buffer, Device
+from .device import Buffer, Device, Program
 from .errors import VkEngineError
 from .kernels import KVTypes, Region
 
@@ -384,15 +384,18 @@ class HybridState(KVCache):
         snapshot step (which then covers `length` positions)."""
         self.commit_snapshots([(slot, row, length)])
 
-    def commit_snapshots(self, rollbacks) -> None:
+    def commit_snapshots(self, rollbacks, wait: bool = True) -> Program | None:
         """commit_snapshot for each (slot, row, length), in one device program
-        (a server's verify step rolls back several sequences at once)."""
+        (a server's verify step rolls back several sequences at once). wait=False:
+        submitted, not waited for; returns the program, to wait() for before it
+        is dropped (a step submitted after it sees the rolled-back state: each
+        program starts with a barrier against the work before it)."""
         rollbacks = list(rollbacks)
         for _, row, _ in rollbacks:
             if not 0 <= row < self.snap_rows:
                 raise ValueError(f"snapshot row {row} out of range 0..{self.snap_rows - 1}")
         if not rollbacks:
-            return
+            return None
         p = self.device.program()
         for slot, row, _ in rollbacks:
             for layer in self.rec_layers:
@@ -401,9 +404,13 @@ class HybridState(KVCache):
                        (conv.off + slot * self.conv_words) * 4, self.conv_words * 4, "rollback")
                 p.copy(ssm.buf, ssm.buf, (ssm_s.off + row * self.ssm_words) * 4,
                        (ssm.off + slot * self.ssm_words) * 4, self.ssm_words * 4, "rollback")
-        p.run()
         for slot, _, length in rollbacks:
             self.length[slot] = length
+        if wait:
+            p.run()
+            return None
+        p.submit()
+        return p
 
     # -- parking and prefix copies ----------------------------------------------------
     def park_bytes(self, slot: int, length: int) -> int:

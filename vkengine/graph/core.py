@@ -20,10 +20,13 @@ class ParamsLayout:
     a hidden-state array an MTP step reads (hmap); per output row its token
     mask (mask_words words, a bit a token: constrained decoding on the device).
     A step copies [0, argmax) to the device (an MTP step also hmap, a masked
-    step's pick its masks)."""
+    step's pick its masks). drafts: draft_words words on the device only, where
+    MTP steps leave their tokens (Pass.drafts_at) for a verify step submitted
+    behind them to read (Engine.submit's draft_rows)."""
     max_rows: int
     max_out: int
     mask_words: int = 0
+    draft_words: int = 0
 
     @property
     def tokens(self) -> int: return 0
@@ -38,7 +41,9 @@ class ParamsLayout:
     @property
     def argmax(self) -> int: return self.sampling + SampleKernels.SAMPLE_WORDS * self.max_out
     @property
-    def hmap(self) -> int: return self.argmax + self.max_out
+    def drafts(self) -> int: return self.argmax + self.max_out
+    @property
+    def hmap(self) -> int: return self.drafts + self.draft_words
     @property
     def masks(self) -> int: return self.hmap + self.max_rows
     @property

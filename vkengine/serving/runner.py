@@ -242,6 +242,7 @@ class Runner:
         self._last_collect = 0.0
         self._mask_pending = False    # the newest step in flight is masked and waits for its masks
         self.spec = spec
+        self.held: Batch | None = None   # a batch composed ahead (by the speculator), run by the next turn
         if spec is not None:
             spec.bind(self)
 
@@ -252,7 +253,8 @@ class Runner:
 
     @property
     def idle(self) -> bool:
-        return self.sched.idle and not self.inflight
+        return self.sched.idle and not self.inflight and self.held is None and \
+            (self.spec is None or self.spec.ahead is None)
 
     # -- requests -----------------------------------------------------------------
     def make_job(self, req: GenRequest, emit: Callable[[Event], object]) -> Job:
@@ -348,11 +350,15 @@ class Runner:
         the device busy through chained steps."""
         if self.inflight:
             return False
-        batch = self.sched.schedule()
+        if self.spec is not None and self.spec.ahead is not None:
+            self.spec.resume()       # (its verify step, submitted behind the turn before's MTP steps)
+            return True
+        batch, self.held = self.held or self.sched.schedule(), None
         if batch is None:
             return False
         if self.spec is not None and self.spec.wants(batch):
-            self.spec.turn(batch)    # (synchronous: nothing is left on the device)
+            # (synchronous, but for the next verify step where it may follow at once: Speculator._verify)
+            self.spec.turn(batch)
             return True
         if self.prompt_apart:
             for part, prompt in zip(batch.split(), (False, True)):
@@ -372,6 +378,12 @@ class Runner:
         """Let the steps still on the device finish and drop their results (every
         sequence is cancelled next, or the caller is done with the runner)."""
         self._finish_after.clear()
+        if self.spec is not None:
+            self.spec.settle()
+        if self.held is not None:   # (composed, never run)
+            for w in self.held.work:
+                w.seq.inflight -= len(w.tokens)
+            self.held = None
         if self._mask_pending:       # (its tokens are dropped: any masks will do)
             self.eng.submit_masks(np.full((len(self.inflight[-1].outs), self.eng.layout.mask_words), -1, np.int32))
             self._mask_pending = False

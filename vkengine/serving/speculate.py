@@ -10,8 +10,7 @@ verifies every draft and a row of a step is computed as it would be alone
 against runs without drafts, interleaved, in batch and slices modes).
 
 A runner turn whose batch holds a speculating sequence with prompt rows or
-room for drafts (Runner.submit_next, Speculator.wants) runs here,
-synchronously (nothing stays on the device after it):
+room for drafts (Runner.submit_next, Speculator.wants) runs here:
 
 1. The decode rows: one verify step holds, per speculating sequence, its
    pending token t_p and its drafts d_1..d_k (positions p..p+k), and one row per
@@ -20,12 +19,21 @@ synchronously (nothing stays on the device after it):
    snapshot rows (vkengine/state.py). Drafts are accepted while d_{i+1} equals
    the greedy token of row i; a sequence that rejected some has its recurrent
    state rolled back to the snapshot of its last accepted row (one program for
-   all). The accepted tokens then go through the runner's _take one by one
-   (stop strings, EOS, max_tokens end a reply mid-way as without drafts).
+   all, not waited for: what follows queues behind it). The accepted tokens
+   then go through the runner's _take one by one (stop strings, EOS,
+   max_tokens end a reply mid-way as without drafts).
 2. The MTP block catches up, for all those sequences in one step, on the
    positions accepted (row q: token q and the hidden state of q - 1); its last
    row drafts the next position, and further drafts chain the block on its own
-   hidden state, one step for all sequences per draft.
+   hidden state, one step for all sequences per draft. Each of these steps
+   also leaves its drafts in the device's draft words (Pass.drafts_at), and
+   where the next turn is again a verify step of decode rows alone (nobody
+   waiting to join, no prompt rows, no logits read back), it is composed and
+   submitted at once behind them, its draft rows' tokens read there
+   (Engine.submit's draft_rows; Speculator.ahead): the device goes from the
+   drafts to the next verify step without the host's round trip, and the
+   runner's next turn collects it (resume). The host gets the same drafts from
+   the MTP steps' readback, so it accepts against what the device ran.
 3. The prompt rows: a step of their own (the runner's prompt_apart) keeping
    every row's hidden state, then the MTP block over the same positions, so
    that its KV rows follow the prompt; a prompt that is done gets drafts as in 2.
@@ -54,6 +62,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..device import Program
 from ..engine import MAIN, Engine, Pass, Readback
 from ..errors import VkEngineError
 from ..kernels import Caps, Kernels
@@ -80,6 +89,17 @@ def verify_rows(caps: Caps, n_slots: int, draft: int) -> int:
     threshold and attention on cooperative matrices' less one)."""
     bound = min(Kernels.thresholds_of(caps, None), default=1 << 30) - 1
     return max(1, min(n_slots * (draft + 1), bound))
+
+
+@dataclass
+class _Verify:
+    """A verify step on the device: its decode rows, each work's (work, first
+    row, drafts verified, speculates), its rows, readback and submit time."""
+    dec: Batch
+    plan: list[tuple[Work, int, int, bool]]
+    rows: int
+    readback: Readback
+    t0: float
 
 
 @dataclass
@@ -114,6 +134,13 @@ class Speculator:
         e.device.upload(z.buf, np.zeros(e.scratch.widths["mtp_zero"], np.float32), z.off * 4)
         self.steps = 0                     # verify steps run
         self.mtp_steps = 0                 # MTP block steps run
+        self.chained = 0                   # verify steps submitted behind the MTP steps (drafts on the device)
+        self.ahead: _Verify | None = None  # the verify step submitted ahead, which the next turn collects
+        # where this turn's MTP steps leave each drafting job's drafts on the device (Pass.drafts_at), and
+        # the device's draft words they have taken
+        self._src: dict[int, list[int]] = {}
+        self._draft_words = 0
+        self._rollback: Program | None = None   # a rollback submitted, not yet waited for (_drain)
         # MTP block steps in flight: (the jobs their output rows draft for, rows, submitted at)
         self._pending: deque[tuple[list[Job], int, float]] = deque()
 
@@ -134,8 +161,11 @@ class Speculator:
 
     def turn(self, batch: Batch) -> None:
         dec, pro = batch.split()
+        self._drain()
         if dec is not None:
-            self._verify(dec)
+            v = self._submit_verify(dec)
+            assert v is not None
+            self._verify(v, may_chain=pro is None)
         if pro is not None:
             self._prompt(pro)
 
@@ -151,75 +181,146 @@ class Speculator:
             over -= 1
         return room
 
-    def _verify(self, dec: Batch) -> None:
+    def _submit_verify(self, dec: Batch, on_device: bool = False) -> _Verify | None:
+        """Submit the verify step of the decode rows (the module's docstring, 1).
+        on_device: the drafts are those the MTP steps still in flight leave on
+        the device (self._src), so the step follows them without their
+        drafts reaching the host first; None where that cannot be (a sequence
+        whose drafts are not all there, a step that reads logits back)."""
         r, e = self.r, self.e
         room = self._room(dec.work)
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         outs = []
-        plan: list[tuple[Work, int, list[int], bool]] = []   # (work, first row, drafts verified, speculates now)
+        draft_rows: list[tuple[int, int]] = []
+        plan: list[tuple[Work, int, int, bool]] = []   # (work, first row, drafts verified, speculates now)
         for w, n in zip(dec.work, room):
             job: Job = w.seq.data
-            drafts = job.drafts[:n] if job.spec and job.drafts and job.mtp_at == w.start + 1 else []
+            ready = job.spec and job.mtp_at == w.start + 1
+            if on_device:
+                src = self._src.get(id(job), [])
+                m = min(n, len(src)) if ready else 0
+                if m and min(src[:m]) < 0:
+                    return None
+                draft_rows += [(len(tokens) + 1 + i, src[i]) for i in range(m)]
+                rows = [int(w.tokens[0])] + [0] * m
+            else:
+                m = min(n, len(job.drafts)) if ready else 0
+                rows = [int(w.tokens[0])] + job.drafts[:m]
             off = len(tokens)
-            rows = [int(w.tokens[0])] + drafts
             tokens += rows
             positions += range(w.start, w.start + len(rows))
             slots += [self._slot(w.seq)] * len(rows)
             outs += [w.seq] * len(rows)
-            plan.append((w, off, drafts, n > 0))
-        readback, sampling, masked = r._step_readback(outs)
+            plan.append((w, off, m, n > 0))
+        if on_device and any(s.data.needs_logits for s in outs):   # (it would read logits back, so run alone)
+            return None
+        readback, sampling, masked = r._step_readback(outs)     # (each row drawn on the device takes its u)
         pass_ = Pass(hidden_rows=any(p[3] for p in plan), snapshots=any(p[2] for p in plan))
+        if e.in_flight >= e.max_in_flight:
+            self._collect()
         t0 = time.perf_counter()
-        e.submit(tokens, positions, slots, range(len(tokens)), readback, sampling=sampling, masked=masked,
-                 masks=r._masks(outs) if masked else None, pass_=pass_)
+        if draft_rows:
+            e.submit(tokens, positions, slots, range(len(tokens)), readback, sampling=sampling, masked=masked,
+                     masks=r._masks(outs) if masked else None, pass_=pass_, draft_rows=draft_rows)
+        else:   # (a split model's submit takes no draft_rows)
+            e.submit(tokens, positions, slots, range(len(tokens)), readback, sampling=sampling, masked=masked,
+                     masks=r._masks(outs) if masked else None, pass_=pass_)
+        return _Verify(dec, plan, len(tokens), readback, t0)
+
+    def resume(self) -> None:
+        """Finish the verify step submitted ahead (Runner.submit_next)."""
+        v, self.ahead = self.ahead, None
+        assert v is not None
+        self._verify(v, may_chain=True)
+
+    def settle(self) -> None:
+        """Let what is on the device finish, dropping the verify step ahead's results (Runner.settle)."""
+        self._drain()
+        v, self.ahead = self.ahead, None
+        if v is not None:
+            self.e.collect()
+            self.r.sched.postprocess(v.dec)
+
+    def forget(self) -> None:
+        """The device is gone: nothing on it will be collected (the worker's device fault)."""
+        self.ahead, self._rollback = None, None
+        self._pending.clear()
+
+    def _verify(self, v: _Verify, may_chain: bool) -> None:
+        """Collect a verify step, accept and take its tokens, then run the MTP
+        block on what was accepted; may_chain: then, where the next turn is a
+        verify step of the same kind, submit it behind the MTP steps, reading
+        their drafts on the device (self.ahead; the runner's next turn finishes
+        it), so that the device goes from the drafts to the next verify step
+        without waiting for the host."""
+        r, e = self.r, self.e
+        plan = v.plan
+        self._drain()          # (the MTP steps before it: their drafts reach the host)
         t_wait = time.perf_counter()
         res = e.collect()
         now = time.perf_counter()
         self.steps += 1
-        if readback == Readback.SAMPLE | Readback.LOGITS:      # (tokens, logits): a pair a row
+        if v.readback == Readback.SAMPLE | Readback.LOGITS:      # (tokens, logits): a pair a row
             res = list(zip(*res))
-        greedy = [self._token(x, readback) for x in res]
+        greedy = [self._token(x, v.readback) for x in res]
         accepted: dict[int, int] = {}
         rollbacks = []
-        for w, off, drafts, _ in plan:
+        for w, off, m, _ in plan:
+            drafts = w.seq.data.drafts[:m]
+            assert len(drafts) == m, "a verify step's drafts never reached the host"
             n_acc = 0
-            while n_acc < len(drafts) and drafts[n_acc] == greedy[off + n_acc]:
+            while n_acc < m and drafts[n_acc] == greedy[off + n_acc]:
                 n_acc += 1
             accepted[id(w.seq)] = n_acc
-            if n_acc < len(drafts):   # the state after its last accepted row
+            if n_acc < m:   # the state after its last accepted row
                 rollbacks.append((self._slot(w.seq), off + n_acc, w.start + n_acc + 1))
-        if rollbacks:
-            self.state.commit_snapshots(rollbacks)
+        if rollbacks:   # (on one device: not waited for, the MTP steps and the next verify step queue behind it)
+            if getattr(e, "device_chains", False):
+                self._rollback = self.state.commit_snapshots(rollbacks, wait=False)
+            else:
+                self.state.commit_snapshots(rollbacks)
         if r.metrics:
-            r.metrics.step(len(tokens), now - t0)
-        self._log(len(tokens), sum(len(p[2]) for p in plan), sum(accepted.values()), t0, t_wait, now)
-        r.sched.postprocess(dec, accepted)
+            r.metrics.step(v.rows, now - v.t0)
+        self._log(v.rows, sum(p[2] for p in plan), sum(accepted.values()), v.t0, t_wait, now)
+        r.sched.postprocess(v.dec, accepted)
         # the MTP block over each speculating sequence's accepted positions (p+1 ..: its tokens are the
         # greedy ones of rows 0..n_acc) goes to the device first; the tokens' host work overlaps it
         segs: list[_Segment] = []
-        for w, off, drafts, speculates in plan:
+        for w, off, _, speculates in plan:
             job = w.seq.data
             job.drafts = []
-            if speculates:
+            if speculates and not job.done:
                 n_acc = accepted[id(w.seq)]
                 segs.append(_Segment(job, w.start + 1, greedy[off:off + n_acc + 1],
                                      list(range(off, off + n_acc + 1)), True))
         self._mtp(segs, "hn")
-        for w, off, drafts, _ in plan:
+        for w, off, m, _ in plan:
             job = w.seq.data
             n_acc = accepted[id(w.seq)]
-            if drafts:
-                job.drafted += len(drafts)
+            if m:
+                job.drafted += m
                 job.accepted += n_acc
                 if r.metrics:
-                    r.metrics.speculated(len(drafts), n_acc)
+                    r.metrics.speculated(m, n_acc)
             for i in range(n_acc + 1):   # its tokens in order, as a step each would have given them
                 if job.done:
                     break
-                r._guard(w.seq, r._take, job, res[off + i], readback, now)
+                r._guard(w.seq, r._take, job, res[off + i], v.readback, now)
         r.deliver()     # (their text and events while the MTP block's steps run)
+        if may_chain and self._pending and not r._arrivals() and \
+                not (r.sched.waiting and len(r.sched.live) < r.cfg.max_live):
+            nxt = r.sched.schedule()
+            if nxt is not None:
+                dec, pro = nxt.split()
+                ahead = (self._submit_verify(dec, on_device=True)
+                         if dec is not None and pro is None and self.wants(nxt) else None)
+                if ahead is not None:
+                    self.ahead = ahead
+                    self.chained += 1
+                    return
+                r.held = nxt   # (the runner's next turn runs it, once the drafts are on the host)
         self._drain()
 
     def _prompt(self, pro: Batch) -> None:
@@ -254,6 +355,7 @@ class Speculator:
         and draft: after each step, its drafting sequences' further drafts
         chain on `mtp_hn` before anything else overwrites it."""
         e = self.e
+        self._src, self._draft_words = {}, 0
         pieces: list[_Segment] = []
         for s in segs:   # (a segment longer than a step: pieces, the last one drafting)
             for i in range(0, len(s.tokens), e.max_batch):
@@ -293,7 +395,8 @@ class Speculator:
                 s.job.mtp_at = s.start + len(s.tokens)     # the position its first draft is for
         want = {id(j): self._drafts_after(j, j.mtp_at - 1) for j in jobs}
         self._submit(tokens, positions, slots, rows, Readback.ARGMAX if rows else Readback.NONE,
-                     Pass(mtp=True, hidden=hidden, zero_first=step[0].zero_first), hmap, jobs)
+                     Pass(mtp=True, hidden=hidden, zero_first=step[0].zero_first, drafts_at=self._words(jobs)),
+                     hmap, jobs)
         d = 1
         while True:
             keep = [i for i, j in enumerate(jobs) if want[id(j)] > d]   # (indices of the step before's outputs)
@@ -301,10 +404,25 @@ class Speculator:
                 return
             jobs = [jobs[i] for i in keep]
             self._submit([0] * len(keep), [j.mtp_at + d - 1 for j in jobs], [self._slot(j.seq) for j in jobs],
-                         range(len(keep)), Readback.ARGMAX, Pass(mtp=True, hidden="mtp_hn"), [rows[i] for i in keep],
+                         range(len(keep)), Readback.ARGMAX,
+                         Pass(mtp=True, hidden="mtp_hn", drafts_at=self._words(jobs)), [rows[i] for i in keep],
                          jobs, chain=keep)
             rows = list(range(len(keep)))
             d += 1
+
+    def _words(self, jobs: list[Job]) -> int:
+        """Where an MTP step drafting for `jobs` (its output rows, in order)
+        leaves their drafts on the device (Pass.drafts_at; self._src), or -1
+        where it does not: an engine that does not chain steps on its device
+        (a split model), or this turn's draft words used up."""
+        n = len(jobs)
+        dw = self.e.layout.draft_words if getattr(self.e, "device_chains", False) else 0
+        at = self._draft_words if n and self._draft_words + n <= dw else -1
+        if at >= 0:
+            self._draft_words += n
+        for i, j in enumerate(jobs):
+            self._src.setdefault(id(j), []).append(at + i if at >= 0 else -1)
+        return at
 
     def _submit(self, tokens, positions, slots, out_rows, readback: Readback, pass_: Pass, hmap, jobs: list[Job],
                 chain: list[int] | None = None) -> None:
@@ -329,6 +447,9 @@ class Speculator:
     def _drain(self) -> None:
         while self._pending:
             self._collect()
+        if self._rollback is not None:   # (done before the steps behind it)
+            self._rollback.wait()
+            self._rollback = None
 
     def _drafts_after(self, job: Job, p: int) -> int:
         """Drafts worth verifying after a sequence's pending token at position p:

@@ -28,11 +28,11 @@ class RecordingEngine(Engine):
 
     def submit(self, tokens, positions, slots, out_rows=(), readback: Readback = Readback.ARGMAX,
                chain=None, sampling=None, prompt: bool = False, pass_: Pass = MAIN, hmap=None, masked: bool = False,
-               masks=None, rows: int | None = None) -> None:
+               masks=None, rows: int | None = None, draft_rows=None) -> None:
         if self.in_flight:   # the next step would overwrite the choices before they are read
             raise RuntimeError("the expert log records one step at a time: collect() the step in flight first")
         super().submit(tokens, positions, slots, out_rows, readback, chain=chain, sampling=sampling, prompt=prompt,
-                       pass_=pass_, hmap=hmap, masked=masked, masks=masks, rows=rows)
+                       pass_=pass_, hmap=hmap, masked=masked, masks=masks, rows=rows, draft_rows=draft_rows)
         self._rows = (list(tokens), list(positions), list(slots))
 
     def collect(self):
