@@ -264,3 +264,28 @@ def test_verify_steps_follow_the_mtp_steps_on_the_device(device, accept_models, 
     want2, _, _ = _run(eng, cfg, [reqs[0], late], [0, 3])
     got2, _, runner = _run(eng, cfg, [reqs[0], late], [0, 3], draft=3)
     assert got2 == want2 and got2[0] == want[0] and runner.spec.chained > 0
+
+
+def test_a_reply_ending_mid_turn_behind_a_verify_step_ahead(device, accept_models):
+    """A stop string met among a verify step's accepted tokens, with the next
+    verify step already on the device (submitted before the tokens were
+    taken): the reply ends where plain decoding ends it, the rows ahead are
+    dropped, and a follow-up sharing its prefix (the slot's state reused, or
+    not, by its lengths) gets plain decoding's tokens."""
+    m = load_model(accept_models["qwen35"]["gguf"])
+    eng = _engine(device, m)
+    cfg = SchedulerConfig(n_slots=3, max_live=3, step_tokens=16, host_cache=2)
+    tok = m.tokenizer
+    ids = tok.encode(PROMPT)
+    (plain, _), = _run(eng, cfg, [GenRequest(ids, 30, ignore_eos=True)], [0])[0]
+    stop = tok.decode(plain[9:11])
+    assert stop and stop not in tok.decode(plain[:9])
+    reqs = [GenRequest(ids, 30, ignore_eos=True, stop=(stop,))]
+    want, _, _ = _run(eng, cfg, reqs, [0])
+    assert want[0][1] == "stop" and len(want[0][0]) < 30
+    got, jobs, runner = _run(eng, cfg, reqs, [0], draft=3)
+    assert got == want and runner.spec.chained > 0 and jobs[0].accepted > 0
+    follow = GenRequest(ids + want[0][0] + tok.encode(" and"), 8, ignore_eos=True)
+    want2, _, _ = _run(eng, cfg, [reqs[0], follow], [0, 40])
+    got2, _, _ = _run(eng, cfg, [reqs[0], follow], [0, 40], draft=3)
+    assert got2 == want2

@@ -296,6 +296,9 @@ class Speculator:
                 segs.append(_Segment(job, w.start + 1, greedy[off:off + n_acc + 1],
                                      list(range(off, off + n_acc + 1)), True))
         self._mtp(segs, "hn")
+        # the next verify step at once, behind the MTP steps, where the same sequences go on (their tokens'
+        # host work below then overlaps both)
+        early = may_chain and self._chain_ahead(v, res, accepted)
         for w, off, m, _ in plan:
             job = w.seq.data
             n_acc = accepted[id(w.seq)]
@@ -309,6 +312,8 @@ class Speculator:
                     break
                 r._guard(w.seq, r._take, job, res[off + i], v.readback, now)
         r.deliver()     # (their text and events while the MTP block's steps run)
+        if early:
+            return
         if may_chain and self._pending and not r._arrivals() and \
                 not (r.sched.waiting and len(r.sched.live) < r.cfg.max_live):
             nxt = r.sched.schedule()
@@ -322,6 +327,46 @@ class Speculator:
                     return
                 r.held = nxt   # (the runner's next turn runs it, once the drafts are on the host)
         self._drain()
+
+    def _chain_ahead(self, v: _Verify, res, accepted: dict[int, int]) -> bool:
+        """Before the verify step's tokens are taken: where every live sequence
+        was in it and goes on (nobody waits to join, no grammar's mask needs
+        its token taken first, no logits read back), submit the next verify step
+        behind the MTP steps, each sequence's row at its next position with the
+        token it is known to get (a sequence whose reply ends on a token taken
+        now has its rows run and dropped, as the runner's chained steps: its
+        slot's state then covers them, which Scheduler.finish and the state's
+        lengths account for). Whether it did (self.ahead)."""
+        r, e = self.r, self.e
+        if not self._pending or v.readback not in (Readback.ARGMAX, Readback.SAMPLE) or r._arrivals() or \
+                r.sched.waiting and len(r.sched.live) < r.cfg.max_live:
+            return False
+        mine = {id(w.seq) for w in v.dec.work}
+        if any(id(s) not in mine for s in r.sched.live):
+            return False
+        work: list[Work] = []
+        for w, off, _, _ in v.plan:
+            job, seq = w.seq.data, w.seq
+            if job.masked or job.dead_end or not w.output or len(w.tokens) != 1:
+                return False
+            n_acc = accepted[id(seq)]
+            made = len(seq.tokens) - seq.n_prompt + n_acc + 1    # its reply's tokens once these are taken
+            if job.done or seq.cancelled or seq.slot is None or made >= job.req.max_tokens or \
+                    len(seq.tokens) + n_acc >= e.n_ctx:
+                continue
+            work.append(Work(seq, w.start + n_acc + 1, [int(res[off + n_acc])], True))
+        if not work:
+            return False
+        for w in work:
+            w.seq.inflight += 1
+        ahead = self._submit_verify(Batch(work), on_device=True) if self.wants(Batch(work)) else None
+        if ahead is None:
+            for w in work:
+                w.seq.inflight -= 1
+            return False
+        self.ahead = ahead
+        self.chained += 1
+        return True
 
     def _prompt(self, pro: Batch) -> None:
         r = self.r
