@@ -308,6 +308,7 @@ class HybridState(KVCache):
                  snap_rows: int = 0, types: KVTypes = KVTypes()):
         super().__init__(device, 0, n_slots, ctx, n_kv, head_dim, layers=attn_layers, types=types)
         self.rec_layers = list(rec_layers)
+        self._rollbacks: dict[tuple, Program] = {}   # commit_snapshots' programs, oldest first
         self.conv_words, self.ssm_words = conv_words, ssm_words
         self.snap_rows = snap_rows
         plan = ArenaPlan(device.max_buffer_bytes // 4)
@@ -396,14 +397,22 @@ class HybridState(KVCache):
                 raise ValueError(f"snapshot row {row} out of range 0..{self.snap_rows - 1}")
         if not rollbacks:
             return None
-        p = self.device.program()
-        for slot, row, _ in rollbacks:
-            for layer in self.rec_layers:
-                conv, ssm, conv_s, ssm_s = self._rregions[layer]
-                p.copy(conv.buf, conv.buf, (conv_s.off + row * self.conv_words) * 4,
-                       (conv.off + slot * self.conv_words) * 4, self.conv_words * 4, "rollback")
-                p.copy(ssm.buf, ssm.buf, (ssm_s.off + row * self.ssm_words) * 4,
-                       (ssm.off + slot * self.ssm_words) * 4, self.ssm_words * 4, "rollback")
+        # (recorded once per set of (slot, row): two copies a recurrent layer a sequence, ~13 us each to
+        # record on a slow host, on the path from a verify step to the next)
+        key = tuple((slot, row) for slot, row, _ in rollbacks)
+        p = self._rollbacks.pop(key, None)
+        if p is None:
+            p = self.device.program()
+            for slot, row, _ in rollbacks:
+                for layer in self.rec_layers:
+                    conv, ssm, conv_s, ssm_s = self._rregions[layer]
+                    p.copy(conv.buf, conv.buf, (conv_s.off + row * self.conv_words) * 4,
+                           (conv.off + slot * self.conv_words) * 4, self.conv_words * 4, "rollback")
+                    p.copy(ssm.buf, ssm.buf, (ssm_s.off + row * self.ssm_words) * 4,
+                           (ssm.off + slot * self.ssm_words) * 4, self.ssm_words * 4, "rollback")
+        self._rollbacks[key] = p
+        if len(self._rollbacks) > 256:
+            self._rollbacks.pop(next(iter(self._rollbacks)))
         for slot, _, length in rollbacks:
             self.length[slot] = length
         if wait:

@@ -276,17 +276,9 @@ class Speculator:
             accepted[id(w.seq)] = n_acc
             if n_acc < m:   # the state after its last accepted row
                 rollbacks.append((self._slot(w.seq), off + n_acc, w.start + n_acc + 1))
-        if rollbacks:   # (on one device: not waited for, the MTP steps and the next verify step queue behind it)
-            if getattr(e, "device_chains", False):
-                self._rollback = self.state.commit_snapshots(rollbacks, wait=False)
-            else:
-                self.state.commit_snapshots(rollbacks)
-        if r.metrics:
-            r.metrics.step(v.rows, now - v.t0)
-        self._log(v.rows, sum(p[2] for p in plan), sum(accepted.values()), v.t0, t_wait, now)
-        r.sched.postprocess(v.dec, accepted)
         # the MTP block over each speculating sequence's accepted positions (p+1 ..: its tokens are the
-        # greedy ones of rows 0..n_acc) goes to the device first; the tokens' host work overlaps it
+        # greedy ones of rows 0..n_acc) goes to the device first (it reads
+        # no recurrent state, so the rollback may follow it); the rest of the host's work overlaps it
         segs: list[_Segment] = []
         for w, off, _, speculates in plan:
             job = w.seq.data
@@ -296,6 +288,16 @@ class Speculator:
                 segs.append(_Segment(job, w.start + 1, greedy[off:off + n_acc + 1],
                                      list(range(off, off + n_acc + 1)), True))
         self._mtp(segs, "hn")
+        if rollbacks:   # (on one device: not waited for; the next verify step queues behind it)
+            if getattr(e, "device_chains", False):
+                assert self._rollback is None   # (waited for by _drain, before this step was collected)
+                self._rollback = self.state.commit_snapshots(rollbacks, wait=False)
+            else:
+                self.state.commit_snapshots(rollbacks)
+        if r.metrics:
+            r.metrics.step(v.rows, now - v.t0)
+        self._log(v.rows, sum(p[2] for p in plan), sum(accepted.values()), v.t0, t_wait, now)
+        r.sched.postprocess(v.dec, accepted)
         # the next verify step at once, behind the MTP steps, where the same sequences go on (their tokens'
         # host work below then overlaps both)
         early = may_chain and self._chain_ahead(v, res, accepted)
