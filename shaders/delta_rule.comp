@@ -34,13 +34,28 @@
 // Key heads serve nv/nk value heads each: hv -> hv % nk when `tiled` (GGUF,
 // llama.cpp's converter reorders value heads so ggml can broadcast), else
 // hv / (nv/nk) (Hugging Face's repeat_interleave).
+// GNORM (decode and verify steps): the gated RMSNorm that closes the block
+// (gated_rms_norm.comp) by the subgroup that finishes a (sequence, head) last:
+// each subgroup writes its column's outputs through a coherent binding of the
+// activations (4) and counts itself on a zeroed word (sync_off + sequence *
+// nv + head); the one that brings it to dv reads the head's dv outputs of
+// each of the sequence's rows and writes y = gated norm of them in place
+// (gnorm.glsl, gated_rms_norm.comp's arithmetic), then zeroes the word: one
+// dispatch and barrier less a layer.
 #extension GL_KHR_shader_subgroup_ballot : require
 #include "common.glsl"
+#ifdef GNORM
+#include "gnorm.glsl"
+#endif
 
 layout(binding = 0) readonly buffer Wq { float wf[]; };
 layout(binding = 1) buffer Act { float act[]; };
 layout(binding = 2) readonly buffer Params { uint params[]; };
 layout(binding = 3) buffer State { float st[]; };
+#ifdef GNORM
+layout(binding = 4) coherent buffer ActC { float actc[]; };
+layout(binding = 4) coherent buffer ActCu { uint actcu[]; };
+#endif
 
 layout(push_constant) uniform P {
     uint q_off, k_off, v_off, qkv_stride;
@@ -53,6 +68,10 @@ layout(push_constant) uniform P {
     float scale;
     uint qk_norm;
     float qk_eps;
+#ifdef GNORM
+    uint z_off, z_stride, gw_off, sync_off;
+    float g_eps;
+#endif
 } p;
 
 // state entries per lane: dk / subgroup size (dk <= 128 on subgroups of 8)
@@ -148,7 +167,11 @@ void main() {
             float delta = (vr - decay * ks) * beta;
             [[unroll]] for (uint e = 0; e < MAXE; e++) s[e] = s[e] * decay + kk[e] * delta;
             float o = decay * qs + qk * delta;
+#ifdef GNORM
+            if (subgroupElect()) actc[p.o_off + r * p.o_stride + hv * p.dv + j] = o * p.scale;
+#else
             if (subgroupElect()) act[p.o_off + r * p.o_stride + hv * p.dv + j] = o * p.scale;
+#endif
             if (r < p.snap_rows) {
                 uint sc = p.snap_off + r * p.slot_stride + (hv * p.dv + j) * p.dk;
                 [[unroll]] for (uint e = 0; e < MAXE; e++) {
@@ -161,5 +184,24 @@ void main() {
             uint i = lane + e * S;
             if (i < p.dk) st[col + i] = s[e];
         }
+#ifdef GNORM
+        memoryBarrierBuffer();   // (this column's outputs before the count)
+        uint cw = p.sync_off + grp * p.nv + hv;
+        uint before = 0u;
+        if (subgroupElect()) before = atomicAdd(actcu[cw], 1u);
+        if (subgroupBroadcastFirst(before) == p.dv - 1u) {
+            memoryBarrierBuffer();
+            for (uint r = start; r < end; r++) {
+                uint xb = p.o_off + r * p.o_stride + hv * p.dv;
+                uint zb = p.z_off + r * p.z_stride + hv * p.dv;
+#define GX(i) actc[xb + (i)]
+#define GZ(i) act[zb + (i)]
+#define GW(i) wf[p.gw_off + (i)]
+#define GY(i, v) actc[xb + (i)] = (v)
+                GNORM_HEAD(GX, GZ, GW, GY, p.dv, p.g_eps)
+            }
+            if (subgroupElect()) actcu[cw] = 0u;
+        }
+#endif
     }
 }

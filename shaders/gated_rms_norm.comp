@@ -3,8 +3,10 @@
 // the gated RMSNorm closing a Gated DeltaNet block (Qwen3_5RMSNormGated in HF,
 // build_norm_gated in llama.cpp's qwen35.cpp). w (head_dim floats) is shared by
 // the heads and, unlike the model's other norms, has no +1 folded in. One
-// subgroup per (row, head); y may alias x.
+// subgroup per (row, head); y may alias x. (Decode steps take it inside the
+// delta rule: delta_rule.comp's GNORM, the same arithmetic, gnorm.glsl.)
 #include "common.glsl"
+#include "gnorm.glsl"
 
 layout(binding = 0) readonly buffer Wq { float wf[]; };
 layout(binding = 1) buffer Act { float act[]; };
@@ -23,14 +25,10 @@ void main() {
         uint xb = p.x_off + r * p.x_stride + h * p.head_dim;
         uint zb = p.z_off + r * p.z_stride + h * p.head_dim;
         uint yb = p.y_off + r * p.y_stride + h * p.head_dim;
-        float ss = 0.0;
-        for (uint i = gl_SubgroupInvocationID; i < p.head_dim; i += gl_SubgroupSize) {
-            float v = act[xb + i];
-            ss += v * v;
-        }
-        float scale = inversesqrt(subgroupAdd(ss) / float(p.head_dim) + p.eps);
-        for (uint i = gl_SubgroupInvocationID; i < p.head_dim; i += gl_SubgroupSize) {
-            act[yb + i] = act[xb + i] * scale * wf[p.w_off + i] * silu(act[zb + i]);
-        }
+#define GX(i) act[xb + (i)]
+#define GZ(i) act[zb + (i)]
+#define GW(i) wf[p.w_off + (i)]
+#define GY(i, v) act[yb + (i)] = (v)
+        GNORM_HEAD(GX, GZ, GW, GY, p.head_dim, p.eps)
     }
 }

@@ -263,6 +263,7 @@ def _hybrid_table() -> dict[str, tuple[str, dict[str, int]]]:
                "norm_rope_kv", "sigmoid_mul", "moe_sort",
                "moe_combine", "moe_bias"):
         t[op] = (f"{op}.comp", {})
+    t["delta_rule_gn"] = ("delta_rule.comp", {"GNORM": 1})   # with the gated RMSNorm after it (decode steps)
     t["conv1d_rows"] = ("conv1d_rows.comp", {})
     t["conv1d_rows_state"] = ("conv1d_rows.comp", {"STATE": 1})
     t["moe_router"] = ("moe_router.comp", {"FIXED": 0})

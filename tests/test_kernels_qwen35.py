@@ -241,6 +241,82 @@ def test_delta_rule(device, hk, ws, rng, tiled, nk, nv, dk, dv, long, chunked, r
     _close(got_snap, np.stack(snaps[:snap_rows]).transpose(0, 1, 3, 2), atol_scale=1e-5)
 
 
+@pytest.mark.parametrize("tiled,nk,nv,dk,dv,long", [(False, 2, 4, 16, 12, False), (True, 1, 2, 128, 40, False),
+                                                     (True, 3, 3, 24, 8, True)])
+def test_delta_rule_takes_the_gated_norm(device, hk, ws, rng, tiled, nk, nv, dk, dv, long):
+    """delta_rule(gnorm=...): the row kernel's GNORM form writes the gated RMSNorm
+    of its output in place, bit for bit what delta_rule then gated_rms_norm give
+    (and numpy's within rounding), with snapshots; its counters are left zero
+    (a second run gives the same); a norm weight outside A's buffer, or a step
+    of more than DELTA_NORM_ROWS rows, is not fused. long: 30 rows, runs longer
+    than a subgroup is wide."""
+    from vkengine.kernels.delta_rule import DELTA_NORM_ROWS, GatedNorm
+    slots, positions = ([1] * 20 + [3] * 10, list(range(5, 25)) + list(range(10))) if long else (STEP_SLOTS, STEP_POS)
+    n, n_slots, snap_rows = len(slots), 4, 6
+    groups = len(list(_groups(slots, positions)))
+    pos_off, slot_off = _rows_params(ws, slots, positions)
+    qk = (rng.standard_normal((n, 2, nk, dk)) * 3.0).astype(np.float32)
+    v = rng.standard_normal((n, nv, dv)).astype(np.float32)
+    conv = np.concatenate([qk.reshape(n, -1), v.reshape(n, -1)], 1)
+    cs = conv.shape[1]
+    ab = rng.standard_normal((n, 2 * nv)).astype(np.float32)
+    z = (rng.standard_normal((n, nv * dv + 5)) * 2).astype(np.float32)
+    A = -np.exp(rng.uniform(-1, 1, nv)).astype(np.float32)
+    dt = rng.standard_normal(nv).astype(np.float32)
+    w = rng.standard_normal(dv).astype(np.float32)
+    S0 = (rng.standard_normal((n_slots, nv, dv, dk)) * 0.5).astype(np.float32)
+    wr = ws.weight_region(np.concatenate([A, dt, w]))
+    cr, abr, zr = ws.act_region(conv.size, conv), ws.act_region(ab.size, ab), ws.act_region(z.size, z)
+    sync = ws.act_region(groups * nv, np.zeros(groups * nv, np.float32))
+    os_ = nv * dv + 2
+    outs, states, snaps = [], [], []
+    for form in ("unfused", "fused", "fused"):
+        orr, st = ws.act_region(n * os_), ws.act_region(S0.size, S0)
+        snap = ws.act_region(snap_rows * nv * dv * dk)
+        gn = GatedNorm(wr.at(2 * nv, dv), zr.at(5, z.size - 5), nv * dv + 5, 1e-6, sync)
+        prog = device.program()
+        fused = hk.delta_rule(prog, wr.at(0, nv), wr.at(nv, nv), cr, cr.at(nk * dk, 0), cr.at(2 * nk * dk, 0), cs,
+                              abr, abr.at(nv, 0), 2 * nv, orr, os_, nk, nv, dk, dv, n, groups, st, snap, snap_rows,
+                              ws.params, pos_off, slot_off, tiled, dk ** -0.5, chunked=False, qk_norm_eps=1e-6,
+                              gnorm=gn if form == "fused" else None)
+        assert fused == (form == "fused")
+        if not fused:
+            hk.gated_rms_norm(prog, wr.at(2 * nv, dv), orr, os_, zr.at(5, z.size - 5), nv * dv + 5, orr, os_, dv, nv,
+                              n, 1e-6)
+        prog.run()
+        got = ws.read(orr).reshape(n, os_)
+        assert np.isnan(got[:, nv * dv:]).all()
+        outs.append(got[:, :nv * dv])
+        states.append(ws.read(st))
+        snaps.append(ws.read(snap))
+        assert not ws.read(sync).view(np.uint32).any()
+    for i in (1, 2):
+        np.testing.assert_array_equal(outs[i], outs[0])
+        np.testing.assert_array_equal(states[i], states[0])
+        np.testing.assert_array_equal(snaps[i], snaps[0])
+    # numpy: the delta rule's output, then the gated norm
+    qkn = rh.l2_norm(qk.astype(np.float64))
+    hm = rh.head_map(nv, nk, tiled)
+    g, beta = rh.gdn_gates(ab[:, :nv], ab[:, nv:], A, dt)
+    want_o = np.zeros((n, nv, dv))
+    for slot, p0, a, b in _groups(slots, positions):
+        s0 = np.zeros((nv, dk, dv)) if p0 == 0 else S0[slot].transpose(0, 2, 1)
+        want_o[a:b] = rh.delta_rule_recurrent(qkn[a:b, 0][:, hm], qkn[a:b, 1][:, hm], v[a:b], g[a:b], beta[a:b],
+                                              s0, dk ** -0.5)[0]
+    want = rh.gated_rms_norm(want_o, z[:, 5:].reshape(n, nv, dv), w, 1e-6)
+    _close(outs[1].reshape(n, nv, dv), want, atol_scale=1e-4)
+    # a weight in another buffer: not fused
+    other = GatedNorm(ws.act_region(dv, w), zr.at(5, z.size - 5), nv * dv + 5, 1e-6, sync)
+    assert not hk.delta_takes_norm(other, wr.at(0, nv), cr.buf, nv, groups)
+    big = DELTA_NORM_ROWS + 1
+    pos_off, slot_off = _rows_params(ws, [0] * big, range(big))
+    prog = device.program()
+    assert not hk.delta_rule(prog, wr.at(0, nv), wr.at(nv, nv), ws.act_region(big * cs), cr.at(nk * dk, 0),
+                             cr.at(2 * nk * dk, 0), cs, abr, abr.at(nv, 0), 2 * nv, ws.act_region(big * os_), os_,
+                             nk, nv, dk, dv, big, 1, ws.act_region(S0.size), None, 0, ws.params, pos_off, slot_off,
+                             tiled, 1.0, chunked=False, gnorm=gn)
+
+
 # -- gated attention prologue: q/k RMSNorm + partial NEOX RoPE + KV write -----------------
 
 @pytest.mark.parametrize("hd,n_rot,k,v", [(32, 8, "f16", "f16"), (64, 16, "q8_0", "q8_0"), (128, 32, "q8_0", "f16"),

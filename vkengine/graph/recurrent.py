@@ -7,6 +7,7 @@ rolls back to the last accepted row)."""
 from __future__ import annotations
 
 from ..kernels import Region
+from ..kernels.delta_rule import GatedNorm
 from ..state import HybridState
 from .core import GraphBase
 
@@ -45,16 +46,25 @@ class RecurrentOps(GraphBase):
 
     def delta_rule(self, layer: int, conv: str, lin: str, a_col: int, b_col: int, out: str, a_log: Region,
                    dt_bias: Region, nk: int, nv: int, dk: int, dv: int, tiled: bool,
-                   qk_norm_eps: float | None = None) -> None:
+                   qk_norm_eps: float | None = None, gnorm: tuple[Region, str, int] | None = None) -> bool:
         """out = gated delta rule of conv's q, k, v with decay/beta inputs
         lin[:, a_col], lin[:, b_col], and the layer's state; q, k normalized
-        already, or (qk_norm_eps) L2-normalized on the way (Kernels.delta_rule)."""
+        already, or (qk_norm_eps) L2-normalized on the way (Kernels.delta_rule).
+        gnorm = (weight, z, z_col): then out = gated_rms_norm(out) with the gate
+        z[:, z_col:], taken by the kernel where it can (the scratch's zeroed
+        `dr_sync` counters; decode steps): returns whether it did, else the
+        caller runs gated_rms_norm."""
         st = self.rec
         c = self._r(conv)
-        self.k.delta_rule(self.p, a_log, dt_bias, c, c.at(nk * dk, 0), c.at(2 * nk * dk, 0), self.s.stride(conv),
-                           self._r(lin, a_col), self._r(lin, b_col), self.s.stride(lin), self._r(out),
-                           self.s.stride(out), nk, nv, dk, dv, self.n, self.n_groups, st.ssm(layer),
-                           st.ssm_snap(layer) if self.snap_rows else None, self.snap_rows, self.params,
-                           self.pl.positions, self.pl.slots, tiled, dk ** -0.5,
-                           qk_norm_eps=qk_norm_eps)
+        gn = None
+        if gnorm is not None and "dr_sync" in self.s.widths:
+            w, z, z_col = gnorm
+            sync = Region(self.s.buf, self.s.offsets["dr_sync"], self.n_groups * nv)
+            gn = GatedNorm(w, self._r(z, z_col), self.s.stride(z), self.eps, sync)
+        return self.k.delta_rule(self.p, a_log, dt_bias, c, c.at(nk * dk, 0), c.at(2 * nk * dk, 0),
+                                 self.s.stride(conv), self._r(lin, a_col), self._r(lin, b_col), self.s.stride(lin),
+                                 self._r(out), self.s.stride(out), nk, nv, dk, dv, self.n, self.n_groups,
+                                 st.ssm(layer), st.ssm_snap(layer) if self.snap_rows else None, self.snap_rows,
+                                 self.params, self.pl.positions, self.pl.slots, tiled, dk ** -0.5,
+                                 qk_norm_eps=qk_norm_eps, gnorm=gn)
 

@@ -6,6 +6,7 @@ speculative steps)."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from ..device import Buffer, Program
 from ..errors import VkEngineError
@@ -19,6 +20,20 @@ DELTA_CHUNK = 32          # C in delta_chunk.comp / delta_scan.comp: rows a chun
 DELTA_CHUNK_DK = 128      # DKMAX there: the largest key head size of the chunked form
 DELTA_SCAN_DVB = 16       # DVB in delta_scan.comp: state columns a workgroup
 DELTA_CHUNK_WG = 128      # invocations a workgroup of both
+DELTA_NORM_ROWS = 32      # the most rows of a step whose delta rule takes the gated norm (GNORM)
+
+
+@dataclass(frozen=True)
+class GatedNorm:
+    """The gated RMSNorm after a delta rule (Kernels.delta_rule's gnorm): its
+    weight (a head's width), the gate z (rows z_stride apart, a head's gate
+    where its output is), eps, and zeroed counter words (sync, one per sequence
+    and value head, left zero)."""
+    weight: Region
+    z: Region
+    z_stride: int
+    eps: float
+    sync: Region
 
 
 class DeltaRuleKernels(NormKernels):   # (its l2_norm before the chunked form)
@@ -79,7 +94,7 @@ class DeltaRuleKernels(NormKernels):   # (its l2_norm before the chunked form)
                    nk: int, nv: int, dk: int, dv: int, n_rows: int, n_groups: int, state: Region,
                    snap: Region | None, snap_rows: int, params: Buffer, pos_off: int, slot_off: int,
                    tiled: bool, scale: float, label: str = "delta_rule", chunked: bool | None = None,
-                   qk_norm_eps: float | None = None) -> None:
+                   qk_norm_eps: float | None = None, gnorm: GatedNorm | None = None) -> bool:
         """Gated delta rule over the rows of up to n_groups sequences (runs of equal
         slots); state [slot][nv][dv][dk] fp32; `a_log` holds A = -exp(A_log).
         chunked: in chunks of DELTA_CHUNK rows (delta_chunk.comp, then
@@ -87,7 +102,11 @@ class DeltaRuleKernels(NormKernels):   # (its l2_norm before the chunked form)
         caps say (steps of delta_chunk_from rows or more), never with snapshots.
         qk_norm_eps: q and k are raw, L2-normalize them first (l2_norm's form, eps
         inside the root): in the row-at-a-time kernel itself, in place by l2_norm
-        before the chunked form (which leaves them normalized)."""
+        before the chunked form (which leaves them normalized).
+        gnorm: the gated RMSNorm that follows (gated_rms_norm of o in place), taken
+        by the row-at-a-time kernel where it can (delta_rule.comp's GNORM, steps of
+        up to DELTA_NORM_ROWS rows; o then holds its output): returns whether it
+        did (else the caller runs it)."""
         c = self.caps
         snap_rows = snap_rows if snap is not None else 0
         if nv % nk:
@@ -111,19 +130,28 @@ class DeltaRuleKernels(NormKernels):   # (its l2_norm before the chunked form)
                                     f"multiple of 8, not {dk}")
             self._delta_chunked(prog, act, a_log, dt_bias, q, k, v, qkv_stride, alpha, beta, ab_stride, o, o_stride,
                                 nk, nv, dk, dv, n_rows, n_groups, state, params, pos_off, slot_off, tiled, scale, label)
-            return
+            return False
         if dk > DELTA_MAX_PER_LANE * c.sg:
             raise VkEngineError(f"linear-attention key head size {dk} is not supported on subgroups of "
                                 f"{c.sg} (at most {DELTA_MAX_PER_LANE * c.sg})")
         if snap is not None and snap.buf is not state.buf:
             raise ValueError("recurrent state and its snapshots must share a buffer")
-        push = self._push("delta_rule", q_off=q.off, k_off=k.off, v_off=v.off, qkv_stride=qkv_stride, a_off=alpha.off,
+        # (the last subgroup of a sequence's head normalizes its rows one after another: steps of few rows)
+        fused = gnorm is not None and n_rows <= DELTA_NORM_ROWS and self.delta_takes_norm(gnorm, a_log, act, nv,
+                                                                                         n_groups)
+        variant = "delta_rule_gn" if fused else "delta_rule"
+        extra = {}
+        if fused:
+            assert gnorm is not None
+            extra = dict(z_off=gnorm.z.off, z_stride=gnorm.z_stride, gw_off=gnorm.weight.off,
+                         sync_off=gnorm.sync.off, g_eps=gnorm.eps)
+        push = self._push(variant, q_off=q.off, k_off=k.off, v_off=v.off, qkv_stride=qkv_stride, a_off=alpha.off,
                           b_off=beta.off, ab_stride=ab_stride, o_off=o.off, o_stride=o_stride, nk=nk, nv=nv, dk=dk,
                           dv=dv, n_rows=n_rows, n_groups=n_groups, wa_off=a_log.off, wdt_off=dt_bias.off,
                           state_off=state.off, slot_stride=nv * dv * dk, snap_off=snap.off if snap is not None else 0,
                           snap_rows=snap_rows, pos_off=pos_off, slot_off=slot_off, tiled=int(tiled), scale=scale,
-                          qk_norm=int(qk_norm_eps is not None), qk_eps=qk_norm_eps or 0.0)
-        alg = self._alg("delta_rule", [a_log.buf, act, params, state.buf], push, c.wg)
+                          qk_norm=int(qk_norm_eps is not None), qk_eps=qk_norm_eps or 0.0, **extra)
+        alg = self._alg(variant, [a_log.buf, act, params, state.buf] + ([act] if fused else []), push, c.wg)
         reads = [a_log.range, dt_bias.range, rows_range(q, n_rows, qkv_stride, nk * dk),
                  rows_range(k, n_rows, qkv_stride, nk * dk), rows_range(v, n_rows, qkv_stride, nv * dv),
                  rows_range(alpha, n_rows, ab_stride, nv), rows_range(beta, n_rows, ab_stride, nv),
@@ -131,7 +159,20 @@ class DeltaRuleKernels(NormKernels):   # (its l2_norm before the chunked form)
         writes = [rows_range(o, n_rows, o_stride, nv * dv), state.range]
         if snap is not None and snap_rows:
             writes.append(snap.range)
+        if fused:
+            assert gnorm is not None
+            reads += [gnorm.weight.range, rows_range(gnorm.z, n_rows, gnorm.z_stride, nv * dv)]
+            writes.append((gnorm.sync.buf, gnorm.sync.off * 4, (gnorm.sync.off + n_groups * nv) * 4))
+            label += "+gated_rms_norm"
         prog.dispatch(alg, push, self._grid(math.ceil(n_groups * nv * dv / c.items)), reads, writes, label)
+        return fused
+
+    def delta_takes_norm(self, gnorm: GatedNorm, a_log: Region, act: Buffer, nv: int, n_groups: int) -> bool:
+        """Whether the row-at-a-time delta rule can take the gated RMSNorm after it
+        (GNORM): its weight beside A's, the gate and the zeroed counters
+        (n_groups * nv words) in the activations' buffer."""
+        return (gnorm.weight.buf is a_log.buf and gnorm.z.buf is act and gnorm.sync.buf is act
+                and gnorm.sync.words >= n_groups * nv)
 
     def _delta_chunked(self, prog: Program, act: Buffer, a_log: Region, dt_bias: Region, q: Region, k: Region,
                        v: Region, qkv_stride: int, alpha: Region, beta: Region, ab_stride: int, o: Region,

@@ -108,7 +108,8 @@ LAYOUTS: dict[str, tuple[Push, tuple[tuple[str, Push], ...]]] = {
     "delta_rule.comp": (Push("""uint q_off, k_off, v_off, qkv_stride, a_off, b_off, ab_stride, o_off, o_stride, nk,
                                 nv, dk, dv, n_rows, n_groups, wa_off, wdt_off, state_off, slot_stride, snap_off,
                                 snap_rows, pos_off, slot_off, tiled; float scale; uint qk_norm;
-                                float qk_eps"""), ()),
+                                float qk_eps"""),
+                        (("GNORM", Push("uint z_off, z_stride, gw_off, sync_off; float g_eps")),)),
     "delta_chunk.comp": (Push("""uint q_off, k_off, v_off, qkv_stride, a_off, b_off, ab_stride, nk, nv, dk, dv, n_rows,
                                  wa_off, wdt_off, slot_off, tiled, g_off, w_off, u_off, aq_off"""), ()),
     "delta_scan.comp": (Push("""uint q_off, k_off, qkv_stride, o_off, o_stride, nk, nv, dk, dv, n_rows, n_groups,

@@ -40,8 +40,8 @@ if TYPE_CHECKING:
 def _scratch_widths(a: Qwen35Args) -> dict[str, int]:
     D, k = a.n_embd, a.n_expert_used
     w = {"x": D, "h": D}
-    if a.rec_layers:
-        w.update(lin=a.lin_width, conv=a.conv_dim, o=a.nv * a.dv)
+    if a.rec_layers:   # (dr_sync: the delta rule's counters, where it takes the gated norm)
+        w.update(lin=a.lin_width, conv=a.conv_dim, o=a.nv * a.dv, dr_sync=a.nv)
     w.update(aqkv=2 * a.n_head * a.head_dim + 2 * a.n_head_kv * a.head_dim, q=a.n_head * a.head_dim,
              att=a.n_head * a.head_dim)
     if a.moe:
@@ -67,10 +67,11 @@ def _linear_attn(g: Graph, a: Qwen35Args, L: LinearAttn, layer: int) -> tuple[Ma
     g.conv1d(layer, "lin", "conv", L.conv, a.conv_dim, a.conv_kernel)
     z_col = a.conv_dim
     b_col = z_col + a.nv * a.dv
-    # q and k heads L2-normalized by the delta rule (in its decode kernel, no dispatch of their own)
-    g.delta_rule(layer, "conv", "lin", b_col + a.nv, b_col, "o", L.a, L.dt, a.nk, a.nv, a.dk, a.dv,
-                 a.v_heads_tiled, qk_norm_eps=1e-6)
-    g.gated_rms_norm("o", "lin", z_col, L.norm, a.dv, a.nv)
+    # q and k heads L2-normalized by the delta rule (in its decode kernel, no dispatch of their own), and the
+    # gated norm after it there too
+    if not g.delta_rule(layer, "conv", "lin", b_col + a.nv, b_col, "o", L.a, L.dt, a.nk, a.nv, a.dk, a.dv,
+                        a.v_heads_tiled, qk_norm_eps=1e-6, gnorm=(L.norm, "lin", z_col)):
+        g.gated_rms_norm("o", "lin", z_col, L.norm, a.dv, a.nv)
     return L.out, "o"
 
 
