@@ -9,8 +9,9 @@
 // itself from f32 weights, each as one serial fp32 sum over the hidden size in
 // index order with no fused multiply-add (`precise`), so the choice does not
 // depend on the device, its subgroup size or the batch; it stores them in l[r].
-// One subgroup per row; lane j owns experts j, j + S, ... (at most 64: E <= 64 S).
+// One subgroup per row (moe_route.glsl: lane j owns experts j, j + S, ..., at most 64).
 #include "common.glsl"
+#include "moe_route.glsl"
 
 layout(binding = 0) readonly buffer Wq { float wf[]; };
 layout(binding = 1) buffer Act { float act[]; };
@@ -25,17 +26,15 @@ layout(push_constant) uniform P {
     float w_scale;
 } p;
 
-#define KMAX 16
 const uint NONE = 0xffffffffu;
 
 void main() {
     uvec2 items = workgroup_items(p.rows);
-    uint lane = gl_SubgroupInvocationID;
     for (uint r = items.x + gl_SubgroupID; r < items.y; r += gl_NumSubgroups) {
         uint lb = p.l_off + r * p.l_stride;
 #if FIXED
         uint hb = p.h_off + r * p.h_stride;
-        for (uint e = lane; e < p.E; e += gl_SubgroupSize) {
+        for (uint e = gl_SubgroupInvocationID; e < p.E; e += gl_SubgroupSize) {
             precise float acc = 0.0;
             for (uint d = 0u; d < p.D; d++) {
                 precise float prod = act[hb + d] * wf[p.w_off + e * p.D + d];
@@ -44,38 +43,12 @@ void main() {
             act[lb + e] = acc;
         }
 #endif
-        // a lane's experts e = lane + j * S are marked taken in bit j of its mask
-        // (no rescan of the earlier winners: that loop over sel[] held
-        // the decode step's router at ~125 us a layer on the H200)
-        uvec2 taken = uvec2(0u);
-        float selv[KMAX];
-        uint sel[KMAX];
-        for (uint t = 0u; t < p.k; t++) {
-            float best = -1.0 / 0.0;
-            uint bi = NONE;
-            for (uint e = lane, j = 0u; e < p.E; e += gl_SubgroupSize, j++) {
-                float v = act[lb + e];
-                bool free_ = ((j < 32u ? taken.x >> j : taken.y >> (j - 32u)) & 1u) == 0u;
-                if (free_ && (bi == NONE || v > best)) { best = v; bi = e; }
-            }
-            float m = subgroupMax(bi == NONE ? -1.0 / 0.0 : best);
-            uint win = subgroupMin(bi != NONE && best == m ? bi : NONE);
-            if (win == bi) {
-                uint j = (win - lane) / gl_SubgroupSize;
-                if (j < 32u) taken.x |= 1u << j; else taken.y |= 1u << (j - 32u);
-            }
-            sel[t] = win;
-            selv[t] = m;
-        }
-        float sum = 0.0;
-        for (uint t = 0u; t < p.k; t++) sum += exp(selv[t] - selv[0]);
-        if (subgroupElect()) {
-            uint yb = p.y_off + r * p.y_stride;
-            for (uint t = 0u; t < p.k; t++) {
-                actu[yb + t] = sel[t];
-                act[yb + p.k + t] = exp(selv[t] - selv[0]) / sum * p.w_scale;
-                if (p.rec_off != NONE) actu[p.rec_off + r * p.rec_stride + t] = sel[t];
-            }
-        }
+#define RL(e) act[lb + (e)]
+#define RPUT(t, id, w) { \
+            uint yb_ = p.y_off + r * p.y_stride; \
+            actu[yb_ + (t)] = (id); \
+            act[yb_ + p.k + (t)] = (w); \
+            if (p.rec_off != NONE) actu[p.rec_off + r * p.rec_stride + (t)] = (id); }
+        MOE_ROUTE_ROW(RL, p.E, p.k, p.w_scale, RPUT)
     }
 }

@@ -122,6 +122,22 @@ layout(binding = 7) readonly restrict buffer XQD { float xqd[]; };
 #define XQ2_OFF p.rope_row0
 #endif
 #endif
+// ROUTE (the "r" variants, a MoE router's logits; NORM_CODE, no other
+// epilogue): then, by the workgroup that finishes last (counted as NORM's),
+// each column's top-k experts and their weights (moe_router.comp's choice,
+// moe_route.glsl) into route rows: ids (uint words) at ROUTE_OFF + column *
+// ROUTE_STRIDE, weights ROUTE_K words after them; one dispatch and barrier
+// less than a moe_router of its own. Its fields ride in the RoPE words.
+#ifdef ROUTE
+#if !NORM_CODE
+#error "ROUTE needs the epilogue variants' coherent y"
+#endif
+#include "moe_route.glsl"
+#define ROUTE_OFF p.rope_row0
+#define ROUTE_STRIDE p.n_q
+#define ROUTE_K p.n_k
+#define ROUTE_SCALE p.eps
+#endif
 #include "mul_mv_push.glsl"
 
 #include "quant.glsl"
@@ -525,6 +541,27 @@ void main() {
                 }
             }
             if (L == 0u) actu[p.sync_off] = 0u;
+        }
+    }
+#endif
+#ifdef ROUTE
+    {
+        memoryBarrierBuffer();
+        barrier();
+        if (gl_LocalInvocationID.x == 0u) {
+            uint total = gl_NumWorkGroups.x * gl_NumWorkGroups.y * gl_NumWorkGroups.z;
+            s_last = atomicAdd(actu[p.sync_off], 1u) == total - 1u ? 1u : 0u;
+        }
+        barrier();
+        if (s_last != 0u) {
+            memoryBarrierBuffer();
+            for (uint c = gl_SubgroupID; c < p.N; c += gl_NumSubgroups) {
+                uint lb = p.y_off + c * p.y_stride, rb = ROUTE_OFF + c * ROUTE_STRIDE;
+#define ZL(e) act[lb + (e)]
+#define ZPUT(t, id, w) { actu[rb + (t)] = (id); act[rb + ROUTE_K + (t)] = (w); }
+                MOE_ROUTE_ROW(ZL, p.M, ROUTE_K, ROUTE_SCALE, ZPUT)
+            }
+            if (gl_LocalInvocationID.x == 0u) actu[p.sync_off] = 0u;
         }
     }
 #endif

@@ -92,6 +92,10 @@ TILE_SMALL = (4, 4)
 # this define: the cooperative-matrix kernels (mul_mc.comp, attention_mc.comp),
 # run where Caps.coopmat says the device can.
 EXT_DEFINE = "GLSLC_EXT"
+# Weight types of MoE routers (llama.cpp keeps them unquantized) whose split-K
+# matvecs of up to 4 columns have ROUTE variants (mul_mvk{b}r_*, mul_mm{b}{2,4}r_*)
+ROUTE_TYPES = ("f32", "f16", "bf16", "q8_0")
+
 # Weight types whose split-K matvecs have XQ8 variants (mul_mvk{b}x_*,
 # mul_mm{b}{2,4,8}x_*: x quantized to 8 bits by quantize_q8.comp, integer dot
 # products; GL_EXT_integer_dot_product needs the newer glslc too). They have
@@ -180,6 +184,8 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
                 t[name] = ("mul_mvk.comp", {**d, **extra, "NCOLS": nc, "UNROLL": unroll, "RPS": rps, "BFLY": bf})
                 # the RMSNorm split between producer and consumers (Caps.norm_in)
                 t[name.replace(f"_{wt}", f"n_{wt}")] = ("mul_mvk.comp", {**t[name][1], "NORM_IN": 1})
+                if wt in ROUTE_TYPES and nc <= 4:   # a MoE router's logits, then its choice (the "r" variants)
+                    t[name.replace(f"_{wt}", f"r_{wt}")] = ("mul_mvk.comp", {**t[name][1], "ROUTE": 1})
                 if wt in NORM_PARTS_TYPES:
                     t[name.replace(f"_{wt}", f"p_{wt}")] = ("mul_mvk.comp", {**t[name][1], "NORM_PARTS": 1})
                     # and h' as 8-bit blocks for an XQ8 reader (Caps.xq8_in)

@@ -390,6 +390,52 @@ def test_moe_router(device, hk, ws, rng, fixed, E, k):
         np.testing.assert_array_equal(ws.read(lr).reshape(rows, E), logits)
 
 
+@pytest.mark.parametrize("wt", ["f32", "f16", "q8_0"])
+@pytest.mark.parametrize("E, k, n", [(37, 5, 1), (256, 8, 3), (300, 10, 4)])
+def test_router_matvec_chooses_the_experts(device, ws, rng, wt, E, k, n):
+    """mul_mat(route=...): the GPUs' split-K router matvec (lavapipe, their caps
+    forced) writes the logits and, by its last workgroup, each row's experts and
+    weights: bit for bit what the same matvec then moe_router give, for 1-4
+    rows; its counter is left zero (a second run gives the same)."""
+    from .conftest import kernels_for
+
+    from vkengine.kernels import RouteOut
+    kn = kernels_for(device, tiled_from=None, multi_column_from=2, split_k=True)
+    if E > 64 * kn.min_subgroup():
+        pytest.skip(f"{E} experts: more than this device's router takes")
+    D = 64
+    raw, _ = random_quantized(wt, E, D, rng)
+    mat = upload_matrix(ws, wt, raw, E, D)
+    h = rng.standard_normal((n, D)).astype(np.float32)
+    hr = ws.act_region(h.size, h)
+    ls, rs = E + 3, 2 * k + 1
+    sync = ws.act_region(1, np.zeros(1, np.float32))
+    got = []
+    for form in ("apart", "fused", "fused"):
+        lr, rr = ws.act_region(n * ls), ws.act_region(n * rs)
+        prog = device.program()
+        rt = RouteOut(rr, rs, k, 1.5, sync)
+        assert kn.fuses_route(mat, n, lr, ls, rt)
+        if form == "fused":
+            kn.mul_mat(prog, mat, hr, D, lr, ls, n, route=rt)
+        else:
+            kn.mul_mat(prog, mat, hr, D, lr, ls, n)
+            kn.moe_router(prog, lr, ls, rr, rs, E, k, n, 1.5)
+        prog.run()
+        got.append((ws.read(lr).reshape(n, ls)[:, :E], ws.read(rr).reshape(n, rs)[:, :2 * k]))
+        assert not ws.read(sync).view(np.uint32).any()
+    for lg, rt_ in got[1:]:
+        np.testing.assert_array_equal(lg, got[0][0])
+        np.testing.assert_array_equal(rt_.view(np.uint32), got[0][1].view(np.uint32))
+    want_ids, want_w = rh.route(got[0][0], k, 1.5)
+    np.testing.assert_array_equal(got[1][1][:, :k].view(np.uint32), want_ids)
+    _close(got[1][1][:, k:], want_w, atol_scale=1e-6)
+    # not for 5 rows (no epilogue variant), nor a weight type without ROUTE variants
+    assert not kn.fuses_route(mat, 5, lr, ls, rt)
+    raw4, _ = random_quantized("q4_0", E, D, rng)
+    assert not kn.fuses_route(upload_matrix(ws, "q4_0", raw4, E, D), n, lr, ls, rt)
+
+
 def test_moe_bias(device, hk, ws, rng):
     """Each routed expert's bias row (gpt-oss) added to its slot of a row's
     expert outputs, the expert id from the router's route words."""

@@ -200,6 +200,8 @@ def test_gpu_decode_path(device, models, arch):
     # dispatch of its own but the first layer's and the head's
     fused = {lb for lb in labels if lb.startswith("mul_mat_id") and lb.endswith("+rms_norm")}
     assert bool(fused) == (arch in ("qwen3moe", "mixtral")), labels
+    # and the router's matvec chooses the experts (no moe_router dispatch in decode steps)
+    assert ("mul_mat rl<-h+moe_router" in labels) == (arch in ("qwen3moe", "mixtral")), labels
 
 
 @pytest.mark.parametrize("arch", ARCHES)

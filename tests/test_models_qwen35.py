@@ -86,6 +86,43 @@ def test_prefill_equals_step_by_step_decode(device, qwen35_loaded, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHES)
+def test_gpu_decode_path(device, qwen35_loaded, arch):
+    """The GPUs' decode path, on lavapipe with their caps (split-K matvecs taking
+    the RMSNorms after the residual adds, the routed experts' COMBINE taking the
+    next layer's norm, the router's choice by its matvec, the delta rule taking
+    the gated norm): decode steps match the numpy reference, and four sequences
+    decoding in one step give bit for bit the logits each gives alone (two
+    engines: a recurrent state steps forward only)."""
+    from vkengine.kernels import Caps
+
+    from .test_models import GPU_DECODE
+    caps = dataclasses.replace(Caps.detect(device), **GPU_DECODE, split_attention=True, attention_dec=True,
+                               attn_items=16, xq8_in=False)
+    m = qwen35_loaded(arch)
+    cfg = EngineConfig(n_slots=4, n_ctx=128, max_batch=64, max_out=64, options=Options(expert_tiles=False))
+    eng = Engine(m, device, cfg, caps=caps)
+    ids = m.tokenizer.encode(PROMPT)[:12]
+    want = RefQwen35(m.file, m.args).logits(ids)
+    steps = np.stack([eng.step([t], [p], [1], [0], Readback.LOGITS)[0] for p, t in enumerate(ids)])
+    _assert_logits_close(steps, want)
+    prompts = [m.tokenizer.encode(t) for t in ("Hello there", "Once upon a time", "def f(x):", "1, 2, 3,")]
+    engines = [eng, Engine(m, device, cfg, caps=caps)]
+    for e in engines:
+        for s, p in enumerate(prompts):
+            e.prefill(p[:-1], s)
+    alone = np.stack([eng.step([p[-1]], [len(p) - 1], [s], [0], Readback.LOGITS)[0] for s, p in enumerate(prompts)])
+    both = engines[1].step([p[-1] for p in prompts], [len(p) - 1 for p in prompts], [0, 1, 2, 3], range(4),
+                           Readback.LOGITS)
+    np.testing.assert_array_equal(both, alone)
+    labels = {op.label for prog in eng._programs.values() for op in prog.ops if op.kind == "dispatch"}
+    assert "delta_rule+gated_rms_norm" in labels and "mul_mat x<-o+rms_norm" in labels, labels
+    if arch == "qwen35moe":
+        assert "mul_mat rl<-h+moe_router" in labels and "mul_mat_id x+=moe<-ff_e+rms_norm" in labels, labels
+    for e in engines[1:]:
+        e.close()
+
+
+@pytest.mark.parametrize("arch", ARCHES)
 def test_chunked_prefill_equals_single_prefill(device, qwen35_loaded, arch):
     """The recurrent and conv states carry over between chunks of odd size."""
     m, eng = _engine(device, qwen35_loaded(arch, "gguf"), max_batch=5)

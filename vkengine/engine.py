@@ -155,7 +155,7 @@ class Engine:
             raise VkEngineError(f"{e}: reduce the context length (--ctx) or the sequences held on the "
                                 "device at once (--parallel, --slots)") from e
         self.scratch = Scratch(device.buffer(words * 4, "device", "scratch"), widths, max_rows, self.max_out)
-        for name in ("out_sync", "out_attn_sync", "norm_q8_sync", "dr_sync"):   # counters left zero, zeroed once
+        for name in ("out_sync", "out_attn_sync", "norm_q8_sync", "dr_sync", "rt_sync"):   # counters left zero
             if name in widths:
                 rows = self.max_out if name.startswith("out_") else max_rows
                 device.upload(self.scratch.buf, np.zeros(self.scratch.strides[name] * rows, np.uint32),

@@ -3,7 +3,7 @@ matvec per pair in decode steps, expert-major in prompt steps), their
 weighted sum, and the SwiGLU of each routed expert."""
 from __future__ import annotations
 
-from ..kernels import Matrix, NormOut, Region
+from ..kernels import Matrix, NormOut, Region, RouteOut
 from ..kernels.moe import MM_ID_COLS
 from .core import GraphBase
 
@@ -21,6 +21,24 @@ class MoeOps(GraphBase):
         rec, rec_stride = (None, 0) if record is None else (self._r(*record), self.s.stride(record[0]))
         self.k.moe_router(self.p, self._r(logits), self.s.stride(logits), self._r(route), self.s.stride(route),
                            n_expert, k, self._rows(route), w_scale, rec, rec_stride, fx)
+
+    def router(self, w: Matrix, h: str, logits: str, route: str, n_expert: int, k: int,
+               w_scale: float = 1.0) -> None:
+        """The router's logits of h into `logits`, then (moe_route) each row's
+        top-k experts and weights into `route`: by the matvec's last workgroup
+        where it can (Kernels.fuses_route: GPUs' decode steps; the scratch's
+        zeroed `rt_sync` word), else a moe_router dispatch after it."""
+        if "rt_sync" in self.s.widths:
+            rt = RouteOut(self._r(route), self.s.stride(route), k, w_scale,
+                          Region(self.s.buf, self.s.offsets["rt_sync"], 1))
+            y, ys, n = self._r(logits), self.s.stride(logits), self._rows(h)
+            if w.rows == n_expert and self.k.fuses_route(w, n, y, ys, rt):
+                self.k.mul_mat(self.p, w, self._r(h), self.s.stride(h), y, ys, n, route=rt,
+                               label=f"mul_mat {logits}<-{h}+moe_router")
+                return
+        self.k.mul_mat(self.p, w, self._r(h), self.s.stride(h), self._r(logits), self.s.stride(logits),
+                       self._rows(h), label=f"mul_mat {logits}<-{h}")
+        self.moe_route(logits, route, n_expert, k, w_scale)
 
     def moe_sort(self, route: str, k: int, n_expert: int, bn: int = 0) -> None:
         """Group the step's (row, slot) pairs by expert into `elist` / `ecnt`

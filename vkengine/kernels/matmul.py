@@ -15,6 +15,7 @@ from shaders.variants import (
     MC_TILE,
     MM_GPU_COLS,
     NORM_PARTS_TYPES,
+    ROUTE_TYPES,
     SG_ROWS,
     TILE,
     TILE_SMALL,
@@ -24,7 +25,7 @@ from shaders.variants import (
 
 from ..device import Buffer, Program
 from .base import KernelBase
-from .types import Matrix, NormIn, NormOut, NormParts, Q8Out, Region, RopeOut, q8_words, rows_range
+from .types import Matrix, NormIn, NormOut, NormParts, Q8Out, Region, RopeOut, RouteOut, q8_words, rows_range
 
 # split K's largest scratch of partial sums (fewer parts beyond), and the
 # column multiple of its parts (a multiple of every kernel's K slice and unit span)
@@ -68,6 +69,17 @@ class MatmulKernels(KernelBase):
         return (self._epilogue_matvec(w, n) and w.rows % 4 == 0
                 and not (y.off % 4 or y_stride % 4 or norm.h.off % 4 or norm.h_stride % 4 or norm.weight.off % 4)
                 and norm.sync.buf is y.buf and norm.h.buf is y.buf)
+
+    def fuses_route(self, w: Matrix, n: int, y: Region, y_stride: int, route: RouteOut) -> bool:
+        """Whether mul_mat(route=...) can choose a MoE router's experts from the
+        logits it makes (the "r" variants: GPUs, decode steps of up to
+        NORM_MAX_ROWS rows, router weight types ROUTE_TYPES; the router's limits:
+        k <= ROUTER_KMAX, E <= 64 lanes of the smallest subgroup)."""
+        from .moe import ROUTER_KMAX
+        E = w.rows
+        return (self._epilogue_matvec(w, n) and w.type in ROUTE_TYPES and 1 <= route.k <= min(E, ROUTER_KMAX)
+                and E <= 64 * self.min_subgroup() and route.route.buf is y.buf and route.sync.buf is y.buf
+                and y_stride >= E)
 
     def fuses_norm_in(self, w: Matrix, n: int, slots: Region) -> bool:
         """Whether mul_mat(norm_in=...) can read a NormParts' h' as its norm
@@ -183,7 +195,8 @@ class MatmulKernels(KernelBase):
     def mul_mat(self, prog: Program, w: Matrix, x: Region, x_stride: int, y: Region, y_stride: int,
                 n: int, accumulate: bool = False, label: str = "", glu: bool = False,
                 norm: NormOut | None = None, rope: RopeOut | None = None, no_epilogues: bool = False,
-                norm_in: NormIn | None = None, norm_parts: NormParts | None = None) -> None:
+                norm_in: NormIn | None = None, norm_parts: NormParts | None = None,
+                route: RouteOut | None = None) -> None:
         """y[c][:M] (+)= W @ x[c][:K] for c < n (x rows K floats, y rows M floats).
         glu: W is gate over up (M = 2F) and y[c][:F] = silu(gate @ x[c]) * (up @ x[c])
         (only where fuses_glu). norm (with accumulate, where fuses_norm): then
@@ -196,7 +209,12 @@ class MatmulKernels(KernelBase):
         never fuses a norm or RoPE into this matrix, at any step size. Such a
         matrix, and a gate|up with glu, may take the XQ8 variants (which have
         no epilogue but the SwiGLU) and then take them at every step size, so
-        batched rows still equal single ones."""
+        batched rows still equal single ones. route (where fuses_route, nothing
+        else fused): y is a MoE router's logits, and each row's top-k experts
+        and weights go to route.route as moe_router writes them."""
+        if route is not None and (accumulate or glu or norm is not None or rope is not None or norm_in is not None
+                                  or norm_parts is not None or not self.fuses_route(w, n, y, y_stride, route)):
+            raise ValueError("mul_mat: this matrix and step cannot choose the router's experts")
         if glu and (accumulate or not self.fuses_glu(w, n)):
             raise ValueError("mul_mat: this matrix and step cannot fuse the gated linear unit")
         if norm is not None and (not accumulate or glu or not self.fuses_norm(w, n, y, y_stride, norm)):
@@ -250,6 +268,9 @@ class MatmulKernels(KernelBase):
             pc.update(rope_row0=pq.q.off, n_q=pq.d_off, n_k=pq.sync.off, head_dim=pq.s_off, n_rot=pq.q2_off)
         elif norm_in is not None and norm_in.q8 is not None:   # "nx": the second plane (XQ2_OFF)
             pc.update(rope_row0=norm_in.q8.q2_off)
+        elif route is not None:   # (mul_mvk.comp's ROUTE_OFF ...: the RoPE words, and eps)
+            pc.update(rope_row0=route.route.off, n_q=route.route_stride, n_k=route.k, eps=route.w_scale,
+                      sync_off=route.sync.off)
         elif rope is not None:
             r = rope
             pc.update(rope_row0=r.row0, n_q=r.n_head * r.head_dim, n_k=r.n_kv * r.head_dim, head_dim=r.head_dim,
@@ -281,6 +302,8 @@ class MatmulKernels(KernelBase):
         if norm is not None:
             reads += [norm.weight.range, norm.sync.range]
             writes += [rows_range(norm.h, n, norm.h_stride, w.rows), norm.sync.range]
+        if route is not None:
+            writes += [rows_range(route.route, n, route.route_stride, 2 * route.k), route.sync.range]
         if rope is not None:   # q rows of q_out (all of them: conservative), the caches
             r = rope
             reads += [r.table.range, (r.params, min(r.pos_off, r.slot_off) * 4, (max(r.pos_off, r.slot_off) + n) * 4)]
@@ -313,6 +336,8 @@ class MatmulKernels(KernelBase):
                 bufs.append(qbuf)
             elif norm_in is not None:   # the "n" variants
                 variant = variant.replace(f"_{w.type}", f"n_{w.type}")
+            elif route is not None:   # the "r" variants
+                variant = variant.replace(f"_{w.type}", f"r_{w.type}")
             elif norm_parts is not None:   # the "p" variants ("pq": and h' as 8-bit blocks)
                 variant = variant.replace(f"_{w.type}", f"{'pq' if pq is not None else 'p'}_{w.type}")
                 pc.update(sq_stride=norm_parts.slot_stride)

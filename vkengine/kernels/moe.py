@@ -17,7 +17,7 @@ from ..errors import VkEngineError
 from .base import KernelBase
 from .types import NO_MAP, Matrix, NormOut, Region, rows_range
 
-ROUTER_KMAX = 16       # KMAX in moe_router.comp
+ROUTER_KMAX = 16       # MOE_ROUTE_KMAX in moe_route.glsl
 MM_ID_COLS = 8         # NCOLS in mul_mm_id.comp: the pairs of an expert one pass over its rows serves
 
 

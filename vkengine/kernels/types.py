@@ -103,6 +103,19 @@ class NormOut:
 
 
 @dataclass(frozen=True)
+class RouteOut:
+    """What a MoE router's matvec writes after its logits (mul_mat's route,
+    mul_mvk.comp's ROUTE): each row's top-k expert ids and weights (times
+    w_scale) into route rows `route_stride` apart, as moe_router does; `sync`
+    is a zeroed word of the activation buffer its workgroups count themselves on."""
+    route: Region
+    route_stride: int
+    k: int
+    w_scale: float
+    sync: Region
+
+
+@dataclass(frozen=True)
 class NormParts:
     """What a residual add's matvec writes for the RMSNorm after it (the "p"
     variants): h'[r] = y[r] * weight (rows h_stride apart) and, per row r,

@@ -256,7 +256,7 @@ def _moe_widths(a: LlamaArgs) -> dict[str, int]:
     expert's [gate | up], SwiGLU and output, moe_sort's lists, counts and work list."""
     k, E = a.n_expert_used, a.n_expert
     return {"rl": E, "route": 2 * k, "gu_e": k * 2 * a.n_ff_exp, "ff_e": k * a.n_ff_exp, "dn_e": k * a.n_embd,
-            "elist": E, "ecnt": E, "eblk": 2 * k + 1}
+            "elist": E, "ecnt": E, "eblk": 2 * k + 1, "rt_sync": 1}
 
 
 def _experts(g: Graph, a: LlamaArgs, X: Experts, next_norm: Region | None) -> bool:
@@ -264,8 +264,7 @@ def _experts(g: Graph, a: LlamaArgs, X: Experts, next_norm: Region | None) -> bo
     next_norm: the next layer's attention norm, into h, which the experts' down
     projection takes where it runs fused (mul_mv_id's COMBINE: decode rows on
     GPUs); returns whether it did."""
-    g.matmul(X.router, "h", "rl")
-    g.moe_route("rl", "route", a.n_expert, a.n_expert_used)
+    g.router(X.router, "h", "rl", "route", a.n_expert, a.n_expert_used)
     return g.routed_experts(X.gate_up, X.down, a.n_expert, a.n_expert_used, a.n_ff_exp,
                             norm=(next_norm, "h") if next_norm is not None else None)
 

@@ -46,7 +46,8 @@ def _scratch_widths(a: Qwen35Args) -> dict[str, int]:
              att=a.n_head * a.head_dim)
     if a.moe:
         w.update(rl=a.n_expert, route=2 * k, gu_e=k * 2 * a.n_ff_exp, ff_e=k * a.n_ff_exp, dn_e=k * D,
-                 elist=a.n_expert, ecnt=a.n_expert, eblk=2 * k + 1, gu_s=2 * a.n_ff_shexp, ff_s=a.n_ff_shexp, sg=1)
+                 elist=a.n_expert, ecnt=a.n_expert, eblk=2 * k + 1, gu_s=2 * a.n_ff_shexp, ff_s=a.n_ff_shexp, sg=1,
+                 rt_sync=1)
         if a.fixed_experts:
             w["rec"] = (len(a.moe_layers) + a.n_nextn) * k
     else:
@@ -97,12 +98,15 @@ def _moe(g: Graph, a: Qwen35Args, F: MoeFfn, record_col: int | None, next_norm: 
     record = ("rec", record_col) if record_col is not None else None
     if F.router_f32 is not None:                              # parity mode: fixed-order fp32 logits
         g.moe_route("rl", "route", a.n_expert, k, a.expert_weights_scale, fixed=(F.router_f32, "h"), record=record)
+    elif record is None:                                      # (the choice by the logits' matvec where it can)
+        assert F.router is not None
+        g.router(F.router, "h", "rl", "route", a.n_expert, k, a.expert_weights_scale)
     else:
         assert F.router is not None
         g.matmul(F.router, "h", "rl")
     g.gate_up_swiglu(F.sh_gate_up, "h", "gu_s", "ff_s")      # shared expert, gated by sigmoid(h . w)
     g.matmul(F.sh_gate, "h", "sg")
-    if F.router_f32 is None:
+    if F.router_f32 is None and record is not None:
         g.moe_route("rl", "route", a.n_expert, k, a.expert_weights_scale, record=record)
     g.row_gate("ff_s", "sg")
     g.matmul(F.sh_down, "ff_s", "x", accumulate=True)
