@@ -7,7 +7,9 @@ layout(push_constant) uniform P {
     uint y_off, y_stride;   // floats
     uint flags;             // 1: add into y (fused residual); split-K variants:
                             // 2 gated linear unit (GLU), 4 RMSNorm of y (NORM),
-                            // 8 RoPE and KV-cache write instead of y (ROPE)
+                            // 8 RoPE and KV-cache write instead of y (ROPE),
+                            // 16 the sums gated by sigmoid(g[column]) (GATE: g's
+                            // offset and stride in rope_row0, n_q)
     uint h_off, h_stride;   // NORM: output rows (floats; multiples of 4)
     uint nw_off, sync_off;  // NORM: weight (vec4 binding 3, floats), counter (words of y's buffer)
     float eps;

@@ -397,9 +397,9 @@ def test_router_matvec_chooses_the_experts(device, ws, rng, wt, E, k, n):
     forced) writes the logits and, by its last workgroup, each row's experts and
     weights: bit for bit what the same matvec then moe_router give, for 1-4
     rows; its counter is left zero (a second run gives the same)."""
-    from .conftest import kernels_for
-
     from vkengine.kernels import RouteOut
+
+    from .conftest import kernels_for
     kn = kernels_for(device, tiled_from=None, multi_column_from=2, split_k=True)
     if E > 64 * kn.min_subgroup():
         pytest.skip(f"{E} experts: more than this device's router takes")
@@ -434,6 +434,36 @@ def test_router_matvec_chooses_the_experts(device, ws, rng, wt, E, k, n):
     assert not kn.fuses_route(mat, 5, lr, ls, rt)
     raw4, _ = random_quantized("q4_0", E, D, rng)
     assert not kn.fuses_route(upload_matrix(ws, "q4_0", raw4, E, D), n, lr, ls, rt)
+
+
+@pytest.mark.parametrize("wt", ["q4_0", "q8_0", "f16"])
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_matvec_gated_by_a_sigmoid(device, ws, rng, wt, n):
+    """mul_mat(gate=...) on the GPUs' split-K matvecs (lavapipe, their caps
+    forced): y[c] += sigmoid(g[c]) * (W @ x[c]), within rounding of sigmoid_mul
+    then the matvec (Qwen3.5's shared expert)."""
+    from .conftest import kernels_for
+    kn = kernels_for(device, tiled_from=None, multi_column_from=2, split_k=True)
+    M, K = 40, 64
+    raw, wf = random_quantized(wt, M, K, rng)
+    mat = upload_matrix(ws, wt, raw, M, K)
+    assert kn.fuses_gate(mat, n) and not kn.fuses_gate(mat, 5)
+    x = rng.standard_normal((n, K)).astype(np.float32)
+    g = rng.standard_normal((n, 3)).astype(np.float32) * 2
+    y0 = rng.standard_normal((n, M + 4)).astype(np.float32)
+    xr, gr = ws.act_region(x.size, x), ws.act_region(g.size, g)
+    yf, yu = ws.act_region(y0.size, y0), ws.act_region(y0.size, y0)
+    xu = ws.act_region(x.size, x)
+    prog = device.program()
+    kn.mul_mat(prog, mat, xr, K, yf, M + 4, n, accumulate=True, gate=(gr, 3))
+    kn.sigmoid_mul(prog, xu, K, gr, 3, K, 0, 0, xu, K, K, n)
+    kn.mul_mat(prog, mat, xu, K, yu, M + 4, n, accumulate=True)
+    prog.run()
+    got, unfused = ws.read(yf).reshape(n, M + 4), ws.read(yu).reshape(n, M + 4)
+    want = y0[:, :M] + rh.sigmoid(g[:, :1]) * (x.astype(np.float64) @ wf.astype(np.float64).T)
+    _close(got[:, :M], want, atol_scale=1e-5)
+    _close(got[:, :M], unfused[:, :M], atol_scale=1e-6)
+    np.testing.assert_array_equal(got[:, M:], y0[:, M:])
 
 
 def test_moe_bias(device, hk, ws, rng):

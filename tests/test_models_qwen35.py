@@ -114,10 +114,17 @@ def test_gpu_decode_path(device, qwen35_loaded, arch):
     both = engines[1].step([p[-1] for p in prompts], [len(p) - 1 for p in prompts], [0, 1, 2, 3], range(4),
                            Readback.LOGITS)
     np.testing.assert_array_equal(both, alone)
-    labels = {op.label for prog in eng._programs.values() for op in prog.ops if op.kind == "dispatch"}
+    # (the decode steps' programs: keys start with their rows; the prompts' took the separate ops)
+    labels = {op.label for key, prog in eng._programs.items() if key[0] <= 4 for op in prog.ops
+              if op.kind == "dispatch"}
     assert "delta_rule+gated_rms_norm" in labels and "mul_mat x<-o+rms_norm" in labels, labels
     if arch == "qwen35moe":
         assert "mul_mat rl<-h+moe_router" in labels and "mul_mat_id x+=moe<-ff_e+rms_norm" in labels, labels
+        # (the shared expert's gate in its down projection: sigmoid_mul only for the attention heads' gates)
+        one = next(p for k, p in eng._programs.items() if k[0] == 1)
+        n_full = sum(1 for op in one.ops if op.label == "mul_mat aqkv<-h")
+        assert "mul_mat x<-ff_s*sigmoid(sg)" in labels and "moe_router" not in labels, labels
+        assert sum(1 for op in one.ops if op.label == "sigmoid_mul") == n_full
     for e in engines[1:]:
         e.close()
 

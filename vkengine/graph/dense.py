@@ -246,6 +246,18 @@ class DenseOps(GraphBase):
         self.k.sigmoid_mul(self.p, self._r(x), self.s.stride(x), self._r(qkv, head_dim), self.s.stride(qkv),
                             head_dim, 2 * head_dim, 1, self._r(x), self.s.stride(x), n, self._rows(x))
 
+    def matmul_gated(self, w: Matrix, x: str, out: str, g: str) -> None:
+        """out[r] += sigmoid(g[r][0]) * (w @ x[r]): by the matvec where it can
+        (Kernels.fuses_gate: GPUs' decode steps), else row_gate of x then matmul."""
+        n = self._rows(x)
+        if self.k.fuses_gate(w, n):
+            self.k.mul_mat(self.p, w, self.s.region(x), self.s.stride(x), self.s.region(out), self.s.stride(out), n,
+                           accumulate=True, gate=(self._r(g), self.s.stride(g)),
+                           label=f"mul_mat {out}<-{x}*sigmoid({g})")
+            return
+        self.row_gate(x, g)
+        self.matmul(w, x, out, accumulate=True)
+
     def row_gate(self, x: str, g: str) -> None:
         """x[r] *= sigmoid(g[r][0])."""
         n = self.s.widths[x]

@@ -81,6 +81,11 @@ class MatmulKernels(KernelBase):
                 and E <= 64 * self.min_subgroup() and route.route.buf is y.buf and route.sync.buf is y.buf
                 and y_stride >= E)
 
+    def fuses_gate(self, w: Matrix, n: int) -> bool:
+        """Whether mul_mat(gate=...) can scale each column's sums by the sigmoid
+        of a gate word (the split-K matvecs' epilogue variants: GPUs' decode steps)."""
+        return self._epilogue_matvec(w, n)
+
     def fuses_norm_in(self, w: Matrix, n: int, slots: Region) -> bool:
         """Whether mul_mat(norm_in=...) can read a NormParts' h' as its norm
         (the split-K matvecs' "n" variants: GPUs, decode-sized steps of any
@@ -196,7 +201,7 @@ class MatmulKernels(KernelBase):
                 n: int, accumulate: bool = False, label: str = "", glu: bool = False,
                 norm: NormOut | None = None, rope: RopeOut | None = None, no_epilogues: bool = False,
                 norm_in: NormIn | None = None, norm_parts: NormParts | None = None,
-                route: RouteOut | None = None) -> None:
+                route: RouteOut | None = None, gate: tuple[Region, int] | None = None) -> None:
         """y[c][:M] (+)= W @ x[c][:K] for c < n (x rows K floats, y rows M floats).
         glu: W is gate over up (M = 2F) and y[c][:F] = silu(gate @ x[c]) * (up @ x[c])
         (only where fuses_glu). norm (with accumulate, where fuses_norm): then
@@ -211,7 +216,13 @@ class MatmulKernels(KernelBase):
         no epilogue but the SwiGLU) and then take them at every step size, so
         batched rows still equal single ones. route (where fuses_route, nothing
         else fused): y is a MoE router's logits, and each row's top-k experts
-        and weights go to route.route as moe_router writes them."""
+        and weights go to route.route as moe_router writes them. gate = (g, stride)
+        (where fuses_gate; with accumulate and nothing else): y[c] (+)= sigmoid(g[c
+        * stride]) * (W @ x[c]), Qwen3.5's gated shared expert."""
+        if gate is not None and (glu or norm is not None or rope is not None or norm_in is not None
+                                 or norm_parts is not None or route is not None or not self.fuses_gate(w, n)
+                                 or gate[0].buf is not y.buf):
+            raise ValueError("mul_mat: this matrix and step cannot take the sigmoid gate")
         if route is not None and (accumulate or glu or norm is not None or rope is not None or norm_in is not None
                                   or norm_parts is not None or not self.fuses_route(w, n, y, y_stride, route)):
             raise ValueError("mul_mat: this matrix and step cannot choose the router's experts")
@@ -254,7 +265,8 @@ class MatmulKernels(KernelBase):
         pc: dict[str, int | float] = dict(
             w_off=w.data.off, w_off2=w.scales.off if w.scales else 0, K=w.cols, M=w.rows, N=n, x_off=x.off,
             x_stride=x_stride, y_off=y.off, y_stride=y_stride,
-            flags=int(accumulate) | (2 if glu else 0) | (4 if norm is not None else 0) | (8 if rope is not None else 0))
+            flags=int(accumulate) | (2 if glu else 0) | (4 if norm is not None else 0) | (8 if rope is not None else 0)
+            | (16 if gate is not None else 0))
         if norm_in is not None:   # (the "nx" variants add the producer's sums a block)
             pc.update(sync_off=norm_in.q8.s_off if norm_in.q8 is not None else norm_in.slots.off, eps=norm_in.eps)
         elif norm_parts is not None:
@@ -268,6 +280,8 @@ class MatmulKernels(KernelBase):
             pc.update(rope_row0=pq.q.off, n_q=pq.d_off, n_k=pq.sync.off, head_dim=pq.s_off, n_rot=pq.q2_off)
         elif norm_in is not None and norm_in.q8 is not None:   # "nx": the second plane (XQ2_OFF)
             pc.update(rope_row0=norm_in.q8.q2_off)
+        elif gate is not None:   # (mul_mvk.comp's GATE: the RoPE words)
+            pc.update(rope_row0=gate[0].off, n_q=gate[1])
         elif route is not None:   # (mul_mvk.comp's ROUTE_OFF ...: the RoPE words, and eps)
             pc.update(rope_row0=route.route.off, n_q=route.route_stride, n_k=route.k, eps=route.w_scale,
                       sync_off=route.sync.off)
@@ -304,6 +318,8 @@ class MatmulKernels(KernelBase):
             writes += [rows_range(norm.h, n, norm.h_stride, w.rows), norm.sync.range]
         if route is not None:
             writes += [rows_range(route.route, n, route.route_stride, 2 * route.k), route.sync.range]
+        if gate is not None:
+            reads.append(rows_range(gate[0], n, gate[1], 1))
         if rope is not None:   # q rows of q_out (all of them: conservative), the caches
             r = rope
             reads += [r.table.range, (r.params, min(r.pos_off, r.slot_off) * 4, (max(r.pos_off, r.slot_off) + n) * 4)]

@@ -108,8 +108,7 @@ def _moe(g: Graph, a: Qwen35Args, F: MoeFfn, record_col: int | None, next_norm: 
     g.matmul(F.sh_gate, "h", "sg")
     if F.router_f32 is None and record is not None:
         g.moe_route("rl", "route", a.n_expert, k, a.expert_weights_scale, record=record)
-    g.row_gate("ff_s", "sg")
-    g.matmul(F.sh_down, "ff_s", "x", accumulate=True)
+    g.matmul_gated(F.sh_down, "ff_s", "x", "sg")     # (the gate in its matvec on GPUs' decode steps)
     return g.routed_experts(F.gate_up, F.down, a.n_expert, k, a.n_ff_exp,
                             norm=(next_norm, "h") if next_norm is not None else None)
 
