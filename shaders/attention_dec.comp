@@ -81,7 +81,19 @@ layout(push_constant) uniform P {
     float softcap;
     uint ring;   // kv_at
     uint sink_off;   // sink_weight
+    // gate_blk != 0: the output of (row r, head h) times sigmoid of its gate,
+    // gate_off + r * gate_stride + h * gate_blk + d (Qwen3.5's gated attention:
+    // the gates interleaved after each head's query), sigmoid_mul.comp's
+    // arithmetic: one dispatch and barrier less a decode step's layer
+    uint gate_off, gate_stride, gate_blk;
 } p;
+
+// the output value v of (row r, head h, dimension d), gated where the step asks
+float gated(float v, uint r, uint h, uint d) {
+    if (p.gate_blk == 0u) return v;
+    float g = act[p.gate_off + r * p.gate_stride + h * p.gate_blk + d];
+    return v / (1.0 + exp(-g));
+}
 
 // gpt-oss's attention sinks: a learned logit per query head (binding 4 at
 // sink_off; 0xffffffff: none) that joins the softmax's denominator with no
@@ -139,8 +151,8 @@ void merge(uint r, uint h, uint used) {
     [[unroll]] for (uint i = 0; i < WPL; i++) {
         uint w = lane + i * S;
         if (w < hd2) {
-            act[ob + 2u * w] = o[i].x / L;
-            act[ob + 2u * w + 1u] = o[i].y / L;
+            act[ob + 2u * w] = gated(o[i].x / L, r, h, 2u * w);
+            act[ob + 2u * w + 1u] = gated(o[i].y / L, r, h, 2u * w + 1u);
         }
     }
 }
@@ -378,7 +390,7 @@ void main() {
     for (uint x = gl_LocalInvocationIndex; x < nh * HD; x += nl) {
         uint g = x / HD, d = x % HD;
         if (n_wg == 1u) act[p.o_off + r * p.o_stride + (h0 + g) * p.head_dim + d] =
-            sh_o[x] / (sh_l[g] + sink_weight(h0 + g, sh_m[g]));
+            gated(sh_o[x] / (sh_l[g] + sink_weight(h0 + g, sh_m[g])), r, h0 + g, d);
         else act[p.part_off + ((r * p.n_head + h0 + g) * p.n_parts + wi) * stride + 2u + d] = sh_o[x];
     }
     if (n_wg > 1u && gl_LocalInvocationIndex < nh) {

@@ -1025,6 +1025,42 @@ def test_attention_mixed_batch(device, kernels, ws, rng, hd, n_head, n_kv, kv, s
             assert (ws.read(sync, np.uint32) == 0).all()
 
 
+@pytest.mark.parametrize("hd,n_head,n_kv,kv", [(64, 9, 3, "f16"), (256, 4, 2, "f16"), (64, 4, 2, "kv")])
+def test_attention_dec_takes_the_heads_gates(device, kernels, ws, rng, hd, n_head, n_kv, kv):
+    """attention(gate=...) on attention_dec.comp (Qwen3.5's gated attention):
+    each head's output times sigmoid of its gate (interleaved after each head's
+    query), bit for bit what the attention then sigmoid_mul give, for rows whose
+    positions one workgroup takes and rows merged from several."""
+    kernels = with_caps(kernels, split_attention=True, attention_dec=True, attn_items=16)
+    slots = np.array([0, 2, 1, 1], np.uint32)
+    pos = np.array([3, 229, 33, 150], np.uint32)
+    ctx, rows = 230, len(slots)
+    types = KV_Q8.get(kv, KVTypes())
+    c = _AttentionCase(ws, rng, 3, ctx, n_head, n_kv, hd, slots, pos, 20, types)
+    qg = (rng.standard_normal((rows, n_head, 2, hd)) * 2).astype(np.float32)   # [q0 g0 q1 g1 ...]
+    gr = ws.act_region(qg.size, qg)
+    tmp = ws.act_region(kernels.attention_tmp_words(rows, n_head, n_kv, hd, ctx))
+    n_sync = kernels.attention_sync_words(rows, n_head)
+    sync = ws.act_region(n_sync, np.zeros(n_sync, np.uint32))
+    outs = []
+    for fused in (False, True):
+        orr = ws.act_region(rows * n_head * hd)
+        prog = device.program()
+        took = kernels.attention(prog, c.qr, n_head * hd, orr, n_head * hd, rows, n_head, n_kv, hd, c.kc, c.vc,
+                                 c.ss, ws.params, 0, 20, c.scale, tmp, ctx, sync, kv_types=types,
+                                 gate=(gr.at(hd, qg.size - hd), 2 * n_head * hd, 2 * hd) if fused else None)
+        assert took == fused
+        if not fused:
+            kernels.sigmoid_mul(prog, orr, n_head * hd, gr.at(hd, qg.size - hd), 2 * n_head * hd, hd, 2 * hd, 1,
+                                orr, n_head * hd, n_head * hd, rows)
+        prog.run()
+        outs.append(ws.read(orr))
+        assert (ws.read(sync, np.uint32) == 0).all()
+    np.testing.assert_array_equal(outs[1], outs[0])
+    plain = outs[0].reshape(rows, n_head, hd) * (1 + np.exp(-qg[:, :, 1].astype(np.float64)))   # (ungated)
+    c.check(plain.reshape(-1).astype(np.float32), c.q, atol_scale=1e-4)
+
+
 @pytest.mark.parametrize("hd,n_head,n_kv,items,kv,lp,kpf", [
     *[(hd, nh, nkv, items, "f16", False, True) for hd, nh, nkv in [(64, 8, 2), (128, 20, 1), (256, 6, 3)]
       for items in (16, 1024)],

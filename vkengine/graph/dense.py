@@ -153,11 +153,15 @@ class DenseOps(GraphBase):
                        self.pl.positions, self.pl.slots, kv_types=self.kv.types, ring=self.kv.ring(layer))
 
     def attention(self, layer: int, q: str, out: str, n_head: int, n_kv: int, head_dim: int, scale: float,
-                  window: int = 0, softcap: float = 0.0, sinks: Region | None = None) -> None:
+                  window: int = 0, softcap: float = 0.0, sinks: Region | None = None,
+                  gate: tuple[str, int, int] | None = None) -> bool:
         """Causal attention of each row over its slot's cache (window > 0: its
         last `window` positions; softcap, sinks: AttentionKernels.attention). Steps of few rows
         (decode) split the positions across subgroups when the scratch has room
-        (`out_attn_split`, sized for max_out rows) and the device profits."""
+        (`out_attn_split`, sized for max_out rows) and the device profits.
+        gate = (array, col, blk): out's head h times sigmoid(array[r][col + h *
+        blk + d]) where the split decode attention takes it: returns whether
+        it did (else the caller gates: head_gate)."""
         split = sync = None
         if self.k.caps.split_attention and "out_attn_split" in self.s.widths and self.n <= self.s.max_out:
             need = self.k.attention_tmp_words(self.n, n_head, n_kv, head_dim, self.kv.ctx)
@@ -166,11 +170,12 @@ class DenseOps(GraphBase):
                     counters <= self.s.strides["out_attn_sync"] * self.s.max_out:
                 split = Region(self.s.buf, self.s.offsets["out_attn_split"], need)
                 sync = Region(self.s.buf, self.s.offsets["out_attn_sync"], counters)
-        self.k.attention(self.p, self.s.region(q), self.s.stride(q), self.s.region(out), self.s.stride(out),
-                         self.n, n_head, n_kv, head_dim, self.kv.k(layer), self.kv.v(layer), self.kv.stride(layer),
-                         self.params, self.pl.positions, self.pl.slots, scale, split, self.kv.ctx, sync,
-                         kv_types=self.kv.types, window=window, softcap=softcap, ring=self.kv.ring(layer),
-                         sinks=sinks)
+        g = (self._r(gate[0], gate[1]), self.s.stride(gate[0]), gate[2]) if gate is not None else None
+        return self.k.attention(self.p, self.s.region(q), self.s.stride(q), self.s.region(out), self.s.stride(out),
+                                self.n, n_head, n_kv, head_dim, self.kv.k(layer), self.kv.v(layer),
+                                self.kv.stride(layer), self.params, self.pl.positions, self.pl.slots, scale, split,
+                                self.kv.ctx, sync, kv_types=self.kv.types, window=window, softcap=softcap,
+                                ring=self.kv.ring(layer), sinks=sinks, gate=g)
 
     def gate_up_swiglu(self, pieces: list[tuple[Matrix, int]], x: str, gu: str, out: str,
                        norm_in: NormIn | None = None) -> None:

@@ -182,7 +182,8 @@ class AttentionKernels(KernelBase):
                   params: Buffer, pos_off: int, slot_off: int, scale: float, split: Region | None = None,
                   n_ctx: int = 0, sync: Region | None = None, label: str = "attention",
                   kv_types: KVTypes = KVTypes(), window: int = 0, softcap: float = 0.0, ring: int = 0,
-                  sinks: Region | None = None, mc_parts: int | None = None) -> None:
+                  sinks: Region | None = None, mc_parts: int | None = None,
+                  gate: tuple[Region, int, int] | None = None) -> bool:
         """o[r][h] = softmax(q[r][h] . K[slot][0..pos]) V[slot][0..pos].
         With `split` (scratch of attention_tmp_words), the cache's n_ctx and
         `sync` (attention_sync_words of zeros, left zero) the positions are cut
@@ -200,7 +201,11 @@ class AttentionKernels(KernelBase):
         softmax's denominator with no value. On cooperative matrices, a step
         whose rows make few workgroups has each workgroup's positions cut into
         mc_parts parts (None: as attn_mc_parts says) across workgroups, then
-        merged (attention_mc's SPLIT form and attention_merge.comp)."""
+        merged (attention_mc's SPLIT form and attention_merge.comp).
+        gate = (g, stride, blk): o[r][h][d] times sigmoid(g[r * stride + h * blk +
+        d]) (Qwen3.5's gated attention), taken by the split decode attention
+        (attention_dec.comp) where it runs; returns whether it did (else the
+        caller gates o: sigmoid_mul)."""
         if head_dim % 8 or n_head % n_kv or q.off % 4 or q_stride % 4 or k_cache.off % 4 or v_cache.off % 4:
             raise VkEngineError(f"attention needs head_dim a multiple of 8 ({head_dim}), n_head a multiple of "
                                 f"n_kv ({n_head}/{n_kv}) and 16-byte aligned q rows and caches")
@@ -234,11 +239,11 @@ class AttentionKernels(KernelBase):
             if parts > 1:
                 self._attention_mc_split(prog, pc, reads, out, n_rows, n_head, n_kv, head_dim, parts,
                                          (row_blocks, n_head), act, kv, params, sb, sinks, label, name + "_split")
-                return
+                return False
             push = self._push(name, **pc)
             alg = self._alg_spec(name, [act, act, params, kv, sb], (), push)
             prog.dispatch(alg, push, (row_blocks, n_head, 1), reads, out, label)
-            return
+            return False
         if self.attention_on_coopmat(n_rows, head_dim) and split is None:
             name = c.attention_mc_variant.format(hd=head_dim) + tag
             push = self._push(name, **pc)
@@ -251,17 +256,24 @@ class AttentionKernels(KernelBase):
             if parts > 1 and c.attention_mc_variant == "attention_mc_d{hd}":
                 self._attention_mc_split(prog, pc, reads, out, n_rows, n_head, n_kv, head_dim, parts, (wgs, n_kv),
                                          act, kv, params, sb, sinks, label, f"attention_mc_d{head_dim}_split" + tag)
-                return
+                return False
             prog.dispatch(alg, push, (wgs, n_kv, 1), reads, out, label)
-            return
+            return False
         # V words per lane; sized for the smallest subgroup the device may use
         wpl = -(-(head_dim // 2) // self.min_subgroup())
         # V rows a lane loads ahead of their use: up to 32 words, at least 8 rows
         vb = max(8, min(32, 32 // wpl))
         if split is not None and c.attention_dec:
+            if gate is not None:
+                g, gs, gb = gate
+                if g.buf is not act or not gb:
+                    raise ValueError("the attention gate: a nonzero block in the activation buffer")
+                pc.update(gate_off=g.off, gate_stride=gs, gate_blk=gb)
+                reads.append(rows_range(g, n_rows, gs, (n_head - 1) * gb + head_dim))
+                label += "+gate"
             self._attention_dec(prog, pc, reads, out, split, sync, n_rows, n_head, n_kv, head_dim, wpl, vb, act, kv,
                                 params, label, tag, sb)
-            return
+            return gate is not None
         n_parts = self.attention_parts(n_ctx, n_head, n_kv) if split is not None else 1
         name = ("attention_split" if split is not None else "attention") + tag
         push = self._push(name, **pc, chunk=self.ATTN_CHUNK if split is not None else 0, n_parts=n_parts,
@@ -269,7 +281,7 @@ class AttentionKernels(KernelBase):
         alg = self._alg_spec(name, [act, act, params, kv, sb], (c.wg, c.items, wpl, head_dim, vb), push)
         if split is None:
             prog.dispatch(alg, push, self._grid(math.ceil(n_rows * n_head / c.items)), reads, out, label)
-            return
+            return False
         tmp_words = self.attention_tmp_words(n_rows, n_head, n_kv, head_dim, n_ctx)
         if split.buf is not act or split.words < tmp_words:
             raise ValueError("split-K attention needs a scratch region in the activation buffer")
@@ -278,6 +290,7 @@ class AttentionKernels(KernelBase):
         tmp = (split.buf, split.off * 4, (split.off + tmp_words) * 4)
         prog.dispatch(alg, push, self._grid(math.ceil(n_rows * n_head * n_parts / c.items)),
                       reads + [tmp, sync.range], out + [tmp, sync.range], label)
+        return False
 
     def _attention_dec(self, prog: Program, pc: dict, reads: list, out: list, split: Region, sync: Region | None,
                        n_rows: int, n_head: int, n_kv: int, head_dim: int, wpl: int, vb: int, act: Buffer,

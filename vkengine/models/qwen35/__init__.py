@@ -81,8 +81,10 @@ def _full_attn(g: Graph, a: Qwen35Args, L: FullAttn, layer: int, w: Qwen35Weight
     for m, col in L.qkv:                                      # [q0 g0 q1 g1 ... | k | v]
         g.matmul(m, "h", "aqkv", col=col)
     g.norm_rope_kv(layer, "aqkv", "q", w.rope, L.q_norm, L.k_norm, a.n_head, a.n_head_kv, a.head_dim, a.n_rot)
-    g.attention(layer, "q", "att", a.n_head, a.n_head_kv, a.head_dim, 1.0 / math.sqrt(a.head_dim))
-    g.head_gate("att", "aqkv", a.head_dim)
+    # (the heads' gates in the split decode attention where it runs, else a sigmoid_mul after it)
+    if not g.attention(layer, "q", "att", a.n_head, a.n_head_kv, a.head_dim, 1.0 / math.sqrt(a.head_dim),
+                       gate=("aqkv", a.head_dim, 2 * a.head_dim)):
+        g.head_gate("att", "aqkv", a.head_dim)
     return L.wo, "att"
 
 
