@@ -138,6 +138,32 @@ layout(binding = 7) readonly restrict buffer XQD { float xqd[]; };
 #define ROUTE_K p.n_k
 #define ROUTE_SCALE p.eps
 #endif
+// CONV (the "c" variants, NORM_CODE; Gated DeltaNet's input projection in
+// decode-sized steps): rows below CONV_C are channels of the causal depthwise
+// conv1d + SiLU that follows (conv1d.comp's arithmetic, one invocation a
+// channel walking the step's columns in order: a column's slot window of K-1
+// inputs, [slot][K-1][C] from CONV_STATE in binding 8, zeros at position 0,
+// shifted through): silu(conv) goes to CONV_Y + column * CONV_YS + row instead
+// of y, and for columns below CONV_SNAPS the window to the snapshot rows at
+// CONV_SNAP; rows from CONV_C up go to y as they are. Weights [C][K] f32 from
+// CONV_W in binding 3. One dispatch and barrier less a linear layer. Its fields
+// ride in the RoPE words (positions and slots as RoPE's).
+#ifdef CONV
+#if !NORM_CODE
+#error "CONV is an epilogue variant"
+#endif
+layout(binding = 3) readonly restrict buffer NWc { float convw[]; };
+layout(binding = 8) buffer CState { float cst[]; };
+#define CONV_KMAX 8
+#define CONV_C p.n_q
+#define CONV_K p.n_k
+#define CONV_Y p.q_off
+#define CONV_YS p.q_stride
+#define CONV_W p.table_off
+#define CONV_STATE p.k_off
+#define CONV_SNAP p.v_off
+#define CONV_SNAPS p.kv_row_words
+#endif
 #include "mul_mv_push.glsl"
 
 #include "quant.glsl"
@@ -379,7 +405,57 @@ void main() {
                     act[p.y_off + (col0 + c) * p.y_stride + pfirst + i / NCOLS] = silu(g) * u;
                 }
             }
-        } else if (i < RPS * NCOLS) {
+        }
+#ifdef CONV
+        else if (i < RPS && row0 + i < rows.y) {
+            uint row = row0 + i;
+            float sv[NCOLS];
+            [[unroll]] for (uint c = 0; c < NCOLS; c++) {
+                float s = red[0][i * NCOLS + c];
+                for (uint g = 1; g < gl_NumSubgroups; g++) s += red[g][i * NCOLS + c];
+                sv[c] = s;
+            }
+            if (row >= CONV_C) {
+                [[unroll]] for (uint c = 0; c < NCOLS; c++)
+                    if (c < ncols) act[p.y_off + (col0 + c) * p.y_stride + row] = sv[c];
+            } else {
+                uint km1 = CONV_K - 1u, C = CONV_C;
+                float w[CONV_KMAX], win[CONV_KMAX];
+                [[unroll]] for (uint j = 0; j < CONV_KMAX; j++) {
+                    w[j] = j < CONV_K ? convw[CONV_W + row * CONV_K + j] : 0.0;
+                    win[j] = 0.0;
+                }
+                uint cur = 0xffffffffu;
+                [[unroll]] for (uint c = 0; c < NCOLS; c++) {
+                    if (c >= ncols) break;
+                    uint col = col0 + c, slot = rparams[p.slot_off + col];
+                    if (slot != cur) {
+                        if (cur != 0xffffffffu)
+                            for (uint j = 0u; j < km1; j++) cst[CONV_STATE + cur * p.slot_stride + j * C + row] = win[j];
+                        bool fresh = rparams[p.pos_off + col] == 0u;
+                        [[unroll]] for (uint j = 0; j < CONV_KMAX; j++)
+                            win[j] = (j < km1 && !fresh) ? cst[CONV_STATE + slot * p.slot_stride + j * C + row] : 0.0;
+                        cur = slot;
+                    }
+                    float x = sv[c];
+                    float acc = w[km1] * x;
+                    [[unroll]] for (uint j = 0; j < CONV_KMAX - 1; j++) {
+                        if (j < km1) acc += w[j] * win[j];
+                    }
+                    [[unroll]] for (uint j = 0; j < CONV_KMAX - 1; j++) {
+                        if (j + 1u < km1) win[j] = win[j + 1];
+                        else if (j + 1u == km1) win[j] = x;
+                    }
+                    act[CONV_Y + col * CONV_YS + row] = silu(acc);
+                    if (col < CONV_SNAPS)
+                        for (uint j = 0u; j < km1; j++) cst[CONV_SNAP + col * p.slot_stride + j * C + row] = win[j];
+                }
+                if (cur != 0xffffffffu)
+                    for (uint j = 0u; j < km1; j++) cst[CONV_STATE + cur * p.slot_stride + j * C + row] = win[j];
+            }
+        }
+#else
+        else if (i < RPS * NCOLS) {
             uint rr = i / NCOLS, c = i % NCOLS, row = row0 + rr;
 #ifdef NORM_PARTS
             nsq[i] = 0.0;
@@ -421,6 +497,7 @@ void main() {
                 }
             }
         }
+#endif
 #ifdef NORM_PARTS
         barrier();
         if (i < ncols) {

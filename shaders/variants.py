@@ -184,6 +184,8 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
                 t[name] = ("mul_mvk.comp", {**d, **extra, "NCOLS": nc, "UNROLL": unroll, "RPS": rps, "BFLY": bf})
                 # the RMSNorm split between producer and consumers (Caps.norm_in)
                 t[name.replace(f"_{wt}", f"n_{wt}")] = ("mul_mvk.comp", {**t[name][1], "NORM_IN": 1})
+                if nc <= 4:   # Gated DeltaNet's input projection with the conv1d after it (the "c" variants)
+                    t[name.replace(f"_{wt}", f"c_{wt}")] = ("mul_mvk.comp", {**t[name][1], "CONV": 1})
                 if wt in ROUTE_TYPES and nc <= 4:   # a MoE router's logits, then its choice (the "r" variants)
                     t[name.replace(f"_{wt}", f"r_{wt}")] = ("mul_mvk.comp", {**t[name][1], "ROUTE": 1})
                 if wt in NORM_PARTS_TYPES:

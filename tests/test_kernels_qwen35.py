@@ -466,6 +466,50 @@ def test_matvec_gated_by_a_sigmoid(device, ws, rng, wt, n):
     np.testing.assert_array_equal(got[:, M:], y0[:, M:])
 
 
+@pytest.mark.parametrize("wt", ["q4_0", "q8_0", "f16"])
+@pytest.mark.parametrize("slots,pos", [([2], [7]), ([0, 3], [0, 40]), ([1, 1, 1], [5, 6, 7]),
+                                       ([2, 2, 0, 3], [8, 9, 0, 12])])
+def test_matvec_takes_the_conv1d(device, ws, rng, wt, slots, pos):
+    """mul_mat(conv=...) on the GPUs' split-K matvecs (lavapipe, their caps
+    forced): a Gated DeltaNet input projection's first C rows go through the
+    causal conv1d + SiLU with each slot's window (rows of one slot in order,
+    fresh at position 0) and snapshots; bit for bit what the matvec then
+    conv1d.comp give (outputs, windows, snapshots); the other rows as the
+    matvec writes them."""
+    from vkengine.kernels import ConvOut
+
+    from .conftest import kernels_for
+    kn = kernels_for(device, tiled_from=None, multi_column_from=2, split_k=True)
+    n, n_slots, C, extra, K, D = len(slots), 4, 24, 10, 4, 64
+    M = C + extra
+    raw, _ = random_quantized(wt, M, D, rng)
+    mat = upload_matrix(ws, wt, raw, M, D)
+    x = rng.standard_normal((n, D)).astype(np.float32)
+    xr = ws.act_region(x.size, x)
+    cw = ws.weight_region(rng.standard_normal((C, K)).astype(np.float32))
+    st0 = rng.standard_normal((n_slots, K - 1, C)).astype(np.float32)
+    pos_off, slot_off = _rows_params(ws, slots, pos)
+    outs = []
+    for fused in (False, True):
+        lin, cout = ws.act_region(n * (M + 2)), ws.act_region(n * (C + 3))
+        st, snap = ws.act_region(st0.size, st0), ws.act_region(n * (K - 1) * C)
+        cv = ConvOut(cw, C, K, cout, C + 3, st, snap, n, ws.params, pos_off, slot_off)
+        assert kn.fuses_conv(mat, n, lin, cv)
+        prog = device.program()
+        if fused:
+            kn.mul_mat(prog, mat, xr, D, lin, M + 2, n, conv=cv)
+        else:
+            kn.mul_mat(prog, mat, xr, D, lin, M + 2, n)
+            kn.conv1d(prog, cw, lin, M + 2, cout, C + 3, C, K, n, st, snap, n, ws.params, pos_off, slot_off,
+                      by_rows=False)
+        prog.run()
+        outs.append((ws.read(lin).reshape(n, M + 2)[:, C:M], ws.read(cout).reshape(n, C + 3)[:, :C], ws.read(st),
+                     ws.read(snap)))
+    for a, b in zip(outs[0], outs[1]):
+        np.testing.assert_array_equal(b, a)
+    assert not kn.fuses_conv(mat, 5, lin, cv)
+
+
 def test_moe_bias(device, hk, ws, rng):
     """Each routed expert's bias row (gpt-oss) added to its slot of a row's
     expert outputs, the expert id from the router's route words."""

@@ -6,7 +6,7 @@ first snap_rows rows (speculative decoding verifies drafts in such a step and
 rolls back to the last accepted row)."""
 from __future__ import annotations
 
-from ..kernels import Region
+from ..kernels import ConvOut, Matrix, Region
 from ..kernels.delta_rule import GatedNorm
 from ..state import HybridState
 from .core import GraphBase
@@ -35,6 +35,24 @@ class RecurrentOps(GraphBase):
         """x[r][h] = rms_norm(x[r][h]) * w * silu(z[r][z_col + h...]) (in place)."""
         self.k.gated_rms_norm(self.p, w, self._r(x), self.s.stride(x), self._r(z, z_col), self.s.stride(z),
                                self._r(x), self.s.stride(x), head_dim, n_heads, self._rows(x), self.eps)
+
+    def matmul_conv(self, m: Matrix, x: str, lin: str, layer: int, out: str, w: Region, channels: int,
+                    kernel: int) -> bool:
+        """lin[r][:m.rows] = m @ x[r], then out = conv1d of its first `channels`
+        columns (as conv1d below), in the matvec where it can (Kernels.fuses_conv:
+        GPUs' decode steps; those columns of lin are then not written). Whether it
+        did; else the caller runs the matmul and conv1d."""
+        st = self.rec
+        n = self._rows(x)
+        conv = ConvOut(w, channels, kernel, self._r(out), self.s.stride(out), st.conv(layer),
+                       st.conv_snap(layer) if self.snap_rows else None, self.snap_rows, self.params,
+                       self.pl.positions, self.pl.slots)
+        y, ys = self._r(lin), self.s.stride(lin)
+        if not self.k.fuses_conv(m, n, y, conv):
+            return False
+        self.k.mul_mat(self.p, m, self._r(x), self.s.stride(x), y, ys, n, conv=conv,
+                       label=f"mul_mat {lin}<-{x}+conv1d")
+        return True
 
     def conv1d(self, layer: int, x: str, out: str, w: Region, channels: int, kernel: int) -> None:
         """out = silu(causal conv over each sequence of x[:, :channels]) with the

@@ -22,13 +22,26 @@ from .matmul import MatmulKernels
 from .moe import MoeKernels
 from .norm import NormKernels
 from .sample import SampleKernels
-from .types import KVTypes, Matrix, NormIn, NormOut, NormParts, Q8Out, Region, RopeOut, RouteOut, q8_words, rows_range
+from .types import (
+    ConvOut,
+    KVTypes,
+    Matrix,
+    NormIn,
+    NormOut,
+    NormParts,
+    Q8Out,
+    Region,
+    RopeOut,
+    RouteOut,
+    q8_words,
+    rows_range,
+)
 
 if TYPE_CHECKING:
     from ..device import Device
 
-__all__ = ["Caps", "KVTypes", "Kernels", "Matrix", "NormIn", "NormOut", "NormParts", "Q8Out", "Region", "RopeOut",
-           "RouteOut", "device_has_coopmat2", "q8_words", "rows_range"]
+__all__ = ["Caps", "ConvOut", "KVTypes", "Kernels", "Matrix", "NormIn", "NormOut", "NormParts", "Q8Out", "Region",
+           "RopeOut", "RouteOut", "device_has_coopmat2", "q8_words", "rows_range"]
 
 
 class Kernels(MatmulKernels, AttentionKernels, DeltaRuleKernels, NormKernels, ElementwiseKernels, SampleKernels,

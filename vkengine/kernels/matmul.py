@@ -25,7 +25,20 @@ from shaders.variants import (
 
 from ..device import Buffer, Program
 from .base import KernelBase
-from .types import Matrix, NormIn, NormOut, NormParts, Q8Out, Region, RopeOut, RouteOut, q8_words, rows_range
+from .types import (
+    ConvOut,
+    Matrix,
+    NormIn,
+    NormOut,
+    NormParts,
+    Q8Out,
+    Region,
+    RopeOut,
+    RouteOut,
+    params_range,
+    q8_words,
+    rows_range,
+)
 
 # split K's largest scratch of partial sums (fewer parts beyond), and the
 # column multiple of its parts (a multiple of every kernel's K slice and unit span)
@@ -80,6 +93,13 @@ class MatmulKernels(KernelBase):
         return (self._epilogue_matvec(w, n) and w.type in ROUTE_TYPES and 1 <= route.k <= min(E, ROUTER_KMAX)
                 and E <= 64 * self.min_subgroup() and route.route.buf is y.buf and route.sync.buf is y.buf
                 and y_stride >= E)
+
+    def fuses_conv(self, w: Matrix, n: int, y: Region, conv: ConvOut) -> bool:
+        """Whether mul_mat(conv=...) can run the conv1d after a Gated DeltaNet
+        input projection (the "c" variants: GPUs' decode steps; kernels of up to
+        8 taps; the conv's channels the matrix's first rows)."""
+        return (self._epilogue_matvec(w, n) and 1 <= conv.K <= 8 and conv.C <= w.rows and conv.y.buf is y.buf
+                and (conv.snap is None or conv.snap.buf is conv.state.buf))
 
     def fuses_gate(self, w: Matrix, n: int) -> bool:
         """Whether mul_mat(gate=...) can scale each column's sums by the sigmoid
@@ -201,7 +221,8 @@ class MatmulKernels(KernelBase):
                 n: int, accumulate: bool = False, label: str = "", glu: bool = False,
                 norm: NormOut | None = None, rope: RopeOut | None = None, no_epilogues: bool = False,
                 norm_in: NormIn | None = None, norm_parts: NormParts | None = None,
-                route: RouteOut | None = None, gate: tuple[Region, int] | None = None) -> None:
+                route: RouteOut | None = None, gate: tuple[Region, int] | None = None,
+                conv: ConvOut | None = None) -> None:
         """y[c][:M] (+)= W @ x[c][:K] for c < n (x rows K floats, y rows M floats).
         glu: W is gate over up (M = 2F) and y[c][:F] = silu(gate @ x[c]) * (up @ x[c])
         (only where fuses_glu). norm (with accumulate, where fuses_norm): then
@@ -223,6 +244,10 @@ class MatmulKernels(KernelBase):
                                  or norm_parts is not None or route is not None or not self.fuses_gate(w, n)
                                  or gate[0].buf is not y.buf):
             raise ValueError("mul_mat: this matrix and step cannot take the sigmoid gate")
+        if conv is not None and (accumulate or glu or norm is not None or rope is not None or norm_in is not None
+                                 or norm_parts is not None or route is not None or gate is not None
+                                 or not self.fuses_conv(w, n, y, conv)):
+            raise ValueError("mul_mat: this matrix and step cannot run the conv1d after it")
         if route is not None and (accumulate or glu or norm is not None or rope is not None or norm_in is not None
                                   or norm_parts is not None or not self.fuses_route(w, n, y, y_stride, route)):
             raise ValueError("mul_mat: this matrix and step cannot choose the router's experts")
@@ -280,6 +305,11 @@ class MatmulKernels(KernelBase):
             pc.update(rope_row0=pq.q.off, n_q=pq.d_off, n_k=pq.sync.off, head_dim=pq.s_off, n_rot=pq.q2_off)
         elif norm_in is not None and norm_in.q8 is not None:   # "nx": the second plane (XQ2_OFF)
             pc.update(rope_row0=norm_in.q8.q2_off)
+        elif conv is not None:   # (mul_mvk.comp's CONV_C ...: the RoPE words)
+            cv = conv
+            pc.update(n_q=cv.C, n_k=cv.K, q_off=cv.y.off, q_stride=cv.y_stride, table_off=cv.weight.off,
+                      k_off=cv.state.off, slot_stride=(cv.K - 1) * cv.C, v_off=cv.snap.off if cv.snap else 0,
+                      kv_row_words=cv.snap_rows if cv.snap else 0, pos_off=cv.pos_off, slot_off=cv.slot_off)
         elif gate is not None:   # (mul_mvk.comp's GATE: the RoPE words)
             pc.update(rope_row0=gate[0].off, n_q=gate[1])
         elif route is not None:   # (mul_mvk.comp's ROUTE_OFF ...: the RoPE words, and eps)
@@ -320,6 +350,12 @@ class MatmulKernels(KernelBase):
             writes += [rows_range(route.route, n, route.route_stride, 2 * route.k), route.sync.range]
         if gate is not None:
             reads.append(rows_range(gate[0], n, gate[1], 1))
+        if conv is not None:
+            reads += [conv.weight.range, conv.state.range,
+                      *params_range(conv.params, (conv.pos_off, n), (conv.slot_off, n))]
+            writes += [rows_range(conv.y, n, conv.y_stride, conv.C), conv.state.range]
+            if conv.snap is not None and conv.snap_rows:
+                writes.append(conv.snap.range)
         if rope is not None:   # q rows of q_out (all of them: conservative), the caches
             r = rope
             reads += [r.table.range, (r.params, min(r.pos_off, r.slot_off) * 4, (max(r.pos_off, r.slot_off) + n) * 4)]
@@ -337,9 +373,11 @@ class MatmulKernels(KernelBase):
         bufs = [w.data.buf, act, act]
         if c.split_k:   # bindings 3-6: the fused RMSNorm's weight, RoPE's table, params and
             # KV cache (any buffer when unused)
-            nw = norm.weight if norm is not None else norm_parts.weight if norm_parts is not None else None
+            nw = norm.weight if norm is not None else norm_parts.weight if norm_parts is not None else \
+                conv.weight if conv is not None else None
             bufs.append(nw.buf if nw is not None else w.data.buf)
-            bufs += [rope.table.buf, rope.params, rope.k_cache.buf] if rope is not None else [w.data.buf] * 3
+            bufs += [rope.table.buf, rope.params, rope.k_cache.buf] if rope is not None else \
+                [w.data.buf, conv.params, w.data.buf] if conv is not None else [w.data.buf] * 3
             if xq8_in is not None:   # binding 7: x as the producer's 8-bit blocks (the "nx" variants)
                 variant = variant.replace(f"_{w.type}", f"nx_{w.type}")
                 pc.update(xq_off=xq8_in.q.off, xd_off=xq8_in.d_off)
@@ -354,6 +392,9 @@ class MatmulKernels(KernelBase):
                 variant = variant.replace(f"_{w.type}", f"n_{w.type}")
             elif route is not None:   # the "r" variants
                 variant = variant.replace(f"_{w.type}", f"r_{w.type}")
+            elif conv is not None:   # the "c" variants; binding 8: the conv state (7 unused)
+                variant = variant.replace(f"_{w.type}", f"c_{w.type}")
+                bufs += [w.data.buf, conv.state.buf]
             elif norm_parts is not None:   # the "p" variants ("pq": and h' as 8-bit blocks)
                 variant = variant.replace(f"_{w.type}", f"{'pq' if pq is not None else 'p'}_{w.type}")
                 pc.update(sq_stride=norm_parts.slot_stride)

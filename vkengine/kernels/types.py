@@ -103,6 +103,27 @@ class NormOut:
 
 
 @dataclass(frozen=True)
+class ConvOut:
+    """What a Gated DeltaNet input projection's matvec writes for the causal
+    conv1d + SiLU after it (mul_mat's conv, mul_mvk.comp's CONV): its rows below
+    C go through the conv (weights [C][K] f32) into y (rows y_stride apart)
+    instead of the matvec's output, with each slot's window in state
+    ([slot][K-1][C]) and, after each of the step's first snap_rows rows, in
+    snap; positions and slots at words pos_off and slot_off of params."""
+    weight: Region
+    C: int
+    K: int
+    y: Region
+    y_stride: int
+    state: Region
+    snap: Region | None
+    snap_rows: int
+    params: Buffer
+    pos_off: int
+    slot_off: int
+
+
+@dataclass(frozen=True)
 class RouteOut:
     """What a MoE router's matvec writes after its logits (mul_mat's route,
     mul_mvk.comp's ROUTE): each row's top-k expert ids and weights (times

@@ -63,9 +63,14 @@ def _scratch_widths(a: Qwen35Args) -> dict[str, int]:
 def _linear_attn(g: Graph, a: Qwen35Args, L: LinearAttn, layer: int) -> tuple[Matrix, str]:
     """The mixer up to its output projection, which it returns with its input
     (_block adds it to the residual with the post-attention norm fused)."""
+    conv_done = False                                         # (the conv1d in qkv's matvec where it can)
     for m, col in L.lin_in:                                   # [qkv | z | beta | alpha]
+        if col == 0 and g.matmul_conv(m, "h", "lin", layer, "conv", L.conv, a.conv_dim, a.conv_kernel):
+            conv_done = True
+            continue
         g.matmul(m, "h", "lin", col=col)
-    g.conv1d(layer, "lin", "conv", L.conv, a.conv_dim, a.conv_kernel)
+    if not conv_done:
+        g.conv1d(layer, "lin", "conv", L.conv, a.conv_dim, a.conv_kernel)
     z_col = a.conv_dim
     b_col = z_col + a.nv * a.dv
     # q and k heads L2-normalized by the delta rule (in its decode kernel, no dispatch of their own), and the
