@@ -89,8 +89,8 @@ def test_prefill_equals_step_by_step_decode(device, qwen35_loaded, arch):
 def test_gpu_decode_path(device, qwen35_loaded, arch):
     """The GPUs' decode path, on lavapipe with their caps (split-K matvecs taking
     the RMSNorms after the residual adds, the routed experts' COMBINE taking the
-    next layer's norm, the router's choice by its matvec, the delta rule taking
-    the gated norm, the attention the heads' gates, the shared expert's down
+    next layer's norm, the router's choice by its matvec, the input projection
+    the conv1d, the delta rule the gated norm, the attention the heads' gates, the shared expert's down
     projection its gate): decode steps match the numpy reference, and four sequences
     decoding in one step give bit for bit the logits each gives alone (two
     engines: a recurrent state steps forward only)."""
@@ -119,6 +119,7 @@ def test_gpu_decode_path(device, qwen35_loaded, arch):
     labels = {op.label for key, prog in eng._programs.items() if key[0] <= 4 for op in prog.ops
               if op.kind == "dispatch"}
     assert "delta_rule+gated_rms_norm" in labels and "mul_mat x<-o+rms_norm" in labels, labels
+    assert "mul_mat lin<-h+conv1d" in labels and "conv1d" not in labels, labels
     if arch == "qwen35moe":
         assert "mul_mat rl<-h+moe_router" in labels and "mul_mat_id x+=moe<-ff_e+rms_norm" in labels, labels
         assert "mul_mat x<-ff_s*sigmoid(sg)" in labels and "moe_router" not in labels, labels
