@@ -480,10 +480,11 @@ void main() {
 #endif
                 {
                     uint yi = p.y_off + (col0 + c) * p.y_stride + row;
-#if NORM_CODE
-                    // GATE (flags & 16): the column's sums times sigmoid(g[c]) (g at word
-                    // rope_row0 + column * n_q): Qwen3.5's shared expert, gated by its
-                    // down projection rather than by a sigmoid_mul before it
+#ifndef NO_EPI
+                    // GATE (flags & 16; every variant with epilogues, so that a row rounds
+                    // alike at every column count): the column's sums times sigmoid(g[c])
+                    // (g at word rope_row0 + column * n_q): Qwen3.5's shared expert, gated
+                    // by its down projection rather than by a sigmoid_mul before it
                     if ((p.flags & 16u) != 0u) s = s / (1.0 + exp(-act[p.rope_row0 + (col0 + c) * p.n_q]));
 #endif
 #ifdef NORM_PARTS

@@ -437,17 +437,18 @@ def test_router_matvec_chooses_the_experts(device, ws, rng, wt, E, k, n):
 
 
 @pytest.mark.parametrize("wt", ["q4_0", "q8_0", "f16"])
-@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("n", [1, 2, 4, 7])
 def test_matvec_gated_by_a_sigmoid(device, ws, rng, wt, n):
     """mul_mat(gate=...) on the GPUs' split-K matvecs (lavapipe, their caps
     forced): y[c] += sigmoid(g[c]) * (W @ x[c]), within rounding of sigmoid_mul
-    then the matvec (Qwen3.5's shared expert)."""
+    then the matvec (Qwen3.5's shared expert), and each column bit for bit what
+    it gives alone (steps of any size below the tiled matmuls take it)."""
     from .conftest import kernels_for
     kn = kernels_for(device, tiled_from=None, multi_column_from=2, split_k=True)
     M, K = 40, 64
     raw, wf = random_quantized(wt, M, K, rng)
     mat = upload_matrix(ws, wt, raw, M, K)
-    assert kn.fuses_gate(mat, n) and not kn.fuses_gate(mat, 5)
+    assert kn.fuses_gate(mat, n)
     x = rng.standard_normal((n, K)).astype(np.float32)
     g = rng.standard_normal((n, 3)).astype(np.float32) * 2
     y0 = rng.standard_normal((n, M + 4)).astype(np.float32)
@@ -464,6 +465,12 @@ def test_matvec_gated_by_a_sigmoid(device, ws, rng, wt, n):
     _close(got[:, :M], want, atol_scale=1e-5)
     _close(got[:, :M], unfused[:, :M], atol_scale=1e-6)
     np.testing.assert_array_equal(got[:, M:], y0[:, M:])
+    for c in range(n):   # each column alone
+        y1 = ws.act_region(M + 4, y0[c])
+        prog = device.program()
+        kn.mul_mat(prog, mat, xr.at(c * K, K), K, y1, M + 4, 1, accumulate=True, gate=(gr.at(c * 3, 3), 3))
+        prog.run()
+        np.testing.assert_array_equal(ws.read(y1)[:M], got[c, :M])
 
 
 @pytest.mark.parametrize("wt", ["q4_0", "q8_0", "f16"])

@@ -90,9 +90,10 @@ def test_gpu_decode_path(device, qwen35_loaded, arch):
     """The GPUs' decode path, on lavapipe with their caps (split-K matvecs taking
     the RMSNorms after the residual adds, the routed experts' COMBINE taking the
     next layer's norm, the router's choice by its matvec, the input projection
-    the conv1d, the delta rule the gated norm, the attention the heads' gates, the shared expert's down
-    projection its gate): decode steps match the numpy reference, and four sequences
-    decoding in one step give bit for bit the logits each gives alone (two
+    the conv1d, the delta rule the gated norm, the attention the heads' gates,
+    the shared expert's down projection its gate): decode steps match the numpy
+    reference, and six sequences decoding in one step (past the epilogue
+    variants' 4 columns) give bit for bit the logits each gives alone (two
     engines: a recurrent state steps forward only)."""
     from vkengine.kernels import Caps
 
@@ -100,19 +101,21 @@ def test_gpu_decode_path(device, qwen35_loaded, arch):
     caps = dataclasses.replace(Caps.detect(device), **GPU_DECODE, split_attention=True, attention_dec=True,
                                attn_items=16, xq8_in=False)
     m = qwen35_loaded(arch)
-    cfg = EngineConfig(n_slots=4, n_ctx=128, max_batch=64, max_out=64, options=Options(expert_tiles=False))
+    cfg = EngineConfig(n_slots=6, n_ctx=128, max_batch=64, max_out=64, options=Options(expert_tiles=False))
     eng = Engine(m, device, cfg, caps=caps)
     ids = m.tokenizer.encode(PROMPT)[:12]
     want = RefQwen35(m.file, m.args).logits(ids)
     steps = np.stack([eng.step([t], [p], [1], [0], Readback.LOGITS)[0] for p, t in enumerate(ids)])
     _assert_logits_close(steps, want)
-    prompts = [m.tokenizer.encode(t) for t in ("Hello there", "Once upon a time", "def f(x):", "1, 2, 3,")]
+    # (six: past the matvecs' epilogue variants of up to 4 columns, which must round as they do)
+    prompts = [m.tokenizer.encode(t) for t in ("Hello there", "Once upon a time", "def f(x):", "1, 2, 3,",
+                                               "The cat", "Why is the sky")]
     engines = [eng, Engine(m, device, cfg, caps=caps)]
     for e in engines:
         for s, p in enumerate(prompts):
             e.prefill(p[:-1], s)
     alone = np.stack([eng.step([p[-1]], [len(p) - 1], [s], [0], Readback.LOGITS)[0] for s, p in enumerate(prompts)])
-    both = engines[1].step([p[-1] for p in prompts], [len(p) - 1 for p in prompts], [0, 1, 2, 3], range(4),
+    both = engines[1].step([p[-1] for p in prompts], [len(p) - 1 for p in prompts], range(6), range(6),
                            Readback.LOGITS)
     np.testing.assert_array_equal(both, alone)
     # (the decode steps' programs: keys start with their rows; the prompts' took the separate ops)

@@ -103,8 +103,11 @@ class MatmulKernels(KernelBase):
 
     def fuses_gate(self, w: Matrix, n: int) -> bool:
         """Whether mul_mat(gate=...) can scale each column's sums by the sigmoid
-        of a gate word (the split-K matvecs' epilogue variants: GPUs' decode steps)."""
-        return self._epilogue_matvec(w, n)
+        of a gate word: the split-K matvecs (GPUs) at every column count below
+        the tiled matmuls, so that a row rounds alike in steps of any size there
+        (sigmoid(g) * (W x) is not W (x sigmoid(g)) to the bit: the row counts
+        from which kernels change, Kernels.step_thresholds, stay where they were)."""
+        return self.caps.split_k and not w.parts and not self.tiled(w, n)
 
     def fuses_norm_in(self, w: Matrix, n: int, slots: Region) -> bool:
         """Whether mul_mat(norm_in=...) can read a NormParts' h' as its norm
