@@ -289,3 +289,54 @@ def test_a_reply_ending_mid_turn_behind_a_verify_step_ahead(device, accept_model
     want2, _, _ = _run(eng, cfg, [reqs[0], follow], [0, 40])
     got2, _, _ = _run(eng, cfg, [reqs[0], follow], [0, 40], draft=3)
     assert got2 == want2
+
+
+@pytest.mark.parametrize("drafts", ["accepted", "rejected"])
+def test_requests_ended_while_a_verify_step_is_ahead(device, accept_models, qwen35_loaded, drafts):
+    """With a verify step on the device ahead of the host (Speculator.ahead):
+    one request cancelled (its rows dropped, the other's tokens stay plain
+    decoding's), then every request ended at once (cancel_all, as a deadline
+    does), and the runner goes on serving a new request; with drafts the model
+    accepts, and with drafts it rejects (each verify step then rolls back,
+    a slot left by then has nothing to roll back)."""
+    m = load_model(accept_models["qwen35"]["gguf"]) if drafts == "accepted" else qwen35_loaded("qwen35")
+    eng = _engine(device, m)
+    cfg = SchedulerConfig(n_slots=3, max_live=3, step_tokens=16)
+    ids = m.tokenizer.encode(PROMPT)
+    reqs = [GenRequest(ids, 40, ignore_eos=True), GenRequest(m.tokenizer.encode("def fib(n):"), 24, ignore_eos=True)]
+    want, _, _ = _run(eng, cfg, reqs, [0, 0])
+    runner = Runner(eng, cfg, mtp_draft=3)
+    events: list[list[Event]] = [[], []]
+    jobs = [runner.make_job(r, events[i].append) for i, r in enumerate(reqs)]
+    for j in jobs:
+        runner.add(j)
+    for _ in range(200):
+        runner.step()
+        if runner.spec.ahead is not None and len(jobs[0].seq.tokens) > len(ids) + 4:
+            break
+    assert runner.spec.ahead is not None
+    runner.cancel(jobs[0])
+    for _ in range(400):
+        if jobs[1].done:
+            break
+        runner.step()
+    assert jobs[0].finish == "cancelled" and [e.token for e in events[1] if e.token is not None] == want[1][0]
+    more = [runner.make_job(r, lambda e: None) for r in reqs]
+    for j in more:
+        runner.add(j)
+    for _ in range(200):
+        runner.step()
+        if runner.spec.ahead is not None or runner.held is not None:
+            break
+    assert runner.spec.ahead is not None or runner.held is not None
+    runner.cancel_all("stopping")
+    assert all(j.done for j in more)
+    last: list[Event] = []
+    job = runner.make_job(GenRequest(ids, 12, ignore_eos=True), last.append)
+    runner.add(job)
+    for _ in range(200):
+        if job.done:
+            break
+        runner.step()
+    runner.settle()
+    assert [e.token for e in last if e.token is not None] == want[0][0][:12]

@@ -29,7 +29,7 @@ from ..kernels import Kernels
 from .embed import Pool, check_normalize, normalize
 from .output import OutputStream
 from .sampling import Sampler, SamplingParams, top_order
-from .scheduler import Batch, Scheduler, SchedulerConfig, Seq
+from .scheduler import LIVE, Batch, Scheduler, SchedulerConfig, Seq
 
 log = logging.getLogger("vkengine.runner")
 
@@ -353,7 +353,12 @@ class Runner:
         if self.spec is not None and self.spec.ahead is not None:
             self.spec.resume()       # (its verify step, submitted behind the turn before's MTP steps)
             return True
-        batch, self.held = self.held or self.sched.schedule(), None
+        batch, self.held = self.held, None
+        if batch is not None and any(w.seq.state != LIVE or w.seq.slot is None for w in batch.work):
+            self._unhold(batch)    # (a sequence ended since it was composed: cancel_all, a failure)
+            batch = None
+        if batch is None:
+            batch = self.sched.schedule()
         if batch is None:
             return False
         if self.spec is not None and self.spec.wants(batch):
@@ -368,6 +373,12 @@ class Runner:
             self._submit(batch, batch.has_prompt)
         return True
 
+    @staticmethod
+    def _unhold(batch: Batch) -> None:
+        """A batch composed and never run: its rows are no longer in flight."""
+        for w in batch.work:
+            w.seq.inflight -= len(w.tokens)
+
     def deliver(self) -> None:
         """The host work of the tokens collected: text, stop rules, events."""
         late, self._late = self._late, []
@@ -381,8 +392,7 @@ class Runner:
         if self.spec is not None:
             self.spec.settle()
         if self.held is not None:   # (composed, never run)
-            for w in self.held.work:
-                w.seq.inflight -= len(w.tokens)
+            self._unhold(self.held)
             self.held = None
         if self._mask_pending:       # (its tokens are dropped: any masks will do)
             self.eng.submit_masks(np.full((len(self.inflight[-1].outs), self.eng.layout.mask_words), -1, np.int32))

@@ -274,7 +274,9 @@ class Speculator:
             while n_acc < m and drafts[n_acc] == greedy[off + n_acc]:
                 n_acc += 1
             accepted[id(w.seq)] = n_acc
-            if n_acc < m:   # the state after its last accepted row
+            # the state after its last accepted row (a sequence ended while its step ahead ran, by
+            # cancel_all or a failure, has no slot left to roll back: its rows are dropped)
+            if n_acc < m and w.seq.slot is not None:
                 rollbacks.append((self._slot(w.seq), off + n_acc, w.start + n_acc + 1))
         # the MTP block over each speculating sequence's accepted positions (p+1 ..: its tokens are the
         # greedy ones of rows 0..n_acc) goes to the device first (it reads
@@ -283,7 +285,7 @@ class Speculator:
         for w, off, _, speculates in plan:
             job = w.seq.data
             job.drafts = []
-            if speculates and not job.done:
+            if speculates and not job.done and w.seq.slot is not None:
                 n_acc = accepted[id(w.seq)]
                 segs.append(_Segment(job, w.start + 1, greedy[off:off + n_acc + 1],
                                      list(range(off, off + n_acc + 1)), True))
