@@ -9,7 +9,9 @@ layout(push_constant) uniform P {
                             // 2 gated linear unit (GLU), 4 RMSNorm of y (NORM),
                             // 8 RoPE and KV-cache write instead of y (ROPE),
                             // 16 the sums gated by sigmoid(g[column]) (GATE: g's
-                            // offset and stride in rope_row0, n_q)
+                            // offset and stride in rope_row0, n_q), 32 a bias
+                            // added to each row (BIAS, epilogue variants: at
+                            // table_off of binding 4)
     uint h_off, h_stride;   // NORM: output rows (floats; multiples of 4)
     uint nw_off, sync_off;  // NORM: weight (vec4 binding 3, floats), counter (words of y's buffer)
     float eps;

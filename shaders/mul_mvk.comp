@@ -480,6 +480,12 @@ void main() {
 #endif
                 {
                     uint yi = p.y_off + (col0 + c) * p.y_stride + row;
+#if NORM_CODE
+                    // BIAS (flags & 32, no ROPE): the row's bias first (word table_off + row
+                    // of binding 4), what add_bias then gives: y = (s + b), or y + (s + b)
+                    // with the residual add (add_bias then add.comp's sum)
+                    if ((p.flags & 32u) != 0u) s = s + rtable[p.table_off + row];
+#endif
 #ifndef NO_EPI
                     // GATE (flags & 16; every variant with epilogues, so that a row rounds
                     // alike at every column count): the column's sums times sigmoid(g[c])

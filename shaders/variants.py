@@ -92,9 +92,9 @@ TILE_SMALL = (4, 4)
 # this define: the cooperative-matrix kernels (mul_mc.comp, attention_mc.comp),
 # run where Caps.coopmat says the device can.
 EXT_DEFINE = "GLSLC_EXT"
-# Weight types of MoE routers (llama.cpp keeps them unquantized) whose split-K
+# Weight types of MoE routers (llama.cpp keeps them unquantized; mxfp4: gpt-oss files that are not) whose split-K
 # matvecs of up to 4 columns have ROUTE variants (mul_mvk{b}r_*, mul_mm{b}{2,4}r_*)
-ROUTE_TYPES = ("f32", "f16", "bf16", "q8_0")
+ROUTE_TYPES = ("f32", "f16", "bf16", "q8_0", "mxfp4")
 
 # Weight types whose split-K matvecs have XQ8 variants (mul_mvk{b}x_*,
 # mul_mm{b}{2,4,8}x_*: x quantized to 8 bits by quantize_q8.comp, integer dot

@@ -517,6 +517,48 @@ def test_matvec_takes_the_conv1d(device, ws, rng, wt, slots, pos):
     assert not kn.fuses_conv(mat, 5, lin, cv)
 
 
+@pytest.mark.parametrize("wt", ["q4_0", "mxfp4", "f32"])
+@pytest.mark.parametrize("n", [1, 3])
+def test_matvec_takes_the_bias(device, ws, rng, wt, n):
+    """mul_mat(bias=...) on the GPUs' split-K matvecs (lavapipe, their caps
+    forced): y = W x + b bit for bit as the matvec then add_bias; and with the
+    residual add and the RMSNorm after it (gpt-oss's output projection,
+    matmul_norm's fused form) bit for bit as matvec, add_bias, add, rms_norm."""
+    from .conftest import kernels_for
+    kn = kernels_for(device, tiled_from=None, multi_column_from=2, split_k=True)
+    M, K = 40, 64
+    raw, wf = random_quantized(wt, M, K, rng)
+    mat = upload_matrix(ws, wt, raw, M, K)
+    assert kn.fuses_bias(mat, n)
+    x = rng.standard_normal((n, K)).astype(np.float32)
+    b = rng.standard_normal(M + 3).astype(np.float32)
+    res = rng.standard_normal((n, M)).astype(np.float32)
+    nw = (1 + 0.3 * rng.standard_normal(M)).astype(np.float32)
+    xr, br, nwr = ws.act_region(x.size, x), ws.weight_region(b), ws.weight_region(nw)
+    yf, yu = ws.act_region(n * M), ws.act_region(n * M)
+    prog = device.program()
+    kn.mul_mat(prog, mat, xr, K, yf, M, n, bias=br.at(3, M))
+    kn.mul_mat(prog, mat, xr, K, yu, M, n)
+    kn.add_bias(prog, br.at(3, M), yu, M, M, n)
+    # the output projection's form: x += (W att + b), then h = rms_norm(x)
+    xf, xu, t = ws.act_region(res.size, res), ws.act_region(res.size, res), ws.act_region(n * M)
+    hf, hu = ws.act_region(n * M), ws.act_region(n * M)
+    sync = ws.act_region(1, np.zeros(1, np.float32))
+    norm = NormOut(nwr, hf, M, sync, 1e-6)
+    assert kn.fuses_norm(mat, n, xf, M, norm)
+    kn.mul_mat(prog, mat, xr, K, xf, M, n, accumulate=True, norm=norm, bias=br.at(3, M))
+    kn.mul_mat(prog, mat, xr, K, t, M, n)
+    kn.add_bias(prog, br.at(3, M), t, M, M, n)
+    kn.add(prog, xu, M, t, M, xu, M, M, n)
+    kn.rms_norm(prog, nwr, xu, M, hu, M, M, n, 1e-6, ws.params)
+    prog.run()
+    want = x.astype(np.float64) @ wf.astype(np.float64).T + b[3:]
+    _close(ws.read(yf).reshape(n, M), want, atol_scale=1e-5)
+    for a, c in ((yf, yu), (xf, xu), (hf, hu)):
+        np.testing.assert_array_equal(ws.read(a), ws.read(c))
+    assert ws.read(sync, np.uint32)[0] == 0
+
+
 def test_moe_bias(device, hk, ws, rng):
     """Each routed expert's bias row (gpt-oss) added to its slot of a row's
     expert outputs, the expert id from the router's route words."""

@@ -193,7 +193,10 @@ def test_gpu_decode_path(device, models, arch):
     both, alone = _batched_and_alone(m, eng)
     np.testing.assert_array_equal(both, alone)
     labels = {op.label for prog in eng._programs.values() for op in prog.ops if op.kind == "dispatch"}
-    assert ("add_bias" in labels) == (arch == "qwen2")
+    assert ("add_bias" in labels) == (arch == "qwen2")   # (prompt steps: the decode steps' matvecs take it)
+    dec = {op.label for key, prog in eng._programs.items() if key[0] <= 4 for op in prog.ops
+           if op.kind == "dispatch"}
+    assert "add_bias" not in dec and any(lb.startswith("mul_mat qkv<-h+bias") for lb in dec) == (arch == "qwen2"), dec
     assert ("norm_rope_kv" in labels) == (arch in ("qwen3", "qwen3moe", "qwen3-yarn"))
     assert any(lb.startswith("mul_mat_id") for lb in labels) == (arch in ("qwen3moe", "mixtral")), labels
     # the experts' down projection takes the next layer's attention norm (mul_mv_id's COMBINE): no rms_norm

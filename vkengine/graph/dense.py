@@ -105,18 +105,47 @@ class DenseOps(GraphBase):
         d = q2 + mr * rows // 4
         return Q8Out(Region(self.s.buf, base, mr * rows // 4), q2, d, d + mr * rows // 32, sync)
 
-    def matmul_norm(self, w: Matrix, x: str, out: str, norm_w: Region, h: str) -> None:
+    def matmul_norm(self, w: Matrix, x: str, out: str, norm_w: Region, h: str, bias: Region | None = None,
+                    tmp: str = "") -> None:
         """out[r] += w @ x[r] (the residual stream), then h[r] = rms_norm(out[r])
         * norm_w: one dispatch where the matvec can take the norm (decode-sized
-        steps on GPUs, kernels.fuses_norm), else matmul and rms_norm."""
+        steps on GPUs, kernels.fuses_norm), else matmul and rms_norm. bias: out[r]
+        += (w @ x[r] + bias), in the matvec too where it can (fuses_bias), else
+        through `tmp` (matmul, add_bias, add: the same sums)."""
         n = self._rows(x)
         norm = self._norm_out(norm_w, h)
-        if norm is not None and self.k.fuses_norm(w, n, self.s.region(out), self.s.stride(out), norm):
+        if norm is not None and self.k.fuses_norm(w, n, self.s.region(out), self.s.stride(out), norm) and \
+                (bias is None or self.k.fuses_bias(w, n)):
             self.k.mul_mat(self.p, w, self.s.region(x), self.s.stride(x), self.s.region(out), self.s.stride(out),
-                           n, accumulate=True, norm=norm, label=f"mul_mat {out}<-{x}+rms_norm")
+                           n, accumulate=True, norm=norm, bias=bias,
+                           label=f"mul_mat {out}<-{x}" + ("+bias" if bias is not None else "") + "+rms_norm")
             return
-        self.matmul(w, x, out, accumulate=True)
+        if bias is not None:
+            if not tmp:
+                raise ValueError("matmul_norm with a bias needs a tmp array where it runs apart")
+            self.matmul(w, x, tmp)
+            self.add_bias(tmp, bias, self.s.widths[out])
+            self.add(out, tmp, out)
+        else:
+            self.matmul(w, x, out, accumulate=True)
         self.rms_norm(out, norm_w, h)
+
+    def matmuls_bias(self, pieces: list[tuple[Matrix, int]], x: str, out: str, bias: Region, width: int,
+                     norm_in: NormIn | None = None) -> None:
+        """out[r][col:] = m @ x[r] for each piece (m, col), then out[r][:width] +=
+        bias: the bias in each piece's matvec where all can take it (fuses_bias:
+        GPUs' decode steps; the same sums), else add_bias after them. norm_in:
+        as matmul's."""
+        n = self._rows(x)
+        if all(self.k.fuses_bias(m, n) for m, _ in pieces) and sum(m.rows for m, _ in pieces) == width:
+            for m, col in pieces:
+                self.k.mul_mat(self.p, m, self.s.region(x), self.s.stride(x), self.s.region(out, col),
+                               self.s.stride(out), n, bias=bias.at(col, m.rows), norm_in=self._plain(norm_in),
+                               label=f"mul_mat {out}<-{x}+bias" + ("+rms_norm" if norm_in else ""))
+            return
+        for m, col in pieces:
+            self.matmul(m, x, out, col=col, norm_in=norm_in)
+        self.add_bias(out, bias, width)
 
     def qkv_rope(self, layer: int, pieces: list[tuple[Matrix, int]], x: str, qkv: str, q_out: str, n_head: int,
                  n_kv: int, head_dim: int, n_rot: int, neox: bool, norm_in: NormIn | None = None,

@@ -23,21 +23,26 @@ class MoeOps(GraphBase):
                            n_expert, k, self._rows(route), w_scale, rec, rec_stride, fx)
 
     def router(self, w: Matrix, h: str, logits: str, route: str, n_expert: int, k: int,
-               w_scale: float = 1.0) -> None:
+               w_scale: float = 1.0, bias: Region | None = None) -> None:
         """The router's logits of h into `logits`, then (moe_route) each row's
         top-k experts and weights into `route`: by the matvec's last workgroup
         where it can (Kernels.fuses_route: GPUs' decode steps; the scratch's
-        zeroed `rt_sync` word), else a moe_router dispatch after it."""
+        zeroed `rt_sync` word), else a moe_router dispatch after it. bias: the
+        router's bias (gpt-oss) added to the logits first (in the matvec there:
+        Kernels.fuses_bias; else add_bias)."""
         if "rt_sync" in self.s.widths:
             rt = RouteOut(self._r(route), self.s.stride(route), k, w_scale,
                           Region(self.s.buf, self.s.offsets["rt_sync"], 1))
             y, ys, n = self._r(logits), self.s.stride(logits), self._rows(h)
-            if w.rows == n_expert and self.k.fuses_route(w, n, y, ys, rt):
-                self.k.mul_mat(self.p, w, self._r(h), self.s.stride(h), y, ys, n, route=rt,
-                               label=f"mul_mat {logits}<-{h}+moe_router")
+            if w.rows == n_expert and self.k.fuses_route(w, n, y, ys, rt) and \
+                    (bias is None or self.k.fuses_bias(w, n)):
+                self.k.mul_mat(self.p, w, self._r(h), self.s.stride(h), y, ys, n, route=rt, bias=bias,
+                               label=f"mul_mat {logits}<-{h}" + ("+bias" if bias is not None else "") + "+moe_router")
                 return
         self.k.mul_mat(self.p, w, self._r(h), self.s.stride(h), self._r(logits), self.s.stride(logits),
                        self._rows(h), label=f"mul_mat {logits}<-{h}")
+        if bias is not None:
+            self.k.add_bias(self.p, bias, self._r(logits), self.s.stride(logits), n_expert, self._rows(h))
         self.moe_route(logits, route, n_expert, k, w_scale)
 
     def moe_sort(self, route: str, k: int, n_expert: int, bn: int = 0) -> None:

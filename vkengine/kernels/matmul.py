@@ -101,6 +101,12 @@ class MatmulKernels(KernelBase):
         return (self._epilogue_matvec(w, n) and 1 <= conv.K <= 8 and conv.C <= w.rows and conv.y.buf is y.buf
                 and (conv.snap is None or conv.snap.buf is conv.state.buf))
 
+    def fuses_bias(self, w: Matrix, n: int) -> bool:
+        """Whether mul_mat(bias=...) can add a bias vector to y's rows in its
+        epilogue (the split-K matvecs' epilogue variants: GPUs' decode steps),
+        what add_bias after it gives, bit for bit."""
+        return self._epilogue_matvec(w, n)
+
     def fuses_gate(self, w: Matrix, n: int) -> bool:
         """Whether mul_mat(gate=...) can scale each column's sums by the sigmoid
         of a gate word: the split-K matvecs (GPUs) at every column count below
@@ -225,7 +231,7 @@ class MatmulKernels(KernelBase):
                 norm: NormOut | None = None, rope: RopeOut | None = None, no_epilogues: bool = False,
                 norm_in: NormIn | None = None, norm_parts: NormParts | None = None,
                 route: RouteOut | None = None, gate: tuple[Region, int] | None = None,
-                conv: ConvOut | None = None) -> None:
+                conv: ConvOut | None = None, bias: Region | None = None) -> None:
         """y[c][:M] (+)= W @ x[c][:K] for c < n (x rows K floats, y rows M floats).
         glu: W is gate over up (M = 2F) and y[c][:F] = silu(gate @ x[c]) * (up @ x[c])
         (only where fuses_glu). norm (with accumulate, where fuses_norm): then
@@ -251,6 +257,9 @@ class MatmulKernels(KernelBase):
                                  or norm_parts is not None or route is not None or gate is not None
                                  or not self.fuses_conv(w, n, y, conv)):
             raise ValueError("mul_mat: this matrix and step cannot run the conv1d after it")
+        if bias is not None and (glu or rope is not None or conv is not None or norm_parts is not None
+                                 or bias.words < w.rows or not self.fuses_bias(w, n)):
+            raise ValueError("mul_mat: this matrix and step cannot add the bias")
         if route is not None and (accumulate or glu or norm is not None or rope is not None or norm_in is not None
                                   or norm_parts is not None or not self.fuses_route(w, n, y, y_stride, route)):
             raise ValueError("mul_mat: this matrix and step cannot choose the router's experts")
@@ -294,7 +303,7 @@ class MatmulKernels(KernelBase):
             w_off=w.data.off, w_off2=w.scales.off if w.scales else 0, K=w.cols, M=w.rows, N=n, x_off=x.off,
             x_stride=x_stride, y_off=y.off, y_stride=y_stride,
             flags=int(accumulate) | (2 if glu else 0) | (4 if norm is not None else 0) | (8 if rope is not None else 0)
-            | (16 if gate is not None else 0))
+            | (16 if gate is not None else 0) | (32 if bias is not None else 0))
         if norm_in is not None:   # (the "nx" variants add the producer's sums a block)
             pc.update(sync_off=norm_in.q8.s_off if norm_in.q8 is not None else norm_in.slots.off, eps=norm_in.eps)
         elif norm_parts is not None:
@@ -353,6 +362,9 @@ class MatmulKernels(KernelBase):
             writes += [rows_range(route.route, n, route.route_stride, 2 * route.k), route.sync.range]
         if gate is not None:
             reads.append(rows_range(gate[0], n, gate[1], 1))
+        if bias is not None:   # (mul_mvk.comp's BIAS: binding 4 at table_off)
+            pc["table_off"] = bias.off
+            reads.append(bias.at(0, w.rows).range)
         if conv is not None:
             reads += [conv.weight.range, conv.state.range,
                       *params_range(conv.params, (conv.pos_off, n), (conv.slot_off, n))]
@@ -380,7 +392,8 @@ class MatmulKernels(KernelBase):
                 conv.weight if conv is not None else None
             bufs.append(nw.buf if nw is not None else w.data.buf)
             bufs += [rope.table.buf, rope.params, rope.k_cache.buf] if rope is not None else \
-                [w.data.buf, conv.params, w.data.buf] if conv is not None else [w.data.buf] * 3
+                [w.data.buf, conv.params, w.data.buf] if conv is not None else \
+                [bias.buf if bias is not None else w.data.buf] + [w.data.buf] * 2
             if xq8_in is not None:   # binding 7: x as the producer's 8-bit blocks (the "nx" variants)
                 variant = variant.replace(f"_{w.type}", f"nx_{w.type}")
                 pc.update(xq_off=xq8_in.q.off, xd_off=xq8_in.d_off)

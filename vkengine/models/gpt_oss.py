@@ -187,19 +187,14 @@ def _forward(g: Graph, a: GptOssArgs, w: GptOssWeights) -> None:
     for i in a.part_layers:
         L = w.layer(i)
         g.rms_norm("x", L.attn_norm, "h")
-        for m, col in L.qkv:
-            g.matmul(m, "h", "qkv", col=col)
-        g.add_bias("qkv", L.qkv_bias, a.qkv_width)
+        # (the biases in the matvecs, and the output projection's residual add and norm, the router's
+        # choice, where they can: GPUs' decode steps; the same sums as the ops apart)
+        g.matmuls_bias(L.qkv, "h", "qkv", L.qkv_bias, a.qkv_width)
         g.rope_kv(i, "qkv", "q", a.n_head, a.n_head_kv, a.head_dim, a.n_rot, True)
         g.attention(i, "q", "att", a.n_head, a.n_head_kv, a.head_dim, scale, window=a.window if a.swa[i] else 0,
                     sinks=L.sinks)
-        g.matmul(L.wo, "att", "t")
-        g.add_bias("t", L.wo_bias, a.n_embd)
-        g.add("x", "t", "x")
-        g.rms_norm("x", L.post_norm, "h")
-        g.matmul(L.router, "h", "rl")
-        g.add_bias("rl", L.router_bias, a.n_expert)
-        g.moe_route("rl", "route", a.n_expert, a.n_expert_used)
+        g.matmul_norm(L.wo, "att", "x", L.post_norm, "h", bias=L.wo_bias, tmp="t")
+        g.router(L.router, "h", "rl", "route", a.n_expert, a.n_expert_used, bias=L.router_bias)
         g.routed_experts(L.gate_up, L.down, a.n_expert, a.n_expert_used, a.n_ff_exp,
                          biases=(L.gate_up_bias, L.down_bias), oai=SWIGLU_OAI)
     if g.n_out:
@@ -321,7 +316,8 @@ class GptOss(Architecture):
         k, E = a.n_expert_used, a.n_expert
         return {"x": a.n_embd, "h": a.n_embd, "t": a.n_embd, "qkv": a.qkv_width, "q": q, "att": q,
                 "rl": E, "route": 2 * k, "gu_e": k * 2 * a.n_ff_exp, "ff_e": k * a.n_ff_exp, "dn_e": k * a.n_embd,
-                "elist": E, "ecnt": E, "eblk": 2 * k + 1, "out_h": a.n_embd, "out_logits": a.n_vocab}
+                "elist": E, "ecnt": E, "eblk": 2 * k + 1, "out_h": a.n_embd, "out_logits": a.n_vocab,
+                "rt_sync": 1}   # (the router's choice in its matvec: Graph.router)
 
     def load_weights(self, mf: ModelFile, a: GptOssArgs, device, n_ctx: int) -> GptOssWeights:
         return _load_weights(mf, a, device, n_ctx)

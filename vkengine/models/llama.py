@@ -292,10 +292,11 @@ def _forward(g: Graph, a: LlamaArgs, w: LlamaWeights) -> None:
         if L.q_norm is not None or L.qkv_bias is not None:
             # q|k|v into qkv, then (biases added) RoPE and the cache write: the
             # matvecs' fused RoPE epilogue has neither a bias nor a norm
-            for m, col in L.qkv:
-                g.matmul(m, "h", "qkv", col=col, norm_in=att_in)
-            if L.qkv_bias is not None:
-                g.add_bias("qkv", L.qkv_bias, a.qkv_width)
+            if L.qkv_bias is not None:   # (in the matvecs where they can: Graph.matmuls_bias)
+                g.matmuls_bias(L.qkv, "h", "qkv", L.qkv_bias, a.qkv_width, norm_in=att_in)
+            else:
+                for m, col in L.qkv:
+                    g.matmul(m, "h", "qkv", col=col, norm_in=att_in)
             if L.q_norm is not None and L.k_norm is not None:
                 if not a.rope_neox:
                     raise VkEngineError("q/k norms with adjacent-pair RoPE are not supported")
