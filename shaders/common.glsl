@@ -37,6 +37,12 @@ float silu_mul(float g, float u) {
     precise float r = silu(g) * u;
     return r;
 }
+// gpt-oss's clamped SwiGLU (ggml's swiglu_oai), as swiglu.comp's OAI and the
+// expert matvecs' GLU epilogue both compute it
+float swiglu_oai(float g, float u, float alpha, float limit) {
+    float x = min(g, limit);
+    return x / (1.0 + exp(-alpha * x)) * (clamp(u, -limit, limit) + 1.0);
+}
 // GELU, tanh approximation (Gemma's gelu_pytorch_tanh; ggml_gelu): tanh's
 // argument clamped where it is +-1 in float32 (tanh of large values is inf / inf
 // on some drivers)

@@ -24,6 +24,10 @@
 // barrier of its own, in rms_norm.comp WG_ROW's arithmetic (the same workgroup
 // size, loads, reduction order and expressions: the host fuses it only where
 // that kernel is the device's, so h is bit for bit what the unfused ops give).
+// Biases (b_off != 0xffffffff; GLU and COMBINE, gpt-oss): each expert's bias row
+// (E x M floats at b_off of binding 4) added to its sums first, what moe_bias
+// after the plain matvec gives; GLU with oai != 0: gpt-oss's clamped SwiGLU
+// (swiglu_oai, as swiglu.comp's OAI).
 #include "common.glsl"
 
 layout(binding = 0) readonly buffer Wq { uint wq[]; };
@@ -38,6 +42,9 @@ layout(binding = 3) readonly buffer NW { vec4 nw4[]; };
 shared float npart[32];
 shared uint s_last;
 #endif
+#if defined(GLU) || defined(COMBINE)
+layout(binding = 4) readonly buffer EBias { float eb[]; };
+#endif
 
 layout(push_constant) uniform P {
     uint w_off, w_off2;          // expert 0's weight words / scale words
@@ -51,6 +58,11 @@ layout(push_constant) uniform P {
 #ifdef COMBINE
     uint norm, sync_off, nw_off, h_off, h_stride;
     float eps;
+    uint b_off;
+#endif
+#ifdef GLU
+    uint b_off, oai;
+    float alpha, limit;
 #endif
 } p;
 
@@ -81,7 +93,11 @@ void main() {
         }
         float s = 0.0;
         [[unroll]] for (uint i = 0u; i < KMAX; i++) {
-            if (i < p.k) s = fma(act[rb + p.k + i], subgroupAdd(part[i]), s);   // (as moe_combine.comp)
+            if (i < p.k) {
+                float v = subgroupAdd(part[i]);
+                if (p.b_off != 0xffffffffu) v = v + eb[p.b_off + actu[rb + i] * p.M + m];   // (as moe_bias.comp)
+                s = fma(act[rb + p.k + i], v, s);   // (as moe_combine.comp)
+            }
         }
         if (subgroupElect()) {
             uint yi = p.y_off + r * p.y_stride + m;
@@ -156,7 +172,13 @@ void main() {
         float g = row_dot(e * p.M + m, xb), u = row_dot(e * p.M + p.M / 2u + m, xb);
         g = subgroupAdd(g);
         u = subgroupAdd(u);
-        if (subgroupElect()) act[p.y_off + r * p.y_stride + i * p.y_slot_stride + m] = silu_mul(g, u);
+        if (p.b_off != 0xffffffffu) {   // (as moe_bias.comp: the expert's gate|up bias row)
+            g = g + eb[p.b_off + e * p.M + m];
+            u = u + eb[p.b_off + e * p.M + p.M / 2u + m];
+        }
+        if (subgroupElect())
+            act[p.y_off + r * p.y_stride + i * p.y_slot_stride + m] =
+                p.oai != 0u ? swiglu_oai(g, u, p.alpha, p.limit) : silu_mul(g, u);
 #else
         float s = subgroupAdd(row_dot(e * p.M + m, xb));
         if (subgroupElect()) act[p.y_off + r * p.y_stride + i * p.y_slot_stride + m] = s;

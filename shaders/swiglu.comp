@@ -23,8 +23,7 @@ layout(push_constant) uniform P {
 
 float glu(float g, float u) {
 #if defined(OAI)
-    float x = min(g, p.limit);
-    return x / (1.0 + exp(-p.alpha * x)) * (clamp(u, -p.limit, p.limit) + 1.0);
+    return swiglu_oai(g, u, p.alpha, p.limit);
 #elif defined(GELU)
     return gelu_tanh(g) * u;
 #else

@@ -559,6 +559,47 @@ def test_matvec_takes_the_bias(device, ws, rng, wt, n):
     assert ws.read(sync, np.uint32)[0] == 0
 
 
+@pytest.mark.parametrize("wt", ["mxfp4", "q8_0"])
+def test_fused_expert_matvecs_take_biases_and_the_clamped_swiglu(device, hk, ws, rng, wt):
+    """gpt-oss's experts in the decode rows' fused expert matvecs: gate|up with
+    each expert's bias and the clamped SwiGLU (GLU), down with its bias and the
+    router-weighted sum into the residual (COMBINE), bit for bit what the plain
+    matvecs, moe_bias, swiglu (OAI) and moe_combine give."""
+    E, F, K, D, Kd, k, n = 5, 16, 64, 32, 32, 2, 3
+    raw_gu, _ = random_quantized(wt, E * 2 * F, K, rng)
+    raw_dn, _ = random_quantized(wt, E * D, Kd, rng)
+    gu_m, dn_m = upload_matrix(ws, wt, raw_gu, E * 2 * F, K), upload_matrix(ws, wt, raw_dn, E * D, Kd)
+    bgu = ws.weight_region(rng.standard_normal(E * 2 * F).astype(np.float32))
+    bdn = ws.weight_region(rng.standard_normal(E * D).astype(np.float32))
+    ids = np.stack([rng.permutation(E)[:k] for _ in range(n)]).astype(np.uint32)
+    wts = rng.uniform(0.1, 1.0, (n, k)).astype(np.float32)
+    rs = 2 * k
+    rr = ws.act_region(n * rs, np.concatenate([ids.view(np.float32), wts], 1))
+    h = rng.standard_normal((n, K)).astype(np.float32) * 2
+    hr = ws.act_region(h.size, h)
+    oai = (1.702, 7.0)
+    ff, ff_ref, gu = ws.act_region(n * k * F), ws.act_region(n * k * F), ws.act_region(n * k * 2 * F)
+    prog = device.program()
+    hk.mul_mat_id(prog, gu_m, 2 * F, hr, K, 0, rr, rs, k, ff, k * F, F, n, epilogue="glu", bias=bgu, oai=oai)
+    hk.mul_mat_id(prog, gu_m, 2 * F, hr, K, 0, rr, rs, k, gu, k * 2 * F, 2 * F, n)
+    hk.moe_bias(prog, bgu, 2 * F, rr, rs, k, gu, k * 2 * F, 2 * F, n)
+    hk.swiglu(prog, gu, 2 * F, ff_ref, F, F, n * k, oai=oai)
+    prog.run()
+    np.testing.assert_array_equal(ws.read(ff), ws.read(ff_ref))
+    # down: x per slot (Kd wide), bias, the weighted sum into the residual
+    xs = rng.standard_normal((n, k, Kd)).astype(np.float32)
+    xsr = ws.act_region(xs.size, xs)
+    res = rng.standard_normal((n, D)).astype(np.float32)
+    y, y_ref, dn = ws.act_region(res.size, res), ws.act_region(res.size, res), ws.act_region(n * k * D)
+    prog = device.program()
+    hk.mul_mat_id(prog, dn_m, D, xsr, k * Kd, Kd, rr, rs, k, y, D, 0, n, epilogue="combine", bias=bdn)
+    hk.mul_mat_id(prog, dn_m, D, xsr, k * Kd, Kd, rr, rs, k, dn, k * D, D, n)
+    hk.moe_bias(prog, bdn, D, rr, rs, k, dn, k * D, D, n)
+    hk.moe_combine(prog, dn, k * D, D, rr, rs, k, y_ref, D, D, n)
+    prog.run()
+    np.testing.assert_array_equal(ws.read(y), ws.read(y_ref))
+
+
 def test_moe_bias(device, hk, ws, rng):
     """Each routed expert's bias row (gpt-oss) added to its slot of a row's
     expert outputs, the expert id from the router's route words."""

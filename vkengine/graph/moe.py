@@ -59,7 +59,8 @@ class MoeOps(GraphBase):
 
     def experts(self, w: Matrix, rows_per_expert: int, x: str, route: str, k: int, out: str,
                 per_slot_input: bool, batched_experts: int = 0, tiled: bool = False, union: bool = False,
-                epilogue: str = "", norm: NormOut | None = None) -> None:
+                epilogue: str = "", norm: NormOut | None = None, bias: Region | None = None,
+                oai: tuple[float, float] | None = None) -> None:
         """out[r][i] = W[e_ri] @ x[r] (x shared by the k experts) or @ x[r][i].
         batched_experts = E: expert-major over moe_sort's lists (prefill; tiled:
         the tiled matmuls over its work list; union: mul_mm_id over its work
@@ -82,8 +83,8 @@ class MoeOps(GraphBase):
             self.k.mul_mat_id(self.p, w, rows_per_expert, self._r(x), self.s.stride(x), xs, self._r(route),
                                self.s.stride(route), k, self._r(out), self.s.stride(out),
                                rows_per_expert // 2 if epilogue == "glu" else rows_per_expert, self._rows(x),
-                               label=f"mul_mat_id {out}{tag}<-{x}" + ("+rms_norm" if norm else ""),
-                               epilogue=epilogue, norm=norm)
+                               label=f"mul_mat_id {out}{tag}<-{x}" + ("+bias" if bias is not None else "")
+                               + ("+rms_norm" if norm else ""), epilogue=epilogue, norm=norm, bias=bias, oai=oai)
 
     def routed_experts(self, gate_up: Matrix, down: Matrix, n_expert: int, k: int, n_ff_exp: int,
                        out: str = "x", biases: tuple[Region, Region] | None = None,
@@ -108,17 +109,19 @@ class MoeOps(GraphBase):
             self.moe_sort("route", k, n_expert, bn=MM_ID_COLS)
         elif batched:
             self.moe_sort("route", k, n_expert, bn=tile_gu[2] if tiled and tile_gu else 0)
-        elif biases is None and oai is None and not gate_up.parts and not down.parts:
-            # decode rows, one matvec per pair: the SwiGLU in gate|up's matvec, the weighted sum in down's
+        elif not gate_up.parts and not down.parts:
+            # decode rows, one matvec per pair: the SwiGLU in gate|up's matvec, the weighted sum in down's (and
+            # gpt-oss's expert biases and clamped SwiGLU there too)
             if self.s.stride("ff_e") != k * n_ff_exp:
                 raise ValueError("the fused expert matvecs need packed ff_e rows")
-            self.experts(gate_up, 2 * n_ff_exp, "h", "route", k, "ff_e", per_slot_input=False, epilogue="glu")
+            self.experts(gate_up, 2 * n_ff_exp, "h", "route", k, "ff_e", per_slot_input=False, epilogue="glu",
+                         bias=biases[0] if biases else None, oai=oai)
             nout = self._norm_out(*norm) if norm is not None else None
             if nout is not None and not self.k.combine_takes_norm(self.s.widths[out], self._r(out),
                                                                   self.s.stride(out), nout):
                 nout = None
             self.experts(down, self.s.widths[out], "ff_e", "route", k, out, per_slot_input=True, epilogue="combine",
-                         norm=nout)
+                         norm=nout, bias=biases[1] if biases else None)
             return nout is not None
         self.experts(gate_up, 2 * n_ff_exp, "h", "route", k, "gu_e", per_slot_input=False, batched_experts=batched,
                      tiled=tiled, union=union)

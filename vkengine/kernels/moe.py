@@ -65,7 +65,8 @@ class MoeKernels(KernelBase):
     def mul_mat_id(self, prog: Program, w: Matrix, M: int, x: Region, x_stride: int, x_slot_stride: int,
                    route: Region, route_stride: int, k: int, y: Region, y_stride: int, y_slot_stride: int,
                    n_rows: int, label: str = "", part: tuple[int, int] | None = None, epilogue: str = "",
-                   norm: NormOut | None = None) -> None:
+                   norm: NormOut | None = None, bias: Region | None = None,
+                   oai: tuple[float, float] | None = None) -> None:
         """y[r][i] = W[e_ri] @ x[r][i] (x_slot_stride 0: x[r] for every i), one
         matvec per pair: decode-sized steps. W holds E*M rows (M per expert).
         A stack split across buffers (W.parts of whole experts): one dispatch per
@@ -76,7 +77,12 @@ class MoeKernels(KernelBase):
         x[r][i] (moe_combine's sum, the weights at route[r][k + i]), y_slot_stride
         unused. Neither on a stack split across buffers. norm (with "combine"):
         also norm.h[r] = rms_norm(y[r]) * norm.weight, by the last workgroup
-        (norm.sync: a zeroed word of y's buffer, left zero)."""
+        (norm.sync: a zeroed word of y's buffer, left zero). bias (with an
+        epilogue): each expert's bias row (E x M floats) added to its sums first,
+        as moe_bias after the plain matvec; oai = (alpha, limit) (with "glu"):
+        gpt-oss's clamped SwiGLU, as swiglu's."""
+        if (bias is not None and not epilogue) or (oai is not None and epilogue != "glu"):
+            raise ValueError("expert biases go with an epilogue, the clamped SwiGLU with glu")
         if epilogue not in ("", "glu", "combine"):
             raise ValueError(f"unknown expert matvec epilogue {epilogue!r}")
         if w.parts:
@@ -112,12 +118,20 @@ class MoeKernels(KernelBase):
                       nw_off=norm.weight.off if norm else 0, h_off=norm.h.off if norm else 0,
                       h_stride=norm.h_stride if norm else 0, eps=norm.eps if norm else 0.0)
             bufs += [act, norm.weight.buf if norm else act]
+        elif epilogue == "glu":
+            pc.update(oai=int(oai is not None), alpha=oai[0] if oai else 0.0, limit=oai[1] if oai else 0.0)
+            bufs += [act, act]   # (bindings 2 and 3 unused)
+        if epilogue:   # binding 4: the experts' biases (unused without)
+            pc.update(b_off=bias.off if bias is not None else 0xFFFFFFFF)
+            bufs.append(bias.buf if bias is not None else act)
         push = self._push(variant, **pc)
         alg = self._alg(variant, bufs, push, self.caps.wg)
         if n_rows * k > 65535:
             raise VkEngineError(f"{n_rows} rows x {k} experts exceed one dispatch; use a smaller batch")
         reads = w.regions + [rows_range(x, n_rows, x_stride, (k - 1) * x_slot_stride + w.cols),
                              rows_range(route, n_rows, route_stride, 2 * k if epilogue == "combine" else k)]
+        if bias is not None:
+            reads.append(bias.range)
         if epilogue == "combine":
             yr = rows_range(y, n_rows, y_stride, M)
             writes = [yr]

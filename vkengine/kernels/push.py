@@ -128,7 +128,8 @@ LAYOUTS: dict[str, tuple[Push, tuple[tuple[str, Push], ...]]] = {
     "mul_mv_id.comp": (Push(_MUL_ID + ", n_rows, ids_off, ids_stride, x_off, x_stride, x_slot_stride, y_off, "
                             "y_stride, y_slot_stride"), (("EXPERT_PART", Push("uint e_lo, e_hi")),
                                                          ("COMBINE", Push("uint norm, sync_off, nw_off, h_off, "
-                                                                          "h_stride; float eps")))),
+                                                                          "h_stride; float eps; uint b_off")),
+                                                         ("GLU", Push("uint b_off, oai; float alpha, limit")))),
     "mul_mm_id.comp": (Push(_MUL_ID + ", list_off, list_stride, cnt_off, x_off, x_stride, x_slot_stride, y_off, "
                             "y_stride, y_slot_stride"), (("EXPERT_PART", Push("uint e_lo, e_hi")),
                                                          ("BLOCKS", Push("uint blocks_off")))),
