@@ -20,6 +20,19 @@ def hk(kernels):
     return kernels
 
 
+@pytest.fixture(scope="module")
+def mvk(device):
+    """Kernels with the GPUs' split-K matvecs and their epilogue variants (forced on lavapipe)."""
+    from .conftest import kernels_for
+    return kernels_for(device, tiled_from=None, multi_column_from=2, split_k=True)
+
+
+def _matrix(ws, rng, wt: str, rows: int, cols: int):
+    """A random matrix of weight type wt uploaded: (Matrix, its float32 values)."""
+    raw, wf = random_quantized(wt, rows, cols, rng)
+    return upload_matrix(ws, wt, raw, rows, cols), wf
+
+
 def _close(got, want, rtol=1e-4, atol_scale=1e-5):
     atol = atol_scale * max(1.0, float(np.abs(want).max()))
     np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
@@ -392,20 +405,17 @@ def test_moe_router(device, hk, ws, rng, fixed, E, k):
 
 @pytest.mark.parametrize("wt", ["f32", "f16", "q8_0"])
 @pytest.mark.parametrize("E, k, n", [(37, 5, 1), (256, 8, 3), (300, 10, 4)])
-def test_router_matvec_chooses_the_experts(device, ws, rng, wt, E, k, n):
+def test_router_matvec_chooses_the_experts(device, mvk, ws, rng, wt, E, k, n):
     """mul_mat(route=...): the GPUs' split-K router matvec (lavapipe, their caps
     forced) writes the logits and, by its last workgroup, each row's experts and
     weights: bit for bit what the same matvec then moe_router give, for 1-4
     rows; its counter is left zero (a second run gives the same)."""
     from vkengine.kernels import RouteOut
 
-    from .conftest import kernels_for
-    kn = kernels_for(device, tiled_from=None, multi_column_from=2, split_k=True)
-    if E > 64 * kn.min_subgroup():
+    if E > 64 * mvk.min_subgroup():
         pytest.skip(f"{E} experts: more than this device's router takes")
     D = 64
-    raw, _ = random_quantized(wt, E, D, rng)
-    mat = upload_matrix(ws, wt, raw, E, D)
+    mat, _ = _matrix(ws, rng, wt, E, D)
     h = rng.standard_normal((n, D)).astype(np.float32)
     hr = ws.act_region(h.size, h)
     ls, rs = E + 3, 2 * k + 1
@@ -415,12 +425,12 @@ def test_router_matvec_chooses_the_experts(device, ws, rng, wt, E, k, n):
         lr, rr = ws.act_region(n * ls), ws.act_region(n * rs)
         prog = device.program()
         rt = RouteOut(rr, rs, k, 1.5, sync)
-        assert kn.fuses_route(mat, n, lr, ls, rt)
+        assert mvk.fuses_route(mat, n, lr, ls, rt)
         if form == "fused":
-            kn.mul_mat(prog, mat, hr, D, lr, ls, n, route=rt)
+            mvk.mul_mat(prog, mat, hr, D, lr, ls, n, route=rt)
         else:
-            kn.mul_mat(prog, mat, hr, D, lr, ls, n)
-            kn.moe_router(prog, lr, ls, rr, rs, E, k, n, 1.5)
+            mvk.mul_mat(prog, mat, hr, D, lr, ls, n)
+            mvk.moe_router(prog, lr, ls, rr, rs, E, k, n, 1.5)
         prog.run()
         got.append((ws.read(lr).reshape(n, ls)[:, :E], ws.read(rr).reshape(n, rs)[:, :2 * k]))
         assert not ws.read(sync).view(np.uint32).any()
@@ -431,24 +441,20 @@ def test_router_matvec_chooses_the_experts(device, ws, rng, wt, E, k, n):
     np.testing.assert_array_equal(got[1][1][:, :k].view(np.uint32), want_ids)
     _close(got[1][1][:, k:], want_w, atol_scale=1e-6)
     # not for 5 rows (no epilogue variant), nor a weight type without ROUTE variants
-    assert not kn.fuses_route(mat, 5, lr, ls, rt)
-    raw4, _ = random_quantized("q4_0", E, D, rng)
-    assert not kn.fuses_route(upload_matrix(ws, "q4_0", raw4, E, D), n, lr, ls, rt)
+    assert not mvk.fuses_route(mat, 5, lr, ls, rt)
+    assert not mvk.fuses_route(_matrix(ws, rng, "q4_0", E, D)[0], n, lr, ls, rt)
 
 
 @pytest.mark.parametrize("wt", ["q4_0", "q8_0", "f16"])
 @pytest.mark.parametrize("n", [1, 2, 4, 7])
-def test_matvec_gated_by_a_sigmoid(device, ws, rng, wt, n):
+def test_matvec_gated_by_a_sigmoid(device, mvk, ws, rng, wt, n):
     """mul_mat(gate=...) on the GPUs' split-K matvecs (lavapipe, their caps
     forced): y[c] += sigmoid(g[c]) * (W @ x[c]), within rounding of sigmoid_mul
     then the matvec (Qwen3.5's shared expert), and each column bit for bit what
     it gives alone (steps of any size below the tiled matmuls take it)."""
-    from .conftest import kernels_for
-    kn = kernels_for(device, tiled_from=None, multi_column_from=2, split_k=True)
     M, K = 40, 64
-    raw, wf = random_quantized(wt, M, K, rng)
-    mat = upload_matrix(ws, wt, raw, M, K)
-    assert kn.fuses_gate(mat, n)
+    mat, wf = _matrix(ws, rng, wt, M, K)
+    assert mvk.fuses_gate(mat, n)
     x = rng.standard_normal((n, K)).astype(np.float32)
     g = rng.standard_normal((n, 3)).astype(np.float32) * 2
     y0 = rng.standard_normal((n, M + 4)).astype(np.float32)
@@ -456,9 +462,9 @@ def test_matvec_gated_by_a_sigmoid(device, ws, rng, wt, n):
     yf, yu = ws.act_region(y0.size, y0), ws.act_region(y0.size, y0)
     xu = ws.act_region(x.size, x)
     prog = device.program()
-    kn.mul_mat(prog, mat, xr, K, yf, M + 4, n, accumulate=True, gate=(gr, 3))
-    kn.sigmoid_mul(prog, xu, K, gr, 3, K, 0, 0, xu, K, K, n)
-    kn.mul_mat(prog, mat, xu, K, yu, M + 4, n, accumulate=True)
+    mvk.mul_mat(prog, mat, xr, K, yf, M + 4, n, accumulate=True, gate=(gr, 3))
+    mvk.sigmoid_mul(prog, xu, K, gr, 3, K, 0, 0, xu, K, K, n)
+    mvk.mul_mat(prog, mat, xu, K, yu, M + 4, n, accumulate=True)
     prog.run()
     got, unfused = ws.read(yf).reshape(n, M + 4), ws.read(yu).reshape(n, M + 4)
     want = y0[:, :M] + rh.sigmoid(g[:, :1]) * (x.astype(np.float64) @ wf.astype(np.float64).T)
@@ -468,7 +474,7 @@ def test_matvec_gated_by_a_sigmoid(device, ws, rng, wt, n):
     for c in range(n):   # each column alone
         y1 = ws.act_region(M + 4, y0[c])
         prog = device.program()
-        kn.mul_mat(prog, mat, xr.at(c * K, K), K, y1, M + 4, 1, accumulate=True, gate=(gr.at(c * 3, 3), 3))
+        mvk.mul_mat(prog, mat, xr.at(c * K, K), K, y1, M + 4, 1, accumulate=True, gate=(gr.at(c * 3, 3), 3))
         prog.run()
         np.testing.assert_array_equal(ws.read(y1)[:M], got[c, :M])
 
@@ -476,7 +482,7 @@ def test_matvec_gated_by_a_sigmoid(device, ws, rng, wt, n):
 @pytest.mark.parametrize("wt", ["q4_0", "q8_0", "f16"])
 @pytest.mark.parametrize("slots,pos", [([2], [7]), ([0, 3], [0, 40]), ([1, 1, 1], [5, 6, 7]),
                                        ([2, 2, 0, 3], [8, 9, 0, 12])])
-def test_matvec_takes_the_conv1d(device, ws, rng, wt, slots, pos):
+def test_matvec_takes_the_conv1d(device, mvk, ws, rng, wt, slots, pos):
     """mul_mat(conv=...) on the GPUs' split-K matvecs (lavapipe, their caps
     forced): a Gated DeltaNet input projection's first C rows go through the
     causal conv1d + SiLU with each slot's window (rows of one slot in order,
@@ -485,12 +491,9 @@ def test_matvec_takes_the_conv1d(device, ws, rng, wt, slots, pos):
     matvec writes them."""
     from vkengine.kernels import ConvOut
 
-    from .conftest import kernels_for
-    kn = kernels_for(device, tiled_from=None, multi_column_from=2, split_k=True)
     n, n_slots, C, extra, K, D = len(slots), 4, 24, 10, 4, 64
     M = C + extra
-    raw, _ = random_quantized(wt, M, D, rng)
-    mat = upload_matrix(ws, wt, raw, M, D)
+    mat, _ = _matrix(ws, rng, wt, M, D)
     x = rng.standard_normal((n, D)).astype(np.float32)
     xr = ws.act_region(x.size, x)
     cw = ws.weight_region(rng.standard_normal((C, K)).astype(np.float32))
@@ -501,35 +504,32 @@ def test_matvec_takes_the_conv1d(device, ws, rng, wt, slots, pos):
         lin, cout = ws.act_region(n * (M + 2)), ws.act_region(n * (C + 3))
         st, snap = ws.act_region(st0.size, st0), ws.act_region(n * (K - 1) * C)
         cv = ConvOut(cw, C, K, cout, C + 3, st, snap, n, ws.params, pos_off, slot_off)
-        assert kn.fuses_conv(mat, n, lin, cv)
+        assert mvk.fuses_conv(mat, n, lin, cv)
         prog = device.program()
         if fused:
-            kn.mul_mat(prog, mat, xr, D, lin, M + 2, n, conv=cv)
+            mvk.mul_mat(prog, mat, xr, D, lin, M + 2, n, conv=cv)
         else:
-            kn.mul_mat(prog, mat, xr, D, lin, M + 2, n)
-            kn.conv1d(prog, cw, lin, M + 2, cout, C + 3, C, K, n, st, snap, n, ws.params, pos_off, slot_off,
+            mvk.mul_mat(prog, mat, xr, D, lin, M + 2, n)
+            mvk.conv1d(prog, cw, lin, M + 2, cout, C + 3, C, K, n, st, snap, n, ws.params, pos_off, slot_off,
                       by_rows=False)
         prog.run()
         outs.append((ws.read(lin).reshape(n, M + 2)[:, C:M], ws.read(cout).reshape(n, C + 3)[:, :C], ws.read(st),
                      ws.read(snap)))
     for a, b in zip(outs[0], outs[1]):
         np.testing.assert_array_equal(b, a)
-    assert not kn.fuses_conv(mat, 5, lin, cv)
+    assert not mvk.fuses_conv(mat, 5, lin, cv)
 
 
 @pytest.mark.parametrize("wt", ["q4_0", "mxfp4", "f32"])
 @pytest.mark.parametrize("n", [1, 3])
-def test_matvec_takes_the_bias(device, ws, rng, wt, n):
+def test_matvec_takes_the_bias(device, mvk, ws, rng, wt, n):
     """mul_mat(bias=...) on the GPUs' split-K matvecs (lavapipe, their caps
     forced): y = W x + b bit for bit as the matvec then add_bias; and with the
     residual add and the RMSNorm after it (gpt-oss's output projection,
     matmul_norm's fused form) bit for bit as matvec, add_bias, add, rms_norm."""
-    from .conftest import kernels_for
-    kn = kernels_for(device, tiled_from=None, multi_column_from=2, split_k=True)
     M, K = 40, 64
-    raw, wf = random_quantized(wt, M, K, rng)
-    mat = upload_matrix(ws, wt, raw, M, K)
-    assert kn.fuses_bias(mat, n)
+    mat, wf = _matrix(ws, rng, wt, M, K)
+    assert mvk.fuses_bias(mat, n)
     x = rng.standard_normal((n, K)).astype(np.float32)
     b = rng.standard_normal(M + 3).astype(np.float32)
     res = rng.standard_normal((n, M)).astype(np.float32)
@@ -537,20 +537,20 @@ def test_matvec_takes_the_bias(device, ws, rng, wt, n):
     xr, br, nwr = ws.act_region(x.size, x), ws.weight_region(b), ws.weight_region(nw)
     yf, yu = ws.act_region(n * M), ws.act_region(n * M)
     prog = device.program()
-    kn.mul_mat(prog, mat, xr, K, yf, M, n, bias=br.at(3, M))
-    kn.mul_mat(prog, mat, xr, K, yu, M, n)
-    kn.add_bias(prog, br.at(3, M), yu, M, M, n)
+    mvk.mul_mat(prog, mat, xr, K, yf, M, n, bias=br.at(3, M))
+    mvk.mul_mat(prog, mat, xr, K, yu, M, n)
+    mvk.add_bias(prog, br.at(3, M), yu, M, M, n)
     # the output projection's form: x += (W att + b), then h = rms_norm(x)
     xf, xu, t = ws.act_region(res.size, res), ws.act_region(res.size, res), ws.act_region(n * M)
     hf, hu = ws.act_region(n * M), ws.act_region(n * M)
     sync = ws.act_region(1, np.zeros(1, np.float32))
     norm = NormOut(nwr, hf, M, sync, 1e-6)
-    assert kn.fuses_norm(mat, n, xf, M, norm)
-    kn.mul_mat(prog, mat, xr, K, xf, M, n, accumulate=True, norm=norm, bias=br.at(3, M))
-    kn.mul_mat(prog, mat, xr, K, t, M, n)
-    kn.add_bias(prog, br.at(3, M), t, M, M, n)
-    kn.add(prog, xu, M, t, M, xu, M, M, n)
-    kn.rms_norm(prog, nwr, xu, M, hu, M, M, n, 1e-6, ws.params)
+    assert mvk.fuses_norm(mat, n, xf, M, norm)
+    mvk.mul_mat(prog, mat, xr, K, xf, M, n, accumulate=True, norm=norm, bias=br.at(3, M))
+    mvk.mul_mat(prog, mat, xr, K, t, M, n)
+    mvk.add_bias(prog, br.at(3, M), t, M, M, n)
+    mvk.add(prog, xu, M, t, M, xu, M, M, n)
+    mvk.rms_norm(prog, nwr, xu, M, hu, M, M, n, 1e-6, ws.params)
     prog.run()
     want = x.astype(np.float64) @ wf.astype(np.float64).T + b[3:]
     _close(ws.read(yf).reshape(n, M), want, atol_scale=1e-5)
