@@ -200,6 +200,19 @@ float norm_in_scale(uint c) {
 #define NORM_COLS 4u
 shared float npart[NORM_COLS][32];
 shared uint s_last;
+// Whether this workgroup is the dispatch's last to finish (NORM's and ROUTE's
+// epilogues): its writes made visible, it counts itself on the zeroed word w of
+// y's buffer; the last one resets the word once its epilogue is done.
+bool last_workgroup(uint w) {
+    memoryBarrierBuffer();
+    barrier();
+    if (gl_LocalInvocationID.x == 0u) {
+        uint total = gl_NumWorkGroups.x * gl_NumWorkGroups.y * gl_NumWorkGroups.z;
+        s_last = atomicAdd(actu[w], 1u) == total - 1u ? 1u : 0u;
+    }
+    barrier();
+    return s_last != 0u;
+}
 #endif
 
 #if NORM_CODE
@@ -565,14 +578,7 @@ void main() {
     // and runs rms_norm_wg's arithmetic (same workgroup size, loop, reduction
     // order and expressions), so a row's h is what that kernel gives.
     if ((p.flags & 4u) != 0u) {
-        memoryBarrierBuffer();
-        barrier();
-        if (gl_LocalInvocationID.x == 0u) {
-            uint total = gl_NumWorkGroups.x * gl_NumWorkGroups.y * gl_NumWorkGroups.z;
-            s_last = atomicAdd(actu[p.sync_off], 1u) == total - 1u ? 1u : 0u;
-        }
-        barrier();
-        if (s_last != 0u) {
+        if (last_workgroup(p.sync_off)) {
             memoryBarrierBuffer();
             uint n4 = p.M / 4u, S = gl_WorkGroupSize.x, L = gl_LocalInvocationID.x;
             // up to NORM_COLS columns at a time, their loads side by side; each
@@ -636,14 +642,7 @@ void main() {
 #endif
 #ifdef ROUTE
     {
-        memoryBarrierBuffer();
-        barrier();
-        if (gl_LocalInvocationID.x == 0u) {
-            uint total = gl_NumWorkGroups.x * gl_NumWorkGroups.y * gl_NumWorkGroups.z;
-            s_last = atomicAdd(actu[p.sync_off], 1u) == total - 1u ? 1u : 0u;
-        }
-        barrier();
-        if (s_last != 0u) {
+        if (last_workgroup(p.sync_off)) {
             memoryBarrierBuffer();
             for (uint c = gl_SubgroupID; c < p.N; c += gl_NumSubgroups) {
                 uint lb = p.y_off + c * p.y_stride, rb = ROUTE_OFF + c * ROUTE_STRIDE;
