@@ -112,8 +112,9 @@ class MatmulKernels(KernelBase):
         of a gate word: the split-K matvecs (GPUs) at every column count below
         the tiled matmuls, so that a row rounds alike in steps of any size there
         (sigmoid(g) * (W x) is not W (x sigmoid(g)) to the bit: the row counts
-        from which kernels change, Kernels.step_thresholds, stay where they were)."""
-        return self.caps.split_k and not w.parts and not self.tiled(w, n)
+        from which kernels change, Kernels.step_thresholds, stay where they were),
+        a matrix held in parts too (each part's matvec scales its rows alike)."""
+        return self.caps.split_k and not self.tiled(w, n)
 
     def fuses_norm_in(self, w: Matrix, n: int, slots: Region) -> bool:
         """Whether mul_mat(norm_in=...) can read a NormParts' h' as its norm
@@ -284,7 +285,8 @@ class MatmulKernels(KernelBase):
             for r0, part in w.parts:
                 self.mul_mat(prog, part, x, x_stride, y.at(r0, max(0, y.words - r0)), y_stride, n, accumulate,
                              f"{label or 'mul_mat'}[{r0}:{r0 + part.rows}]", no_epilogues=no_epilogues,
-                             norm_in=norm_in, norm_parts=norm_parts.rows_from(r0) if norm_parts else None)
+                             norm_in=norm_in, norm_parts=norm_parts.rows_from(r0) if norm_parts else None,
+                             gate=gate)
             return
         assert w.data is not None
         act = self._same_buffer(x, y, *([rope.q_out] if rope is not None else []))
