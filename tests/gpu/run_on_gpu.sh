@@ -62,6 +62,10 @@ for group, items in eps.items():
     print("\n".join(f"{k} = {v}" for k, v in items.items()))
 PY
 export VKENGINE_TOKENIZER_GGUF=$PWD/.vk/smollm2-tokenizer.gguf
+# a llama.cpp "tree" holding only what the tests read from its models/ (parity.llamacpp.source_tree)
+if [ -f .vk/ggml-vocab-phi-3.gguf ]; then
+  mkdir -p /tmp/llsrc/models && cp .vk/ggml-vocab-phi-3.gguf /tmp/llsrc/models/ && export VKENGINE_LLAMA_SRC=/tmp/llsrc
+fi
 if ! python3 -c 'import kp; assert kp.list_devices_info()' >/dev/null 2>&1; then
   export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
 fi
