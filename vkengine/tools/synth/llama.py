@@ -251,6 +251,12 @@ def _gptoss_layer(c: SynthConfig, p: str) -> list[tuple[str, tuple[int, ...], fl
             (p + "ffn_down_exps.bias", (E, D), -0.1)]
 
 
+def tensor_quant(name: str, quant: str) -> str:
+    """The type a weight gets in a file of `quant`: a MoE router (ffn_gate_inp)
+    stays F32, as llama.cpp's llama-quantize leaves it in the files users have."""
+    return "f32" if name.endswith("ffn_gate_inp.weight") else quant
+
+
 def _make_tensor(job):
     """Worker: (name, shape, std, seed, quant, n_head, n_head_kv, want_hf, permute) -> (name, GGUF bytes,
     type, HF float32); permute: Q/K rows for adjacent-pair RoPE (llama)."""
@@ -271,6 +277,7 @@ def _make_tensor(job):
         w = rng.standard_normal(shape, dtype=np.float32) * np.float32(-std)
         return name, w.view(np.uint8).reshape(-1), "f32", w if want_hf else None
     w = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+    quant = tensor_quant(name, quant)
     if permute and name.endswith("attn_q.weight"):
         w = _permute(w, n_head)
     elif permute and name.endswith("attn_k.weight"):
@@ -518,7 +525,7 @@ def synth_llama(c: SynthConfig, quant: str, seed: int, out_dir: Path, name: str 
         w.add_string("vkengine.synth.seed", str(seed))
         w.add_string("vkengine.synth.config", json.dumps(asdict(c)))
         add_meta(w, tmeta)
-        specs = [(n, s, "f32" if std <= 0.0 else quant) for n, s, std in plan]
+        specs = [(n, s, "f32" if std <= 0.0 else tensor_quant(n, quant)) for n, s, std in plan]
         write_gguf_tensors(w, specs, (results[n] for n, _, _ in plan) if results is not None
                            else iter_tensors(_make_tensor, jobs, workers))
         os.replace(tmp, path)
