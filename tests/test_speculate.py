@@ -26,18 +26,12 @@ from .test_models_qwen35 import ARCHES, PROMPT, qwen35_loaded, qwen35_models  # 
 from .test_synth_mtp_accept import accept_models  # noqa: F401 (shared fixture)
 
 ROWS = 12      # a verify step's rows (snapshot and output rows of the engine)
-# a step's token rows: at most ROWS (the engine's max_out), so that every step, prompt chunks and decode rows
-# together, is at most Engine.exact_rows on every device and computes each row as a one-row step does (on GPUs
-# a step of more than max_out rows leaves split decode attention, and one of 16 runs attention on cooperative
-# matrices in fp16: a decode row there rounds otherwise, and plain and speculative runs, whose steps are made
-# up differently, could part on a near tie; the H100 showed it, run 43)
-STEP = ROWS
 
 
 def _engine(device, model, n_slots=3, rows=ROWS, **kw):
     model = dataclasses.replace(model, args=dataclasses.replace(model.args, mtp_snap_rows=rows))
     return Engine(model, device, EngineConfig(**{"n_slots": n_slots, "n_ctx": 96, "max_batch": 24,
-                                                 "max_out": max(STEP, rows, n_slots), **kw}))
+                                                 "max_out": max(rows, n_slots), **kw}))
 
 
 def _requests(m):
@@ -63,7 +57,6 @@ def _unspeculated(m):
 
 def _run(eng, cfg, reqs, arrive, draft=0, spec_cls=None, step_log=None):
     """Each request's tokens and finish: request i is added before turn arrive[i]."""
-    assert cfg.step_tokens <= eng.exact_rows, "steps past exact_rows: rows could round otherwise than alone"
     runner = Runner(eng, cfg, mtp_draft=draft, step_log=step_log)
     if spec_cls is not None:
         runner.spec = spec_cls(eng, draft)
@@ -89,7 +82,7 @@ def test_speculative_tokens_equal_plain(device, qwen35_loaded, arch, mode):
     m = qwen35_loaded(arch)
     slots = 3 if mode == "batch" else 1
     eng = _engine(device, m, n_slots=slots)
-    cfg = SchedulerConfig(n_slots=slots, max_live=3, step_tokens=STEP, quantum=3, newcomer_first=mode == "slices",
+    cfg = SchedulerConfig(n_slots=slots, max_live=3, step_tokens=16, quantum=3, newcomer_first=mode == "slices",
                           host_cache=3)   # (finished sequences' state kept on the host: the follow-up's prefix)
     reqs = _requests(m) + _unspeculated(m)
     arrive = [0, 2, 3, 9, 1, 5]
@@ -116,7 +109,7 @@ def test_verify_steps_beside_device_draws_and_host_logits(device, qwen35_loaded)
     the runner's own steps do: every request's tokens equal those without drafts."""
     m = qwen35_loaded("qwen35")
     eng = _engine(device, m, n_slots=4, device_sampling=True)
-    cfg = SchedulerConfig(n_slots=4, max_live=4, step_tokens=STEP)
+    cfg = SchedulerConfig(n_slots=4, max_live=4, step_tokens=16)
     tok = m.tokenizer
     reqs = [GenRequest(tok.encode(PROMPT), 14, ignore_eos=True),
             GenRequest(tok.encode("Once upon a time"), 10, SamplingParams(temperature=1.5, top_k=40, seed=3),
@@ -157,7 +150,7 @@ class _Forced(Speculator):
 def test_forced_drafts_keep_tokens(device, qwen35_loaded, half):
     m = qwen35_loaded("qwen35")
     eng = _engine(device, m)
-    cfg = SchedulerConfig(n_slots=3, max_live=3, step_tokens=STEP)
+    cfg = SchedulerConfig(n_slots=3, max_live=3, step_tokens=16)
     reqs = [r for i, r in enumerate(_requests(m)) if i != 2]
     arrive = [0, 1, 4]
     want, _, _ = _run(eng, cfg, reqs, arrive)
@@ -179,7 +172,7 @@ def test_context_end_and_budget(device, qwen35_loaded):
     """Drafts stop at the context length and at max_tokens: the reply ends as without them."""
     m = qwen35_loaded("qwen35")
     eng = _engine(device, m, n_slots=2, n_ctx=40)
-    cfg = SchedulerConfig(n_slots=2, max_live=2, step_tokens=STEP)
+    cfg = SchedulerConfig(n_slots=2, max_live=2, step_tokens=16)
     ids = m.tokenizer.encode(PROMPT)
     reqs = [GenRequest(ids, 100, ignore_eos=True), GenRequest(ids[:5], 3, ignore_eos=True)]
     want, _, _ = _run(eng, cfg, reqs, [0, 0])
@@ -206,7 +199,7 @@ def test_drafts_accepted_with_the_mtp_accept_model(device, accept_models, arch):
     stay those of plain decoding."""
     m = load_model(accept_models[arch]["gguf"])
     eng = _engine(device, m)
-    cfg = SchedulerConfig(n_slots=3, max_live=3, step_tokens=STEP)
+    cfg = SchedulerConfig(n_slots=3, max_live=3, step_tokens=16)
     reqs = [r for i, r in enumerate(_requests(m)) if i != 2]
     arrive = [0, 1, 4]
     want, _, _ = _run(eng, cfg, reqs, arrive)
@@ -228,7 +221,7 @@ def test_no_room_for_drafts_runs_plain_chained_steps(device, qwen35_loaded):
     sequence leaves; the tokens stay those of plain decoding."""
     m = qwen35_loaded("qwen35")
     eng = _engine(device, m, n_slots=3, rows=3)            # three decode rows leave none for drafts
-    cfg = SchedulerConfig(n_slots=3, max_live=3, step_tokens=STEP)
+    cfg = SchedulerConfig(n_slots=3, max_live=3, step_tokens=16)
     reqs = [r for i, r in enumerate(_requests(m)) if i != 2]
     want, _, _ = _run(eng, cfg, reqs, [0, 0, 0])
     got, jobs, runner = _run(eng, cfg, reqs, [0, 0, 0], draft=2)
@@ -241,7 +234,7 @@ def test_a_request_caps_its_drafts(device, accept_models):
     without drafts, 1 drafts one token a step; the tokens stay the same."""
     m = load_model(accept_models["qwen35"]["gguf"])
     eng = _engine(device, m)
-    cfg = SchedulerConfig(n_slots=3, max_live=3, step_tokens=STEP)
+    cfg = SchedulerConfig(n_slots=3, max_live=3, step_tokens=16)
     ids = m.tokenizer.encode(PROMPT)
     reqs = [GenRequest(ids, 16, ignore_eos=True, draft_max=d) for d in (None, 1, 0)]
     want, _, _ = _run(eng, cfg, reqs, [0, 0, 0])
@@ -260,7 +253,7 @@ def test_verify_steps_follow_the_mtp_steps_on_the_device(device, accept_models, 
     a request arriving meanwhile joins at the next turn, and its tokens are its own."""
     m = load_model(accept_models[arch]["gguf"])
     eng = _engine(device, m)
-    cfg = SchedulerConfig(n_slots=3, max_live=3, step_tokens=STEP)
+    cfg = SchedulerConfig(n_slots=3, max_live=3, step_tokens=16)
     ids = m.tokenizer.encode(PROMPT)
     reqs = [GenRequest(ids, 25, ignore_eos=True)]
     want, _, _ = _run(eng, cfg, reqs, [0])
@@ -281,7 +274,7 @@ def test_a_reply_ending_mid_turn_behind_a_verify_step_ahead(device, accept_model
     not, by its lengths) gets plain decoding's tokens."""
     m = load_model(accept_models["qwen35"]["gguf"])
     eng = _engine(device, m)
-    cfg = SchedulerConfig(n_slots=3, max_live=3, step_tokens=STEP, host_cache=2)
+    cfg = SchedulerConfig(n_slots=3, max_live=3, step_tokens=16, host_cache=2)
     tok = m.tokenizer
     ids = tok.encode(PROMPT)
     (plain, _), = _run(eng, cfg, [GenRequest(ids, 30, ignore_eos=True)], [0])[0]
@@ -308,7 +301,7 @@ def test_requests_ended_while_a_verify_step_is_ahead(device, accept_models, qwen
     a slot left by then has nothing to roll back)."""
     m = load_model(accept_models["qwen35"]["gguf"]) if drafts == "accepted" else qwen35_loaded("qwen35")
     eng = _engine(device, m)
-    cfg = SchedulerConfig(n_slots=3, max_live=3, step_tokens=STEP)
+    cfg = SchedulerConfig(n_slots=3, max_live=3, step_tokens=16)
     ids = m.tokenizer.encode(PROMPT)
     reqs = [GenRequest(ids, 40, ignore_eos=True), GenRequest(m.tokenizer.encode("def fib(n):"), 24, ignore_eos=True)]
     want, _, _ = _run(eng, cfg, reqs, [0, 0])
