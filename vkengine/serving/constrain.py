@@ -50,8 +50,13 @@ def ll_tokenizer(tok) -> Any:
     with _LOCK:
         llt = getattr(tok, "_llg", None)
         if llt is None:
-            llt = _llg().LLTokenizer(tok.hf.to_str(), n_vocab=tok.vocab_size,
-                                     eos_token=sorted(tok.eot_ids) or None)
+            eos = sorted(tok.eot_ids)
+            try:
+                llt = _llg().LLTokenizer(tok.hf.to_str(), n_vocab=tok.vocab_size, eos_token=eos or None)
+            except TypeError:
+                # older llguidance (1.6) takes one end-of-turn id, not a list: the first (a constrained
+                # reply still ends where its grammar is complete)
+                llt = _llg().LLTokenizer(tok.hf.to_str(), n_vocab=tok.vocab_size, eos_token=eos[0] if eos else None)
             object.__setattr__(tok, "_llg", llt)
         return llt
 
