@@ -172,7 +172,10 @@ def test_prefill_matches_numpy_reference(device, models, arch, quant):
 
 @pytest.mark.parametrize("arch", ARCHES)
 def test_prefill_equals_step_by_step_decode(device, models, arch):
-    m, eng = _engine(device, models[(arch, "q8_0")]["gguf"])
+    # (without expert tiles: on cooperative matrices a prompt step's tiles round W and x to fp16, ~3e-4 of the
+    # largest logit here on the H200 (run 43); test_models_qwen35's test_tiled_expert_matmuls_in_prompt_steps
+    # holds them to their own bound)
+    m, eng = _engine(device, models[(arch, "q8_0")]["gguf"], caps={"expert_tiles": False})
     ids = m.tokenizer.encode(PROMPT)
     pre = _prefill_logits(eng, ids, slot=1)
     steps = np.stack([eng.step([t], [p], [2], [0], Readback.LOGITS)[0] for p, t in enumerate(ids)])
