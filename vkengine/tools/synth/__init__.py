@@ -21,7 +21,8 @@ def add_synth_args(p) -> None:
                    "qwen35: tiny, 0.8B, 4B; qwen35moe: tiny, 35B-A3B")
     p.add_argument("--config", default=None, help="JSON (inline or a file) of the family's config fields instead "
                    "of --shape")
-    p.add_argument("--quant", default="q8_0", help=f"one of {', '.join(QUANTS)}")
+    p.add_argument("--quant", default="q8_0", help=f"one of {', '.join(QUANTS)} (models of 2^28 weights or more: "
+                   "q4_0 and q8_0 matrices drawn as random blocks, not as Gaussian weights quantized)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--name", default=None, help="file name stem (default: <arch>-<shape>)")

@@ -43,12 +43,14 @@ import numpy as np
 
 from ...errors import VkEngineError
 from .writer import (
+    BLOCKS_FROM,
     FILE_TYPES,
     add_meta,
     check_quant,
     config_json,
     iter_tensors,
     make_tensors,
+    random_blocks,
     rng_for,
     tokenizer_meta,
     write_gguf_tensors,
@@ -258,9 +260,10 @@ def tensor_quant(name: str, quant: str) -> str:
 
 
 def _make_tensor(job):
-    """Worker: (name, shape, std, seed, quant, n_head, n_head_kv, want_hf, permute) -> (name, GGUF bytes,
-    type, HF float32); permute: Q/K rows for adjacent-pair RoPE (llama)."""
-    name, shape, std, seed, quant, n_head, n_head_kv, want_hf, permute = job
+    """Worker: (name, shape, std, seed, quant, n_head, n_head_kv, want_hf, permute, blocks) -> (name, GGUF
+    bytes, type, HF float32); permute: Q/K rows for adjacent-pair RoPE (llama); blocks: q4_0/q8_0 matrices
+    drawn as random blocks (writer.random_blocks: a bench-sized model)."""
+    name, shape, std, seed, quant, n_head, n_head_kv, want_hf, permute, blocks = job
     from gguf import GGMLQuantizationType as T
     from gguf import quants
 
@@ -276,24 +279,28 @@ def _make_tensor(job):
     if std < 0.0:    # biases: f32
         w = rng.standard_normal(shape, dtype=np.float32) * np.float32(-std)
         return name, w.view(np.uint8).reshape(-1), "f32", w if want_hf else None
-    w = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
     quant = tensor_quant(name, quant)
-    if permute and name.endswith("attn_q.weight"):
-        w = _permute(w, n_head)
-    elif permute and name.endswith("attn_k.weight"):
-        w = _permute(w, n_head_kv)
     qt = BY_NAME[quant]
-    if quant == "f32":
-        raw = w.view(np.uint8)
-    elif quant == "f16":
-        raw = w.astype(np.float16).view(np.uint8)
-    else:
-        raw = quantize_mxfp4(w) if quant == "mxfp4" else quants.quantize(w.reshape(-1, shape[-1]), qt).view(np.uint8)
+    w = None
+    raw = random_blocks(rng, quant, int(np.prod(shape)), std) if blocks else None
+    if raw is None:   # (random blocks have rows in no order: nothing to permute)
+        w = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+        if permute and name.endswith("attn_q.weight"):
+            w = _permute(w, n_head)
+        elif permute and name.endswith("attn_k.weight"):
+            w = _permute(w, n_head_kv)
+        if quant == "f32":
+            raw = w.view(np.uint8)
+        elif quant == "f16":
+            raw = w.astype(np.float16).view(np.uint8)
+        else:
+            raw = (quantize_mxfp4(w) if quant == "mxfp4"
+                   else quants.quantize(w.reshape(-1, shape[-1]), qt).view(np.uint8))
     raw = np.ascontiguousarray(raw).reshape(-1)
     hf = None
     if want_hf:
         rows = int(np.prod(shape[:-1]))
-        hf = dequantize(quant, raw, rows, shape[-1]).reshape(shape) if qt != T.F32 else w
+        hf = w if w is not None and qt == T.F32 else dequantize(quant, raw, rows, shape[-1]).reshape(shape)
         if permute and name.endswith("attn_q.weight"):
             hf = _unpermute(hf, n_head)
         elif permute and name.endswith("attn_k.weight"):
@@ -475,7 +482,8 @@ def synth_llama(c: SynthConfig, quant: str, seed: int, out_dir: Path, name: str 
     out_dir.mkdir(parents=True, exist_ok=True)
     want_hf = "hf" in formats
     plan = _tensor_plan(c, n_vocab)
-    jobs = [(n, s, std, seed, quant, c.n_head, c.n_head_kv, want_hf, c.arch == "llama") for n, s, std in plan]
+    blocks = sum(int(np.prod(s)) for _, s, _ in plan) >= BLOCKS_FROM
+    jobs = [(n, s, std, seed, quant, c.n_head, c.n_head_kv, want_hf, c.arch == "llama", blocks) for n, s, std in plan]
     # the Hugging Face copy needs every tensor at once; GGUF alone streams
     results = make_tensors(_make_tensor, jobs, workers) if want_hf else None
 

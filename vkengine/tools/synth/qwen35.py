@@ -27,12 +27,14 @@ import numpy as np
 
 from ...errors import VkEngineError
 from .writer import (
+    BLOCKS_FROM,
     FILE_TYPES,
     add_meta,
     check_quant,
     config_json,
     iter_tensors,
     make_tensors,
+    random_blocks,
     rng_for,
     tokenizer_meta,
     write_gguf_tensors,
@@ -262,7 +264,7 @@ def _v_reorder(x: np.ndarray, spec, nk: int, nv: int, inverse: bool = False) -> 
 
 def _make_tensor(job):
     """Worker: -> (GGUF name, GGUF bytes, type, GGUF-convention float32 values in HF head order)."""
-    name, shape, init, quantized, reorder, seed, quant, nk, nv, want_hf = job
+    name, shape, init, quantized, reorder, seed, quant, nk, nv, want_hf, blocks = job
     from gguf import quants
 
     from ...quant import BY_NAME, dequantize
@@ -282,6 +284,14 @@ def _make_tensor(job):
     elif kind == "dt":
         w = 0.5 * rng.standard_normal(shape, dtype=np.float32)
     else:
+        t = quant if quantized else "f32"
+        raw = random_blocks(rng, t, int(np.prod(shape)), init[1]) if blocks else None
+        if raw is not None:   # (a bench-sized model: random rows, nothing to reorder)
+            hf = None
+            if want_hf:
+                deq = dequantize(t, raw, int(np.prod(shape[:-1])), shape[-1]).reshape(shape)
+                hf = np.ascontiguousarray(_v_reorder(deq, reorder, nk, nv, inverse=True), np.float32)
+            return name, raw, t, hf
         w = rng.standard_normal(shape, dtype=np.float32) * np.float32(init[1])
     w = np.ascontiguousarray(_v_reorder(w.astype(np.float32), reorder, nk, nv))
     t = quant if quantized else "f32"
@@ -417,7 +427,8 @@ def synth_qwen35(c: Qwen35SynthConfig, quant: str, seed: int, out_dir: Path, nam
     plan = _tensor_plan(c, n_vocab)
     if mtp_accept:
         plan = _mtp_accept_plan(plan)
-    jobs = [(n, s, init, qz, ro, seed, quant, c.nk, c.nv, want_hf) for n, s, init, qz, ro in plan]
+    blocks = sum(int(np.prod(s)) for _, s, *_ in plan) >= BLOCKS_FROM
+    jobs = [(n, s, init, qz, ro, seed, quant, c.nk, c.nv, want_hf, blocks) for n, s, init, qz, ro in plan]
     # the Hugging Face copy needs every tensor at once; GGUF alone streams
     # (a 35B-A3B shape is larger than this machine's memory)
     results = make_tensors(_make_tensor, jobs, workers) if want_hf else None

@@ -31,6 +31,34 @@ def check_quant(quant: str) -> None:
         raise VkEngineError(f"synth quant {quant!r} is not supported (choose from {', '.join(QUANTS)})")
 
 
+# Models of at least this many weights (the bench shapes: 0.8B, 1B, 8B, 30B-A3B, 35B-A3B, gpt-oss-20b; never
+# the tiny and small test models) draw their q4_0 / q8_0 matrices as random blocks (random_blocks), not as
+# Gaussian weights quantized: ~15x less work a weight (a 35B-A3B file took 184 s on the GPU machine's 16
+# cores, where every session writes it again). A benchmark reads the same bytes either way.
+BLOCKS_FROM = 1 << 28
+# a symmetric code distribution: nibble 0 (-8) read as 8 (0), int8 -128 as 0; their std in units of d
+_Q4_LUT = np.array([((b & 15) or 8) | (((b >> 4) or 8) << 4) for b in range(256)], np.uint8)
+_Q8_LUT = np.array([0 if b == 128 else b for b in range(256)], np.uint8)
+_CODE_STD = {"q4_0": float(np.sqrt(2 * sum(k * k for k in range(1, 8)) / 16)),
+             "q8_0": float(np.sqrt(2 * sum(k * k for k in range(1, 128)) / 256))}
+
+
+def random_blocks(rng: np.random.Generator, quant: str, n: int, std: float) -> np.ndarray | None:
+    """n weights (a multiple of 32) of type quant as raw GGUF blocks drawn at
+    random: codes symmetric about 0 and each block's scale d within 25% of the
+    one that gives the weights a standard deviation of std (about what a
+    Gaussian of that std quantized gives); None for the other types."""
+    if quant not in _CODE_STD or n % 32:
+        return None
+    nb = n // 32
+    d = (np.float32(std / _CODE_STD[quant]) * rng.uniform(0.75, 1.25, nb).astype(np.float32)).astype(np.float16)
+    width = 16 if quant == "q4_0" else 32
+    out = np.empty((nb, 2 + width), np.uint8)
+    out[:, :2] = d.view(np.uint8).reshape(nb, 2)
+    out[:, 2:] = (_Q4_LUT if quant == "q4_0" else _Q8_LUT)[rng.integers(0, 256, (nb, width), np.uint8)]
+    return out.reshape(-1)
+
+
 def rng_for(seed: int, name: str) -> np.random.Generator:
     """The generator of one tensor: seeded by (seed, its GGUF name), so a tensor
     does not depend on the order or the number of worker processes."""
