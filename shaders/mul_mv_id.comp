@@ -68,6 +68,7 @@ layout(push_constant) uniform P {
 
 #include "quant.glsl"
 
+#ifndef UNROLL
 float row_dot(uint grow, uint xb) {
     uint units = units_per_row(p.K);
     float acc = 0.0;
@@ -79,6 +80,49 @@ float row_dot(uint grow, uint xb) {
     }
     return acc;
 }
+#else
+// UNROLL (the "4" variants, Caps.mvid_unroll): a lane's units u, u + S, ..
+// u + (UNROLL - 1) S of a row (and, rows_dot2, of two rows: GLU's gate and up)
+// loaded before their products, UNROLL x 2 loads in flight where the loop
+// above has one; each row's sum takes the same products in the same order,
+// so the sums are bit for bit the plain variants' (and mul_mm_id's, whose
+// union decode rows equal them)
+#define NR 2
+void rows_dot(uint n, uint grow[NR], uint xb, out float acc[NR]) {
+    uint units = units_per_row(p.K), S = gl_SubgroupSize;
+    [[unroll]] for (uint q = 0; q < NR; q++) acc[q] = 0.0;
+    for (uint u = gl_SubgroupInvocationID; u < units; u += UNROLL * S) {
+        vec4 v[NR][UNROLL][UNIT_GROUPS];
+        uint xo[UNROLL][UNIT_GROUPS];
+        [[unroll]] for (uint j = 0; j < UNROLL; j++) {
+            if (u + j * S < units) {
+                [[unroll]] for (uint q = 0; q < NR; q++) {
+                    vec4 vq[UNIT_GROUPS];
+                    if (q < n) unit_load(p.w_off, p.w_off2, grow[q], u + j * S, p.K, vq, xo[j]);
+                    v[q][j] = vq;
+                }
+            }
+        }
+        [[unroll]] for (uint j = 0; j < UNROLL; j++) {
+            if (u + j * S < units) {
+                vec4 xv[UNIT_GROUPS];
+                [[unroll]] for (uint g = 0; g < UNIT_GROUPS; g++) xv[g] = act4[(xb + xo[j][g]) >> 2];
+                [[unroll]] for (uint q = 0; q < NR; q++) {
+                    if (q < n) {
+                        [[unroll]] for (uint g = 0; g < UNIT_GROUPS; g++) acc[q] += dot(v[q][j][g], xv[g]);
+                    }
+                }
+            }
+        }
+    }
+}
+float row_dot(uint grow, uint xb) {
+    uint g2[NR] = uint[NR](grow, grow);
+    float a[NR];
+    rows_dot(1u, g2, xb, a);
+    return a[0];
+}
+#endif
 
 #ifdef COMBINE
 #define KMAX 16   // experts a row (moe_router.comp's KMAX)
@@ -169,9 +213,15 @@ void main() {
     uint xb = p.x_off + r * p.x_stride + i * p.x_slot_stride;
     for (uint m = rows.x + gl_SubgroupID; m < rows.y; m += gl_NumSubgroups) {
 #ifdef GLU
+#ifdef UNROLL
+        float gu[NR];
+        rows_dot(2u, uint[NR](e * p.M + m, e * p.M + p.M / 2u + m), xb, gu);
+        float g = subgroupAdd(gu[0]), u = subgroupAdd(gu[1]);
+#else
         float g = row_dot(e * p.M + m, xb), u = row_dot(e * p.M + p.M / 2u + m, xb);
         g = subgroupAdd(g);
         u = subgroupAdd(u);
+#endif
         if (p.b_off != 0xffffffffu) {   // (as moe_bias.comp: the expert's gate|up bias row)
             g = g + eb[p.b_off + e * p.M + m];
             u = u + eb[p.b_off + e * p.M + p.M / 2u + m];

@@ -264,6 +264,9 @@ def _hybrid_table() -> dict[str, tuple[str, dict[str, int]]]:
         # decode steps' routed experts: gate|up with the SwiGLU, down with the weighted sum into the residual
         t[f"mul_mv_idg_{wt}"] = ("mul_mv_id.comp", {**d, "GLU": 1})
         t[f"mul_mv_idc_{wt}"] = ("mul_mv_id.comp", {**d, "COMBINE": 1})
+        # ... with 4 units a lane in flight (Caps.mvid_unroll; the same sums)
+        for kind, extra in (("id", {}), ("idg", {"GLU": 1}), ("idc", {"COMBINE": 1})):
+            t[f"mul_mv_{kind}4_{wt}"] = ("mul_mv_id.comp", {**d, **extra, "UNROLL": 4})
         t[f"mul_mm_idp_{wt}"] = ("mul_mm_id.comp", {**d, "EXPERT_PART": 1})
         # decode steps of several rows: the experts they share read once (moe_sort's work list)
         t[f"mul_mm_idb_{wt}"] = ("mul_mm_id.comp", {**d, "BLOCKS": 1})

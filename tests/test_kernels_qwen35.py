@@ -766,6 +766,43 @@ def test_expert_matvec_epilogues(device, hk, ws, rng, wt):
     assert ws.read(sync, np.uint32)[0] == 0
 
 
+@pytest.mark.parametrize("wt", ["f32", "f16", "q8_0", "q4_0", "q4_k", "iq4_xs", "mxfp4"])
+def test_unrolled_expert_matvecs_equal_the_plain(device, hk, ws, rng, wt):
+    """Caps.mvid_unroll (mul_mv_id's "4" variants: 4 units a lane in flight,
+    gate and up together): the plain, GLU and COMBINE expert matvecs give bit
+    for bit what the one-unit loop gives, with rows whose units end part way
+    through a round of the subgroup (a tail) and rows shorter than one round."""
+    from .conftest import with_caps
+    E, F, D, k, n = 6, 20, 36, 3, 4
+    Ks = (768, 256) if wt in ("q4_k", "iq4_xs") else (416, 32)
+    k4 = with_caps(hk, mvid_unroll=True)
+    assert not hk.caps.mvid_unroll
+    for K in Ks:
+        raw_gu, _ = random_quantized(wt, E * 2 * F, K, rng)
+        raw_dn, _ = random_quantized(wt, E * D, K, rng)
+        gu_m, dn_m = upload_matrix(ws, wt, raw_gu, E * 2 * F, K), upload_matrix(ws, wt, raw_dn, E * D, K)
+        ids = np.stack([rng.permutation(E)[:k] for _ in range(n)]).astype(np.uint32)
+        wts = rng.uniform(0.1, 1.0, (n, k)).astype(np.float32)
+        rs = 2 * k
+        rr = ws.act_region(n * rs, np.concatenate([ids.view(np.float32), wts], 1))
+        hr = ws.act_region(n * K, rng.standard_normal((n, K)).astype(np.float32))
+        xsr = ws.act_region(n * k * K, rng.standard_normal((n, k, K)).astype(np.float32))
+        res = rng.standard_normal((n, D)).astype(np.float32)
+        out = {}
+        prog = device.program()
+        for name, kern in (("plain", hk), ("unrolled", k4)):
+            ff, gu, y = ws.act_region(n * k * F), ws.act_region(n * k * 2 * F), ws.act_region(res.size, res)
+            kern.mul_mat_id(prog, gu_m, 2 * F, hr, K, 0, rr, rs, k, ff, k * F, F, n, epilogue="glu")
+            kern.mul_mat_id(prog, gu_m, 2 * F, hr, K, 0, rr, rs, k, gu, k * 2 * F, 2 * F, n)
+            kern.mul_mat_id(prog, dn_m, D, xsr, k * K, K, rr, rs, k, y, D, 0, n, epilogue="combine")
+            out[name] = (ff, gu, y)
+        prog.run()
+        for a, b in zip(out["plain"], out["unrolled"]):
+            got, want = ws.read(b), ws.read(a)
+            assert np.isfinite(want).all()
+            np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("kind", ["mt", "mc"])
 @pytest.mark.parametrize("wt", ["q4_0", "q8_0", "f16", "q4_k", "mxfp4"])
 def test_tiled_expert_matmuls(device, ws, rng, wt, kind):

@@ -112,6 +112,7 @@ class Caps:
     # decode steps of several rows: their experts' products over moe_sort's work
     # list (mul_mm_idb: an expert the rows share read once) instead of mul_mv_id
     expert_union: bool = False
+    mvid_unroll: bool = False    # mul_mv_id's "4" variants (Options.mvid_unroll)
 
     @property
     def wg(self) -> int:
@@ -150,7 +151,7 @@ class Caps:
             delta_chunk_from=(options.delta_chunk if options.delta_chunk >= 0 else 64 if gpu else 0)
             if info.max_workgroup_invocations >= 128 and info.max_shared_memory >= 32 * 1024 else 0,
             attn_mc_split=options.attn_mc_split, expert_tiles=tiled_from is not None and options.expert_tiles,
-            expert_union=options.expert_union,
+            expert_union=options.expert_union, mvid_unroll=options.mvid_unroll,
             attention_mc2=coopmat and options.attn_mc and options.attn_mc2 and device_has_coopmat2(device),
             attention_mc=options.attn_mc,
             attention_mc_layouts=tuple((hd, nsg // ds) for hd, (nsg, ds, bc) in ATTN_MC.items()

@@ -105,7 +105,8 @@ class MoeKernels(KernelBase):
         if epilogue == "combine" and k > ROUTER_KMAX:
             raise VkEngineError(f"{k} experts a row: the combined down projection takes at most {ROUTER_KMAX}")
         kind = {"": "id", "glu": "idg", "combine": "idc"}[epilogue]
-        variant = f"mul_mv_{kind}_{w.type}" if part is None else f"mul_mv_idp_{w.type}"
+        unroll = "4" if self.caps.mvid_unroll else ""
+        variant = f"mul_mv_{kind}{unroll}_{w.type}" if part is None else f"mul_mv_idp_{w.type}"
         pc: dict[str, int | float] = dict(
             w_off=w.data.off, w_off2=w.scales.off if w.scales else 0, K=w.cols, M=M, k=k, n_rows=n_rows,
             ids_off=route.off, ids_stride=route_stride, x_off=x.off, x_stride=x_stride, x_slot_stride=x_slot_stride,
