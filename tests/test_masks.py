@@ -198,3 +198,36 @@ def test_runner_masks_device_drawn_rows(device, tiny_model):
     for t, e in zip(toks, evs):
         assert e[-1].finish == "stop"
         json.loads(tok.decode(t))
+
+
+def test_an_older_llguidance_takes_one_end_of_turn_id(monkeypatch, tiny_model):
+    """llguidance 1.6 (the GPU kit's) takes one eos_token id, not a list: the
+    tokenizer view is built with the first end-of-turn id, and grammars compile
+    and constrain (run 43: every grammar failed to compile there)."""
+    import copy
+
+    import llguidance
+
+    from vkengine.serving import constrain
+    real, given = llguidance.LLTokenizer, []
+
+    def old_api(*a, eos_token=None, **kw):
+        if isinstance(eos_token, list):
+            raise TypeError("argument 'eos_token': 'list' object cannot be interpreted as an integer")
+        given.append(eos_token)
+        return real(*a, eos_token=eos_token, **kw)
+    monkeypatch.setattr(llguidance, "LLTokenizer", old_api)
+    tok = copy.copy(tiny_model.tokenizer)
+    if "_llg" in tok.__dict__:
+        object.__delattr__(tok, "_llg")
+    g = compile_grammar(tok, "gbnf", 'root ::= "yes" | "no"', "grammar")
+    assert given == [min(tok.eot_ids)]
+    # and it constrains: the greedy choice under the mask, token by token, spells an allowed answer
+    c = constrain.Constraint(tok, g)
+    rng = np.random.default_rng(0)
+    out: list[int] = []
+    while not c.stopped and len(out) < 8:
+        t = int(np.argmax(c.apply(rng.standard_normal(tiny_model.args.n_vocab).astype(np.float32))))
+        assert c.take(t)
+        out.append(t)
+    assert c.stopped and tok.decode(out) in ("yes", "no")
