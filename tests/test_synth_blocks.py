@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from vkengine.quant import dequantize
-from vkengine.tools.synth.writer import BLOCKS_FROM, random_blocks
+from vkengine.tools.synth.writer import draws_blocks, random_blocks
 
 
 @pytest.mark.parametrize("quant,block", [("q4_0", 18), ("q8_0", 34)])
@@ -37,13 +37,13 @@ def test_only_bench_sized_models_draw_blocks():
     and parity artifacts were made from them); the bench shapes draw blocks."""
     from vkengine.tools.synth import llama, qwen35
 
-    def weights(plan) -> int:
-        return sum(int(np.prod(p[1])) for p in plan)
+    def bench_sized(plan) -> bool:
+        return draws_blocks(p[1] for p in plan)
     n_vocab = 49152
     for shape in ("tiny", "small"):
-        assert weights(llama._tensor_plan(llama.config_for(shape), n_vocab)) < BLOCKS_FROM
-    assert weights(llama._tensor_plan(llama.config_for("tiny-moe", None, "qwen3moe"), n_vocab)) < BLOCKS_FROM
+        assert not bench_sized(llama._tensor_plan(llama.config_for(shape), n_vocab))
+    assert not bench_sized(llama._tensor_plan(llama.config_for("tiny-moe", None, "qwen3moe"), n_vocab))
     for arch in ("qwen35", "qwen35moe"):
-        assert weights(qwen35._tensor_plan(qwen35.config_for(arch, "tiny"), n_vocab)) < BLOCKS_FROM
-    assert weights(llama._tensor_plan(llama.config_for("1b"), n_vocab)) >= BLOCKS_FROM
-    assert weights(qwen35._tensor_plan(qwen35.config_for("qwen35", "0.8B"), 248320)) >= BLOCKS_FROM
+        assert not bench_sized(qwen35._tensor_plan(qwen35.config_for(arch, "tiny"), n_vocab))
+    assert bench_sized(llama._tensor_plan(llama.config_for("1b"), n_vocab))
+    assert bench_sized(qwen35._tensor_plan(qwen35.config_for("qwen35", "0.8B"), 248320))

@@ -43,11 +43,11 @@ import numpy as np
 
 from ...errors import VkEngineError
 from .writer import (
-    BLOCKS_FROM,
     FILE_TYPES,
     add_meta,
     check_quant,
     config_json,
+    draws_blocks,
     iter_tensors,
     make_tensors,
     random_blocks,
@@ -482,7 +482,7 @@ def synth_llama(c: SynthConfig, quant: str, seed: int, out_dir: Path, name: str 
     out_dir.mkdir(parents=True, exist_ok=True)
     want_hf = "hf" in formats
     plan = _tensor_plan(c, n_vocab)
-    blocks = sum(int(np.prod(s)) for _, s, _ in plan) >= BLOCKS_FROM
+    blocks = draws_blocks(s for _, s, _ in plan)
     jobs = [(n, s, std, seed, quant, c.n_head, c.n_head_kv, want_hf, c.arch == "llama", blocks) for n, s, std in plan]
     # the Hugging Face copy needs every tensor at once; GGUF alone streams
     results = make_tensors(_make_tensor, jobs, workers) if want_hf else None

@@ -27,11 +27,11 @@ import numpy as np
 
 from ...errors import VkEngineError
 from .writer import (
-    BLOCKS_FROM,
     FILE_TYPES,
     add_meta,
     check_quant,
     config_json,
+    draws_blocks,
     iter_tensors,
     make_tensors,
     random_blocks,
@@ -273,6 +273,8 @@ def _make_tensor(job):
         _, source, init = init
     rng = rng_for(seed, source)
     kind = init[0]
+    t = quant if quantized else "f32"
+    raw = None
     if kind == "const":
         w = np.full(shape, init[1], np.float32)
     elif kind == "eye":        # [I | 0]
@@ -283,24 +285,18 @@ def _make_tensor(job):
         w = -rng.uniform(0.05, 2.0, shape).astype(np.float32)
     elif kind == "dt":
         w = 0.5 * rng.standard_normal(shape, dtype=np.float32)
-    else:
-        t = quant if quantized else "f32"
+    else:   # (a bench-sized model's q4_0/q8_0 matrices: random blocks, rows in no order, nothing to reorder)
         raw = random_blocks(rng, t, int(np.prod(shape)), init[1]) if blocks else None
-        if raw is not None:   # (a bench-sized model: random rows, nothing to reorder)
-            hf = None
-            if want_hf:
-                deq = dequantize(t, raw, int(np.prod(shape[:-1])), shape[-1]).reshape(shape)
-                hf = np.ascontiguousarray(_v_reorder(deq, reorder, nk, nv, inverse=True), np.float32)
-            return name, raw, t, hf
-        w = rng.standard_normal(shape, dtype=np.float32) * np.float32(init[1])
-    w = np.ascontiguousarray(_v_reorder(w.astype(np.float32), reorder, nk, nv))
-    t = quant if quantized else "f32"
-    if t == "f32":
-        raw = w.view(np.uint8).reshape(-1)
-    elif t == "f16":
-        raw = w.astype(np.float16).view(np.uint8).reshape(-1)
-    else:
-        raw = np.ascontiguousarray(quants.quantize(w.reshape(-1, shape[-1]), BY_NAME[t])).view(np.uint8).reshape(-1)
+        if raw is None:
+            w = rng.standard_normal(shape, dtype=np.float32) * np.float32(init[1])
+    if raw is None:
+        w = np.ascontiguousarray(_v_reorder(w.astype(np.float32), reorder, nk, nv))
+        if t == "f32":
+            raw = w.view(np.uint8).reshape(-1)
+        elif t == "f16":
+            raw = w.astype(np.float16).view(np.uint8).reshape(-1)
+        else:
+            raw = np.ascontiguousarray(quants.quantize(w.reshape(-1, shape[-1]), BY_NAME[t])).view(np.uint8).reshape(-1)
     hf = None
     if want_hf:
         deq = w if t == "f32" else dequantize(t, raw, int(np.prod(shape[:-1])), shape[-1]).reshape(shape)
@@ -427,7 +423,7 @@ def synth_qwen35(c: Qwen35SynthConfig, quant: str, seed: int, out_dir: Path, nam
     plan = _tensor_plan(c, n_vocab)
     if mtp_accept:
         plan = _mtp_accept_plan(plan)
-    blocks = sum(int(np.prod(s)) for _, s, *_ in plan) >= BLOCKS_FROM
+    blocks = draws_blocks(s for _, s, *_ in plan)
     jobs = [(n, s, init, qz, ro, seed, quant, c.nk, c.nv, want_hf, blocks) for n, s, init, qz, ro in plan]
     # the Hugging Face copy needs every tensor at once; GGUF alone streams
     # (a 35B-A3B shape is larger than this machine's memory)

@@ -43,6 +43,12 @@ _CODE_STD = {"q4_0": float(np.sqrt(2 * sum(k * k for k in range(1, 8)) / 16)),
              "q8_0": float(np.sqrt(2 * sum(k * k for k in range(1, 128)) / 256))}
 
 
+def draws_blocks(shapes) -> bool:
+    """Whether a model of tensors of these shapes is bench-sized (BLOCKS_FROM
+    weights or more): its q4_0 / q8_0 matrices then come from random_blocks."""
+    return sum(int(np.prod(s)) for s in shapes) >= BLOCKS_FROM
+
+
 def random_blocks(rng: np.random.Generator, quant: str, n: int, std: float) -> np.ndarray | None:
     """n weights (a multiple of 32) of type quant as raw GGUF blocks drawn at
     random: codes symmetric about 0 and each block's scale d within 25% of the
