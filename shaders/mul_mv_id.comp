@@ -82,7 +82,7 @@ float row_dot(uint grow, uint xb) {
 }
 #else
 // UNROLL (the "4" variants, Caps.mvid_unroll): a lane's units u, u + S, ..
-// u + (UNROLL - 1) S of a row (and, rows_dot2, of two rows: GLU's gate and up)
+// u + (UNROLL - 1) S of a row (rows_dot with n = 2: of two rows, GLU's gate and up)
 // loaded before their products, UNROLL x 2 loads in flight where the loop
 // above has one; each row's sum takes the same products in the same order,
 // so the sums are bit for bit the plain variants' (and mul_mm_id's, whose
