@@ -64,6 +64,28 @@ def test_settle_reports_what_the_start_waited_for(tmp_path, monkeypatch):
         _check(dev, outs)
 
 
+def test_a_pipeline_on_other_buffers_is_built_once_the_first_is(tmp_path, monkeypatch):
+    """The same shader with the same constants bound to other buffers (a
+    matmul over each weight arena) is created once the first is built, from
+    the pipeline cache it filled, instead of compiling beside it: the delay
+    hook compiles a shader once as a driver with a cache would, so the twins
+    each take milliseconds where three at once would take the delay each."""
+    monkeypatch.setenv("VKENGINE_PIPELINE_THREADS", "4")
+    monkeypatch.setenv("VKENGINE_PIPELINE_DELAY", "add:0.5")
+    with Device(pipeline_cache=tmp_path) as dev:
+        prog, outs = _adds(dev, Kernels(dev), copies=3)
+        algs = list(dev._algorithms.values())
+        assert len(algs) == 3 and all(isinstance(a, Future) for a in algs)
+        prog.run()
+        _check(dev, outs)
+        times = sorted((a, b) for name, a, b in dev.pipeline_times if name == "add")
+        assert len(times) == 3
+        (a0, b0), twins = times[0], times[1:]
+        assert b0 - a0 >= 0.45
+        assert all(a >= b0 and b - a < 0.25 for a, b in twins), times
+        assert not dev._compiling   # (each first let go once built)
+
+
 def test_pipelines_with_a_stand_in_compile_after_the_others():
     """The pipeline threads take a kernel with a stand-in (Kernels.has_stand_in:
     a start records another while it builds) only after every other queued one,

@@ -314,6 +314,15 @@ def _fault_after(spec: str) -> int | None:
     return int(n)
 
 
+def _settle_from(out: Future, fut: Future) -> None:
+    """Give `out` the outcome of the finished `fut`."""
+    exc = fut.exception()
+    if exc is not None:
+        out.set_exception(exc)
+    else:
+        out.set_result(fut.result())
+
+
 def _pipeline_delay(spec: str) -> dict[str, float]:
     """A test's hook: VKENGINE_PIPELINE_DELAY=shader:seconds[,...] makes creating that shader's pipelines
     take that much longer, as a driver compiling a large kernel would (tests of the slow-pipeline path on
@@ -377,9 +386,10 @@ class _Workers:
             except BaseException as e:
                 fut.set_exception(e)
 
-    def submit(self, fn, *args, low: bool = False) -> Future:
+    def submit(self, fn, *args, low: bool = False, first: bool = False) -> Future:
+        """fn(*args) on a thread; `first`: ahead of every queued job (a quick one another waits for)."""
         fut: Future = Future()
-        self._jobs.put((1 if low else 0, next(self._order), (fut, fn, args)))
+        self._jobs.put((-1 if first else 1 if low else 0, next(self._order), (fut, fn, args)))
         return fut
 
     def shutdown(self, wait: bool = True) -> None:
@@ -410,6 +420,7 @@ class Device:
         self.features = tuple(self._mgr.enabled_features())
         self._ids = itertools.count(1)
         self._algorithms: dict[tuple, Any] = {}
+        self._compiling: dict[tuple, Future] = {}   # each pipeline's first creation (Device.algorithm's twins)
         # pipelines are created on worker threads (the driver compiles them there, in parallel) and
         # resolved when a program is recorded; the device's one VkPipelineCache shares what one compiled
         # with the others and is saved to a file that the next process loads (patches/kp 0002)
@@ -430,6 +441,7 @@ class Device:
         self._slow: set[str] = set()
         self._save_lock = threading.Lock()
         self._delay = _pipeline_delay(os.environ.get("VKENGINE_PIPELINE_DELAY", ""))
+        self._delayed: set[tuple[str, bytes]] = set()
         self.pipeline_cache_loaded = 0    # bytes of saved pipelines the driver took at start
         self._cache_saved_bytes = -1
         if self._shared_cache:
@@ -630,12 +642,24 @@ class Device:
             tensors = [b.tensor for b in buffers]
             if self._shared_cache:
                 spec_bytes = struct.pack(f"<{len(spec)}I", *spec)
-                if self._pool is not None:
+                twin = (name, tuple(spec), push_size, len(buffers))   # the same pipeline on other buffers
+                first = self._compiling.get(twin)
+                if self._pool is None:
+                    alg = self._create(name, tensors, spirv, spec_bytes, push_size)
+                elif first is not None and not first.done():
+                    # built once the first is: then from the pipeline cache it filled, in milliseconds,
+                    # where compiling both at once costs the driver's whole compile twice (a fresh
+                    # NVIDIA driver: 7.7 s for each of the 8B's three mul_mc2h_128x256_q4_0, one a
+                    # weight arena; notes.md run 41)
+                    alg = Future()
+                    first.add_done_callback(functools.partial(
+                        self._create_twin, alg, (name, tensors, spirv, spec_bytes, push_size)))
+                else:
                     # (a kernel with a stand-in waits behind those without one: a start needs only those)
                     alg = self._pool.submit(self._create, name, tensors, spirv, spec_bytes, push_size,
                                             low=self.deferrable(name))
-                else:
-                    alg = self._create(name, tensors, spirv, spec_bytes, push_size)
+                    self._compiling[twin] = alg
+                    alg.add_done_callback(functools.partial(self._built, twin))
             else:   # a kp built before patch 0002 (no shared cache, the GIL held while compiling)
                 spec_arr = np.frombuffer(struct.pack(f"<{len(spec)}I", *spec), np.float32) if spec \
                     else np.zeros(0, np.float32)
@@ -647,9 +671,22 @@ class Device:
             self._algorithms[key] = alg
         return alg
 
+    def _built(self, twin: tuple, fut: Future) -> None:
+        if self._compiling.get(twin) is fut:   # (a later creation of the twin may have taken its place)
+            self._compiling.pop(twin, None)
+
+    def _create_twin(self, out: Future, args: tuple, _first: Future) -> None:
+        """Create a twin pipeline (Device.algorithm) now that its first is built, its result into `out`."""
+        if self._pool is None:   # (closed meanwhile)
+            out.set_exception(VkEngineError(f"pipeline creation for {args[0]} cancelled: the device is closed"))
+            return
+        fut = self._pool.submit(self._create, *args, first=True)
+        fut.add_done_callback(functools.partial(_settle_from, out))
+
     def _create(self, name: str, tensors: list, spirv: bytes, spec: bytes, push_size: int):
         t0 = time.perf_counter()
-        if name in self._delay:
+        if name in self._delay and (name, spec) not in self._delayed:
+            self._delayed.add((name, spec))   # (its twins come from the pipeline cache, as a driver's would)
             time.sleep(self._delay[name])
         try:
             alg = self._mgr.algorithm_nogil(tensors, spirv, spec, push_size)
@@ -820,6 +857,7 @@ class Device:
             self._filler.shutdown(wait=True)
             self._filler = None
         self._algorithms.clear()
+        self._compiling.clear()
         for b in list(self._buffers):
             b.tensor.destroy()
         self._buffers.clear()
