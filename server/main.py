@@ -162,10 +162,12 @@ def build_worker(args) -> tuple[Worker, Built]:
             raise VkEngineError(f"--prompt-tokens {cfg.prompt_tokens} does not fit the device's buffers; "
                                 f"use at most {eng.max_batch}")
         cfg = dataclasses.replace(cfg, prompt_tokens=eng.max_batch)
-    n_rec = eng.prepare_decode(n_slots, cfg.step_tokens)
+    # the steps of a first request now, the others by the engine thread while it has nothing to run
+    n_rec = eng.prepare_decode(n_slots, cfg.step_tokens, defer=True)
     clock.mark("pipelines and recording")   # (drivers compile a pipeline when it is created: on first use)
-    log.info("recorded %d decode and prompt steps ahead (%d pipelines, slowest: %s; %s; saved pipelines: %s%s); "
-             "startup: %s", n_rec, dev.n_pipelines, dev.slowest_pipelines(), dev.pipeline_report(),
+    log.info("recorded %d decode and prompt steps ahead, %d more when idle (%d pipelines, slowest: %s; %s; saved "
+             "pipelines: %s%s); startup: %s", n_rec, len(eng.deferred), dev.n_pipelines, dev.slowest_pipelines(),
+             dev.pipeline_report(),
              f"{dev.pipeline_cache_loaded} bytes loaded from {dev.pipeline_cache_file}"
              if dev.pipeline_cache_loaded else "none",
              f"; still compiling, their steps on stand-in kernels until built: {', '.join(sorted(dev.slow))}"

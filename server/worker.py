@@ -118,8 +118,11 @@ class Worker:
                 while not self._inbox and r.idle and not self._stopping:
                     if self._log_file is not None:
                         self._log_file.flush()   # idle: the lines so far reach the file
+                    if self.eng.deferred:
+                        break
                     self._cv.wait()
                 stopping = self._stopping
+                idle = not self._inbox and r.idle and not stopping
             if stopping:
                 r.settle()
                 self._drain_inbox()
@@ -127,6 +130,13 @@ class Worker:
                 if self._log_file is not None:
                     self._log_file.close()
                 return
+            if idle:   # nothing to run: record a step the start left for now (Engine.record_deferred)
+                try:
+                    self._record_deferred()
+                except DeviceFault as e:
+                    self._device_failed(str(e))
+                    return
+                continue
             try:
                 if not self.run_once():
                     with self._cv:
@@ -138,6 +148,19 @@ class Worker:
                 log.exception("engine step failed")
                 r.settle()
                 r.cancel_all("internal error in the engine step (see the server log)", "error")
+
+    def _record_deferred(self) -> None:
+        try:
+            done = self.eng.record_deferred()
+        except DeviceFault:
+            raise
+        except Exception:   # (those steps are then recorded when first run, as without the start's list)
+            log.exception("recording a deferred step failed")
+            self.eng.drop_deferred()
+            return
+        if not done and self.eng.deferred:   # (all still compiling: look again in a while)
+            with self._cv:
+                self._cv.wait(0.05)
 
     def _device_failed(self, why: str) -> None:
         """A GPU fault: every request ends with a 503 naming it, nothing new is

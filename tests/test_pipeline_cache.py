@@ -69,10 +69,12 @@ def test_a_pipeline_on_other_buffers_is_built_once_the_first_is(tmp_path, monkey
     matmul over each weight arena) is created once the first is built, from
     the pipeline cache it filled, instead of compiling beside it: the delay
     hook compiles a shader once as a driver with a cache would, so the twins
-    each take milliseconds where three at once would take the delay each."""
+    each take milliseconds where three at once would take the delay each
+    (where the driver's cache serves twins: not lavapipe's, Device.share_twins)."""
     monkeypatch.setenv("VKENGINE_PIPELINE_THREADS", "4")
     monkeypatch.setenv("VKENGINE_PIPELINE_DELAY", "add:0.5")
     with Device(pipeline_cache=tmp_path) as dev:
+        dev.share_twins = True   # (lavapipe's default is off: it compiles each twin anew)
         prog, outs = _adds(dev, Kernels(dev), copies=3)
         algs = list(dev._algorithms.values())
         assert len(algs) == 3 and all(isinstance(a, Future) for a in algs)

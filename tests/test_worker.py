@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from server.worker import Event, GenRequest, Worker
-from vkengine.engine import Engine, EngineConfig, Readback
+from vkengine.engine import MAIN, Engine, EngineConfig, Readback
 from vkengine.errors import VkEngineError
 from vkengine.kernels import Caps
 from vkengine.serving.generate import generate
@@ -644,6 +644,57 @@ def test_prepared_steps_cover_a_servers_prompt_steps(device, tiny_model, ref_eng
         assert [e.token for e in evs if e.token is not None] == alone(ref_engine, r.prompt, r.max_tokens, r.sampling)[0]
     assert sum(n > Engine.STEP_EXACT for n in rows) >= 3, str(rows)
     assert all(n <= Engine.STEP_EXACT for n in recorded), f"recorded during the load: {recorded} (steps {rows})"
+
+
+def test_a_servers_start_leaves_steps_for_the_idle_engine_thread(device, tiny_model, ref_engine):
+    """prepare_decode(defer=True), as the server's start calls it, records only
+    the steps of at most one output row (a first request's); the engine thread
+    records the others while it has nothing to run (Engine.record_deferred), so
+    that four streams arriving afterwards run steps of several rows without a
+    recording. Tokens as alone."""
+    import time
+    tok = tiny_model.tokenizer
+    cfg = CONFIGS["batch"]
+    eng = Engine(tiny_model, device, EngineConfig(n_slots=cfg.n_slots, n_ctx=CTX, max_batch=ENGINE_ROWS,
+                                                  max_out=cfg.n_slots))
+    eng.pad_steps = True   # (GPUs only by default: lavapipe keeps exact steps)
+    n_now = eng.prepare_decode(cfg.n_slots, cfg.step_tokens, defer=True)
+    left = list(eng.deferred)
+    assert n_now > 0 and left and all(k[1] > 1 for k in left)
+    assert all((*k, MAIN) not in eng._programs for k in left)
+    w = Worker(eng, cfg)
+    w.start()
+    try:
+        t0 = time.monotonic()
+        while eng.deferred and time.monotonic() - t0 < 60:
+            time.sleep(0.02)
+        assert not eng.deferred, f"{len(eng.deferred)} steps still deferred"
+        recorded: list[int] = []
+        record = eng._record
+
+        def counting_record(n, *a, **k):
+            recorded.append(n)
+            return record(n, *a, **k)
+        eng._record = counting_record
+        reqs = [GenRequest(tok.encode(TEXTS[i]), 10, ignore_eos=True) for i in range(4)]
+        events: list[list[Event]] = [[] for _ in reqs]
+        done = [0]
+
+        def emit(i):
+            def f(ev):
+                events[i].append(ev)
+                done[0] += ev.finish is not None
+            return f
+        for i, r in enumerate(reqs):
+            w.submit(r, emit(i))
+        t0 = time.monotonic()
+        while done[0] < len(reqs) and time.monotonic() - t0 < 120:
+            time.sleep(0.02)
+    finally:
+        w.stop()
+    for r, evs in zip(reqs, events):
+        assert [e.token for e in evs if e.token is not None] == alone(ref_engine, r.prompt, r.max_tokens, r.sampling)[0]
+    assert all(n <= Engine.STEP_EXACT for n in recorded), f"recorded during the load: {recorded}"
 
 
 def test_logits_step_waits_for_the_chained_one(device, tiny_model, ref_engine):

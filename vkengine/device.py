@@ -269,6 +269,10 @@ class Program:
     def n_dispatches(self) -> int:
         return sum(op.kind == "dispatch" for op in self.ops)
 
+    @property
+    def recorded(self) -> bool:
+        return self._seq is not None
+
     def prepare(self) -> None:
         """Record the command sequence now rather than on first use."""
         if self._seq is None:
@@ -421,6 +425,10 @@ class Device:
         self._ids = itertools.count(1)
         self._algorithms: dict[tuple, Any] = {}
         self._compiling: dict[tuple, Future] = {}   # each pipeline's first creation (Device.algorithm's twins)
+        # whether a pipeline's twins wait for it (Device.algorithm): where the driver's pipeline cache then
+        # gives them in milliseconds; lavapipe compiles each anew (0.15-0.18 s for each of the SmolLM2's three
+        # mul_mm_q4_1 twins, one after another), so there they compile side by side as before
+        self.share_twins = self.info.driver_name != "llvmpipe"
         # pipelines are created on worker threads (the driver compiles them there, in parallel) and
         # resolved when a program is recorded; the device's one VkPipelineCache shares what one compiled
         # with the others and is saved to a file that the next process loads (patches/kp 0002)
@@ -646,7 +654,7 @@ class Device:
                 first = self._compiling.get(twin)
                 if self._pool is None:
                     alg = self._create(name, tensors, spirv, spec_bytes, push_size)
-                elif first is not None and not first.done():
+                elif first is not None and not first.done() and self.share_twins:
                     # built once the first is: then from the pipeline cache it filled, in milliseconds,
                     # where compiling both at once costs the driver's whole compile twice (a fresh
                     # NVIDIA driver: 7.7 s for each of the 8B's three mul_mc2h_128x256_q4_0, one a

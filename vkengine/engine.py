@@ -206,6 +206,7 @@ class Engine:
         # do not depend on how its prompt was chunked or on who else ran.
         self._tiled_prompts = self.pad_steps and cfg.options.tiled_prompts
         self._inflight: deque[_Submitted] = deque()   # oldest first
+        self.deferred: deque[tuple] = deque()   # steps prepare_decode(defer=True) left for record_deferred
         self.last_rows = 0   # rows the newest step ran (its pad rows too)
         # whether callers chain decode steps on this device (prepare_decode records them); a split model's
         # parts: no, SplitEngine chains on the host
@@ -371,7 +372,7 @@ class Engine:
             self._programs.popitem(last=False)
         return prog
 
-    def prepare_decode(self, max_rows: int, prompt_rows: int = 0) -> int:
+    def prepare_decode(self, max_rows: int, prompt_rows: int = 0, defer: bool = False) -> int:
         """Record ahead the decode steps a server runs (1..max_rows sequences, one
         row each, greedy, plain and chained, with either params buffer; where
         the device samples, the sampled ones too, within a quarter of the
@@ -386,6 +387,12 @@ class Engine:
         the steps that admit a newcomer, as many as the program cache holds
         beside the decode steps (recorded first, so that they are the first it
         lets go).
+        defer (a server's start): only the steps of at most one output row now
+        (a first request's prompt steps and its decode steps alone); the others
+        wait in `deferred` for record_deferred, which the server's engine thread
+        calls while it has nothing to run, so that a new replica answers sooner
+        (building a step's operations is Python's work: ~7 ms each, 152 steps on
+        lavapipe's server config).
         Returns the number of programs recorded."""
         A, S = Readback.ARGMAX, Readback.SAMPLE
         key = tuple[int, int, Readback, int, tuple[int, ...]]
@@ -420,6 +427,9 @@ class Engine:
         # tile) is not waited for: the steps that use it are recorded on a stand-in kernel (mul_mc) and
         # recorded again once it is built (_program)
         todo = [k for k in keys if (*k, MAIN) not in self._programs]
+        if defer:
+            self.deferred = deque(k for k in todo if k[1] > 1)
+            todo = [k for k in todo if k[1] <= 1]
         progs = [self._program(*k) for k in todo]
         if self.device.settle(self.SLOW_PIPELINE_S, self.kernels.has_stand_in):
             for i, k in enumerate(todo):
@@ -430,6 +440,30 @@ class Engine:
             prog.prepare()
         self.device.save_pipeline_cache()
         return len(progs)
+
+    def record_deferred(self) -> bool:
+        """Record one of the steps prepare_decode(defer=True) left for later,
+        the first whose pipelines are built (one still compiling goes to the
+        back, so that an idle engine thread never waits on the driver: a request
+        may arrive meanwhile). Whether one was recorded; the pipeline cache is
+        saved after the last."""
+        for _ in range(len(self.deferred)):
+            k = self.deferred.popleft()
+            prog = self._program(*k)   # (its operations: built once, kept by the program cache)
+            if prog.compiling():
+                self.deferred.append(k)
+                continue
+            recorded = prog.recorded
+            prog.prepare()
+            if not self.deferred:
+                self.device.save_pipeline_cache()
+            if not recorded:
+                return True
+        return False
+
+    def drop_deferred(self) -> None:
+        """Forget the steps left for record_deferred (they are recorded when first run)."""
+        self.deferred.clear()
 
     def _record(self, n: int, n_out: int, readback: Readback, timestamps: bool = False, buf: int = 0,
                 chain: tuple[int, ...] = (), pass_: Pass = MAIN, pick: bool = True) -> Program:

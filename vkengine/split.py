@@ -307,8 +307,19 @@ class SplitEngine:
         return out
 
     # -- recording ahead, profiles, teardown --------------------------------------------------
-    def prepare_decode(self, max_rows: int, prompt_rows: int = 0) -> int:
-        return sum(e.prepare_decode(max_rows, prompt_rows) for e in self.parts)
+    def prepare_decode(self, max_rows: int, prompt_rows: int = 0, defer: bool = False) -> int:
+        return sum(e.prepare_decode(max_rows, prompt_rows, defer) for e in self.parts)
+
+    @property
+    def deferred(self) -> list[tuple]:
+        return [k for e in self.parts for k in e.deferred]
+
+    def record_deferred(self) -> bool:
+        return any(e.record_deferred() for e in self.parts)
+
+    def drop_deferred(self) -> None:
+        for e in self.parts:
+            e.drop_deferred()
 
     def profile(self, n: int, n_out: int = 1, runs: int = 5, start_pos: int = 0, batched: bool = False,
                 readback: Readback = Readback.ARGMAX) -> list[tuple[str, float, int]]:
