@@ -693,8 +693,8 @@ class Device:
 
     def _create(self, name: str, tensors: list, spirv: bytes, spec: bytes, push_size: int):
         t0 = time.perf_counter()
-        if name in self._delay and (name, spec) not in self._delayed:
-            self._delayed.add((name, spec))   # (its twins come from the pipeline cache, as a driver's would)
+        if name in self._delay and not (self.share_twins and (name, spec) in self._delayed):
+            self._delayed.add((name, spec))   # (twins that wait for it come from the cache, as a driver's would)
             time.sleep(self._delay[name])
         try:
             alg = self._mgr.algorithm_nogil(tensors, spirv, spec, push_size)
