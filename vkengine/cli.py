@@ -155,14 +155,14 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .tools.bench import bench_rows, parse_depths, parse_parallel, run_batched, run_bench
+    from .tools.bench import bench_rows, parse_depths, parse_parallel, run_batched, run_bench, run_mtp_steps
     parallel = parse_parallel(args.parallel)
     depths = parse_depths(args.depth)
     n_seq = max(parallel, default=1)
     if args.ctx is None and max(depths):   # room for the deepest run (the default context may be shorter)
         args.ctx = max(depths) + max(args.n_prompt, args.n_gen, 1)
-    model, dev, eng = _open(args, n_slots=n_seq, max_batch=bench_rows(args.n_prompt, n_seq, depths),
-                            max_out=max(16, n_seq))
+    rows = max(bench_rows(args.n_prompt, n_seq, depths), args.draft + 1 if args.mtp else 0)
+    model, dev, eng = _open(args, n_slots=n_seq, max_batch=rows, max_out=max(16, n_seq))
     if args.profile:
         for d in depths:
             at = d if d else 128
@@ -187,6 +187,8 @@ def cmd_bench(args) -> int:
     for d in depths:
         r = run_bench(eng, args.n_prompt, args.n_gen, args.reps, depth=d)
         r["batched"] = [run_batched(eng, b, args.n_gen, args.reps, depth=d) for b in parallel if b > 1]
+        if args.mtp:
+            r["mtp"] = run_mtp_steps(eng, args.draft, reps=args.reps, depth=d)
         runs.append(r)
     if args.json:
         print(json.dumps(runs[0] if len(runs) == 1 else runs, indent=1))
@@ -203,6 +205,13 @@ def cmd_bench(args) -> int:
             rel = f"({b['tps'] / r['tg_tps']:.2f}x one sequence), " if args.n_gen else ""
             print(f"  {b['n_seq']} sequences x tg{b['n_gen']}{tag}: {b['tps']:.1f} tok/s aggregate "
                   f"{rel}{b['step_ms']:.2f} ms a step")
+        if "mtp" in r:
+            m = r["mtp"]
+            print(f"  MTP steps{tag}, each submitted and collected alone: decode {m['decode_ms']:.2f} ms, verify of "
+                  f"{m['draft'] + 1} rows {m['verify_ms']:.2f} ms, the block over them {m['mtp_block_ms']:.2f} ms, a "
+                  f"chained draft {m['mtp_draft_ms']:.2f} ms; a turn's steps {m['turn_ms']:.2f} ms = "
+                  f"{m['turn_tps']:.1f} tok/s with every draft accepted ({m['turn_tps'] / m['plain_tps']:.2f}x "
+                  f"{m['plain_tps']:.1f})")
     return 0
 
 
@@ -280,6 +289,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parallel", default="", metavar="B[,B...]",
                    help="also measure batched decode of B sequences stepping together (the server's batch mode), "
                         "e.g. 4,16")
+    p.add_argument("--mtp", action="store_true",
+                   help="also time the steps of a speculative turn with the model's MTP block (Qwen3.5 nextn "
+                        "tensors): the verify step, the block over its rows, a chained draft")
+    p.add_argument("--draft", type=int, default=2, help="drafts a turn with --mtp")
     p.set_defaults(fn=cmd_bench)
 
     p = sub.add_parser("synth", help="write a deterministic random-weight model (GGUF and safetensors)")

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ..engine import Engine, Readback
+from ..engine import MAIN, Engine, Pass, Readback
 from ..errors import VkEngineError
 
 DEPTH_FILL_ROWS = 256   # rows of the prefill steps that fill a depth
@@ -153,3 +153,48 @@ def parse_parallel(text: str) -> list[int]:
     if any(v < 1 or v > 256 for v in vals):
         raise VkEngineError(f"--parallel counts must be 1..256, got {text!r}")
     return vals
+
+
+def run_mtp_steps(eng: Engine, draft: int, n_steps: int = 32, reps: int = 3, depth: int = 0) -> dict:
+    """The steps of one speculative turn with the MTP block (vkengine.serving.speculate),
+    each kind timed alone, submitted and collected as the server's turn has them:
+    a one-row decode step (what a token costs without drafts), the verify step of
+    the pending token and `draft` drafts (their hidden rows and recurrent
+    snapshots kept), the MTP block over those draft + 1 positions drafting from
+    the last, and one chained draft of the block on its own hidden state. ms a
+    step: median of `reps` runs of n_steps steps (fewer where the context is
+    short), each step at the positions after the one before (a recurrent state
+    cannot rewind), from `depth` tokens of context. `turn_ms` sums a turn's
+    steps (verify, block, draft - 1 drafts) without the host's work between
+    them, and `turn_tps` is draft + 1 tokens over it: what the server's turn
+    would give with every draft accepted and no gap between steps."""
+    if not eng.model.args.n_nextn or eng.model.args.mtp_snap_rows < draft + 1:
+        raise VkEngineError("the MTP steps need a model with an MTP block opened with --mtp --draft")
+    k1 = draft + 1
+    n_steps = min(n_steps, (eng.n_ctx - depth - 1) // (k1 + 1))
+    if n_steps < 1:
+        raise VkEngineError(f"depth {depth} leaves no room for a turn's {k1 + 1} positions in the context "
+                            f"length {eng.n_ctx} (--ctx)")
+    reset = fill_depth(eng, depth)
+    rows = list(range(k1))
+
+    def steps(i: int) -> dict[str, tuple]:
+        p = depth + i * k1   # (tokens, positions, output rows, pass, hmap) of each kind's i-th step
+        return {"decode_ms": ([7], [depth + i], [0], MAIN, None),
+                "verify_ms": ([7] * k1, list(range(p, p + k1)), rows, Pass(hidden_rows=True, snapshots=True), None),
+                "mtp_block_ms": ([7] * k1, list(range(p + 1, p + 1 + k1)), [k1 - 1], Pass(mtp=True, hidden="hn"),
+                                 rows),
+                "mtp_draft_ms": ([7], [depth + 1 + i], [0], Pass(mtp=True, hidden="mtp_hn"), [0])}
+    out: dict[str, Any] = {"model": eng.model.name, "device": eng.device.info.name, "draft": draft, "depth": depth,
+                           "steps": n_steps}
+    for name in steps(0):
+        def run(name=name) -> None:
+            for i in range(n_steps):
+                toks, pos, outs, pass_, hmap = steps(i)[name]
+                eng.submit(toks, pos, [0] * len(toks), outs, Readback.ARGMAX, pass_=pass_, hmap=hmap)
+                eng.collect()
+        out[name] = 1000 * _timed(run, reset, reps) / n_steps
+    out["turn_ms"] = out["verify_ms"] + out["mtp_block_ms"] + (draft - 1) * out["mtp_draft_ms"]
+    out["turn_tps"] = 1000 * k1 / out["turn_ms"]
+    out["plain_tps"] = 1000 / out["decode_ms"]
+    return out
