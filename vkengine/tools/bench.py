@@ -178,20 +178,21 @@ def run_mtp_steps(eng: Engine, draft: int, n_steps: int = 32, reps: int = 3, dep
     reset = fill_depth(eng, depth)
     rows = list(range(k1))
 
-    def steps(i: int) -> dict[str, tuple]:
-        p = depth + i * k1   # (tokens, positions, output rows, pass, hmap) of each kind's i-th step
-        return {"decode_ms": ([7], [depth + i], [0], MAIN, None),
-                "verify_ms": ([7] * k1, list(range(p, p + k1)), rows, Pass(hidden_rows=True, snapshots=True), None),
-                "mtp_block_ms": ([7] * k1, list(range(p + 1, p + 1 + k1)), [k1 - 1], Pass(mtp=True, hidden="hn"),
-                                 rows),
-                "mtp_draft_ms": ([7], [depth + 1 + i], [0], Pass(mtp=True, hidden="mtp_hn"), [0])}
+    # each kind: (tokens, output rows, pass, hmap) and its steps' positions (the i-th: after the one before);
+    # everything but the submit and collect built before the timing
+    kinds = {"decode_ms": (1, [0], MAIN, None, lambda i: depth + i),
+             "verify_ms": (k1, rows, Pass(hidden_rows=True, snapshots=True), None, lambda i: depth + i * k1),
+             "mtp_block_ms": (k1, [k1 - 1], Pass(mtp=True, hidden="hn"), rows, lambda i: depth + 1 + i * k1),
+             "mtp_draft_ms": (1, [0], Pass(mtp=True, hidden="mtp_hn"), [0], lambda i: depth + 1 + i)}
     out: dict[str, Any] = {"model": eng.model.name, "device": eng.device.info.name, "draft": draft, "depth": depth,
                            "steps": n_steps}
-    for name in steps(0):
-        def run(name=name) -> None:
-            for i in range(n_steps):
-                toks, pos, outs, pass_, hmap = steps(i)[name]
-                eng.submit(toks, pos, [0] * len(toks), outs, Readback.ARGMAX, pass_=pass_, hmap=hmap)
+    for name, (n, outs, pass_, hmap, first) in kinds.items():
+        toks, slots = [7] * n, [0] * n
+        positions = [list(range(first(i), first(i) + n)) for i in range(n_steps)]
+
+        def run(outs=outs, pass_=pass_, hmap=hmap, toks=toks, slots=slots, positions=positions) -> None:
+            for pos in positions:
+                eng.submit(toks, pos, slots, outs, Readback.ARGMAX, pass_=pass_, hmap=hmap)
                 eng.collect()
         out[name] = 1000 * _timed(run, reset, reps) / n_steps
     out["turn_ms"] = out["verify_ms"] + out["mtp_block_ms"] + (draft - 1) * out["mtp_draft_ms"]
