@@ -10,6 +10,10 @@
 #define XFIRST 0
 #endif
 #define XCOL(c) min(col0 + (c), p.N - 1u)
+// the float offset of column c's x (the expert matvecs, mul_mvk_id.comp: the pair's own row)
+#ifndef MV_XOFF
+#define MV_XOFF(c) (p.x_off + XCOL(c) * p.x_stride)
+#endif
 
 // one unit (index u) of each of the RPS rows, times every column
 void accum_unit(Raw r[RPS], uint u, uint col0, uint ncols, inout float acc[RPS][NCOLS]) {
@@ -28,7 +32,7 @@ void accum_unit(Raw r[RPS], uint u, uint col0, uint ncols, inout float acc[RPS][
     }
     vec4 xa[NCOLS][UNIT_GROUPS];
     [[unroll]] for (uint c = 0; c < NCOLS; c++) {
-        uint xb = (p.x_off + XCOL(c) * p.x_stride) >> 2;
+        uint xb = MV_XOFF(c) >> 2;
         [[unroll]] for (uint g = 0; g < UNIT_GROUPS; g++) xa[c][g] = act4[xb + (xo[g] >> 2)];
     }
 #if defined(WT_Q4_1)
@@ -62,7 +66,7 @@ void accum_unit(Raw r[RPS], uint u, uint col0, uint ncols, inout float acc[RPS][
 #if XFIRST
     vec4 xa[NCOLS][UNIT_GROUPS];
     [[unroll]] for (uint c = 0; c < NCOLS; c++) {
-        uint xb = (p.x_off + XCOL(c) * p.x_stride) >> 2;
+        uint xb = MV_XOFF(c) >> 2;
         [[unroll]] for (uint g = 0; g < UNIT_GROUPS; g++) xa[c][g] = act4[xb + (xo[g] >> 2)];
     }
 #endif
@@ -97,7 +101,7 @@ void accum_unit(Raw r[RPS], uint u, uint col0, uint ncols, inout float acc[RPS][
 #if XFIRST
     vec4 xa[NCOLS][UNIT_GROUPS];
     [[unroll]] for (uint c = 0; c < NCOLS; c++) {
-        uint xb = (p.x_off + XCOL(c) * p.x_stride) >> 2;
+        uint xb = MV_XOFF(c) >> 2;
         [[unroll]] for (uint g = 0; g < UNIT_GROUPS; g++) xa[c][g] = act4[xb + (xo[g] >> 2)];
     }
 #endif

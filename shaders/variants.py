@@ -252,6 +252,11 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
     return t
 
 
+# Weight rows a workgroup of the split-K expert matvecs (mul_mvk_id.comp) takes, by kind (idg: gate|up with
+# the SwiGLU, idc: down with the weighted sum); 0: the dense decode matvec's (mv_gpu_config, at least 2)
+MVID_ROWS = {"idg": 0, "idc": 0}
+
+
 def _hybrid_table() -> dict[str, tuple[str, dict[str, int]]]:
     """Kernels of the hybrid (Gated DeltaNet + gated attention) and MoE models."""
     t: dict[str, tuple[str, dict[str, int]]] = {}
@@ -267,6 +272,14 @@ def _hybrid_table() -> dict[str, tuple[str, dict[str, int]]]:
         # ... with 4 units a lane in flight (Caps.mvid_unroll; the same sums)
         for kind, extra in (("id", {}), ("idg", {"GLU": 1}), ("idc", {"COMBINE": 1})):
             t[f"mul_mv_{kind}4_{wt}"] = ("mul_mv_id.comp", {**d, **extra, "UNROLL": 4})
+        # ... in mul_mvk's split-K form on GPUs (Caps.mvid_splitk: a workgroup's invocations walk RPS rows
+        # together; "b": its butterfly reduction, Caps.bfly)
+        rps, unroll, extra = mv_gpu_config(wt, 1)
+        for kind, ep in (("idg", "GLU"), ("idc", "COMBINE")):
+            r = MVID_ROWS.get(kind) or max(rps, 2)
+            for bf, tag in ((0, ""), (1, "b")):
+                t[f"mul_mvk{tag}_{kind}_{wt}"] = ("mul_mvk_id.comp", {**d, **extra, ep: 1, "RPS": r,
+                                                                        "UNROLL": unroll, "BFLY": bf})
         t[f"mul_mm_idp_{wt}"] = ("mul_mm_id.comp", {**d, "EXPERT_PART": 1})
         # decode steps of several rows: the experts they share read once (moe_sort's work list)
         t[f"mul_mm_idb_{wt}"] = ("mul_mm_id.comp", {**d, "BLOCKS": 1})

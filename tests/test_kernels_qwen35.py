@@ -565,6 +565,8 @@ def test_fused_expert_matvecs_take_biases_and_the_clamped_swiglu(device, hk, ws,
     each expert's bias and the clamped SwiGLU (GLU), down with its bias and the
     router-weighted sum into the residual (COMBINE), bit for bit what the plain
     matvecs, moe_bias, swiglu (OAI) and moe_combine give."""
+    from .conftest import with_caps
+    hk = with_caps(hk, mvid_splitk=False)   # mul_mv_id's epilogues (GPUs default to mul_mvk_id's: their own test)
     E, F, K, D, Kd, k, n = 5, 16, 64, 32, 32, 2, 3
     raw_gu, _ = random_quantized(wt, E * 2 * F, K, rng)
     raw_dn, _ = random_quantized(wt, E * D, Kd, rng)
@@ -703,6 +705,8 @@ def test_expert_matvec_epilogues(device, hk, ws, rng, wt):
     with the SwiGLU (each expert's rows gate over up) and down's with the
     router-weighted sum into the residual, against numpy and, bit for bit,
     against the unfused kernels (mul_mv_id, swiglu, moe_combine)."""
+    from .conftest import with_caps
+    hk = with_caps(hk, mvid_splitk=False)   # mul_mv_id's epilogues (GPUs default to mul_mvk_id's: their own test)
     E, F, D, k, n = 7, 24, 40, 3, 5
     K = 256 if wt == "q4_k" else 64
     raw_gu, wgu = random_quantized(wt, E * 2 * F, K, rng)
@@ -736,7 +740,7 @@ def test_expert_matvec_epilogues(device, hk, ws, rng, wt):
     # counter left zero for the next dispatch), on kernels whose rms_norm is a workgroup a row (GPUs'; forced
     # here), which it must equal bit for bit
     from .conftest import kernels_for
-    kn = kernels_for(device, split_k=True)
+    kn = kernels_for(device, split_k=True, mvid_splitk=False)
     nw = (1 + 0.3 * rng.standard_normal(D)).astype(np.float32)
     ynorm, hs = ws.act_region(res.size, res), D + 4
     h_out, h_ref = ws.act_region(n * hs), ws.act_region(n * hs)
@@ -766,6 +770,81 @@ def test_expert_matvec_epilogues(device, hk, ws, rng, wt):
     assert ws.read(sync, np.uint32)[0] == 0
 
 
+@pytest.mark.parametrize("wt,bfly", [("q4_0", True), ("q4_0", False), ("q8_0", True), ("f16", False),
+                                     ("q4_k", True), ("mxfp4", True)])
+def test_splitk_expert_matvecs(device, ws, rng, wt, bfly):
+    """Caps.mvid_splitk (mul_mvk_id.comp: the fused expert matvecs in mul_mvk's
+    split-K form): gate|up with the SwiGLU and down with the weighted sum into
+    the residual against numpy, with gpt-oss's biases and clamped SwiGLU, the
+    RMSNorm after the sum, output rows that end part way through a workgroup's
+    RPS, and each row of a batch bit for bit what it gives alone."""
+    from .conftest import kernels_for
+    kn = kernels_for(device, split_k=True, mvid_splitk=True, bfly=bfly)
+    E, F, D, k, n = 7, 21, 36, 3, 4
+    K = 512 if wt == "q4_k" else 416
+    raw_gu, wgu = random_quantized(wt, E * 2 * F, K, rng)
+    Kd = 256 if wt == "q4_k" else 96   # down's input width (its x is its own here: weight blocks need K)
+    raw_dn, wdn = random_quantized(wt, E * D, Kd, rng)
+    gu_m, dn_m = upload_matrix(ws, wt, raw_gu, E * 2 * F, K), upload_matrix(ws, wt, raw_dn, E * D, Kd)
+    Wgu = wgu.reshape(E, 2 * F, K).astype(np.float64)
+    Wdn = wdn.reshape(E, D, Kd).astype(np.float64)
+    bgu = rng.standard_normal(E * 2 * F).astype(np.float32)
+    bdn = rng.standard_normal(E * D).astype(np.float32)
+    bgur, bdnr = ws.weight_region(bgu), ws.weight_region(bdn)
+    ids = np.stack([rng.permutation(E)[:k] for _ in range(n)]).astype(np.uint32)
+    wts = rng.uniform(0.1, 1.0, (n, k)).astype(np.float32)
+    rs = 2 * k
+    h = rng.standard_normal((n, K)).astype(np.float32)
+    xs = rng.standard_normal((n, k, Kd)).astype(np.float32)
+    res = rng.standard_normal((n, D)).astype(np.float32)
+    nw = (1 + 0.3 * rng.standard_normal(D)).astype(np.float32)
+    nwr = ws.weight_region(nw)
+    oai = (1.702, 7.0)
+    hs = D + 4
+
+    def run(rows: list[int], bias: bool):
+        """(ff, y, h) of these rows run as one step."""
+        m = len(rows)
+        sub = lambda a: np.ascontiguousarray(a[rows])   # noqa: E731
+        rr_ = ws.act_region(m * rs, np.concatenate([sub(ids).view(np.float32), sub(wts)], 1))
+        hr_, xsr_ = ws.act_region(m * K, sub(h)), ws.act_region(m * k * Kd, sub(xs))
+        ff, y = ws.act_region(m * k * F), ws.act_region(m * D, sub(res))
+        h_out, sync = ws.act_region(m * hs), ws.act_region(1, np.zeros(1, np.float32))
+        norm = NormOut(nwr, h_out, hs, sync, 1e-6)
+        assert kn.combine_takes_norm(D, y, D, norm)
+        prog = device.program()
+        kn.mul_mat_id(prog, gu_m, 2 * F, hr_, K, 0, rr_, rs, k, ff, k * F, F, m, epilogue="glu",
+                      bias=bgur if bias else None, oai=oai if bias else None)
+        kn.mul_mat_id(prog, dn_m, D, xsr_, k * Kd, Kd, rr_, rs, k, y, D, 0, m, epilogue="combine",
+                      bias=bdnr if bias else None, norm=norm)
+        prog.run()
+        assert ws.read(sync, np.uint32)[0] == 0
+        return (ws.read(ff).reshape(m, k, F), ws.read(y).reshape(m, D), ws.read(h_out).reshape(m, hs)[:, :D])
+
+    for bias in (False, True):
+        ff, y, hn = run(list(range(n)), bias)
+        g = np.einsum("rifk,rk->rif", Wgu[ids][:, :, :F], h.astype(np.float64))
+        u = np.einsum("rifk,rk->rif", Wgu[ids][:, :, F:], h.astype(np.float64))
+        dn = np.einsum("rimk,rik->rim", Wdn[ids], xs)
+        if bias:
+            g, u = g + bgu.reshape(E, 2 * F)[ids][:, :, :F], u + bgu.reshape(E, 2 * F)[ids][:, :, F:]
+            g, u = np.minimum(g, oai[1]), np.clip(u, -oai[1], oai[1])
+            want_ff = g / (1 + np.exp(-oai[0] * g)) * (u + 1)
+            dn = dn + bdn.reshape(E, D)[ids]
+        else:
+            want_ff = g / (1 + np.exp(-g)) * u
+        tol = 1e-5 * np.sqrt(K)
+        _close(ff, want_ff, atol_scale=tol)
+        want = res + np.einsum("ri,rim->rm", wts.astype(np.float64), dn)
+        _close(y, want, atol_scale=tol)
+        y64 = y.astype(np.float64)
+        _close(hn, y64 / np.sqrt((y64 * y64).mean(1, keepdims=True) + 1e-6) * nw, atol_scale=1e-5)
+        # a row alone gives what it gives in the batch (a server's rows do not depend on their step)
+        for r in (0, n - 1):
+            for a, b in zip(run([r], bias), (ff, y, hn)):
+                np.testing.assert_array_equal(a[0], b[r])
+
+
 @pytest.mark.parametrize("wt", ["f32", "f16", "q8_0", "q4_0", "q4_k", "iq4_xs", "mxfp4"])
 def test_unrolled_expert_matvecs_equal_the_plain(device, hk, ws, rng, wt):
     """Caps.mvid_unroll (mul_mv_id's "4" variants: 4 units a lane in flight,
@@ -775,6 +854,7 @@ def test_unrolled_expert_matvecs_equal_the_plain(device, hk, ws, rng, wt):
     from .conftest import with_caps
     E, F, D, k, n = 6, 20, 36, 3, 4
     Ks = (768, 256) if wt in ("q4_k", "iq4_xs") else (416, 32)
+    hk = with_caps(hk, mvid_splitk=False)   # (the unrolled variants are mul_mv_id's)
     k4 = with_caps(hk, mvid_unroll=True)
     assert not hk.caps.mvid_unroll
     for K in Ks:

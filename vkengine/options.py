@@ -126,6 +126,11 @@ class Options:
     mvid_unroll: bool = False     # decode steps' expert matvecs (mul_mv_id) with 4 units a lane in flight (and
                                   # gate and up together) instead of one: the same sums, bit for bit (opt-in: slower
                                   # where measured, H200 35B-A3B tg 209 vs 228 tok/s, 4 rows 424 vs 491; run 44)
+    mvid_splitk: bool = True      # decode steps' fused expert matvecs (gate|up with the SwiGLU, down with the
+                                  # weighted sum) in mul_mvk's split-K form (mul_mvk_id.comp: a workgroup's
+                                  # invocations walk RPS rows together) instead of a subgroup a row (mul_mv_id);
+                                  # GPUs (H100, Q4_0: 35B-A3B tg 250.5 vs 223.6 tok/s, 4 rows 556 vs 488, 16 rows
+                                  # 858 vs 737; 30B-A3B tg 210.7 vs 182.0; notes.md run 45)
     memory_mib: int = 0           # MiB of a device's memory an engine (or a split model's part) may fill (0: all):
                                   # a GPU shared with other work, or one standing in for a smaller card
     poll_picks: bool = False      # a masked step's collect() watches host memory for its tokens before the

@@ -101,9 +101,10 @@ class MoeOps(GraphBase):
         # tiles where the device has them for both stacks (one work list, one block width)
         tile_gu, tile_dn = (self.k.expert_tile(gate_up), self.k.expert_tile(down)) if batched else (None, None)
         tiled = tile_gu is not None and tile_dn is not None and tile_gu[2] == tile_dn[2] and "eblk" in self.s.widths
-        # decode rows of several sequences: each expert they share read once (Caps.expert_union)
-        union = (not batched and self.n > 1 and self.k.caps.expert_union and not gate_up.parts and not down.parts
-                 and "eblk" in self.s.widths)
+        # decode rows of several sequences: each expert they share read once (Caps.expert_union; its sums are
+        # mul_mv_id's, so not beside the split-K form, whose single rows would then differ from batched ones)
+        union = (not batched and self.n > 1 and self.k.caps.expert_union and not self.k.caps.mvid_splitk
+                 and not gate_up.parts and not down.parts and "eblk" in self.s.widths)
         if union:
             batched = n_expert
             self.moe_sort("route", k, n_expert, bn=MM_ID_COLS)

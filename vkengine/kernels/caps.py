@@ -113,6 +113,7 @@ class Caps:
     # list (mul_mm_idb: an expert the rows share read once) instead of mul_mv_id
     expert_union: bool = False
     mvid_unroll: bool = False    # mul_mv_id's "4" variants (Options.mvid_unroll)
+    mvid_splitk: bool = False    # the fused expert matvecs in split-K form (mul_mvk_id.comp; Options.mvid_splitk)
 
     @property
     def wg(self) -> int:
@@ -152,6 +153,7 @@ class Caps:
             if info.max_workgroup_invocations >= 128 and info.max_shared_memory >= 32 * 1024 else 0,
             attn_mc_split=options.attn_mc_split, expert_tiles=tiled_from is not None and options.expert_tiles,
             expert_union=options.expert_union, mvid_unroll=options.mvid_unroll,
+            mvid_splitk=gpu and options.mvid_splitk,
             attention_mc2=coopmat and options.attn_mc and options.attn_mc2 and device_has_coopmat2(device),
             attention_mc=options.attn_mc,
             attention_mc_layouts=tuple((hd, nsg // ds) for hd, (nsg, ds, bc) in ATTN_MC.items()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from shaders.variants import MC_ID_TILE, TILE_SMALL
+from shaders.variants import MC_ID_TILE, TILE_SMALL, VARIANTS
 
 from ..device import Program
 from ..errors import VkEngineError
@@ -107,6 +107,11 @@ class MoeKernels(KernelBase):
         kind = {"": "id", "glu": "idg", "combine": "idc"}[epilogue]
         unroll = "4" if self.caps.mvid_unroll else ""
         variant = f"mul_mv_{kind}{unroll}_{w.type}" if part is None else f"mul_mv_idp_{w.type}"
+        # the split-K form (mul_mvk_id.comp): a workgroup takes RPS weight rows (glu: RPS / 2 outputs)
+        items = self.caps.items
+        if epilogue and self.caps.mvid_splitk:
+            variant = f"mul_mvk{'b' if self.caps.bfly else ''}_{kind}_{w.type}"
+            items = VARIANTS[variant][1]["RPS"] // (2 if epilogue == "glu" else 1)
         pc: dict[str, int | float] = dict(
             w_off=w.data.off, w_off2=w.scales.off if w.scales else 0, K=w.cols, M=M, k=k, n_rows=n_rows,
             ids_off=route.off, ids_stride=route_stride, x_off=x.off, x_stride=x_stride, x_slot_stride=x_slot_stride,
@@ -126,7 +131,7 @@ class MoeKernels(KernelBase):
             pc.update(b_off=bias.off if bias is not None else 0xFFFFFFFF)
             bufs.append(bias.buf if bias is not None else act)
         push = self._push(variant, **pc)
-        alg = self._alg(variant, bufs, push, self.caps.wg)
+        alg = self._alg(variant, bufs, push, self.caps.wg, items)
         if n_rows * k > 65535:
             raise VkEngineError(f"{n_rows} rows x {k} experts exceed one dispatch; use a smaller batch")
         reads = w.regions + [rows_range(x, n_rows, x_stride, (k - 1) * x_slot_stride + w.cols),
@@ -139,11 +144,11 @@ class MoeKernels(KernelBase):
             if norm is not None:
                 reads += [norm.weight.range, norm.sync.range]
                 writes += [rows_range(norm.h, n_rows, norm.h_stride, M), norm.sync.range]
-            prog.dispatch(alg, push, self._grid(math.ceil(M / self.caps.items), n_rows), reads + [yr], writes,
+            prog.dispatch(alg, push, self._grid(math.ceil(M / items), n_rows), reads + [yr], writes,
                           label or variant)
             return
         out_rows = M // 2 if epilogue == "glu" else M
-        prog.dispatch(alg, push, self._grid(math.ceil(out_rows / self.caps.items), n_rows * k), reads,
+        prog.dispatch(alg, push, self._grid(math.ceil(out_rows / items), n_rows * k), reads,
                       [rows_range(y, n_rows, y_stride, (k - 1) * y_slot_stride + out_rows)], label or variant)
 
     def combine_takes_norm(self, M: int, y: Region, y_stride: int, norm: NormOut) -> bool:

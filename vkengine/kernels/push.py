@@ -136,6 +136,8 @@ LAYOUTS: dict[str, tuple[Push, tuple[tuple[str, Push], ...]]] = {
     "moe_combine.comp": (Push("uint e_off, e_stride, e_slot_stride, route_off, route_stride, k, y_off, y_stride, D, "
                               "rows"), ()),
 }
+# the expert matvecs in mul_mvk's split-K form take mul_mv_id's constants
+LAYOUTS["mul_mvk_id.comp"] = LAYOUTS["mul_mv_id.comp"]
 
 
 @cache
