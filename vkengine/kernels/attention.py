@@ -227,13 +227,16 @@ class AttentionKernels(KernelBase):
             reads.append(sinks.range)
         sb = sinks.buf if sinks is not None else params   # (binding 4 unused without sinks)
         mc2 = self.attention_on_coopmat2(n_rows, head_dim, kv_types, ring) and split is None
+        stand_in = False
         if mc2:
             row_blocks = math.ceil(n_rows / ATTN_MC2[head_dim][0])   # BR rows of one head a workgroup
             parts = self.attn_mc_parts(row_blocks * n_head) if mc_parts is None else mc_parts
             name = f"attention_mc2_d{head_dim}"
             if self.device.is_slow(name + "_split" if parts > 1 else name):
-                # still compiling (Device.settle): attention_mc (or the plain kernel) meanwhile
-                mc2 = False
+                # still compiling (Device.settle): the plain kernel meanwhile, not attention_mc, whose own
+                # pipeline a fresh NVIDIA driver built in 2.2-3.9 s, longer than attention_mc2's 0.9-1.7 s,
+                # while the start waited for it (notes.md run 45)
+                mc2, stand_in = False, True
                 self.substituted += 1
         if mc2:
             if parts > 1:
@@ -244,7 +247,7 @@ class AttentionKernels(KernelBase):
             alg = self._alg_spec(name, [act, act, params, kv, sb], (), push)
             prog.dispatch(alg, push, (row_blocks, n_head, 1), reads, out, label)
             return False
-        if self.attention_on_coopmat(n_rows, head_dim) and split is None:
+        if self.attention_on_coopmat(n_rows, head_dim) and split is None and not stand_in:
             name = c.attention_mc_variant.format(hd=head_dim) + tag
             push = self._push(name, **pc)
             alg = self._alg_spec(name, [act, act, params, kv, sb], (), push)
