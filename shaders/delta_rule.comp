@@ -74,8 +74,12 @@ layout(push_constant) uniform P {
 #endif
 } p;
 
-// state entries per lane: dk / subgroup size (dk <= 128 on subgroups of 8)
+// state entries per lane: dk / subgroup size (dk <= 128 on subgroups of 8); the "_e4" variants hold 4
+// (dk <= 128 on subgroups of 32): every array below is MAXE registers a lane whatever dk is, and fewer
+// registers keep more subgroups resident (the sums are the same: entries past dk add zeros)
+#ifndef MAXE
 #define MAXE 16
+#endif
 
 float softplus(float x) { return x > 20.0 ? x : log(1.0 + exp(x)); }
 

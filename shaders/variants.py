@@ -288,6 +288,8 @@ def _hybrid_table() -> dict[str, tuple[str, dict[str, int]]]:
                "moe_combine", "moe_bias"):
         t[op] = (f"{op}.comp", {})
     t["delta_rule_gn"] = ("delta_rule.comp", {"GNORM": 1})   # with the gated RMSNorm after it (decode steps)
+    for name in ("delta_rule", "delta_rule_gn"):   # 4 state entries a lane (DeltaRuleKernels: dk <= 4 x subgroup)
+        t[name + "_e4"] = ("delta_rule.comp", {**t[name][1], "MAXE": 4})
     t["conv1d_rows"] = ("conv1d_rows.comp", {})
     t["conv1d_rows_state"] = ("conv1d_rows.comp", {"STATE": 1})
     t["moe_router"] = ("moe_router.comp", {"FIXED": 0})

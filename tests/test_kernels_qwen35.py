@@ -254,6 +254,51 @@ def test_delta_rule(device, hk, ws, rng, tiled, nk, nv, dk, dv, long, chunked, r
     _close(got_snap, np.stack(snaps[:snap_rows]).transpose(0, 1, 3, 2), atol_scale=1e-5)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("short", [0, 8])
+def test_delta_rule_e4_equals_the_16_entry_form(device, hk, ws, rng, monkeypatch, fused, short):
+    """The row kernel's "_e4" variants (4 state entries a lane, taken where a key
+    head fits 4 x the subgroup: fewer registers) give the outputs, states and
+    snapshots of the 16-entry form bit for bit, with the gated norm fused or
+    not, at dk = 4 x subgroup and short of it."""
+    from vkengine.kernels import delta_rule as dr
+    from vkengine.kernels.delta_rule import GatedNorm
+    dk = 4 * hk.min_subgroup() - short
+    nk, nv, dv = 2, 4, 24
+    slots, positions = STEP_SLOTS, STEP_POS
+    n, n_slots, snap_rows = len(slots), 4, 6
+    groups = len(list(_groups(slots, positions)))
+    pos_off, slot_off = _rows_params(ws, slots, positions)
+    qk = (rng.standard_normal((n, 2, nk, dk)) * 3.0).astype(np.float32)
+    v = rng.standard_normal((n, nv, dv)).astype(np.float32)
+    conv = np.concatenate([qk.reshape(n, -1), v.reshape(n, -1)], 1)
+    ab = rng.standard_normal((n, 2 * nv)).astype(np.float32)
+    z = rng.standard_normal((n, nv * dv)).astype(np.float32)
+    A = -np.exp(rng.uniform(-1, 1, nv)).astype(np.float32)
+    dt = rng.standard_normal(nv).astype(np.float32)
+    w = rng.standard_normal(dv).astype(np.float32)
+    S0 = (rng.standard_normal((n_slots, nv, dv, dk)) * 0.5).astype(np.float32)
+    wr = ws.weight_region(np.concatenate([A, dt, w]))
+    cr, abr, zr = ws.act_region(conv.size, conv), ws.act_region(ab.size, ab), ws.act_region(z.size, z)
+    sync = ws.act_region(groups * nv, np.zeros(groups * nv, np.float32))
+    out = []
+    for e4 in (True, False):
+        monkeypatch.setattr(dr, "DELTA_E4", 4 if e4 else 0)
+        orr, st = ws.act_region(n * nv * dv), ws.act_region(S0.size, S0)
+        snap = ws.act_region(snap_rows * nv * dv * dk)
+        prog = device.program()
+        hk.delta_rule(prog, wr.at(0, nv), wr.at(nv, nv), cr, cr.at(nk * dk, 0), cr.at(2 * nk * dk, 0), conv.shape[1],
+                      abr, abr.at(nv, 0), 2 * nv, orr, nv * dv, nk, nv, dk, dv, n, groups, st, snap, snap_rows,
+                      ws.params, pos_off, slot_off, False, dk ** -0.5, chunked=False, qk_norm_eps=1e-6,
+                      gnorm=GatedNorm(wr.at(2 * nv, dv), zr, nv * dv, 1e-6, sync) if fused else None)
+        assert any(k[0] == ("delta_rule_gn" if fused else "delta_rule") + ("_e4" if e4 else "")
+                   for k in device._algorithms)
+        prog.run()
+        out.append([ws.read(r) for r in (orr, st, snap)])
+    for a, b in zip(*out):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("tiled,nk,nv,dk,dv,long", [(False, 2, 4, 16, 12, False), (True, 1, 2, 128, 40, False),
                                                      (True, 3, 3, 24, 8, True)])
 def test_delta_rule_takes_the_gated_norm(device, hk, ws, rng, tiled, nk, nv, dk, dv, long):

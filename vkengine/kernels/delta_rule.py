@@ -16,6 +16,7 @@ from .types import Region, params_range, rows_range
 CONV_KMAX = 8             # KMAX in conv1d.comp
 CONV_ROWS_BLOCK = 16      # RB in conv1d_rows.comp
 DELTA_MAX_PER_LANE = 16   # MAXE in delta_rule.comp
+DELTA_E4 = 4              # ... in its "_e4" variants (fewer registers: taken where a key head fits)
 DELTA_CHUNK = 32          # C in delta_chunk.comp / delta_scan.comp: rows a chunk
 DELTA_CHUNK_DK = 128      # DKMAX there: the largest key head size of the chunked form
 DELTA_SCAN_DVB = 16       # DVB in delta_scan.comp: state columns a workgroup
@@ -139,7 +140,7 @@ class DeltaRuleKernels(NormKernels):   # (its l2_norm before the chunked form)
         # (the last subgroup of a sequence's head normalizes its rows one after another: steps of few rows)
         fused = gnorm is not None and n_rows <= DELTA_NORM_ROWS and self.delta_takes_norm(gnorm, a_log, act, nv,
                                                                                          n_groups)
-        variant = "delta_rule_gn" if fused else "delta_rule"
+        variant = ("delta_rule_gn" if fused else "delta_rule") + ("_e4" if dk <= DELTA_E4 * self.min_subgroup() else "")
         extra = {}
         if fused:
             assert gnorm is not None
