@@ -146,7 +146,8 @@ def build_worker(args) -> tuple[Worker, Built]:
         model = dataclasses.replace(model, args=dataclasses.replace(model.args, mtp_snap_rows=rows))
         max_out = max(n_slots, rows)
     ecfg = EngineConfig(n_slots=n_slots, n_ctx=args.ctx, max_batch=cfg.max_prompt_rows, max_out=max_out,
-                        max_in_flight=3, options=options, kv_types=kv_types, embeddings=args.embeddings)
+                        max_in_flight=3, options=options, kv_types=kv_types, embeddings=args.embeddings,
+                        defer_fill=True)   # (the weights uploaded while the first steps' pipelines compile)
     if split is not None:   # the layers across the devices (vkengine.split)
         from vkengine.split import SplitEngine, parse_split
         eng: Any = SplitEngine(model, devs, ecfg, parse_split(args.tensor_split, len(devs)), caps)
@@ -165,9 +166,9 @@ def build_worker(args) -> tuple[Worker, Built]:
     # the steps of a first request now, the others by the engine thread while it has nothing to run
     n_rec = eng.prepare_decode(n_slots, cfg.step_tokens, defer=True)
     clock.mark("pipelines and recording")   # (drivers compile a pipeline when it is created: on first use)
-    log.info("recorded %d decode and prompt steps ahead, %d more when idle (%d pipelines, slowest: %s; %s; saved "
-             "pipelines: %s%s); startup: %s", n_rec, len(eng.deferred), dev.n_pipelines, dev.slowest_pipelines(),
-             dev.pipeline_report(),
+    log.info("recorded %d decode and prompt steps ahead, %d more when idle (%d pipelines, slowest: %s; %s; weights "
+             "uploaded in %.2f s meanwhile; saved pipelines: %s%s); startup: %s", n_rec, len(eng.deferred),
+             dev.n_pipelines, dev.slowest_pipelines(), dev.pipeline_report(), dev.fill_s,
              f"{dev.pipeline_cache_loaded} bytes loaded from {dev.pipeline_cache_file}"
              if dev.pipeline_cache_loaded else "none",
              f"; still compiling, their steps on stand-in kernels until built: {', '.join(sorted(dev.slow))}"

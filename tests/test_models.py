@@ -485,6 +485,33 @@ def test_close_frees_the_engines_buffers(device, tiny_models):
         assert device.allocated_bytes["device"] == dev_bytes and device.n_pipelines <= pipes
 
 
+def test_weights_uploaded_later(device, tiny_models):
+    """EngineConfig.defer_fill (a server's start): the engine's constructor
+    leaves the weights' uploads to prepare_decode, which runs them while the
+    steps' pipelines compile, or, where nothing calls it, to the device's first
+    submit; the logits are the eager engine's bit for bit. An engine closed
+    before either drops its uploads (its buffers are freed)."""
+    path = tiny_models["q8_0"]["gguf"]
+    m, plain = _engine(device, path)
+    ids = m.tokenizer.encode(PROMPT)
+    want = _prefill_logits(plain, ids)
+    plain.close()
+    _m, early = _engine(device, path, defer_fill=True)
+    assert device._fills and not device.defer_fills
+    early.close()
+    assert not device._fills
+    _m, lazy = _engine(device, path, defer_fill=True)
+    assert device._fills
+    np.testing.assert_array_equal(_prefill_logits(lazy, ids), want)   # (the first submit uploaded them)
+    assert not device._fills
+    lazy.close()
+    _m, eng = _engine(device, path, defer_fill=True)
+    eng.prepare_decode(2)
+    assert not device._fills and device.fill_s > 0
+    np.testing.assert_array_equal(_prefill_logits(eng, ids), want)
+    eng.close()
+
+
 def test_a_slow_pipeline_is_not_waited_for(tiny_models, monkeypatch):
     """A pipeline the driver takes long to build (a fresh NVIDIA driver: 36.5 s for the 1B's largest mul_mc2
     tile) does not hold up prepare_decode: steps whose matmul would use it are recorded on a stand-in (here

@@ -37,8 +37,10 @@ def _open(args, n_slots: int = 1, max_batch: int | None = None, max_out: int = 1
     split = split_devices(args)
     model = _model_options(args, load_model(args.model))
     mark("model file")
+    # generate (its startup clocked) uploads the weights while its decode steps' pipelines compile (prepare_decode)
     cfg = EngineConfig(n_slots=n_slots, n_ctx=args.ctx, max_batch=max_batch or args.batch, max_out=max_out,
-                       options=Options.from_env(), kv_types=kv_types)
+                       options=Options.from_env(), kv_types=kv_types,
+                       defer_fill=clock is not None and not getattr(args, "mtp", False))
     log = getattr(args, "experts_log", None)
     if split is not None:   # the layers across several devices (vkengine.split)
         from .split import open_split

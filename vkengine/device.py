@@ -200,6 +200,7 @@ class Program:
         self._timestamps = timestamps
         self._seq: Any = None   # the kp Sequence, once recorded
         self.n_barriers = 0
+        self._transfer = False  # the device's own staging copies (Device.upload): they never wait for its fills
 
     @staticmethod
     def _overlaps(ranges, buf_id, a, b) -> bool:
@@ -282,6 +283,8 @@ class Program:
         """Submit the program and wait for it (records it on first use)."""
         if self._seq is None:
             self._record()
+        if self.device._fills and not self._transfer:   # weights whose uploads were left for later first
+            self.device.fill_weights()
         self._seq.eval()
 
     def submit(self) -> None:
@@ -289,6 +292,8 @@ class Program:
         or submitting it again)."""
         if self._seq is None:
             self._record()
+        if self.device._fills and not self._transfer:
+            self.device.fill_weights()
         self._seq.eval_async()
 
     def wait(self) -> None:
@@ -458,6 +463,11 @@ class Device:
             if folder is not None:
                 self.pipeline_cache_file = folder / self._cache_name()
                 self._load_pipeline_cache()
+        # weight uploads left for later (WeightPlanner.build while defer_fills is set: EngineConfig.defer_fill),
+        # by owner (a weights arena), in order: fill_weights() runs them, and so does any program's submit first
+        self.defer_fills = False
+        self._fills: dict[int, Callable[[], None]] = {}
+        self.fill_s = 0.0   # seconds the last fill_weights() took
         self._buffers: list[Buffer] = []
         self._staging = self.buffer(staging_bytes, "host", "staging")
         self._readback: Buffer | None = None
@@ -531,6 +541,23 @@ class Device:
             out[b.kind] += b.nbytes
         return out
 
+    def defer_fill(self, owner: object, fill: Callable[[], None]) -> None:
+        """Leave an upload of weights (`fill`) for fill_weights() or the next submit."""
+        self._fills[id(owner)] = fill
+
+    def cancel_fill(self, owner: object) -> None:
+        """Forget owner's upload left for later (its buffers are being freed)."""
+        self._fills.pop(id(owner), None)
+
+    def fill_weights(self) -> float:
+        """Run the weight uploads left for later, in order; the seconds they took
+        (also kept as fill_s)."""
+        t0 = time.perf_counter()
+        while self._fills:
+            self._fills.pop(next(iter(self._fills)))()
+        self.fill_s = time.perf_counter() - t0
+        return self.fill_s
+
     def upload(self, buf: Buffer, data: np.ndarray | bytes, offset: int = 0) -> None:
         """Write bytes at a byte offset (host buffers directly, device buffers
         through the staging buffer in chunks)."""
@@ -551,6 +578,7 @@ class Device:
             if pad:  # vkCmdCopyBuffer sizes are whole bytes, but keep words whole
                 st[n:n + pad] = 0
             p = Program(self)
+            p._transfer = True
             p.copy(self._staging, buf, 0, offset + i, n)
             p.run()
 
@@ -607,6 +635,7 @@ class Device:
                     staging[base + n:base + n + padded - total] = 0
                     size += padded - total
                 prog = Program(self)
+                prog._transfer = True
                 prog.copy(self._staging, buf, base, out, size)
                 prog.submit()
                 inflight[turn] = prog

@@ -79,6 +79,9 @@ class EngineConfig:
     options: Options = field(default_factory=Options)   # kernel path switches (Options.from_env at the edge)
     kv_types: KVTypes = KVTypes()   # the KV cache's K and V types (--cache-type-k, --cache-type-v)
     embeddings: bool = False  # steps may read back every row's final-normed hidden state (Readback.HIDDEN)
+    # the weights' uploads left to prepare_decode, which runs them while the steps' pipelines compile (a
+    # server's start: both take about a second on an 8B, notes.md run 45), or to the device's first submit
+    defer_fill: bool = False
 
 
 class _Submitted(NamedTuple):
@@ -148,7 +151,11 @@ class Engine:
         self.max_batch = max_rows
         words = Scratch.words_needed(widths, max_rows, self.max_out)
         self._check_memory(words * 4)
-        self.weights = self.arch.load_weights(model.file, a, device, self.n_ctx)
+        device.defer_fills = cfg.defer_fill
+        try:
+            self.weights = self.arch.load_weights(model.file, a, device, self.n_ctx)
+        finally:
+            device.defer_fills = False
         try:
             self.kv = self.arch.make_state(device, a, cfg.n_slots, self.n_ctx, cfg.kv_types, max_step=self.max_batch)
         except VkEngineError as e:
@@ -431,6 +438,7 @@ class Engine:
             self.deferred = deque(k for k in todo if k[1] > 1)
             todo = [k for k in todo if k[1] <= 1]
         progs = [self._program(*k) for k in todo]
+        self.device.fill_weights()   # (weights left for later: uploaded while those pipelines compile)
         if self.device.settle(self.SLOW_PIPELINE_S, self.kernels.has_stand_in):
             for i, k in enumerate(todo):
                 if progs[i].compiling():
@@ -890,6 +898,7 @@ class Engine:
         self._programs.clear()
         self._provisional.clear()
         dev = self.device
+        dev.cancel_fill(getattr(self.weights, "arena", None))   # (weights never uploaded: nothing ran)
         for b in [*self._own, *self.kernels.scratch_buffers()]:
             if b in dev.buffers and not dev.owns(b):
                 dev.free(b)

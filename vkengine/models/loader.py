@@ -5,6 +5,7 @@ held in parts of whole rows (or whole experts). Every architecture's
 load_weights plans through WeightPlanner."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -114,8 +115,14 @@ class WeightPlanner:
         return self.vectors([(name, self.value(name, n), n)])[0]
 
     def build(self, device) -> tuple[list, Arena]:
+        """Allocate the weights' buffers and upload every tensor into them; with
+        `device.defer_fills` set (EngineConfig.defer_fill) the uploads are left to
+        the device (Device.fill_weights: by Engine.prepare_decode while the steps'
+        pipelines compile, or before the device's first submit), and only the
+        regions are built here."""
         arena = Arena(device, self.plan, "device", "weights")
         built: list[list] = []
+        fills: list[Callable[[], None]] = []
         for g, kind, payload in self.jobs:
             if kind == "split":            # its parts were built before it
                 t, rows, cols, parts = payload
@@ -124,30 +131,46 @@ class WeightPlanner:
                 continue
             regs = arena.regions(g)
             if kind == "vectors":
-                out = []
-                for r, (what, produce, n) in zip(regs, payload):
-                    arr = np.ascontiguousarray(produce(), np.float32).reshape(-1)
-                    if arr.size != n:
-                        raise VkEngineError(f"internal: {what} has {arr.size} values, expected {n}")
-                    arena.write(r, arr)
-                    out.append(r)
-                built.append(out)
+                built.append(regs[:len(payload)])
+                fills.append(functools.partial(_fill_vectors, arena, regs, payload))
                 continue
-            t, rows, cols, produce = payload
-            raw = produce()
-            parts = raw if isinstance(raw, list) else [raw]
-            expected = rows * row_bytes(t, cols)
-            nbytes = sum(np.asarray(p).nbytes for p in parts)
-            if nbytes != expected:
-                raise VkEngineError(f"{t} tensor of {rows}x{cols} should hold {expected} bytes, it holds {nbytes}")
-            # repacked on the way into the staging buffer (quant.repack_streams: the same bytes as repack)
-            vs, ss = repack_streams(t, rows, cols)
-            for reg, st in zip(regs, (vs,) if ss is None else (vs, ss)):
-                if (nbytes // st.block * st.out + 3) // 4 > reg.words:
-                    raise VkEngineError(f"internal: {t} {rows}x{cols} does not fit its region")
-                device.upload_blocks(reg.buf, reg.off * 4, parts, st)
-            built.append([Matrix(t, rows, cols, regs[0], regs[1] if ss is not None else None)])
+            t, rows, cols, _produce = payload
+            scaled = repack_streams(t, rows, cols)[1] is not None
+            built.append([Matrix(t, rows, cols, regs[0], regs[1] if scaled else None)])
+            fills.append(functools.partial(_fill_matrix, device, regs, payload))
+
+        def fill() -> None:
+            for f in fills:
+                f()
+        if getattr(device, "defer_fills", False):
+            device.defer_fill(arena, fill)
+        else:
+            fill()
         return [built[j][i] for j, i in self.handles], arena
+
+
+def _fill_vectors(arena: Arena, regs: list, payload: list) -> None:
+    for r, (what, produce, n) in zip(regs, payload):
+        arr = np.ascontiguousarray(produce(), np.float32).reshape(-1)
+        if arr.size != n:
+            raise VkEngineError(f"internal: {what} has {arr.size} values, expected {n}")
+        arena.write(r, arr)
+
+
+def _fill_matrix(device, regs: list, payload: tuple) -> None:
+    t, rows, cols, produce = payload
+    raw = produce()
+    parts = raw if isinstance(raw, list) else [raw]
+    expected = rows * row_bytes(t, cols)
+    nbytes = sum(np.asarray(p).nbytes for p in parts)
+    if nbytes != expected:
+        raise VkEngineError(f"{t} tensor of {rows}x{cols} should hold {expected} bytes, it holds {nbytes}")
+    # repacked on the way into the staging buffer (quant.repack_streams: the same bytes as repack)
+    vs, ss = repack_streams(t, rows, cols)
+    for reg, st in zip(regs, (vs,) if ss is None else (vs, ss)):
+        if (nbytes // st.block * st.out + 3) // 4 > reg.words:
+            raise VkEngineError(f"internal: {t} {rows}x{cols} does not fit its region")
+        device.upload_blocks(reg.buf, reg.off * 4, parts, st)
 
 
 def expert_raw(p: WeightPlanner, prefix: str, which: str, E: int, rows: int, cols: int) -> tuple[str, Callable]:
