@@ -43,7 +43,8 @@ def _engine(device, path, xq8_in: bool = False, caps: dict | None = None, **kw):
     return m, Engine(m, device, cfg, caps=c)
 
 
-GPU_DECODE = {"split_k": True, "multi_column_from": 2, "norm_in": True}   # the GPUs' decode path
+# the GPUs' decode path (with MoE models' expert matvecs in split-K form, mul_mvk_id)
+GPU_DECODE = {"split_k": True, "multi_column_from": 2, "norm_in": True, "mvid_splitk": True}
 
 
 def _prefill_logits(eng, ids, slot=0):
