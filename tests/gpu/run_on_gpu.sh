@@ -32,9 +32,11 @@
 #           batched decode of 4/16 beside llama-bench (-sm none, then -sm layer), the serve bench at C = 4 and 16 (ours whole,
 #           ours split, llama-server -sm layer); SPLIT_CAP_MIB (VKENGINE_MEMORY_MIB): each device's memory
 #           capped, so that a model needs the split (SPLIT_BIG_MODEL, default qwen35moe:35B-A3B:q4_0)
-#   moe     MoE steps (issue 34): MOE_MODEL's pp512 / pp2048 with mul_mm_id and with the tiled expert
-#           matmuls (VKENGINE_EXPERT_TILES=1), batched decode of 1/4/16 rows with and without
-#           VKENGINE_EXPERT_UNION=1, and llama-bench on the same file, in the same call
+#   moe     issue 34's targets: MOE_MODEL (default qwen35moe:35B-A3B:q4_0, with the always-accepted MTP head)
+#           pp512 / pp2048 / tg128 and 4 / 16 sequences against llama-bench (run before and after ours), each
+#           step of an MTP turn (bench --mtp, 2 and 3 drafts), the server's MTP at C = 1 (3 drafts) and 4 (2)
+#   cold    issue 35's cold start: COLD_MODELS (default llama:1b:q4_0 llama:8b:q4_0) fresh against llama-server,
+#           COLD_REPEAT (3) runs each (bench/cold_start.py)
 # Everything the GPU machine lacks travels in .vk/: the Vulkan loader and the
 # GL vendor-neutral libraries that NVIDIA's Vulkan ICD (libGLX_nvidia) needs, libfmt,
 # the patched kp wheel for its Python 3.12, gguf, a tokenizer-only GGUF, the
@@ -221,23 +223,36 @@ run_stage() {
       done
       ;;
     moe)
+      # issue 34's targets in one call: MOE_MODEL (written with the always-accepted MTP head) against llama-bench,
+      # which runs before and after ours (its figures drifted between calls on the H100: notes.md run 45)
       build_llama
-      f=$(synth_model "${MOE_MODEL:-qwen35moe:35B-A3B:q4_0}") || return 1
-      for tiles in 0 1; do
-        for P in 512 2048; do
-          echo "== VKENGINE_EXPERT_TILES=$tiles pp$P" | tee -a "$OUT/moe.log"
-          VKENGINE_EXPERT_TILES=$tiles python3 -m vkengine.cli bench -m "$f" -p "$P" -n 0 -r 2 --ctx $((P + 256)) 2>&1 \
-            | tee -a "$OUT/moe.log" | tail -3
-        done
+      f=$(synth_model "${MOE_MODEL:-qwen35moe:35B-A3B:q4_0}:accept") || return 1
+      /tmp/llb/bin/llama-bench -m "$f" -p 512,2048 -n 128 -r 3 -ngl 99 2>&1 | tee -a "$OUT/moe.log" | grep -E "pp|tg"
+      python3 -m vkengine.cli bench -m "$f" -p 512 -n 128 -r 3 --ctx 2400 --parallel 4,16 2>&1 | tee -a "$OUT/moe.log" \
+        | tail -3
+      python3 -m vkengine.cli bench -m "$f" -p 2048 -n 0 -r 2 --ctx 2400 2>&1 | tee -a "$OUT/moe.log" | tail -1
+      /tmp/llb/bin/llama-bench -m "$f" -p 0 -n 128 -r 3 -ngl 99 2>&1 | tee -a "$OUT/moe.log" | grep tg
+      for d in 2 3; do   # each step of an MTP turn alone
+        python3 -m vkengine.cli bench -m "$f" -p 0 -n 64 -r 2 --ctx 1024 --mtp --draft $d 2>&1 | tee -a "$OUT/moe.log" \
+          | tail -1
       done
-      VKENGINE_EXPERT_TILES=1 python3 -m vkengine.cli bench -m "$f" -p 512 -n 0 -r 1 --profile 2>&1 \
-        | tee -a "$OUT/moe.log" | head -30
-      for union in 0 1; do   # batched decode: each expert the rows share read once (VKENGINE_EXPERT_UNION)
-        echo "== VKENGINE_EXPERT_UNION=$union" | tee -a "$OUT/moe.log"
-        VKENGINE_EXPERT_UNION=$union python3 -m vkengine.cli bench -m "$f" -p 0 -n 64 -r 2 --parallel 1,4,16 2>&1 \
-          | tee -a "$OUT/moe.log" | tail -4
+      for C in 1 4; do   # the server: plain against MTP (3 drafts alone, 2 beside three others)
+        cfg=$([ "$C" = 1 ] && echo serial,serial-mtp || echo batch,batch-mtp)
+        python3 bench/serve.py --model "$f" --clients "$C" --requests 2 -n 128 --configs "$cfg" \
+          --draft "$([ "$C" = 1 ] && echo 3 || echo 2)" --ctx 1024 --json "$OUT/moe-mtp-c$C.json" 2>&1 \
+          | tee -a "$OUT/moe.log" | grep -E "^\| (serial|batch)"
       done
-      /tmp/llb/bin/llama-bench -m "$f" -p 512,2048 -n 0 -r 2 -ngl 99 2>&1 | tee -a "$OUT/moe.log" | tail -6
+      ;;
+    cold)
+      # issue 35's cold start: COLD_MODELS fresh (driver cache off, no saved pipelines) against llama-server,
+      # COLD_REPEAT runs each
+      build_llama
+      for spec in ${COLD_MODELS:-llama:1b:q4_0 llama:8b:q4_0}; do
+        f=$(synth_model "$spec") || continue
+        python3 bench/cold_start.py --model "$f" --llama-server /tmp/llb/bin/llama-server --threads 16 --runs fresh \
+          --repeat "${COLD_REPEAT:-3}" --timeout 30 --json "$OUT/cold-$(basename "$f" .gguf).json" 2>&1 \
+          | tee -a "$OUT/cold.log" | grep -E "^\| (ours|llama)"
+      done
       ;;
     split)
       build_llama
