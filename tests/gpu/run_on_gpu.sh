@@ -37,6 +37,10 @@
 #           step of an MTP turn (bench --mtp, 2 and 3 drafts), the server's MTP at C = 1 (3 drafts) and 4 (2)
 #   cold    issue 35's cold start: COLD_MODELS (default llama:1b:q4_0 llama:8b:q4_0) fresh against llama-server,
 #           COLD_REPEAT (3) runs each (bench/cold_start.py)
+# The device tool carries at most 64 MiB (the tracked tree, .vk and .spv together): with llama.cpp's
+# prebuilt Vulkan binaries in .vk (llama-vulkan.tar.xz.part*), move .vk/llama.cpp.tar.gz (the source, for
+# build_llama's fallback) and .vk/trixie (glslc for that build; the validation stage's layers) aside for
+# the stages that do not need them.
 # Everything the GPU machine lacks travels in .vk/: the Vulkan loader and the
 # GL vendor-neutral libraries that NVIDIA's Vulkan ICD (libGLX_nvidia) needs, libfmt,
 # the patched kp wheel for its Python 3.12, gguf, a tokenizer-only GGUF, the
