@@ -76,6 +76,29 @@ def test_mtp_stops_at_the_context_length(device, qwen35_loaded):
     assert got == want and got[-1][2] == "length"
 
 
+def test_profile_of_a_speculative_turns_steps(device, qwen35_loaded):
+    """Engine.profile with an MTP pass (`bench --mtp --profile`): the verify
+    step, the MTP block over its rows and a chained draft each give their GPU
+    time per op, the block's and the draft's with the MTP block's own ops; an
+    MTP pass without hidden-state rows, or rows for another pass, is refused."""
+    from vkengine.engine import MAIN
+    from vkengine.tools.bench import mtp_step_kinds
+    eng = _engine(device, qwen35_loaded("qwen35moe"))
+    kinds = mtp_step_kinds(3, 16)
+    labels = {}
+    for name, (n, outs, pass_, hmap, first) in kinds.items():
+        prof = eng.profile(n, len(outs), runs=1, start_pos=first(0), pass_=pass_, hmap=hmap)
+        assert prof and all(us >= 0 for _, us, _ in prof)
+        labels[name] = {lb for lb, _, _ in prof}
+    for name in ("mtp_block_ms", "mtp_draft_ms"):
+        assert any("mtp" in lb for lb in labels[name]), labels[name]
+    assert not any("mtp" in lb for lb in labels["verify_ms"]), labels["verify_ms"]
+    with pytest.raises(ValueError, match="hmap"):
+        eng.profile(2, 1, runs=1, pass_=kinds["mtp_block_ms"][2])
+    with pytest.raises(ValueError, match="hmap"):
+        eng.profile(2, 1, runs=1, pass_=MAIN, hmap=[0, 1])
+
+
 def test_bench_times_a_speculative_turns_steps(device, qwen35_loaded):
     """`vkengine bench --mtp --draft K` (tools/bench.run_mtp_steps): each step of
     a turn timed alone, at depth too (the recurrent state put back between

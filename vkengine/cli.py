@@ -175,6 +175,16 @@ def cmd_bench(args) -> int:
                 n_steps = -(-args.n_prompt // eng.max_batch)
                 how = f", {n_steps} steps of up to {eng.max_batch} rows" if n_steps > 1 else ""
                 steps.append((f"prefill ({args.n_prompt} rows from position {d}{how})", args.n_prompt, d, False))
+            if args.mtp:   # a speculative turn's steps (tools/bench.run_mtp_steps's kinds)
+                from .tools.bench import MTP_STEP_TITLES, check_mtp_steps, mtp_step_kinds
+                check_mtp_steps(eng, args.draft)
+                for name, (n, outs, pass_, hmap, first) in mtp_step_kinds(args.draft, at).items():
+                    prof = eng.profile(n, len(outs), start_pos=first(0), pass_=pass_, hmap=hmap)
+                    total = sum(us for _, us, _ in prof)
+                    title = MTP_STEP_TITLES[name].format(k1=args.draft + 1)
+                    print(f"{title} at position {first(0)}: {total:.0f} us GPU time")
+                    for label, us, count in prof[:14]:
+                        print(f"  {us:9.1f} us {100 * us / total:5.1f}%  x{count:<4d} {label}")
             for title, n, start, batched in steps:
                 if batched:
                     prof = eng.profile(n, n, start_pos=start, batched=True)

@@ -560,14 +560,18 @@ class Engine:
         return prog
 
     def profile(self, n: int, n_out: int = 1, runs: int = 5, start_pos: int = 0,
-                batched: bool = False, readback: Readback = Readback.ARGMAX) -> list[tuple[str, float, int]]:
+                batched: bool = False, readback: Readback = Readback.ARGMAX, pass_: Pass = MAIN,
+                hmap=None) -> list[tuple[str, float, int]]:
         """GPU time per op kind of one step of n rows: [(label, microseconds per
         step, count)], slowest first. The rows are a prompt chunk in slot 0 at
         positions from start_pos, or (batched=True) n sequences in slots 0..n-1
         all at position start_pos, as in the server's batched decode;
         readback=SAMPLE: the output rows' tokens drawn on the device with the
         server's default sampling (temperature 0.8, top-k 40, top-p 0.95,
-        min-p 0.05) instead of the argmax."""
+        min-p 0.05) instead of the argmax. pass_ and hmap as submit's (an MTP
+        model's verify step, MTP block and drafts: bench --mtp --profile)."""
+        if pass_.mtp != (hmap is not None) or (hmap is not None and len(hmap) != n):
+            raise ValueError("an MTP pass needs hmap, a hidden-state row for each row (and only it does)")
         if batched and n > self.n_slots:
             raise VkEngineError(f"a batched step of {n} rows needs {n} slots, the engine has {self.n_slots}")
         if not 0 < n <= self.max_batch:
@@ -583,7 +587,9 @@ class Engine:
         if readback == Readback.SAMPLE:   # the server's default sampling (temperature 0.8, top-k 40, ...)
             words = self._sampling_words(np.tile([0.8, 40, 0.95, 0.05, 0.5], (n_out, 1)))
             prm[pl.sampling:pl.sampling + words.size] = words
-        prog = self._record(n, n_out, readback if n_out else Readback.NONE, timestamps=True)
+        if hmap is not None:
+            prm[pl.hmap:pl.hmap + n] = hmap
+        prog = self._record(n, n_out, readback if n_out else Readback.NONE, timestamps=True, pass_=pass_)
         totals: dict[str, list[float]] = {}
         counts: dict[str, int] = {}
         for i in range(runs + 1):

@@ -34,7 +34,8 @@
 #           capped, so that a model needs the split (SPLIT_BIG_MODEL, default qwen35moe:35B-A3B:q4_0)
 #   moe     issue 34's targets: MOE_MODEL (default qwen35moe:35B-A3B:q4_0, with the always-accepted MTP head)
 #           pp512 / pp2048 / tg128 and 4 / 16 sequences against llama-bench (run before and after ours), each
-#           step of an MTP turn (bench --mtp, 2 and 3 drafts), the server's MTP at C = 1 (3 drafts) and 4 (2)
+#           step of an MTP turn (bench --mtp, 2 and 3 drafts; their op profile), the server's MTP at C = 1 (3 drafts)
+#           and 4 (2)
 #   cold    issue 35's cold start: COLD_MODELS (default llama:1b:q4_0 llama:8b:q4_0) fresh against llama-server,
 #           COLD_REPEAT (3) runs each (bench/cold_start.py)
 # The device tool carries at most 64 MiB (the tracked tree, .vk and .spv together): with llama.cpp's
@@ -240,6 +241,9 @@ run_stage() {
         python3 -m vkengine.cli bench -m "$f" -p 0 -n 64 -r 2 --ctx 1024 --mtp --draft $d 2>&1 | tee -a "$OUT/moe.log" \
           | tail -1
       done
+      # the GPU time of each op of those steps, and of a batched decode step of 4 sequences
+      python3 -m vkengine.cli bench -m "$f" -p 0 -n 8 -r 1 --ctx 1024 --mtp --draft 3 --parallel 4 --profile \
+        > "$OUT/moe-profile.txt" 2>&1
       for C in 1 4; do   # the server: plain against MTP (3 drafts alone, 2 beside three others)
         cfg=$([ "$C" = 1 ] && echo serial,serial-mtp || echo batch,batch-mtp)
         python3 bench/serve.py --model "$f" --clients "$C" --requests 2 -n 128 --configs "$cfg" \

@@ -155,6 +155,30 @@ def parse_parallel(text: str) -> list[int]:
     return vals
 
 
+def check_mtp_steps(eng: Engine, draft: int) -> None:
+    """The error of timing or profiling a turn's steps on an engine that cannot run them."""
+    if not eng.model.args.n_nextn or eng.model.args.mtp_snap_rows < draft + 1:
+        raise VkEngineError("the MTP steps need a model with an MTP block opened with --mtp --draft")
+
+
+MTP_STEP_TITLES = {"decode_ms": "decode step (1 row)", "verify_ms": "verify step ({k1} rows: the token and its drafts)",
+                   "mtp_block_ms": "MTP block ({k1} rows)", "mtp_draft_ms": "MTP chained draft (1 row)"}
+
+
+def mtp_step_kinds(draft: int, depth: int) -> dict:
+    """The steps of a speculative turn, by name: (rows, output rows, pass, hmap,
+    the i-th step's first position) of a one-row decode step, the verify step of
+    the pending token and `draft` drafts (hidden rows and recurrent snapshots
+    kept), the MTP block over those draft + 1 positions drafting from the last,
+    and one chained draft of the block on its own hidden state."""
+    k1 = draft + 1
+    rows = list(range(k1))
+    return {"decode_ms": (1, [0], MAIN, None, lambda i: depth + i),
+            "verify_ms": (k1, rows, Pass(hidden_rows=True, snapshots=True), None, lambda i: depth + i * k1),
+            "mtp_block_ms": (k1, [k1 - 1], Pass(mtp=True, hidden="hn"), rows, lambda i: depth + 1 + i * k1),
+            "mtp_draft_ms": (1, [0], Pass(mtp=True, hidden="mtp_hn"), [0], lambda i: depth + 1 + i)}
+
+
 def run_mtp_steps(eng: Engine, draft: int, n_steps: int = 32, reps: int = 3, depth: int = 0) -> dict:
     """The steps of one speculative turn with the MTP block (vkengine.serving.speculate),
     each kind timed alone, submitted and collected as the server's turn has them:
@@ -168,22 +192,16 @@ def run_mtp_steps(eng: Engine, draft: int, n_steps: int = 32, reps: int = 3, dep
     steps (verify, block, draft - 1 drafts) without the host's work between
     them, and `turn_tps` is draft + 1 tokens over it: what the server's turn
     would give with every draft accepted and no gap between steps."""
-    if not eng.model.args.n_nextn or eng.model.args.mtp_snap_rows < draft + 1:
-        raise VkEngineError("the MTP steps need a model with an MTP block opened with --mtp --draft")
+    check_mtp_steps(eng, draft)
     k1 = draft + 1
     n_steps = min(n_steps, (eng.n_ctx - depth - 1) // (k1 + 1))
     if n_steps < 1:
         raise VkEngineError(f"depth {depth} leaves no room for a turn's {k1 + 1} positions in the context "
                             f"length {eng.n_ctx} (--ctx)")
     reset = fill_depth(eng, depth)
-    rows = list(range(k1))
-
     # each kind: (tokens, output rows, pass, hmap) and its steps' positions (the i-th: after the one before);
     # everything but the submit and collect built before the timing
-    kinds = {"decode_ms": (1, [0], MAIN, None, lambda i: depth + i),
-             "verify_ms": (k1, rows, Pass(hidden_rows=True, snapshots=True), None, lambda i: depth + i * k1),
-             "mtp_block_ms": (k1, [k1 - 1], Pass(mtp=True, hidden="hn"), rows, lambda i: depth + 1 + i * k1),
-             "mtp_draft_ms": (1, [0], Pass(mtp=True, hidden="mtp_hn"), [0], lambda i: depth + 1 + i)}
+    kinds = mtp_step_kinds(draft, depth)
     out: dict[str, Any] = {"model": eng.model.name, "device": eng.device.info.name, "draft": draft, "depth": depth,
                            "steps": n_steps}
     for name, (n, outs, pass_, hmap, first) in kinds.items():
