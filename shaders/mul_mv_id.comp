@@ -67,6 +67,9 @@ layout(push_constant) uniform P {
 } p;
 
 #include "quant.glsl"
+#ifdef COMBINE
+#include "combine_norm.glsl"
+#endif
 
 #ifndef UNROLL
 float row_dot(uint grow, uint xb) {
@@ -148,52 +151,7 @@ void main() {
             yc[yi] = yc[yi] + s;
         }
     }
-    if (p.norm != 0u) {   // (uniform: a push constant)
-        memoryBarrierBuffer();
-        barrier();
-        if (gl_LocalInvocationID.x == 0u) {
-            uint total = gl_NumWorkGroups.x * gl_NumWorkGroups.y * gl_NumWorkGroups.z;
-            s_last = atomicAdd(ycu[p.sync_off], 1u) == total - 1u ? 1u : 0u;
-        }
-        barrier();
-        if (s_last != 0u) {
-            memoryBarrierBuffer();
-            uint L = gl_LocalInvocationID.x, S = gl_WorkGroupSize.x, n4 = p.M / 4u;
-            for (uint rr = 0u; rr < p.n_rows; rr++) {
-                uint xb = (p.y_off + rr * p.y_stride) / 4u;
-                float ss = 0.0;
-                for (uint i0 = L; i0 < n4; i0 += S * 4u) {
-                    vec4 v[4];
-                    [[unroll]] for (uint u = 0; u < 4u; u++) {
-                        uint i = i0 + u * S;
-                        v[u] = i < n4 ? yc4[xb + i] : vec4(0.0);
-                    }
-                    [[unroll]] for (uint u = 0; u < 4u; u++) ss += dot(v[u], v[u]);
-                }
-                ss = subgroupAdd(ss);
-                if (subgroupElect()) npart[gl_SubgroupID] = ss;
-                barrier();
-                ss = npart[0];
-                for (uint g = 1; g < gl_NumSubgroups; g++) ss += npart[g];
-                float scale = inversesqrt(ss / float(p.M) + p.eps);
-                barrier();   // (npart is the next row's)
-                uint yb = (p.h_off + rr * p.h_stride) / 4u, wb = p.nw_off / 4u;
-                for (uint i0 = L; i0 < n4; i0 += S * 4u) {
-                    vec4 v[4];
-                    vec4 w[4];
-                    [[unroll]] for (uint u = 0; u < 4u; u++) {
-                        uint i = i0 + u * S;
-                        if (i < n4) { v[u] = yc4[xb + i]; w[u] = nw4[wb + i]; }
-                    }
-                    [[unroll]] for (uint u = 0; u < 4u; u++) {
-                        uint i = i0 + u * S;
-                        if (i < n4) yc4[yb + i] = v[u] * scale * w[u];
-                    }
-                }
-            }
-            if (L == 0u) ycu[p.sync_off] = 0u;
-        }
-    }
+    combine_norm();
 }
 #else
 void main() {

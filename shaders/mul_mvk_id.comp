@@ -56,6 +56,9 @@ layout(push_constant) uniform P {
 uint g_xoff;
 #define MV_XOFF(c) g_xoff
 #include "quant.glsl"
+#ifdef COMBINE
+#include "combine_norm.glsl"
+#endif
 #include "mul_mv_unit.glsl"
 
 #ifndef BFLY
@@ -196,51 +199,6 @@ void main() {
         uint yi = p.y_off + r * p.y_stride + m;
         yc[yi] = yc[yi] + s;
     }
-    if (p.norm != 0u) {   // (uniform: a push constant) mul_mv_id.comp's epilogue
-        memoryBarrierBuffer();
-        barrier();
-        if (gl_LocalInvocationID.x == 0u) {
-            uint total_wg = gl_NumWorkGroups.x * gl_NumWorkGroups.y * gl_NumWorkGroups.z;
-            s_last = atomicAdd(ycu[p.sync_off], 1u) == total_wg - 1u ? 1u : 0u;
-        }
-        barrier();
-        if (s_last != 0u) {
-            memoryBarrierBuffer();
-            uint L = gl_LocalInvocationID.x, SW = gl_WorkGroupSize.x, n4 = p.M / 4u;
-            for (uint rr = 0u; rr < p.n_rows; rr++) {
-                uint xb = (p.y_off + rr * p.y_stride) / 4u;
-                float ss = 0.0;
-                for (uint i0 = L; i0 < n4; i0 += SW * 4u) {
-                    vec4 v[4];
-                    [[unroll]] for (uint q = 0; q < 4u; q++) {
-                        uint i = i0 + q * SW;
-                        v[q] = i < n4 ? yc4[xb + i] : vec4(0.0);
-                    }
-                    [[unroll]] for (uint q = 0; q < 4u; q++) ss += dot(v[q], v[q]);
-                }
-                ss = subgroupAdd(ss);
-                if (subgroupElect()) npart[gl_SubgroupID] = ss;
-                barrier();
-                ss = npart[0];
-                for (uint g = 1; g < gl_NumSubgroups; g++) ss += npart[g];
-                float scale = inversesqrt(ss / float(p.M) + p.eps);
-                barrier();   // (npart is the next row's)
-                uint yb = (p.h_off + rr * p.h_stride) / 4u, wb = p.nw_off / 4u;
-                for (uint i0 = L; i0 < n4; i0 += SW * 4u) {
-                    vec4 v[4];
-                    vec4 w[4];
-                    [[unroll]] for (uint q = 0; q < 4u; q++) {
-                        uint i = i0 + q * SW;
-                        if (i < n4) { v[q] = yc4[xb + i]; w[q] = nw4[wb + i]; }
-                    }
-                    [[unroll]] for (uint q = 0; q < 4u; q++) {
-                        uint i = i0 + q * SW;
-                        if (i < n4) yc4[yb + i] = v[q] * scale * w[q];
-                    }
-                }
-            }
-            if (L == 0u) ycu[p.sync_off] = 0u;
-        }
-    }
+    combine_norm();
 }
 #endif
