@@ -254,6 +254,34 @@ def test_delta_rule(device, hk, ws, rng, tiled, nk, nv, dk, dv, long, chunked, r
     _close(got_snap, np.stack(snaps[:snap_rows]).transpose(0, 1, 3, 2), atol_scale=1e-5)
 
 
+def _gated_case(ws, rng, slots, positions, nk, nv, dk, dv):
+    """The inputs of a delta rule step with its gated norm after it, on the
+    device: raw q|k (rows of conv, then v), alpha|beta, the gate z (5 words
+    in, rows nv * dv + 5 apart), A, dt_bias and the norm weight in one weight
+    buffer, 4 slots' initial states S0, zeroed counters; gnorm() the GatedNorm."""
+    from types import SimpleNamespace
+
+    from vkengine.kernels.delta_rule import GatedNorm
+    n = len(slots)
+    c = SimpleNamespace(n=n, groups=len(list(_groups(slots, positions))))
+    c.pos_off, c.slot_off = _rows_params(ws, slots, positions)
+    c.qk = (rng.standard_normal((n, 2, nk, dk)) * 3.0).astype(np.float32)
+    c.v = rng.standard_normal((n, nv, dv)).astype(np.float32)
+    conv = np.concatenate([c.qk.reshape(n, -1), c.v.reshape(n, -1)], 1)
+    c.cs = conv.shape[1]
+    c.ab = rng.standard_normal((n, 2 * nv)).astype(np.float32)
+    c.z = (rng.standard_normal((n, nv * dv + 5)) * 2).astype(np.float32)
+    c.A = -np.exp(rng.uniform(-1, 1, nv)).astype(np.float32)
+    c.dt = rng.standard_normal(nv).astype(np.float32)
+    c.w = rng.standard_normal(dv).astype(np.float32)
+    c.S0 = (rng.standard_normal((4, nv, dv, dk)) * 0.5).astype(np.float32)
+    c.wr = ws.weight_region(np.concatenate([c.A, c.dt, c.w]))
+    c.cr, c.abr, c.zr = ws.act_region(conv.size, conv), ws.act_region(c.ab.size, c.ab), ws.act_region(c.z.size, c.z)
+    c.sync = ws.act_region(c.groups * nv, np.zeros(c.groups * nv, np.float32))
+    c.gnorm = lambda: GatedNorm(c.wr.at(2 * nv, dv), c.zr.at(5, c.z.size - 5), nv * dv + 5, 1e-6, c.sync)
+    return c
+
+
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("short", [0, 8])
 def test_delta_rule_e4_equals_the_16_entry_form(device, hk, ws, rng, monkeypatch, fused, short):
@@ -262,35 +290,20 @@ def test_delta_rule_e4_equals_the_16_entry_form(device, hk, ws, rng, monkeypatch
     snapshots of the 16-entry form bit for bit, with the gated norm fused or
     not, at dk = 4 x subgroup and short of it."""
     from vkengine.kernels import delta_rule as dr
-    from vkengine.kernels.delta_rule import GatedNorm
     dk = 4 * hk.min_subgroup() - short
     nk, nv, dv = 2, 4, 24
-    slots, positions = STEP_SLOTS, STEP_POS
-    n, n_slots, snap_rows = len(slots), 4, 6
-    groups = len(list(_groups(slots, positions)))
-    pos_off, slot_off = _rows_params(ws, slots, positions)
-    qk = (rng.standard_normal((n, 2, nk, dk)) * 3.0).astype(np.float32)
-    v = rng.standard_normal((n, nv, dv)).astype(np.float32)
-    conv = np.concatenate([qk.reshape(n, -1), v.reshape(n, -1)], 1)
-    ab = rng.standard_normal((n, 2 * nv)).astype(np.float32)
-    z = rng.standard_normal((n, nv * dv)).astype(np.float32)
-    A = -np.exp(rng.uniform(-1, 1, nv)).astype(np.float32)
-    dt = rng.standard_normal(nv).astype(np.float32)
-    w = rng.standard_normal(dv).astype(np.float32)
-    S0 = (rng.standard_normal((n_slots, nv, dv, dk)) * 0.5).astype(np.float32)
-    wr = ws.weight_region(np.concatenate([A, dt, w]))
-    cr, abr, zr = ws.act_region(conv.size, conv), ws.act_region(ab.size, ab), ws.act_region(z.size, z)
-    sync = ws.act_region(groups * nv, np.zeros(groups * nv, np.float32))
+    c = _gated_case(ws, rng, STEP_SLOTS, STEP_POS, nk, nv, dk, dv)
+    n, snap_rows = c.n, 6
     out = []
     for e4 in (True, False):
         monkeypatch.setattr(dr, "DELTA_E4", 4 if e4 else 0)
-        orr, st = ws.act_region(n * nv * dv), ws.act_region(S0.size, S0)
+        orr, st = ws.act_region(n * nv * dv), ws.act_region(c.S0.size, c.S0)
         snap = ws.act_region(snap_rows * nv * dv * dk)
         prog = device.program()
-        hk.delta_rule(prog, wr.at(0, nv), wr.at(nv, nv), cr, cr.at(nk * dk, 0), cr.at(2 * nk * dk, 0), conv.shape[1],
-                      abr, abr.at(nv, 0), 2 * nv, orr, nv * dv, nk, nv, dk, dv, n, groups, st, snap, snap_rows,
-                      ws.params, pos_off, slot_off, False, dk ** -0.5, chunked=False, qk_norm_eps=1e-6,
-                      gnorm=GatedNorm(wr.at(2 * nv, dv), zr, nv * dv, 1e-6, sync) if fused else None)
+        hk.delta_rule(prog, c.wr.at(0, nv), c.wr.at(nv, nv), c.cr, c.cr.at(nk * dk, 0), c.cr.at(2 * nk * dk, 0), c.cs,
+                      c.abr, c.abr.at(nv, 0), 2 * nv, orr, nv * dv, nk, nv, dk, dv, n, c.groups, st, snap, snap_rows,
+                      ws.params, c.pos_off, c.slot_off, False, dk ** -0.5, chunked=False, qk_norm_eps=1e-6,
+                      gnorm=c.gnorm() if fused else None)
         assert any(k[0] == ("delta_rule_gn" if fused else "delta_rule") + ("_e4" if e4 else "")
                    for k in device._algorithms)
         prog.run()
@@ -310,28 +323,16 @@ def test_delta_rule_takes_the_gated_norm(device, hk, ws, rng, tiled, nk, nv, dk,
     than a subgroup is wide."""
     from vkengine.kernels.delta_rule import DELTA_NORM_ROWS, GatedNorm
     slots, positions = ([1] * 20 + [3] * 10, list(range(5, 25)) + list(range(10))) if long else (STEP_SLOTS, STEP_POS)
-    n, n_slots, snap_rows = len(slots), 4, 6
-    groups = len(list(_groups(slots, positions)))
-    pos_off, slot_off = _rows_params(ws, slots, positions)
-    qk = (rng.standard_normal((n, 2, nk, dk)) * 3.0).astype(np.float32)
-    v = rng.standard_normal((n, nv, dv)).astype(np.float32)
-    conv = np.concatenate([qk.reshape(n, -1), v.reshape(n, -1)], 1)
-    cs = conv.shape[1]
-    ab = rng.standard_normal((n, 2 * nv)).astype(np.float32)
-    z = (rng.standard_normal((n, nv * dv + 5)) * 2).astype(np.float32)
-    A = -np.exp(rng.uniform(-1, 1, nv)).astype(np.float32)
-    dt = rng.standard_normal(nv).astype(np.float32)
-    w = rng.standard_normal(dv).astype(np.float32)
-    S0 = (rng.standard_normal((n_slots, nv, dv, dk)) * 0.5).astype(np.float32)
-    wr = ws.weight_region(np.concatenate([A, dt, w]))
-    cr, abr, zr = ws.act_region(conv.size, conv), ws.act_region(ab.size, ab), ws.act_region(z.size, z)
-    sync = ws.act_region(groups * nv, np.zeros(groups * nv, np.float32))
+    c = _gated_case(ws, rng, slots, positions, nk, nv, dk, dv)
+    n, snap_rows, groups, cs = c.n, 6, c.groups, c.cs
+    qk, v, ab, z, A, dt, w, S0 = c.qk, c.v, c.ab, c.z, c.A, c.dt, c.w, c.S0
+    wr, cr, abr, zr, sync, pos_off, slot_off = c.wr, c.cr, c.abr, c.zr, c.sync, c.pos_off, c.slot_off
     os_ = nv * dv + 2
     outs, states, snaps = [], [], []
     for form in ("unfused", "fused", "fused"):
         orr, st = ws.act_region(n * os_), ws.act_region(S0.size, S0)
         snap = ws.act_region(snap_rows * nv * dv * dk)
-        gn = GatedNorm(wr.at(2 * nv, dv), zr.at(5, z.size - 5), nv * dv + 5, 1e-6, sync)
+        gn = c.gnorm()
         prog = device.program()
         fused = hk.delta_rule(prog, wr.at(0, nv), wr.at(nv, nv), cr, cr.at(nk * dk, 0), cr.at(2 * nk * dk, 0), cs,
                               abr, abr.at(nv, 0), 2 * nv, orr, os_, nk, nv, dk, dv, n, groups, st, snap, snap_rows,
