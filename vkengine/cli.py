@@ -179,22 +179,16 @@ def cmd_bench(args) -> int:
                 from .tools.bench import MTP_STEP_TITLES, check_mtp_steps, mtp_step_kinds
                 check_mtp_steps(eng, args.draft)
                 for name, (n, outs, pass_, hmap, first) in mtp_step_kinds(args.draft, at).items():
-                    prof = eng.profile(n, len(outs), start_pos=first(0), pass_=pass_, hmap=hmap)
-                    total = sum(us for _, us, _ in prof)
                     title = MTP_STEP_TITLES[name].format(k1=args.draft + 1)
-                    print(f"{title} at position {first(0)}: {total:.0f} us GPU time")
-                    for label, us, count in prof[:14]:
-                        print(f"  {us:9.1f} us {100 * us / total:5.1f}%  x{count:<4d} {label}")
+                    _print_profile(f"{title} at position {first(0)}",
+                                   eng.profile(n, len(outs), start_pos=first(0), pass_=pass_, hmap=hmap))
             for title, n, start, batched in steps:
                 if batched:
                     prof = eng.profile(n, n, start_pos=start, batched=True)
                 else:
                     prof = _merge_profiles([eng.profile(min(eng.max_batch, n - c), 1, start_pos=start + c)
                                             for c in range(0, n, eng.max_batch)])
-                total = sum(us for _, us, _ in prof)
-                print(f"{title}: {total:.0f} us GPU time")
-                for label, us, count in prof[:14]:
-                    print(f"  {us:9.1f} us {100 * us / total:5.1f}%  x{count:<4d} {label}")
+                _print_profile(title, prof)
     runs = []
     for d in depths:
         r = run_bench(eng, args.n_prompt, args.n_gen, args.reps, depth=d)
@@ -225,6 +219,14 @@ def cmd_bench(args) -> int:
                   f"{m['turn_tps']:.1f} tok/s with every draft accepted ({m['turn_tps'] / m['plain_tps']:.2f}x "
                   f"{m['plain_tps']:.1f})")
     return 0
+
+
+def _print_profile(title: str, prof: list[tuple[str, float, int]]) -> None:
+    """A step's Engine.profile rows: its GPU time, then its 14 slowest op kinds with their shares."""
+    total = sum(us for _, us, _ in prof)
+    print(f"{title}: {total:.0f} us GPU time")
+    for label, us, count in prof[:14]:
+        print(f"  {us:9.1f} us {100 * us / total:5.1f}%  x{count:<4d} {label}")
 
 
 def _merge_profiles(profs: list[list[tuple[str, float, int]]]) -> list[tuple[str, float, int]]:

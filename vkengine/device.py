@@ -279,21 +279,23 @@ class Program:
         if self._seq is None:
             self._record()
 
-    def run(self) -> None:
-        """Submit the program and wait for it (records it on first use)."""
+    def _ready(self) -> None:
+        """Before a submit: the program recorded (on first use), and the weights
+        whose uploads were left for later uploaded (Device.fill_weights)."""
         if self._seq is None:
             self._record()
-        if self.device._fills and not self._transfer:   # weights whose uploads were left for later first
+        if self.device._fills and not self._transfer:
             self.device.fill_weights()
+
+    def run(self) -> None:
+        """Submit the program and wait for it (records it on first use)."""
+        self._ready()
         self._seq.eval()
 
     def submit(self) -> None:
         """Submit the program without waiting (wait() before reading its results
         or submitting it again)."""
-        if self._seq is None:
-            self._record()
-        if self.device._fills and not self._transfer:
-            self.device.fill_weights()
+        self._ready()
         self._seq.eval_async()
 
     def wait(self) -> None:

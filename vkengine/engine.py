@@ -570,8 +570,7 @@ class Engine:
         server's default sampling (temperature 0.8, top-k 40, top-p 0.95,
         min-p 0.05) instead of the argmax. pass_ and hmap as submit's (an MTP
         model's verify step, MTP block and drafts: bench --mtp --profile)."""
-        if pass_.mtp != (hmap is not None) or (hmap is not None and len(hmap) != n):
-            raise ValueError("an MTP pass needs hmap, a hidden-state row for each row (and only it does)")
+        self._check_hmap(pass_, hmap, n)
         if batched and n > self.n_slots:
             raise VkEngineError(f"a batched step of {n} rows needs {n} slots, the engine has {self.n_slots}")
         if not 0 < n <= self.max_batch:
@@ -605,6 +604,12 @@ class Engine:
                 totals.setdefault(k, []).append(v)
         rows = [(k, float(np.median(v)), counts[k]) for k, v in totals.items()]
         return sorted(rows, key=lambda r: -r[1])
+
+    @staticmethod
+    def _check_hmap(pass_: Pass, hmap, n: int) -> None:
+        """hmap (submit's, profile's): a hidden-state row for each of n rows of an MTP pass, and only there."""
+        if pass_.mtp != (hmap is not None) or (hmap is not None and len(hmap) != n):
+            raise ValueError("an MTP pass needs hmap, a hidden-state row for each row (and only it does)")
 
     @staticmethod
     def _sampling_words(samp: np.ndarray) -> np.ndarray:
@@ -754,8 +759,7 @@ class Engine:
             raise ValueError("only the last part of a split model produces output rows")
         if len(positions) != n or len(slots) != n:
             raise ValueError("tokens, positions and slots differ in length")
-        if pass_.mtp != (hmap is not None) or (hmap is not None and len(hmap) != n):
-            raise ValueError("an MTP pass needs hmap, a hidden-state row for each row (and only it does)")
+        self._check_hmap(pass_, hmap, n)
         tok = np.asarray(tokens, np.int64)
         pos = np.asarray(positions, np.int64)
         slt = np.asarray(slots, np.int64)

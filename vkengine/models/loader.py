@@ -135,9 +135,9 @@ class WeightPlanner:
                 fills.append(functools.partial(_fill_vectors, arena, regs, payload))
                 continue
             t, rows, cols, _produce = payload
-            scaled = repack_streams(t, rows, cols)[1] is not None
-            built.append([Matrix(t, rows, cols, regs[0], regs[1] if scaled else None)])
-            fills.append(functools.partial(_fill_matrix, device, regs, payload))
+            streams = repack_streams(t, rows, cols)   # (values, scales or None)
+            built.append([Matrix(t, rows, cols, regs[0], regs[1] if streams[1] is not None else None)])
+            fills.append(functools.partial(_fill_matrix, device, regs, payload, streams))
 
         def fill() -> None:
             for f in fills:
@@ -157,7 +157,7 @@ def _fill_vectors(arena: Arena, regs: list, payload: list) -> None:
         arena.write(r, arr)
 
 
-def _fill_matrix(device, regs: list, payload: tuple) -> None:
+def _fill_matrix(device, regs: list, payload: tuple, streams: tuple) -> None:
     t, rows, cols, produce = payload
     raw = produce()
     parts = raw if isinstance(raw, list) else [raw]
@@ -166,7 +166,7 @@ def _fill_matrix(device, regs: list, payload: tuple) -> None:
     if nbytes != expected:
         raise VkEngineError(f"{t} tensor of {rows}x{cols} should hold {expected} bytes, it holds {nbytes}")
     # repacked on the way into the staging buffer (quant.repack_streams: the same bytes as repack)
-    vs, ss = repack_streams(t, rows, cols)
+    vs, ss = streams
     for reg, st in zip(regs, (vs,) if ss is None else (vs, ss)):
         if (nbytes // st.block * st.out + 3) // 4 > reg.words:
             raise VkEngineError(f"internal: {t} {rows}x{cols} does not fit its region")
