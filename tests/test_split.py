@@ -348,6 +348,11 @@ def test_split_speculative(device, devices, model_of):
         got, runner = _run(parted, cfg, reqs, [0, 0, 2], draft=2)
         assert got == want
         assert runner.spec is not None and runner.spec.steps > 0
+        # (bench --mtp --profile on it: the verify step over every part, the MTP block on the last alone)
+        from vkengine.tools.bench import mtp_step_kinds
+        for n, outs, pass_, hmap, first in mtp_step_kinds(2, 8).values():
+            prof = parted.profile(n, len(outs), runs=1, start_pos=first(0), pass_=pass_, hmap=hmap)
+            assert prof and any(lb.startswith("mul_mat") for lb, _, _ in prof)
     finally:
         whole.close()
         parted.close()

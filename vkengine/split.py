@@ -322,15 +322,18 @@ class SplitEngine:
             e.drop_deferred()
 
     def profile(self, n: int, n_out: int = 1, runs: int = 5, start_pos: int = 0, batched: bool = False,
-                readback: Readback = Readback.ARGMAX) -> list[tuple[str, float, int]]:
+                readback: Readback = Readback.ARGMAX, pass_: Pass = MAIN, hmap=None) -> list[tuple[str, float, int]]:
         """Engine.profile over every part (labels summed across them; the handoffs are the parts' `handoff`
-        copies, the host's copy between them is not timed)."""
+        copies, the host's copy between them is not timed); an MTP pass runs on the last part alone, as
+        submit runs it."""
+        if pass_.mtp:
+            return self.last.profile(n, n_out, runs, start_pos, batched, readback, pass_, hmap)
         us: dict[str, float] = {}
         counts: dict[str, int] = {}
         for e in self.parts:
             own = e is self.last
             for label, t, c in e.profile(n, n_out if own else 0, runs, start_pos, batched,
-                                         readback if own else Readback.NONE):
+                                         readback if own else Readback.NONE, pass_):
                 us[label] = us.get(label, 0.0) + t
                 counts[label] = counts.get(label, 0) + c
         return sorted(((k, v, counts[k]) for k, v in us.items()), key=lambda r: -r[1])
