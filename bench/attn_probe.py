@@ -24,9 +24,10 @@ each of -n slots (a decode step at depth D), for each --dec variant:
   slices  attention.comp's 64-position slices of each query head
   v1      attention_dec.comp as of 3b60573 (bench/shaders/attention_dec_v1.comp:
           a partial per part, no K prefetch), options as dec's
-  dec     attention_dec.comp as the engine runs it; dec:items=N+lp+nokpf+novpre+vb=N+parts=N
+  dec     attention_dec.comp as the engine runs it; dec:items=N+lp+nokpf+novpre+vb=N+parts=N+gq=N
           change Caps.attn_items, attn_lp, attn_kpf, its V rows loaded ahead (before the
-          scores or after) and its most parts
+          scores or after), its most parts and the query heads an item takes (gq=N: N
+          heads; default: Caps.attn_group's dims)
 Printed: a dispatch's time and the K/V bytes it reads a microsecond.
 
     here:   .venv/bin/python bench/attn_probe.py --compile-only
@@ -52,7 +53,8 @@ from mv_probe import compile_probes, probe_device  # noqa: E402 (same dir)
 from vkengine.kernels import Caps, Kernels, Region  # noqa: E402
 
 # name -> (query heads, kv heads, head dim)
-LAYOUTS = {"8b": (32, 8, 128), "1b": (32, 8, 64), "qwen35-4b": (16, 4, 256), "qwen35-0.8b": (8, 2, 256)}
+LAYOUTS = {"8b": (32, 8, 128), "1b": (32, 8, 64), "qwen35-4b": (16, 4, 256), "qwen35-0.8b": (8, 2, 256),
+           "qwen35-35b": (16, 2, 256)}
 
 
 def main() -> int:
@@ -205,6 +207,8 @@ def decode(args) -> int:
                     kn_vpre = 0
                 elif o.startswith("parts="):
                     max_parts = int(o[6:])
+                elif o.startswith("gq="):
+                    over["attn_group"] = int(o[3:]) * hd
             kn = Kernels(dev, dataclasses.replace(caps, **over))
             kn.dec_vb, kn.dec_vpre = vb, kn_vpre
             if max_parts:

@@ -106,6 +106,10 @@ class Options:
                                   # merge) to reach it; 0: never (notes.md run 36)
     attn_dec: bool = True         # decode attention by KV-head group, parts following the position (attention_dec)
     attn_items: int = 2048        # ... its target of work items a step's row (KV heads x groups x parts)
+    attn_group: int = 256         # ... an item's query heads (of one KV head): at most this many dims (heads x
+                                  # head size), at least one head; a KV head with more has several items, each
+                                  # reading its K/V (H100: 8B decode +6% at depth 0, same at 4k/16k; qwen35 0.8B
+                                  # +8-14%; 35B-A3B +18%: notes.md run 46; 8 heads of any size before)
     attn_lp: bool = False         # ... a position scored by several lanes, q in registers (dec_lanes)
     attn_kpf: bool = False        # ... the next tile's K rows loaded during this one's softmax and V (dec_kpf)
     delta_chunk: int = -1         # steps of at least this many rows take the chunked delta rule (delta_chunk/

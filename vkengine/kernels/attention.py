@@ -25,17 +25,17 @@ class AttentionKernels(KernelBase):
     ATTN_MC_MAX_PARTS = 16
 
     DEC_MIN_CHUNK = 32  # attention_dec: a part's positions are a multiple of this
-    DEC_MAX_GROUP = 8   # attention_dec: query heads an item takes (more: several items a KV head)
     DEC_MAX_PARTS = 256   # attention_dec: parts of a (row, KV head, group) at most
     dec_vb = 0          # attention_dec's V rows a lane loads ahead (0: as attention.comp; bench/attn_probe.py)
     dec_variant = "attention_dec"   # (bench/attn_probe.py swaps in others)
     dec_vpre = 0        # attention_dec loads a tile's first V rows before its scores (bench/attn_probe.py)
 
-    def dec_layout(self, n_head: int, n_kv: int) -> tuple[int, int, int]:
+    def dec_layout(self, n_head: int, n_kv: int, head_dim: int) -> tuple[int, int, int]:
         """attention_dec's (query heads an item takes, items per KV head and
-        part, parts): from the model's heads and Caps.attn_items only."""
+        part, parts): from the model's heads, Caps.attn_group and
+        Caps.attn_items only."""
         group = n_head // n_kv
-        gq = min(group, self.DEC_MAX_GROUP)
+        gq = max(1, min(group, self.caps.attn_group // head_dim))
         n_groups = -(-group // gq)
         parts = min(self.DEC_MAX_PARTS, max(8, -(-self.caps.attn_items // (n_kv * n_groups))))
         items = self.caps.items   # a workgroup takes this many consecutive parts
@@ -88,15 +88,15 @@ class AttentionKernels(KernelBase):
             return 1
         return min(self.ATTN_MC_MAX_PARTS, -(-target // wgs))
 
-    def attention_parts(self, n_ctx: int, n_head: int, n_kv: int) -> int:
+    def attention_parts(self, n_ctx: int, n_head: int, n_kv: int, head_dim: int) -> int:
         """Parts of a (row, head) in split decode attention."""
         if self.caps.attention_dec:
-            return self.dec_layout(n_head, n_kv)[2]
+            return self.dec_layout(n_head, n_kv, head_dim)[2]
         return -(-n_ctx // self.ATTN_CHUNK)
 
     def attention_tmp_words(self, n_rows: int, n_head: int, n_kv: int, head_dim: int, n_ctx: int) -> int:
         """Scratch words of split decode attention's partial results."""
-        return n_rows * n_head * self.attention_parts(n_ctx, n_head, n_kv) * (head_dim + 2)
+        return n_rows * n_head * self.attention_parts(n_ctx, n_head, n_kv, head_dim) * (head_dim + 2)
 
     @staticmethod
     def attention_sync_words(n_rows: int, n_head: int) -> int:
@@ -277,7 +277,7 @@ class AttentionKernels(KernelBase):
             self._attention_dec(prog, pc, reads, out, split, sync, n_rows, n_head, n_kv, head_dim, wpl, vb, act, kv,
                                 params, label, tag, sb)
             return gate is not None
-        n_parts = self.attention_parts(n_ctx, n_head, n_kv) if split is not None else 1
+        n_parts = self.attention_parts(n_ctx, n_head, n_kv, head_dim) if split is not None else 1
         name = ("attention_split" if split is not None else "attention") + tag
         push = self._push(name, **pc, chunk=self.ATTN_CHUNK if split is not None else 0, n_parts=n_parts,
                           part_off=split.off if split is not None else 0, sync_off=sync.off if sync is not None else 0)
@@ -300,7 +300,7 @@ class AttentionKernels(KernelBase):
                        kv: Buffer, params: Buffer, label: str, tag: str, sb: Buffer) -> None:
         """Split decode attention by KV-head group (attention_dec.comp; tag: the KV types' variant suffix)."""
         c = self.caps
-        gq, n_groups, n_parts = self.dec_layout(n_head, n_kv)
+        gq, n_groups, n_parts = self.dec_layout(n_head, n_kv, head_dim)
         tmp_words = self.attention_tmp_words(n_rows, n_head, n_kv, head_dim, 0)
         if split.buf is not act or split.words < tmp_words:
             raise ValueError("split decode attention needs a scratch region in the activation buffer")

@@ -97,6 +97,10 @@ class Caps:
     # function of the model only, so a row's arithmetic is the same alone or batched
     attention_dec: bool = False
     attn_items: int = 2048
+    # attention_dec: an item takes the query heads (of one KV head) of at most
+    # this many dims (heads x head size), at least one; a KV head with more
+    # has several items, each reading its K/V rows (Options.attn_group)
+    attn_group: int = 256
     # attention_dec scores a position with several lanes (16 dims each, q in
     # registers) instead of a lane a position (AttentionKernels.dec_lanes)
     attn_lp: bool = False
@@ -139,7 +143,8 @@ class Caps:
         return cls(
             sg=sg, items=items_per_wg, ew_wg=max(elementwise_wg, sg), max_x=info.max_workgroup_count[0],
             tiled_from=tiled_from, split_attention=gpu, attention_dec=gpu and options.attn_dec,
-            attn_items=options.attn_items, attn_lp=options.attn_lp, attn_kpf=options.attn_kpf,
+            attn_items=options.attn_items, attn_group=options.attn_group, attn_lp=options.attn_lp,
+            attn_kpf=options.attn_kpf,
             multi_column_from=2 if gpu else 8, split_k=gpu,
             bfly=info.subgroups_fixed and sg >= MV_BFLY_LANES, small_tiles_below=256,
             coopmat=coopmat, coopmat2=coopmat and options.coopmat2 and device_has_coopmat2(device),
