@@ -24,10 +24,11 @@ each of -n slots (a decode step at depth D), for each --dec variant:
   slices  attention.comp's 64-position slices of each query head
   v1      attention_dec.comp as of 3b60573 (bench/shaders/attention_dec_v1.comp:
           a partial per part, no K prefetch), options as dec's
-  dec     attention_dec.comp as the engine runs it; dec:items=N+lp+nokpf+novpre+vb=N+parts=N+gq=N
-          change Caps.attn_items, attn_lp, attn_kpf, its V rows loaded ahead (before the
-          scores or after), its most parts and the query heads an item takes (gq=N: N
-          heads; default: Caps.attn_group's dims)
+  dec     attention_dec.comp as the engine runs it; dec:items=N+lp+nolp+nokpf+novpre+vb=N+parts=N+gq=N
+          change Caps.attn_items, attn_lp (lanes a position for the layout's heads, or
+          none), attn_kpf, its V rows loaded ahead (before the scores or after), its most
+          parts and the query heads an item takes (gq=N: N heads; default: Caps.attn_group's
+          dims)
 Printed: a dispatch's time and the K/V bytes it reads a microsecond.
 
     here:   .venv/bin/python bench/attn_probe.py --compile-only
@@ -192,11 +193,13 @@ def decode(args) -> int:
         kc, vc = Region(kvb, 0, n * slot_stride), Region(kvb, n * slot_stride, n * slot_stride)
         for spec in args.dec.split(","):
             kind, _, opts = spec.partition(":")
-            over = dict(split_attention=True, attention_dec=kind in ("dec", "v1"), attn_lp=False, attn_kpf=True)
+            over = dict(split_attention=True, attention_dec=kind in ("dec", "v1"), attn_kpf=True)
             vb, max_parts, kn_vpre = 0, 0, 1
             for o in filter(None, opts.split("+")):
                 if o == "lp":
-                    over["attn_lp"] = True
+                    over["attn_lp"] = hd
+                elif o == "nolp":
+                    over["attn_lp"] = 0
                 elif o == "nokpf":
                     over["attn_kpf"] = False
                 elif o.startswith("items="):

@@ -1083,7 +1083,7 @@ def test_attention_decode_depth(device, kernels, rng, hd, n_head, n_kv, items, k
     (Caps.attn_lp). kpf: the next tile's K rows loaded during the tile before
     (Caps.attn_kpf; heads of up to 128, f16 K, a lane a position). group:
     the most query heads an item takes (Caps.attn_group: their dims)."""
-    kernels = with_caps(kernels, split_attention=True, attention_dec=True, attn_items=items, attn_lp=lp,
+    kernels = with_caps(kernels, split_attention=True, attention_dec=True, attn_items=items, attn_lp=hd if lp else 0,
                         attn_kpf=kpf, attn_group=group * hd)
     assert kernels.dec_kpf(hd, kernels.dec_lanes(hd), KV_Q8.get(kv, KVTypes()).tag) == (
         hd // 8 if kpf and not lp and hd <= 128 and kv in ("f16", "v") else 0)

@@ -42,10 +42,10 @@ class AttentionKernels(KernelBase):
         return gq, n_groups, -(-parts // items) * items
 
     def dec_lanes(self, head_dim: int) -> int:
-        """attention_dec's lanes a position (LP): 16 dims a lane where
-        Caps.attn_lp asks for it, at most the smallest subgroup the device may
-        use; 1 (a lane a position) otherwise."""
-        if not self.caps.attn_lp:
+        """attention_dec's lanes a position (LP): 16 dims a lane for heads of
+        Caps.attn_lp dims, at most the smallest subgroup the device may use;
+        1 (a lane a position) otherwise."""
+        if head_dim != self.caps.attn_lp:
             return 1
         lp = 1
         while lp * 2 <= min(head_dim // 16, self.min_subgroup()) and head_dim % (lp * 2 * 8) == 0:

@@ -102,8 +102,9 @@ class Caps:
     # has several items, each reading its K/V rows (Options.attn_group)
     attn_group: int = 256
     # attention_dec scores a position with several lanes (16 dims each, q in
-    # registers) instead of a lane a position (AttentionKernels.dec_lanes)
-    attn_lp: bool = False
+    # registers) instead of a lane a position (AttentionKernels.dec_lanes), for
+    # heads of this many dims (0: none; Options.attn_lp)
+    attn_lp: int = 0
     # attention_dec keeps the next tile's K rows in registers (AttentionKernels.dec_kpf)
     attn_kpf: bool = False
 
