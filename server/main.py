@@ -3,6 +3,7 @@ chosen mode, and run uvicorn until a signal; then drain gracefully."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 import sys
 import threading
@@ -28,6 +29,18 @@ PROMPT_TOKENS_GPU = 2048
 # Q4_0, 4 streams beside 4 newcomers with 8k-token prompts: at the fixed 64 rows the newcomers waited 15.3 s
 # for their first token, against llama-server's 4.2-4.8 s, whose streams paused up to 1.26 s; notes.md run 27)
 PROMPT_MS_GPU = 100.0
+# modules a server's first request would import (anyio's asyncio backend: starlette's worker threads;
+# numpy.random: the sampler; utf-8-sig: the JSON body's decoder), imported while the first steps'
+# pipelines compile instead (~45 ms of a first request's 170 on lavapipe with a 49k vocabulary, issue 35)
+FIRST_REQUEST_MODULES = ("anyio._backends._asyncio", "numpy.random", "encodings.utf_8_sig")
+
+
+def _import_first_request_modules() -> None:
+    for name in FIRST_REQUEST_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:   # (another anyio or numpy: the request imports what it needs)
+            pass
 
 
 def scheduler_config(args, gpu: bool = False) -> tuple[SchedulerConfig, int]:
@@ -163,8 +176,12 @@ def build_worker(args) -> tuple[Worker, Built]:
             raise VkEngineError(f"--prompt-tokens {cfg.prompt_tokens} does not fit the device's buffers; "
                                 f"use at most {eng.max_batch}")
         cfg = dataclasses.replace(cfg, prompt_tokens=eng.max_batch)
-    # the steps of a first request now, the others by the engine thread while it has nothing to run
+    # the steps of a first request now, the others by the engine thread while it has nothing to run; meanwhile
+    # (the driver compiling, the GIL free) what a first request would import
+    warm = threading.Thread(target=_import_first_request_modules, name="vkengine-warm", daemon=True)
+    warm.start()
     n_rec = eng.prepare_decode(n_slots, cfg.step_tokens, defer=True)
+    warm.join()
     clock.mark("pipelines and recording")   # (drivers compile a pipeline when it is created: on first use)
     log.info("recorded %d decode and prompt steps ahead, %d more when idle (%d pipelines, slowest: %s; %s; weights "
              "uploaded in %.2f s meanwhile; saved pipelines: %s%s); startup: %s", n_rec, len(eng.deferred),

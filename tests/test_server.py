@@ -533,3 +533,20 @@ def test_serves_the_embedded_default_model(serve, device):
     want = "".join(s.text for s in generate(eng, ids, 6))
     assert j["choices"][0]["message"]["content"] == want
     assert "Paris" in want
+
+
+def test_a_text_longer_than_the_context_holds_is_refused_before_tokenizing(tiny_model):
+    """ServerState.check_fits: a text of more bytes than the context's tokens can cover is a 400 naming the
+    field, before it is tokenized; a text within 10 bytes a position passes without reading the vocabulary
+    for that bound (which cost a server's first request ~60 ms, issue 35)."""
+    from server.app import ServerState
+    from server.schemas import HTTPError
+    st = ServerState(worker=None, model=tiny_model, n_ctx=64, metrics=None)   # type: ignore[arg-type]
+    st.check_fits("word " * 128, "prompt")
+    assert "bytes_per_token" not in st.__dict__
+    bound = st.bytes_per_token
+    assert bound >= 10
+    st.check_fits("x" * (64 * bound), "prompt")
+    with pytest.raises(HTTPError) as e:
+        st.check_fits("x" * (64 * bound + 1), "messages")
+    assert e.value.status == 400 and e.value.param == "messages" and "64 tokens" in e.value.message
