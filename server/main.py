@@ -10,13 +10,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import uvicorn
-
 from vkengine.errors import VkEngineError
 from vkengine.options import Options, device_index
 from vkengine.serving.scheduler import SchedulerConfig
 
-from .app import ServerState, create_app
 from .metrics import Metrics
 from .worker import Worker
 
@@ -29,14 +26,17 @@ PROMPT_TOKENS_GPU = 2048
 # Q4_0, 4 streams beside 4 newcomers with 8k-token prompts: at the fixed 64 rows the newcomers waited 15.3 s
 # for their first token, against llama-server's 4.2-4.8 s, whose streams paused up to 1.26 s; notes.md run 27)
 PROMPT_MS_GPU = 100.0
-# modules a server's first request would import (anyio's asyncio backend: starlette's worker threads;
-# numpy.random: the sampler; utf-8-sig: the JSON body's decoder), imported while the first steps'
-# pipelines compile instead (~45 ms of a first request's 170 on lavapipe with a 49k vocabulary, issue 35)
-FIRST_REQUEST_MODULES = ("anyio._backends._asyncio", "numpy.random", "encodings.utf_8_sig")
+# modules imported while the first steps' pipelines compile (the driver's work, the GIL free) instead of
+# before the model loads or on a first request (issue 35): the HTTP side (uvicorn, starlette through the
+# app; ~75 ms of the start's imports on this project's CPU machine), and what a first request would
+# import (anyio's asyncio backend: starlette's worker threads; numpy.random: the sampler; utf-8-sig: the
+# JSON body's decoder; ~45 ms of a first request's 170 on lavapipe)
+WARM_MODULES = ("uvicorn", f"{__package__}.app", f"{__package__}.guard", "anyio._backends._asyncio",
+                "numpy.random", "encodings.utf_8_sig")
 
 
-def _import_first_request_modules() -> None:
-    for name in FIRST_REQUEST_MODULES:
+def _import_warm_modules() -> None:
+    for name in WARM_MODULES:
         try:
             importlib.import_module(name)
         except ImportError:   # (another anyio or numpy: the request imports what it needs)
@@ -78,19 +78,20 @@ def scheduler_config(args, gpu: bool = False) -> tuple[SchedulerConfig, int]:
     return cfg.validate(), n_slots
 
 
-class _Server(uvicorn.Server):
+def _draining_server(config, worker: Worker, grace: float):
     """uvicorn that, on the shutdown signal, first tells the worker to stop
     taking requests and to end what is still running after the grace period;
     in-flight replies then finish (or end with an error event) before the
-    connections close."""
+    connections close. (A class made here: uvicorn is imported while the
+    engine's pipelines compile, not before the model loads.)"""
+    import uvicorn
 
-    def __init__(self, config, worker: Worker, grace: float):
-        super().__init__(config)
-        self.worker, self.grace = worker, grace
+    class _Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            worker.drain(grace)
+            await super().shutdown(sockets)
 
-    async def shutdown(self, sockets=None):
-        self.worker.drain(self.grace)
-        await super().shutdown(sockets)
+    return _Server(config)
 
 
 def embedding_pooling(model, flag: str | None) -> str:
@@ -177,8 +178,8 @@ def build_worker(args) -> tuple[Worker, Built]:
                                 f"use at most {eng.max_batch}")
         cfg = dataclasses.replace(cfg, prompt_tokens=eng.max_batch)
     # the steps of a first request now, the others by the engine thread while it has nothing to run; meanwhile
-    # (the driver compiling, the GIL free) what a first request would import
-    warm = threading.Thread(target=_import_first_request_modules, name="vkengine-warm", daemon=True)
+    # (the driver compiling, the GIL free) the modules the HTTP side and a first request need (WARM_MODULES)
+    warm = threading.Thread(target=_import_warm_modules, name="vkengine-warm", daemon=True)
     warm.start()
     n_rec = eng.prepare_decode(n_slots, cfg.step_tokens, defer=True)
     warm.join()
@@ -199,6 +200,7 @@ def build_worker(args) -> tuple[Worker, Built]:
 def build(args):
     """(app, state) for the flags: the model and engine are loaded here."""
     worker, b = build_worker(args)
+    from .app import ServerState, create_app
     st = ServerState(worker=worker, model=b.model, n_ctx=b.engine.n_ctx, metrics=b.metrics,
                      max_tokens=args.max_tokens, max_body=args.max_body, parallel=args.parallel, mode=args.mode,
                      kv_cache=(b.engine.kv.types.k, b.engine.kv.types.v),
@@ -246,10 +248,11 @@ def serve_main(args) -> int:
     GuardedH11Protocol.header_timeout = args.header_timeout
     GuardedH11Protocol.max_open = args.max_connections or default_max_connections()
     logging.getLogger("asyncio").addFilter(AcceptErrorFilter())
+    import uvicorn
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", access_log=False,
                             timeout_graceful_shutdown=args.shutdown_grace + 5, lifespan="on",
                             http=GuardedH11Protocol)
-    server = _Server(config, st.worker, args.shutdown_grace)
+    server = _draining_server(config, st.worker, args.shutdown_grace)
 
     def on_fault(why: str) -> None:   # (the engine thread) the failed requests' error events go out, then exit
         threading.Timer(1.0, lambda: setattr(server, "should_exit", True)).start()
