@@ -35,12 +35,18 @@ WARM_MODULES = ("uvicorn", f"{__package__}.app", f"{__package__}.guard", "anyio.
                 "numpy.random", "encodings.utf_8_sig")
 
 
-def _import_warm_modules() -> None:
+def _warm_up(model) -> None:
+    """WARM_MODULES imported and the model's tokenizer built (load_model's
+    defer_tokenizer), on a thread while the first steps' pipelines compile."""
     for name in WARM_MODULES:
         try:
             importlib.import_module(name)
         except ImportError:   # (another anyio or numpy: the request imports what it needs)
             pass
+    try:
+        _ = model.tokenizer
+    except Exception:   # (raised again where the start reads it, after the pipelines)
+        pass
 
 
 def scheduler_config(args, gpu: bool = False) -> tuple[SchedulerConfig, int]:
@@ -132,7 +138,7 @@ def build_worker(args) -> tuple[Worker, Built]:
     split = split_devices(args)
     mtp = getattr(args, "mtp", False)
     kv_types = KVTypes(args.cache_type_k, args.cache_type_v)
-    model = load_model(args.model)
+    model = load_model(args.model, defer_tokenizer=True)   # (built by the warm-up thread below)
     if mtp:
         from vkengine.serving.speculate import check_mtp
         check_mtp(model, args.draft)
@@ -178,11 +184,12 @@ def build_worker(args) -> tuple[Worker, Built]:
                                 f"use at most {eng.max_batch}")
         cfg = dataclasses.replace(cfg, prompt_tokens=eng.max_batch)
     # the steps of a first request now, the others by the engine thread while it has nothing to run; meanwhile
-    # (the driver compiling, the GIL free) the modules the HTTP side and a first request need (WARM_MODULES)
-    warm = threading.Thread(target=_import_warm_modules, name="vkengine-warm", daemon=True)
+    # (the driver compiling, the GIL free) the tokenizer and the modules the HTTP side and a first request need
+    warm = threading.Thread(target=_warm_up, args=(model,), name="vkengine-warm", daemon=True)
     warm.start()
     n_rec = eng.prepare_decode(n_slots, cfg.step_tokens, defer=True)
     warm.join()
+    _ = model.tokenizer   # (an invalid vocabulary's error here, before the server answers /health)
     clock.mark("pipelines and recording")   # (drivers compile a pipeline when it is created: on first use)
     log.info("recorded %d decode and prompt steps ahead, %d more when idle (%d pipelines, slowest: %s; %s; weights "
              "uploaded in %.2f s meanwhile; saved pipelines: %s%s); startup: %s", n_rec, len(eng.deferred),

