@@ -451,8 +451,8 @@ def test_truncated_and_corrupt_gguf(tiny_gguf, tmp_path, device):
 def test_a_deferred_tokenizer_is_the_same_and_its_errors_come_before_serving(tiny_gguf, tmp_path):
     """load_model(defer_tokenizer=True) (the server's: its tokenizer built while the first steps' pipelines
     compile) leaves the vocabulary for first use: the same tokens as an eager load, built once however many
-    threads ask; an invalid vocabulary's error comes at that use, and `vkengine serve` still refuses the
-    file with its one-line error before it answers anything."""
+    threads ask; an invalid vocabulary's error comes at that use, and `vkengine serve` (before it answers
+    anything) and `generate` still refuse the file with their one-line error."""
     eager = load_model(tiny_gguf)
     lazy = load_model(tiny_gguf, defer_tokenizer=True)
     assert lazy._tokenizer is None
@@ -471,6 +471,7 @@ def test_a_deferred_tokenizer_is_the_same_and_its_errors_come_before_serving(tin
         with pytest.raises(VkEngineError, match="BOS token id"):
             _ = m.tokenizer
     _clean_error(_cli("serve", "--model", str(bad), "--port", "9"), "BOS token id")
+    _clean_error(_cli("generate", "--model", str(bad), "-n", "1", "hi"), "BOS token id")   # (generate's too)
 
 
 @pytest.fixture(scope="module")

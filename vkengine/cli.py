@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -35,7 +36,8 @@ def _open(args, n_slots: int = 1, max_batch: int | None = None, max_out: int = 1
             clock.mark(phase)
     kv_types = KVTypes(args.cache_type_k, args.cache_type_v)
     split = split_devices(args)
-    model = _model_options(args, load_model(args.model))
+    # (generate, its startup clocked, builds the tokenizer while its decode steps' pipelines compile)
+    model = _model_options(args, load_model(args.model, defer_tokenizer=clock is not None))
     mark("model file")
     # generate (its startup clocked) uploads the weights while its decode steps' pipelines compile (prepare_decode)
     cfg = EngineConfig(n_slots=n_slots, n_ctx=args.ctx, max_batch=max_batch or args.batch, max_out=max_out,
@@ -119,13 +121,25 @@ def _sampling(args):
                           repeat_penalty=args.repeat_penalty, seed=args.seed).validate()
 
 
+def _build_tokenizer(model: Model) -> None:
+    try:
+        _ = model.tokenizer
+    except Exception:   # (raised again where the caller reads it)
+        pass
+
+
 def cmd_generate(args) -> int:
     from .serving.generate import GenStats, generate
     from .startup import StartupClock
     clock = StartupClock()
     model, dev, eng = _open(args, clock=clock)
     if not args.mtp:   # the decode steps recorded now, not inside the decode tok/s (MTP runs its own steps)
+        # meanwhile (the driver compiling) the tokenizer on a thread (load_model's defer_tokenizer); its
+        # errors are raised below, where it is read
+        warm = threading.Thread(target=_build_tokenizer, args=(model,), name="vkengine-tokenizer", daemon=True)
+        warm.start()
         eng.prepare_decode(1)
+        warm.join()
         clock.mark("pipelines and recording")
     tok = model.tokenizer
     text = args.prompt
