@@ -109,7 +109,7 @@ class Options:
     attn_group: int = 256         # ... an item's query heads (of one KV head): at most this many dims (heads x
                                   # head size), at least one head; a KV head with more has several items, each
                                   # reading its K/V (H100: 8B decode +6% at depth 0, same at 4k/16k; qwen35 0.8B
-                                  # +8-14%; 35B-A3B +18%: notes.md run 46; 8 heads of any size before)
+                                  # +8-14%; 35B-A3B +20%: notes.md run 46; 8 heads of any size before)
     attn_lp: int = 128            # ... a position scored by several lanes, q in registers (dec_lanes), for heads of
                                   # this many dims (0: none; H100, 8B's 128: +2.4% / +4.1% at depth 4k / 16k, the
                                   # same at 0; qwen35 0.8B's 256: -1%; 64 not measured; notes.md run 46)
