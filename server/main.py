@@ -43,10 +43,7 @@ def _warm_up(model) -> None:
             importlib.import_module(name)
         except ImportError:   # (another anyio or numpy: the request imports what it needs)
             pass
-    try:
-        _ = model.tokenizer
-    except Exception:   # (raised again where the start reads it, after the pipelines)
-        pass
+    model.warm_tokenizer()   # (its error raised again where the start reads it, after the pipelines)
 
 
 def scheduler_config(args, gpu: bool = False) -> tuple[SchedulerConfig, int]:

@@ -121,13 +121,6 @@ def _sampling(args):
                           repeat_penalty=args.repeat_penalty, seed=args.seed).validate()
 
 
-def _build_tokenizer(model: Model) -> None:
-    try:
-        _ = model.tokenizer
-    except Exception:   # (raised again where the caller reads it)
-        pass
-
-
 def cmd_generate(args) -> int:
     from .serving.generate import GenStats, generate
     from .startup import StartupClock
@@ -136,7 +129,7 @@ def cmd_generate(args) -> int:
     if not args.mtp:   # the decode steps recorded now, not inside the decode tok/s (MTP runs its own steps)
         # meanwhile (the driver compiling) the tokenizer on a thread (load_model's defer_tokenizer); its
         # errors are raised below, where it is read
-        warm = threading.Thread(target=_build_tokenizer, args=(model,), name="vkengine-tokenizer", daemon=True)
+        warm = threading.Thread(target=model.warm_tokenizer, name="vkengine-tokenizer", daemon=True)
         warm.start()
         eng.prepare_decode(1)
         warm.join()

@@ -56,6 +56,15 @@ class Model:
                     self._tokenizer = self._build_tokenizer()
         return self._tokenizer
 
+    def warm_tokenizer(self) -> None:
+        """Build a deferred tokenizer now (on a thread while pipelines compile:
+        the server's start, generate's); an invalid vocabulary's error is left
+        for `tokenizer` to raise where the caller reads it."""
+        try:
+            _ = self.tokenizer
+        except Exception:
+            pass
+
     @property
     def name(self) -> str:
         return self.path.name
