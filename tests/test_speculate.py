@@ -257,9 +257,21 @@ def test_verify_steps_follow_the_mtp_steps_on_the_device(device, accept_models, 
     ids = m.tokenizer.encode(PROMPT)
     reqs = [GenRequest(ids, 25, ignore_eos=True)]
     want, _, _ = _run(eng, cfg, reqs, [0])
+    seen = []     # steps in flight after each submit
+    submit = eng.submit
+
+    def counted(*a, **kw):
+        submit(*a, **kw)
+        seen.append(eng.in_flight)
+
+    eng.submit = counted
     got, jobs, runner = _run(eng, cfg, reqs, [0], draft=3)
+    del eng.submit
     assert got == want and jobs[0].accepted >= 0.9 * jobs[0].drafted > 0
     assert runner.spec.chained == runner.spec.steps - 1 > 0, (runner.spec.chained, runner.spec.steps)
+    # the turn's MTP block and its 2 chained drafts on a ring of their own (Engine.reserve_mtp), the next
+    # verify step behind them: 4 steps in flight at once, past the hybrid state's max_in_flight of 2
+    assert eng.max_in_flight == 2 and eng.mtp_depth == 3 and max(seen) == 4, (eng.max_in_flight, max(seen))
     late = GenRequest(m.tokenizer.encode("def fib(n):"), 9, ignore_eos=True)
     want2, _, _ = _run(eng, cfg, [reqs[0], late], [0, 3])
     got2, _, runner = _run(eng, cfg, [reqs[0], late], [0, 3], draft=3)

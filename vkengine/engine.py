@@ -183,6 +183,10 @@ class Engine:
                         for i in range(self.max_in_flight)]
         self.params = self._params[0]
         self._next_params = 0
+        # MTP steps (Pass.mtp) may get a ring of params buffers of their own (reserve_mtp), past the
+        # main ring's max_in_flight: _params[n_main:]
+        self.n_main = self.max_in_flight
+        self._next_mtp = 0
         self.program_cache = cfg.program_cache or 80 * self.max_in_flight
         self.params_dev = device.buffer(self.layout.words * 4, "device", "params-dev")
         self.logits_host = device.buffer(self.max_out * a.n_vocab * 4, "host", "logits")
@@ -301,8 +305,50 @@ class Engine:
 
     @property
     def in_flight(self) -> int:
-        """Steps submitted and not yet collected (0 .. max_in_flight)."""
+        """Steps submitted and not yet collected (0 .. max_in_flight, and up to
+        mtp_depth MTP steps more where reserve_mtp gave them a ring)."""
         return len(self._inflight)
+
+    @property
+    def mtp_depth(self) -> int:
+        """MTP steps that may be in flight beside max_in_flight main-model steps (reserve_mtp; 0: they share
+        the main steps' ring and limit)."""
+        return len(self._params) - self.n_main
+
+    def reserve_mtp(self, depth: int) -> None:
+        """Let up to `depth` MTP steps (Pass.mtp) be in flight beside max_in_flight
+        main-model steps, on params buffers of their own. A speculative turn
+        (vkengine.serving.speculate) queues the MTP block, its chained drafts
+        and the next verify step behind them at once, so that the device runs
+        them back to back while the host is still submitting; with one ring of
+        max_in_flight buffers the host waited for the block before the second
+        draft and for a draft before the verify step, and the device waited for
+        the host in between (notes.md run 47). The MTP block takes in no
+        recurrent state (its rows are KV rows of its own layer), so
+        max_in_flight's limit, a rewinding matter of the main model's chained
+        rows, does not apply to it. Not on a split model's parts (a part's
+        handoff buffers follow the main ring)."""
+        if self._handoff_in or self.handoff_out is not None:
+            return
+        while self.mtp_depth < depth:
+            b = self.device.buffer(self.layout.words * 4, "host", f"params-mtp-{self.mtp_depth}")
+            self._params.append(b)
+            self._own.append(b)
+            self.program_cache += 8   # (an MTP step's shapes on each buffer)
+
+    def has_room(self, pass_: Pass = MAIN) -> bool:
+        """Whether a step of this pass may be submitted now: fewer than
+        max_in_flight main-model steps in flight (MTP steps among them where
+        they have no ring of their own), or fewer than mtp_depth MTP steps."""
+        if pass_.mtp and self.mtp_depth:
+            return sum(s.params >= self.n_main for s in self._inflight) < self.mtp_depth
+        return sum(s.params < self.n_main for s in self._inflight) < self.n_main
+
+    def _next_buf(self, pass_: Pass) -> int:
+        """The params buffer the next step of this pass takes."""
+        if pass_.mtp and self.mtp_depth:
+            return self.n_main + self._next_mtp
+        return self._next_params
 
     @property
     def tiled_prompts(self) -> bool:
@@ -405,15 +451,15 @@ class Engine:
         key = tuple[int, int, Readback, int, tuple[int, ...]]
         decode: list[key] = [(n, 1, A, 0, ()) for n in sorted({min(9, self.max_batch), self.max_batch})]
         # two programs per row count and params buffer; keep them within half the program cache
-        top = min(max_rows, self.max_out, self.max_batch, self.program_cache // (4 * len(self._params)))
+        top = min(max_rows, self.max_out, self.max_batch, self.program_cache // (4 * self.n_main))
         for n in range(1, top + 1):
-            for buf in range(len(self._params)):
+            for buf in range(self.n_main):
                 for chain in ((), tuple(range(n))) if self.can_chain and self.device_chains else ((),):
                     decode.append((n, n, A, buf, chain))   # the key order of _program's arguments
         if self.can_sample:   # sampled replies' steps (their tokens drawn on the device), within a quarter
-            top_s = min(top, self.program_cache // (8 * len(self._params)))
+            top_s = min(top, self.program_cache // (8 * self.n_main))
             for n in range(1, top_s + 1):
-                for buf in range(len(self._params)):
+                for buf in range(self.n_main):
                     for chain in ((), tuple(range(n))) if self.can_chain and self.device_chains else ((),):
                         decode.append((n, n, S, buf, chain))
         prompt: list[key] = []
@@ -421,7 +467,7 @@ class Engine:
             top = min(prompt_rows, self.max_batch)
             first = 1 if self.tiled_prompts else self.STEP_EXACT + 1
             for n in sorted({self.step_rows(n, prompt=True) for n in range(first, top + 1)}):
-                for buf in range(len(self._params)):
+                for buf in range(self.n_main):
                     prompt.append((n, 0, Readback.NONE, buf, ()))
                     for mode in (A, S) if self.can_sample else (A,):
                         prompt += [(n, k, mode, buf, ()) for k in range(1, min(max_rows, self.max_out, 4) + 1)]
@@ -700,8 +746,11 @@ class Engine:
             slt = np.concatenate([slt, np.full(n_run - n, s, np.int64)])
             n = n_run
         self.last_rows = n   # (the rows it runs: a split model's part hands on that many)
-        buf = self._next_params
-        self._next_params = (buf + 1) % len(self._params)
+        buf = self._next_buf(pass_)
+        if buf >= self.n_main:
+            self._next_mtp = (self._next_mtp + 1) % self.mtp_depth
+        else:
+            self._next_params = (buf + 1) % self.n_main
         pl, prm = self.layout, self._params[buf].array()
         prm[pl.tokens:pl.tokens + n] = tok
         prm[pl.positions:pl.positions + n] = pos
@@ -726,7 +775,8 @@ class Engine:
         the context."""
         n_run = self.step_rows(n, prompt) if not chain_key else n
         tiled_prompt = prompt and self.tiled_prompts
-        if n_run > n and (tiled_prompt or (n, n_out, mode, self._next_params, chain_key, pass_) not in self._programs):
+        if n_run > n and (tiled_prompt or (n, n_out, mode, self._next_buf(pass_), chain_key, pass_)
+                          not in self._programs):
             top = int(pos[slt == slt[-1]].max())
             if top + (n_run - n) < self.n_ctx:
                 return n_run
@@ -738,8 +788,10 @@ class Engine:
         last part is asked before its other parts run): the rows as arrays
         (tokens, positions, slots, out_rows), the readback mode, the sampling
         rows and the chain."""
-        if len(self._inflight) >= self.max_in_flight:
-            raise RuntimeError(f"{self.max_in_flight} steps are already in flight: collect() one first")
+        if not self.has_room(pass_):
+            raise RuntimeError(f"{self.mtp_depth if pass_.mtp and self.mtp_depth else self.max_in_flight} "
+                               f"{'MTP ' if pass_.mtp and self.mtp_depth else ''}steps are already in flight: "
+                               "collect() one first")
         if self._inflight and self._inflight[-1].masked and self._inflight[-1].pick is None:
             raise RuntimeError("the masked step in flight needs its masks first (submit_masks)")
         if readback & ~Readback.HIDDEN not in _READBACKS:

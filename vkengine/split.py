@@ -230,6 +230,15 @@ class SplitEngine:
     def in_flight(self) -> int:
         return len(self._modes)
 
+    # MTP steps share the main steps' limit here (Engine.reserve_mtp: not on a split model's parts)
+    mtp_depth = 0
+
+    def reserve_mtp(self, depth: int) -> None:
+        pass
+
+    def has_room(self, pass_=None) -> bool:
+        return self.in_flight < self.max_in_flight
+
     @property
     def tiled_prompts(self) -> bool:
         return self.last.tiled_prompts

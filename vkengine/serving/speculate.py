@@ -126,6 +126,9 @@ class Speculator:
         if not hasattr(e.kv, "commit_snapshots"):   # (a HybridState, or a split model's parts of them)
             raise VkEngineError(f"{e.model.name}: speculative decoding here rolls back a hybrid model's state")
         self.e, self.k, self.state = e, draft, e.kv
+        # a turn's MTP steps (the block and draft - 1 chained drafts) in flight at once, the next verify
+        # step behind them (_verify)
+        e.reserve_mtp(draft)
         self.rows = min(e.kv.snap_rows, e.max_out, e.exact_rows)
         if self.rows < 2:
             raise VkEngineError("the engine's state keeps no snapshot rows for verify steps: build it from model "
@@ -218,7 +221,7 @@ class Speculator:
             return None
         readback, sampling, masked = r._step_readback(outs)     # (each row drawn on the device takes its u)
         pass_ = Pass(hidden_rows=any(p[3] for p in plan), snapshots=any(p[2] for p in plan))
-        if e.in_flight >= e.max_in_flight:
+        while not e.has_room(pass_) and self._pending:   # (MTP steps in flight, oldest first)
             self._collect()
         t0 = time.perf_counter()
         if draft_rows:
@@ -479,7 +482,7 @@ class Speculator:
         order), collecting the oldest first when the engine has as many in
         flight as it takes; a chained step follows the one it reads at once."""
         e = self.e
-        if e.in_flight >= e.max_in_flight:
+        while not e.has_room(pass_) and self._pending:   # (Engine.reserve_mtp: a turn's MTP steps all at once)
             self._collect()
         e.submit(tokens, positions, slots, out_rows, readback, pass_=pass_, hmap=hmap, chain=chain)
         self._pending.append((jobs, len(tokens), time.perf_counter()))
