@@ -198,6 +198,9 @@ def build_worker(args) -> tuple[Worker, Built]:
     metrics = Metrics(n_slots, cfg.max_live, eng.n_ctx)
     metrics.startup(clock.phases)
     worker = Worker(eng, cfg, metrics, step_log=args.step_log, mtp_draft=args.draft if mtp else 0)
+    if mtp:   # a lone stream's speculative turns, recorded by the engine thread while it has nothing to run
+        from vkengine.serving.speculate import prepare_turns
+        prepare_turns(eng, args.draft, defer=True)
     return worker, Built(model, dev, eng, worker.cfg, metrics, pooling)
 
 

@@ -20,7 +20,7 @@ from vkengine.serving.constrain import compile_grammar
 from vkengine.serving.runner import Event, GenRequest, Runner
 from vkengine.serving.sampling import SamplingParams
 from vkengine.serving.scheduler import SchedulerConfig
-from vkengine.serving.speculate import Speculator
+from vkengine.serving.speculate import Speculator, prepare_turns, turn_keys
 
 from .test_models_qwen35 import ARCHES, PROMPT, qwen35_loaded, qwen35_models  # noqa: F401 (shared fixtures)
 from .test_synth_mtp_accept import accept_models  # noqa: F401 (shared fixture)
@@ -352,3 +352,33 @@ def test_requests_ended_while_a_verify_step_is_ahead(device, accept_models, qwen
         runner.step()
     runner.settle()
     assert [e.token for e in last if e.token is not None] == want[0][0][:12]
+
+
+def test_prepared_turns_leave_a_streams_turns_nothing_to_record(device, accept_models):
+    """prepare_turns (`generate --mtp`; the server's idle time) records a lone
+    stream's verify steps, MTP blocks and chained drafts ahead: the stream's
+    turns then record nothing but its prompt's steps and its last turn's
+    shorter ones, and its tokens stay those of plain decoding."""
+    m = load_model(accept_models["qwen35moe"]["gguf"])
+    eng = _engine(device, m, n_slots=1, rows=4)
+    assert turn_keys(eng, 3) == []                 # (no MTP ring reserved yet)
+    assert prepare_turns(eng, 3) == len(turn_keys(eng, 3)) == 10 and prepare_turns(eng, 3) == 0
+    cfg = SchedulerConfig(n_slots=1, max_live=1, step_tokens=16)
+    reqs = [GenRequest(m.tokenizer.encode(PROMPT), 30, ignore_eos=True)]
+    want, _, _ = _run(eng, cfg, reqs, [0])
+    recorded = []
+    record = eng._record
+
+    def counted(n, n_out, readback, *a, **kw):
+        recorded.append((n, n_out, kw.get("pass_")))
+        return record(n, n_out, readback, *a, **kw)
+
+    eng._record = counted
+    got, jobs, runner = _run(eng, cfg, reqs, [0], draft=3)
+    del eng._record
+    assert got == want and jobs[0].accepted >= 0.9 * jobs[0].drafted > 0
+    assert runner.spec.chained >= 5
+    # only its prompt's: two chunks' steps (hidden rows kept) and the MTP block over each; no verify step
+    # (snapshots), no chained draft (mtp_hn), even after the prompt's MTP steps (the ring restarts a turn)
+    assert len(recorded) <= 4, recorded
+    assert not any(p.snapshots or p.hidden == "mtp_hn" for _, _, p in recorded), recorded

@@ -126,14 +126,18 @@ def cmd_generate(args) -> int:
     from .startup import StartupClock
     clock = StartupClock()
     model, dev, eng = _open(args, clock=clock)
-    if not args.mtp:   # the decode steps recorded now, not inside the decode tok/s (MTP runs its own steps)
-        # meanwhile (the driver compiling) the tokenizer on a thread (load_model's defer_tokenizer); its
-        # errors are raised below, where it is read
-        warm = threading.Thread(target=model.warm_tokenizer, name="vkengine-tokenizer", daemon=True)
-        warm.start()
+    # the decode steps recorded now, not inside the decode tok/s (with --mtp, a speculative turn's steps:
+    # speculate.prepare_turns); meanwhile (the driver compiling) the tokenizer on a thread (load_model's
+    # defer_tokenizer); its errors are raised below, where it is read
+    warm = threading.Thread(target=model.warm_tokenizer, name="vkengine-tokenizer", daemon=True)
+    warm.start()
+    if args.mtp:
+        from .serving.speculate import prepare_turns
+        prepare_turns(eng, args.draft)
+    else:
         eng.prepare_decode(1)
-        warm.join()
-        clock.mark("pipelines and recording")
+    warm.join()
+    clock.mark("pipelines and recording")
     tok = model.tokenizer
     text = args.prompt
     if args.chat:

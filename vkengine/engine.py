@@ -336,6 +336,13 @@ class Engine:
             self._own.append(b)
             self.program_cache += 8   # (an MTP step's shapes on each buffer)
 
+    def restart_mtp_ring(self) -> None:
+        """With no MTP step in flight: the next one takes the MTP ring's first
+        buffer (a speculative turn's block always on the same one, its drafts on
+        the next: the programs speculate.prepare_turns records ahead)."""
+        if not any(s.params >= self.n_main for s in self._inflight):
+            self._next_mtp = 0
+
     def has_room(self, pass_: Pass = MAIN) -> bool:
         """Whether a step of this pass may be submitted now: fewer than
         max_in_flight main-model steps in flight (MTP steps among them where

@@ -236,6 +236,9 @@ class SplitEngine:
     def reserve_mtp(self, depth: int) -> None:
         pass
 
+    def restart_mtp_ring(self) -> None:
+        pass
+
     def has_room(self, pass_=None) -> bool:
         return self.in_flight < self.max_in_flight
 

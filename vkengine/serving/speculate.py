@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..device import Program
-from ..engine import MAIN, Engine, Pass, Readback
+from ..engine import _DRAFTS, MAIN, Engine, Pass, Readback
 from ..errors import VkEngineError
 from ..kernels import Caps, Kernels
 from ..model import Model
@@ -89,6 +89,48 @@ def verify_rows(caps: Caps, n_slots: int, draft: int) -> int:
     threshold and attention on cooperative matrices' less one)."""
     bound = min(Kernels.thresholds_of(caps, None), default=1 << 30) - 1
     return max(1, min(n_slots * (draft + 1), bound))
+
+
+def turn_keys(engine: Engine, draft: int) -> list[tuple]:
+    """The programs (Engine._program's arguments) of a lone greedy sequence's
+    speculative turns with `draft` drafts, on an engine whose MTP steps have a
+    ring of their own (Engine.reserve_mtp; none otherwise): its verify step of
+    the pending token and the drafts on each main params buffer, reading the
+    drafts from the host (a first turn) or on the device (a turn behind the MTP
+    steps, Speculator.ahead); the MTP block over the 1..draft+1 positions a turn
+    may accept, on the ring's first buffer, and its chained drafts on the next
+    ones (where a turn of `draft` MTP steps puts them). What other shapes meet
+    (several sequences, a reply's last turns) is recorded when first run."""
+    e = engine
+    if not getattr(e, "mtp_depth", 0) or e.mtp_depth < draft or not e.args.last_part:
+        return []
+    A, k = Readback.ARGMAX, draft
+    verify = Pass(hidden_rows=True, snapshots=True)
+    keys: list[tuple] = []
+    for buf in range(e.n_main):
+        keys.append((k + 1, k + 1, A, buf, (-1, *range(_DRAFTS, _DRAFTS + k)), verify))
+        keys.append((k + 1, k + 1, A, buf, (), verify))
+    for n in range(k + 1, 0, -1):
+        keys.append((n, 1, A, e.n_main, (), Pass(mtp=True, hidden="hn", drafts_at=0)))
+    for d in range(1, k):
+        keys.append((1, 1, A, e.n_main + d, (0,), Pass(mtp=True, hidden="mtp_hn", drafts_at=d)))
+    return keys
+
+
+def prepare_turns(engine: Engine, draft: int, defer: bool = False) -> int:
+    """Record turn_keys' programs now (`vkengine generate --mtp`: its decode
+    rate then holds no recordings, ~10-50 ms each on a large model), or, with
+    defer, leave them to the server's engine thread for its idle time
+    (Engine.deferred, after prepare_decode's). Reserves the MTP steps' ring
+    first (Engine.reserve_mtp). Returns how many were not recorded yet."""
+    engine.reserve_mtp(draft)
+    todo = [k for k in turn_keys(engine, draft) if k not in engine._programs]
+    if defer:
+        engine.deferred.extend(todo)
+    else:
+        for k in todo:
+            engine._program(*k).prepare()
+    return len(todo)
 
 
 @dataclass
@@ -408,6 +450,8 @@ class Speculator:
         chain on `mtp_hn` before anything else overwrites it."""
         e = self.e
         self._src, self._draft_words = {}, 0
+        if not self._pending:   # (the block on the MTP ring's first buffer, as prepare_turns records it)
+            e.restart_mtp_ring()
         pieces: list[_Segment] = []
         for s in segs:   # (a segment longer than a step: pieces, the last one drafting)
             for i in range(0, len(s.tokens), e.max_batch):
