@@ -365,6 +365,8 @@ class Runner:
             # (synchronous, but for the next verify step where it may follow at once: Speculator._verify)
             self.spec.turn(batch)
             return True
+        if self.spec is not None:   # (its MTP steps off the device first: collect takes the oldest step as ours)
+            self.spec.drain()
         if self.prompt_apart:
             for part, prompt in zip(batch.split(), (False, True)):
                 if part is not None:

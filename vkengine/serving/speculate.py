@@ -288,6 +288,14 @@ class Speculator:
             self.e.collect()
             self.r.sched.postprocess(v.dec)
 
+    def drain(self) -> None:
+        """Collect the MTP steps still in flight (and wait for a rollback), before
+        the runner submits a step of its own: its collect takes the oldest step
+        on the device as its own. (MTP steps have a ring and a limit of their own,
+        Engine.reserve_mtp, so nothing else stops a plain step from queueing
+        behind them.)"""
+        self._drain()
+
     def forget(self) -> None:
         """The device is gone: nothing on it will be collected (the worker's device fault)."""
         self.ahead, self._rollback = None, None
