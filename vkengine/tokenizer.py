@@ -136,28 +136,39 @@ class Tokenizer:
 
 class StreamDecoder:
     """Incremental detokenization: feed ids, get the text that became final
-    (a multi-byte character split across tokens is held back until complete)."""
+    (a multi-byte character split across tokens is held back until complete).
+
+    Each token decodes a window of the last few ids, not the whole reply (the
+    offsets of vLLM's and TGI's incremental detokenizers): the text a token
+    adds is decode(ids[prefix:]) past decode(ids[prefix:read]), where read is
+    where the last text came out and prefix where the text before it did, so
+    a first token's leading space (SentencePiece) and bytes that complete a
+    character across tokens come out as decode(ids) has them. Decoding the
+    whole reply again for every token cost O(n) a token: 0.64 ms a token at
+    4,000 tokens of a reply, 1.4 ms at 8,000 (notes.md run 47)."""
 
     def __init__(self, tok: Tokenizer, skip_special: bool = False):
         self.tok = tok
         self.ids: list[int] = []
-        self.emitted = 0          # characters of decode(ids) already returned
+        self.prefix = 0           # the window's first id
+        self.read = 0             # ids before this one have come out as text
         self.skip_special = skip_special
+
+    def _step(self, final: bool) -> str:
+        ids, skip = self.ids, self.skip_special
+        before = self.tok.decode(ids[self.prefix:self.read], skip) if self.read > self.prefix else ""
+        text = self.tok.decode(ids[self.prefix:], skip)
+        if not final and (text.endswith("\ufffd") or len(text) <= len(before)):
+            return ""             # incomplete UTF-8 sequence (or nothing new): wait for more ids
+        self.prefix, self.read = self.read, len(ids)
+        return text[len(before):]
 
     def feed(self, token: int) -> str:
         self.ids.append(token)
-        text = self.tok.decode(self.ids, self.skip_special)
-        if text.endswith("\ufffd"):
-            return ""             # incomplete UTF-8 sequence: wait for more bytes
-        out = text[self.emitted:]
-        self.emitted = len(text)
-        return out
+        return self._step(final=False)
 
     def flush(self) -> str:
-        text = self.tok.decode(self.ids, self.skip_special)
-        out = text[self.emitted:]
-        self.emitted = len(text)
-        return out
+        return self._step(final=True)
 
 
 def from_gguf(meta) -> Tokenizer:
