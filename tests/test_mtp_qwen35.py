@@ -101,8 +101,9 @@ def test_profile_of_a_speculative_turns_steps(device, qwen35_loaded):
 
 def test_bench_times_a_speculative_turns_steps(device, qwen35_loaded):
     """`vkengine bench --mtp --draft K` (tools/bench.run_mtp_steps): each step of
-    a turn timed alone, at depth too (the recurrent state put back between
-    runs), and a model without room for the drafts refused."""
+    a turn timed alone, and the turns back to back on the device, at depth too
+    (the recurrent state put back between runs), and a model without room for
+    the drafts refused."""
     from vkengine.tools.bench import run_mtp_steps
     eng = _engine(device, qwen35_loaded("qwen35moe"))
     for depth in (0, 20):
@@ -110,6 +111,8 @@ def test_bench_times_a_speculative_turns_steps(device, qwen35_loaded):
         assert r["steps"] == 3 and r["depth"] == depth
         assert all(r[k] > 0 for k in ("decode_ms", "verify_ms", "mtp_block_ms", "mtp_draft_ms"))
         assert r["turn_ms"] == pytest.approx(r["verify_ms"] + r["mtp_block_ms"] + 2 * r["mtp_draft_ms"])
+        # the turns back to back on the device (their drafts read there): 4 tokens a turn
+        assert r["chained_turn_ms"] > 0 and r["chained_turn_tps"] == pytest.approx(4000 / r["chained_turn_ms"])
     assert run_mtp_steps(eng, 3, n_steps=99, reps=1, depth=100)["steps"] == 5   # (what the context leaves)
     with pytest.raises(VkEngineError, match="MTP block"):
         run_mtp_steps(eng, 4, n_steps=2, reps=1)   # (4 snapshot rows: 3 drafts at most)
