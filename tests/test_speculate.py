@@ -16,6 +16,7 @@ import pytest
 from vkengine.engine import Engine, EngineConfig
 from vkengine.errors import VkEngineError
 from vkengine.model import load_model
+from vkengine.options import Options
 from vkengine.serving.constrain import compile_grammar
 from vkengine.serving.runner import Event, GenRequest, Runner
 from vkengine.serving.sampling import SamplingParams
@@ -382,3 +383,31 @@ def test_prepared_turns_leave_a_streams_turns_nothing_to_record(device, accept_m
     # (snapshots), no chained draft (mtp_hn), even after the prompt's MTP steps (the ring restarts a turn)
     assert len(recorded) <= 4, recorded
     assert not any(p.snapshots or p.hidden == "mtp_hn" for _, _, p in recorded), recorded
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_block_ahead_keeps_tokens(device, accept_models, qwen35_loaded, arch):
+    """Options.mtp_block_ahead: the MTP block submitted behind each verify step
+    ahead, over all its rows, drafting from the row of the last accepted
+    position: the tokens equal plain decoding with drafts accepted (the
+    always-accepted model: several sequences, arrivals, a lone stream), in part
+    and rejected (random MTP weights), beside unspeculated requests (sampled,
+    grammar-held, logit-reporting); the blocks ahead are used."""
+    cfg = SchedulerConfig(n_slots=3, max_live=3, step_tokens=16)
+    for m in (load_model(accept_models[arch]["gguf"]), qwen35_loaded(arch)):
+        eng = _engine(device, m, options=Options(mtp_block_ahead=True))
+        reqs = _requests(m) + _unspeculated(m)
+        arrive = [0, 2, 3, 9, 1, 5]
+        want, _, _ = _run(eng, cfg, reqs, arrive)
+        got, jobs, runner = _run(eng, cfg, reqs, arrive, draft=3)
+        assert got == want and sum(j.drafted for j in jobs) >= 10
+        greedy = [r for i, r in enumerate(_requests(m)) if i != 2]   # (every live sequence speculates: steps ahead)
+        want, _, _ = _run(eng, cfg, greedy, [0, 1, 4])
+        got, jobs, runner = _run(eng, cfg, greedy, [0, 1, 4], draft=3)
+        assert got == want and runner.spec.blocks_ahead > 0
+        lone = [GenRequest(m.tokenizer.encode(PROMPT), 25, ignore_eos=True)]
+        want, _, _ = _run(eng, cfg, lone, [0])
+        got, jobs, runner = _run(eng, cfg, lone, [0], draft=3)
+        assert got == want and runner.spec.blocks_ahead == runner.spec.chained > 0
+        if m.args.n_nextn and jobs[0].accepted:   # (the always-accepted model: every turn behind the one before)
+            assert jobs[0].accepted >= 0.9 * jobs[0].drafted and runner.spec.chained == runner.spec.steps - 1

@@ -134,6 +134,15 @@ def prepare_turns(engine: Engine, draft: int, defer: bool = False) -> int:
 
 
 @dataclass
+class _BlockAhead:
+    """An MTP block submitted behind a verify step ahead (Speculator._submit_block_ahead)."""
+    verify: _Verify
+    segs: list[tuple]      # (job, its first row in the block, rows, its verify row's position, slot) a sequence
+    at: int                # the draft word of the block's first row
+    t0: float
+
+
+@dataclass
 class _Verify:
     """A verify step on the device: its decode rows, each work's (work, first
     row, drafts verified, speculates), its rows, readback and submit time."""
@@ -168,9 +177,12 @@ class Speculator:
         if not hasattr(e.kv, "commit_snapshots"):   # (a HybridState, or a split model's parts of them)
             raise VkEngineError(f"{e.model.name}: speculative decoding here rolls back a hybrid model's state")
         self.e, self.k, self.state = e, draft, e.kv
+        # the MTP block submitted behind a verify step ahead (Options.mtp_block_ahead; _submit_block_ahead)
+        self.block_ahead_on = bool(getattr(getattr(getattr(e, "cfg", None), "options", None), "mtp_block_ahead",
+                                           False)) and getattr(e, "device_chains", False)
         # a turn's MTP steps (the block and draft - 1 chained drafts) in flight at once, the next verify
-        # step behind them (_verify)
-        e.reserve_mtp(draft)
+        # step behind them (_verify), and with block_ahead_on the next block behind that
+        e.reserve_mtp(draft + 1 if self.block_ahead_on else draft)
         self.rows = min(e.kv.snap_rows, e.max_out, e.exact_rows)
         if self.rows < 2:
             raise VkEngineError("the engine's state keeps no snapshot rows for verify steps: build it from model "
@@ -180,14 +192,17 @@ class Speculator:
         self.steps = 0                     # verify steps run
         self.mtp_steps = 0                 # MTP block steps run
         self.chained = 0                   # verify steps submitted behind the MTP steps (drafts on the device)
+        self.blocks_ahead = 0              # MTP blocks run behind a verify step ahead and drafted from
         self.ahead: _Verify | None = None  # the verify step submitted ahead, which the next turn collects
         # where this turn's MTP steps leave each drafting job's drafts on the device (Pass.drafts_at), and
         # the device's draft words they have taken
         self._src: dict[int, list[int]] = {}
         self._draft_words = 0
         self._rollback: Program | None = None   # a rollback submitted, not yet waited for (_drain)
-        # MTP block steps in flight: (the jobs their output rows draft for, rows, submitted at)
-        self._pending: deque[tuple[list[Job], int, float]] = deque()
+        # MTP block steps in flight: (the jobs their output rows draft for, rows, submitted at, and which
+        # output row drafts for each job where not the i-th: a block submitted ahead's)
+        self._pending: deque[tuple[list[Job], int, float, list[int] | None]] = deque()
+        self._block_ahead: _BlockAhead | None = None   # the MTP block behind the verify step ahead
 
     def bind(self, runner: Runner) -> None:
         self.r = runner
@@ -287,6 +302,9 @@ class Speculator:
         if v is not None:
             self.e.collect()
             self.r.sched.postprocess(v.dec)
+        if self._block_ahead is not None:   # (behind it)
+            self._block_ahead = None
+            self.e.collect()
 
     def drain(self) -> None:
         """Collect the MTP steps still in flight (and wait for a rollback), before
@@ -298,7 +316,7 @@ class Speculator:
 
     def forget(self) -> None:
         """The device is gone: nothing on it will be collected (the worker's device fault)."""
-        self.ahead, self._rollback = None, None
+        self.ahead, self._rollback, self._block_ahead = None, None, None
         self._pending.clear()
 
     def _verify(self, v: _Verify, may_chain: bool) -> None:
@@ -342,7 +360,12 @@ class Speculator:
                 n_acc = accepted[id(w.seq)]
                 segs.append(_Segment(job, w.start + 1, greedy[off:off + n_acc + 1],
                                      list(range(off, off + n_acc + 1)), True))
-        self._mtp(segs, "hn")
+        ba, self._block_ahead = self._block_ahead, None
+        if ba is not None and ba.verify is v:
+            self._drafts_after_block(ba, segs, accepted)
+        else:
+            assert ba is None, "a block ahead behind another verify step than the one collected"
+            self._mtp(segs, "hn")
         if rollbacks:   # (on one device: not waited for; the next verify step queues behind it)
             if getattr(e, "device_chains", False):
                 assert self._rollback is None   # (waited for by _drain, before this step was collected)
@@ -381,6 +404,7 @@ class Speculator:
                 if ahead is not None:
                     self.ahead = ahead
                     self.chained += 1
+                    self._submit_block_ahead(ahead)
                     return
                 r.held = nxt   # (the runner's next turn runs it, once the drafts are on the host)
         self._drain()
@@ -423,6 +447,7 @@ class Speculator:
             return False
         self.ahead = ahead
         self.chained += 1
+        self._submit_block_ahead(ahead)
         return True
 
     def _prompt(self, pro: Batch) -> None:
@@ -514,6 +539,88 @@ class Speculator:
             rows = list(range(len(keep)))
             d += 1
 
+    def _submit_block_ahead(self, v: _Verify) -> None:
+        """With Options.mtp_block_ahead: submit the MTP block behind the verify
+        step ahead at once, over every row of each speculating sequence's token
+        and drafts (tokens: the verify step's greedy ones, chained on the device;
+        hidden rows: its rows), each row's draft read back and left in the top
+        draft words. Whatever a sequence accepts, the block's rows up to its last
+        accepted one are the rows the block would run once the host knew
+        (position q: token q, the hidden state of q - 1), and that row drafts
+        the next position; the rows past it only write KV rows of the MTP layer
+        past the sequence, which a later block writes before anything reads them.
+        So the device goes from the verify step to the block without waiting
+        for the host; the chained drafts follow when the host knows which row
+        drafts (_drafts_after_block)."""
+        e = self.e
+        if not self.block_ahead_on or not v.readback.tokens or v.readback & Readback.LOGITS or \
+                any(w.seq.data.masked for w, *_ in v.plan):   # (a masked step's tokens come from its second program)
+            return
+        segs: list[tuple[Job, int, int, int, int]] = []   # (job, its first row in the block, rows, start, slot)
+        tokens_rows: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for w, off, m, speculates in v.plan:
+            job = w.seq.data
+            if not speculates or w.seq.slot is None:
+                continue
+            segs.append((job, len(tokens_rows), m + 1, w.start, self._slot(w.seq)))
+            tokens_rows += range(off, off + m + 1)
+            positions += range(w.start + 1, w.start + m + 2)
+            slots += [self._slot(w.seq)] * (m + 1)
+        n = len(tokens_rows)
+        dw = e.layout.draft_words
+        # (the top of the draft words: a turn's chained drafts take them from 0, at most k - 1 a sequence)
+        at = dw - n
+        if not segs or n > min(e.max_batch, e.max_out) or at < len(segs) * max(0, self.k - 1) or \
+                max(positions) >= e.n_ctx:
+            return
+        while not e.has_room(Pass(mtp=True)) and self._pending:
+            self._collect()
+        if not e.has_room(Pass(mtp=True)):
+            return
+        e.submit([0] * n, positions, slots, range(n), Readback.ARGMAX, chain=tokens_rows, hmap=tokens_rows,
+                 pass_=Pass(mtp=True, hidden="hn", drafts_at=at))
+        self.mtp_steps += 1
+        self._block_ahead = _BlockAhead(v, segs, at, time.perf_counter())
+
+    def _drafts_after_block(self, ba: _BlockAhead, segs: list[_Segment], accepted: dict[int, int]) -> None:
+        """The verify step behind which the block ran is collected: each drafting
+        sequence's first draft is the block's row at its last accepted position
+        (read back by _collect, left on the device at that row's draft word), and
+        its further drafts chain on that row's hidden state (mtp_hn), one step
+        for all per draft, as _mtp_step's."""
+        self._src, self._draft_words = {}, 0
+        self.blocks_ahead += 1
+        drafting = {id(s.job) for s in segs}     # (the sequences _mtp would have run: not done, in a slot)
+        jobs: list[Job] = []
+        rows: list[int] = []
+        for job, first, _, start, _ in ba.segs:
+            if id(job) not in drafting:
+                continue
+            n_acc = accepted[id(job.seq)]
+            job.drafts = []
+            job.mtp_at = start + n_acc + 2      # (the position its first draft is for)
+            jobs.append(job)
+            rows.append(first + n_acc)
+            self._src[id(job)] = [ba.at + first + n_acc]
+        # (the block is the oldest step in flight now: the verify step before it was collected, and so were
+        # the MTP steps before that)
+        self._pending.appendleft((jobs, sum(x[2] for x in ba.segs), ba.t0, rows))
+        want = {id(j): self._drafts_after(j, j.mtp_at - 1) for j in jobs}
+        chain, d = rows, 1
+        while True:
+            keep = [i for i, j in enumerate(jobs) if want[id(j)] > d]
+            if not keep:
+                return
+            jobs = [jobs[i] for i in keep]
+            self._submit([0] * len(keep), [j.mtp_at + d - 1 for j in jobs], [self._slot(j.seq) for j in jobs],
+                         range(len(keep)), Readback.ARGMAX,
+                         Pass(mtp=True, hidden="mtp_hn", drafts_at=self._words(jobs)), [chain[i] for i in keep],
+                         jobs, chain=[chain[i] for i in keep])
+            chain = list(range(len(keep)))
+            d += 1
+
     def _words(self, jobs: list[Job]) -> int:
         """Where an MTP step drafting for `jobs` (its output rows, in order)
         leaves their drafts on the device (Pass.drafts_at; self._src), or -1
@@ -537,14 +644,16 @@ class Speculator:
         while not e.has_room(pass_) and self._pending:   # (Engine.reserve_mtp: a turn's MTP steps all at once)
             self._collect()
         e.submit(tokens, positions, slots, out_rows, readback, pass_=pass_, hmap=hmap, chain=chain)
-        self._pending.append((jobs, len(tokens), time.perf_counter()))
+        self._pending.append((jobs, len(tokens), time.perf_counter(), None))
         self.mtp_steps += 1
 
     def _collect(self) -> None:
-        jobs, n, t0 = self._pending.popleft()
+        jobs, n, t0, pick = self._pending.popleft()
         got = self.e.collect()
         if self.r.metrics:
             self.r.metrics.step(n, time.perf_counter() - t0)
+        if got is not None and pick is not None:
+            got = [got[i] for i in pick]
         for j, t in zip(jobs, got if got is not None else ()):
             j.drafts.append(int(t))
 
