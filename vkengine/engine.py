@@ -343,19 +343,21 @@ class Engine:
         if not any(s.params >= self.n_main for s in self._inflight):
             self._next_mtp = 0
 
+    def _on_mtp_ring(self, pass_: Pass) -> bool:
+        """Whether a step of this pass takes the MTP ring (reserve_mtp) rather than the main one."""
+        return pass_.mtp and self.mtp_depth > 0
+
     def has_room(self, pass_: Pass = MAIN) -> bool:
         """Whether a step of this pass may be submitted now: fewer than
         max_in_flight main-model steps in flight (MTP steps among them where
         they have no ring of their own), or fewer than mtp_depth MTP steps."""
-        if pass_.mtp and self.mtp_depth:
+        if self._on_mtp_ring(pass_):
             return sum(s.params >= self.n_main for s in self._inflight) < self.mtp_depth
         return sum(s.params < self.n_main for s in self._inflight) < self.n_main
 
     def _next_buf(self, pass_: Pass) -> int:
         """The params buffer the next step of this pass takes."""
-        if pass_.mtp and self.mtp_depth:
-            return self.n_main + self._next_mtp
-        return self._next_params
+        return self.n_main + self._next_mtp if self._on_mtp_ring(pass_) else self._next_params
 
     @property
     def tiled_prompts(self) -> bool:
@@ -796,9 +798,9 @@ class Engine:
         (tokens, positions, slots, out_rows), the readback mode, the sampling
         rows and the chain."""
         if not self.has_room(pass_):
-            raise RuntimeError(f"{self.mtp_depth if pass_.mtp and self.mtp_depth else self.max_in_flight} "
-                               f"{'MTP ' if pass_.mtp and self.mtp_depth else ''}steps are already in flight: "
-                               "collect() one first")
+            ring = self._on_mtp_ring(pass_)
+            raise RuntimeError(f"{self.mtp_depth if ring else self.max_in_flight} {'MTP ' if ring else ''}steps are "
+                               "already in flight: collect() one first")
         if self._inflight and self._inflight[-1].masked and self._inflight[-1].pick is None:
             raise RuntimeError("the masked step in flight needs its masks first (submit_masks)")
         if readback & ~Readback.HIDDEN not in _READBACKS:

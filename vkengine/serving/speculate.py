@@ -137,7 +137,8 @@ def prepare_turns(engine: Engine, draft: int, defer: bool = False) -> int:
 class _BlockAhead:
     """An MTP block submitted behind a verify step ahead (Speculator._submit_block_ahead)."""
     verify: _Verify
-    segs: list[tuple]      # (job, its first row in the block, rows, its verify row's position, slot) a sequence
+    segs: list[tuple]      # (job, its first row in the block, its verify row's position) a sequence
+    rows: int
     at: int                # the draft word of the block's first row
     t0: float
 
@@ -178,8 +179,7 @@ class Speculator:
             raise VkEngineError(f"{e.model.name}: speculative decoding here rolls back a hybrid model's state")
         self.e, self.k, self.state = e, draft, e.kv
         # the MTP block submitted behind a verify step ahead (Options.mtp_block_ahead; _submit_block_ahead)
-        self.block_ahead_on = bool(getattr(getattr(getattr(e, "cfg", None), "options", None), "mtp_block_ahead",
-                                           False)) and getattr(e, "device_chains", False)
+        self.block_ahead_on = e.cfg.options.mtp_block_ahead and getattr(e, "device_chains", False)
         # a turn's MTP steps (the block and draft - 1 chained drafts) in flight at once, the next verify
         # step behind them (_verify), and with block_ahead_on the next block behind that
         e.reserve_mtp(draft + 1 if self.block_ahead_on else draft)
@@ -522,21 +522,28 @@ class Speculator:
             if s.draft:
                 s.job.drafts = []
                 s.job.mtp_at = s.start + len(s.tokens)     # the position its first draft is for
-        want = {id(j): self._drafts_after(j, j.mtp_at - 1) for j in jobs}
         self._submit(tokens, positions, slots, rows, Readback.ARGMAX if rows else Readback.NONE,
                      Pass(mtp=True, hidden=hidden, zero_first=step[0].zero_first, drafts_at=self._words(jobs)),
                      hmap, jobs)
+        self._chain_drafts(jobs, list(range(len(jobs))), rows)
+
+    def _chain_drafts(self, jobs: list[Job], outs: list[int], rows: list[int]) -> None:
+        """The further drafts of `jobs`, whose first drafts the MTP step just
+        submitted chose at its output rows outs[i] from its rows rows[i]: the
+        block at each draft's position with that draft (Engine.submit's chain)
+        and its own hidden state (mtp_hn), one step for all per draft."""
+        want = {id(j): self._drafts_after(j, j.mtp_at - 1) for j in jobs}
         d = 1
         while True:
-            keep = [i for i, j in enumerate(jobs) if want[id(j)] > d]   # (indices of the step before's outputs)
+            keep = [i for i, j in enumerate(jobs) if want[id(j)] > d]   # (indices into the step before's jobs)
             if not keep:
                 return
             jobs = [jobs[i] for i in keep]
             self._submit([0] * len(keep), [j.mtp_at + d - 1 for j in jobs], [self._slot(j.seq) for j in jobs],
                          range(len(keep)), Readback.ARGMAX,
                          Pass(mtp=True, hidden="mtp_hn", drafts_at=self._words(jobs)), [rows[i] for i in keep],
-                         jobs, chain=keep)
-            rows = list(range(len(keep)))
+                         jobs, chain=[outs[i] for i in keep])
+            outs = rows = list(range(len(keep)))
             d += 1
 
     def _submit_block_ahead(self, v: _Verify) -> None:
@@ -556,7 +563,7 @@ class Speculator:
         if not self.block_ahead_on or not v.readback.tokens or v.readback & Readback.LOGITS or \
                 any(w.seq.data.masked for w, *_ in v.plan):   # (a masked step's tokens come from its second program)
             return
-        segs: list[tuple[Job, int, int, int, int]] = []   # (job, its first row in the block, rows, start, slot)
+        segs: list[tuple[Job, int, int]] = []   # (job, its first row in the block, its verify row's position)
         tokens_rows: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -564,7 +571,7 @@ class Speculator:
             job = w.seq.data
             if not speculates or w.seq.slot is None:
                 continue
-            segs.append((job, len(tokens_rows), m + 1, w.start, self._slot(w.seq)))
+            segs.append((job, len(tokens_rows), w.start))
             tokens_rows += range(off, off + m + 1)
             positions += range(w.start + 1, w.start + m + 2)
             slots += [self._slot(w.seq)] * (m + 1)
@@ -582,20 +589,19 @@ class Speculator:
         e.submit([0] * n, positions, slots, range(n), Readback.ARGMAX, chain=tokens_rows, hmap=tokens_rows,
                  pass_=Pass(mtp=True, hidden="hn", drafts_at=at))
         self.mtp_steps += 1
-        self._block_ahead = _BlockAhead(v, segs, at, time.perf_counter())
+        self._block_ahead = _BlockAhead(v, segs, n, at, time.perf_counter())
 
     def _drafts_after_block(self, ba: _BlockAhead, segs: list[_Segment], accepted: dict[int, int]) -> None:
         """The verify step behind which the block ran is collected: each drafting
         sequence's first draft is the block's row at its last accepted position
         (read back by _collect, left on the device at that row's draft word), and
-        its further drafts chain on that row's hidden state (mtp_hn), one step
-        for all per draft, as _mtp_step's."""
+        its further drafts chain on that row's hidden state (_chain_drafts)."""
         self._src, self._draft_words = {}, 0
         self.blocks_ahead += 1
         drafting = {id(s.job) for s in segs}     # (the sequences _mtp would have run: not done, in a slot)
         jobs: list[Job] = []
         rows: list[int] = []
-        for job, first, _, start, _ in ba.segs:
+        for job, first, start in ba.segs:
             if id(job) not in drafting:
                 continue
             n_acc = accepted[id(job.seq)]
@@ -606,20 +612,8 @@ class Speculator:
             self._src[id(job)] = [ba.at + first + n_acc]
         # (the block is the oldest step in flight now: the verify step before it was collected, and so were
         # the MTP steps before that)
-        self._pending.appendleft((jobs, sum(x[2] for x in ba.segs), ba.t0, rows))
-        want = {id(j): self._drafts_after(j, j.mtp_at - 1) for j in jobs}
-        chain, d = rows, 1
-        while True:
-            keep = [i for i, j in enumerate(jobs) if want[id(j)] > d]
-            if not keep:
-                return
-            jobs = [jobs[i] for i in keep]
-            self._submit([0] * len(keep), [j.mtp_at + d - 1 for j in jobs], [self._slot(j.seq) for j in jobs],
-                         range(len(keep)), Readback.ARGMAX,
-                         Pass(mtp=True, hidden="mtp_hn", drafts_at=self._words(jobs)), [chain[i] for i in keep],
-                         jobs, chain=[chain[i] for i in keep])
-            chain = list(range(len(keep)))
-            d += 1
+        self._pending.appendleft((jobs, ba.rows, ba.t0, rows))
+        self._chain_drafts(jobs, rows, rows)   # (the block's output rows are all its rows)
 
     def _words(self, jobs: list[Job]) -> int:
         """Where an MTP step drafting for `jobs` (its output rows, in order)
