@@ -81,7 +81,14 @@ shared uint sh_pos[BR], sh_lo[BR], sh_slot[BR];
 shared uint sh_pass[6];
 
 #define SMAT coopmat<float, gl_ScopeWorkgroup, BR, BC, gl_MatrixUseAccumulator>
+// O_F16: O accumulated in halves (llama.cpp's flash_attn_cm2 keeps O as its FLOAT_TYPE,
+// halves, whatever the precision of S: half O's registers); OMAT32 for the end
+#ifdef O_F16
+#define OMAT coopmat<float16_t, gl_ScopeWorkgroup, BR, HD, gl_MatrixUseAccumulator>
+#else
 #define OMAT coopmat<float, gl_ScopeWorkgroup, BR, HD, gl_MatrixUseAccumulator>
+#endif
+#define OMAT32 coopmat<float, gl_ScopeWorkgroup, BR, HD, gl_MatrixUseAccumulator>
 #define NEG_INF (-1.0 / 0.0)
 #define M_INIT (-1.7014117e38)   // -FLT_MAX / 2: finite, so m_old - m is never NaN
 #define KQ_MAX_OFFSET (3.0 * 0.6931)
@@ -218,26 +225,35 @@ void main() {
             SMAT rowsum = SMAT(0.0);
             rowsum = coopMatMulAdd(pa, ones, rowsum);   // the row sums of P (as rounded to halves)
             l = em * l + rowsum;
-            OMAT emd;
+            OMAT32 emd;
             coopMatReduceNV(emd, em, gl_CooperativeMatrixReduceRowNV, smear_op);
+#ifdef O_F16
+            o *= OMAT(emd);
+#else
             o *= emd;
+#endif
             o = coopMatMulAdd(pa, v, o);
         }
     }
 
     tensorLayoutNV<2, gl_CooperativeMatrixClampModeConstantNV> tO =
         createTensorLayoutNV(2, gl_CooperativeMatrixClampModeConstantNV);
+#ifdef O_F16
+    OMAT32 of = OMAT32(o);
+#else
+    OMAT32 of = o;
+#endif
 #ifdef SPLIT
     // O, m and l of this part as they are (attention_merge.comp normalizes)
     uint rec = p.n_head * (HD + 2u);
     uint pbase = p.part_off + (gl_WorkGroupID.z * p.n_rows + row0) * rec + h * (HD + 2u);
     tO = setTensorLayoutDimensionNV(tO, p.n_rows - row0, HD);
     tO = setTensorLayoutStrideNV(tO, rec, 1);
-    coopMatStoreTensorNV(o, part, pbase, sliceTensorLayoutNV(tO, 0, BR, 0, HD));
+    coopMatStoreTensorNV(of, part, pbase, sliceTensorLayoutNV(tO, 0, BR, 0, HD));
     coopMatPerElementNV(m, m, store_col0, pbase, uint(HD));
     coopMatPerElementNV(l, l, store_col0, pbase, HD + 1u);
 #else
-    OMAT ld, md;
+    OMAT32 ld, md;
     coopMatReduceNV(ld, l, gl_CooperativeMatrixReduceRowNV, smear_op);
     if (p.sink_off != NONE) {
         coopMatReduceNV(md, m, gl_CooperativeMatrixReduceRowNV, smear_op);
@@ -246,9 +262,9 @@ void main() {
             ld[i] = ld[i] > 0.0 ? ld[i] + exp(sink - md[i]) : 0.0;
     }
     [[unroll]] for (uint i = 0; i < ld.length(); i++) ld[i] = ld[i] > 0.0 ? 1.0 / ld[i] : 0.0;
-    o = o * ld;
+    of = of * ld;
     tO = setTensorLayoutDimensionNV(tO, p.n_rows, p.o_stride);
     tO = setTensorLayoutStrideNV(tO, p.o_stride, 1);
-    coopMatStoreTensorNV(o, act, p.o_off, sliceTensorLayoutNV(tO, row0, BR, h * HD, HD));
+    coopMatStoreTensorNV(of, act, p.o_off, sliceTensorLayoutNV(tO, row0, BR, h * HD, HD));
 #endif
 }

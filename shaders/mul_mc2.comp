@@ -63,7 +63,14 @@ layout(push_constant) uniform P {
 layout(buffer_reference, std430, buffer_reference_align = 16) buffer QBlk { uint q[4]; };
 
 #define SC_BLKS (UNROLL * BK / 32)   // 32-value blocks of a row in a chunk
+#ifdef SC_F16
+// Q4_0 only: a block's scale d as a half (value = (q - 8) * d, in halves: the
+// same half as q * d - 8 * d in floats rounded once, both exact before it), a
+// quarter of the shared memory, so chunks of more slices (fewer barriers) fit
+shared float16_t sc_sh[BM * SC_BLKS];   // [r * SC_BLKS + block]
+#else
 shared vec2 sc_sh[BM * SC_BLKS];     // (d, m): value = q * d + m, [r * SC_BLKS + block]
+#endif
 uint sc_row0, sc_kb0;
 
 vec2 block_dm(uint blk) {
@@ -86,13 +93,22 @@ void stage_scales(uint row0, uint kb0, uint nb) {
     barrier();   // the previous chunk's loads are done with sc_sh
     for (uint i = gl_LocalInvocationID.x; i < BM * nb; i += 256u) {
         uint r = min(row0 + i / nb, p.M - 1u);
+#ifdef SC_F16
+        sc_sh[(i / nb) * SC_BLKS + i % nb] = float16_t(block_dm(r * (p.K / 32u) + kb0 + i % nb).x);
+#else
         sc_sh[(i / nb) * SC_BLKS + i % nb] = block_dm(r * (p.K / 32u) + kb0 + i % nb);
+#endif
     }
     barrier();
 }
 
 float16_t dequant(const in QBlk bl, const in uint blockCoords[2], const in uint coordInBlock[2]) {
     uint c = coordInBlock[1];
+#if defined(SC_F16)
+    float16_t d = sc_sh[(blockCoords[0] - sc_row0) * SC_BLKS + blockCoords[1] - sc_kb0];
+    uint q = (bl.q[(c & 15u) >> 2] >> (((c & 3u) << 3) + ((c & 16u) >> 2))) & 15u;
+    return (float16_t(q) - float16_t(8.0)) * d;
+#else
 #if defined(WT_Q8_0)
     vec2 dm = sc_sh[(blockCoords[0] - sc_row0) * SC_BLKS + (blockCoords[1] >> 1) - sc_kb0];
     float q = float(bitfieldExtract(int(bl.q[c >> 2]), int((c & 3u) << 3), 8));
@@ -101,6 +117,7 @@ float16_t dequant(const in QBlk bl, const in uint blockCoords[2], const in uint 
     float q = float((bl.q[(c & 15u) >> 2] >> (((c & 3u) << 3) + ((c & 16u) >> 2))) & 15u);
 #endif
     return float16_t(q * dm.x + dm.y);
+#endif
 }
 #define STAGE(row0, kb0, nb) stage_scales(row0, kb0, nb)
 #define LOAD_A(a, tA, row0, k0) coopMatLoadTensorNV(a, wblk, p.w_off / 4u, sliceTensorLayoutNV(tA, row0, BM, k0, BK), dequant)

@@ -127,6 +127,10 @@ MC2H_UNROLL = {(256, 256): 4, (128, 256): 4, (128, 128): 8, (64, 256): 4}
 # on 128 x 256 in place of 256 x 256 and on 128 x 256: notes.md run 37).
 # VKENGINE_MC2_BK=32 turns it off.
 MC2_K64 = {"types": ("q4_0",), "tiles": ((64, 256),)}
+# Q4_0's scales staged in shared memory as halves (SC_F16: a quarter of the
+# (d, m) pairs' bytes), in chunks of these many slices (fewer barriers a K
+# loop): Options.mc2_unroll picks one (0: the pairs, MC2H_UNROLL's chunks).
+MC2_SC_F16_UNROLLS = (4, 8, 16, 32)
 # Where the engine takes it: the matrices where it measured faster than mul_mc
 # (F16 and Q4_0 of 4096+ rows with fp16 sums; not Q8_0: notes.md runs 11 and
 # 13, "From code comments": MC2_ENGINE_TYPES).
@@ -216,6 +220,13 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
                     if tag == "h" and wt in MC2_K64["types"] and (bm, bn) in MC2_K64["tiles"]:
                         t[f"mul_mc2hk64_{bm}x{bn}_{wt}"] = ("mul_mc2.comp", {
                             **d, "BM": bm, "BN": bn, "UNROLL": unroll, **sums, "BK": 64, EXT_DEFINE: 1})
+                    # Q4_0's scales staged as halves, chunks of U slices (MC2_SC_F16_UNROLLS)
+                    if tag == "h" and wt == "q4_0":
+                        for u in MC2_SC_F16_UNROLLS:
+                            for k64 in ((False, True) if (bm, bn) in MC2_K64["tiles"] else (False,)):
+                                t[f"mul_mc2h{'k64' if k64 else ''}_u{u}_{bm}x{bn}_{wt}"] = ("mul_mc2.comp", {
+                                    **d, "BM": bm, "BN": bn, "UNROLL": u, **sums, "SC_F16": 1,
+                                    **({"BK": 64} if k64 else {}), EXT_DEFINE: 1})
         t[f"get_rows_{wt}"] = ("get_rows.comp", d)
         t[f"get_rows_p_{wt}"] = ("get_rows.comp", {**d, "ROW_PART": 1})   # a matrix split by rows
     for hd, (nsg, ds, bc) in ATTN_MC.items():
@@ -226,6 +237,9 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
     for hd, (br, bc) in ATTN_MC2.items():
         for sp, d in (("", {}), ("_split", {"SPLIT": 1})):
             t[f"attention_mc2_d{hd}{sp}"] = ("attention_mc2.comp", {"HD": hd, "BR": br, "BC": bc, EXT_DEFINE: 1, **d})
+            # O accumulated in halves (Options.attn_mc2_of16)
+            t[f"attention_mc2_d{hd}{sp}_of16"] = ("attention_mc2.comp", {"HD": hd, "BR": br, "BC": bc,
+                                                                        EXT_DEFINE: 1, "O_F16": 1, **d})
     t["attention_merge"] = ("attention_merge.comp", {})
     for op in ("rms_norm", "rope_kv", "attention", "swiglu", "add", "add_bias", "softmax", "argmax_part", "argmax",
                "copy", "topk_part", "sample", "softcap", "mask_logits",

@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from shaders.variants import MC2_K64, MC2_TYPES, MC2H_TILES, MC2H_UNROLL, WEIGHT_TYPES
+from shaders.variants import MC2_K64, MC2_SC_F16_UNROLLS, MC2_TYPES, MC2H_TILES, MC2H_UNROLL, WEIGHT_TYPES
 from vkengine.kernels import KVTypes, Region, device_has_coopmat2
 
 from . import kv_util
@@ -181,6 +181,10 @@ COOPMAT_SHAPES = [(3, 37, 96), (130, 131, 96), (200, 200, 2304)]
 COOPMAT_CASES = ([(wt, "mul_mc", *s) for wt in WEIGHT_TYPES for s in COOPMAT_SHAPES]
                  + [(wt, k, *s) for wt in MC2_TYPES for k in MC2_KERNELS for s in COOPMAT_SHAPES]
                  + [(wt, f"mul_mc2hk64_{bm}x{bn}", *s) for wt in MC2_K64["types"] for bm, bn in MC2_K64["tiles"]
+                    for s in COOPMAT_SHAPES + [(70, 300, 2240)]]
+                 # Q4_0's scales staged as halves in chunks of U slices (Options.mc2_unroll)
+                 + [("q4_0", f"mul_mc2h{k}_u{u}_{bm}x{bn}", *s) for u in MC2_SC_F16_UNROLLS
+                    for bm, bn in MC2H_UNROLL for k in ("", "k64")[:1 + ((bm, bn) in MC2_K64["tiles"])]
                     for s in COOPMAT_SHAPES + [(70, 300, 2240)]])
 
 
@@ -197,7 +201,8 @@ def test_mul_mat_coopmat(device, coopmat_kernels, ws, rng, wt, n, M, K, kernel):
     tiles = ((0, tuple(int(v) for v in kernel.split("_")[-1].split("x"))),) if f16acc else MC2H_TILES
     wgs, kmin = (1 << 30, 1024) if K > 1024 else (0, 512)
     kn = with_caps(coopmat_kernels, coopmat2=kernel != "mul_mc", mc2_types=MC2_TYPES, mc2_from_rows=0,
-                   split_k_wgs=wgs, split_k_min=kmin, mc2_f16acc=f16acc, mc2h_tiles=tiles, mc2_k64="k64" in kernel)
+                   split_k_wgs=wgs, split_k_min=kmin, mc2_f16acc=f16acc, mc2h_tiles=tiles, mc2_k64="k64" in kernel,
+                   mc2_unroll=int(kernel.split("_u")[1].split("_")[0]) if "_u" in kernel else 0)
     _check_mul_mat(device, kn, ws, rng, wt, n, M, max(K, 512) if wt in K_QUANTS else K, accumulate=n == 130)
 
 
@@ -1128,7 +1133,7 @@ _MC_CASES = [(64, 8, 2, False, "f16"), (128, 4, 1, True, "f16"), (128, 3, 3, Tru
 
 
 @pytest.mark.parametrize("hd,n_head,n_kv,grow,kv,form", [(*c, "mc") for c in _MC_CASES]
-                         + [(*c, "mc2") for c in _MC_CASES if c[4] == "f16"])
+                         + [(*c, f) for c in _MC_CASES if c[4] == "f16" for f in ("mc2", "mc2of16")])
 @pytest.mark.parametrize("parts", [1, 3, 16])
 def test_attention_coopmat(device, coopmat_kernels, ws, rng, hd, n_head, n_kv, grow, kv, form, parts):
     """attention_mc (cooperative matrices, prompt-sized steps): two prefill
@@ -1145,12 +1150,14 @@ def test_attention_coopmat(device, coopmat_kernels, ws, rng, hd, n_head, n_kv, g
     blocks across workgroups, then merged: attention_merge.comp), as prompt
     rows at depth take it; 16 leaves pieces that hold none of a row's
     positions. form mc2: attention_mc2.comp (NVIDIA's workgroup-scope
-    matrices, f16 caches; 64-row blocks, so all three slots share one)."""
-    kn = with_caps(coopmat_kernels, attention_mc2=form == "mc2")
-    if form == "mc2" and not device_has_coopmat2(device):
+    matrices, f16 caches; 64-row blocks, so all three slots share one);
+    mc2of16: the same with O accumulated in halves (twice the tolerance)."""
+    mc2 = form.startswith("mc2")
+    kn = with_caps(coopmat_kernels, attention_mc2=mc2, attn_mc2_of16=form == "mc2of16")
+    if mc2 and not device_has_coopmat2(device):
         pytest.skip("the device has no VK_NV_cooperative_matrix2 (attention_mc2: NVIDIA GPUs)")
     assert kn.attention_on_coopmat(62, hd)
-    assert kn.attention_on_coopmat2(62, hd) == (form == "mc2")
+    assert kn.attention_on_coopmat2(62, hd) == mc2
     slots = np.array([0] * 40 + [2, 2] + [1] * 20, np.uint32)
     pos = np.array(list(range(40)) + [99, 64] + list(range(50, 70)), np.uint32)
     types = KV_Q8.get(kv, KVTypes())
@@ -1168,7 +1175,8 @@ def test_attention_coopmat(device, coopmat_kernels, ws, rng, hd, n_head, n_kv, g
                  c.ss, ws.params, 0, 100, c.scale, n_ctx=ctx, kv_types=types, mc_parts=parts)
     assert any(op.label.endswith("_merge") for op in prog.ops) == (parts > 1)
     prog.run()
-    c.check(ws.read(c.orr), c.q.astype(np.float16).astype(np.float32), rtol=2e-3, atol_scale=2e-3)
+    tol = 4e-3 if form == "mc2of16" else 2e-3
+    c.check(ws.read(c.orr), c.q.astype(np.float16).astype(np.float32), rtol=tol, atol_scale=tol)
 
 
 @pytest.mark.parametrize("window,sink", [(0, False), (40, False), (0, True), (40, True)])

@@ -99,8 +99,11 @@ class Options:
     mc2_from_rows: int | None = None   # matrices of at least this many rows on mul_mc2 (None: the table's)
     mc2_bk: int = 64              # mul_mc2's slice depth with fp16 sums: 64 where it measured faster
                                   # (shaders/variants.py MC2_K64) and K allows, else 32
+    mc2_unroll: int = 0           # mul_mc2 (fp16 sums) of Q4_0: scales staged as halves in chunks of this many
+                                  # slices (shaders/variants.py MC2_SC_F16_UNROLLS); 0: as (d, m) pairs, MC2H_UNROLL's
     attn_mc: bool = True          # prompt attention on cooperative matrices (attention_mc.comp)
     attn_mc2: bool = True         # ... on NVIDIA's workgroup-scope matrices where it can (attention_mc2.comp)
+    attn_mc2_of16: bool = False   # ... its output accumulated in halves (llama.cpp's flash_attn_cm2 does)
     attn_mc_split: int = 1024     # prompt rows at depth: a step whose rows make fewer attention_mc workgroups
                                   # than this cuts each one's positions into parts (its split form, then a
                                   # merge) to reach it; 0: never (notes.md run 36)

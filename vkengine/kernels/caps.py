@@ -65,6 +65,7 @@ class Caps:
     mc2_f16acc: bool
     mc2_from_rows: int
     mc2_k64: bool                  # mul_mc2's 64-deep slices where they measured faster (MC2_K64)
+    mc2_unroll: int                # Q4_0 on mul_mc2h: scales as halves in chunks of this many slices (0: pairs)
     mc2h_tiles: tuple[tuple[int, tuple[int, int]], ...]   # (from rows, tile), widest first
     # split K of tiled matmuls whose tile grid has fewer workgroups than this
     # (a GPU runs ~100+ at once), parts of at least split_k_min columns; 0: off
@@ -86,6 +87,7 @@ class Caps:
     # prompt attention of f16 caches that do not wrap on NVIDIA's workgroup-scope
     # matrices (attention_mc2.comp) where the device has them (coopmat2)
     attention_mc2: bool = False
+    attn_mc2_of16: bool = False      # attention_mc2's O in halves (the "_of16" variants; Options.attn_mc2_of16)
     # prompt rows at depth on attention_mc: steps whose row blocks make fewer
     # workgroups than this take its split form (AttentionKernels.attn_mc_parts); 0: never
     attn_mc_split: int = 0
@@ -152,7 +154,7 @@ class Caps:
             mc2_types=MC2_ENGINE_TYPES, mc2_f16acc=options.mc2_f16acc,
             mc2_from_rows=(options.mc2_from_rows if options.mc2_from_rows is not None
                            else MC2_FROM_ROWS if options.mc2_f16acc else MC2_F32_FROM_ROWS),
-            mc2_k64=options.mc2_bk == 64,
+            mc2_k64=options.mc2_bk == 64, mc2_unroll=options.mc2_unroll,
             mc2h_tiles=MC2H_TILES, split_k_wgs=options.splitk_wgs, split_k_min=options.splitk_min,
             xq8=gpu and int_dot and options.xq8, norm_in=norm_in, xq8_in=norm_in and int_dot and options.xq8_in,
             delta_chunk_from=(options.delta_chunk if options.delta_chunk >= 0 else 64 if gpu else 0)
@@ -161,6 +163,7 @@ class Caps:
             expert_union=options.expert_union, mvid_unroll=options.mvid_unroll,
             mvid_splitk=gpu and options.mvid_splitk,
             attention_mc2=coopmat and options.attn_mc and options.attn_mc2 and device_has_coopmat2(device),
+            attn_mc2_of16=options.attn_mc2_of16,
             attention_mc=options.attn_mc,
             attention_mc_layouts=tuple((hd, nsg // ds) for hd, (nsg, ds, bc) in ATTN_MC.items()
                                        if attn_mc_shared_bytes(hd, nsg, bc) <= info.max_shared_memory))

@@ -10,6 +10,7 @@ import math
 from shaders.variants import (
     MATMUL_COLS,
     MC2_K64,
+    MC2_SC_F16_UNROLLS,
     MC2_TILES,
     MC2_TYPES,
     MC_TILE,
@@ -24,6 +25,7 @@ from shaders.variants import (
 )
 
 from ..device import Buffer, Program
+from ..errors import VkEngineError
 from .base import KernelBase
 from .types import (
     ConvOut,
@@ -192,6 +194,10 @@ class MatmulKernels(KernelBase):
         if (tag and self.caps.mc2_k64 and w.type in MC2_K64["types"] and (bm, bn) in MC2_K64["tiles"]
                 and w.cols % 64 == 0):
             tag += "k64"
+        if tag and self.caps.mc2_unroll and w.type == "q4_0":
+            if self.caps.mc2_unroll not in MC2_SC_F16_UNROLLS:
+                raise VkEngineError(f"VKENGINE_MC2_UNROLL={self.caps.mc2_unroll}: one of {MC2_SC_F16_UNROLLS} or 0")
+            tag += f"_u{self.caps.mc2_unroll}"
         return bm, bn, f"mul_mc2{tag}_{bm}x{bn}_{w.type}"
 
     def split_k_parts(self, groups: int, K: int, n: int, M: int) -> tuple[int, int]:
