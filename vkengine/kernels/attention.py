@@ -231,9 +231,9 @@ class AttentionKernels(KernelBase):
         if mc2:
             row_blocks = math.ceil(n_rows / ATTN_MC2[head_dim][0])   # BR rows of one head a workgroup
             parts = self.attn_mc_parts(row_blocks * n_head) if mc_parts is None else mc_parts
-            name = f"attention_mc2_d{head_dim}"
-            of16 = "_of16" if c.attn_mc2_of16 else ""
-            if self.device.is_slow((name + "_split" if parts > 1 else name) + of16):
+            # the split form where parts > 1; O in halves (Options.attn_mc2_of16)
+            name = f"attention_mc2_d{head_dim}{'_split' if parts > 1 else ''}{'_of16' if c.attn_mc2_of16 else ''}"
+            if self.device.is_slow(name):
                 # still compiling (Device.settle): the plain kernel meanwhile, not attention_mc, whose own
                 # pipeline a fresh NVIDIA driver built in 2.2-3.9 s, longer than attention_mc2's 0.9-1.7 s,
                 # while the start waited for it (notes.md run 45)
@@ -242,11 +242,10 @@ class AttentionKernels(KernelBase):
         if mc2:
             if parts > 1:
                 self._attention_mc_split(prog, pc, reads, out, n_rows, n_head, n_kv, head_dim, parts,
-                                         (row_blocks, n_head), act, kv, params, sb, sinks, label,
-                                         name + "_split" + of16)
+                                         (row_blocks, n_head), act, kv, params, sb, sinks, label, name)
                 return False
             push = self._push(name, **pc)
-            alg = self._alg_spec(name + of16, [act, act, params, kv, sb], (), push)
+            alg = self._alg_spec(name, [act, act, params, kv, sb], (), push)
             prog.dispatch(alg, push, (row_blocks, n_head, 1), reads, out, label)
             return False
         if self.attention_on_coopmat(n_rows, head_dim) and split is None and not stand_in:
