@@ -130,7 +130,9 @@ MC2_K64 = {"types": ("q4_0",), "tiles": ((64, 256),)}
 # Q4_0's scales staged in shared memory as halves (SC_F16: a quarter of the
 # (d, m) pairs' bytes), in chunks of these many slices (fewer barriers a K
 # loop): Options.mc2_unroll picks one (0: the pairs, MC2H_UNROLL's chunks).
-MC2_SC_F16_UNROLLS = (4, 8, 16, 32)
+# Chunks of 16 measured slower (H200, 8B pp512 step 72.2 against 58.3 ms) and
+# took minutes of the driver's compile; 16 and 32 are gone (notes.md run 49).
+MC2_SC_F16_UNROLLS = (4, 8)
 # Where the engine takes it: the matrices where it measured faster than mul_mc
 # (F16 and Q4_0 of 4096+ rows with fp16 sums; not Q8_0: notes.md runs 11 and
 # 13, "From code comments": MC2_ENGINE_TYPES).

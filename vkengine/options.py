@@ -103,7 +103,8 @@ class Options:
                                   # slices (shaders/variants.py MC2_SC_F16_UNROLLS); 0: as (d, m) pairs, MC2H_UNROLL's
     attn_mc: bool = True          # prompt attention on cooperative matrices (attention_mc.comp)
     attn_mc2: bool = True         # ... on NVIDIA's workgroup-scope matrices where it can (attention_mc2.comp)
-    attn_mc2_of16: bool = False   # ... its output accumulated in halves (llama.cpp's flash_attn_cm2 does)
+    attn_mc2_of16: bool = True    # ... its output accumulated in halves, as llama.cpp's flash_attn_cm2 (H200:
+                                  # 8B pp512 at depth 16k +4.8%, pp16384 +3.5%; qwen35 0.8B +12%, +13%; run 49)
     attn_mc_split: int = 1024     # prompt rows at depth: a step whose rows make fewer attention_mc workgroups
                                   # than this cuts each one's positions into parts (its split form, then a
                                   # merge) to reach it; 0: never (notes.md run 36)

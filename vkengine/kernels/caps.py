@@ -87,7 +87,7 @@ class Caps:
     # prompt attention of f16 caches that do not wrap on NVIDIA's workgroup-scope
     # matrices (attention_mc2.comp) where the device has them (coopmat2)
     attention_mc2: bool = False
-    attn_mc2_of16: bool = False      # attention_mc2's O in halves (the "_of16" variants; Options.attn_mc2_of16)
+    attn_mc2_of16: bool = True       # attention_mc2's O in halves (the "_of16" variants; Options.attn_mc2_of16)
     # prompt rows at depth on attention_mc: steps whose row blocks make fewer
     # workgroups than this take its split form (AttentionKernels.attn_mc_parts); 0: never
     attn_mc_split: int = 0
