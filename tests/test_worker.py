@@ -473,7 +473,12 @@ def test_bench_depth_continues_the_filled_context(device, tiny_model, qwen35_loa
 
 
 def test_bench_depth_cli_errors():
-    from vkengine.tools.bench import parse_depths
+    from vkengine.tools.bench import bench_ctx, parse_depths
+    # the context grows to fit depth or a long prompt unless --ctx is given (-p 16384 failed at 4096)
+    assert bench_ctx(None, [0], 512, 128) is None
+    assert bench_ctx(None, [0], 16384, 0) == 16384
+    assert bench_ctx(None, [0, 4096], 512, 128) == 4608
+    assert bench_ctx(2048, [0, 4096], 512, 128) == 2048
     assert parse_depths("0, 4096,16384") == [0, 4096, 16384]
     for bad in ("", "4k", "-1"):
         with pytest.raises(VkEngineError, match="--depth"):

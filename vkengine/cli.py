@@ -168,12 +168,11 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .tools.bench import bench_rows, parse_depths, parse_parallel, run_batched, run_bench, run_mtp_steps
+    from .tools.bench import bench_ctx, bench_rows, parse_depths, parse_parallel, run_batched, run_bench, run_mtp_steps
     parallel = parse_parallel(args.parallel)
     depths = parse_depths(args.depth)
     n_seq = max(parallel, default=1)
-    if args.ctx is None and max(depths):   # room for the deepest run (the default context may be shorter)
-        args.ctx = max(depths) + max(args.n_prompt, args.n_gen, 1)
+    args.ctx = bench_ctx(args.ctx, depths, args.n_prompt, args.n_gen)
     rows = max(bench_rows(args.n_prompt, n_seq, depths), args.draft + 1 if args.mtp else 0)
     model, dev, eng = _open(args, n_slots=n_seq, max_batch=rows, max_out=max(16, n_seq))
     if args.profile:

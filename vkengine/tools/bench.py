@@ -133,6 +133,16 @@ def run_batched(eng: Engine, n_seq: int, n_gen: int, reps: int = 3, seed: int = 
     return {"n_seq": n_seq, "n_gen": n_gen, "depth": depth, "step_ms": 1000 * s / n_gen, "tps": n_seq * n_gen / s}
 
 
+def bench_ctx(ctx: int | None, depths: list[int], n_prompt: int, n_gen: int) -> int | None:
+    """bench's --ctx: as given, else room for the deepest run where there is
+    depth or the run needs more than the engine's default context (4096 at
+    most: `bench -p 16384` fits without --ctx), else None (the default)."""
+    need = max(depths, default=0) + max(n_prompt, n_gen, 1)
+    if ctx is None and (max(depths, default=0) or need > 4096):
+        return need
+    return ctx
+
+
 def parse_depths(text: str) -> list[int]:
     """`--depth 0,4096` -> [0, 4096]: tokens already in the context (llama-bench's -d)."""
     try:
