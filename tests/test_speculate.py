@@ -247,13 +247,15 @@ def test_a_request_caps_its_drafts(device, accept_models):
 
 
 @pytest.mark.parametrize("arch", ARCHES)
-def test_verify_steps_follow_the_mtp_steps_on_the_device(device, accept_models, arch):
+@pytest.mark.parametrize("ahead", [False, True])
+def test_verify_steps_follow_the_mtp_steps_on_the_device(device, accept_models, arch, ahead):
     """A lone stream: every verify step after the first is submitted behind the
     MTP steps that draft it, reading their drafts on the device (Engine.submit's
     draft_rows; Speculator.ahead), and the tokens stay those of plain decoding;
-    a request arriving meanwhile joins at the next turn, and its tokens are its own."""
+    a request arriving meanwhile joins at the next turn, and its tokens are its own.
+    ahead: Options.mtp_block_ahead (the default), the next MTP block behind that verify step too."""
     m = load_model(accept_models[arch]["gguf"])
-    eng = _engine(device, m)
+    eng = _engine(device, m, options=Options(mtp_block_ahead=ahead))
     cfg = SchedulerConfig(n_slots=3, max_live=3, step_tokens=16)
     ids = m.tokenizer.encode(PROMPT)
     reqs = [GenRequest(ids, 25, ignore_eos=True)]
@@ -271,8 +273,10 @@ def test_verify_steps_follow_the_mtp_steps_on_the_device(device, accept_models, 
     assert got == want and jobs[0].accepted >= 0.9 * jobs[0].drafted > 0
     assert runner.spec.chained == runner.spec.steps - 1 > 0, (runner.spec.chained, runner.spec.steps)
     # the turn's MTP block and its 2 chained drafts on a ring of their own (Engine.reserve_mtp), the next
-    # verify step behind them: 4 steps in flight at once, past the hybrid state's max_in_flight of 2
-    assert eng.max_in_flight == 2 and eng.mtp_depth == 3 and max(seen) == 4, (eng.max_in_flight, max(seen))
+    # verify step behind them (and with the block ahead, the next block behind that): 4 (5) steps in flight
+    # at once, past the hybrid state's max_in_flight of 2
+    assert eng.max_in_flight == 2 and eng.mtp_depth == 3 + ahead and max(seen) == 4 + ahead, \
+        (eng.max_in_flight, eng.mtp_depth, max(seen))
     late = GenRequest(m.tokenizer.encode("def fib(n):"), 9, ignore_eos=True)
     want2, _, _ = _run(eng, cfg, [reqs[0], late], [0, 3])
     got2, _, runner = _run(eng, cfg, [reqs[0], late], [0, 3], draft=3)
@@ -355,15 +359,22 @@ def test_requests_ended_while_a_verify_step_is_ahead(device, accept_models, qwen
     assert [e.token for e in last if e.token is not None] == want[0][0][:12]
 
 
-def test_prepared_turns_leave_a_streams_turns_nothing_to_record(device, accept_models):
+@pytest.mark.parametrize("ahead", [False, True])
+def test_prepared_turns_leave_a_streams_turns_nothing_to_record(device, accept_models, ahead):
     """prepare_turns (`generate --mtp`; the server's idle time) records a lone
     stream's verify steps, MTP blocks and chained drafts ahead: the stream's
     turns then record nothing but its prompt's steps and its last turn's
-    shorter ones, and its tokens stay those of plain decoding."""
+    shorter ones, and its tokens stay those of plain decoding. ahead:
+    Options.mtp_block_ahead (the default), whose turns after the first run the
+    block over all 4 rows on any of the ring's 4 buffers, the first chained
+    draft from any of those rows, and verify steps reading any of them."""
     m = load_model(accept_models["qwen35moe"]["gguf"])
-    eng = _engine(device, m, n_slots=1, rows=4)
+    eng = _engine(device, m, n_slots=1, rows=4, options=Options(mtp_block_ahead=ahead))
     assert turn_keys(eng, 3) == []                 # (no MTP ring reserved yet)
-    assert prepare_turns(eng, 3) == len(turn_keys(eng, 3)) == 10 and prepare_turns(eng, 3) == 0
+    # 10 of the first turn's kind; ahead: verify steps (2 buffers) and first chained drafts (4) for each of
+    # 4 accepted counts, and the block and the second chained draft on each of the ring's 4 buffers
+    want = 10 + (4 * (2 + 4) + 4 * 2 if ahead else 0)
+    assert prepare_turns(eng, 3) == len(turn_keys(eng, 3)) == want and prepare_turns(eng, 3) == 0
     cfg = SchedulerConfig(n_slots=1, max_live=1, step_tokens=16)
     reqs = [GenRequest(m.tokenizer.encode(PROMPT), 30, ignore_eos=True)]
     want, _, _ = _run(eng, cfg, reqs, [0])

@@ -143,10 +143,10 @@ class Options:
                                   # 858 vs 737; 30B-A3B tg 210.7 vs 182.0; notes.md run 45)
     memory_mib: int = 0           # MiB of a device's memory an engine (or a split model's part) may fill (0: all):
                                   # a GPU shared with other work, or one standing in for a smaller card
-    mtp_block_ahead: bool = False # speculative turns: the MTP block submitted behind a verify step ahead, over all
-                                  # its rows (vkengine/serving/speculate.py, Speculator._submit_block_ahead);
-                                  # opt-in until measured on a GPU (bench --mtp's back-to-back turns say the most
-                                  # it can give)
+    mtp_block_ahead: bool = True  # speculative turns: the MTP block submitted behind a verify step ahead, over all
+                                  # its rows (vkengine/serving/speculate.py, Speculator._submit_block_ahead); H200,
+                                  # 35B-A3B, the server at C = 1 with 3 drafts: 473 / 478 tok/s against 455 / 462
+                                  # (notes.md run 49)
     poll_picks: bool = False      # a masked step's collect() watches host memory for its tokens before the
                                   # fence wait (bench/mask_bench.py --probe measures it; off until measured)
 

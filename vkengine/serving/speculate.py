@@ -91,6 +91,19 @@ def verify_rows(caps: Caps, n_slots: int, draft: int) -> int:
     return max(1, min(n_slots * (draft + 1), bound))
 
 
+def block_ahead_on(engine: Engine) -> bool:
+    """Whether speculative turns on this engine submit the MTP block behind the
+    verify step ahead (Options.mtp_block_ahead; Speculator._submit_block_ahead):
+    where steps chain on the device."""
+    return bool(engine.cfg.options.mtp_block_ahead and getattr(engine, "device_chains", False))
+
+
+def mtp_ring_depth(engine: Engine, draft: int) -> int:
+    """The MTP steps a turn keeps in flight (Engine.reserve_mtp): the block and
+    draft - 1 chained drafts, and with the block ahead the next block too."""
+    return draft + 1 if block_ahead_on(engine) else draft
+
+
 def turn_keys(engine: Engine, draft: int) -> list[tuple]:
     """The programs (Engine._program's arguments) of a lone greedy sequence's
     speculative turns with `draft` drafts, on an engine whose MTP steps have a
@@ -99,10 +112,15 @@ def turn_keys(engine: Engine, draft: int) -> list[tuple]:
     drafts from the host (a first turn) or on the device (a turn behind the MTP
     steps, Speculator.ahead); the MTP block over the 1..draft+1 positions a turn
     may accept, on the ring's first buffer, and its chained drafts on the next
-    ones (where a turn of `draft` MTP steps puts them). What other shapes meet
-    (several sequences, a reply's last turns) is recorded when first run."""
+    ones (where a turn of `draft` MTP steps puts them). With the block ahead
+    (block_ahead_on), the turns after the first also: the block over all k + 1
+    rows behind each verify step, its drafts in the top draft words, the first
+    chained draft from the row each acceptance count leaves, the next ones, and
+    the verify steps reading them, on every buffer of the ring (the block keeps
+    steps in flight, so the ring does not restart a turn). What other shapes
+    meet (several sequences, a reply's last turns) is recorded when first run."""
     e = engine
-    if not getattr(e, "mtp_depth", 0) or e.mtp_depth < draft or not e.args.last_part:
+    if not getattr(e, "mtp_depth", 0) or e.mtp_depth < mtp_ring_depth(e, draft) or not e.args.last_part:
         return []
     A, k = Readback.ARGMAX, draft
     verify = Pass(hidden_rows=True, snapshots=True)
@@ -114,6 +132,18 @@ def turn_keys(engine: Engine, draft: int) -> list[tuple]:
         keys.append((n, 1, A, e.n_main, (), Pass(mtp=True, hidden="hn", drafts_at=0)))
     for d in range(1, k):
         keys.append((1, 1, A, e.n_main + d, (0,), Pass(mtp=True, hidden="mtp_hn", drafts_at=d)))
+    if block_ahead_on(e):
+        at = e.layout.draft_words - (k + 1)     # (Speculator._submit_block_ahead's words for a lone sequence)
+        ring = range(e.n_main, e.n_main + e.mtp_depth)
+        for a in range(k + 1):   # (the drafts the turn before accepted)
+            for buf in range(e.n_main):
+                keys.append((k + 1, k + 1, A, buf, (-1, _DRAFTS + at + a, *range(_DRAFTS, _DRAFTS + k - 1)), verify))
+            for buf in ring:
+                keys.append((1, 1, A, buf, (a,), Pass(mtp=True, hidden="mtp_hn", drafts_at=0)))
+        for buf in ring:
+            keys.append((k + 1, k + 1, A, buf, tuple(range(k + 1)), Pass(mtp=True, hidden="hn", drafts_at=at)))
+            for d in range(1, k - 1):
+                keys.append((1, 1, A, buf, (0,), Pass(mtp=True, hidden="mtp_hn", drafts_at=d)))
     return keys
 
 
@@ -123,7 +153,7 @@ def prepare_turns(engine: Engine, draft: int, defer: bool = False) -> int:
     defer, leave them to the server's engine thread for its idle time
     (Engine.deferred, after prepare_decode's). Reserves the MTP steps' ring
     first (Engine.reserve_mtp). Returns how many were not recorded yet."""
-    engine.reserve_mtp(draft)
+    engine.reserve_mtp(mtp_ring_depth(engine, draft))
     todo = [k for k in turn_keys(engine, draft) if k not in engine._programs]
     if defer:
         engine.deferred.extend(todo)
@@ -179,10 +209,10 @@ class Speculator:
             raise VkEngineError(f"{e.model.name}: speculative decoding here rolls back a hybrid model's state")
         self.e, self.k, self.state = e, draft, e.kv
         # the MTP block submitted behind a verify step ahead (Options.mtp_block_ahead; _submit_block_ahead)
-        self.block_ahead_on = e.cfg.options.mtp_block_ahead and getattr(e, "device_chains", False)
+        self.block_ahead_on = block_ahead_on(e)
         # a turn's MTP steps (the block and draft - 1 chained drafts) in flight at once, the next verify
         # step behind them (_verify), and with block_ahead_on the next block behind that
-        e.reserve_mtp(draft + 1 if self.block_ahead_on else draft)
+        e.reserve_mtp(mtp_ring_depth(e, draft))
         self.rows = min(e.kv.snap_rows, e.max_out, e.exact_rows)
         if self.rows < 2:
             raise VkEngineError("the engine's state keeps no snapshot rows for verify steps: build it from model "
