@@ -19,6 +19,12 @@
 //  - W rows past M: the workgroups of the last row tile load through a clamped
 //    layout (2.5x slower loads, so only there); y goes out through a clamped,
 //    transposed view, which drops rows past M and tokens past N.
+// GLU: W is gate over up (M = 2F rows) and the tile's rows are BM/2 gate rows
+// and the same BM/2 up rows, two matrices multiplied against each slice of x;
+// y[c][i] = silu(gate[i] . x[c]) * (up[i] . x[c]) (as swiglu.comp's silu_mul),
+// written as halves in to_f16's layout (the next mul_mc2's x: rows of y_stride
+// halves, N its padded token count), so neither gate|up's floats, nor the
+// separate swiglu, nor the down projection's to_f16 are needed.
 // fp16 operands and fp32 sums, as mul_mc. Compiled by the newer glslc
 // (scripts/glslc-ext.sh); run where Kernels.coopmat2 says the device can.
 #extension GL_EXT_control_flow_attributes : require
@@ -36,6 +42,12 @@ layout(binding = 0) readonly restrict buffer Wb { uvec4 wblk[]; };
 layout(binding = 0) readonly restrict buffer Wh { float16_t wh[]; };
 layout(binding = 1) readonly restrict buffer Xh { float16_t xh[]; };
 layout(binding = 2) buffer Y { float act[]; };
+#ifdef GLU
+layout(binding = 2) buffer Yh { float16_t yh[]; };
+#define TM (BM / 2)         // a workgroup's gate rows (and as many up rows)
+#else
+#define TM BM
+#endif
 
 layout(push_constant) uniform P {
     uint w_off, w_off2;     // words
@@ -72,6 +84,9 @@ shared float16_t sc_sh[BM * SC_BLKS];   // [r * SC_BLKS + block]
 shared vec2 sc_sh[BM * SC_BLKS];     // (d, m): value = q * d + m, [r * SC_BLKS + block]
 #endif
 uint sc_row0, sc_kb0;
+#ifdef GLU
+uint sc_rowu;   // the up rows' first: staged after the gate rows, at TM
+#endif
 
 vec2 block_dm(uint blk) {
 #if defined(WT_Q4_1)
@@ -92,7 +107,12 @@ void stage_scales(uint row0, uint kb0, uint nb) {
     sc_kb0 = kb0;
     barrier();   // the previous chunk's loads are done with sc_sh
     for (uint i = gl_LocalInvocationID.x; i < BM * nb; i += 256u) {
+#ifdef GLU
+        uint ri = i / nb;
+        uint r = min(ri < TM ? row0 + ri : sc_rowu + ri - TM, p.M - 1u);
+#else
         uint r = min(row0 + i / nb, p.M - 1u);
+#endif
 #ifdef SC_F16
         sc_sh[(i / nb) * SC_BLKS + i % nb] = float16_t(block_dm(r * (p.K / 32u) + kb0 + i % nb).x);
 #else
@@ -102,38 +122,75 @@ void stage_scales(uint row0, uint kb0, uint nb) {
     barrier();
 }
 
-float16_t dequant(const in QBlk bl, const in uint blockCoords[2], const in uint coordInBlock[2]) {
-    uint c = coordInBlock[1];
+// one value of a block (blockCoords, coordInBlock) whose scales are staged at row SR of sc_sh
 #if defined(SC_F16)
-    float16_t d = sc_sh[(blockCoords[0] - sc_row0) * SC_BLKS + blockCoords[1] - sc_kb0];
-    uint q = (bl.q[(c & 15u) >> 2] >> (((c & 3u) << 3) + ((c & 16u) >> 2))) & 15u;
+#define DEQUANT_BODY(SR)                                                                   \
+    uint c = coordInBlock[1];                                                              \
+    float16_t d = sc_sh[(SR) * SC_BLKS + blockCoords[1] - sc_kb0];                         \
+    uint q = (bl.q[(c & 15u) >> 2] >> (((c & 3u) << 3) + ((c & 16u) >> 2))) & 15u;        \
     return (float16_t(q) - float16_t(8.0)) * d;
+#elif defined(WT_Q8_0)
+#define DEQUANT_BODY(SR)                                                                   \
+    uint c = coordInBlock[1];                                                              \
+    vec2 dm = sc_sh[(SR) * SC_BLKS + (blockCoords[1] >> 1) - sc_kb0];                      \
+    float q = float(bitfieldExtract(int(bl.q[c >> 2]), int((c & 3u) << 3), 8));            \
+    return float16_t(q * dm.x + dm.y);
 #else
-#if defined(WT_Q8_0)
-    vec2 dm = sc_sh[(blockCoords[0] - sc_row0) * SC_BLKS + (blockCoords[1] >> 1) - sc_kb0];
-    float q = float(bitfieldExtract(int(bl.q[c >> 2]), int((c & 3u) << 3), 8));
-#else
-    vec2 dm = sc_sh[(blockCoords[0] - sc_row0) * SC_BLKS + blockCoords[1] - sc_kb0];
-    float q = float((bl.q[(c & 15u) >> 2] >> (((c & 3u) << 3) + ((c & 16u) >> 2))) & 15u);
-#endif
+#define DEQUANT_BODY(SR)                                                                   \
+    uint c = coordInBlock[1];                                                              \
+    vec2 dm = sc_sh[(SR) * SC_BLKS + blockCoords[1] - sc_kb0];                             \
+    float q = float((bl.q[(c & 15u) >> 2] >> (((c & 3u) << 3) + ((c & 16u) >> 2))) & 15u); \
     return float16_t(q * dm.x + dm.y);
 #endif
+float16_t dequant(const in QBlk bl, const in uint blockCoords[2], const in uint coordInBlock[2]) {
+    DEQUANT_BODY(blockCoords[0] - sc_row0)
 }
+#ifdef GLU
+float16_t dequant_u(const in QBlk bl, const in uint blockCoords[2], const in uint coordInBlock[2]) {
+    DEQUANT_BODY(blockCoords[0] - sc_rowu + TM)
+}
+#define LOAD_AU(a, tA, row0, k0) coopMatLoadTensorNV(a, wblk, p.w_off / 4u, sliceTensorLayoutNV(tA, row0, TM, k0, BK), dequant_u)
+#endif
 #define STAGE(row0, kb0, nb) stage_scales(row0, kb0, nb)
-#define LOAD_A(a, tA, row0, k0) coopMatLoadTensorNV(a, wblk, p.w_off / 4u, sliceTensorLayoutNV(tA, row0, BM, k0, BK), dequant)
+#define LOAD_A(a, tA, row0, k0) coopMatLoadTensorNV(a, wblk, p.w_off / 4u, sliceTensorLayoutNV(tA, row0, TM, k0, BK), dequant)
 #else
 #define STAGE(row0, kb0, nb)
-#define LOAD_A(a, tA, row0, k0) coopMatLoadTensorNV(a, wh, (p.w_off * 2u) & ~7u, sliceTensorLayoutNV(tA, row0, BM, k0, BK))
+#define LOAD_A(a, tA, row0, k0) coopMatLoadTensorNV(a, wh, (p.w_off * 2u) & ~7u, sliceTensorLayoutNV(tA, row0, TM, k0, BK))
+#define LOAD_AU(a, tA, row0, k0) LOAD_A(a, tA, row0, k0)
 #endif
 
 // ACC_F16: fp16 sums (llama.cpp's f16acc matmuls, its default for quantized weights
 // on these devices), converted to fp32 for y
 #ifdef ACC_F16
-#define ACC coopmat<float16_t, gl_ScopeWorkgroup, BM, BN, gl_MatrixUseAccumulator>
+#define ACC coopmat<float16_t, gl_ScopeWorkgroup, TM, BN, gl_MatrixUseAccumulator>
 #else
-#define ACC coopmat<float, gl_ScopeWorkgroup, BM, BN, gl_MatrixUseAccumulator>
+#define ACC coopmat<float, gl_ScopeWorkgroup, TM, BN, gl_MatrixUseAccumulator>
 #endif
-#define ACC32 coopmat<float, gl_ScopeWorkgroup, BM, BN, gl_MatrixUseAccumulator>
+#define ACC32 coopmat<float, gl_ScopeWorkgroup, TM, BN, gl_MatrixUseAccumulator>
+
+// one slice: acc += A . B (GLU: the gate rows' A into acc, the up rows' into accu)
+#ifdef GLU
+#define SLICE(tA, row0, k0)                                                                \
+    {                                                                                      \
+        coopmat<float16_t, gl_ScopeWorkgroup, TM, BK, gl_MatrixUseA> a;                    \
+        coopmat<float16_t, gl_ScopeWorkgroup, TM, BK, gl_MatrixUseA> au;                   \
+        coopmat<float16_t, gl_ScopeWorkgroup, BK, BN, gl_MatrixUseB> b;                    \
+        LOAD_A(a, tA, row0, k0);                                                           \
+        LOAD_AU(au, tA, rowu, k0);                                                         \
+        coopMatLoadTensorNV(b, xh, x_off, sliceTensorLayoutNV(tB, col0, BN, k0, BK), tr);  \
+        acc = coopMatMulAdd(a, b, acc);                                                    \
+        accu = coopMatMulAdd(au, b, accu);                                                 \
+    }
+#else
+#define SLICE(tA, row0, k0)                                                                \
+    {                                                                                      \
+        coopmat<float16_t, gl_ScopeWorkgroup, TM, BK, gl_MatrixUseA> a;                    \
+        coopmat<float16_t, gl_ScopeWorkgroup, BK, BN, gl_MatrixUseB> b;                    \
+        LOAD_A(a, tA, row0, k0);                                                           \
+        coopMatLoadTensorNV(b, xh, x_off, sliceTensorLayoutNV(tB, col0, BN, k0, BK), tr);  \
+        acc = coopMatMulAdd(a, b, acc);                                                    \
+    }
+#endif
 
 // the K loop: whole chunks of UNROLL slices, then the remaining slices
 #define K_LOOP(tA)                                                                         \
@@ -142,30 +199,29 @@ float16_t dequant(const in QBlk bl, const in uint blockCoords[2], const in uint 
         for (; k0 + UNROLL * BK <= p.K; ) {                                                \
             STAGE(row0, k0 / 32u, SC_BLKS);                                                \
             [[unroll]] for (uint j = 0u; j < UNROLL; j++, k0 += BK) {                      \
-                coopmat<float16_t, gl_ScopeWorkgroup, BM, BK, gl_MatrixUseA> a;            \
-                coopmat<float16_t, gl_ScopeWorkgroup, BK, BN, gl_MatrixUseB> b;            \
-                LOAD_A(a, tA, row0, k0);                                                   \
-                coopMatLoadTensorNV(b, xh, x_off, sliceTensorLayoutNV(tB, col0, BN, k0, BK), tr); \
-                acc = coopMatMulAdd(a, b, acc);                                            \
+                SLICE(tA, row0, k0)                                                        \
             }                                                                              \
         }                                                                                  \
         if (k0 < p.K) {                                                                    \
             STAGE(row0, k0 / 32u, (p.K - k0) / 32u);                                       \
             for (; k0 < p.K; k0 += BK) {                                                   \
-                coopmat<float16_t, gl_ScopeWorkgroup, BM, BK, gl_MatrixUseA> a;            \
-                coopmat<float16_t, gl_ScopeWorkgroup, BK, BN, gl_MatrixUseB> b;            \
-                LOAD_A(a, tA, row0, k0);                                                   \
-                coopMatLoadTensorNV(b, xh, x_off, sliceTensorLayoutNV(tB, col0, BN, k0, BK), tr); \
-                acc = coopMatMulAdd(a, b, acc);                                            \
+                SLICE(tA, row0, k0)                                                        \
             }                                                                              \
         }                                                                                  \
     }
 
 void main() {
-    uint row0 = gl_WorkGroupID.x * BM;
+    uint row0 = gl_WorkGroupID.x * TM;
     uint col0 = gl_WorkGroupID.y * BN;
+#ifdef GLU
+    uint F = p.M / 2u;
+    uint rowu = F + row0;   // the up rows of the gate rows row0 ..
+#endif
 #if !defined(WT_F16)
     sc_row0 = row0;
+#ifdef GLU
+    sc_rowu = rowu;
+#endif
 #endif
     // strides and offsets rounded down to 8 halves: the compiler can then prove
     // the direct loads aligned (they are: Kernels.mul_mat lays them out so)
@@ -180,7 +236,12 @@ void main() {
     tD = setTensorLayoutStrideNV(tD, p.y_stride, 1);
 
     ACC acc = ACC(0.0);
+#ifdef GLU
+    ACC accu = ACC(0.0);
+    if (rowu + TM <= p.M) {   // (gate rows past F read up rows: their outputs are dropped below)
+#else
     if (row0 + BM <= p.M) {
+#endif
         tensorLayoutNV<2> tA = createTensorLayoutNV(2);
 #if QBLOCK > 1
         tA = setTensorLayoutBlockSizeNV(tA, 1, QBLOCK);
@@ -203,13 +264,36 @@ void main() {
     // as llama.cpp's f16acc matmuls: overflowed sums clamp to the largest half
     [[unroll]] for (uint i = 0; i < acc.length(); ++i) acc[i] = clamp(acc[i], float16_t(-65504.0), float16_t(65504.0));
     ACC32 res = ACC32(acc);
+#ifdef GLU
+    [[unroll]] for (uint i = 0; i < accu.length(); ++i) accu[i] = clamp(accu[i], float16_t(-65504.0), float16_t(65504.0));
+    ACC32 resu = ACC32(accu);
+#endif
 #else
     ACC32 res = acc;
+#ifdef GLU
+    ACC32 resu = accu;
 #endif
+#endif
+#ifdef GLU
+    // silu(g) * u as common.glsl's silu_mul (not contracted), then halves for the next matmul's x
+    [[unroll]] for (uint i = 0; i < res.length(); ++i) {
+        float g = res[i];
+        precise float r = g / (1.0 + exp(-g)) * resu[i];
+        res[i] = r;
+    }
+    coopmat<float16_t, gl_ScopeWorkgroup, TM, BN, gl_MatrixUseAccumulator> rh =
+        coopmat<float16_t, gl_ScopeWorkgroup, TM, BN, gl_MatrixUseAccumulator>(res);
+    tensorLayoutNV<2, gl_CooperativeMatrixClampModeConstantNV> tH =
+        createTensorLayoutNV(2, gl_CooperativeMatrixClampModeConstantNV);
+    tH = setTensorLayoutDimensionNV(tH, p.N, F);
+    tH = setTensorLayoutStrideNV(tH, p.y_stride, 1);
+    coopMatStoreTensorNV(rh, yh, p.y_off, sliceTensorLayoutNV(tH, col0, BN, row0, TM), tr);
+#else
     if (p.accumulate != 0u) {
         ACC32 old;
         coopMatLoadTensorNV(old, act, p.y_off, sliceTensorLayoutNV(tD, col0, BN, row0, BM), tr);
         res = old + res;
     }
     coopMatStoreTensorNV(res, act, p.y_off, sliceTensorLayoutNV(tD, col0, BN, row0, BM), tr);
+#endif
 }

@@ -133,6 +133,11 @@ MC2_K64 = {"types": ("q4_0",), "tiles": ((64, 256),)}
 # Chunks of 16 measured slower (H200, 8B pp512 step 72.2 against 58.3 ms) and
 # took minutes of the driver's compile; 16 and 32 are gone (notes.md run 49).
 MC2_SC_F16_UNROLLS = (4, 8)
+# gate|up with the SwiGLU in mul_mc2h's epilogue, written as halves for the
+# down projection (GLU; Options.mc2_glu): the tiles it has (BM/2 gate rows and
+# as many up rows) and the weight types
+MC2_GLU_TILES = ((256, 256), (128, 256))
+MC2_GLU_TYPES = ("f16", "q4_0")
 # Where the engine takes it: the matrices where it measured faster than mul_mc
 # (F16 and Q4_0 of 4096+ rows with fp16 sums; not Q8_0: notes.md runs 11 and
 # 13, "From code comments": MC2_ENGINE_TYPES).
@@ -222,6 +227,9 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
                     if tag == "h" and wt in MC2_K64["types"] and (bm, bn) in MC2_K64["tiles"]:
                         t[f"mul_mc2hk64_{bm}x{bn}_{wt}"] = ("mul_mc2.comp", {
                             **d, "BM": bm, "BN": bn, "UNROLL": unroll, **sums, "BK": 64, EXT_DEFINE: 1})
+                    if tag == "h" and wt in MC2_GLU_TYPES and (bm, bn) in MC2_GLU_TILES:
+                        t[f"mul_mc2hg_{bm}x{bn}_{wt}"] = ("mul_mc2.comp", {**d, "BM": bm, "BN": bn, "UNROLL": unroll,
+                                                                          **sums, "GLU": 1, EXT_DEFINE: 1})
                     # Q4_0's scales staged as halves, chunks of U slices (MC2_SC_F16_UNROLLS)
                     if tag == "h" and wt == "q4_0":
                         for u in MC2_SC_F16_UNROLLS:

@@ -10,7 +10,16 @@ import math
 import numpy as np
 import pytest
 
-from shaders.variants import MC2_K64, MC2_SC_F16_UNROLLS, MC2_TYPES, MC2H_TILES, MC2H_UNROLL, WEIGHT_TYPES
+from shaders.variants import (
+    MC2_GLU_TILES,
+    MC2_GLU_TYPES,
+    MC2_K64,
+    MC2_SC_F16_UNROLLS,
+    MC2_TYPES,
+    MC2H_TILES,
+    MC2H_UNROLL,
+    WEIGHT_TYPES,
+)
 from vkengine.kernels import KVTypes, Region, device_has_coopmat2
 
 from . import kv_util
@@ -204,6 +213,58 @@ def test_mul_mat_coopmat(device, coopmat_kernels, ws, rng, wt, n, M, K, kernel):
                    split_k_wgs=wgs, split_k_min=kmin, mc2_f16acc=f16acc, mc2h_tiles=tiles, mc2_k64="k64" in kernel,
                    mc2_unroll=int(kernel.split("_u")[1].split("_")[0]) if "_u" in kernel else 0)
     _check_mul_mat(device, kn, ws, rng, wt, n, M, max(K, 512) if wt in K_QUANTS else K, accumulate=n == 130)
+
+
+@pytest.mark.parametrize("wt", MC2_GLU_TYPES)
+@pytest.mark.parametrize("tile", MC2_GLU_TILES)
+@pytest.mark.parametrize("n,F,K", [(3, 200, 96), (130, 264, 2304)])
+def test_mul_mat_glu_halves(device, coopmat_kernels, ws, rng, wt, tile, n, F, K):
+    """Caps.mc2_glu: gate|up (gate over up, 2F rows) with the SwiGLU in
+    mul_mc2's epilogue, written as halves for the down projection: each half
+    within fp16 sums' bound of numpy's silu(g) * u, zeros in the rows padded to
+    the token tile; the down projection reading those halves (mul_mat's
+    x_halves) within its own bound of numpy's product of them. F past a whole
+    number of gate-row tiles (200 on 128 or 64 rows: the clamped loads) and
+    tokens past a tile (3, 130)."""
+    if not device_has_coopmat2(device):
+        pytest.skip("mul_mc2: VK_NV_cooperative_matrix2 devices")
+    kn = with_caps(coopmat_kernels, coopmat2=True, mc2_types=MC2_TYPES, mc2_from_rows=0, mc2_f16acc=True,
+                   mc2h_tiles=((0, tile),), mc2_k64=False, mc2_unroll=0, mc2_glu=True)
+    raw, w = random_quantized(wt, 2 * F, K, rng)
+    gu = upload_matrix(ws, wt, raw, 2 * F, K)
+    M = 70
+    raw_d, wd = random_quantized("f16", M, F, rng)
+    down = upload_matrix(ws, "f16", raw_d, M, F)
+    assert kn.glu_halves(gu, down, n)
+    x = rng.standard_normal((n, K)).astype(np.float32)
+    xs, ys = K + 4, M + 3
+    xr = ws.act_region(n * xs, np.pad(x, ((0, 0), (0, 4))))
+    yr = ws.act_region(n * ys, np.full((n, ys), np.nan, np.float32))
+    prog = device.program()
+    h = kn.mul_mat_glu_halves(prog, gu, xr, xs, n)
+    kn.mul_mat(prog, down, xr, xs, yr, ys, n, x_halves=h)   # (x's floats unread: the halves stand for them)
+    prog.run()
+    assert h.n == n and h.n_pad % tile[1] == 0 and h.n_pad >= n and h.stride == F
+    got = device.download(h.buf, 0, h.n_pad * F * 2, np.uint8).view(np.float16).reshape(h.n_pad, F)
+    xh = x.astype(np.float16).astype(np.float64)
+    wh = w.astype(np.float16).astype(np.float64)
+    g, u = xh @ wh[:F].T, xh @ wh[F:].T
+    # fp16 sums: one half-ulp rounding of each operand, at most one a 16-deep k step (as _check_mul_mat)
+    bg = 2.0 ** -10 * (np.abs(xh) @ np.abs(wh[:F]).T) * (1 + math.ceil(K / 16))
+    bu = 2.0 ** -10 * (np.abs(xh) @ np.abs(wh[F:]).T) * (1 + math.ceil(K / 16))
+    sig = 1 / (1 + np.exp(-g))
+    want = g * sig * u
+    # |d silu(g)| <= 1.1 |dg|; then the product, and its rounding to a half (half an ulp)
+    bound = 1.1 * bg * (np.abs(u) + bu) + np.abs(g * sig) * bu + 2.0 ** -11 * np.abs(want) + 1e-6
+    assert (np.abs(got[:n].astype(np.float64) - want) <= bound).all()
+    assert (got[n:] == 0).all(), "rows past n: zeros (the padded tokens' x)"
+    y = ws.read(yr).reshape(n, ys)
+    wdh = wd.astype(np.float16).astype(np.float64)
+    hd = got[:n].astype(np.float64)
+    want_y = hd @ wdh.T
+    bound_y = 2.0 ** -10 * (np.abs(hd) @ np.abs(wdh).T) * (1 + math.ceil(F / 16)) + 1e-5
+    assert (np.abs(y[:, :M] - want_y) <= bound_y).all()
+    assert np.isnan(y[:, M:]).all()
 
 
 @pytest.mark.parametrize("n,cols,n_pad", [(3, 96, 128), (130, 100, 256)])

@@ -268,6 +268,27 @@ def test_tiled_prefill_with_split_k(device, tiny_models, monkeypatch):
         _assert_logits_close(got, RefLlama(m.file, m.args).logits(ids))
 
 
+def test_prefill_swiglu_as_halves(device, tiny_models):
+    """Caps.mc2_glu (VK_NV_cooperative_matrix2 devices): a prompt's gate|up with
+    the SwiGLU in mul_mc2's epilogue, written as halves straight into the down
+    projection's x: taken in every layer (no swiglu or gate|up floats), and the
+    logits match the numpy reference and the path without it."""
+    from vkengine.kernels import device_has_coopmat2
+    if not device_has_coopmat2(device):
+        pytest.skip("mul_mc2: VK_NV_cooperative_matrix2 devices")
+    caps = {"tiled_from": 2, "coopmat2": True, "mc2_types": ("f16", "q4_0"), "mc2_from_rows": 0, "mc2_f16acc": True}
+    m, eng = _engine(device, tiny_models["f16"]["gguf"], caps={**caps, "mc2_glu": True})
+    ids = m.tokenizer.encode(PROMPT)
+    got = _prefill_logits(eng, ids)
+    key = next(k for k in eng._programs if k[0] >= len(ids))
+    labels = [op.label for op in eng._programs[key].ops if op.kind == "dispatch"]
+    assert sum("(halves)" in lb for lb in labels) == 2 * m.args.n_layer, labels   # gate|up's and down's
+    assert not any(lb.startswith("swiglu") for lb in labels), labels
+    _assert_logits_close(got, RefLlama(m.file, m.args).logits(ids))
+    _m, plain = _engine(device, tiny_models["f16"]["gguf"], caps=caps)
+    _assert_logits_close(got, _prefill_logits(plain, ids))
+
+
 def test_step_rows_buckets(device, tiny_models):
     """GPUs: steps of more than 8 rows run as buckets of 8 rows (16 past 64, 64
     past 128), at most max_batch, never crossing a row count where the step's

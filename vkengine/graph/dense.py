@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..kernels import Matrix, NormIn, NormParts, Q8Out, Region, RopeOut
+from ..kernels import Halves, Matrix, NormIn, NormParts, Q8Out, Region, RopeOut
 from .core import GraphBase
 
 
@@ -24,13 +24,15 @@ class DenseOps(GraphBase):
                         self.pl.out_rows if gather else None)
 
     def matmul(self, w: Matrix, x: str, out: str, accumulate: bool = False, col: int = 0,
-               no_epilogues: bool = False, norm_in: NormIn | None = None) -> None:
+               no_epilogues: bool = False, norm_in: NormIn | None = None, x_halves: Halves | None = None) -> None:
         """out[r][col : col + w.rows] (+)= w @ x[r]; no_epilogues: w never takes
         a fused norm or RoPE (Kernels.mul_mat: the XQ8 matvecs may take it);
-        norm_in: x is an h' of residual_norm, which returned this"""
+        norm_in: x is an h' of residual_norm, which returned this; x_halves: x
+        is only there, as halves (gate_up_swiglu's, which returned them)"""
         self.k.mul_mat(self.p, w, self.s.region(x), self.s.stride(x), self.s.region(out, col), self.s.stride(out),
-                       self._rows(x), accumulate, label=f"mul_mat {out}<-{x}" + ("+rms_norm" if norm_in else ""),
-                       no_epilogues=no_epilogues, norm_in=self._plain(norm_in))
+                       self._rows(x), accumulate, label=f"mul_mat {out}<-{x}" + ("+rms_norm" if norm_in else "")
+                       + ("(halves)" if x_halves is not None else ""),
+                       no_epilogues=no_epilogues, norm_in=self._plain(norm_in), x_halves=x_halves)
 
     @staticmethod
     def _plain(norm_in: NormIn | None) -> NormIn | None:
@@ -38,7 +40,8 @@ class DenseOps(GraphBase):
         return NormIn(norm_in.slots, norm_in.eps) if norm_in is not None else None
 
     def residual_norm(self, w: Matrix, x: str, out: str, norm_w: Region, h: str,
-                      readers: list[list[tuple[Matrix, int]]], glu_reader: bool = False) -> NormIn | None:
+                      readers: list[list[tuple[Matrix, int]]], glu_reader: bool = False,
+                      x_halves: Halves | None = None) -> NormIn | None:
         """out[r] += w @ x[r] (the residual stream), then the RMSNorm of out
         (weight norm_w) into h for the matrices `readers` (their pieces). Where
         this matvec and all of them can (decode-sized steps on GPUs: Kernels.
@@ -47,9 +50,12 @@ class DenseOps(GraphBase):
         the readers as norm_in; where the only reader is a gate|up with the
         SwiGLU (glu_reader: gate_up_swiglu) that takes h' as 8-bit blocks
         (Kernels.takes_q8_in) the producer writes those too (in `norm_q8`).
-        Else matmul_norm, and None: h is the norm."""
+        Else matmul_norm, and None: h is the norm. x_halves: as matmul's (a
+        prompt step's: the matvecs' split norm never meets it)."""
         n = self._rows(x)
         parts = self._norm_parts(w, x, out, norm_w, h, readers)
+        if parts is not None and x_halves is not None:
+            raise ValueError("residual_norm: x as halves is a tiled matmul's, which splits no norm")
         if parts is not None:
             q8 = self._q8_out(w.rows)
             if not (q8 is not None and glu_reader and len(readers) == 1 and len(readers[0]) == 1
@@ -60,7 +66,7 @@ class DenseOps(GraphBase):
                            norm_parts=replace(parts, q8=q8),
                            label=f"mul_mat {out}<-{x}+rms_norm_parts" + ("+q8" if q8 else ""))
             return NormIn(parts.slots, self.eps, q8)
-        self.matmul_norm(w, x, out, norm_w, h)
+        self.matmul_norm(w, x, out, norm_w, h, x_halves=x_halves)
         return None
 
     def splits_norm(self, w: Matrix, x: str, out: str, norm_w: Region, h: str,
@@ -106,13 +112,20 @@ class DenseOps(GraphBase):
         return Q8Out(Region(self.s.buf, base, mr * rows // 4), q2, d, d + mr * rows // 32, sync)
 
     def matmul_norm(self, w: Matrix, x: str, out: str, norm_w: Region, h: str, bias: Region | None = None,
-                    tmp: str = "") -> None:
+                    tmp: str = "", x_halves: Halves | None = None) -> None:
         """out[r] += w @ x[r] (the residual stream), then h[r] = rms_norm(out[r])
         * norm_w: one dispatch where the matvec can take the norm (decode-sized
         steps on GPUs, kernels.fuses_norm), else matmul and rms_norm. bias: out[r]
         += (w @ x[r] + bias), in the matvec too where it can (fuses_bias), else
-        through `tmp` (matmul, add_bias, add: the same sums)."""
+        through `tmp` (matmul, add_bias, add: the same sums). x_halves: as
+        matmul's (no bias then)."""
         n = self._rows(x)
+        if x_halves is not None:   # (a tiled matmul: no fused norm)
+            if bias is not None:
+                raise ValueError("matmul_norm: x as halves with a bias")
+            self.matmul(w, x, out, accumulate=True, x_halves=x_halves)
+            self.rms_norm(out, norm_w, h)
+            return
         norm = self._norm_out(norm_w, h)
         if norm is not None and self.k.fuses_norm(w, n, self.s.region(out), self.s.stride(out), norm) and \
                 (bias is None or self.k.fuses_bias(w, n)):
@@ -207,22 +220,29 @@ class DenseOps(GraphBase):
                                 ring=self.kv.ring(layer), sinks=sinks, gate=g)
 
     def gate_up_swiglu(self, pieces: list[tuple[Matrix, int]], x: str, gu: str, out: str,
-                       norm_in: NormIn | None = None) -> None:
+                       norm_in: NormIn | None = None, down: Matrix | None = None) -> Halves | None:
         """out[r] = silu(gate @ x[r]) * (up @ x[r]) for the gate|up matrix (or its
         pieces at their columns of gu): one dispatch where the matvec can take the
         SwiGLU (decode-sized steps on GPUs, kernels.fuses_glu), else the matmuls
         into gu and a swiglu. norm_in: as in qkv_rope (with 8-bit blocks of h':
-        the XQ8 variants take those)."""
+        the XQ8 variants take those). down: out's only reader, the down
+        projection: where the prompt step's tiled matmul can give it the product
+        as halves (Kernels.glu_halves) it does, out is not written, and the
+        halves are returned for down's matmul (x_halves); else None."""
         n = self._rows(x)
+        if down is not None and len(pieces) == 1 and norm_in is None and self.k.glu_halves(pieces[0][0], down, n):
+            return self.k.mul_mat_glu_halves(self.p, pieces[0][0], self.s.region(x), self.s.stride(x), n,
+                                             label=f"mul_mat {gu}+swiglu<-{x} (halves)")
         if len(pieces) == 1 and self.k.fuses_glu(pieces[0][0], n):
             q8 = norm_in is not None and norm_in.q8 is not None
             self.k.mul_mat(self.p, pieces[0][0], self.s.region(x), self.s.stride(x), self.s.region(out),
                            self.s.stride(out), n, glu=True, norm_in=norm_in,
                            label=f"mul_mat {gu}+swiglu<-{x}" + ("+rms_norm" if norm_in else "") + ("+q8" if q8 else ""))
-            return
+            return None
         for m, col in pieces:
             self.matmul(m, x, gu, col=col, norm_in=norm_in)
         self.swiglu(gu, out)
+        return None
 
     def swiglu(self, gu: str, out: str, gelu: bool = False) -> None:
         """out[r][i] = silu(gu[r][i]) * gu[r][F + i] (gelu: GELU for silu)"""

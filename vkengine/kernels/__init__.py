@@ -24,6 +24,7 @@ from .norm import NormKernels
 from .sample import SampleKernels
 from .types import (
     ConvOut,
+    Halves,
     KVTypes,
     Matrix,
     NormIn,
@@ -40,8 +41,8 @@ from .types import (
 if TYPE_CHECKING:
     from ..device import Device
 
-__all__ = ["Caps", "ConvOut", "KVTypes", "Kernels", "Matrix", "NormIn", "NormOut", "NormParts", "Q8Out", "Region",
-           "RopeOut", "RouteOut", "device_has_coopmat2", "q8_words", "rows_range"]
+__all__ = ["Caps", "ConvOut", "Halves", "KVTypes", "Kernels", "Matrix", "NormIn", "NormOut", "NormParts", "Q8Out",
+           "Region", "RopeOut", "RouteOut", "device_has_coopmat2", "q8_words", "rows_range"]
 
 
 class Kernels(MatmulKernels, AttentionKernels, DeltaRuleKernels, NormKernels, ElementwiseKernels, SampleKernels,

@@ -22,6 +22,7 @@ class KernelBase:
         # scratch buffers of the matmuls (_scratch): mul_mc2's halves of x, split
         # K's partial sums, XQ8's 8-bit x; the last of each list is the largest
         self._x16: list[Buffer] = []
+        self._x16g: list[Buffer] = []   # gate|up's SwiGLU as halves for the down projection (mul_mat_glu_halves)
         self._parts: list[Buffer] = []
         self._xq: list[Buffer] = []
         self._dr: list[Buffer] = []    # the chunked delta rule's G, W, U and Aqk (delta_rule.py)
@@ -63,7 +64,7 @@ class KernelBase:
 
     def scratch_buffers(self) -> list[Buffer]:
         """The matmuls' scratch buffers allocated so far (the owner frees them)."""
-        return [*self._x16, *self._parts, *self._xq, *self._dr, *self._amc]
+        return [*self._x16, *self._x16g, *self._parts, *self._xq, *self._dr, *self._amc]
 
     def _scratch(self, bufs: list[Buffer], words: int, name: str) -> Buffer:
         """The last of `bufs`, or a new device buffer of at least `words` words

@@ -9,6 +9,8 @@ import math
 
 from shaders.variants import (
     MATMUL_COLS,
+    MC2_GLU_TILES,
+    MC2_GLU_TYPES,
     MC2_K64,
     MC2_SC_F16_UNROLLS,
     MC2_TILES,
@@ -29,6 +31,7 @@ from ..errors import VkEngineError
 from .base import KernelBase
 from .types import (
     ConvOut,
+    Halves,
     Matrix,
     NormIn,
     NormOut,
@@ -200,6 +203,49 @@ class MatmulKernels(KernelBase):
             tag += f"_u{self.caps.mc2_unroll}"
         return bm, bn, f"mul_mc2{tag}_{bm}x{bn}_{w.type}"
 
+    def glu_halves(self, gu: Matrix, down: Matrix, n: int) -> bool:
+        """Whether n rows of gate|up (gate over up, 2F rows) with the SwiGLU can
+        go out as halves straight into the down projection's x
+        (mul_mat_glu_halves, then mul_mat with x_halves): Caps.mc2_glu, both on
+        mul_mc2 with fp16 sums for these rows, a GLU tile for gate|up
+        (MC2_GLU_TILES) whose tokens are as wide as down's, F a multiple of 8,
+        and neither pipeline still compiling."""
+        c = self.caps
+        if not (c.mc2_glu and c.mc2_f16acc and gu.type in MC2_GLU_TYPES and not gu.parts and not down.parts
+                and gu.rows % 16 == 0 and down.cols == gu.rows // 2 and self.tiled(gu, n) and self.tiled(down, n)
+                and self.on_coopmat2(gu) and self.on_coopmat2(down)):
+            return False
+        bm, bn, _ = self.mc2_variant(gu)
+        _, bn_down, v_down = self.mc2_variant(down)
+        return ((bm, bn) in MC2_GLU_TILES and bn_down == bn and not self.device.is_slow(self._glu_variant(gu))
+                and not self.device.is_slow(v_down))
+
+    def _glu_variant(self, w: Matrix) -> str:
+        bm, bn, _ = self.mc2_variant(w)
+        return f"mul_mc2hg_{bm}x{bn}_{w.type}"
+
+    def mul_mat_glu_halves(self, prog: Program, w: Matrix, x: Region, x_stride: int, n: int,
+                           label: str = "") -> Halves:
+        """silu(gate @ x[c]) * (up @ x[c]) for c < n (w: gate over up, where
+        glu_halves says), written as halves in mul_mc2's layout for the next
+        mul_mat's x (its x_halves): mul_mc2.comp's GLU variant, after to_f16 of
+        x. The rows past n (up to the token tile) are zeros."""
+        assert w.data is not None
+        bm, bn, _ = self.mc2_variant(w)
+        variant = self._glu_variant(w)
+        F = w.rows // 2
+        gm, gn = math.ceil(F / (bm // 2)), math.ceil(n / bn)
+        n_pad = gn * bn
+        stride8 = math.ceil(w.cols / 8)
+        xs = self._scratch(self._x16, n_pad * stride8 * 4, "x16")
+        hr = self.to_f16(prog, x, x_stride, w.cols, n, n_pad, xs)
+        out = Halves(self._scratch(self._x16g, n_pad * F // 2, "x16g"), F, F, n, n_pad)
+        push = self._push(variant, w_off=w.data.off, w_off2=w.scales.off if w.scales else 0, K=w.cols, M=w.rows,
+                          N=n_pad, x_off=0, x_stride=stride8 * 8, y_off=0, y_stride=F, accumulate=0)
+        alg = self._alg_spec(variant, [w.data.buf, xs, out.buf], (), push)
+        prog.dispatch(alg, push, (gm, gn, 1), w.regions + [hr], [out.range], label or variant)
+        return out
+
     def split_k_parts(self, groups: int, K: int, n: int, M: int) -> tuple[int, int]:
         """(parts, columns per part) for a tiled matmul of `groups` tile
         workgroups over K columns (n rows of M outputs): (1, 0) for no split."""
@@ -230,6 +276,8 @@ class MatmulKernels(KernelBase):
         total += self.SPLIT_K_SCRATCH if c.split_k_wgs > 0 else 0
         if c.coopmat2:
             total += math.ceil(max_rows / 256) * 256 * math.ceil(max_cols / 8) * 16
+            if c.mc2_glu:   # (the SwiGLU's halves: F <= the down projection's K <= max_cols)
+                total += math.ceil(max_rows / 256) * 256 * max_cols * 2
         return total
 
     # -- the product -----------------------------------------------------------------
@@ -238,8 +286,11 @@ class MatmulKernels(KernelBase):
                 norm: NormOut | None = None, rope: RopeOut | None = None, no_epilogues: bool = False,
                 norm_in: NormIn | None = None, norm_parts: NormParts | None = None,
                 route: RouteOut | None = None, gate: tuple[Region, int] | None = None,
-                conv: ConvOut | None = None, bias: Region | None = None) -> None:
+                conv: ConvOut | None = None, bias: Region | None = None,
+                x_halves: Halves | None = None) -> None:
         """y[c][:M] (+)= W @ x[c][:K] for c < n (x rows K floats, y rows M floats).
+        x_halves: x is those halves (mul_mat_glu_halves' output, where
+        glu_halves said so for this matrix), not x's floats.
         glu: W is gate over up (M = 2F) and y[c][:F] = silu(gate @ x[c]) * (up @ x[c])
         (only where fuses_glu). norm (with accumulate, where fuses_norm): then
         norm.h[c] = rms_norm(y[c]) * norm.weight, as rms_norm gives it. rope
@@ -287,6 +338,11 @@ class MatmulKernels(KernelBase):
             raise ValueError("mul_mat: this matrix and step cannot write the RMSNorm's parts as 8-bit blocks")
         if norm_in is not None and norm_in.q8 is not None and not (glu and self.takes_q8_in(w, n)):
             raise ValueError("mul_mat: this matrix and step cannot read x as a producer's 8-bit blocks")
+        if x_halves is not None and (glu or norm is not None or rope is not None or norm_in is not None
+                                     or norm_parts is not None or route is not None or gate is not None
+                                     or conv is not None or bias is not None or w.parts or not self.tiled(w, n)
+                                     or x_halves.cols != w.cols or x_halves.n != n):
+            raise ValueError("mul_mat: this matrix and step cannot read x as mul_mat_glu_halves' halves")
         if w.parts:       # split by rows: each part fills its rows of y
             for r0, part in w.parts:
                 self.mul_mat(prog, part, x, x_stride, y.at(r0, max(0, y.words - r0)), y_stride, n, accumulate,
@@ -299,7 +355,7 @@ class MatmulKernels(KernelBase):
         if x.off % 4 or x_stride % 4 or w.cols % 8:
             raise ValueError("mul_mat needs 16-byte aligned x rows and K a multiple of 8")
         if self.tiled(w, n):   # (no epilogues there: fuses_glu/norm/rope exclude tiled steps)
-            self._mul_tiled(prog, w, x, x_stride, y, y_stride, n, accumulate, act, label)
+            self._mul_tiled(prog, w, x, x_stride, y, y_stride, n, accumulate, act, label, x_halves)
             return
         c = self.caps
         # XQ8 only where no norm or RoPE is ever fused (its variants have none):
@@ -430,15 +486,17 @@ class MatmulKernels(KernelBase):
         prog.dispatch(alg, push, groups, reads, writes, label or variant)
 
     def _mul_tiled(self, prog: Program, w: Matrix, x: Region, x_stride: int, y: Region, y_stride: int, n: int,
-                   accumulate: bool, act: Buffer, label: str) -> None:
+                   accumulate: bool, act: Buffer, label: str, x_halves: Halves | None = None) -> None:
         """mul_mat of a prefill-sized step: tiles of mul_mc2, mul_mc or mul_mt,
         the latter two with K split across grid z where the tile grid is small
-        (split_k_parts)."""
+        (split_k_parts). x_halves: mul_mc2 reads those (mul_mat's)."""
         assert w.data is not None
         mc2 = self.on_coopmat2(w)
         if mc2 and self.device.is_slow(self.mc2_variant(w)[2]):   # still compiling (Device.settle): mul_mc meanwhile
             mc2 = False
             self.substituted += 1
+        if x_halves is not None and not mc2:   # (glu_halves checked both pipelines: they do not go back to compiling)
+            raise ValueError("mul_mat: x as halves needs the matrix on mul_mc2")
         if mc2:
             bm, bn, variant = self.mc2_variant(w)
         elif self.caps.coopmat:
@@ -464,7 +522,12 @@ class MatmulKernels(KernelBase):
         pc = dict(w_off=w.data.off, w_off2=w.scales.off if w.scales else 0, K=w.cols, M=w.rows, N=n, x_off=x.off,
                   x_stride=x_stride, y_off=out_off, y_stride=out_stride, accumulate=int(out_acc))
         name = label or variant
-        if mc2:
+        if mc2 and x_halves is not None:   # (its rows padded to this tile's tokens: glu_halves)
+            if x_halves.n_pad != gn * bn:
+                raise ValueError("mul_mat: x's halves are not padded to this matrix's token tile")
+            pc.update(x_off=0, x_stride=x_halves.stride)
+            bufs, reads = [w.data.buf, x_halves.buf, out], w.regions + [x_halves.range]
+        elif mc2:
             # x -> halves (to_f16.comp: rows of a multiple of 8, zero rows up to
             # whole tiles), whose offset and stride replace x's
             n_pad = gn * bn

@@ -91,6 +91,22 @@ class Matrix:
 
 
 @dataclass(frozen=True)
+class Halves:
+    """n rows of a matmul's x as halves in mul_mc2's layout (to_f16's: rows of
+    `stride` halves, zero rows n .. n_pad) in a scratch buffer from word 0: what
+    Kernels.mul_mat_glu_halves writes for the next mul_mat (its x_halves)."""
+    buf: Buffer
+    cols: int
+    stride: int
+    n: int
+    n_pad: int
+
+    @property
+    def range(self) -> tuple[Buffer, int, int]:
+        return (self.buf, 0, self.n_pad * self.stride * 2)
+
+
+@dataclass(frozen=True)
 class NormOut:
     """What mul_mat's fused RMSNorm writes: h[r] = rms_norm(y[r]) * weight, h
     rows `h_stride` apart; `sync` is a zeroed word of the activation buffer

@@ -318,11 +318,12 @@ def _forward(g: Graph, a: LlamaArgs, w: LlamaWeights) -> None:
             continue
         assert L.down is not None
         ffn_in = g.residual_norm(L.wo, "att", "x", L.ffn_norm, "h", [L.gate_up], glu_reader=True)
-        g.gate_up_swiglu(L.gate_up, "h", "gu", "ff", norm_in=ffn_in)
+        # (a prompt step's SwiGLU may reach the down projection as halves only: ff_h)
+        ff_h = g.gate_up_swiglu(L.gate_up, "h", "gu", "ff", norm_in=ffn_in, down=L.down)
         if nxt is not None:
-            att_in = g.residual_norm(L.down, "ff", "x", nxt[0], "h", [nxt[1]])
+            att_in = g.residual_norm(L.down, "ff", "x", nxt[0], "h", [nxt[1]], x_halves=ff_h)
         else:
-            g.matmul(L.down, "ff", "x", accumulate=True)
+            g.matmul(L.down, "ff", "x", accumulate=True, x_halves=ff_h)
     if g.n_out:
         assert w.out_norm is not None and w.output is not None
         g.rms_norm("x", w.out_norm, "out_h", gather=True)
