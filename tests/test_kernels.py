@@ -1503,7 +1503,8 @@ def test_attention_while_attention_mc2_compiles(device, kernels, ws, rng, monkey
     monkeypatch.setattr(kn, "attention_on_coopmat2", lambda *a, **k: True)
     monkeypatch.setattr(kn, "attention_on_coopmat", lambda *a, **k: True)   # (never taken for the stand-in)
     hd, n_head, n_kv = 64, 4, 2
-    monkeypatch.setattr(device, "_slow", {f"attention_mc2_d{hd}", f"attention_mc2_d{hd}_split"})
+    monkeypatch.setattr(device, "_slow", {f"attention_mc2_d{hd}{sp}{of}" for sp in ("", "_split")
+                                          for of in ("", "_of16")})   # (O in halves: Caps.attn_mc2_of16)
     slots = np.zeros(24, np.uint32)
     pos = np.arange(24, dtype=np.uint32)
     c = _AttentionCase(ws, rng, 1, 64, n_head, n_kv, hd, slots, pos, 40)
