@@ -247,15 +247,16 @@ def test_a_request_caps_its_drafts(device, accept_models):
 
 
 @pytest.mark.parametrize("arch", ARCHES)
-@pytest.mark.parametrize("ahead", [False, True])
+@pytest.mark.parametrize("ahead", [False, True, "spec"])
 def test_verify_steps_follow_the_mtp_steps_on_the_device(device, accept_models, arch, ahead):
     """A lone stream: every verify step after the first is submitted behind the
     MTP steps that draft it, reading their drafts on the device (Engine.submit's
     draft_rows; Speculator.ahead), and the tokens stay those of plain decoding;
     a request arriving meanwhile joins at the next turn, and its tokens are its own.
-    ahead: Options.mtp_block_ahead (the default), the next MTP block behind that verify step too."""
+    ahead: Options.mtp_block_ahead (the default), the next MTP block behind that verify step too;
+    "spec": with Options.mtp_spec_drafts, the all-accepted row's 2 drafts behind that block."""
     m = load_model(accept_models[arch]["gguf"])
-    eng = _engine(device, m, options=Options(mtp_block_ahead=ahead))
+    eng = _engine(device, m, options=Options(mtp_block_ahead=bool(ahead), mtp_spec_drafts=ahead == "spec"))
     cfg = SchedulerConfig(n_slots=3, max_live=3, step_tokens=16)
     ids = m.tokenizer.encode(PROMPT)
     reqs = [GenRequest(ids, 25, ignore_eos=True)]
@@ -273,10 +274,12 @@ def test_verify_steps_follow_the_mtp_steps_on_the_device(device, accept_models, 
     assert got == want and jobs[0].accepted >= 0.9 * jobs[0].drafted > 0
     assert runner.spec.chained == runner.spec.steps - 1 > 0, (runner.spec.chained, runner.spec.steps)
     # the turn's MTP block and its 2 chained drafts on a ring of their own (Engine.reserve_mtp), the next
-    # verify step behind them (and with the block ahead, the next block behind that): 4 (5) steps in flight
-    # at once, past the hybrid state's max_in_flight of 2
-    assert eng.max_in_flight == 2 and eng.mtp_depth == 3 + ahead and max(seen) == 4 + ahead, \
+    # verify step behind them (and with the block ahead, the next block behind that; with spec, its 2 drafts
+    # too, on a ring of 6): 4 (5, 7) steps in flight at once, past the hybrid state's max_in_flight of 2
+    depth, most = {False: (3, 4), True: (4, 5), "spec": (6, 7)}[ahead]
+    assert eng.max_in_flight == 2 and eng.mtp_depth == depth and max(seen) == most, \
         (eng.max_in_flight, eng.mtp_depth, max(seen))
+    assert (runner.spec.spec_used > 0) == (ahead == "spec")
     late = GenRequest(m.tokenizer.encode("def fib(n):"), 9, ignore_eos=True)
     want2, _, _ = _run(eng, cfg, [reqs[0], late], [0, 3])
     got2, _, runner = _run(eng, cfg, [reqs[0], late], [0, 3], draft=3)
@@ -359,7 +362,7 @@ def test_requests_ended_while_a_verify_step_is_ahead(device, accept_models, qwen
     assert [e.token for e in last if e.token is not None] == want[0][0][:12]
 
 
-@pytest.mark.parametrize("ahead", [False, True])
+@pytest.mark.parametrize("ahead", [False, True, "spec"])
 def test_prepared_turns_leave_a_streams_turns_nothing_to_record(device, accept_models, ahead):
     """prepare_turns (`generate --mtp`; the server's idle time) records a lone
     stream's verify steps, MTP blocks and chained drafts ahead: the stream's
@@ -367,13 +370,18 @@ def test_prepared_turns_leave_a_streams_turns_nothing_to_record(device, accept_m
     shorter ones, and its tokens stay those of plain decoding. ahead:
     Options.mtp_block_ahead (the default), whose turns after the first run the
     block over all 4 rows on any of the ring's 4 buffers, the first chained
-    draft from any of those rows, and verify steps reading any of them."""
+    draft from any of those rows, and verify steps reading any of them; "spec":
+    with Options.mtp_spec_drafts too (a ring of 6), the all-accepted row's
+    drafts behind each block and the verify steps reading them."""
     m = load_model(accept_models["qwen35moe"]["gguf"])
-    eng = _engine(device, m, n_slots=1, rows=4, options=Options(mtp_block_ahead=ahead))
+    eng = _engine(device, m, n_slots=1, rows=4,
+                  options=Options(mtp_block_ahead=bool(ahead), mtp_spec_drafts=ahead == "spec"))
     assert turn_keys(eng, 3) == []                 # (no MTP ring reserved yet)
-    # 10 of the first turn's kind; ahead: verify steps (2 buffers) and first chained drafts (4) for each of
-    # 4 accepted counts, and the block and the second chained draft on each of the ring's 4 buffers
-    want = 10 + (4 * (2 + 4) + 4 * 2 if ahead else 0)
+    # 10 of the first turn's kind; ahead: verify steps (2 buffers) and first chained drafts (ring buffers)
+    # for each of 4 accepted counts, and the block and the second chained draft on each ring buffer;
+    # spec: verify steps (2) and 2 spec drafts on each ring buffer
+    ring = 6 if ahead == "spec" else 4
+    want = 10 + (4 * (2 + ring) + ring * 2 if ahead else 0) + (2 + 2 * ring if ahead == "spec" else 0)
     assert prepare_turns(eng, 3) == len(turn_keys(eng, 3)) == want and prepare_turns(eng, 3) == 0
     cfg = SchedulerConfig(n_slots=1, max_live=1, step_tokens=16)
     reqs = [GenRequest(m.tokenizer.encode(PROMPT), 30, ignore_eos=True)]
@@ -389,7 +397,7 @@ def test_prepared_turns_leave_a_streams_turns_nothing_to_record(device, accept_m
     got, jobs, runner = _run(eng, cfg, reqs, [0], draft=3)
     del eng._record
     assert got == want and jobs[0].accepted >= 0.9 * jobs[0].drafted > 0
-    assert runner.spec.chained >= 5
+    assert runner.spec.chained >= 5 and (runner.spec.spec_used > 0) == (ahead == "spec")
     # only its prompt's: two chunks' steps (hidden rows kept) and the MTP block over each; no verify step
     # (snapshots), no chained draft (mtp_hn), even after the prompt's MTP steps (the ring restarts a turn)
     assert len(recorded) <= 4, recorded
@@ -397,16 +405,20 @@ def test_prepared_turns_leave_a_streams_turns_nothing_to_record(device, accept_m
 
 
 @pytest.mark.parametrize("arch", ARCHES)
-def test_block_ahead_keeps_tokens(device, accept_models, qwen35_loaded, arch):
+@pytest.mark.parametrize("spec", [False, True])
+def test_block_ahead_keeps_tokens(device, accept_models, qwen35_loaded, arch, spec):
     """Options.mtp_block_ahead: the MTP block submitted behind each verify step
     ahead, over all its rows, drafting from the row of the last accepted
     position: the tokens equal plain decoding with drafts accepted (the
     always-accepted model: several sequences, arrivals, a lone stream), in part
     and rejected (random MTP weights), beside unspeculated requests (sampled,
-    grammar-held, logit-reporting); the blocks ahead are used."""
+    grammar-held, logit-reporting); the blocks ahead are used. spec
+    (Options.mtp_spec_drafts): the chained drafts of the all-accepted row
+    behind the block too, taken by the turns that accept every draft (the
+    always-accepted model's lone stream: every turn after the first)."""
     cfg = SchedulerConfig(n_slots=3, max_live=3, step_tokens=16)
     for m in (load_model(accept_models[arch]["gguf"]), qwen35_loaded(arch)):
-        eng = _engine(device, m, options=Options(mtp_block_ahead=True))
+        eng = _engine(device, m, options=Options(mtp_block_ahead=True, mtp_spec_drafts=spec))
         reqs = _requests(m) + _unspeculated(m)
         arrive = [0, 2, 3, 9, 1, 5]
         want, _, _ = _run(eng, cfg, reqs, arrive)
@@ -422,3 +434,8 @@ def test_block_ahead_keeps_tokens(device, accept_models, qwen35_loaded, arch):
         assert got == want and runner.spec.blocks_ahead == runner.spec.chained > 0
         if m.args.n_nextn and jobs[0].accepted:   # (the always-accepted model: every turn behind the one before)
             assert jobs[0].accepted >= 0.9 * jobs[0].drafted and runner.spec.chained == runner.spec.steps - 1
+            if spec:   # (its last turns draft fewer: the reply's end)
+                assert runner.spec.spec_used >= runner.spec.blocks_ahead - 3 > 0, \
+                    (runner.spec.spec_used, runner.spec.blocks_ahead)
+        if not spec:
+            assert runner.spec.spec_used == 0

@@ -57,6 +57,7 @@ from __future__ import annotations
 import json
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -98,10 +99,19 @@ def block_ahead_on(engine: Engine) -> bool:
     return bool(engine.cfg.options.mtp_block_ahead and getattr(engine, "device_chains", False))
 
 
+def spec_drafts_on(engine: Engine) -> bool:
+    """Whether the block ahead is followed by the chained drafts of its all-accepted
+    rows (Options.mtp_spec_drafts; Speculator._submit_spec_drafts)."""
+    return block_ahead_on(engine) and bool(engine.cfg.options.mtp_spec_drafts)
+
+
 def mtp_ring_depth(engine: Engine, draft: int) -> int:
     """The MTP steps a turn keeps in flight (Engine.reserve_mtp): the block and
-    draft - 1 chained drafts, and with the block ahead the next block too."""
-    return draft + 1 if block_ahead_on(engine) else draft
+    draft - 1 chained drafts, and with the block ahead the next block too (and
+    with the drafts after it, those draft - 1 steps more)."""
+    if not block_ahead_on(engine):
+        return draft
+    return 2 * draft if spec_drafts_on(engine) else draft + 1
 
 
 def turn_keys(engine: Engine, draft: int) -> list[tuple]:
@@ -144,6 +154,15 @@ def turn_keys(engine: Engine, draft: int) -> list[tuple]:
             keys.append((k + 1, k + 1, A, buf, tuple(range(k + 1)), Pass(mtp=True, hidden="hn", drafts_at=at)))
             for d in range(1, k - 1):
                 keys.append((1, 1, A, buf, (0,), Pass(mtp=True, hidden="mtp_hn", drafts_at=d)))
+        if spec_drafts_on(e) and k > 1:   # (the drafts of the all-accepted row behind the block, and the
+            low = at - (k - 1)            # verify steps reading them: _submit_spec_drafts' words)
+            for buf in range(e.n_main):
+                keys.append((k + 1, k + 1, A, buf, (-1, _DRAFTS + at + k, *range(_DRAFTS + low, _DRAFTS + low + k - 1)),
+                             verify))
+            for buf in ring:
+                for d in range(1, k):
+                    keys.append((1, 1, A, buf, (k,) if d == 1 else (0,),
+                                 Pass(mtp=True, hidden="mtp_hn", drafts_at=low + d - 1)))
     return keys
 
 
@@ -171,6 +190,19 @@ class _BlockAhead:
     rows: int
     at: int                # the draft word of the block's first row
     t0: float
+
+
+@dataclass
+class _SpecDrafts:
+    """The chained drafts submitted behind a block ahead, from each sequence's
+    row as if its verify step accepted every draft (Speculator._submit_spec_drafts):
+    for each job its drafting row of the block, its words (the block's first, then
+    one a step), and each step's (jobs, rows) in submit order."""
+    block: _BlockAhead
+    rows: dict[int, int]          # id(job) -> its all-accepted row of the block
+    words: dict[int, list[int]]   # id(job) -> the draft words of its drafts
+    steps: list[tuple[list, int, float]]
+    low: int                      # the lowest draft word they take
 
 
 @dataclass
@@ -231,8 +263,12 @@ class Speculator:
         self._rollback: Program | None = None   # a rollback submitted, not yet waited for (_drain)
         # MTP block steps in flight: (the jobs their output rows draft for, rows, submitted at, and which
         # output row drafts for each job where not the i-th: a block submitted ahead's)
-        self._pending: deque[tuple[list[Job], int, float, list[int] | None]] = deque()
+        self._pending: deque[tuple[Sequence[Job | None], int, float, list[int] | None]] = deque()
         self._block_ahead: _BlockAhead | None = None   # the MTP block behind the verify step ahead
+        self.spec_on = spec_drafts_on(e)
+        self._spec: _SpecDrafts | None = None           # the drafts behind that block (mtp_spec_drafts)
+        self.spec_used = 0                 # sequences' turns that took those drafts
+        self._words_cap: int | None = None   # (_words: the spec steps' words are above it)
 
     def bind(self, runner: Runner) -> None:
         self.r = runner
@@ -335,6 +371,10 @@ class Speculator:
         if self._block_ahead is not None:   # (behind it)
             self._block_ahead = None
             self.e.collect()
+        if self._spec is not None:   # (behind the block)
+            for _ in self._spec.steps:
+                self.e.collect()
+            self._spec = None
 
     def drain(self) -> None:
         """Collect the MTP steps still in flight (and wait for a rollback), before
@@ -346,7 +386,7 @@ class Speculator:
 
     def forget(self) -> None:
         """The device is gone: nothing on it will be collected (the worker's device fault)."""
-        self.ahead, self._rollback, self._block_ahead = None, None, None
+        self.ahead, self._rollback, self._block_ahead, self._spec = None, None, None, None
         self._pending.clear()
 
     def _verify(self, v: _Verify, may_chain: bool) -> None:
@@ -394,7 +434,7 @@ class Speculator:
         if ba is not None and ba.verify is v:
             self._drafts_after_block(ba, segs, accepted)
         else:
-            assert ba is None, "a block ahead behind another verify step than the one collected"
+            assert ba is None and self._spec is None, "a block ahead behind another verify step than the one collected"
             self._mtp(segs, "hn")
         if rollbacks:   # (on one device: not waited for; the next verify step queues behind it)
             if getattr(e, "device_chains", False):
@@ -506,13 +546,17 @@ class Speculator:
         self._drain()
 
     # -- the MTP block ------------------------------------------------------------------
-    def _mtp(self, segs: list[_Segment], hidden: str) -> None:
+    def _mtp(self, segs: list[_Segment], hidden: str, keep_src: bool = False) -> None:
         """Run the MTP block over the segments (in steps of at most max_batch
         rows and max_out drafting rows, a zero-first segment first in its step)
         and draft: after each step, its drafting sequences' further drafts
-        chain on `mtp_hn` before anything else overwrites it."""
+        chain on `mtp_hn` before anything else overwrites it. keep_src: other
+        sequences' drafts of this turn are already on the device (self._src)."""
         e = self.e
-        self._src, self._draft_words = {}, 0
+        if keep_src:
+            self._draft_words = 0
+        else:
+            self._src, self._draft_words = {}, 0
         if not self._pending:   # (the block on the MTP ring's first buffer, as prepare_turns records it)
             e.restart_mtp_ring()
         pieces: list[_Segment] = []
@@ -620,6 +664,59 @@ class Speculator:
                  pass_=Pass(mtp=True, hidden="hn", drafts_at=at))
         self.mtp_steps += 1
         self._block_ahead = _BlockAhead(v, segs, n, at, time.perf_counter())
+        if self.spec_on:
+            self._submit_spec_drafts(self._block_ahead, {id(w.seq.data): m for w, _, m, _ in v.plan})
+
+    def _submit_spec_drafts(self, ba: _BlockAhead, verified: dict[int, int]) -> None:
+        """With Options.mtp_spec_drafts: behind the block ahead, each drafting
+        sequence's further drafts from the block's row of its last draft, as if
+        the verify step accepted every draft (_chain_drafts' steps, the block's
+        hidden rows and tokens chained on the device), their drafts in the words
+        below the block's. Where the verify step does accept them all,
+        _drafts_after_block takes these (so the device goes from the block to
+        the drafts without the host); elsewhere their rows only wrote MTP-layer
+        KV rows past the sequence and their drafts are dropped. All steps or
+        none: they need the MTP ring's room for every one (mtp_ring_depth)."""
+        e = self.e
+        jobs: list[Job] = []
+        rows: list[int] = []
+        want: dict[int, int] = {}     # (its drafts after the verify step's row of its last draft)
+        starts: dict[int, int] = {}   # (the position of its first draft's: that row's next)
+        for job, first, start in ba.segs:
+            m = verified.get(id(job), 0)
+            n = self._drafts_after(job, start + m + 1)
+            if n > 1:   # (a second draft at least: one step of them)
+                jobs.append(job)
+                rows.append(first + m)
+                want[id(job)], starts[id(job)] = n, start + m + 2
+        if not jobs:
+            return
+        steps = max(want.values()) - 1
+        words = sum(want[id(j)] - 1 for j in jobs)
+        low = ba.at - words
+        corrective = len(ba.segs) * max(0, self.k - 1)   # (the words _chain_drafts takes from 0 where they fail)
+        if low < corrective or steps > e.mtp_depth - 1 - len(self._pending) or not e.has_room(Pass(mtp=True)):
+            return
+        spec = _SpecDrafts(ba, {id(j): r for j, r in zip(jobs, rows)}, {}, [], low)
+        outs = rows
+        w = low
+        d = 1
+        while True:
+            keep = [i for i, j in enumerate(jobs) if want[id(j)] > d]
+            if not keep:
+                break
+            jobs = [jobs[i] for i in keep]
+            for i, j in enumerate(jobs):
+                spec.words.setdefault(id(j), []).append(w + i)
+            e.submit([0] * len(jobs), [starts[id(j)] + d - 1 for j in jobs], [self._slot(j.seq) for j in jobs],
+                     range(len(jobs)), Readback.ARGMAX, pass_=Pass(mtp=True, hidden="mtp_hn", drafts_at=w),
+                     hmap=[outs[i] for i in keep], chain=[outs[i] for i in keep])
+            spec.steps.append((jobs, len(jobs), time.perf_counter()))
+            self.mtp_steps += 1
+            w += len(jobs)
+            outs = list(range(len(jobs)))
+            d += 1
+        self._spec = spec
 
     def _drafts_after_block(self, ba: _BlockAhead, segs: list[_Segment], accepted: dict[int, int]) -> None:
         """The verify step behind which the block ran is collected: each drafting
@@ -628,6 +725,8 @@ class Speculator:
         its further drafts chain on that row's hidden state (_chain_drafts)."""
         self._src, self._draft_words = {}, 0
         self.blocks_ahead += 1
+        spec, self._spec = self._spec, None
+        assert spec is None or spec.block is ba
         drafting = {id(s.job) for s in segs}     # (the sequences _mtp would have run: not done, in a slot)
         jobs: list[Job] = []
         rows: list[int] = []
@@ -635,15 +734,34 @@ class Speculator:
             if id(job) not in drafting:
                 continue
             n_acc = accepted[id(job.seq)]
+            if spec is not None:   # (a draft rejected, where its further drafts would need the block's
+                r = spec.rows.get(id(job))   # hidden rows: its spec drafts are not its drafts; _mtp below)
+                more = self._drafts_after(job, start + n_acc + 1) > 1
+                if (r is not None and r != first + n_acc) or (r is None and more):
+                    continue
             job.drafts = []
             job.mtp_at = start + n_acc + 2      # (the position its first draft is for)
             jobs.append(job)
             rows.append(first + n_acc)
-            self._src[id(job)] = [ba.at + first + n_acc]
+            self._src[id(job)] = [ba.at + first + n_acc] + (spec.words.get(id(job), []) if spec is not None else [])
         # (the block is the oldest step in flight now: the verify step before it was collected, and so were
         # the MTP steps before that)
         self._pending.appendleft((jobs, ba.rows, ba.t0, rows))
-        self._chain_drafts(jobs, rows, rows)   # (the block's output rows are all its rows)
+        if spec is None:
+            self._chain_drafts(jobs, rows, rows)   # (the block's output rows are all its rows)
+            return
+        # the spec steps behind it give their drafts to the sequences that accepted every draft; the others
+        # run the block again over what they accepted (the spec steps overwrote the block's hidden rows,
+        # mtp_hn), its chained drafts in the words below the spec steps'
+        taken = {id(j) for j in jobs}
+        self.spec_used += len(taken)
+        for sj, n, t0 in spec.steps:
+            self._pending.append(([j if id(j) in taken else None for j in sj], n, t0, None))
+        rest = [sg for sg in segs if id(sg.job) not in taken]
+        if rest:
+            self._words_cap = spec.low
+            self._mtp(rest, "hn", keep_src=True)
+            self._words_cap = None
 
     def _words(self, jobs: list[Job]) -> int:
         """Where an MTP step drafting for `jobs` (its output rows, in order)
@@ -652,6 +770,8 @@ class Speculator:
         (a split model), or this turn's draft words used up."""
         n = len(jobs)
         dw = self.e.layout.draft_words if getattr(self.e, "device_chains", False) else 0
+        if self._words_cap is not None:
+            dw = min(dw, self._words_cap)
         at = self._draft_words if n and self._draft_words + n <= dw else -1
         if at >= 0:
             self._draft_words += n
@@ -679,7 +799,8 @@ class Speculator:
         if got is not None and pick is not None:
             got = [got[i] for i in pick]
         for j, t in zip(jobs, got if got is not None else ()):
-            j.drafts.append(int(t))
+            if j is not None:   # (a spec step's row of a job that did not accept every draft)
+                j.drafts.append(int(t))
 
     def _drain(self) -> None:
         while self._pending:
