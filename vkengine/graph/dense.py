@@ -120,13 +120,9 @@ class DenseOps(GraphBase):
         through `tmp` (matmul, add_bias, add: the same sums). x_halves: as
         matmul's (no bias then)."""
         n = self._rows(x)
-        if x_halves is not None:   # (a tiled matmul: no fused norm)
-            if bias is not None:
-                raise ValueError("matmul_norm: x as halves with a bias")
-            self.matmul(w, x, out, accumulate=True, x_halves=x_halves)
-            self.rms_norm(out, norm_w, h)
-            return
-        norm = self._norm_out(norm_w, h)
+        if x_halves is not None and bias is not None:
+            raise ValueError("matmul_norm: x as halves with a bias")
+        norm = self._norm_out(norm_w, h) if x_halves is None else None   # (x as halves: a tiled matmul, no norm)
         if norm is not None and self.k.fuses_norm(w, n, self.s.region(out), self.s.stride(out), norm) and \
                 (bias is None or self.k.fuses_bias(w, n)):
             self.k.mul_mat(self.p, w, self.s.region(x), self.s.stride(x), self.s.region(out), self.s.stride(out),
@@ -140,7 +136,7 @@ class DenseOps(GraphBase):
             self.add_bias(tmp, bias, self.s.widths[out])
             self.add(out, tmp, out)
         else:
-            self.matmul(w, x, out, accumulate=True)
+            self.matmul(w, x, out, accumulate=True, x_halves=x_halves)
         self.rms_norm(out, norm_w, h)
 
     def matmuls_bias(self, pieces: list[tuple[Matrix, int]], x: str, out: str, bias: Region, width: int,

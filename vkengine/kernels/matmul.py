@@ -236,15 +236,21 @@ class MatmulKernels(KernelBase):
         F = w.rows // 2
         gm, gn = math.ceil(F / (bm // 2)), math.ceil(n / bn)
         n_pad = gn * bn
-        stride8 = math.ceil(w.cols / 8)
-        xs = self._scratch(self._x16, n_pad * stride8 * 4, "x16")
-        hr = self.to_f16(prog, x, x_stride, w.cols, n, n_pad, xs)
+        xh = self._x_to_halves(prog, x, x_stride, w.cols, n, n_pad)
         out = Halves(self._scratch(self._x16g, n_pad * F // 2, "x16g"), F, F, n, n_pad)
         push = self._push(variant, w_off=w.data.off, w_off2=w.scales.off if w.scales else 0, K=w.cols, M=w.rows,
-                          N=n_pad, x_off=0, x_stride=stride8 * 8, y_off=0, y_stride=F, accumulate=0)
-        alg = self._alg_spec(variant, [w.data.buf, xs, out.buf], (), push)
-        prog.dispatch(alg, push, (gm, gn, 1), w.regions + [hr], [out.range], label or variant)
+                          N=n_pad, x_off=0, x_stride=xh.stride, y_off=0, y_stride=F, accumulate=0)
+        alg = self._alg_spec(variant, [w.data.buf, xh.buf, out.buf], (), push)
+        prog.dispatch(alg, push, (gm, gn, 1), w.regions + [xh.range], [out.range], label or variant)
         return out
+
+    def _x_to_halves(self, prog: Program, x: Region, x_stride: int, cols: int, n: int, n_pad: int) -> Halves:
+        """mul_mc2's x: the n rows of x as halves (to_f16.comp: rows of a
+        multiple of 8, zero rows up to n_pad) in the x16 scratch."""
+        stride8 = math.ceil(cols / 8)
+        buf = self._scratch(self._x16, n_pad * stride8 * 4, "x16")
+        self.to_f16(prog, x, x_stride, cols, n, n_pad, buf)
+        return Halves(buf, cols, stride8 * 8, n, n_pad)
 
     def split_k_parts(self, groups: int, K: int, n: int, M: int) -> tuple[int, int]:
         """(parts, columns per part) for a tiled matmul of `groups` tile
@@ -522,20 +528,14 @@ class MatmulKernels(KernelBase):
         pc = dict(w_off=w.data.off, w_off2=w.scales.off if w.scales else 0, K=w.cols, M=w.rows, N=n, x_off=x.off,
                   x_stride=x_stride, y_off=out_off, y_stride=out_stride, accumulate=int(out_acc))
         name = label or variant
-        if mc2 and x_halves is not None:   # (its rows padded to this tile's tokens: glu_halves)
-            if x_halves.n_pad != gn * bn:
+        if mc2:
+            # x as halves (mul_mat's x_halves, its rows padded to this tile's tokens: glu_halves; else x
+            # converted, zero rows up to whole tiles), whose offset and stride replace x's
+            if x_halves is not None and x_halves.n_pad != gn * bn:
                 raise ValueError("mul_mat: x's halves are not padded to this matrix's token tile")
-            pc.update(x_off=0, x_stride=x_halves.stride)
-            bufs, reads = [w.data.buf, x_halves.buf, out], w.regions + [x_halves.range]
-        elif mc2:
-            # x -> halves (to_f16.comp: rows of a multiple of 8, zero rows up to
-            # whole tiles), whose offset and stride replace x's
-            n_pad = gn * bn
-            stride8 = math.ceil(w.cols / 8)
-            scratch = self._scratch(self._x16, n_pad * stride8 * 4, "x16")
-            hr = self.to_f16(prog, x, x_stride, w.cols, n, n_pad, scratch)
-            pc.update(x_off=0, x_stride=stride8 * 8)
-            bufs, reads = [w.data.buf, scratch, out], w.regions + [hr]
+            xh = x_halves if x_halves is not None else self._x_to_halves(prog, x, x_stride, w.cols, n, gn * bn)
+            pc.update(x_off=0, x_stride=xh.stride)
+            bufs, reads = [w.data.buf, xh.buf, out], w.regions + [xh.range]
         else:
             pc.update(klen=klen, z_stride=n * w.rows)
             bufs, reads = [w.data.buf, act, out], w.regions + [rows_range(x, n, x_stride, w.cols)]

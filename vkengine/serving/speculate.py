@@ -601,24 +601,32 @@ class Speculator:
                      hmap, jobs)
         self._chain_drafts(jobs, list(range(len(jobs))), rows)
 
-    def _chain_drafts(self, jobs: list[Job], outs: list[int], rows: list[int]) -> None:
-        """The further drafts of `jobs`, whose first drafts the MTP step just
-        submitted chose at its output rows outs[i] from its rows rows[i]: the
-        block at each draft's position with that draft (Engine.submit's chain)
-        and its own hidden state (mtp_hn), one step for all per draft."""
-        want = {id(j): self._drafts_after(j, j.mtp_at - 1) for j in jobs}
+    def _draft_steps(self, jobs: list[Job], outs: list[int], rows: list[int],
+                     first: dict[int, int]) -> list[tuple[list[Job], list[int], list[int], list[int]]]:
+        """The steps of the further drafts of `jobs`, whose first drafts the MTP
+        step before them chose at its output rows outs[i] from its rows rows[i],
+        first[id(job)] the position of a job's first draft: the block at each
+        draft's position with that draft (Engine.submit's chain) and its own
+        hidden state (mtp_hn), one step for all per draft. Each step's (jobs,
+        positions, chain, hmap)."""
+        want = {id(j): self._drafts_after(j, first[id(j)] - 1) for j in jobs}
+        steps: list[tuple[list[Job], list[int], list[int], list[int]]] = []
         d = 1
         while True:
             keep = [i for i, j in enumerate(jobs) if want[id(j)] > d]   # (indices into the step before's jobs)
             if not keep:
-                return
+                return steps
             jobs = [jobs[i] for i in keep]
-            self._submit([0] * len(keep), [j.mtp_at + d - 1 for j in jobs], [self._slot(j.seq) for j in jobs],
-                         range(len(keep)), Readback.ARGMAX,
-                         Pass(mtp=True, hidden="mtp_hn", drafts_at=self._words(jobs)), [rows[i] for i in keep],
-                         jobs, chain=[outs[i] for i in keep])
+            steps.append((jobs, [first[id(j)] + d - 1 for j in jobs], [outs[i] for i in keep], [rows[i] for i in keep]))
             outs = rows = list(range(len(keep)))
             d += 1
+
+    def _chain_drafts(self, jobs: list[Job], outs: list[int], rows: list[int]) -> None:
+        """Submit the further drafts of `jobs` (_draft_steps; each job's first
+        draft is for its mtp_at), their drafts left in this turn's words."""
+        for sj, positions, chain, hmap in self._draft_steps(jobs, outs, rows, {id(j): j.mtp_at for j in jobs}):
+            self._submit([0] * len(sj), positions, [self._slot(j.seq) for j in sj], range(len(sj)), Readback.ARGMAX,
+                         Pass(mtp=True, hidden="mtp_hn", drafts_at=self._words(sj)), hmap, sj, chain=chain)
 
     def _submit_block_ahead(self, v: _Verify) -> None:
         """With Options.mtp_block_ahead: submit the MTP block behind the verify
@@ -678,44 +686,28 @@ class Speculator:
         KV rows past the sequence and their drafts are dropped. All steps or
         none: they need the MTP ring's room for every one (mtp_ring_depth)."""
         e = self.e
-        jobs: list[Job] = []
-        rows: list[int] = []
-        want: dict[int, int] = {}     # (its drafts after the verify step's row of its last draft)
-        starts: dict[int, int] = {}   # (the position of its first draft's: that row's next)
-        for job, first, start in ba.segs:
-            m = verified.get(id(job), 0)
-            n = self._drafts_after(job, start + m + 1)
-            if n > 1:   # (a second draft at least: one step of them)
-                jobs.append(job)
-                rows.append(first + m)
-                want[id(job)], starts[id(job)] = n, start + m + 2
-        if not jobs:
+        jobs = [job for job, _, _ in ba.segs]
+        rows = [first + verified.get(id(job), 0) for job, first, _ in ba.segs]
+        starts = {id(job): start + verified.get(id(job), 0) + 2 for job, _, start in ba.segs}
+        steps = self._draft_steps(jobs, rows, rows, starts)   # (the block's output rows are all its rows)
+        if not steps:
             return
-        steps = max(want.values()) - 1
-        words = sum(want[id(j)] - 1 for j in jobs)
-        low = ba.at - words
+        low = ba.at - sum(len(sj) for sj, *_ in steps)
         corrective = len(ba.segs) * max(0, self.k - 1)   # (the words _chain_drafts takes from 0 where they fail)
-        if low < corrective or steps > e.mtp_depth - 1 - len(self._pending) or not e.has_room(Pass(mtp=True)):
+        if low < corrective or len(steps) > e.mtp_depth - 1 - len(self._pending) or not e.has_room(Pass(mtp=True)):
             return
-        spec = _SpecDrafts(ba, {id(j): r for j, r in zip(jobs, rows)}, {}, [], low)
-        outs = rows
+        row_of = {id(j): r for j, r in zip(jobs, rows)}
+        # (the jobs of the first step: those with a second draft at least)
+        spec = _SpecDrafts(ba, {id(j): row_of[id(j)] for j in steps[0][0]}, {}, [], low)
         w = low
-        d = 1
-        while True:
-            keep = [i for i, j in enumerate(jobs) if want[id(j)] > d]
-            if not keep:
-                break
-            jobs = [jobs[i] for i in keep]
-            for i, j in enumerate(jobs):
+        for sj, positions, chain, hmap in steps:
+            for i, j in enumerate(sj):
                 spec.words.setdefault(id(j), []).append(w + i)
-            e.submit([0] * len(jobs), [starts[id(j)] + d - 1 for j in jobs], [self._slot(j.seq) for j in jobs],
-                     range(len(jobs)), Readback.ARGMAX, pass_=Pass(mtp=True, hidden="mtp_hn", drafts_at=w),
-                     hmap=[outs[i] for i in keep], chain=[outs[i] for i in keep])
-            spec.steps.append((jobs, len(jobs), time.perf_counter()))
+            e.submit([0] * len(sj), positions, [self._slot(j.seq) for j in sj], range(len(sj)), Readback.ARGMAX,
+                     pass_=Pass(mtp=True, hidden="mtp_hn", drafts_at=w), hmap=hmap, chain=chain)
+            spec.steps.append((sj, len(sj), time.perf_counter()))
             self.mtp_steps += 1
-            w += len(jobs)
-            outs = list(range(len(jobs)))
-            d += 1
+            w += len(sj)
         self._spec = spec
 
     def _drafts_after_block(self, ba: _BlockAhead, segs: list[_Segment], accepted: dict[int, int]) -> None:
