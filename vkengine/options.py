@@ -101,9 +101,10 @@ class Options:
                                   # (shaders/variants.py MC2_K64) and K allows, else 32
     mc2_unroll: int = 0           # mul_mc2 (fp16 sums) of Q4_0: scales staged as halves in chunks of this many
                                   # slices (shaders/variants.py MC2_SC_F16_UNROLLS); 0: as (d, m) pairs, MC2H_UNROLL's
-    mc2_glu: bool = False         # prefill's gate|up on mul_mc2 with the SwiGLU in its epilogue, written as halves
+    mc2_glu: bool = True          # prefill's gate|up on mul_mc2 with the SwiGLU in its epilogue, written as halves
                                   # straight into the down projection's x (no gate|up floats, swiglu or to_f16;
-                                  # shaders/mul_mc2.comp GLU): opt-in until measured on a GPU
+                                  # shaders/mul_mc2.comp GLU; H100, 8B: pp4096 9,667 / 9,614 against 9,416 /
+                                  # 9,375 tok/s, pp512 step 57.8 / 57.4 against 58.9 / 59.0 ms; notes.md run 50)
     attn_mc: bool = True          # prompt attention on cooperative matrices (attention_mc.comp)
     attn_mc2: bool = True         # ... on NVIDIA's workgroup-scope matrices where it can (attention_mc2.comp)
     attn_mc2_of16: bool = True    # ... its output accumulated in halves, as llama.cpp's flash_attn_cm2 (H200:
