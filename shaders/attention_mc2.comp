@@ -10,12 +10,12 @@
 // block, .y: the head). Per block of BC positions, as one workgroup-scope
 // matrix each (the driver splits them among the subgroups and pipelines the
 // tensor-addressed loads):
-//   S = Q K^T (fp16 operands, fp32 sums, then scaled), masked where a row
+//   S = Q K^T (fp16 operands, Q scaled before its rounding, fp32 sums), masked where a row
 //   may not see a position (only in blocks that hold such a pair);
 //   the online softmax on the accumulators themselves (row max and sums by
 //   coopMatReduceNV and a product with ones, exponentials per element), the
 //   running max offset by 3 ln 2 (llama.cpp's FATTN_KQ_MAX_OFFSET);
-//   O = O e^(m_old - m) + P V (P as halves).
+//   O = O e^(m_old - m) + P V (P as halves; V loaded after the softmax).
 // attention_mc.comp moves every score through shared memory and two lanes a
 // row: its prompt attention ran at ~32 TFLOPS on the H200 (notes.md run 36).
 // Rows of several slots in one block (mixed server steps): one pass per slot,
@@ -81,6 +81,14 @@ shared uint sh_pos[BR], sh_lo[BR], sh_slot[BR];
 shared uint sh_pass[6];
 
 #define SMAT coopmat<float, gl_ScopeWorkgroup, BR, BC, gl_MatrixUseAccumulator>
+// a row's m, l and their factors: smeared over BC columns, or NARROW over 16 (a quarter of the registers and
+// exponentials, the row sums of P a product with BC x 16 ones; m smeared back over BC for P = e^(S - m))
+#ifdef NARROW
+#define RW 16
+#else
+#define RW BC
+#endif
+#define RMAT coopmat<float, gl_ScopeWorkgroup, BR, RW, gl_MatrixUseAccumulator>
 // O_F16: O accumulated in halves (llama.cpp's flash_attn_cm2 keeps O as its FLOAT_TYPE,
 // halves, whatever the precision of S: half O's registers); OMAT32 for the end
 #ifdef O_F16
@@ -135,6 +143,7 @@ void main() {
     tQ = setTensorLayoutStrideNV(tQ, p.q_stride & ~3u, 1);
     coopmat<float, gl_ScopeWorkgroup, BR, HD, gl_MatrixUseAccumulator> q32;
     coopMatLoadTensorNV(q32, actq, p.q_off & ~3u, sliceTensorLayoutNV(tQ, row0, BR, h * HD, HD));
+    q32 *= p.scale;   // (as llama.cpp's flash_attn_cm2: S comes out scaled, no product a block)
     coopmat<float16_t, gl_ScopeWorkgroup, BR, HD, gl_MatrixUseA> qa =
         coopmat<float16_t, gl_ScopeWorkgroup, BR, HD, gl_MatrixUseA>(q32);
 
@@ -149,9 +158,9 @@ void main() {
         createTensorLayoutNV(2, gl_CooperativeMatrixClampModeConstantNV);
 
     OMAT o = OMAT(0.0);
-    SMAT l = SMAT(0.0), m = SMAT(M_INIT);
-    coopmat<float16_t, gl_ScopeWorkgroup, BC, BC, gl_MatrixUseB> ones =
-        coopmat<float16_t, gl_ScopeWorkgroup, BC, BC, gl_MatrixUseB>(1.0);
+    RMAT l = RMAT(0.0), m = RMAT(M_INIT);
+    coopmat<float16_t, gl_ScopeWorkgroup, BC, RW, gl_MatrixUseB> ones =
+        coopmat<float16_t, gl_ScopeWorkgroup, BC, RW, gl_MatrixUseB>(1.0);
 
     uint prev = NONE;   // the slot of the pass before (slots taken in increasing order)
     while (true) {
@@ -200,30 +209,39 @@ void main() {
             coopmat<float16_t, gl_ScopeWorkgroup, BC, HD, gl_MatrixUseB> v;
             if (tail) {
                 coopMatLoadTensorNV(kt, kvb, k_base, sliceTensorLayoutNV(tKc, t0, BC, 0, HD), tr);
-                coopMatLoadTensorNV(v, kvb, v_base, sliceTensorLayoutNV(tKc, t0, BC, 0, HD));
             } else {
                 coopMatLoadTensorNV(kt, kvb, k_base, sliceTensorLayoutNV(tK, t0, BC, 0, HD), tr);
-                coopMatLoadTensorNV(v, kvb, v_base, sliceTensorLayoutNV(tK, t0, BC, 0, HD));
             }
             SMAT s = SMAT(0.0);
             s = coopMatMulAdd(qa, kt, s);
-            s *= p.scale;
             if (p.softcap > 0.0) coopMatPerElementNV(s, s, softcap_e);
             // a pair a row may not see: another slot's row, a position past a row's own or
             // before its window, or past the part
             if (!all || tail || t0 + BC - 1u > minpos || t0 < maxlo)
                 coopMatPerElementNV(s, s, mask_s, t0, kend, slot);
-            SMAT rowmax, pm, em;
+            RMAT rowmax, em;
+            SMAT pm;
             coopMatReduceNV(rowmax, s, gl_CooperativeMatrixReduceRowNV, max_op);
-            rowmax += SMAT(KQ_MAX_OFFSET);
-            SMAT m_old = m;
+            rowmax += RMAT(KQ_MAX_OFFSET);
+            RMAT m_old = m;
             coopMatPerElementNV(m, rowmax, max_e, m_old);
+#ifdef NARROW
+            SMAT mb;
+            coopMatReduceNV(mb, m, gl_CooperativeMatrixReduceRowNV, smear_op);
+            coopMatPerElementNV(pm, s - mb, exp_e);
+#else
             coopMatPerElementNV(pm, s - m, exp_e);
+#endif
             coopMatPerElementNV(em, m_old - m, exp_e);
             coopmat<float16_t, gl_ScopeWorkgroup, BR, BC, gl_MatrixUseA> pa =
                 coopmat<float16_t, gl_ScopeWorkgroup, BR, BC, gl_MatrixUseA>(pm);
-            SMAT rowsum = SMAT(0.0);
+            RMAT rowsum = RMAT(0.0);
             rowsum = coopMatMulAdd(pa, ones, rowsum);   // the row sums of P (as rounded to halves)
+            // V loaded only now, as llama.cpp's flash_attn_cm2 does, not beside K: held through S and the
+            // softmax it cost the 8B's pp512 at depth 16k a third of its attention time (H100: 47.7 -> 31.1 ms
+            // a step; notes.md run 50)
+            if (tail) coopMatLoadTensorNV(v, kvb, v_base, sliceTensorLayoutNV(tKc, t0, BC, 0, HD));
+            else coopMatLoadTensorNV(v, kvb, v_base, sliceTensorLayoutNV(tK, t0, BC, 0, HD));
             l = em * l + rowsum;
             OMAT32 emd;
             coopMatReduceNV(emd, em, gl_CooperativeMatrixReduceRowNV, smear_op);

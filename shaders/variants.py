@@ -250,6 +250,9 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
             # O accumulated in halves (Options.attn_mc2_of16)
             t[f"attention_mc2_d{hd}{sp}_of16"] = ("attention_mc2.comp", {"HD": hd, "BR": br, "BC": bc,
                                                                         EXT_DEFINE: 1, "O_F16": 1, **d})
+            # m and l over 16 columns, not BC (Options.attn_mc2_narrow)
+            t[f"attention_mc2_d{hd}{sp}_of16nr"] = ("attention_mc2.comp", {"HD": hd, "BR": br, "BC": bc,
+                                                                          EXT_DEFINE: 1, "O_F16": 1, "NARROW": 1, **d})
     t["attention_merge"] = ("attention_merge.comp", {})
     for op in ("rms_norm", "rope_kv", "attention", "swiglu", "add", "add_bias", "softmax", "argmax_part", "argmax",
                "copy", "topk_part", "sample", "softcap", "mask_logits",

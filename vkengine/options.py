@@ -109,6 +109,9 @@ class Options:
     attn_mc2: bool = True         # ... on NVIDIA's workgroup-scope matrices where it can (attention_mc2.comp)
     attn_mc2_of16: bool = True    # ... its output accumulated in halves, as llama.cpp's flash_attn_cm2 (H200:
                                   # 8B pp512 at depth 16k +4.8%, pp16384 +3.5%; qwen35 0.8B +12%, +13%; run 49)
+    attn_mc2_narrow: bool = True  # ... (with O in halves) each row's m and l over 16 columns rather than a block's
+                                  # (attention_mc2.comp NARROW; H100, 8B pp512 at depth 16k: attention 29.2 / 29.1
+                                  # against 30.5 / 30.5 ms a step, qwen35 0.8B +1.8%; notes.md run 50)
     attn_mc_split: int = 1024     # prompt rows at depth: a step whose rows make fewer attention_mc workgroups
                                   # than this cuts each one's positions into parts (its split form, then a
                                   # merge) to reach it; 0: never (notes.md run 36)

@@ -232,7 +232,8 @@ class AttentionKernels(KernelBase):
             row_blocks = math.ceil(n_rows / ATTN_MC2[head_dim][0])   # BR rows of one head a workgroup
             parts = self.attn_mc_parts(row_blocks * n_head) if mc_parts is None else mc_parts
             # the split form where parts > 1; O in halves (Options.attn_mc2_of16)
-            name = f"attention_mc2_d{head_dim}{'_split' if parts > 1 else ''}{'_of16' if c.attn_mc2_of16 else ''}"
+            of16 = ("_of16nr" if c.attn_mc2_narrow else "_of16") if c.attn_mc2_of16 else ""
+            name = f"attention_mc2_d{head_dim}{'_split' if parts > 1 else ''}{of16}"
             if self.device.is_slow(name):
                 # still compiling (Device.settle): the plain kernel meanwhile, not attention_mc, whose own
                 # pipeline a fresh NVIDIA driver built in 2.2-3.9 s, longer than attention_mc2's 0.9-1.7 s,

@@ -89,6 +89,7 @@ class Caps:
     # matrices (attention_mc2.comp) where the device has them (coopmat2)
     attention_mc2: bool = False
     attn_mc2_of16: bool = True       # attention_mc2's O in halves (the "_of16" variants; Options.attn_mc2_of16)
+    attn_mc2_narrow: bool = True     # ... with each row's m and l over 16 columns ("_of16nr"; Options.attn_mc2_narrow)
     # prompt rows at depth on attention_mc: steps whose row blocks make fewer
     # workgroups than this take its split form (AttentionKernels.attn_mc_parts); 0: never
     attn_mc_split: int = 0
@@ -165,6 +166,7 @@ class Caps:
             mvid_splitk=gpu and options.mvid_splitk,
             attention_mc2=coopmat and options.attn_mc and options.attn_mc2 and device_has_coopmat2(device),
             attn_mc2_of16=options.attn_mc2_of16,
+            attn_mc2_narrow=options.attn_mc2_narrow,
             attention_mc=options.attn_mc,
             attention_mc_layouts=tuple((hd, nsg // ds) for hd, (nsg, ds, bc) in ATTN_MC.items()
                                        if attn_mc_shared_bytes(hd, nsg, bc) <= info.max_shared_memory))
