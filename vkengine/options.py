@@ -154,10 +154,10 @@ class Options:
                                   # its rows (vkengine/serving/speculate.py, Speculator._submit_block_ahead); H200,
                                   # 35B-A3B, the server at C = 1 with 3 drafts: 473 / 478 tok/s against 455 / 462
                                   # (notes.md run 49)
-    mtp_spec_drafts: bool = False # ... and behind that block, the chained drafts of each sequence's row as if the
+    mtp_spec_drafts: bool = True  # ... and behind that block, the chained drafts of each sequence's row as if the
                                   # verify step accepted every draft, used where it does (the host's collect and
-                                  # acceptance then no longer sit between the block and the drafts); opt-in until
-                                  # measured on a GPU
+                                  # acceptance then no longer sit between the block and the drafts); H100, 35B-A3B,
+                                  # the server at C = 1 with 3 drafts: 500 / 508 tok/s against 461 / 458 (run 50)
     poll_picks: bool = False      # a masked step's collect() watches host memory for its tokens before the
                                   # fence wait (bench/mask_bench.py --probe measures it; off until measured)
 
