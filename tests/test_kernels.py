@@ -40,6 +40,25 @@ def _close(got, want, rtol=1e-4, atol_scale=1e-5):
 
 # -- readback, transfers, ordering ------------------------------------------------
 
+def test_tiled_from_option(device):
+    """Options.tiled_from (VKENGINE_TILED_FROM): the rows from which a GPU's
+    steps take the tiled matmuls, 64 by default; CPUs never; 1 and below
+    refused with the variable's name."""
+    import types
+
+    from vkengine.errors import VkEngineError
+    from vkengine.kernels import Caps
+    from vkengine.options import Options
+    gpu = types.SimpleNamespace(info=dataclasses.replace(device.info, type="discrete"), features=device.features)
+    assert Caps.detect(gpu).tiled_from == 64
+    assert Caps.detect(gpu, Options(tiled_from=16)).tiled_from == 16
+    assert Caps.detect(device, Options(tiled_from=16)).tiled_from == (None if device.info.type == "cpu" else 16)
+    assert Options.from_env({"VKENGINE_TILED_FROM": "24"}).tiled_from == 24
+    for bad in (1, -3):
+        with pytest.raises(VkEngineError, match="VKENGINE_TILED_FROM"):
+            Caps.detect(gpu, Options(tiled_from=bad))
+
+
 def test_readback_host_buffer_is_a_correct_view(device):
     b = device.buffer(4 * 1000, "host", "t")
     a = b.array()

@@ -127,6 +127,10 @@ class Options:
     attn_kpf: bool = False        # ... the next tile's K rows loaded during this one's softmax and V (dec_kpf)
     delta_chunk: int = -1         # steps of at least this many rows take the chunked delta rule (delta_chunk/
                                   # delta_scan.comp); 0: never; -1: the device's default (64 on GPUs, never on CPUs)
+    tiled_from: int = 0           # steps of at least this many rows take the tiled matmuls (and a MoE's experts
+                                  # expert-major); 0: the device's default (64 on GPUs; CPUs never). Fewer: a hybrid
+                                  # model's short prompts (no pad rows: its recurrent state) and batched decode of
+                                  # that many sequences leave the matvecs (opt-in until measured)
     splitk_wgs: int = 256         # split K of tiled matmuls whose grid has fewer workgroups (0: off)
     splitk_min: int = 512         # the fewest K columns a part of split K takes
     xq8: bool = False             # Q8_0 matvecs on integer dot products, x quantized first (opt-in)

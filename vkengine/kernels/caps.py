@@ -17,6 +17,7 @@ from shaders.variants import (
 )
 
 from ..device import Device
+from ..errors import VkEngineError
 from ..options import Options
 
 # what mul_mc2 needs the device to have been created with (the kp patch enables them where present)
@@ -132,13 +133,15 @@ class Caps:
     @classmethod
     def detect(cls, device: Device, options: Options = Options(), tiled_from: int | None = -1,
                items_per_wg: int = 4, elementwise_wg: int = 64) -> Caps:
-        """tiled_from -1: the device's default (64 on GPUs, None on CPUs)."""
+        """tiled_from -1: Options.tiled_from on GPUs (0: 64), None on CPUs."""
         info = device.info
         gpu = info.type != "cpu"
         sg = info.subgroup_size
         features = set(device.features)
         if tiled_from == -1:
-            tiled_from = 64 if gpu else None
+            if options.tiled_from < 0 or options.tiled_from == 1:
+                raise VkEngineError(f"VKENGINE_TILED_FROM={options.tiled_from}: 0 (the default) or at least 2 rows")
+            tiled_from = (options.tiled_from or 64) if gpu else None
         coopmat = (tiled_from is not None and options.coopmat
                    and {"cooperativeMatrix", "shaderFloat16"} <= features
                    and info.COOPMAT_F16 in info.cooperative_matrix
