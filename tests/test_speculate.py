@@ -415,7 +415,9 @@ def test_block_ahead_keeps_tokens(device, accept_models, qwen35_loaded, arch, sp
     grammar-held, logit-reporting); the blocks ahead are used. spec
     (Options.mtp_spec_drafts): the chained drafts of the all-accepted row
     behind the block too, taken by the turns that accept every draft (the
-    always-accepted model's lone stream: every turn after the first)."""
+    always-accepted model's lone stream: every turn after the first), and
+    submitted only after a turn that took every draft (a lone stream with
+    rejections: fewer turns than blocks ahead)."""
     cfg = SchedulerConfig(n_slots=3, max_live=3, step_tokens=16)
     for m in (load_model(accept_models[arch]["gguf"]), qwen35_loaded(arch)):
         eng = _engine(device, m, options=Options(mtp_block_ahead=True, mtp_spec_drafts=spec))
@@ -438,4 +440,10 @@ def test_block_ahead_keeps_tokens(device, accept_models, qwen35_loaded, arch, sp
                 assert runner.spec.spec_used >= runner.spec.blocks_ahead - 3 > 0, \
                     (runner.spec.spec_used, runner.spec.blocks_ahead)
         if not spec:
-            assert runner.spec.spec_used == 0
+            assert runner.spec.spec_used == runner.spec.spec_turns == 0
+        else:   # only after a turn that took every draft (or before the first): never a rejected turn's
+            assert runner.spec.spec_turns <= runner.spec.full_turns + 1, (runner.spec.spec_turns,
+                                                                          runner.spec.full_turns)
+            if not m.args.n_nextn or jobs[0].accepted < jobs[0].drafted:   # (random MTP weights: rejections)
+                assert runner.spec.spec_turns < runner.spec.blocks_ahead, (runner.spec.spec_turns,
+                                                                           runner.spec.blocks_ahead)

@@ -96,6 +96,7 @@ class Job:
     mtp_at: int = -1                      # the position of drafts[0]
     drafted: int = 0                      # drafts verified so far
     accepted: int = 0                     # of which accepted
+    all_accepted: bool = True             # its last verified drafts were all accepted (none verified yet: True)
 
     @property
     def needs_logits(self) -> bool:

@@ -268,6 +268,8 @@ class Speculator:
         self.spec_on = spec_drafts_on(e)
         self._spec: _SpecDrafts | None = None           # the drafts behind that block (mtp_spec_drafts)
         self.spec_used = 0                 # sequences' turns that took those drafts
+        self.spec_turns = 0                # turns whose spec drafts went behind the block
+        self.full_turns = 0                # verified turns in which every speculating sequence took all its drafts
         self._words_cap: int | None = None   # (_words: the spec steps' words are above it)
 
     def bind(self, runner: Runner) -> None:
@@ -415,6 +417,8 @@ class Speculator:
             while n_acc < m and drafts[n_acc] == greedy[off + n_acc]:
                 n_acc += 1
             accepted[id(w.seq)] = n_acc
+            if m:
+                w.seq.data.all_accepted = n_acc == m   # (the spec drafts' policy: _submit_spec_drafts)
             # the state after its last accepted row (a sequence ended while its step ahead ran, by
             # cancel_all or a failure, has no slot left to roll back: its rows are dropped)
             if n_acc < m and w.seq.slot is not None:
@@ -430,6 +434,8 @@ class Speculator:
                 n_acc = accepted[id(w.seq)]
                 segs.append(_Segment(job, w.start + 1, greedy[off:off + n_acc + 1],
                                      list(range(off, off + n_acc + 1)), True))
+        if any(m for _, _, m, _ in plan) and all(accepted[id(w.seq)] == m for w, _, m, _ in plan):
+            self.full_turns += 1
         ba, self._block_ahead = self._block_ahead, None
         if ba is not None and ba.verify is v:
             self._drafts_after_block(ba, segs, accepted)
@@ -684,8 +690,17 @@ class Speculator:
         _drafts_after_block takes these (so the device goes from the block to
         the drafts without the host); elsewhere their rows only wrote MTP-layer
         KV rows past the sequence and their drafts are dropped. All steps or
-        none: they need the MTP ring's room for every one (mtp_ring_depth)."""
+        none: they need the MTP ring's room for every one (mtp_ring_depth).
+        Only where every sequence in the block took all its drafts in its last
+        verified turn: a sequence that rejects one runs the block again and the
+        spec steps were device time for nothing (up to ~0.7 ms a turn on the
+        35B-A3B), and the spec steps overwrite the block's hidden rows, so one
+        sequence that does not take them sends every other one back to the
+        block too. Acceptance runs in streaks: after a turn that took every
+        draft the next likely does."""
         e = self.e
+        if not all(job.all_accepted for job, _, _ in ba.segs):
+            return
         jobs = [job for job, _, _ in ba.segs]
         rows = [first + verified.get(id(job), 0) for job, first, _ in ba.segs]
         starts = {id(job): start + verified.get(id(job), 0) + 2 for job, _, start in ba.segs}
@@ -709,6 +724,7 @@ class Speculator:
             self.mtp_steps += 1
             w += len(sj)
         self._spec = spec
+        self.spec_turns += 1
 
     def _drafts_after_block(self, ba: _BlockAhead, segs: list[_Segment], accepted: dict[int, int]) -> None:
         """The verify step behind which the block ran is collected: each drafting
