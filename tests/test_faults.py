@@ -374,12 +374,13 @@ def test_matmul_scratch_counts_in_the_startup_memory_check(tiny_model, device, m
 def test_matmul_scratch_bound(device):
     """What scratch_bytes_bound counts: nothing where no step is tiled (lavapipe,
     or steps below the tiled threshold), split K's cap where it splits,
-    mul_mc2's halves of x (rows padded to 256) where it runs, and the XQ8
+    mul_mc2's halves of x (rows padded to 256) where it runs, as many again
+    for the GLU epilogue's halves where it runs (Caps.mc2_glu), and the XQ8
     matvecs' 8-bit x where they run."""
     from vkengine.kernels import Kernels
 
     from .conftest import kernels_for
-    base = {"tiled_from": None, "split_k_wgs": 256, "coopmat2": False, "xq8": False}
+    base = {"tiled_from": None, "split_k_wgs": 256, "coopmat2": False, "xq8": False, "mc2_glu": False}
 
     def bound(rows: int, cols: int, **caps) -> int:
         return kernels_for(device, **{**base, **caps}).scratch_bytes_bound(rows, cols)
@@ -388,6 +389,7 @@ def test_matmul_scratch_bound(device):
     assert bound(512, 4096, tiled_from=64) == Kernels.SPLIT_K_SCRATCH
     assert bound(300, 14336, tiled_from=64, coopmat2=True) == Kernels.SPLIT_K_SCRATCH + 512 * 14336 * 2
     assert bound(300, 14336, tiled_from=64, coopmat2=True, split_k_wgs=0) == 512 * 14336 * 2
+    assert bound(300, 14336, tiled_from=64, coopmat2=True, split_k_wgs=0, mc2_glu=True) == 2 * 512 * 14336 * 2
     # + 63 rows (the matvec steps) of 8-bit x: 9 bytes per 8 values
     assert (bound(300, 14336, tiled_from=64, coopmat2=True, split_k_wgs=0, xq8=True)
             == 512 * 14336 * 2 + 63 * 14336 * 9 // 8)
