@@ -121,7 +121,13 @@ MC2_TYPES = ("f16", "q4_0", "q4_1", "q8_0")
 # so a 256 x 256 tile fits) and their chunks, by the rows they start from
 # (notes.md run 13; "From code comments": MC2H_TILES)
 MC2H_TILES = ((16384, (256, 256)), (6144, (128, 256)), (0, (64, 256)))
-MC2H_UNROLL = {(256, 256): 4, (128, 256): 4, (128, 128): 8, (64, 256): 4}
+MC2H_UNROLL = {(256, 256): 4, (128, 256): 4, (128, 128): 8, (64, 256): 4,
+               # narrower token tiles for prompt steps of few rows (MC2H_SMALL_BN)
+               (256, 64): 4, (256, 128): 4, (128, 64): 8, (64, 64): 8, (64, 128): 8}
+# Prompt steps of at most BN rows take the table's BM with this BN instead of
+# 256 tokens (Options.mc2_small): a 64-row step on a 256-token tile multiplies
+# four times the tokens it has. Opt-in until measured (bench/mm_probe.py -n 64).
+MC2H_SMALL_BN = (64, 128)
 # 64-deep slices (llama.cpp's BK there) where they measured faster: Q4_0 in the
 # 64 x 256 tile (the 8B's down projection 15.9 -> 13.4 ms a 512-row step; slower
 # on 128 x 256 in place of 256 x 256 and on 128 x 256: notes.md run 37).

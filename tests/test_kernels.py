@@ -234,6 +234,32 @@ def test_mul_mat_coopmat(device, coopmat_kernels, ws, rng, wt, n, M, K, kernel):
     _check_mul_mat(device, kn, ws, rng, wt, n, M, max(K, 512) if wt in K_QUANTS else K, accumulate=n == 130)
 
 
+def test_mc2_small_token_tiles(kernels):
+    """Caps.mc2_small: a step of at most 64 / 128 rows takes mul_mc2h's tile of
+    the table's weight rows with 64 / 128 tokens (MC2H_SMALL_BN), a variant the
+    table compiles; more rows, fp32 sums or the option off keep the table's
+    256-token tiles; such rows never take the GLU epilogue (its tiles are
+    256 tokens wide)."""
+    import types
+
+    from shaders.variants import VARIANTS
+    kn = with_caps(kernels, coopmat2=True, mc2_f16acc=True, mc2h_tiles=MC2H_TILES, mc2_k64=True, mc2_unroll=0,
+                   mc2_small=True)
+    got = {}
+    for rows in (28672, 6144, 4096):
+        w = types.SimpleNamespace(rows=rows, cols=4096, type="q4_0")
+        got[rows] = [kn.mc2_variant(w, n) for n in (1, 64, 65, 128, 129, 512, None)]
+    assert [bn for _, bn, _ in got[28672]] == [64, 64, 128, 128, 256, 256, 256]
+    assert got[28672][0] == (256, 64, "mul_mc2h_256x64_q4_0")
+    assert got[6144][2] == (128, 128, "mul_mc2h_128x128_q4_0")
+    assert got[4096][1] == (64, 64, "mul_mc2h_64x64_q4_0") and got[4096][4][2] == "mul_mc2hk64_64x256_q4_0"
+    assert all(v in VARIANTS for vs in got.values() for _, _, v in vs)
+    assert not any((bm, bn) in MC2_GLU_TILES for vs in got.values() for bm, bn, _ in vs if bn < 256)
+    w = types.SimpleNamespace(rows=4096, cols=4096, type="q4_0")
+    assert with_caps(kn, mc2_small=False).mc2_variant(w, 32)[1] == 256
+    assert with_caps(kn, mc2_f16acc=False).mc2_variant(w, 32)[1] == 128   # (fp32 sums: MC2_TILES' 128 x 128)
+
+
 @pytest.mark.parametrize("wt", MC2_GLU_TYPES)
 @pytest.mark.parametrize("tile", MC2_GLU_TILES)
 @pytest.mark.parametrize("n,F,K", [(3, 224, 96), (130, 288, 2304)])

@@ -291,6 +291,26 @@ def test_prefill_swiglu_as_halves(device, tiny_models):
     _assert_logits_close(got, _prefill_logits(plain, ids))
 
 
+def test_prefill_small_token_tiles(device, tiny_models):
+    """Caps.mc2_small (VK_NV_cooperative_matrix2 devices): a short prompt's
+    matmuls on mul_mc2h's 64-token tiles rather than 256-token ones: taken,
+    and the logits match the numpy reference and the wide tiles' path."""
+    from vkengine.kernels import device_has_coopmat2
+    if not device_has_coopmat2(device):
+        pytest.skip("mul_mc2: VK_NV_cooperative_matrix2 devices")
+    caps = {"tiled_from": 2, "coopmat2": True, "mc2_types": ("f16", "q4_0"), "mc2_from_rows": 0, "mc2_f16acc": True,
+            "mc2_glu": False}
+    m, eng = _engine(device, tiny_models["f16"]["gguf"], caps={**caps, "mc2_small": True})
+    ids = m.tokenizer.encode(PROMPT)
+    assert len(ids) <= 64
+    got = _prefill_logits(eng, ids)
+    names = {k[0] for k in device._algorithms}
+    assert any(n.startswith("mul_mc2h_") and "x64_" in n for n in names), sorted(names)
+    _assert_logits_close(got, RefLlama(m.file, m.args).logits(ids))
+    _m, wide = _engine(device, tiny_models["f16"]["gguf"], caps={**caps, "mc2_small": False})
+    _assert_logits_close(got, _prefill_logits(wide, ids))
+
+
 def test_step_rows_buckets(device, tiny_models):
     """GPUs: steps of more than 8 rows run as buckets of 8 rows (16 past 64, 64
     past 128), at most max_batch, never crossing a row count where the step's

@@ -86,6 +86,7 @@ class Caps:
     attention_mc: bool
     attention_mc_layouts: tuple[tuple[int, int], ...]
     mc2_glu: bool = True           # gate|up's SwiGLU in mul_mc2h's epilogue, as halves for down (Options.mc2_glu)
+    mc2_small: bool = False        # prompt steps of few rows on mul_mc2h's narrower token tiles (Options.mc2_small)
     # prompt attention of f16 caches that do not wrap on NVIDIA's workgroup-scope
     # matrices (attention_mc2.comp) where the device has them (coopmat2)
     attention_mc2: bool = False
@@ -160,6 +161,7 @@ class Caps:
             mc2_from_rows=(options.mc2_from_rows if options.mc2_from_rows is not None
                            else MC2_FROM_ROWS if options.mc2_f16acc else MC2_F32_FROM_ROWS),
             mc2_k64=options.mc2_bk == 64, mc2_unroll=options.mc2_unroll, mc2_glu=options.mc2_glu,
+            mc2_small=options.mc2_small,
             mc2h_tiles=MC2H_TILES, split_k_wgs=options.splitk_wgs, split_k_min=options.splitk_min,
             xq8=gpu and int_dot and options.xq8, norm_in=norm_in, xq8_in=norm_in and int_dot and options.xq8_in,
             delta_chunk_from=(options.delta_chunk if options.delta_chunk >= 0 else 64 if gpu else 0)

@@ -15,6 +15,8 @@ from shaders.variants import (
     MC2_SC_F16_UNROLLS,
     MC2_TILES,
     MC2_TYPES,
+    MC2H_SMALL_BN,
+    MC2H_UNROLL,
     MC_TILE,
     MM_GPU_COLS,
     NORM_PARTS_TYPES,
@@ -187,13 +189,19 @@ class MatmulKernels(KernelBase):
             return MC_TILE[1]
         return 16 * TILE[1]
 
-    def mc2_variant(self, w: Matrix) -> tuple[int, int, str]:
+    def mc2_variant(self, w: Matrix, n: int | None = None) -> tuple[int, int, str]:
         """mul_mc2's BM x BN tile for w and its variant: the first of the tile
         table whose row floor w reaches (fp32 sums: MC2_TILES; fp16 sums:
         Caps.mc2h_tiles), with 64-deep slices where they measured faster
-        (MC2_K64) and K is a multiple of 64."""
+        (MC2_K64) and K is a multiple of 64. n (a step's rows), with
+        Caps.mc2_small and fp16 sums: the narrowest of MC2H_SMALL_BN's token
+        tiles that holds them, where narrower than the table's."""
         tiles, tag = (self.caps.mc2h_tiles, "h") if self.caps.mc2_f16acc else (MC2_TILES, "")
         bm, bn = next(t for rows, t in tiles if w.rows >= rows)
+        if tag and n is not None and self.caps.mc2_small:
+            small = next((b for b in MC2H_SMALL_BN if n <= b), bn)
+            if small < bn and (bm, small) in MC2H_UNROLL:
+                bn = small
         if (tag and self.caps.mc2_k64 and w.type in MC2_K64["types"] and (bm, bn) in MC2_K64["tiles"]
                 and w.cols % 64 == 0):
             tag += "k64"
@@ -215,8 +223,8 @@ class MatmulKernels(KernelBase):
                 and gu.rows % 16 == 0 and down.cols == gu.rows // 2 and self.tiled(gu, n) and self.tiled(down, n)
                 and self.on_coopmat2(gu) and self.on_coopmat2(down)):
             return False
-        bm, bn, _ = self.mc2_variant(gu)
-        _, bn_down, v_down = self.mc2_variant(down)
+        bm, bn, _ = self.mc2_variant(gu, n)
+        _, bn_down, v_down = self.mc2_variant(down, n)
         return ((bm, bn) in MC2_GLU_TILES and bn_down == bn and not self.device.is_slow(self._glu_variant(gu))
                 and not self.device.is_slow(v_down))
 
@@ -231,7 +239,7 @@ class MatmulKernels(KernelBase):
         mul_mat's x (its x_halves): mul_mc2.comp's GLU variant, after to_f16 of
         x. The rows past n (up to the token tile) are zeros."""
         assert w.data is not None
-        bm, bn, _ = self.mc2_variant(w)
+        bm, bn, _ = self.mc2_variant(w, n)   # (a GLU tile: glu_halves said so for these rows)
         variant = self._glu_variant(w)
         F = w.rows // 2
         gm, gn = math.ceil(F / (bm // 2)), math.ceil(n / bn)
@@ -498,13 +506,13 @@ class MatmulKernels(KernelBase):
         (split_k_parts). x_halves: mul_mc2 reads those (mul_mat's)."""
         assert w.data is not None
         mc2 = self.on_coopmat2(w)
-        if mc2 and self.device.is_slow(self.mc2_variant(w)[2]):   # still compiling (Device.settle): mul_mc meanwhile
+        if mc2 and self.device.is_slow(self.mc2_variant(w, n)[2]):   # still compiling (Device.settle): mul_mc meanwhile
             mc2 = False
             self.substituted += 1
         if x_halves is not None and not mc2:   # (glu_halves checked both pipelines: they do not go back to compiling)
             raise ValueError("mul_mat: x as halves needs the matrix on mul_mc2")
         if mc2:
-            bm, bn, variant = self.mc2_variant(w)
+            bm, bn, variant = self.mc2_variant(w, n)
         elif self.caps.coopmat:
             (bm, bn), variant = MC_TILE[:2], f"mul_mc_{w.type}"
         else:
