@@ -223,14 +223,16 @@ class MatmulKernels(KernelBase):
                 and gu.rows % 16 == 0 and down.cols == gu.rows // 2 and self.tiled(gu, n) and self.tiled(down, n)
                 and self.on_coopmat2(gu) and self.on_coopmat2(down)):
             return False
-        bm, bn, _ = self.mc2_variant(gu, n)
+        bm, bn, v_glu = self._glu_variant(gu, n)
         _, bn_down, v_down = self.mc2_variant(down, n)
-        return ((bm, bn) in MC2_GLU_TILES and bn_down == bn and not self.device.is_slow(self._glu_variant(gu))
+        return ((bm, bn) in MC2_GLU_TILES and bn_down == bn and not self.device.is_slow(v_glu)
                 and not self.device.is_slow(v_down))
 
-    def _glu_variant(self, w: Matrix) -> str:
-        bm, bn, _ = self.mc2_variant(w)
-        return f"mul_mc2hg_{bm}x{bn}_{w.type}"
+    def _glu_variant(self, w: Matrix, n: int) -> tuple[int, int, str]:
+        """mc2_variant's tile for n rows of w and the name of its GLU form
+        (compiled for MC2_GLU_TILES only: glu_halves checks the tile)."""
+        bm, bn, _ = self.mc2_variant(w, n)
+        return bm, bn, f"mul_mc2hg_{bm}x{bn}_{w.type}"
 
     def mul_mat_glu_halves(self, prog: Program, w: Matrix, x: Region, x_stride: int, n: int,
                            label: str = "") -> Halves:
@@ -239,8 +241,7 @@ class MatmulKernels(KernelBase):
         mul_mat's x (its x_halves): mul_mc2.comp's GLU variant, after to_f16 of
         x. The rows past n (up to the token tile) are zeros."""
         assert w.data is not None
-        bm, bn, _ = self.mc2_variant(w, n)   # (a GLU tile: glu_halves said so for these rows)
-        variant = self._glu_variant(w)
+        bm, bn, variant = self._glu_variant(w, n)   # (a GLU tile: glu_halves said so for these rows)
         F = w.rows // 2
         gm, gn = math.ceil(F / (bm // 2)), math.ceil(n / bn)
         n_pad = gn * bn
