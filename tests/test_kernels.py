@@ -297,9 +297,7 @@ def test_mul_mat_glu_halves(device, coopmat_kernels, ws, rng, wt, tile, n, F, K)
     xh = x.astype(np.float16).astype(np.float64)
     wh = w.astype(np.float16).astype(np.float64)
     g, u = xh @ wh[:F].T, xh @ wh[F:].T
-    # fp16 sums: one half-ulp rounding of each operand, at most one a 16-deep k step (as _check_mul_mat)
-    bg = 2.0 ** -10 * (np.abs(xh) @ np.abs(wh[:F]).T) * (1 + math.ceil(K / 16))
-    bu = 2.0 ** -10 * (np.abs(xh) @ np.abs(wh[F:]).T) * (1 + math.ceil(K / 16))
+    bg, bu = _f16_sums_bound(xh, wh[:F]), _f16_sums_bound(xh, wh[F:])
     sig = 1 / (1 + np.exp(-g))
     want = g * sig * u
     # |d silu(g)| <= 1.1 |dg|; then the product, and its rounding to a half (half an ulp)
@@ -310,7 +308,7 @@ def test_mul_mat_glu_halves(device, coopmat_kernels, ws, rng, wt, tile, n, F, K)
     wdh = wd.astype(np.float16).astype(np.float64)
     hd = got[:n].astype(np.float64)
     want_y = hd @ wdh.T
-    bound_y = 2.0 ** -10 * (np.abs(hd) @ np.abs(wdh).T) * (1 + math.ceil(F / 16)) + 1e-5
+    bound_y = _f16_sums_bound(hd, wdh) + 1e-5
     assert (np.abs(y[:, :M] - want_y) <= bound_y).all()
     assert np.isnan(y[:, M:]).all()
 
@@ -337,6 +335,13 @@ def test_to_f16(device, kernels, ws, rng, n, cols, n_pad):
     ulps = np.abs(got.view(np.int16).astype(np.int32) - want.view(np.int16).astype(np.int32))
     assert ulps.max() <= 1
     assert (got[n:] == 0).all() and (got[:, cols:] == 0).all()
+
+
+def _f16_sums_bound(x, w):
+    """How far a product x @ w.T with fp16 sums may be from numpy's of the
+    same operands: one half-ulp rounding of each operand, at most one a
+    16-deep k step (as _check_mul_mat's bound for mul_mc2h)."""
+    return 2.0 ** -10 * (np.abs(x) @ np.abs(w).T) * (1 + math.ceil(x.shape[1] / 16))
 
 
 def _check_mul_mat(device, kernels, ws, rng, wt, n, M, K, accumulate=False):

@@ -268,47 +268,43 @@ def test_tiled_prefill_with_split_k(device, tiny_models, monkeypatch):
         _assert_logits_close(got, RefLlama(m.file, m.args).logits(ids))
 
 
-def test_prefill_swiglu_as_halves(device, tiny_models):
-    """Caps.mc2_glu (VK_NV_cooperative_matrix2 devices): a prompt's gate|up with
-    the SwiGLU in mul_mc2's epilogue, written as halves straight into the down
-    projection's x: taken in every layer (no swiglu or gate|up floats), and the
-    logits match the numpy reference and the path without it."""
+def _mc2_prefill(device, tiny_models, option: str, **caps):
+    """The tiny f16 model's prompt on mul_mc2 (VK_NV_cooperative_matrix2 devices;
+    every matrix on it with fp16 sums) with Caps `option` on: its logits match
+    the numpy reference and those with the option off. (model, engine, ids)."""
     from vkengine.kernels import device_has_coopmat2
     if not device_has_coopmat2(device):
         pytest.skip("mul_mc2: VK_NV_cooperative_matrix2 devices")
-    # (a GLU tile for the tiny gate|up: the table's would give its 320 rows 64 x 256 tiles, which have no GLU form)
     caps = {"tiled_from": 2, "coopmat2": True, "mc2_types": ("f16", "q4_0"), "mc2_from_rows": 0, "mc2_f16acc": True,
-            "mc2h_tiles": ((0, (128, 256)),)}
-    m, eng = _engine(device, tiny_models["f16"]["gguf"], caps={**caps, "mc2_glu": True})
+            **caps}
+    m, eng = _engine(device, tiny_models["f16"]["gguf"], caps={**caps, option: True})
     ids = m.tokenizer.encode(PROMPT)
     got = _prefill_logits(eng, ids)
+    _assert_logits_close(got, RefLlama(m.file, m.args).logits(ids))
+    _m, off = _engine(device, tiny_models["f16"]["gguf"], caps={**caps, option: False})
+    _assert_logits_close(got, _prefill_logits(off, ids))
+    return m, eng, ids
+
+
+def test_prefill_swiglu_as_halves(device, tiny_models):
+    """Caps.mc2_glu: a prompt's gate|up with the SwiGLU in mul_mc2's epilogue,
+    written as halves straight into the down projection's x: taken in every
+    layer (no swiglu or gate|up floats), logits as _mc2_prefill checks them."""
+    # (a GLU tile for the tiny gate|up: the table's would give its 320 rows 64 x 256 tiles, which have no GLU form)
+    m, eng, ids = _mc2_prefill(device, tiny_models, "mc2_glu", mc2h_tiles=((0, (128, 256)),))
     key = next(k for k in eng._programs if k[0] >= len(ids))
     labels = [op.label for op in eng._programs[key].ops if op.kind == "dispatch"]
     assert sum("(halves)" in lb for lb in labels) == 2 * m.args.n_layer, labels   # gate|up's and down's
     assert not any(lb.startswith("swiglu") for lb in labels), labels
-    _assert_logits_close(got, RefLlama(m.file, m.args).logits(ids))
-    _m, plain = _engine(device, tiny_models["f16"]["gguf"], caps={**caps, "mc2_glu": False})
-    _assert_logits_close(got, _prefill_logits(plain, ids))
 
 
 def test_prefill_small_token_tiles(device, tiny_models):
-    """Caps.mc2_small (VK_NV_cooperative_matrix2 devices): a short prompt's
-    matmuls on mul_mc2h's 64-token tiles rather than 256-token ones: taken,
-    and the logits match the numpy reference and the wide tiles' path."""
-    from vkengine.kernels import device_has_coopmat2
-    if not device_has_coopmat2(device):
-        pytest.skip("mul_mc2: VK_NV_cooperative_matrix2 devices")
-    caps = {"tiled_from": 2, "coopmat2": True, "mc2_types": ("f16", "q4_0"), "mc2_from_rows": 0, "mc2_f16acc": True,
-            "mc2_glu": False}
-    m, eng = _engine(device, tiny_models["f16"]["gguf"], caps={**caps, "mc2_small": True})
-    ids = m.tokenizer.encode(PROMPT)
+    """Caps.mc2_small: a short prompt's matmuls on mul_mc2h's 64-token tiles
+    rather than 256-token ones: taken, logits as _mc2_prefill checks them."""
+    _m, _eng, ids = _mc2_prefill(device, tiny_models, "mc2_small", mc2_glu=False)
     assert len(ids) <= 64
-    got = _prefill_logits(eng, ids)
     names = {k[0] for k in device._algorithms}
     assert any(n.startswith("mul_mc2h_") and "x64_" in n for n in names), sorted(names)
-    _assert_logits_close(got, RefLlama(m.file, m.args).logits(ids))
-    _m, wide = _engine(device, tiny_models["f16"]["gguf"], caps={**caps, "mc2_small": False})
-    _assert_logits_close(got, _prefill_logits(wide, ids))
 
 
 def test_step_rows_buckets(device, tiny_models):
