@@ -105,8 +105,10 @@ class Options:
                                   # straight into the down projection's x (no gate|up floats, swiglu or to_f16;
                                   # shaders/mul_mc2.comp GLU; H100, 8B: pp4096 9,667 / 9,614 against 9,416 /
                                   # 9,375 tok/s, pp512 step 57.8 / 57.4 against 58.9 / 59.0 ms; notes.md run 50)
-    mc2_small: bool = False       # steps of at most 64 / 128 rows on mul_mc2's 64- / 128-token tiles rather than its
-                                  # 256-token ones (shaders/variants.py MC2H_SMALL_BN; opt-in until measured)
+    mc2_small: bool = True        # steps of at most 64 / 128 rows on mul_mc2's 64- / 128-token tiles rather than its
+                                  # 256-token ones (shaders/variants.py MC2H_SMALL_BN; H100, 8B Q4_0: pp64 2,126 /
+                                  # 2,106 against 1,545 / 1,529 tok/s, pp128 3,537 / 3,555 against 3,006 / 3,030;
+                                  # notes.md run 51)
     attn_mc: bool = True          # prompt attention on cooperative matrices (attention_mc.comp)
     attn_mc2: bool = True         # ... on NVIDIA's workgroup-scope matrices where it can (attention_mc2.comp)
     attn_mc2_of16: bool = True    # ... its output accumulated in halves, as llama.cpp's flash_attn_cm2 (H200:

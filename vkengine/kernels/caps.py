@@ -86,7 +86,7 @@ class Caps:
     attention_mc: bool
     attention_mc_layouts: tuple[tuple[int, int], ...]
     mc2_glu: bool = True           # gate|up's SwiGLU in mul_mc2h's epilogue, as halves for down (Options.mc2_glu)
-    mc2_small: bool = False        # prompt steps of few rows on mul_mc2h's narrower token tiles (Options.mc2_small)
+    mc2_small: bool = True         # prompt steps of few rows on mul_mc2h's narrower token tiles (Options.mc2_small)
     # prompt attention of f16 caches that do not wrap on NVIDIA's workgroup-scope
     # matrices (attention_mc2.comp) where the device has them (coopmat2)
     attention_mc2: bool = False
