@@ -49,7 +49,8 @@ def test_mtp_head_matches_reference(device, qwen35_loaded, arch):
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.9
 
 
-@pytest.mark.parametrize("arch,n_draft,max_batch", [("qwen35", 1, 32), ("qwen35moe", 3, 32), ("qwen35", 2, 6)])
+@pytest.mark.parametrize("arch,n_draft,max_batch", [("qwen35", 1, 32), ("qwen35moe", 3, 32), ("qwen35", 2, 6),
+                                                      ("qwen35moe", 5, 32)])
 def test_mtp_output_equals_greedy(device, qwen35_loaded, arch, n_draft, max_batch):
     """(max_batch 6: a prefill in chunks, the MTP block following each.)"""
     m = qwen35_loaded(arch)
