@@ -2,7 +2,8 @@
 
 For each configuration it starts a server (ours, or llama-server on the same
 GGUF), warms it up (`warm_up`: a first request, then the same C clients with
-shorter replies for at least `--warmup-s` seconds), then runs C clients at once
+shorter replies for at least `--warmup-s` seconds; ours then until it has recorded
+the steps its start left for idle time, `settle`), then runs C clients at once
 (`--repeat` times; the run of median tok/s is reported); each sends `--requests`
 streaming /completion requests one after another (distinct prompts, greedy,
 `--n-predict` tokens, EOS ignored). Reported per configuration: time to first
@@ -298,6 +299,35 @@ def _drafts(url: str) -> tuple[float, float]:
     return total(m, "vkengine_spec_draft_tokens_total"), total(m, "vkengine_spec_accepted_tokens_total")
 
 
+def _gauge(url: str, name: str) -> float | None:
+    """One of our server's /metrics values (None: a server without it, llama-server)."""
+    from soak import scrape
+    try:
+        return scrape(url).get(name)
+    except httpx.HTTPError:
+        return None
+
+
+def settle(url: str, timeout: float) -> float | None:
+    """Wait until our server has recorded the steps its start left for idle
+    time (/metrics' vkengine_programs_deferred at 0), so that the measured runs
+    record none in their requests' time (on the H100 a 35B-A3B server with
+    --mtp --draft 5 leaves ~180 turn shapes, each ~10-50 ms to record, and a
+    warm-up of 2 s keeps it busy: its first tokens came 17 ms later than with 3
+    drafts, notes.md run 51). The seconds waited; None for a server without
+    the gauge."""
+    t0 = time.perf_counter()
+    while True:
+        left = _gauge(url, "vkengine_programs_deferred")
+        if left is None or left == 0:
+            return None if left is None else time.perf_counter() - t0
+        if time.perf_counter() - t0 > timeout:
+            print(f"warning: {left:.0f} steps still to record after {timeout:.0f} s; measuring anyway",
+                  file=sys.stderr)
+            return time.perf_counter() - t0
+        time.sleep(0.1)
+
+
 def _default_model() -> str:
     sys.path.insert(0, str(ROOT))
     from vkengine.model import default_model_path
@@ -347,6 +377,9 @@ def main(argv=None) -> int:
                     help="> 0: sampled replies (each request its own seed) instead of greedy ones")
     ap.add_argument("--warmup-s", type=float, default=2.0,
                     help="warm-up: the C clients with short replies for at least this long before measuring")
+    ap.add_argument("--settle-s", type=float, default=120.0,
+                    help="then wait up to this long for our server to record the steps its start left for idle "
+                         "time (vkengine_programs_deferred)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="measured runs per configuration (same server); the run of median tok/s is reported")
     ap.add_argument("--prompt-ids", type=int, default=0,
@@ -360,8 +393,8 @@ def main(argv=None) -> int:
     ap.add_argument("--keep-logs", default=None, metavar="DIR",
                     help="copy each server's log here when it stops (llama-server's prompt and batch timings)")
     args = ap.parse_args(argv)
-    if args.repeat < 1 or args.warmup_s < 0:
-        raise SystemExit("--repeat must be >= 1 and --warmup-s >= 0")
+    if args.repeat < 1 or args.warmup_s < 0 or args.settle_s < 0:
+        raise SystemExit("--repeat must be >= 1, --warmup-s and --settle-s >= 0")
 
     rows = []
     if args.newcomers:
@@ -383,9 +416,12 @@ def main(argv=None) -> int:
         url = args.llama_url if srv is None else srv.url
         try:
             n_warm = warm_up(url, args)
+            settled = settle(url, args.settle_s)
             drafts0 = _drafts(url) if mtp else (0.0, 0.0)
+            ev0 = _gauge(url, "vkengine_programs_evicted")
             runs = [run_load(url, args.clients, args.requests, args.n_predict, args.prompt_words, args.seed + i,
                              args.temperature, args.prompt_ids) for i in range(args.repeat)]
+            ev1 = _gauge(url, "vkengine_programs_evicted")
             if mtp:   # the drafts of the timed runs (the server's counters)
                 drafted, accepted = (b - a for a, b in zip(drafts0, _drafts(url)))
                 print(f"{name}: {drafted:.0f} drafts, {accepted:.0f} accepted", file=sys.stderr)
@@ -395,6 +431,12 @@ def main(argv=None) -> int:
         r = sorted(runs, key=lambda x: x["tok_s"])[(len(runs) - 1) // 2]
         r["tok_s_runs"] = [x["tok_s"] for x in runs]
         r["warmup_loads"] = n_warm
+        r["settle_s"] = settled
+        if ev0 is not None and ev1 is not None:   # (recorded steps dropped and recorded again while measured)
+            r["programs_evicted"] = ev1 - ev0
+            if ev1 > ev0:
+                print(f"{name}: the program cache dropped {ev1 - ev0:.0f} recorded steps during the timed runs",
+                      file=sys.stderr)
         base = name.removesuffix("-mtp")
         r["config"] = (base if base != "serial" else "serial (--parallel 1)") + (f" --mtp --draft {args.draft}"
                                                                                if mtp else "")
@@ -426,6 +468,7 @@ def mixed_main(args) -> int:
         url = args.llama_url if srv is None else srv.url
         try:
             warm_up(url, args)
+            settle(url, args.settle_s)
             # and one newcomer-sized prompt: pipelines of long prompts' shapes are built on first use (on a
             # fresh H200, llama-server's first 8k-token prompt took 15.1 s against 1.0-2.2 s for the next
             # ones, and its newcomers' TTFT p99 read 18.4 s against 4.8 s warm: notes.md run 37)

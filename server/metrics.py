@@ -76,6 +76,10 @@ class Metrics:
                                "(their steps run on stand-in kernels until then)", registry=r)
         self.programs = Gauge(p + "recorded_programs", "Engine steps recorded for replay (one per shape, LRU)",
                               registry=r)
+        self.deferred = Gauge(p + "programs_deferred", "Engine steps the start left to record while idle (one "
+                              "met before then is recorded when first run, in its request's time)", registry=r)
+        self.evicted = Gauge(p + "programs_evicted", "Recorded steps the program cache dropped to stay within its "
+                             "size (since start; one needed again is recorded again)", registry=r)
         self.kv_usage = Gauge(p + "kv_cache_usage_ratio", "Device KV-cache positions held by live sequences, "
                               "over all slots' positions (0..1; a finished sequence's rows kept for prefix reuse "
                               "do not count: they are given up when a slot is needed)", registry=r)
@@ -142,6 +146,8 @@ class Metrics:
             self.parked_handles.set(mem["parked_handles"])
             self.parked_bytes.set(mem["parked_bytes"])
             self.programs.set(mem["programs"])
+            self.deferred.set(mem.get("programs_deferred", 0))
+            self.evicted.set(mem.get("programs_evicted", 0))
             self.compiling.set(mem.get("pipelines_compiling", 0))
 
     # event loop

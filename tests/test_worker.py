@@ -275,6 +275,21 @@ def test_rows_past_a_stop_leave_the_cached_prefix_right(device, tiny_model, ref_
     assert [e.token for e in events2 if e.token is not None] == alone(ref_engine, p2, 8, SamplingParams())[0]
 
 
+def test_program_cache_counts_what_it_drops(device, tiny_model):
+    """EngineConfig.program_cache bounds the recorded steps (LRU); each one it
+    drops counts in programs_evicted (/metrics' vkengine_programs_evicted), and
+    a dropped shape run again is recorded again, with the same logits."""
+    eng = Engine(tiny_model, device, EngineConfig(n_slots=1, n_ctx=CTX, max_batch=8, max_out=8, program_cache=2))
+    ids = tiny_model.tokenizer.encode(TEXTS[0])[:8]
+    first = eng.step(ids[:1], [0], [0], [0], Readback.LOGITS)
+    for n in (2, 3):
+        eng.step(ids[:n], range(n), [0] * n, [n - 1], Readback.LOGITS)
+    assert eng.n_programs == 2 and eng.programs_evicted == 1
+    again = eng.step(ids[:1], [0], [0], [0], Readback.LOGITS)   # (the one-row step's program was dropped)
+    assert eng.programs_evicted == 2
+    assert (again == first).all()
+
+
 def test_xq8_interleaved_equals_alone(device, tiny_model):
     """With the XQ8 matvecs (decode steps read the 8-bit blocks that the fused
     RMSNorm writes beside h; steps of more rows quantize h with quantize_q8),
@@ -656,8 +671,11 @@ def test_a_servers_start_leaves_steps_for_the_idle_engine_thread(device, tiny_mo
     the steps of at most one output row (a first request's); the engine thread
     records the others while it has nothing to run (Engine.record_deferred), so
     that four streams arriving afterwards run steps of several rows without a
-    recording. Tokens as alone."""
+    recording. Tokens as alone. /metrics' programs_deferred follows the list
+    down to 0 (bench/serve.py waits for it before timing)."""
     import time
+
+    from server.metrics import Metrics
     tok = tiny_model.tokenizer
     cfg = CONFIGS["batch"]
     eng = Engine(tiny_model, device, EngineConfig(n_slots=cfg.n_slots, n_ctx=CTX, max_batch=ENGINE_ROWS,
@@ -667,13 +685,19 @@ def test_a_servers_start_leaves_steps_for_the_idle_engine_thread(device, tiny_mo
     left = list(eng.deferred)
     assert n_now > 0 and left and all(k[1] > 1 for k in left)
     assert all((*k, MAIN) not in eng._programs for k in left)
-    w = Worker(eng, cfg)
+    metrics = Metrics(cfg.n_slots, cfg.max_live, CTX)
+    w = Worker(eng, cfg, metrics)
+
+    def gauge(name: str) -> float | None:
+        return metrics.registry.get_sample_value(f"vkengine_{name}")
+    assert gauge("programs_deferred") == len(left) and gauge("programs_evicted") == 0
     w.start()
     try:
         t0 = time.monotonic()
-        while eng.deferred and time.monotonic() - t0 < 60:
+        while (eng.deferred or gauge("programs_deferred")) and time.monotonic() - t0 < 60:
             time.sleep(0.02)
         assert not eng.deferred, f"{len(eng.deferred)} steps still deferred"
+        assert gauge("programs_deferred") == 0 and gauge("recorded_programs") == eng.n_programs
         recorded: list[int] = []
         record = eng._record
 

@@ -218,6 +218,7 @@ class Engine:
         self._tiled_prompts = self.pad_steps and cfg.options.tiled_prompts
         self._inflight: deque[_Submitted] = deque()   # oldest first
         self.deferred: deque[tuple] = deque()   # steps prepare_decode(defer=True) left for record_deferred
+        self.programs_evicted = 0   # recorded steps the program cache dropped (LRU) to keep at most program_cache
         self.last_rows = 0   # rows the newest step ran (its pad rows too)
         # whether callers chain decode steps on this device (prepare_decode records them); a split model's
         # parts: no, SplitEngine chains on the host
@@ -432,6 +433,7 @@ class Engine:
         self._programs[key] = prog
         if len(self._programs) > self.program_cache:
             self._programs.popitem(last=False)
+            self.programs_evicted += 1
         return prog
 
     def prepare_decode(self, max_rows: int, prompt_rows: int = 0, defer: bool = False) -> int:

@@ -326,6 +326,10 @@ class SplitEngine:
     def deferred(self) -> list[tuple]:
         return [k for e in self.parts for k in e.deferred]
 
+    @property
+    def programs_evicted(self) -> int:
+        return sum(e.programs_evicted for e in self.parts)
+
     def record_deferred(self) -> bool:
         return any(e.record_deferred() for e in self.parts)
 
