@@ -299,7 +299,7 @@ def _drafts(url: str) -> tuple[float, float]:
     return total(m, "vkengine_spec_draft_tokens_total"), total(m, "vkengine_spec_accepted_tokens_total")
 
 
-def _gauge(url: str, name: str) -> float | None:
+def _metric(url: str, name: str) -> float | None:
     """One of our server's /metrics values (None: a server without it, llama-server)."""
     from soak import scrape
     try:
@@ -318,7 +318,7 @@ def settle(url: str, timeout: float) -> float | None:
     the gauge."""
     t0 = time.perf_counter()
     while True:
-        left = _gauge(url, "vkengine_programs_deferred")
+        left = _metric(url, "vkengine_programs_deferred")
         if left is None or left == 0:
             return None if left is None else time.perf_counter() - t0
         if time.perf_counter() - t0 > timeout:
@@ -418,10 +418,10 @@ def main(argv=None) -> int:
             n_warm = warm_up(url, args)
             settled = settle(url, args.settle_s)
             drafts0 = _drafts(url) if mtp else (0.0, 0.0)
-            ev0 = _gauge(url, "vkengine_programs_evicted")
+            ev0 = _metric(url, "vkengine_programs_evicted_total")
             runs = [run_load(url, args.clients, args.requests, args.n_predict, args.prompt_words, args.seed + i,
                              args.temperature, args.prompt_ids) for i in range(args.repeat)]
-            ev1 = _gauge(url, "vkengine_programs_evicted")
+            ev1 = _metric(url, "vkengine_programs_evicted_total")
             if mtp:   # the drafts of the timed runs (the server's counters)
                 drafted, accepted = (b - a for a, b in zip(drafts0, _drafts(url)))
                 print(f"{name}: {drafted:.0f} drafts, {accepted:.0f} accepted", file=sys.stderr)

@@ -78,8 +78,9 @@ class Metrics:
                               registry=r)
         self.deferred = Gauge(p + "programs_deferred", "Engine steps the start left to record while idle (one "
                               "met before then is recorded when first run, in its request's time)", registry=r)
-        self.evicted = Gauge(p + "programs_evicted", "Recorded steps the program cache dropped to stay within its "
-                             "size (since start; one needed again is recorded again)", registry=r)
+        self.evicted = Counter(p + "programs_evicted", "Recorded steps the program cache dropped to stay within "
+                               "its size (one needed again is recorded again)", registry=r)
+        self._evicted_seen = 0
         self.kv_usage = Gauge(p + "kv_cache_usage_ratio", "Device KV-cache positions held by live sequences, "
                               "over all slots' positions (0..1; a finished sequence's rows kept for prefix reuse "
                               "do not count: they are given up when a slot is needed)", registry=r)
@@ -147,7 +148,10 @@ class Metrics:
             self.parked_bytes.set(mem["parked_bytes"])
             self.programs.set(mem["programs"])
             self.deferred.set(mem.get("programs_deferred", 0))
-            self.evicted.set(mem.get("programs_evicted", 0))
+            dropped = mem.get("programs_evicted", 0) - self._evicted_seen   # (the engine's count since start)
+            if dropped > 0:
+                self.evicted.inc(dropped)
+                self._evicted_seen += dropped
             self.compiling.set(mem.get("pipelines_compiling", 0))
 
     # event loop

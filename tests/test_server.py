@@ -477,7 +477,7 @@ def test_metrics(batch_server):
     for name in ("vkengine_requests_total", "vkengine_generated_tokens_total", "vkengine_queue_depth",
                  "vkengine_time_to_first_token_seconds_bucket", "vkengine_inter_token_seconds_bucket",
                  "vkengine_slots_used", "vkengine_http_requests_total", "vkengine_programs_deferred",
-                 "vkengine_programs_evicted"):
+                 "vkengine_programs_evicted_total"):
         assert re.search(rf"^{name}", text, re.M), name
     assert _metric(batch_server.url, "vkengine_time_to_first_token_seconds_count") >= 1
 

@@ -690,7 +690,7 @@ def test_a_servers_start_leaves_steps_for_the_idle_engine_thread(device, tiny_mo
 
     def gauge(name: str) -> float | None:
         return metrics.registry.get_sample_value(f"vkengine_{name}")
-    assert gauge("programs_deferred") == len(left) and gauge("programs_evicted") == 0
+    assert gauge("programs_deferred") == len(left) and gauge("programs_evicted_total") == 0
     w.start()
     try:
         t0 = time.monotonic()
