@@ -174,9 +174,6 @@ def prepare_turns(engine: Engine, draft: int, defer: bool = False) -> int:
     first (Engine.reserve_mtp). Returns how many were not recorded yet."""
     engine.reserve_mtp(mtp_ring_depth(engine, draft))
     todo = [k for k in turn_keys(engine, draft) if k not in engine._programs]
-    if todo:   # room of their own in the program cache: prepare_decode's shapes may fill it already (a server
-        # with 5 drafts records ~180 turn shapes, which would otherwise drop as many prepared prompt steps)
-        engine.program_cache += len(todo)
     if defer:
         engine.deferred.extend(todo)
     else:
