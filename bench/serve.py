@@ -313,9 +313,9 @@ def settle(url: str, timeout: float) -> float | None:
     time (/metrics' vkengine_programs_deferred at 0), so that the measured runs
     record none in their requests' time (on the H100 a 35B-A3B server with
     --mtp --draft 5 leaves ~180 turn shapes, each ~10-50 ms to record, and a
-    warm-up of 2 s keeps it busy: its first tokens came 17 ms later than with 3
-    drafts, notes.md run 51). The seconds waited; None for a server without
-    the gauge."""
+    warm-up of 2 s keeps it busy; its first tokens came 17-29 ms later than
+    with 3 drafts, likely for that: notes.md run 51). The seconds waited; None
+    for a server without the gauge."""
     t0 = time.perf_counter()
     while True:
         left = _metric(url, "vkengine_programs_deferred")
