@@ -117,6 +117,8 @@ run_stage() {
   local s=$1
   case $s in
     tests)
+      # (the llama-server agreement tests take the Vulkan build: the conftest's own would be built from source)
+      [ -x /tmp/llb/bin/llama-server ] && export VKENGINE_LLAMA_SERVER=/tmp/llb/bin/llama-server
       python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_models.py tests/test_models_kv_q8.py \
         tests/test_worker.py -k "not smollm" \
         --junitxml="$OUT/gpu-tests.xml" 2>&1 | tee "$OUT/gpu-tests.log" | tail -15
