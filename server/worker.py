@@ -157,8 +157,7 @@ class Worker:
         except Exception:   # (those steps are then recorded when first run, as without the start's list)
             log.exception("recording a deferred step failed")
             self.eng.drop_deferred()
-            self._publish()
-            return
+            done = False
         if done or not self.eng.deferred:
             self._publish()   # (/metrics' programs_deferred falls while the server idles)
         else:   # (all still compiling: look again in a while)

@@ -134,7 +134,8 @@ class Options:
     tiled_from: int = 0           # steps of at least this many rows take the tiled matmuls (and a MoE's experts
                                   # expert-major); 0: the device's default (64 on GPUs; CPUs never). Fewer: a hybrid
                                   # model's short prompts (no pad rows: its recurrent state) and batched decode of
-                                  # that many sequences leave the matvecs (opt-in until measured)
+                                  # that many sequences leave the matvecs (H100, 35B-A3B, 16: its 28-token prompt
+                                  # and 16 sequences' decode slower; notes.md run 51)
     splitk_wgs: int = 256         # split K of tiled matmuls whose grid has fewer workgroups (0: off)
     splitk_min: int = 512         # the fewest K columns a part of split K takes
     xq8: bool = False             # Q8_0 matvecs on integer dot products, x quantized first (opt-in)

@@ -705,7 +705,6 @@ class Runner:
                 "buffers": sum(d.n_buffers for d in devs),
                 "pool_buffers": len(self.kv.pool), "pool_bytes": sum(b.nbytes for b in self.kv.pool),
                 "parked_handles": len(self.kv.held), "programs": self.eng.n_programs,
-                "programs_deferred": len(getattr(self.eng, "deferred", ())),
-                "programs_evicted": getattr(self.eng, "programs_evicted", 0),
+                "programs_deferred": len(self.eng.deferred), "programs_evicted": self.eng.programs_evicted,
                 "parked_bytes": sum(h.buffer.nbytes for h in self.kv.held.values()),
                 "pipelines_compiling": sum(len(d.slow) for d in devs)}
