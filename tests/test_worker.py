@@ -495,9 +495,56 @@ def test_bench_depth_cli_errors():
     assert bench_ctx(None, [0, 4096], 512, 128) == 4608
     assert bench_ctx(2048, [0, 4096], 512, 128) == 2048
     assert parse_depths("0, 4096,16384") == [0, 4096, 16384]
+    # -ub: prompt steps of at most that many rows (the sequences and the depth's fill steps still fit)
+    from vkengine.tools.bench import DEPTH_FILL_ROWS, bench_rows
+    assert bench_rows(32768, 1, [0]) == 32768 and bench_rows(32768, 1, [0], ubatch=512) == 512
+    assert bench_rows(100, 1, [0], ubatch=512) == 100 and bench_rows(64, 1, [4096], ubatch=32) == DEPTH_FILL_ROWS
+    assert bench_rows(64, 300, [0], ubatch=32) == 300
+    with pytest.raises(VkEngineError, match="--ubatch"):
+        bench_rows(64, 1, [0], ubatch=-1)
     for bad in ("", "4k", "-1"):
         with pytest.raises(VkEngineError, match="--depth"):
             parse_depths(bad)
+
+
+def test_bench_ablate_leaves_out_the_matching_ops(device, tiny_model):
+    """bench --ablate: the steps recorded while Device.omit is set lack every
+    dispatch its pattern finds (their count reported, the other ops kept);
+    afterwards the engine records whole steps again and decodes what it did
+    before (the ablated steps' wrong results leave nothing behind)."""
+    from vkengine.tools import bench
+
+    def dispatches(progs):
+        return {k: [op.label for op in p.ops if op.kind == "dispatch"] for k, p in progs.items()}
+    eng = Engine(tiny_model, device, EngineConfig(n_slots=2, n_ctx=CTX, max_batch=ENGINE_ROWS, max_out=2))
+    before = bench.decode(eng, [7, 70], 4)
+    whole = dispatches(eng._programs)
+    # (a pattern that finds nothing is reported as such, not an error that loses the others)
+    pats = bench.parse_ablate("^attention;x<-ff; nothing-has-this-label ")
+    assert [p.pattern for p in pats] == ["^attention", "x<-ff", "nothing-has-this-label"]
+    seen, real = [], eng.drop_programs
+
+    def dropped():   # the programs each ablation recorded, looked at before they go
+        seen.append((dispatches(eng._programs), {k: p.n_omitted for k, p in eng._programs.items()}))
+        real()
+    eng.drop_programs = dropped
+    res = bench.run_ablation(eng, pats, n_gen=3, parallel=[2], reps=1, depth=5)
+    assert [r["pattern"] for r in res] == [None, *(p.pattern for p in pats)]
+    assert all(set(r["step_ms"]) == {1, 2} and all(ms > 0 for ms in r["step_ms"].values()) for r in res)
+    expect = [max(sum(bool(p.search(lb)) for lb in labels) for labels in whole.values()) for p in pats]
+    assert expect[0] > 0 and expect[1] > 0 and expect[2] == 0
+    assert [r["omitted"] for r in res] == [0, *expect]
+    for pat, (progs, omitted) in zip(pats, seen[2:]):   # (seen[0]: before the whole steps, [1]: after them)
+        common = set(progs) & set(whole)
+        assert common, pat
+        for k in common:
+            assert progs[k] == [lb for lb in whole[k] if not pat.search(lb)]
+            assert omitted[k] == len(whole[k]) - len(progs[k])
+    assert eng.device.omit is None
+    assert bench.decode(eng, [7, 70], 4) == before
+    with pytest.raises(VkEngineError, match="not a regular expression"):
+        bench.parse_ablate("ok;(")
+    assert bench.parse_ablate(" ; ") == []
 
 
 def test_bench_profiles_a_long_prompt_in_steps(device, tiny_model):

@@ -168,12 +168,25 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .tools.bench import bench_ctx, bench_rows, parse_depths, parse_parallel, run_batched, run_bench, run_mtp_steps
+    from .tools.bench import (
+        bench_ctx,
+        bench_rows,
+        parse_ablate,
+        parse_depths,
+        parse_parallel,
+        run_ablation,
+        run_batched,
+        run_bench,
+        run_mtp_steps,
+    )
     parallel = parse_parallel(args.parallel)
+    ablate = parse_ablate(args.ablate)
+    if ablate and not args.n_gen:
+        raise VkEngineError("--ablate times decode steps: give -n > 0")
     depths = parse_depths(args.depth)
     n_seq = max(parallel, default=1)
     args.ctx = bench_ctx(args.ctx, depths, args.n_prompt, args.n_gen)
-    rows = max(bench_rows(args.n_prompt, n_seq, depths), args.draft + 1 if args.mtp else 0)
+    rows = max(bench_rows(args.n_prompt, n_seq, depths, args.ubatch), args.draft + 1 if args.mtp else 0)
     model, dev, eng = _open(args, n_slots=n_seq, max_batch=rows, max_out=max(16, n_seq))
     if args.profile:
         for d in depths:
@@ -205,6 +218,8 @@ def cmd_bench(args) -> int:
         r["batched"] = [run_batched(eng, b, args.n_gen, args.reps, depth=d) for b in parallel if b > 1]
         if args.mtp:
             r["mtp"] = run_mtp_steps(eng, args.draft, reps=args.reps, depth=d)
+        if ablate:
+            r["ablate"] = run_ablation(eng, ablate, args.n_gen, parallel, args.reps, depth=d)
         runs.append(r)
     if args.json:
         print(json.dumps(runs[0] if len(runs) == 1 else runs, indent=1))
@@ -232,7 +247,23 @@ def cmd_bench(args) -> int:
                 print(f"  MTP turns{tag} back to back on the device (every draft accepted, no host in between): "
                       f"{m['chained_turn_ms']:.2f} ms a turn = {m['chained_turn_tps']:.1f} tok/s "
                       f"({m['chained_turn_tps'] / m['plain_tps']:.2f}x)")
+        if "ablate" in r:
+            _print_ablation(r["ablate"], tag)
     return 0
+
+
+def _print_ablation(res: list[dict], tag: str) -> None:
+    """run_ablation's steps: whole, then without each pattern's ops, with what they cost."""
+    base = res[0]["step_ms"]
+    print(f"  decode steps{tag} whole: " + ", ".join(f"{b} row{'s' if b > 1 else ''} {ms:.3f} ms"
+                                                  for b, ms in base.items()))
+    for a in res[1:]:
+        if not a["omitted"]:
+            print(f"    /{a['pattern']}/ finds no op of these steps (labels as --profile prints them)")
+            continue
+        parts = ", ".join(f"{b}: {ms:.3f} ms ({base[b] - ms:+.3f}, {100 * (base[b] - ms) / base[b]:.0f}%)"
+                          for b, ms in a["step_ms"].items())
+        print(f"    without /{a['pattern']}/ ({a['omitted']} ops a step): {parts}")
 
 
 def _print_profile(title: str, prof: list[tuple[str, float, int]]) -> None:
@@ -308,6 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-p", "--n-prompt", type=int, default=512)
     p.add_argument("-n", "--n-gen", type=int, default=128)
     p.add_argument("-r", "--reps", type=int, default=3)
+    p.add_argument("-ub", "--ubatch", type=int, default=0, metavar="N",
+                   help="prompt steps of at most N rows, as llama-bench's -ub (default: the whole prompt a step, "
+                        "as many rows as the activations hold)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--profile", action="store_true", help="GPU time per op of a decode and a prefill step "
                    "(at each --depth)")
@@ -321,6 +355,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time the steps of a speculative turn with the model's MTP block (Qwen3.5 nextn "
                         "tensors): the verify step, the block over its rows, a chained draft")
     p.add_argument("--draft", type=int, default=2, help="drafts a turn with --mtp")
+    p.add_argument("--ablate", default="", metavar="RE[;RE...]",
+                   help="also time the decode steps (1 row and each --parallel B) without the ops whose profile "
+                        "label each regular expression finds (their results wrong, their barriers kept): what "
+                        "those ops cost in the pipelined step, e.g. 'mul_mat_id;delta_rule;attention'")
     p.set_defaults(fn=cmd_bench)
 
     p = sub.add_parser("synth", help="write a deterministic random-weight model (GGUF and safetensors)")

@@ -200,6 +200,7 @@ class Program:
         self._timestamps = timestamps
         self._seq: Any = None   # the kp Sequence, once recorded
         self.n_barriers = 0
+        self.n_omitted = 0      # dispatches Device.omit left out
         self._transfer = False  # the device's own staging copies (Device.upload): they never wait for its fills
 
     @staticmethod
@@ -237,6 +238,9 @@ class Program:
             return
         reads, writes = list(reads), list(writes)
         self._track(reads, writes)
+        if self.device.omit is not None and self.device.omit.search(label):
+            self.n_omitted += 1
+            return
         self.ops.append(_Op("dispatch", (algorithm, push, groups), label))
 
     def copy(self, src: Buffer, dst: Buffer, src_off: int, dst_off: int, size: int, label: str = "copy") -> None:
@@ -468,6 +472,10 @@ class Device:
         # weight uploads left for later (WeightPlanner.build while defer_fills is set: EngineConfig.defer_fill),
         # by owner (a weights arena), in order: fill_weights() runs them, and so does any program's submit first
         self.defer_fills = False
+        # bench --ablate: dispatches whose label this pattern finds are left out of the programs recorded
+        # while it is set (their barriers kept), so a step's time without them measures what they cost in
+        # the pipelined step, which the profile's timestamp after every op cannot
+        self.omit: re.Pattern | None = None
         self._fills: dict[int, Callable[[], None]] = {}
         self.fill_s = 0.0   # seconds the last fill_weights() took
         self._buffers: list[Buffer] = []

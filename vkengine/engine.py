@@ -958,6 +958,14 @@ class Engine:
         out = self.collect()
         return out[0] if out is not None else None
 
+    def drop_programs(self) -> None:
+        """Forget every recorded step (after the steps in flight), so the next
+        steps record again: bench --ablate records them without some ops."""
+        while self.in_flight:
+            self.collect()
+        self._programs.clear()
+        self._provisional.clear()
+
     def close(self) -> None:
         """Wait for the steps in flight, then free the recorded steps and every
         buffer this engine and its kernels allocated (their pipelines with

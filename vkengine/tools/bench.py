@@ -15,6 +15,7 @@ rewind, so a hybrid model's slots are put back at the depth from a parked
 copy (untimed) before each run."""
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -28,10 +29,13 @@ from ..errors import VkEngineError
 DEPTH_FILL_ROWS = 256   # rows of the prefill steps that fill a depth
 
 
-def bench_rows(n_prompt: int, n_seq: int, depths: list[int]) -> int:
-    """The engine's max_batch for a bench: the prompt, the batched sequences,
+def bench_rows(n_prompt: int, n_seq: int, depths: list[int], ubatch: int = 0) -> int:
+    """The engine's max_batch for a bench: the prompt (in steps of at most
+    `ubatch` rows where given, as llama-bench's -ub), the batched sequences,
     and chunks of DEPTH_FILL_ROWS to fill a depth."""
-    return max(n_prompt, n_seq, DEPTH_FILL_ROWS if max(depths, default=0) else 1)
+    if ubatch < 0:
+        raise VkEngineError(f"--ubatch {ubatch}: a number of rows (0: the whole prompt a step)")
+    return max(min(n_prompt, ubatch) if ubatch else n_prompt, n_seq, DEPTH_FILL_ROWS if max(depths, default=0) else 1)
 
 
 def fill_depth(eng: Engine, depth: int, n_seq: int = 1, seed: int = 1) -> Callable[[], None]:
@@ -131,6 +135,59 @@ def run_batched(eng: Engine, n_seq: int, n_gen: int, reps: int = 3, seed: int = 
     reset = fill_depth(eng, depth, n_seq)
     s = _timed(lambda: decode(eng, toks, n_gen, depth), reset, reps)
     return {"n_seq": n_seq, "n_gen": n_gen, "depth": depth, "step_ms": 1000 * s / n_gen, "tps": n_seq * n_gen / s}
+
+
+def parse_ablate(text: str) -> list[re.Pattern]:
+    """--ablate's patterns: regular expressions separated by ';'."""
+    out = []
+    for part in (text or "").split(";"):
+        if not part.strip():
+            continue
+        try:
+            out.append(re.compile(part.strip()))
+        except re.error as e:
+            raise VkEngineError(f"--ablate: {part.strip()!r} is not a regular expression ({e})") from None
+    return out
+
+
+def run_ablation(eng: Engine, patterns: list[re.Pattern], n_gen: int, parallel: list[int], reps: int = 3,
+                 depth: int = 0) -> list[dict]:
+    """Decode steps (1 row, and each B of `parallel` rows) timed as `decode`
+    runs them, first whole, then once per pattern with the dispatches whose
+    profile label it finds left out of the recorded steps (their barriers kept;
+    the ops' outputs keep the values the whole steps left, so routing and
+    sampling stay as they were): the difference is what those ops cost in the
+    pipelined step, which Engine.profile's timestamp after every op cannot
+    show where a step is hundreds of short dispatches. The results of an
+    ablated step are wrong by design; nothing reads them."""
+    if not hasattr(eng, "drop_programs"):
+        raise VkEngineError("--ablate needs a model on one device")
+    rows = [1] + [b for b in parallel if b > 1]
+    if max(rows) > eng.n_slots or depth + n_gen > eng.n_ctx:
+        raise VkEngineError(f"--ablate: {max(rows)} sequences at depth {depth} + {n_gen} do not fit the engine's "
+                            f"{eng.n_slots} slots of {eng.n_ctx} positions")
+    reset = fill_depth(eng, depth, max(rows))   # (once: the depth's K and V or state as the whole steps wrote them)
+    toks = np.random.default_rng(0).integers(0, eng.n_vocab, max(rows)).tolist()
+
+    def step_ms(b: int) -> float:
+        return 1000 * _timed(lambda: decode(eng, toks[:b], n_gen, depth), reset, reps) / n_gen
+
+    def times() -> dict[int, float]:
+        eng.drop_programs()
+        return {b: step_ms(b) for b in rows}
+
+    base = times()
+    res = [{"pattern": None, "depth": depth, "step_ms": base, "omitted": 0}]
+    try:
+        for pat in patterns:
+            eng.device.omit = pat
+            t = times()
+            omitted = max((p.n_omitted for p in eng._programs.values()), default=0)
+            res.append({"pattern": pat.pattern, "depth": depth, "step_ms": t, "omitted": omitted})
+    finally:
+        eng.device.omit = None
+        eng.drop_programs()
+    return res
 
 
 def bench_ctx(ctx: int | None, depths: list[int], n_prompt: int, n_gen: int) -> int | None:
