@@ -62,6 +62,10 @@ layout(constant_id = 7) const uint KPF = 0;
 // 1: a tile's first VB V rows loaded before its scores (they do not depend on them); 0: after
 // (1: 96 registers against 72, not faster on the H200: notes.md run 29)
 layout(constant_id = 8) const uint VPRE = 0;
+// (LP > 1) 1: a tile's K row segments for all LP passes loaded before any of its dot products (LP x HD / LP / 8
+// uvec4 a lane: one memory latency a tile rather than, where the compiler keeps the passes' loads behind the
+// butterflies before them, one a pass); the same arithmetic (Caps.attn_khoist)
+layout(constant_id = 9) const uint KH = 0;
 
 layout(push_constant) uniform P {
     uint q_off, q_stride, o_off, o_stride;
@@ -294,14 +298,21 @@ void main() {
                 // LP passes: in pass ps the lanes of group lane / LP score position t0 + (lane / LP) * LP + ps,
                 // so after the passes lane j holds the score of position t0 + j
                 uint grp0 = lane - lane % LP;
+                uvec4 kh[KH != 0u ? LP : 1u][DL4 / 2u];
+                if (KH != 0u) {   // (past the row's last position: its last row, scored and then masked)
+                    [[unroll]] for (uint ps = 0; ps < LP; ps++) {
+                        uint k4 = (kb + kv_at(min(t0 + grp0 + ps, last)) * k_row + ld / 2u) / 4u;
+                        [[unroll]] for (uint i = 0u; i < DL4 / 2u; i++) kh[ps][i] = kv4[k4 + i];
+                    }
+                }
                 [[unroll]] for (uint ps = 0; ps < LP; ps++) {
                     uint tp = t0 + grp0 + ps;
                     float d[GQ];
                     [[unroll]] for (uint g = 0; g < GQ; g++) d[g] = 0.0;
-                    if (tp <= last) {
+                    if (KH != 0u || tp <= last) {
                         uint k4 = (kb + kv_at(tp) * k_row + ld / 2u) / 4u;
                         [[unroll]] for (uint i = 0u; i < DL4 / 2u; i++) {
-                            uvec4 kw = kv4[k4 + i];
+                            uvec4 kw = KH != 0u ? kh[ps][i] : kv4[k4 + i];
                             vec4 ka = vec4(unpackHalf2x16(kw.x), unpackHalf2x16(kw.y));
                             vec4 kc = vec4(unpackHalf2x16(kw.z), unpackHalf2x16(kw.w));
                             [[unroll]] for (uint g = 0; g < GQ; g++)

@@ -1,22 +1,28 @@
 // The COMBINE expert matvecs' closing RMSNorm (mul_mv_id.comp, mul_mvk_id.comp): with norm != 0, the
-// workgroup that finishes last (counted on the zeroed word sync_off of y's buffer, reset after) computes
-// every row's h[r] = y[r] / sqrt(mean(y[r]^2) + eps) * w in rms_norm.comp WG_ROW's arithmetic (the same
-// workgroup size, loads, reduction order and expressions), the next layer's attention norm without a
-// dispatch and a barrier of its own. The including shader declares yc4, ycu (y's coherent bindings), nw4
-// (the weight), npart[32], s_last and the push constants it reads.
+// workgroup that finishes a row last (the row's workgroups, gl_WorkGroupID.z = r, count themselves on the
+// zeroed word sync_off + r of y's buffer, reset after) computes that row's h[r] = y[r] / sqrt(mean(y[r]^2) +
+// eps) * w in rms_norm.comp WG_ROW's arithmetic (the same workgroup size, loads, reduction order and
+// expressions), the next layer's attention norm without a dispatch and a barrier of its own. A row a
+// workgroup: a step's rows normalize side by side (one workgroup walking every row after the others had
+// finished made a 4-row step's tail 4 rows long). The including shader declares yc4, ycu (y's coherent
+// bindings), nw4 (the weight), npart[32], s_last and the push constants it reads.
 void combine_norm() {
     if (p.norm != 0u) {   // (uniform: a push constant)
         memoryBarrierBuffer();
         barrier();
+        // norm == 2 (Caps.cn_rows off, for measurements): one counter, the last workgroup of all normalizes
+        // every row, one after another
+        bool one = p.norm == 2u;
+        uint cw = one ? p.sync_off : p.sync_off + gl_WorkGroupID.z;
         if (gl_LocalInvocationID.x == 0u) {
-            uint total = gl_NumWorkGroups.x * gl_NumWorkGroups.y * gl_NumWorkGroups.z;
-            s_last = atomicAdd(ycu[p.sync_off], 1u) == total - 1u ? 1u : 0u;
+            uint total = gl_NumWorkGroups.x * gl_NumWorkGroups.y * (one ? gl_NumWorkGroups.z : 1u);
+            s_last = atomicAdd(ycu[cw], 1u) == total - 1u ? 1u : 0u;
         }
         barrier();
         if (s_last != 0u) {
             memoryBarrierBuffer();
             uint L = gl_LocalInvocationID.x, S = gl_WorkGroupSize.x, n4 = p.M / 4u;
-            for (uint rr = 0u; rr < p.n_rows; rr++) {
+            for (uint rr = one ? 0u : gl_WorkGroupID.z; rr < (one ? p.n_rows : gl_WorkGroupID.z + 1u); rr++) {
                 uint xb = (p.y_off + rr * p.y_stride) / 4u;
                 float ss = 0.0;
                 for (uint i0 = L; i0 < n4; i0 += S * 4u) {
@@ -48,7 +54,7 @@ void combine_norm() {
                     }
                 }
             }
-            if (L == 0u) ycu[p.sync_off] = 0u;
+            if (L == 0u) ycu[cw] = 0u;
         }
     }
 }

@@ -80,18 +80,27 @@ layout(push_constant) uniform P {
 #ifndef MAXE
 #define MAXE 16
 #endif
+// COLS: columns a subgroup owns (consecutive j of one head of one sequence; dv a multiple of it): their
+// state entries side by side, the row's k, q, gate and beta loaded once for all, their reductions
+// independent (in flight together). Each column's arithmetic is the one-column kernel's, so the results
+// are the same bits. The "_c4" variants: decode steps of several sequences, where a column a subgroup
+// made a 4-sequence step two waves of subgroups (nv x dv x 4 of them) of short dependent chains.
+#ifndef COLS
+#define COLS 1
+#endif
 
 float softplus(float x) { return x > 20.0 ? x : log(1.0 + exp(x)); }
 
 void main() {
-    uint per_group = p.nv * p.dv;
+    const uint dvc = p.dv / COLS;                // column groups of a head
+    uint per_group = p.nv * dvc;
     uint lane = gl_SubgroupInvocationID;
     uint S = gl_SubgroupSize;
     uvec2 items = workgroup_items(p.n_groups * per_group);
     for (uint it = items.x + gl_SubgroupID; it < items.y; it += gl_NumSubgroups) {
         uint grp = it / per_group;
-        uint hv = (it % per_group) / p.dv;
-        uint j = it % p.dv;
+        uint hv = (it % per_group) / dvc;
+        uint j0 = (it % dvc) * COLS;             // the first of its columns
         // first row of the grp-th run of equal slots
         uint start = 0u;
         if (grp > 0u) {
@@ -107,13 +116,14 @@ void main() {
         if (start >= p.n_rows) continue;
         uint slot = params[p.slot_off + start];
         uint hk = p.tiled != 0u ? hv % p.nk : hv / (p.nv / p.nk);
-        uint col = p.state_off + slot * p.slot_stride + (hv * p.dv + j) * p.dk;
+        uint col0 = p.state_off + slot * p.slot_stride + (hv * p.dv + j0) * p.dk;   // column c at col0 + c * dk
         bool fresh = params[p.pos_off + start] == 0u;
-        float s[MAXE];
-        [[unroll]] for (uint e = 0; e < MAXE; e++) {
-            uint i = lane + e * S;
-            s[e] = (i < p.dk && !fresh) ? st[col + i] : 0.0;
-        }
+        float s[COLS][MAXE];
+        [[unroll]] for (uint c = 0; c < COLS; c++)
+            [[unroll]] for (uint e = 0; e < MAXE; e++) {
+                uint i = lane + e * S;
+                s[c][e] = (i < p.dk && !fresh) ? st[col0 + c * p.dk + i] : 0.0;
+            }
         float A = wf[p.wa_off + hv];
         float dtb = wf[p.wdt_off + hv];
         // the run: rows [start, end) (contiguous, consecutive positions)
@@ -128,7 +138,8 @@ void main() {
         }
         // row inputs, loaded a row ahead of their use
         float kn[MAXE], qn[MAXE];
-        float vn, an, bn;
+        float vn[COLS];
+        float an, bn;
 #define LOAD_ROW(r) { \
             uint kb_ = p.k_off + (r) * p.qkv_stride + hk * p.dk, qb_ = p.q_off + (r) * p.qkv_stride + hk * p.dk; \
             [[unroll]] for (uint e = 0; e < MAXE; e++) { \
@@ -136,7 +147,7 @@ void main() {
                 kn[e] = i < p.dk ? act[kb_ + i] : 0.0; \
                 qn[e] = i < p.dk ? act[qb_ + i] : 0.0; \
             } \
-            vn = act[p.v_off + (r) * p.qkv_stride + hv * p.dv + j]; \
+            [[unroll]] for (uint c = 0; c < COLS; c++) vn[c] = act[p.v_off + (r) * p.qkv_stride + hv * p.dv + j0 + c]; \
             an = act[p.a_off + (r) * p.ab_stride + hv]; \
             bn = act[p.b_off + (r) * p.ab_stride + hv]; }
         LOAD_ROW(start)
@@ -145,55 +156,68 @@ void main() {
             [[unroll]] for (uint e = 0; e < MAXE; e++) { kk[e] = kn[e]; qq[e] = qn[e]; }
             float decay = exp(A * softplus(an + dtb));
             float beta = 1.0 / (1.0 + exp(-bn));
-            float vr = vn;
+            float vr[COLS];
+            [[unroll]] for (uint c = 0; c < COLS; c++) vr[c] = vn[c];
             if (r + 1u < end) LOAD_ROW(r + 1u)
-            // S^T k, S^T q (before the decay) and k.q: three independent reductions at once, so a
+            // S^T k, S^T q (before the decay) and k.q: independent reductions at once, so a
             // row waits for one reduction's latency: with S' = decay S + k delta^T,
             // S'^T q = decay S^T q + (k.q) delta
-            float ks = 0.0, qs = 0.0, qk = 0.0, k2 = 0.0, q2 = 0.0;
+            float ks[COLS], qs[COLS];
+            float qk = 0.0, k2 = 0.0, q2 = 0.0;
+            [[unroll]] for (uint c = 0; c < COLS; c++) { ks[c] = 0.0; qs[c] = 0.0; }
             [[unroll]] for (uint e = 0; e < MAXE; e++) {
-                ks += s[e] * kk[e];
-                qs += s[e] * qq[e];
+                [[unroll]] for (uint c = 0; c < COLS; c++) {
+                    ks[c] += s[c][e] * kk[e];
+                    qs[c] += s[c][e] * qq[e];
+                }
                 qk += kk[e] * qq[e];
                 k2 += kk[e] * kk[e];
                 q2 += qq[e] * qq[e];
             }
-            ks = subgroupAdd(ks);
-            qs = subgroupAdd(qs);
+            [[unroll]] for (uint c = 0; c < COLS; c++) {
+                ks[c] = subgroupAdd(ks[c]);
+                qs[c] = subgroupAdd(qs[c]);
+            }
             qk = subgroupAdd(qk);
             if (p.qk_norm != 0u) {
                 float ik = inversesqrt(subgroupAdd(k2) + p.qk_eps), iq = inversesqrt(subgroupAdd(q2) + p.qk_eps);
-                ks *= ik;
-                qs *= iq;
+                [[unroll]] for (uint c = 0; c < COLS; c++) {
+                    ks[c] *= ik;
+                    qs[c] *= iq;
+                }
                 qk *= ik * iq;
                 [[unroll]] for (uint e = 0; e < MAXE; e++) kk[e] *= ik;
             }
-            float delta = (vr - decay * ks) * beta;
-            [[unroll]] for (uint e = 0; e < MAXE; e++) s[e] = s[e] * decay + kk[e] * delta;
-            float o = decay * qs + qk * delta;
+            [[unroll]] for (uint c = 0; c < COLS; c++) {
+                float delta = (vr[c] - decay * ks[c]) * beta;
+                [[unroll]] for (uint e = 0; e < MAXE; e++) s[c][e] = s[c][e] * decay + kk[e] * delta;
+                float o = decay * qs[c] + qk * delta;
 #ifdef GNORM
-            if (subgroupElect()) actc[p.o_off + r * p.o_stride + hv * p.dv + j] = o * p.scale;
+                if (subgroupElect()) actc[p.o_off + r * p.o_stride + hv * p.dv + j0 + c] = o * p.scale;
 #else
-            if (subgroupElect()) act[p.o_off + r * p.o_stride + hv * p.dv + j] = o * p.scale;
+                if (subgroupElect()) act[p.o_off + r * p.o_stride + hv * p.dv + j0 + c] = o * p.scale;
 #endif
+            }
             if (r < p.snap_rows) {
-                uint sc = p.snap_off + r * p.slot_stride + (hv * p.dv + j) * p.dk;
-                [[unroll]] for (uint e = 0; e < MAXE; e++) {
-                    uint i = lane + e * S;
-                    if (i < p.dk) st[sc + i] = s[e];
-                }
+                uint sc = p.snap_off + r * p.slot_stride + (hv * p.dv + j0) * p.dk;
+                [[unroll]] for (uint c = 0; c < COLS; c++)
+                    [[unroll]] for (uint e = 0; e < MAXE; e++) {
+                        uint i = lane + e * S;
+                        if (i < p.dk) st[sc + c * p.dk + i] = s[c][e];
+                    }
             }
         }
-        [[unroll]] for (uint e = 0; e < MAXE; e++) {
-            uint i = lane + e * S;
-            if (i < p.dk) st[col + i] = s[e];
-        }
+        [[unroll]] for (uint c = 0; c < COLS; c++)
+            [[unroll]] for (uint e = 0; e < MAXE; e++) {
+                uint i = lane + e * S;
+                if (i < p.dk) st[col0 + c * p.dk + i] = s[c][e];
+            }
 #ifdef GNORM
-        memoryBarrierBuffer();   // (this column's outputs before the count)
+        memoryBarrierBuffer();   // (these columns' outputs before the count)
         uint cw = p.sync_off + grp * p.nv + hv;
         uint before = 0u;
-        if (subgroupElect()) before = atomicAdd(actcu[cw], 1u);
-        if (subgroupBroadcastFirst(before) == p.dv - 1u) {
+        if (subgroupElect()) before = atomicAdd(actcu[cw], uint(COLS));
+        if (subgroupBroadcastFirst(before) == p.dv - COLS) {
             memoryBarrierBuffer();
             for (uint r = start; r < end; r++) {
                 uint xb = p.o_off + r * p.o_stride + hv * p.dv;

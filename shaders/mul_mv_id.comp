@@ -18,9 +18,9 @@
 // down projection: grid z is the rows, each subgroup an output row's k dots).
 // With norm != 0 it also takes the RMSNorm after that residual add, as mul_mvk's
 // NORM epilogue does: y written through a coherent binding (2), each workgroup
-// counts itself on the zeroed word sync_off, and the last one computes every
-// row's h[r] = y[r] / sqrt(mean(y[r]^2) + eps) * w (w at nw_off, binding 3) and
-// resets the word: the next layer's attention norm without a dispatch and a
+// counts itself on its row's zeroed word sync_off + r, and the row's last one
+// computes h[r] = y[r] / sqrt(mean(y[r]^2) + eps) * w (w at nw_off, binding 3)
+// and resets the word (combine_norm.glsl): the next layer's attention norm without a dispatch and a
 // barrier of its own, in rms_norm.comp WG_ROW's arithmetic (the same workgroup
 // size, loads, reduction order and expressions: the host fuses it only where
 // that kernel is the device's, so h is bit for bit what the unfused ops give).

@@ -163,6 +163,9 @@ layout(binding = 8) buffer CState { float cst[]; };
 #define CONV_STATE p.k_off
 #define CONV_SNAP p.v_off
 #define CONV_SNAPS p.kv_row_words
+// 1: every column's slot window loaded before the first column's conv (independent loads: one memory latency
+// for a step's columns rather than one a column, each behind the column before; the same arithmetic)
+layout(constant_id = 2) const uint CONV_PRE = 0;
 #endif
 #include "mul_mv_push.glsl"
 
@@ -439,6 +442,17 @@ void main() {
                     win[j] = 0.0;
                 }
                 uint cur = 0xffffffffu;
+                // (CONV_PRE) each column's slot window, all loaded before any is used or the state written (a
+                // thread's row of the state only; a slot's columns are one run, so no window is stale)
+                float pre[CONV_PRE != 0u ? NCOLS : 1][CONV_KMAX - 1];
+                if (CONV_PRE != 0u) {
+                    [[unroll]] for (uint c = 0; c < NCOLS; c++) {
+                        uint col = col0 + min(c, ncols - 1u), slot = rparams[p.slot_off + col];
+                        bool fresh = rparams[p.pos_off + col] == 0u;
+                        [[unroll]] for (uint j = 0; j < CONV_KMAX - 1; j++)
+                            pre[c][j] = (j < km1 && !fresh) ? cst[CONV_STATE + slot * p.slot_stride + j * C + row] : 0.0;
+                    }
+                }
                 [[unroll]] for (uint c = 0; c < NCOLS; c++) {
                     if (c >= ncols) break;
                     uint col = col0 + c, slot = rparams[p.slot_off + col];
@@ -446,8 +460,13 @@ void main() {
                         if (cur != 0xffffffffu)
                             for (uint j = 0u; j < km1; j++) cst[CONV_STATE + cur * p.slot_stride + j * C + row] = win[j];
                         bool fresh = rparams[p.pos_off + col] == 0u;
-                        [[unroll]] for (uint j = 0; j < CONV_KMAX; j++)
-                            win[j] = (j < km1 && !fresh) ? cst[CONV_STATE + slot * p.slot_stride + j * C + row] : 0.0;
+                        if (CONV_PRE != 0u) {
+                            [[unroll]] for (uint j = 0; j < CONV_KMAX - 1; j++) win[j] = pre[c][j];
+                            win[CONV_KMAX - 1] = 0.0;
+                        } else {
+                            [[unroll]] for (uint j = 0; j < CONV_KMAX; j++)
+                                win[j] = (j < km1 && !fresh) ? cst[CONV_STATE + slot * p.slot_stride + j * C + row] : 0.0;
+                        }
                         cur = slot;
                     }
                     float x = sv[c];

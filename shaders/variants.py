@@ -323,6 +323,9 @@ def _hybrid_table() -> dict[str, tuple[str, dict[str, int]]]:
     t["delta_rule_gn"] = ("delta_rule.comp", {"GNORM": 1})   # with the gated RMSNorm after it (decode steps)
     for name in ("delta_rule", "delta_rule_gn"):   # 4 state entries a lane (DeltaRuleKernels: dk <= 4 x subgroup)
         t[name + "_e4"] = ("delta_rule.comp", {**t[name][1], "MAXE": 4})
+    for name in ("delta_rule", "delta_rule_gn", "delta_rule_e4", "delta_rule_gn_e4"):   # Caps.delta_cols
+        for cols in (2, 4):
+            t[f"{name}_c{cols}"] = ("delta_rule.comp", {**t[name][1], "COLS": cols})
     t["conv1d_rows"] = ("conv1d_rows.comp", {})
     t["conv1d_rows_state"] = ("conv1d_rows.comp", {"STATE": 1})
     t["moe_router"] = ("moe_router.comp", {"FIXED": 0})

@@ -1240,6 +1240,41 @@ def test_attention_decode_depth(device, kernels, rng, hd, n_head, n_kv, items, k
     ws.close()
 
 
+@pytest.mark.parametrize("group", [2, 4])
+def test_attention_dec_k_hoist_and_v_rows_give_the_same_bits(device, kernels, rng, group):
+    """Caps.attn_khoist (lanes a position: a tile's K segments for all passes
+    loaded before its dot products, past the row's end its last row scored
+    and masked) and Caps.attn_vb (V rows a lane loads ahead) move loads, not
+    arithmetic: decode rows at depth give the default kernel's outputs bit for
+    bit (and numpy's within rounding)."""
+    hd, n_head, n_kv = 128, 8, 2
+    ws = Workspace(device, act_words=12 << 20)
+    ctx = 1100
+    slots = np.array([0, 1, 2, 1], np.uint32)
+    pos = np.array([1099, 31, 517, 40], np.uint32)
+    rows = len(slots)
+    c = _AttentionCase(ws, rng, 3, ctx, n_head, n_kv, hd, slots, pos, 20, KVTypes())
+    outs = []
+    for kh, vb in ((False, 0), (True, 0), (True, 32), (False, 8)):
+        kn = with_caps(kernels, split_attention=True, attention_dec=True, attn_items=256, attn_lp=hd,
+                       attn_group=group * hd, attn_khoist=kh, attn_vb=vb)
+        assert kn.dec_lanes(hd) > 1
+        tmp = ws.act_region(kn.attention_tmp_words(rows, n_head, n_kv, hd, ctx))
+        n_sync = kn.attention_sync_words(rows, n_head)
+        sync = ws.act_region(n_sync, np.zeros(n_sync, np.uint32))
+        prog = device.program()
+        kn.attention(prog, c.qr, n_head * hd, c.orr, n_head * hd, rows, n_head, n_kv, hd, c.kc, c.vc, c.ss,
+                     ws.params, 0, 20, c.scale, tmp, ctx, sync, kv_types=KVTypes())
+        ws.device.upload(c.orr.buf, np.full(c.orr.words, 0x7FC00000, np.uint32), c.orr.off * 4)
+        prog.run()
+        outs.append(ws.read(c.orr).copy())
+        assert (ws.read(sync, np.uint32) == 0).all()
+    c.check(outs[0], c.q, atol_scale=1e-5)
+    for o in outs[1:]:
+        np.testing.assert_array_equal(o, outs[0])
+    ws.close()
+
+
 _MC_CASES = [(64, 8, 2, False, "f16"), (128, 4, 1, True, "f16"), (128, 3, 3, True, "f16"), (64, 8, 1, False, "f16"),
              (128, 6, 3, False, "f16"), (64, 8, 2, False, "kv"), (128, 4, 1, True, "kv"), (128, 6, 3, False, "k"),
              (64, 8, 1, True, "v"), (256, 8, 2, True, "f16"), (256, 3, 3, False, "f16"), (256, 5, 1, False, "f16"),

@@ -312,6 +312,45 @@ def test_delta_rule_e4_equals_the_16_entry_form(device, hk, ws, rng, monkeypatch
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("e4", [False, True])
+def test_delta_rule_columns_a_subgroup_give_the_same_bits(device, hk, ws, rng, monkeypatch, fused, e4):
+    """Caps.delta_cols: the row kernel's "_c2" / "_c4" variants (2 or 4
+    columns of S a subgroup, the row's k and q loaded once for them) give the
+    one-column kernel's outputs, states and snapshots bit for bit, with the
+    gated norm fused or not (its counter taking a subgroup's columns at once),
+    in the 16- and 4-entry forms; a head whose columns do not divide takes one
+    column a subgroup."""
+    from vkengine.kernels import delta_rule as dr
+
+    from .conftest import with_caps
+    monkeypatch.setattr(dr, "DELTA_E4", 4 if e4 else 0)
+    nk, nv, dk = 2, 4, 4 * hk.min_subgroup()
+    for dv, want_cols in ((24, (1, 2, 4)), (6, (1, 2, 1))):
+        c = _gated_case(ws, rng, STEP_SLOTS, STEP_POS, nk, nv, dk, dv)
+        n, snap_rows = c.n, 6
+        out = []
+        for cols, used in zip((1, 2, 4), want_cols):
+            kn = with_caps(hk, delta_cols=cols)
+            orr, st = ws.act_region(n * nv * dv), ws.act_region(c.S0.size, c.S0)
+            snap = ws.act_region(snap_rows * nv * dv * dk)
+            prog = device.program()
+            kn.delta_rule(prog, c.wr.at(0, nv), c.wr.at(nv, nv), c.cr, c.cr.at(nk * dk, 0), c.cr.at(2 * nk * dk, 0),
+                          c.cs, c.abr, c.abr.at(nv, 0), 2 * nv, orr, nv * dv, nk, nv, dk, dv, n, c.groups, st, snap,
+                          snap_rows, ws.params, c.pos_off, c.slot_off, False, dk ** -0.5, chunked=False,
+                          qk_norm_eps=1e-6, gnorm=c.gnorm() if fused else None)
+            name = ("delta_rule_gn" if fused else "delta_rule") + ("_e4" if e4 else "") + (f"_c{used}" if used > 1
+                                                                                          else "")
+            assert any(k[0] == name for k in device._algorithms), name
+            prog.run()
+            out.append([ws.read(r) for r in (orr, st, snap)])
+            if fused:
+                assert not ws.read(c.sync, np.uint32).any()
+        for other in out[1:]:
+            for a, b in zip(out[0], other):
+                np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("tiled,nk,nv,dk,dv,long", [(False, 2, 4, 16, 12, False), (True, 1, 2, 128, 40, False),
                                                      (True, 3, 3, 24, 8, True)])
 def test_delta_rule_takes_the_gated_norm(device, hk, ws, rng, tiled, nk, nv, dk, dv, long):
@@ -545,15 +584,17 @@ def test_matvec_takes_the_conv1d(device, mvk, ws, rng, wt, slots, pos):
     cw = ws.weight_region(rng.standard_normal((C, K)).astype(np.float32))
     st0 = rng.standard_normal((n_slots, K - 1, C)).astype(np.float32)
     pos_off, slot_off = _rows_params(ws, slots, pos)
+    from .conftest import with_caps
     outs = []
-    for fused in (False, True):
+    for fused, pre in ((False, False), (True, False), (True, True)):   # pre: Caps.conv_pre (windows loaded first)
+        kn = with_caps(mvk, conv_pre=pre)
         lin, cout = ws.act_region(n * (M + 2)), ws.act_region(n * (C + 3))
         st, snap = ws.act_region(st0.size, st0), ws.act_region(n * (K - 1) * C)
         cv = ConvOut(cw, C, K, cout, C + 3, st, snap, n, ws.params, pos_off, slot_off)
         assert mvk.fuses_conv(mat, n, lin, cv)
         prog = device.program()
         if fused:
-            mvk.mul_mat(prog, mat, xr, D, lin, M + 2, n, conv=cv)
+            kn.mul_mat(prog, mat, xr, D, lin, M + 2, n, conv=cv)
         else:
             mvk.mul_mat(prog, mat, xr, D, lin, M + 2, n)
             mvk.conv1d(prog, cw, lin, M + 2, cout, C + 3, C, K, n, st, snap, n, ws.params, pos_off, slot_off,
@@ -561,8 +602,9 @@ def test_matvec_takes_the_conv1d(device, mvk, ws, rng, wt, slots, pos):
         prog.run()
         outs.append((ws.read(lin).reshape(n, M + 2)[:, C:M], ws.read(cout).reshape(n, C + 3)[:, :C], ws.read(st),
                      ws.read(snap)))
-    for a, b in zip(outs[0], outs[1]):
-        np.testing.assert_array_equal(b, a)
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            np.testing.assert_array_equal(b, a)
     assert not mvk.fuses_conv(mat, 5, lin, cv)
 
 
@@ -790,7 +832,7 @@ def test_expert_matvec_epilogues(device, hk, ws, rng, wt):
     nw = (1 + 0.3 * rng.standard_normal(D)).astype(np.float32)
     ynorm, hs = ws.act_region(res.size, res), D + 4
     h_out, h_ref = ws.act_region(n * hs), ws.act_region(n * hs)
-    sync = ws.act_region(1, np.zeros(1, np.float32))
+    sync = ws.act_region(n, np.zeros(n, np.float32))   # (a counter a row)
     nwr = ws.weight_region(nw)
     norm = NormOut(nwr, h_out, hs, sync, 1e-6)
     assert kn.combine_takes_norm(D, ynorm, D, norm)
@@ -813,20 +855,23 @@ def test_expert_matvec_epilogues(device, hk, ws, rng, wt):
     hn = y2 / np.sqrt((y2 * y2).mean(1, keepdims=True) + 1e-6) * nw
     _close(ws.read(h_out).reshape(n, hs)[:, :D], hn, atol_scale=1e-5)
     np.testing.assert_array_equal(ws.read(h_out).reshape(n, hs)[:, :D], ws.read(h_ref).reshape(n, hs)[:, :D])
-    assert ws.read(sync, np.uint32)[0] == 0
+    assert not ws.read(sync, np.uint32).any()
 
 
-@pytest.mark.parametrize("wt,bfly,D", [("q4_0", True, 36), ("q4_0", False, 38), ("q8_0", True, 36),
-                                       ("f16", False, 36), ("q4_k", True, 38), ("mxfp4", True, 36)])
-def test_splitk_expert_matvecs(device, ws, rng, wt, bfly, D):
+@pytest.mark.parametrize("wt,bfly,D,cn_rows", [("q4_0", True, 36, True), ("q4_0", True, 36, False),
+                                               ("q4_0", False, 38, True), ("q8_0", True, 36, True),
+                                               ("f16", False, 36, True), ("q4_k", True, 38, True),
+                                               ("mxfp4", True, 36, True)])
+def test_splitk_expert_matvecs(device, ws, rng, wt, bfly, D, cn_rows):
     """Caps.mvid_splitk (mul_mvk_id.comp: the fused expert matvecs in mul_mvk's
     split-K form): gate|up with the SwiGLU and down with the weighted sum into
     the residual against numpy, with gpt-oss's biases and clamped SwiGLU, the
-    RMSNorm after the sum (D a multiple of 4; D = 38 without it), output rows
+    RMSNorm after the sum (D a multiple of 4; D = 38 without it; by each row's
+    last workgroup, or with Caps.cn_rows off by the last of all), output rows
     that end part way through a workgroup's RPS, and each row of a batch bit
     for bit what it gives alone."""
     from .conftest import kernels_for
-    kn = kernels_for(device, split_k=True, mvid_splitk=True, bfly=bfly)
+    kn = kernels_for(device, split_k=True, mvid_splitk=True, bfly=bfly, cn_rows=cn_rows)
     E, F, k, n = 7, 21, 3, 4
     with_norm = D % 4 == 0
     K = 512 if wt == "q4_k" else 416
@@ -857,7 +902,7 @@ def test_splitk_expert_matvecs(device, ws, rng, wt, bfly, D):
         rr_ = ws.act_region(m * rs, np.concatenate([sub(ids).view(np.float32), sub(wts)], 1))
         hr_, xsr_ = ws.act_region(m * K, sub(h)), ws.act_region(m * k * Kd, sub(xs))
         ff, y = ws.act_region(m * k * F), ws.act_region(m * D, sub(res))
-        h_out, sync = ws.act_region(m * hs), ws.act_region(1, np.zeros(1, np.float32))
+        h_out, sync = ws.act_region(m * hs), ws.act_region(m, np.zeros(m, np.float32))
         norm = NormOut(nwr, h_out, hs, sync, 1e-6) if with_norm else None
         assert norm is None or kn.combine_takes_norm(D, y, D, norm)
         prog = device.program()
@@ -866,7 +911,7 @@ def test_splitk_expert_matvecs(device, ws, rng, wt, bfly, D):
         kn.mul_mat_id(prog, dn_m, D, xsr_, k * Kd, Kd, rr_, rs, k, y, D, 0, m, epilogue="combine",
                       bias=bdnr if bias else None, norm=norm)
         prog.run()
-        assert ws.read(sync, np.uint32)[0] == 0
+        assert not ws.read(sync, np.uint32).any()
         return (ws.read(ff).reshape(m, k, F), ws.read(y).reshape(m, D), ws.read(h_out).reshape(m, hs)[:, :D])
 
     for bias in (False, True):

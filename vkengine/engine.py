@@ -139,6 +139,7 @@ class Engine:
             widths["out_attn_split"] = k.attention_tmp_words(1, a.n_head, a.n_kv_heads, a.head_dim, self.n_ctx)
             widths["out_attn_sync"] = Kernels.attention_sync_words(1, a.n_head)
         widths["out_sync"] = 4          # zeroed counter of fused RMSNorms (Graph.matmul_norm)
+        widths["cn_sync"] = 1           # ... of the combined expert matvec's, a word a row (Graph.moe)
         if cfg.embeddings:              # every row's final-normed hidden state (Readback.HIDDEN)
             widths["emb"] = a.n_embd
         self.max_out = max(1, cfg.max_out)
@@ -162,7 +163,7 @@ class Engine:
             raise VkEngineError(f"{e}: reduce the context length (--ctx) or the sequences held on the "
                                 "device at once (--parallel, --slots)") from e
         self.scratch = Scratch(device.buffer(words * 4, "device", "scratch"), widths, max_rows, self.max_out)
-        for name in ("out_sync", "out_attn_sync", "norm_q8_sync", "dr_sync", "rt_sync"):   # counters left zero
+        for name in ("out_sync", "cn_sync", "out_attn_sync", "norm_q8_sync", "dr_sync", "rt_sync"):   # left zero
             if name in widths:
                 rows = self.max_out if name.startswith("out_") else max_rows
                 device.upload(self.scratch.buf, np.zeros(self.scratch.strides[name] * rows, np.uint32),

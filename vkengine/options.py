@@ -129,8 +129,16 @@ class Options:
                                   # this many dims (0: none; H100, 8B's 128: +2.4% / +4.1% at depth 4k / 16k, the
                                   # same at 0; qwen35 0.8B's 256: -1%; 64 not measured; notes.md run 46)
     attn_kpf: bool = False        # ... the next tile's K rows loaded during this one's softmax and V (dec_kpf)
+    attn_khoist: bool = False     # ... (lanes a position) a tile's K segments for all passes loaded first (KH)
+    attn_vb: int = 0              # ... V rows a lane loads ahead (VB; 0: 32 / the words a lane owns, at least 8)
     delta_chunk: int = -1         # steps of at least this many rows take the chunked delta rule (delta_chunk/
                                   # delta_scan.comp); 0: never; -1: the device's default (64 on GPUs, never on CPUs)
+    cn_rows: bool = False         # the combined expert matvec's RMSNorm by each row's last workgroup, rows side by
+                                  # side (combine_norm.glsl); off: the last workgroup of all, row after row
+    conv_pre: bool = False        # the conv1d after a linear layer's input projection (mul_mvk.comp CONV): every
+                                  # column's slot window loaded before the first column's conv (CONV_PRE)
+    delta_cols: int = 1           # the row-at-a-time delta rule's columns of S a subgroup (delta_rule.comp COLS: 1,
+                                  # 2 or 4; the same bits)
     tiled_from: int = 0           # steps of at least this many rows take the tiled matmuls (and a MoE's experts
                                   # expert-major); 0: the device's default (64 on GPUs; CPUs never). Fewer: a hybrid
                                   # model's short prompts (no pad rows: its recurrent state) and batched decode of

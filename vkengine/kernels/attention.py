@@ -312,9 +312,10 @@ class AttentionKernels(KernelBase):
         push = self._push(name, **pc, n_parts=n_parts, min_chunk=self.DEC_MIN_CHUNK, part_off=split.off,
                           sync_off=sync.off)
         lp = self.dec_lanes(head_dim) if "k" not in tag else 1   # (f16 K only)
-        vb = self.dec_vb or vb
+        vb = self.dec_vb or c.attn_vb or vb
+        kh = int(c.attn_khoist and lp > 1)
         alg = self._alg_spec(name, [act, act, params, kv, sb], (c.wg, c.items, wpl, head_dim, vb, gq, lp,
-                                                            self.dec_kpf(head_dim, lp, tag), self.dec_vpre), push)
+                                                            self.dec_kpf(head_dim, lp, tag), self.dec_vpre, kh), push)
         tmp = (split.buf, split.off * 4, (split.off + tmp_words) * 4)
         prog.dispatch(alg, push, self._grid(n_rows * n_kv * n_groups * (n_parts // c.items)),
                       reads + [tmp, sync.range], out + [tmp, sync.range], label)

@@ -113,10 +113,16 @@ class Caps:
     attn_lp: int = 0
     # attention_dec keeps the next tile's K rows in registers (AttentionKernels.dec_kpf)
     attn_kpf: bool = False
+    attn_khoist: bool = False      # Options.attn_khoist (attention_dec KH)
+    attn_vb: int = 0               # Options.attn_vb (attention_dec VB; 0: the kernel's default)
 
     # steps of at least this many rows run the gated delta rule in chunks
     # (delta_chunk.comp + delta_scan.comp) instead of a row at a time; 0: never
     delta_chunk_from: int = 0
+    cn_rows: bool = False          # Options.cn_rows
+    conv_pre: bool = False         # Options.conv_pre
+    # the row-at-a-time delta rule's columns a subgroup (Options.delta_cols; its "_c2" / "_c4" variants)
+    delta_cols: int = 1
     # prompt steps' expert matmuls in tiles over moe_sort's work list (mul_mc_id /
     # mul_mt_id, MoeKernels.expert_tile) instead of mul_mm_id
     expert_tiles: bool = False
@@ -139,6 +145,8 @@ class Caps:
         gpu = info.type != "cpu"
         sg = info.subgroup_size
         features = set(device.features)
+        if options.delta_cols not in (1, 2, 4):
+            raise VkEngineError(f"VKENGINE_DELTA_COLS={options.delta_cols}: 1, 2 or 4")
         if tiled_from == -1:
             if options.tiled_from < 0 or options.tiled_from == 1:
                 raise VkEngineError(f"VKENGINE_TILED_FROM={options.tiled_from}: 0 (the default) or at least 2 rows")
@@ -153,7 +161,7 @@ class Caps:
             sg=sg, items=items_per_wg, ew_wg=max(elementwise_wg, sg), max_x=info.max_workgroup_count[0],
             tiled_from=tiled_from, split_attention=gpu, attention_dec=gpu and options.attn_dec,
             attn_items=options.attn_items, attn_group=options.attn_group, attn_lp=options.attn_lp,
-            attn_kpf=options.attn_kpf,
+            attn_kpf=options.attn_kpf, attn_khoist=options.attn_khoist, attn_vb=options.attn_vb,
             multi_column_from=2 if gpu else 8, split_k=gpu,
             bfly=info.subgroups_fixed and sg >= MV_BFLY_LANES, small_tiles_below=256,
             coopmat=coopmat, coopmat2=coopmat and options.coopmat2 and device_has_coopmat2(device),
@@ -166,6 +174,7 @@ class Caps:
             xq8=gpu and int_dot and options.xq8, norm_in=norm_in, xq8_in=norm_in and int_dot and options.xq8_in,
             delta_chunk_from=(options.delta_chunk if options.delta_chunk >= 0 else 64 if gpu else 0)
             if info.max_workgroup_invocations >= 128 and info.max_shared_memory >= 32 * 1024 else 0,
+            delta_cols=options.delta_cols, cn_rows=options.cn_rows, conv_pre=options.conv_pre,
             attn_mc_split=options.attn_mc_split, expert_tiles=tiled_from is not None and options.expert_tiles,
             expert_union=options.expert_union, mvid_unroll=options.mvid_unroll,
             mvid_splitk=gpu and options.mvid_splitk,

@@ -141,6 +141,9 @@ class DeltaRuleKernels(NormKernels):   # (its l2_norm before the chunked form)
         fused = gnorm is not None and n_rows <= DELTA_NORM_ROWS and self.delta_takes_norm(gnorm, a_log, act, nv,
                                                                                          n_groups)
         variant = ("delta_rule_gn" if fused else "delta_rule") + ("_e4" if dk <= DELTA_E4 * self.min_subgroup() else "")
+        cols = c.delta_cols if dv % c.delta_cols == 0 else 1   # columns a subgroup (the same bits)
+        if cols > 1:
+            variant += f"_c{cols}"
         extra = {}
         if fused:
             assert gnorm is not None
@@ -165,7 +168,7 @@ class DeltaRuleKernels(NormKernels):   # (its l2_norm before the chunked form)
             reads += [gnorm.weight.range, rows_range(gnorm.z, n_rows, gnorm.z_stride, nv * dv)]
             writes.append((gnorm.sync.buf, gnorm.sync.off * 4, (gnorm.sync.off + n_groups * nv) * 4))
             label += "+gated_rms_norm"
-        prog.dispatch(alg, push, self._grid(math.ceil(n_groups * nv * dv / c.items)), reads, writes, label)
+        prog.dispatch(alg, push, self._grid(math.ceil(n_groups * nv * dv // cols / c.items)), reads, writes, label)
         return fused
 
     def delta_takes_norm(self, gnorm: GatedNorm, a_log: Region, act: Buffer, nv: int, n_groups: int) -> bool:

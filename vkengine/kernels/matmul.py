@@ -494,7 +494,10 @@ class MatmulKernels(KernelBase):
                 variant = variant.replace(f"_{w.type}", f"{'pq' if pq is not None else 'p'}_{w.type}")
                 pc.update(sq_stride=norm_parts.slot_stride)
         push = self._push(variant, **pc)
-        alg = self._alg(variant, bufs, push, c.wg, rows_per_wg)
+        if conv is not None:   # (CONV_PRE: the columns' slot windows loaded first, Caps.conv_pre)
+            alg = self._alg_spec(variant, bufs, (c.wg, rows_per_wg, int(c.conv_pre)), push)
+        else:
+            alg = self._alg(variant, bufs, push, c.wg, rows_per_wg)
         # glu: a workgroup takes rows_per_wg / 2 gate rows and the same up rows
         row_groups = math.ceil(w.rows // 2 / (rows_per_wg // 2)) if glu else math.ceil(w.rows / rows_per_wg)
         groups = self._grid(row_groups, math.ceil(n / ncols))

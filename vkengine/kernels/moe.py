@@ -76,8 +76,9 @@ class MoeKernels(KernelBase):
         silu(gate @ x) * (up @ x); "combine": y[r] += sum_i weight_ri * W[e_ri] @
         x[r][i] (moe_combine's sum, the weights at route[r][k + i]), y_slot_stride
         unused. Neither on a stack split across buffers. norm (with "combine"):
-        also norm.h[r] = rms_norm(y[r]) * norm.weight, by the last workgroup
-        (norm.sync: a zeroed word of y's buffer, left zero). bias (with an
+        also norm.h[r] = rms_norm(y[r]) * norm.weight, by the row's last
+        workgroup (norm.sync: n_rows zeroed words of y's buffer, a row's counter
+        each, left zero). bias (with an
         epilogue): each expert's bias row (E x M floats) added to its sums first,
         as moe_bias after the plain matvec; oai = (alpha, limit) (with "glu"):
         gpt-oss's clamped SwiGLU, as swiglu's."""
@@ -102,6 +103,9 @@ class MoeKernels(KernelBase):
                              "h and its counter in y's buffer")
         if norm is not None and epilogue != "combine":
             raise ValueError("only the combined down projection takes the norm")
+        if norm is not None and norm.sync.words < n_rows:
+            raise ValueError(f"the combined down projection's norm counts each of its {n_rows} rows on a word of "
+                             f"norm.sync ({norm.sync.words})")
         if epilogue == "combine" and k > ROUTER_KMAX:
             raise VkEngineError(f"{k} experts a row: the combined down projection takes at most {ROUTER_KMAX}")
         kind = {"": "id", "glu": "idg", "combine": "idc"}[epilogue]
@@ -120,8 +124,9 @@ class MoeKernels(KernelBase):
             pc.update(e_lo=part[0], e_hi=part[1])
         bufs = [w.data.buf, act]
         if epilogue == "combine":
-            pc.update(norm=int(norm is not None), sync_off=norm.sync.off if norm else 0,
-                      nw_off=norm.weight.off if norm else 0, h_off=norm.h.off if norm else 0,
+            pc.update(norm=(1 if self.caps.cn_rows else 2) if norm is not None else 0,
+                      sync_off=norm.sync.off if norm else 0, nw_off=norm.weight.off if norm else 0,
+                      h_off=norm.h.off if norm else 0,
                       h_stride=norm.h_stride if norm else 0, eps=norm.eps if norm else 0.0)
             bufs += [act, norm.weight.buf if norm else act]
         elif epilogue == "glu":
