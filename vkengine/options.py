@@ -160,6 +160,8 @@ class Options:
     mvid_unroll: bool = False     # decode steps' expert matvecs (mul_mv_id) with 4 units a lane in flight (and
                                   # gate and up together) instead of one: the same sums, bit for bit (opt-in: slower
                                   # where measured, H200 35B-A3B tg 209 vs 228 tok/s, 4 rows 424 vs 491; run 44)
+    mvk_id_unroll: int = 0        # ... in the split-K form: units a lane in flight (2 or 4; 0: the dense decode
+                                  # matvec's), the same sums (shaders/variants.py MVK_ID_UNROLLS)
     mvid_splitk: bool = True      # decode steps' fused expert matvecs (gate|up with the SwiGLU, down with the
                                   # weighted sum) in mul_mvk's split-K form (mul_mvk_id.comp: a workgroup's
                                   # invocations walk RPS rows together) instead of a subgroup a row (mul_mv_id);

@@ -13,6 +13,7 @@ from shaders.variants import (
     MC2_FROM_ROWS,
     MC2H_TILES,
     MV_BFLY_LANES,
+    MVK_ID_UNROLLS,
     attn_mc_shared_bytes,
 )
 
@@ -130,6 +131,7 @@ class Caps:
     # list (mul_mm_idb: an expert the rows share read once) instead of mul_mv_id
     expert_union: bool = False
     mvid_unroll: bool = False    # mul_mv_id's "4" variants (Options.mvid_unroll)
+    mvk_id_unroll: int = 0       # mul_mvk_id's units a lane in flight (Options.mvk_id_unroll; 0: its default)
     mvid_splitk: bool = False    # the fused expert matvecs in split-K form (mul_mvk_id.comp; Options.mvid_splitk)
 
     @property
@@ -145,6 +147,8 @@ class Caps:
         gpu = info.type != "cpu"
         sg = info.subgroup_size
         features = set(device.features)
+        if options.mvk_id_unroll not in (0, *MVK_ID_UNROLLS):
+            raise VkEngineError(f"VKENGINE_MVK_ID_UNROLL={options.mvk_id_unroll}: 0 or one of {MVK_ID_UNROLLS}")
         if options.delta_cols not in (1, 2, 4):
             raise VkEngineError(f"VKENGINE_DELTA_COLS={options.delta_cols}: 1, 2 or 4")
         if tiled_from == -1:
@@ -177,6 +181,7 @@ class Caps:
             delta_cols=options.delta_cols, cn_rows=options.cn_rows, conv_pre=options.conv_pre,
             attn_mc_split=options.attn_mc_split, expert_tiles=tiled_from is not None and options.expert_tiles,
             expert_union=options.expert_union, mvid_unroll=options.mvid_unroll,
+            mvk_id_unroll=options.mvk_id_unroll,
             mvid_splitk=gpu and options.mvid_splitk,
             attention_mc2=coopmat and options.attn_mc and options.attn_mc2 and device_has_coopmat2(device),
             attn_mc2_of16=options.attn_mc2_of16,
