@@ -547,6 +547,28 @@ def test_bench_ablate_leaves_out_the_matching_ops(device, tiny_model):
     assert bench.parse_ablate(" ; ") == []
 
 
+def test_bench_ablate_cli(tiny_gguf, capsys):
+    """`vkengine bench --ablate` prints the whole steps and, per pattern, the
+    ops it left out and the steps' times without them; a pattern that finds
+    nothing is said so; a bad pattern is a clear error; -n 0 cannot ablate."""
+    import json
+
+    from vkengine.cli import main
+    base = ["bench", "-m", str(tiny_gguf), "-p", "0", "-n", "4", "-r", "1", "--parallel", "2", "--ctx", "64"]
+    assert main([*base, "--ablate", "^attention;zz-no-such-op"]) == 0
+    out = capsys.readouterr().out
+    assert "decode steps whole: 1 row " in out and ", 2 rows " in out
+    assert "without /^attention/ (" in out and "/zz-no-such-op/ finds no op" in out
+    assert main([*base, "--json", "--ablate", "x<-ff"]) == 0
+    res = json.loads(capsys.readouterr().out)["ablate"]
+    assert [r["pattern"] for r in res] == [None, "x<-ff"] and res[1]["omitted"] > 0
+    assert set(res[1]["step_ms"]) == {"1", "2"}
+    assert main([*base, "--ablate", "("]) == 2
+    assert "not a regular expression" in capsys.readouterr().err
+    assert main([*base[:6], "0", *base[7:], "--ablate", "x"]) == 2
+    assert "give -n > 0" in capsys.readouterr().err
+
+
 def test_bench_profiles_a_long_prompt_in_steps(device, tiny_model):
     """Engine.profile refuses a step of more rows than the activations hold (it
     wrote past them: `bench --profile -p 16384` on the 8B, whose engine caps a
