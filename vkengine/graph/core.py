@@ -98,12 +98,14 @@ class GraphBase:
     def _rows(self, name: str) -> int:
         return self.n_out if name.startswith("out_") else self.n
 
-    def _norm_out(self, norm_w: Region, h: str) -> NormOut | None:
+    def _norm_out(self, norm_w: Region, h: str, sync: str = "out_sync", words: int = 1) -> NormOut | None:
         """What a residual add's matvec needs to take the RMSNorm after it into h
-        (its counter: the scratch's out_sync word), or None without that word."""
-        if "out_sync" not in self.s.widths:
+        (its counters: `words` words of the scratch's zeroed `sync`, out_sync's
+        one word, or cn_sync's word a row for the combined expert matvec), or
+        None without that array."""
+        if sync not in self.s.widths:
             return None
-        return NormOut(norm_w, self.s.region(h), self.s.stride(h), Region(self.s.buf, self.s.offsets["out_sync"], 1),
+        return NormOut(norm_w, self.s.region(h), self.s.stride(h), Region(self.s.buf, self.s.offsets[sync], words),
                        self.eps)
 
     def _r(self, name: str, col: int = 0) -> Region:

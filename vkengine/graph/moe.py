@@ -3,8 +3,6 @@ matvec per pair in decode steps, expert-major in prompt steps), their
 weighted sum, and the SwiGLU of each routed expert."""
 from __future__ import annotations
 
-import dataclasses
-
 from ..kernels import Matrix, NormOut, Region, RouteOut
 from ..kernels.moe import MM_ID_COLS
 from .core import GraphBase
@@ -119,9 +117,8 @@ class MoeOps(GraphBase):
                 raise ValueError("the fused expert matvecs need packed ff_e rows")
             self.experts(gate_up, 2 * n_ff_exp, "h", "route", k, "ff_e", per_slot_input=False, epilogue="glu",
                          bias=biases[0] if biases else None, oai=oai)
-            nout = self._norm_out(*norm) if norm is not None and "cn_sync" in self.s.widths else None
-            if nout is not None:   # (a counter a row: each row's last workgroup normalizes it)
-                nout = dataclasses.replace(nout, sync=Region(self.s.buf, self.s.offsets["cn_sync"], self.n))
+            # (a counter a row: each row's last workgroup normalizes it)
+            nout = self._norm_out(*norm, sync="cn_sync", words=self.n) if norm is not None else None
             if nout is not None and not self.k.combine_takes_norm(self.s.widths[out], self._r(out),
                                                                   self.s.stride(out), nout):
                 nout = None

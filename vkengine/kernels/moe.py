@@ -114,11 +114,12 @@ class MoeKernels(KernelBase):
         # the split-K form (mul_mvk_id.comp): a workgroup takes RPS weight rows (glu: RPS / 2 outputs)
         items = self.caps.items
         if epilogue and self.caps.mvid_splitk:
-            variant = f"mul_mvk{'b' if self.caps.bfly else ''}_{kind}_{w.type}"
+            base = f"mul_mvk{'b' if self.caps.bfly else ''}_{kind}"
+            variant = f"{base}_{w.type}"
             items = VARIANTS[variant][1]["RPS"] // (2 if epilogue == "glu" else 1)
             u = self.caps.mvk_id_unroll
             if u and VARIANTS[variant][1]["UNROLL"] != u:   # (units a lane in flight: the same sums)
-                variant = f"mul_mvk{'b' if self.caps.bfly else ''}_{kind}{u}_{w.type}"
+                variant = f"{base}{u}_{w.type}"
         pc: dict[str, int | float] = dict(
             w_off=w.data.off, w_off2=w.scales.off if w.scales else 0, K=w.cols, M=M, k=k, n_rows=n_rows,
             ids_off=route.off, ids_stride=route_stride, x_off=x.off, x_stride=x_stride, x_slot_stride=x_slot_stride,
