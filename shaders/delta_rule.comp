@@ -83,8 +83,10 @@ layout(push_constant) uniform P {
 // COLS: columns a subgroup owns (consecutive j of one head of one sequence; dv a multiple of it): their
 // state entries side by side, the row's k, q, gate and beta loaded once for all, their reductions
 // independent (in flight together). Each column's arithmetic is the one-column kernel's, so the results
-// are the same bits. The "_c4" variants: decode steps of several sequences, where a column a subgroup
-// made a 4-sequence step two waves of subgroups (nv x dv x 4 of them) of short dependent chains.
+// are the same bits: the products and sums below are explicit fma(), so that no compiler contracts
+// a*b + c*d one way in one form and another in the other (the H100 failed the forms' same-bits test
+// before). The "_c2" / "_c4" variants: decode steps of several sequences, where a column a subgroup made
+// a 4-sequence step two waves of subgroups (nv x dv x 4 of them) of short dependent chains.
 #ifndef COLS
 #define COLS 1
 #endif
@@ -167,12 +169,12 @@ void main() {
             [[unroll]] for (uint c = 0; c < COLS; c++) { ks[c] = 0.0; qs[c] = 0.0; }
             [[unroll]] for (uint e = 0; e < MAXE; e++) {
                 [[unroll]] for (uint c = 0; c < COLS; c++) {
-                    ks[c] += s[c][e] * kk[e];
-                    qs[c] += s[c][e] * qq[e];
+                    ks[c] = fma(s[c][e], kk[e], ks[c]);
+                    qs[c] = fma(s[c][e], qq[e], qs[c]);
                 }
-                qk += kk[e] * qq[e];
-                k2 += kk[e] * kk[e];
-                q2 += qq[e] * qq[e];
+                qk = fma(kk[e], qq[e], qk);
+                k2 = fma(kk[e], kk[e], k2);
+                q2 = fma(qq[e], qq[e], q2);
             }
             [[unroll]] for (uint c = 0; c < COLS; c++) {
                 ks[c] = subgroupAdd(ks[c]);
@@ -189,9 +191,9 @@ void main() {
                 [[unroll]] for (uint e = 0; e < MAXE; e++) kk[e] *= ik;
             }
             [[unroll]] for (uint c = 0; c < COLS; c++) {
-                float delta = (vr[c] - decay * ks[c]) * beta;
-                [[unroll]] for (uint e = 0; e < MAXE; e++) s[c][e] = s[c][e] * decay + kk[e] * delta;
-                float o = decay * qs[c] + qk * delta;
+                float delta = fma(-decay, ks[c], vr[c]) * beta;
+                [[unroll]] for (uint e = 0; e < MAXE; e++) s[c][e] = fma(kk[e], delta, s[c][e] * decay);
+                float o = fma(qk, delta, decay * qs[c]);
 #ifdef GNORM
                 if (subgroupElect()) actc[p.o_off + r * p.o_stride + hv * p.dv + j0 + c] = o * p.scale;
 #else

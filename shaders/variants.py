@@ -291,6 +291,8 @@ MVID_ROWS = {"idg": 0, "idc": 0}
 # units a lane of those keeps in flight, besides the dense decode matvec's (Options.mvk_id_unroll; a 512-wide down
 # projection's 8 experts are 4 rounds of one unit a lane of a 128-lane workgroup, each a memory latency)
 MVK_ID_UNROLLS = (2, 4)
+# weight rows a workgroup of the gate|up besides MVID_ROWS's (Options.mvid_glu_rows)
+MVID_GLU_ROWS = (8,)
 
 
 def _hybrid_table() -> dict[str, tuple[str, dict[str, int]]]:
@@ -322,6 +324,13 @@ def _hybrid_table() -> dict[str, tuple[str, dict[str, int]]]:
                     if u != unroll:
                         t[f"mul_mvk{tag}_{kind}{u}_{wt}"] = ("mul_mvk_id.comp", {**t[f"mul_mvk{tag}_{kind}_{wt}"][1],
                                                                                  "UNROLL": u})
+                # ... gate|up with MVID_GLU_ROWS weight rows a workgroup (Caps.mvid_glu_rows: half of them gate rows;
+                # each lane's x loads shared by more rows)
+                if kind == "idg":
+                    for gr in MVID_GLU_ROWS:
+                        if gr != r:
+                            t[f"mul_mvk{tag}_idgr{gr}_{wt}"] = ("mul_mvk_id.comp", {**t[f"mul_mvk{tag}_idg_{wt}"][1],
+                                                                                   "RPS": gr})
         t[f"mul_mm_idp_{wt}"] = ("mul_mm_id.comp", {**d, "EXPERT_PART": 1})
         # decode steps of several rows: the experts they share read once (moe_sort's work list)
         t[f"mul_mm_idb_{wt}"] = ("mul_mm_id.comp", {**d, "BLOCKS": 1})

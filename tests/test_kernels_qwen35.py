@@ -304,8 +304,9 @@ def test_delta_rule_e4_equals_the_16_entry_form(device, hk, ws, rng, monkeypatch
                       c.abr, c.abr.at(nv, 0), 2 * nv, orr, nv * dv, nk, nv, dk, dv, n, c.groups, st, snap, snap_rows,
                       ws.params, c.pos_off, c.slot_off, False, dk ** -0.5, chunked=False, qk_norm_eps=1e-6,
                       gnorm=c.gnorm() if fused else None)
+        cols = hk.caps.delta_cols if dv % hk.caps.delta_cols == 0 else 1   # (columns a subgroup: the same bits)
         assert any(k[0] == ("delta_rule_gn" if fused else "delta_rule") + ("_e4" if e4 else "")
-                   for k in device._algorithms)
+                   + (f"_c{cols}" if cols > 1 else "") for k in device._algorithms)
         prog.run()
         out.append([ws.read(r) for r in (orr, st, snap)])
     for a, b in zip(*out):
@@ -949,6 +950,24 @@ def test_splitk_expert_matvecs(device, ws, rng, wt, bfly, D, cn_rows):
             np.testing.assert_array_equal(a, b)
         assert any(k[0].endswith((f"_idg{u}_{wt}", f"_idc{u}_{wt}")) for k in device._algorithms) or \
             VARIANTS[f"mul_mvk{'b' if bfly else ''}_idc_{wt}"][1]["UNROLL"] == u
+    # the gate|up's workgroup of one or two subgroups (Caps.mvid_glu_wg): its lanes split the units otherwise,
+    # so its sums are rounded otherwise; the down projection's bits are unchanged; a row alone as in the batch
+    sg = base_kn.caps.sg
+    for wg in (sg, 2 * sg):
+        kn = with_caps(base_kn, mvid_glu_wg=wg)
+        got = run(list(range(n)), True)
+        _close(got[0], want_all[0], atol_scale=1e-5 * np.sqrt(K))
+        np.testing.assert_array_equal(got[1], want_all[1])
+        np.testing.assert_array_equal(got[2], want_all[2])
+        for a, b in zip(run([n - 1], True), got):
+            np.testing.assert_array_equal(a[0], b[n - 1])
+        assert any(k[0].startswith("mul_mvk") and "_idg" in k[0] and k[2][0] == wg for k in device._algorithms)
+    # its gate|up with 8 weight rows a workgroup (Caps.mvid_glu_rows): each row's sum is the same lanes' units in the
+    # same order, so the same bits
+    kn = with_caps(base_kn, mvid_glu_rows=8)
+    for a, b in zip(run(list(range(n)), True), want_all):
+        np.testing.assert_array_equal(a, b)
+    assert any(k[0] == f"mul_mvk{'b' if bfly else ''}_idgr8_{wt}" for k in device._algorithms)
 
 
 @pytest.mark.parametrize("wt", ["f32", "f16", "q8_0", "q4_0", "q4_k", "iq4_xs", "mxfp4"])

@@ -129,16 +129,21 @@ class Options:
                                   # this many dims (0: none; H100, 8B's 128: +2.4% / +4.1% at depth 4k / 16k, the
                                   # same at 0; qwen35 0.8B's 256: -1%; 64 not measured; notes.md run 46)
     attn_kpf: bool = False        # ... the next tile's K rows loaded during this one's softmax and V (dec_kpf)
-    attn_khoist: bool = False     # ... (lanes a position) a tile's K segments for all passes loaded first (KH)
+    attn_khoist: bool = True      # ... (lanes a position) a tile's K segments for all passes loaded first (KH;
+                                  # H100, 8B decode at depth 0 / 4k / 16k: 303.1 / 262.2 / 212.3 against 297.0 /
+                                  # 252.5 / 199.2 tok/s; notes.md run 53)
     attn_vb: int = 0              # ... V rows a lane loads ahead (VB; 0: 32 / the words a lane owns, at least 8)
     delta_chunk: int = -1         # steps of at least this many rows take the chunked delta rule (delta_chunk/
                                   # delta_scan.comp); 0: never; -1: the device's default (64 on GPUs, never on CPUs)
-    cn_rows: bool = False         # the combined expert matvec's RMSNorm by each row's last workgroup, rows side by
-                                  # side (combine_norm.glsl); off: the last workgroup of all, row after row
-    conv_pre: bool = False        # the conv1d after a linear layer's input projection (mul_mvk.comp CONV): every
-                                  # column's slot window loaded before the first column's conv (CONV_PRE)
-    delta_cols: int = 1           # the row-at-a-time delta rule's columns of S a subgroup (delta_rule.comp COLS: 1,
-                                  # 2 or 4; the same bits)
+    cn_rows: bool = True          # the combined expert matvec's RMSNorm by each row's last workgroup, rows side by
+                                  # side (combine_norm.glsl); off: the last workgroup of all, row after row (H100,
+                                  # 35B-A3B, 4 / 16 rows: 5.74 / 14.67 ms a step against 5.89 / 15.35; run 53)
+    conv_pre: bool = True         # the conv1d after a linear layer's input projection (mul_mvk.comp CONV): every
+                                  # column's slot window loaded before the first column's conv (CONV_PRE; H100,
+                                  # 35B-A3B, 4 / 16 rows: 5.80 / 15.26 ms against 5.89 / 15.35; run 53)
+    delta_cols: int = 2           # the row-at-a-time delta rule's columns of S a subgroup (delta_rule.comp COLS: 1,
+                                  # 2 or 4; the same bits; H100, 35B-A3B, 1 / 4 / 16 rows: 2: 316.5 tok/s, 5.74 /
+                                  # 14.61 ms, 4: 312.9, 5.83 / 14.48, 1: 314.4, 5.89 / 15.35; run 53)
     tiled_from: int = 0           # steps of at least this many rows take the tiled matmuls (and a MoE's experts
                                   # expert-major); 0: the device's default (64 on GPUs; CPUs never). Fewer: a hybrid
                                   # model's short prompts (no pad rows: its recurrent state) and batched decode of
@@ -161,7 +166,12 @@ class Options:
                                   # gate and up together) instead of one: the same sums, bit for bit (opt-in: slower
                                   # where measured, H200 35B-A3B tg 209 vs 228 tok/s, 4 rows 424 vs 491; run 44)
     mvk_id_unroll: int = 0        # ... in the split-K form: units a lane in flight (2 or 4; 0: the dense decode
-                                  # matvec's), the same sums (shaders/variants.py MVK_ID_UNROLLS)
+                                  # matvec's), the same sums (shaders/variants.py MVK_ID_UNROLLS); slower where
+                                  # measured (H100, 35B-A3B, 4 rows: 2: 6.13, 4: 7.00 against 5.89 ms; run 53)
+    mvid_glu_wg: int = 0          # ... its gate|up's workgroup size (0: the device's; a 2048-wide Q4_0 expert row is
+                                  # 256 units of 8 columns: 2 rounds of a 128-lane workgroup)
+    mvid_glu_rows: int = 0        # ... its gate|up's weight rows a workgroup (8; 0: shaders/variants.py MVID_ROWS's):
+                                  # a lane's x loads shared by more rows, half the workgroups
     mvid_splitk: bool = True      # decode steps' fused expert matvecs (gate|up with the SwiGLU, down with the
                                   # weighted sum) in mul_mvk's split-K form (mul_mvk_id.comp: a workgroup's
                                   # invocations walk RPS rows together) instead of a subgroup a row (mul_mv_id);

@@ -112,7 +112,7 @@ class MoeKernels(KernelBase):
         unroll = "4" if self.caps.mvid_unroll else ""
         variant = f"mul_mv_{kind}{unroll}_{w.type}" if part is None else f"mul_mv_idp_{w.type}"
         # the split-K form (mul_mvk_id.comp): a workgroup takes RPS weight rows (glu: RPS / 2 outputs)
-        items = self.caps.items
+        items, wg = self.caps.items, self.caps.wg
         if epilogue and self.caps.mvid_splitk:
             base = f"mul_mvk{'b' if self.caps.bfly else ''}_{kind}"
             variant = f"{base}_{w.type}"
@@ -120,6 +120,12 @@ class MoeKernels(KernelBase):
             u = self.caps.mvk_id_unroll
             if u and VARIANTS[variant][1]["UNROLL"] != u:   # (units a lane in flight: the same sums)
                 variant = f"{base}{u}_{w.type}"
+            rows_variant = f"{base}r{self.caps.mvid_glu_rows}_{w.type}"
+            if epilogue == "glu" and self.caps.mvid_glu_rows and rows_variant in VARIANTS:
+                variant = rows_variant
+                items = VARIANTS[variant][1]["RPS"] // 2
+            if epilogue == "glu" and self.caps.mvid_glu_wg:
+                wg = self.caps.mvid_glu_wg
         pc: dict[str, int | float] = dict(
             w_off=w.data.off, w_off2=w.scales.off if w.scales else 0, K=w.cols, M=M, k=k, n_rows=n_rows,
             ids_off=route.off, ids_stride=route_stride, x_off=x.off, x_stride=x_stride, x_slot_stride=x_slot_stride,
@@ -140,7 +146,7 @@ class MoeKernels(KernelBase):
             pc.update(b_off=bias.off if bias is not None else 0xFFFFFFFF)
             bufs.append(bias.buf if bias is not None else act)
         push = self._push(variant, **pc)
-        alg = self._alg(variant, bufs, push, self.caps.wg, items)
+        alg = self._alg(variant, bufs, push, wg, items)
         if n_rows * k > 65535:
             raise VkEngineError(f"{n_rows} rows x {k} experts exceed one dispatch; use a smaller batch")
         reads = w.regions + [rows_range(x, n_rows, x_stride, (k - 1) * x_slot_stride + w.cols),
