@@ -141,9 +141,10 @@ class Options:
     conv_pre: bool = True         # the conv1d after a linear layer's input projection (mul_mvk.comp CONV): every
                                   # column's slot window loaded before the first column's conv (CONV_PRE; H100,
                                   # 35B-A3B, 4 / 16 rows: 5.80 / 15.26 ms against 5.89 / 15.35; run 53)
-    delta_cols: int = 2           # the row-at-a-time delta rule's columns of S a subgroup (delta_rule.comp COLS: 1,
+    delta_cols: int = 1           # the row-at-a-time delta rule's columns of S a subgroup (delta_rule.comp COLS: 1,
                                   # 2 or 4; the same bits; H100, 35B-A3B, 1 / 4 / 16 rows: 2: 316.5 tok/s, 5.74 /
-                                  # 14.61 ms, 4: 312.9, 5.83 / 14.48, 1: 314.4, 5.89 / 15.35; run 53)
+                                  # 14.61 ms, 4: 312.9, 5.83 / 14.48, 1: 314.4, 5.89 / 15.35; run 53). Opt-in until
+                                  # the GPU passes its same-bits test (failed there before its sums were pinned)
     tiled_from: int = 0           # steps of at least this many rows take the tiled matmuls (and a MoE's experts
                                   # expert-major); 0: the device's default (64 on GPUs; CPUs never). Fewer: a hybrid
                                   # model's short prompts (no pad rows: its recurrent state) and batched decode of
