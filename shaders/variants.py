@@ -288,9 +288,6 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
 # Weight rows a workgroup of the split-K expert matvecs (mul_mvk_id.comp) takes, by kind (idg: gate|up with
 # the SwiGLU, idc: down with the weighted sum); 0: the dense decode matvec's (mv_gpu_config, at least 2)
 MVID_ROWS = {"idg": 0, "idc": 0}
-# units a lane of those keeps in flight, besides the dense decode matvec's (Options.mvk_id_unroll; a 512-wide down
-# projection's 8 experts are 4 rounds of one unit a lane of a 128-lane workgroup, each a memory latency)
-MVK_ID_UNROLLS = (2, 4)
 # weight rows a workgroup of the gate|up besides MVID_ROWS's (Options.mvid_glu_rows)
 MVID_GLU_ROWS = (8,)
 
@@ -318,12 +315,6 @@ def _hybrid_table() -> dict[str, tuple[str, dict[str, int]]]:
             for bf, tag in ((0, ""), (1, "b")):
                 t[f"mul_mvk{tag}_{kind}_{wt}"] = ("mul_mvk_id.comp", {**d, **extra, ep: 1, "RPS": r,
                                                                         "UNROLL": unroll, "BFLY": bf})
-                # ... with MVK_ID_UNROLLS units a lane in flight (Caps.mvk_id_unroll; a lane's units in the same
-                # order, so the same sums)
-                for u in MVK_ID_UNROLLS:
-                    if u != unroll:
-                        t[f"mul_mvk{tag}_{kind}{u}_{wt}"] = ("mul_mvk_id.comp", {**t[f"mul_mvk{tag}_{kind}_{wt}"][1],
-                                                                                 "UNROLL": u})
                 # ... gate|up with MVID_GLU_ROWS weight rows a workgroup (Caps.mvid_glu_rows: half of them gate rows;
                 # each lane's x loads shared by more rows)
                 if kind == "idg":

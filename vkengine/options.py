@@ -166,18 +166,15 @@ class Options:
     mvid_unroll: bool = False     # decode steps' expert matvecs (mul_mv_id) with 4 units a lane in flight (and
                                   # gate and up together) instead of one: the same sums, bit for bit (opt-in: slower
                                   # where measured, H200 35B-A3B tg 209 vs 228 tok/s, 4 rows 424 vs 491; run 44)
-    mvk_id_unroll: int = 0        # ... in the split-K form: units a lane in flight (2 or 4; 0: the dense decode
-                                  # matvec's), the same sums (shaders/variants.py MVK_ID_UNROLLS); slower where
-                                  # measured (H100, 35B-A3B, 4 rows: 2: 6.13, 4: 7.00 against 5.89 ms; run 53)
-    mvid_glu_wg: int = 0          # ... its gate|up's workgroup size (0: the device's; a 2048-wide Q4_0 expert row is
-                                  # 256 units of 8 columns: 2 rounds of a 128-lane workgroup)
-    mvid_glu_rows: int = 0        # ... its gate|up's weight rows a workgroup (8; 0: shaders/variants.py MVID_ROWS's):
-                                  # a lane's x loads shared by more rows, half the workgroups
     mvid_splitk: bool = True      # decode steps' fused expert matvecs (gate|up with the SwiGLU, down with the
                                   # weighted sum) in mul_mvk's split-K form (mul_mvk_id.comp: a workgroup's
                                   # invocations walk RPS rows together) instead of a subgroup a row (mul_mv_id);
                                   # GPUs (H100, Q4_0: 35B-A3B tg 250.5 vs 223.6 tok/s, 4 rows 556 vs 488, 16 rows
                                   # 858 vs 737; 30B-A3B tg 210.7 vs 182.0; notes.md run 45)
+    mvid_glu_wg: int = 0          # ... the split-K gate|up's workgroup size (0: the device's; a 2048-wide Q4_0
+                                  # expert row is 256 units of 8 columns: 2 rounds of a 128-lane workgroup)
+    mvid_glu_rows: int = 0        # ... its weight rows a workgroup (8; 0: shaders/variants.py MVID_ROWS's): a lane's
+                                  # x loads shared by more rows, half the workgroups
     memory_mib: int = 0           # MiB of a device's memory an engine (or a split model's part) may fill (0: all):
                                   # a GPU shared with other work, or one standing in for a smaller card
     mtp_block_ahead: bool = True  # speculative turns: the MTP block submitted behind a verify step ahead, over all

@@ -14,7 +14,6 @@ from shaders.variants import (
     MC2H_TILES,
     MV_BFLY_LANES,
     MVID_GLU_ROWS,
-    MVK_ID_UNROLLS,
     attn_mc_shared_bytes,
 )
 
@@ -132,7 +131,6 @@ class Caps:
     # list (mul_mm_idb: an expert the rows share read once) instead of mul_mv_id
     expert_union: bool = False
     mvid_unroll: bool = False    # mul_mv_id's "4" variants (Options.mvid_unroll)
-    mvk_id_unroll: int = 0       # mul_mvk_id's units a lane in flight (Options.mvk_id_unroll; 0: its default)
     mvid_glu_wg: int = 0         # mul_mvk_id's gate|up workgroup size (Options.mvid_glu_wg; 0: wg)
     mvid_glu_rows: int = 0       # ... its weight rows a workgroup (Options.mvid_glu_rows; 0: MVID_ROWS's)
     mvid_splitk: bool = False    # the fused expert matvecs in split-K form (mul_mvk_id.comp; Options.mvid_splitk)
@@ -150,8 +148,6 @@ class Caps:
         gpu = info.type != "cpu"
         sg = info.subgroup_size
         features = set(device.features)
-        if options.mvk_id_unroll not in (0, *MVK_ID_UNROLLS):
-            raise VkEngineError(f"VKENGINE_MVK_ID_UNROLL={options.mvk_id_unroll}: 0 or one of {MVK_ID_UNROLLS}")
         if options.mvid_glu_wg and (options.mvid_glu_wg % sg or not 0 < options.mvid_glu_wg <= 1024):
             raise VkEngineError(f"VKENGINE_MVID_GLU_WG={options.mvid_glu_wg}: 0 or a multiple of the subgroup "
                                 f"size {sg} up to 1024")
@@ -189,7 +185,7 @@ class Caps:
             delta_cols=options.delta_cols, cn_rows=options.cn_rows, conv_pre=options.conv_pre,
             attn_mc_split=options.attn_mc_split, expert_tiles=tiled_from is not None and options.expert_tiles,
             expert_union=options.expert_union, mvid_unroll=options.mvid_unroll,
-            mvk_id_unroll=options.mvk_id_unroll, mvid_glu_wg=options.mvid_glu_wg, mvid_glu_rows=options.mvid_glu_rows,
+            mvid_glu_wg=options.mvid_glu_wg, mvid_glu_rows=options.mvid_glu_rows,
             mvid_splitk=gpu and options.mvid_splitk,
             attention_mc2=coopmat and options.attn_mc and options.attn_mc2 and device_has_coopmat2(device),
             attn_mc2_of16=options.attn_mc2_of16,

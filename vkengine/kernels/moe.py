@@ -117,9 +117,6 @@ class MoeKernels(KernelBase):
             base = f"mul_mvk{'b' if self.caps.bfly else ''}_{kind}"
             variant = f"{base}_{w.type}"
             items = VARIANTS[variant][1]["RPS"] // (2 if epilogue == "glu" else 1)
-            u = self.caps.mvk_id_unroll
-            if u and VARIANTS[variant][1]["UNROLL"] != u:   # (units a lane in flight: the same sums)
-                variant = f"{base}{u}_{w.type}"
             rows_variant = f"{base}r{self.caps.mvid_glu_rows}_{w.type}"
             if epilogue == "glu" and self.caps.mvid_glu_rows and rows_variant in VARIANTS:
                 variant = rows_variant
