@@ -288,8 +288,8 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
 # Weight rows a workgroup of the split-K expert matvecs (mul_mvk_id.comp) takes, by kind (idg: gate|up with
 # the SwiGLU, idc: down with the weighted sum); 0: the dense decode matvec's (mv_gpu_config, at least 2)
 MVID_ROWS = {"idg": 0, "idc": 0}
-# weight rows a workgroup of the gate|up besides MVID_ROWS's (Options.mvid_glu_rows)
-MVID_GLU_ROWS = (8,)
+# weight rows a workgroup of those besides MVID_ROWS's ("r" variants: Options.mvid_glu_rows, mvid_combine_rows)
+MVID_MORE_ROWS = (8,)
 
 
 def _hybrid_table() -> dict[str, tuple[str, dict[str, int]]]:
@@ -315,13 +315,12 @@ def _hybrid_table() -> dict[str, tuple[str, dict[str, int]]]:
             for bf, tag in ((0, ""), (1, "b")):
                 t[f"mul_mvk{tag}_{kind}_{wt}"] = ("mul_mvk_id.comp", {**d, **extra, ep: 1, "RPS": r,
                                                                         "UNROLL": unroll, "BFLY": bf})
-                # ... gate|up with MVID_GLU_ROWS weight rows a workgroup (Caps.mvid_glu_rows: half of them gate rows;
-                # each lane's x loads shared by more rows)
-                if kind == "idg":
-                    for gr in MVID_GLU_ROWS:
-                        if gr != r:
-                            t[f"mul_mvk{tag}_idgr{gr}_{wt}"] = ("mul_mvk_id.comp", {**t[f"mul_mvk{tag}_idg_{wt}"][1],
-                                                                                   "RPS": gr})
+                # ... with MVID_MORE_ROWS weight rows a workgroup (Caps.mvid_glu_rows / mvid_combine_rows; gate|up:
+                # half of them gate rows): each lane's x loads shared by more rows, fewer workgroups
+                for gr in MVID_MORE_ROWS:
+                    if gr != r:
+                        t[f"mul_mvk{tag}_{kind}r{gr}_{wt}"] = ("mul_mvk_id.comp", {**t[f"mul_mvk{tag}_{kind}_{wt}"][1],
+                                                                                  "RPS": gr})
         t[f"mul_mm_idp_{wt}"] = ("mul_mm_id.comp", {**d, "EXPERT_PART": 1})
         # decode steps of several rows: the experts they share read once (moe_sort's work list)
         t[f"mul_mm_idb_{wt}"] = ("mul_mm_id.comp", {**d, "BLOCKS": 1})

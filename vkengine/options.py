@@ -175,6 +175,8 @@ class Options:
                                   # expert row is 256 units of 8 columns: 2 rounds of a 128-lane workgroup)
     mvid_glu_rows: int = 0        # ... its weight rows a workgroup (8; 0: shaders/variants.py MVID_ROWS's): a lane's
                                   # x loads shared by more rows, half the workgroups
+    mvid_combine_rows: int = 0    # ... the split-K down projection's (8; 0: MVID_ROWS's; the 35B-A3B's moves its
+                                  # bytes at 0.35 TB/s in a 1-row step, 0.63 at 4 rows: run 52's ablation)
     memory_mib: int = 0           # MiB of a device's memory an engine (or a split model's part) may fill (0: all):
                                   # a GPU shared with other work, or one standing in for a smaller card
     mtp_block_ahead: bool = True  # speculative turns: the MTP block submitted behind a verify step ahead, over all

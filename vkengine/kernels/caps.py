@@ -13,7 +13,7 @@ from shaders.variants import (
     MC2_FROM_ROWS,
     MC2H_TILES,
     MV_BFLY_LANES,
-    MVID_GLU_ROWS,
+    MVID_MORE_ROWS,
     attn_mc_shared_bytes,
 )
 
@@ -133,6 +133,7 @@ class Caps:
     mvid_unroll: bool = False    # mul_mv_id's "4" variants (Options.mvid_unroll)
     mvid_glu_wg: int = 0         # mul_mvk_id's gate|up workgroup size (Options.mvid_glu_wg; 0: wg)
     mvid_glu_rows: int = 0       # ... its weight rows a workgroup (Options.mvid_glu_rows; 0: MVID_ROWS's)
+    mvid_combine_rows: int = 0   # ... the down projection's (Options.mvid_combine_rows)
     mvid_splitk: bool = False    # the fused expert matvecs in split-K form (mul_mvk_id.comp; Options.mvid_splitk)
 
     @property
@@ -151,8 +152,9 @@ class Caps:
         if options.mvid_glu_wg and (options.mvid_glu_wg % sg or not 0 < options.mvid_glu_wg <= 1024):
             raise VkEngineError(f"VKENGINE_MVID_GLU_WG={options.mvid_glu_wg}: 0 or a multiple of the subgroup "
                                 f"size {sg} up to 1024")
-        if options.mvid_glu_rows not in (0, *MVID_GLU_ROWS):
-            raise VkEngineError(f"VKENGINE_MVID_GLU_ROWS={options.mvid_glu_rows}: 0 or one of {MVID_GLU_ROWS}")
+        for name in ("mvid_glu_rows", "mvid_combine_rows"):
+            if getattr(options, name) not in (0, *MVID_MORE_ROWS):
+                raise VkEngineError(f"VKENGINE_{name.upper()}={getattr(options, name)}: 0 or one of {MVID_MORE_ROWS}")
         if options.delta_cols not in (1, 2, 4):
             raise VkEngineError(f"VKENGINE_DELTA_COLS={options.delta_cols}: 1, 2 or 4")
         if tiled_from == -1:
@@ -186,6 +188,7 @@ class Caps:
             attn_mc_split=options.attn_mc_split, expert_tiles=tiled_from is not None and options.expert_tiles,
             expert_union=options.expert_union, mvid_unroll=options.mvid_unroll,
             mvid_glu_wg=options.mvid_glu_wg, mvid_glu_rows=options.mvid_glu_rows,
+            mvid_combine_rows=options.mvid_combine_rows,
             mvid_splitk=gpu and options.mvid_splitk,
             attention_mc2=coopmat and options.attn_mc and options.attn_mc2 and device_has_coopmat2(device),
             attn_mc2_of16=options.attn_mc2_of16,

@@ -117,10 +117,10 @@ class MoeKernels(KernelBase):
             base = f"mul_mvk{'b' if self.caps.bfly else ''}_{kind}"
             variant = f"{base}_{w.type}"
             items = VARIANTS[variant][1]["RPS"] // (2 if epilogue == "glu" else 1)
-            rows_variant = f"{base}r{self.caps.mvid_glu_rows}_{w.type}"
-            if epilogue == "glu" and self.caps.mvid_glu_rows and rows_variant in VARIANTS:
-                variant = rows_variant
-                items = VARIANTS[variant][1]["RPS"] // 2
+            more = self.caps.mvid_glu_rows if epilogue == "glu" else self.caps.mvid_combine_rows
+            if more and f"{base}r{more}_{w.type}" in VARIANTS:
+                variant = f"{base}r{more}_{w.type}"
+                items = VARIANTS[variant][1]["RPS"] // (2 if epilogue == "glu" else 1)
             if epilogue == "glu" and self.caps.mvid_glu_wg:
                 wg = self.caps.mvid_glu_wg
         pc: dict[str, int | float] = dict(
