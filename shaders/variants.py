@@ -289,7 +289,7 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
 # the SwiGLU, idc: down with the weighted sum); 0: the dense decode matvec's (mv_gpu_config, at least 2)
 MVID_ROWS = {"idg": 0, "idc": 0}
 # weight rows a workgroup of those besides MVID_ROWS's ("r" variants: Options.mvid_glu_rows, mvid_combine_rows)
-MVID_MORE_ROWS = (8,)
+MVID_MORE_ROWS = (8, 16)
 
 
 def _hybrid_table() -> dict[str, tuple[str, dict[str, int]]]:

@@ -953,16 +953,19 @@ def test_splitk_expert_matvecs(device, ws, rng, wt, bfly, D, cn_rows):
         for a, b in zip(run([n - 1], True), got):
             np.testing.assert_array_equal(a[0], b[n - 1])
         assert any(k[0].startswith("mul_mvk") and "_idg" in k[0] and k[2][0] == wg for k in device._algorithms)
-    # 8 weight rows a workgroup (Caps.mvid_glu_rows, mvid_combine_rows): each row's sum is the same lanes' units in
-    # the same order, reduced over the same lanes, so the same bits; a row alone as in the batch
-    for kw in (dict(mvid_glu_rows=8), dict(mvid_combine_rows=8)):
-        kn = with_caps(base_kn, **kw)
-        for a, b in zip(run(list(range(n)), True), want_all):
-            np.testing.assert_array_equal(a, b)
-        for a, b in zip(run([0], True), want_all):
-            np.testing.assert_array_equal(a[0], b[0])
-        kind = "idg" if "mvid_glu_rows" in kw else "idc"
-        assert any(k[0] == f"mul_mvk{'b' if bfly else ''}_{kind}r8_{wt}" for k in device._algorithms)
+    # 8 or 16 weight rows a workgroup (Caps.mvid_glu_rows, mvid_combine_rows): each row's sum is the same lanes'
+    # units in the same order, reduced over the same lanes, so the same bits; a row alone as in the batch (with the
+    # butterfly, more rows than a subgroup's lanes keep the default's)
+    for rows in (8, 16):
+        for kw in (dict(mvid_glu_rows=rows), dict(mvid_combine_rows=rows)):
+            kn = with_caps(base_kn, **kw)
+            for a, b in zip(run(list(range(n)), True), want_all):
+                np.testing.assert_array_equal(a, b)
+            for a, b in zip(run([0], True), want_all):
+                np.testing.assert_array_equal(a[0], b[0])
+            kind = "idg" if "mvid_glu_rows" in kw else "idc"
+            used = any(k[0] == f"mul_mvk{'b' if bfly else ''}_{kind}r{rows}_{wt}" for k in device._algorithms)
+            assert used == (not bfly or rows <= sg), (rows, kind)
 
 
 @pytest.mark.parametrize("wt", ["f32", "f16", "q8_0", "q4_0", "q4_k", "iq4_xs", "mxfp4"])

@@ -173,9 +173,10 @@ class Options:
                                   # 858 vs 737; 30B-A3B tg 210.7 vs 182.0; notes.md run 45)
     mvid_glu_wg: int = 0          # ... the split-K gate|up's workgroup size (0: the device's; a 2048-wide Q4_0
                                   # expert row is 256 units of 8 columns: 2 rounds of a 128-lane workgroup)
-    mvid_glu_rows: int = 0        # ... its weight rows a workgroup (8; 0: shaders/variants.py MVID_ROWS's): a lane's
-                                  # x loads shared by more rows, half the workgroups
-    mvid_combine_rows: int = 0    # ... the split-K down projection's (8; 0: MVID_ROWS's; the 35B-A3B's moves its
+    mvid_glu_rows: int = 0        # ... its weight rows a workgroup (8 or 16; 0: shaders/variants.py MVID_ROWS's): a
+                                  # lane's x loads shared by more rows, fewer workgroups (each reads all of its
+                                  # row's x: 8 KB a workgroup of the 35B-A3B's gate|up, against 4.6 KB of weights)
+    mvid_combine_rows: int = 0    # ... the split-K down projection's (8 or 16; 0: MVID_ROWS's; the 35B-A3B's moves its
                                   # bytes at 0.35 TB/s in a 1-row step, 0.63 at 4 rows: run 52's ablation)
     memory_mib: int = 0           # MiB of a device's memory an engine (or a split model's part) may fill (0: all):
                                   # a GPU shared with other work, or one standing in for a smaller card

@@ -118,7 +118,8 @@ class MoeKernels(KernelBase):
             variant = f"{base}_{w.type}"
             items = VARIANTS[variant][1]["RPS"] // (2 if epilogue == "glu" else 1)
             more = self.caps.mvid_glu_rows if epilogue == "glu" else self.caps.mvid_combine_rows
-            if more and f"{base}r{more}_{w.type}" in VARIANTS:
+            # (the butterfly reduction needs a lane a row: more rows than a subgroup's lanes keep MVID_ROWS's)
+            if more and f"{base}r{more}_{w.type}" in VARIANTS and not (self.caps.bfly and more > self.caps.sg):
                 variant = f"{base}r{more}_{w.type}"
                 items = VARIANTS[variant][1]["RPS"] // (2 if epilogue == "glu" else 1)
             if epilogue == "glu" and self.caps.mvid_glu_wg:
