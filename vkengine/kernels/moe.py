@@ -116,12 +116,11 @@ class MoeKernels(KernelBase):
         if epilogue and self.caps.mvid_splitk:
             base = f"mul_mvk{'b' if self.caps.bfly else ''}_{kind}"
             variant = f"{base}_{w.type}"
-            items = VARIANTS[variant][1]["RPS"] // (2 if epilogue == "glu" else 1)
             more = self.caps.mvid_glu_rows if epilogue == "glu" else self.caps.mvid_combine_rows
             # (the butterfly reduction needs a lane a row: more rows than a subgroup's lanes keep MVID_ROWS's)
             if more and f"{base}r{more}_{w.type}" in VARIANTS and not (self.caps.bfly and more > self.caps.sg):
                 variant = f"{base}r{more}_{w.type}"
-                items = VARIANTS[variant][1]["RPS"] // (2 if epilogue == "glu" else 1)
+            items = VARIANTS[variant][1]["RPS"] // (2 if epilogue == "glu" else 1)
             if epilogue == "glu" and self.caps.mvid_glu_wg:
                 wg = self.caps.mvid_glu_wg
         pc: dict[str, int | float] = dict(
