@@ -66,6 +66,11 @@ layout(constant_id = 8) const uint VPRE = 0;
 // uvec4 a lane: one memory latency a tile rather than, where the compiler keeps the passes' loads behind the
 // butterflies before them, one a pass); the same arithmetic (Caps.attn_khoist)
 layout(constant_id = 9) const uint KH = 0;
+// (f16 V) 1: V rows read in uvec4s (8 dims a lane, 16-byte loads): a row's HD / 8 uvec4 over LR = min(HD / 8,
+// subgroup) lanes (NQ = HD / 8 / LR uvec4 each), S / LR rows a load instruction, VB uvec4 loads ahead a lane; each
+// lane group sums its own rows, the groups' sums added by butterflies after the last tile (Caps.attn_vwide); 0: an
+// f16 pair a lane (WPL words), every lane every row
+layout(constant_id = 10) const uint VW = 0;
 
 layout(push_constant) uniform P {
     uint q_off, q_stride, o_off, o_stride;
@@ -217,12 +222,19 @@ void main() {
     uint pa = part0 + gl_SubgroupID * ppg;
     uint pb = min(min(used, part0 + ITEMS_PER_WG), pa + ppg);
     vec2 acc[GQ][WPL];
+    // (VW: the smallest subgroup the kernel runs with) vec2 of a V row a lane owns at most: 4 a uvec4
+    const uint VWD = VW == 0u ? 1u : VW;
+    const uint NQW = VW != 0u ? (HD / 8u <= VWD ? 4u : 4u * (HD / 8u) / VWD) : 1u;
+    vec2 accw[GQ][NQW];
+    uint lr = min(HD / 8u, S);                   // (VW) lanes a V row
+    uint nq = HD / 8u / lr;                      // ... uvec4 of it a lane
     float m[GQ];
     float l[GQ];
     [[unroll]] for (uint g = 0; g < GQ; g++) {
         m[g] = -1.0 / 0.0;
         l[g] = 0.0;
         [[unroll]] for (uint i = 0; i < WPL; i++) acc[g][i] = vec2(0.0);
+        [[unroll]] for (uint i = 0; i < NQW; i++) accw[g][i] = vec2(0.0);
     }
     if (pa < pb) {
         uint first = lo + pa * chunk;
@@ -336,8 +348,39 @@ void main() {
                 e[g] = t <= last ? exp(sg - m_new) : 0.0;
                 l[g] = l[g] * corr + subgroupAdd(e[g]);
                 [[unroll]] for (uint i = 0; i < WPL; i++) acc[g][i] *= corr;
+                if (VW != 0u) [[unroll]] for (uint i = 0; i < NQW; i++) accw[g][i] *= corr;
                 m[g] = m_new;
             }
+#if !KV_V_Q8
+            if (VW != 0u) {
+                // lane group sub = lane / lr takes rows j0 + jj * R + sub, uvec4 q0 * nq .. of each
+                uint R = S / lr, sub = lane / lr, q0 = lane % lr;
+                for (uint j0 = 0u; j0 < n_valid; j0 += VB * R) {
+                    uvec4 vv[VB][NQW / 4u];
+                    [[unroll]] for (uint jj = 0; jj < VB; jj++) {
+                        uint j = j0 + jj * R + sub;
+                        uint v4 = (vb + kv_at(t0 + min(j, n_valid - 1u)) * v_row) / 4u + q0 * nq;
+                        [[unroll]] for (uint u = 0; u < NQW / 4u; u++)
+                            vv[jj][u] = (j < n_valid && u < nq) ? kv4[v4 + u] : uvec4(0u);
+                    }
+                    [[unroll]] for (uint jj = 0; jj < VB; jj++) {
+                        uint j = j0 + jj * R + sub;
+                        [[unroll]] for (uint g = 0; g < GQ; g++) {
+                            float ej = subgroupShuffle(e[g], min(j, S - 1u));
+                            if (j < n_valid) {
+                                [[unroll]] for (uint u = 0; u < NQW / 4u; u++) {
+                                    accw[g][4u * u] += ej * unpackHalf2x16(vv[jj][u].x);
+                                    accw[g][4u * u + 1u] += ej * unpackHalf2x16(vv[jj][u].y);
+                                    accw[g][4u * u + 2u] += ej * unpackHalf2x16(vv[jj][u].z);
+                                    accw[g][4u * u + 3u] += ej * unpackHalf2x16(vv[jj][u].w);
+                                }
+                            }
+                        }
+                    }
+                }
+                continue;
+            }
+#endif
             for (uint j0 = 0u; j0 < n_valid; j0 += VB) {
                 if (j0 > 0u || VPRE == 0u) {
                     [[unroll]] for (uint jj = 0; jj < VB; jj++) {
@@ -368,6 +411,12 @@ void main() {
             }
         }
     }
+    // (VW) the lane groups' sums added: lanes 0 .. lr - 1 hold the head's whole output, uvec4 lane * nq ..
+    if (VW != 0u && pa < pb) {
+        [[unroll]] for (uint g = 0; g < GQ; g++)
+            [[unroll]] for (uint i = 0; i < NQW; i++)
+                for (uint o = lr; o < S; o <<= 1u) accw[g][i] += subgroupShuffleXor(accw[g][i], o);
+    }
     // the workgroup's subgroups combined in shared memory, one at a time in
     // subgroup order: sh_m, sh_l and sh_o hold (max, sum, output scaled to the max)
     uint nl = gl_WorkGroupSize.x;
@@ -381,7 +430,15 @@ void main() {
                 float mn = max(mo, m[g]);
                 float co = mo > -1.0 / 0.0 ? exp(mo - mn) : 0.0;
                 float cn = m[g] > -1.0 / 0.0 ? exp(m[g] - mn) : 0.0;
-                [[unroll]] for (uint i = 0; i < WPL; i++) {
+                if (VW != 0u) {
+                    if (lane < lr) [[unroll]] for (uint i = 0; i < NQW; i++) {
+                        uint w = lane * nq * 4u + i;   // (the word of dims 2w, 2w + 1)
+                        if (i < nq * 4u) {
+                            sh_o[g * HD + 2u * w] = sh_o[g * HD + 2u * w] * co + accw[g][i].x * cn;
+                            sh_o[g * HD + 2u * w + 1u] = sh_o[g * HD + 2u * w + 1u] * co + accw[g][i].y * cn;
+                        }
+                    }
+                } else [[unroll]] for (uint i = 0; i < WPL; i++) {
                     uint w = lane + i * S;
                     if (w < hd2) {
                         sh_o[g * HD + 2u * w] = sh_o[g * HD + 2u * w] * co + acc[g][i].x * cn;

@@ -1180,7 +1180,7 @@ def test_attention_dec_takes_the_heads_gates(device, kernels, ws, rng, hd, n_hea
     c.check(plain.reshape(-1).astype(np.float32), c.q, atol_scale=1e-4)
 
 
-@pytest.mark.parametrize("hd,n_head,n_kv,items,kv,lp,kpf,group", [
+@pytest.mark.parametrize("hd,n_head,n_kv,items,kv,lp,kpf,group,vw", [c + (False,) if len(c) == 8 else c for c in [
     *[(hd, nh, nkv, items, "f16", False, True, 8) for hd, nh, nkv in [(64, 8, 2), (128, 20, 1), (256, 6, 3)]
       for items in (16, 1024)],
     (64, 8, 2, 1024, "kv", False, True, 8), (128, 20, 1, 1024, "k", False, True, 8),
@@ -1190,8 +1190,12 @@ def test_attention_dec_takes_the_heads_gates(device, kernels, ws, rng, hd, n_hea
     (64, 8, 2, 16, "v", False, False, 8),
     # items of at most 2 query heads (Caps.attn_group): 20 heads as 10 items, 6 as 3, 5 as 2 + 2 + 1
     (128, 20, 1, 1024, "f16", False, True, 2), (256, 6, 3, 16, "f16", True, True, 2),
-    (64, 10, 2, 1024, "kv", False, True, 2), (256, 16, 2, 1024, "f16", False, False, 1)])
-def test_attention_decode_depth(device, kernels, rng, hd, n_head, n_kv, items, kv, lp, kpf, group):
+    (64, 10, 2, 1024, "kv", False, True, 2), (256, 16, 2, 1024, "f16", False, False, 1),
+    # V rows in uvec4s (Caps.attn_vwide): K f16 or q8_0, lanes a position or one, 1-8 heads an item
+    *[(hd, nh, nkv, items, kv, lp, False, group, True) for hd, nh, nkv, items, kv, lp, group in [
+        (64, 8, 2, 1024, "f16", False, 8), (128, 8, 2, 1024, "f16", True, 2), (128, 8, 2, 16, "f16", True, 4),
+        (128, 20, 1, 1024, "k", False, 8), (256, 6, 3, 1024, "f16", True, 1), (256, 6, 3, 16, "k", False, 2)]]]])
+def test_attention_decode_depth(device, kernels, rng, hd, n_head, n_kv, items, kv, lp, kpf, group, vw):
     """attention_dec at depth: decode rows of four slots at positions far below
     and near the context's end, on and beside part boundaries (parts of 32
     positions and more), in one step, against numpy; each row's output equals
@@ -1201,9 +1205,11 @@ def test_attention_decode_depth(device, kernels, rng, hd, n_head, n_kv, items, k
     or which sides are q8_0 blocks. lp: positions scored by several lanes
     (Caps.attn_lp). kpf: the next tile's K rows loaded during the tile before
     (Caps.attn_kpf; heads of up to 128, f16 K, a lane a position). group:
-    the most query heads an item takes (Caps.attn_group: their dims)."""
+    the most query heads an item takes (Caps.attn_group: their dims). vw:
+    V rows read in uvec4s by groups of lanes (Caps.attn_vwide)."""
     kernels = with_caps(kernels, split_attention=True, attention_dec=True, attn_items=items, attn_lp=hd if lp else 0,
-                        attn_kpf=kpf, attn_group=group * hd)
+                        attn_kpf=kpf, attn_group=group * hd, attn_khoist=lp, attn_vwide=vw)
+    assert kernels.dec_vwide(hd, KV_Q8.get(kv, KVTypes()).tag) == (kernels.min_subgroup() if vw else 0)
     assert kernels.dec_kpf(hd, kernels.dec_lanes(hd), KV_Q8.get(kv, KVTypes()).tag) == (
         hd // 8 if kpf and not lp and hd <= 128 and kv in ("f16", "v") else 0)
     assert kernels.dec_lanes(hd) == (1 if not lp else min(hd // 16, 8 if not device.info.subgroups_fixed

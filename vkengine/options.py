@@ -133,6 +133,10 @@ class Options:
                                   # H100, 8B decode at depth 0 / 4k / 16k: 303.1 / 262.2 / 212.3 against 297.0 /
                                   # 252.5 / 199.2 tok/s; notes.md run 53)
     attn_vb: int = 0              # ... V rows a lane loads ahead (VB; 0: 32 / the words a lane owns, at least 8)
+    attn_vwide: bool = False      # ... (f16 V) V rows read in uvec4s, 8 dims a lane, several rows a load instruction
+                                  # and the lane groups' sums added at the end (VW) rather than an f16 pair a lane
+                                  # of every row; the same arithmetic within a lane group, other rounding. Opt-in
+                                  # until measured on a GPU
     delta_chunk: int = -1         # steps of at least this many rows take the chunked delta rule (delta_chunk/
                                   # delta_scan.comp); 0: never; -1: the device's default (64 on GPUs, never on CPUs)
     cn_rows: bool = True          # the combined expert matvec's RMSNorm by each row's last workgroup, rows side by

@@ -58,6 +58,15 @@ class AttentionKernels(KernelBase):
         at most 128: 256 would take 32 more registers); 0: none."""
         return head_dim // 8 if self.caps.attn_kpf and lp == 1 and "k" not in tag and head_dim <= 128 else 0
 
+    def dec_vwide(self, head_dim: int, tag: str) -> int:
+        """attention_dec's VW: V rows read in uvec4s (Caps.attn_vwide; f16 V,
+        heads of a multiple of 8 dims, V rows aligned to uvec4s: the cache's
+        offsets are, KVCache), as the smallest subgroup the kernel may run
+        with (its registers are sized for it); 0: an f16 pair a lane."""
+        if not self.caps.attn_vwide or "v" in tag or head_dim % 8 or self.dec_vpre:
+            return 0
+        return self.min_subgroup()
+
     def _attention_mc_split(self, prog: Program, pc: dict, reads: list, out: list, n_rows: int, n_head: int,
                             n_kv: int, head_dim: int, n_parts: int, grid: tuple[int, int], act: Buffer,
                             kv: Buffer, params: Buffer, sb: Buffer, sinks: Region | None, label: str,
@@ -314,8 +323,12 @@ class AttentionKernels(KernelBase):
         lp = self.dec_lanes(head_dim) if "k" not in tag else 1   # (f16 K only)
         vb = self.dec_vb or c.attn_vb or vb
         kh = int(c.attn_khoist and lp > 1)
+        vw = self.dec_vwide(head_dim, tag)
+        if vw:
+            vb = self.dec_vb or c.attn_vb or 8   # (uvec4 loads ahead a lane)
         alg = self._alg_spec(name, [act, act, params, kv, sb], (c.wg, c.items, wpl, head_dim, vb, gq, lp,
-                                                            self.dec_kpf(head_dim, lp, tag), self.dec_vpre, kh), push)
+                                                            self.dec_kpf(head_dim, lp, tag), self.dec_vpre, kh, vw),
+                             push)
         tmp = (split.buf, split.off * 4, (split.off + tmp_words) * 4)
         prog.dispatch(alg, push, self._grid(n_rows * n_kv * n_groups * (n_parts // c.items)),
                       reads + [tmp, sync.range], out + [tmp, sync.range], label)
