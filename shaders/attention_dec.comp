@@ -71,11 +71,6 @@ layout(constant_id = 9) const uint KH = 0;
 // lane group sums its own rows, the groups' sums added by butterflies after the last tile (Caps.attn_vwide); 0: an
 // f16 pair a lane (WPL words), every lane every row
 layout(constant_id = 10) const uint VW = 0;
-// 1: rows at depth take their KV head's query heads in fewer, larger items (push deep_f, deep_from): the loops over
-// an item's GQ heads skip those past its nh (a shallow row's items take gq_s of them); 0: every item GQ heads
-layout(constant_id = 11) const uint DEEP = 0;
-// whether an item computes head g of its GQ (DEEP: a shallow row's items take fewer)
-#define HON(g) (DEEP == 0u || (g) < nh)
 
 layout(push_constant) uniform P {
     uint q_off, q_stride, o_off, o_stride;
@@ -100,10 +95,6 @@ layout(push_constant) uniform P {
     // the gates interleaved after each head's query), sigmoid_mul.comp's
     // arithmetic: one dispatch and barrier less a decode step's layer
     uint gate_off, gate_stride, gate_blk;
-    // (DEEP) items of a row at a position below deep_from take gq_s query heads (0: GQ) and n_parts / deep_f parts;
-    // at deep_from and beyond, deep_f of them take GQ = deep_f x gq_s heads together, over n_parts parts (the
-    // partials' stride is n_parts either way; deep_f 0 or 1: every row shallow)
-    uint gq_s, deep_f, deep_from;
 } p;
 
 // the output value v of (row r, head h, dimension d), gated where the step asks
@@ -182,14 +173,12 @@ shared float sh_o[GQ * HD];
 
 void main() {
     uint group = p.n_head / p.n_kv;              // query heads per KV head
-    uint gqs = p.gq_s == 0u ? GQ : p.gq_s;       // (shallow rows) heads an item
-    uint df = max(p.deep_f, 1u);
-    uint n_groups = (group + gqs - 1u) / gqs;    // items per (row, KV head) and part
-    uint parts_s = p.n_parts / df;               // (shallow rows) parts
-    uint wg_per = parts_s / ITEMS_PER_WG;        // workgroups per (row, KV head, group)
+    uint n_groups = (group + GQ - 1u) / GQ;      // items per (row, KV head) and part
+    uint wg_per = p.n_parts / ITEMS_PER_WG;      // workgroups per (row, KV head, group)
     uint wg = workgroup_linear();
     uint rg = wg / wg_per;                       // (row, KV head, group)
     if (rg >= p.n_rows * p.n_kv * n_groups) return;
+    uint part0 = (wg % wg_per) * ITEMS_PER_WG;   // this workgroup's first part
     const uint hd2 = HD / 2u;
     const uint hd8 = HD / 8u;
     uint lane = gl_SubgroupInvocationID;
@@ -202,26 +191,13 @@ void main() {
     uint gi = rg % n_groups;
     uint kvh = (rg / n_groups) % p.n_kv;
     uint r = rg / (n_groups * p.n_kv);
+    uint h0 = kvh * group + gi * GQ;             // its first query head
+    uint nh = min(GQ, group - gi * GQ);          // and how many
     uint pos = params[p.pos_off + r];
     uint slot = params[p.slot_off + r];
-    uint h0 = kvh * group + gi * gqs;            // its first query head
-    uint nh = min(gqs, group - gi * gqs);        // and how many
-    uint n_parts = parts_s;                      // the row's parts
-    uint part0 = (wg % wg_per) * ITEMS_PER_WG;   // this workgroup's first part
-    uint ctr = rg;                               // its counter
-    if (DEEP != 0u && df > 1u && pos >= p.deep_from) {
-        // deep: the df items gi - gi % df .. take the GQ heads from h0 over df x parts_s parts, this one the
-        // (gi % df)-th run of them, and count on the first one's word
-        uint gd = gi / df;
-        h0 = kvh * group + gd * GQ;
-        nh = min(GQ, group - gd * GQ);
-        n_parts = p.n_parts;
-        part0 = ((gi % df) * wg_per + wg % wg_per) * ITEMS_PER_WG;
-        ctr = rg - gi % df;
-    }
     uint lo = p.window != 0u && pos >= p.window ? pos + 1u - p.window : 0u;   // the row's first position
     uint total = pos + 1u - lo;
-    uint chunk = (total + n_parts - 1u) / n_parts;
+    uint chunk = (total + p.n_parts - 1u) / p.n_parts;
     chunk = (chunk + p.min_chunk - 1u) / p.min_chunk * p.min_chunk;
     uint used = (total + chunk - 1u) / chunk;
     if (part0 >= used) return;                   // the whole workgroup past the row's position
@@ -237,7 +213,7 @@ void main() {
     uint ld = (lane % LP) * (HD / LP);           // ... from this dim
     vec4 qr[GQ][DL4];
     if (LP > 1u) {
-        [[unroll]] for (uint g = 0; g < GQ; g++) if (HON(g))
+        [[unroll]] for (uint g = 0; g < GQ; g++)
             [[unroll]] for (uint i = 0; i < DL4; i++) qr[g][i] = act4[qb4[g] + ld / 4u + i];
     }
     // this subgroup's positions: ppg consecutive parts of the workgroup's, one range
@@ -302,7 +278,7 @@ void main() {
                         uvec4 k0 = kv4[k4 + 2u * blk], k1 = kv4[k4 + 2u * blk + 1u];
                         vec4 kq[8] = vec4[8](kv_i8x4(k0.x), kv_i8x4(k0.y), kv_i8x4(k0.z), kv_i8x4(k0.w),
                                              kv_i8x4(k1.x), kv_i8x4(k1.y), kv_i8x4(k1.z), kv_i8x4(k1.w));
-                        [[unroll]] for (uint g = 0; g < GQ; g++) if (HON(g)) {
+                        [[unroll]] for (uint g = 0; g < GQ; g++) {
                             uint qa = qb4[g] + 8u * blk;
                             float db = 0.0;
                             [[unroll]] for (uint j = 0u; j < 8u; j++) db += dot(act4[qa + j], kq[j]);
@@ -318,7 +294,7 @@ void main() {
                         else kw = kv4[k4 + i];
                         vec4 ka = vec4(unpackHalf2x16(kw.x), unpackHalf2x16(kw.y));
                         vec4 kc = vec4(unpackHalf2x16(kw.z), unpackHalf2x16(kw.w));
-                        [[unroll]] for (uint g = 0; g < GQ; g++) if (HON(g))
+                        [[unroll]] for (uint g = 0; g < GQ; g++)
                             s[g] += dot(act4[qb4[g] + 2u * i], ka) + dot(act4[qb4[g] + 2u * i + 1u], kc);
                     }
                 }
@@ -351,11 +327,11 @@ void main() {
                             uvec4 kw = KH != 0u ? kh[ps][i] : kv4[k4 + i];
                             vec4 ka = vec4(unpackHalf2x16(kw.x), unpackHalf2x16(kw.y));
                             vec4 kc = vec4(unpackHalf2x16(kw.z), unpackHalf2x16(kw.w));
-                            [[unroll]] for (uint g = 0; g < GQ; g++) if (HON(g))
+                            [[unroll]] for (uint g = 0; g < GQ; g++)
                                 d[g] += dot(qr[g][2u * i], ka) + dot(qr[g][2u * i + 1u], kc);
                         }
                     }
-                    [[unroll]] for (uint g = 0; g < GQ; g++) if (HON(g)) {
+                    [[unroll]] for (uint g = 0; g < GQ; g++) {
                         [[unroll]] for (uint o = 1u; o < LP; o <<= 1u) d[g] += subgroupShuffleXor(d[g], o);
                         if (lane % LP == ps) s[g] = d[g];
                     }
@@ -363,7 +339,7 @@ void main() {
             }
 #endif
             float e[GQ];
-            [[unroll]] for (uint g = 0; g < GQ; g++) if (HON(g)) {
+            [[unroll]] for (uint g = 0; g < GQ; g++) {
                 float sg = s[g] * p.scale;
                 if (p.softcap > 0.0) sg = p.softcap * tanh(clamp(sg / p.softcap, -10.0, 10.0));
                 sg = t <= last ? sg : -1.0 / 0.0;
@@ -389,7 +365,7 @@ void main() {
                     }
                     [[unroll]] for (uint jj = 0; jj < VB; jj++) {
                         uint j = j0 + jj * R + sub;
-                        [[unroll]] for (uint g = 0; g < GQ; g++) if (HON(g)) {
+                        [[unroll]] for (uint g = 0; g < GQ; g++) {
                             float ej = subgroupShuffle(e[g], min(j, S - 1u));
                             if (j < n_valid) {
                                 [[unroll]] for (uint u = 0; u < NQW / 4u; u++) {
@@ -425,7 +401,7 @@ void main() {
                 }
                 [[unroll]] for (uint jj = 0; jj < VB; jj++) {
                     uint src = min(j0 + jj, S - 1u);
-                    [[unroll]] for (uint g = 0; g < GQ; g++) if (HON(g)) {
+                    [[unroll]] for (uint g = 0; g < GQ; g++) {
                         float ej = subgroupShuffle(e[g], src);
                         if (j0 + jj < n_valid) {
                             [[unroll]] for (uint i = 0; i < WPL; i++) acc[g][i] += ej * KV_V_PAIR(vw[jj][i]);
@@ -437,7 +413,7 @@ void main() {
     }
     // (VW) the lane groups' sums added: lanes 0 .. lr - 1 hold the head's whole output, uvec4 lane * nq ..
     if (VW != 0u && pa < pb) {
-        [[unroll]] for (uint g = 0; g < GQ; g++) if (HON(g))
+        [[unroll]] for (uint g = 0; g < GQ; g++)
             [[unroll]] for (uint i = 0; i < NQW; i++)
                 for (uint o = lr; o < S; o <<= 1u) accw[g][i] += subgroupShuffleXor(accw[g][i], o);
     }
@@ -449,7 +425,7 @@ void main() {
     barrier();
     for (uint sgi = 0u; sgi < gl_NumSubgroups; sgi++) {
         if (gl_SubgroupID == sgi && pa < pb) {
-            [[unroll]] for (uint g = 0; g < GQ; g++) if (HON(g)) {
+            [[unroll]] for (uint g = 0; g < GQ; g++) {
                 float mo = sh_m[g];
                 float mn = max(mo, m[g]);
                 float co = mo > -1.0 / 0.0 ? exp(mo - mn) : 0.0;
@@ -496,8 +472,8 @@ void main() {
     memoryBarrierBuffer();
     barrier();
     if (gl_LocalInvocationIndex == 0u) {
-        last_wg = atomicAdd(actu[p.sync_off + ctr], 1u) == n_wg - 1u ? 1u : 0u;
-        if (last_wg == 1u) actu[p.sync_off + ctr] = 0u;
+        last_wg = atomicAdd(actu[p.sync_off + rg], 1u) == n_wg - 1u ? 1u : 0u;
+        if (last_wg == 1u) actu[p.sync_off + rg] = 0u;
     }
     barrier();
     if (last_wg == 0u) return;

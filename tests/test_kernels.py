@@ -1281,56 +1281,6 @@ def test_attention_dec_k_hoist_and_v_rows_give_the_same_bits(device, kernels, rn
     ws.close()
 
 
-@pytest.mark.parametrize("hd,n_head,n_kv,group,deep,kv,lp", [
-    (128, 8, 2, 2, 4, "f16", True), (128, 8, 2, 1, 4, "f16", False), (64, 16, 1, 2, 4, "k", False),
-    (256, 8, 2, 1, 2, "f16", False), (128, 8, 2, 2, 4, "v", True)])
-def test_attention_dec_rows_at_depth_take_larger_items(device, kernels, rng, hd, n_head, n_kv, group, deep, kv, lp):
-    """Caps.attn_deep: a row at attn_deep_from or beyond takes its KV head's
-    heads in items of `deep` heads (as attn_group of that many would give
-    every row), a row below it items of `group` heads, in one dispatch: each
-    row gives, bit for bit, the kernel whose layout it takes for every row
-    (its parts follow only its own position), and numpy's output within
-    rounding; rows alone equal the same rows batched."""
-    ws = Workspace(device, act_words=12 << 20)
-    ctx = 2600
-    slots = np.array([0, 1, 2, 3, 1, 0], np.uint32)
-    pos = np.array([2599, 31, 1024, 999, 1000, 1999], np.uint32)
-    deep_rows = pos >= 1000
-    rows = len(slots)
-    types = KV_Q8.get(kv, KVTypes())
-    c = _AttentionCase(ws, rng, 4, ctx, n_head, n_kv, hd, slots, pos, 20, types)
-    common = dict(split_attention=True, attention_dec=True, attn_items=256, attn_lp=hd if lp else 0,
-                  attn_khoist=lp, attn_deep_from=1000)
-
-    def run(kn, q=c.qr, n=rows):
-        tmp = ws.act_region(kn.attention_tmp_words(n, n_head, n_kv, hd, ctx))
-        n_sync = kn.attention_sync_words(n, n_head)
-        sync = ws.act_region(n_sync, np.zeros(n_sync, np.uint32))
-        o = ws.act_region(n * n_head * hd, np.full(n * n_head * hd, np.nan, np.float32))
-        prog = device.program()
-        kn.attention(prog, q, n_head * hd, o, n_head * hd, n, n_head, n_kv, hd, c.kc, c.vc, c.ss,
-                     ws.params, 0, 20, c.scale, tmp, ctx, sync, kv_types=types)
-        prog.run()
-        assert (ws.read(sync, np.uint32) == 0).all()
-        return ws.read(o).copy().reshape(n, -1)
-
-    both = with_caps(kernels, **common, attn_group=group * hd, attn_deep=deep * hd)
-    assert both.dec_deep(n_head, n_kv, hd) == deep // group
-    got = run(both)
-    c.check(got.reshape(-1), c.q, atol_scale=1e-5)
-    shallow = run(with_caps(kernels, **common, attn_group=group * hd))
-    wide = run(with_caps(kernels, **common, attn_group=deep * hd))
-    np.testing.assert_array_equal(got[~deep_rows], shallow[~deep_rows])
-    np.testing.assert_array_equal(got[deep_rows], wide[deep_rows])
-    saved = ws.params.array()[:32].copy()
-    for i in (3, 4):   # just below and at attn_deep_from, alone
-        ws.params.array()[0], ws.params.array()[20] = pos[i], slots[i]
-        alone = run(both, ws.act_region(n_head * hd, c.q[i].reshape(-1)), 1)
-        np.testing.assert_array_equal(alone[0], got[i])
-    ws.params.array()[:32] = saved
-    ws.close()
-
-
 _MC_CASES = [(64, 8, 2, False, "f16"), (128, 4, 1, True, "f16"), (128, 3, 3, True, "f16"), (64, 8, 1, False, "f16"),
              (128, 6, 3, False, "f16"), (64, 8, 2, False, "kv"), (128, 4, 1, True, "kv"), (128, 6, 3, False, "k"),
              (64, 8, 1, True, "v"), (256, 8, 2, True, "f16"), (256, 3, 3, False, "f16"), (256, 5, 1, False, "f16"),

@@ -137,13 +137,6 @@ class Options:
                                   # and the lane groups' sums added at the end (VW) rather than an f16 pair a lane
                                   # of every row; the same arithmetic within a lane group, other rounding. Opt-in
                                   # until measured on a GPU
-    attn_deep: int = 0            # ... rows at attn_deep_from or beyond: an item takes its KV head's query heads of
-                                  # up to this many dims (heads x head size) where that is a whole multiple of
-                                  # attn_group's items dividing the KV head's heads (DEEP; the same workgroups, K/V
-                                  # read fewer times; a row's layout follows only its own position). 0: none. (H100,
-                                  # 8B, attn_group 512 for every row: 288.0 / 265.9 / 221.5 tok/s at depth 0 / 4k /
-                                  # 16k against 256's 303.1 / 262.2 / 212.3; notes.md run 53.) Opt-in until measured
-    attn_deep_from: int = 2048    # ... the position from which a row takes those items
     delta_chunk: int = -1         # steps of at least this many rows take the chunked delta rule (delta_chunk/
                                   # delta_scan.comp); 0: never; -1: the device's default (64 on GPUs, never on CPUs)
     cn_rows: bool = True          # the combined expert matvec's RMSNorm by each row's last workgroup, rows side by

@@ -33,32 +33,13 @@ class AttentionKernels(KernelBase):
     def dec_layout(self, n_head: int, n_kv: int, head_dim: int) -> tuple[int, int, int]:
         """attention_dec's (query heads an item takes, items per KV head and
         part, parts): from the model's heads, Caps.attn_group and
-        Caps.attn_items only. (Rows at depth may take larger items:
-        dec_deep.)"""
+        Caps.attn_items only."""
         group = n_head // n_kv
         gq = max(1, min(group, self.caps.attn_group // head_dim))
         n_groups = -(-group // gq)
         parts = min(self.DEC_MAX_PARTS, max(8, -(-self.caps.attn_items // (n_kv * n_groups))))
         items = self.caps.items   # a workgroup takes this many consecutive parts
         return gq, n_groups, -(-parts // items) * items
-
-    def dec_deep(self, n_head: int, n_kv: int, head_dim: int) -> int:
-        """attention_dec's items at depth (Caps.attn_deep): how many of
-        dec_layout's items of a KV head take their heads together for a row at
-        Caps.attn_deep_from or beyond (over as many times the parts: the same
-        workgroups, each KV head's K/V read fewer times); 1: none. The items
-        must split the KV head's heads evenly."""
-        group = n_head // n_kv
-        gq, n_groups, _ = self.dec_layout(n_head, n_kv, head_dim)
-        gd = max(1, min(group, self.caps.attn_deep // head_dim))
-        if not self.caps.attn_deep or gd <= gq or gd % gq or group % gd:
-            return 1
-        return gd // gq
-
-    def dec_parts(self, n_head: int, n_kv: int, head_dim: int) -> int:
-        """attention_dec's partial results a (row, head) may leave: dec_layout's
-        parts, times dec_deep's items for rows at depth."""
-        return self.dec_layout(n_head, n_kv, head_dim)[2] * self.dec_deep(n_head, n_kv, head_dim)
 
     def dec_lanes(self, head_dim: int) -> int:
         """attention_dec's lanes a position (LP): 16 dims a lane for heads of
@@ -119,7 +100,7 @@ class AttentionKernels(KernelBase):
     def attention_parts(self, n_ctx: int, n_head: int, n_kv: int, head_dim: int) -> int:
         """Parts of a (row, head) in split decode attention."""
         if self.caps.attention_dec:
-            return self.dec_parts(n_head, n_kv, head_dim)
+            return self.dec_layout(n_head, n_kv, head_dim)[2]
         return -(-n_ctx // self.ATTN_CHUNK)
 
     def attention_tmp_words(self, n_rows: int, n_head: int, n_kv: int, head_dim: int, n_ctx: int) -> int:
@@ -331,24 +312,23 @@ class AttentionKernels(KernelBase):
         """Split decode attention by KV-head group (attention_dec.comp; tag: the KV types' variant suffix)."""
         c = self.caps
         gq, n_groups, n_parts = self.dec_layout(n_head, n_kv, head_dim)
-        df = self.dec_deep(n_head, n_kv, head_dim)   # (rows at depth: df items together, GQ = df x gq heads)
         tmp_words = self.attention_tmp_words(n_rows, n_head, n_kv, head_dim, 0)
         if split.buf is not act or split.words < tmp_words:
             raise ValueError("split decode attention needs a scratch region in the activation buffer")
         if sync is None or sync.buf is not act or sync.words < n_rows * n_kv * n_groups:
             raise ValueError("split decode attention needs zeroed counters in the activation buffer")
         name = self.dec_variant + tag
-        push = self._push(name, **pc, n_parts=n_parts * df, min_chunk=self.DEC_MIN_CHUNK, part_off=split.off,
-                          sync_off=sync.off, gq_s=gq, deep_f=df, deep_from=c.attn_deep_from)
+        push = self._push(name, **pc, n_parts=n_parts, min_chunk=self.DEC_MIN_CHUNK, part_off=split.off,
+                          sync_off=sync.off)
         lp = self.dec_lanes(head_dim) if "k" not in tag else 1   # (f16 K only)
         vb = self.dec_vb or c.attn_vb or vb
         kh = int(c.attn_khoist and lp > 1)
         vw = self.dec_vwide(head_dim, tag)
         if vw:
             vb = self.dec_vb or c.attn_vb or 8   # (uvec4 loads ahead a lane)
-        alg = self._alg_spec(name, [act, act, params, kv, sb], (c.wg, c.items, wpl, head_dim, vb, gq * df, lp,
-                                                            self.dec_kpf(head_dim, lp, tag), self.dec_vpre, kh, vw,
-                                                            int(df > 1)), push)
+        alg = self._alg_spec(name, [act, act, params, kv, sb], (c.wg, c.items, wpl, head_dim, vb, gq, lp,
+                                                            self.dec_kpf(head_dim, lp, tag), self.dec_vpre, kh, vw),
+                             push)
         tmp = (split.buf, split.off * 4, (split.off + tmp_words) * 4)
         prog.dispatch(alg, push, self._grid(n_rows * n_kv * n_groups * (n_parts // c.items)),
                       reads + [tmp, sync.range], out + [tmp, sync.range], label)

@@ -86,7 +86,7 @@ LAYOUTS: dict[str, tuple[Push, tuple[tuple[str, Push], ...]]] = {
     "attention_mc2.comp": (_ATTN + _ATTN_TAIL, (("SPLIT", Push("uint n_parts, part_off")),)),
     "attention_merge.comp": (Push("uint o_off, o_stride, n_rows, n_head, head_dim, n_parts, part_off, sink_off"), ()),
     "attention_dec.comp": (_ATTN + Push("uint n_parts, min_chunk, part_off, sync_off") + _ATTN_TAIL
-                           + Push("uint gate_off, gate_stride, gate_blk; uint gq_s, deep_f, deep_from"), ()),
+                           + Push("uint gate_off, gate_stride, gate_blk"), ()),
     "swiglu.comp": (Push("uint gu_off, gu_stride, y_off, y_stride, F, rows"), (("OAI", Push("float alpha, limit")),)),
     "moe_bias.comp": (Push("uint b_off, M, route_off, route_stride, k, y_off, y_stride, y_slot_stride, rows"), ()),
     "softcap.comp": (Push("uint x_off, x_stride, n, rows; float cap"), ()),
