@@ -315,13 +315,17 @@ def test_delta_rule_e4_equals_the_16_entry_form(device, hk, ws, rng, monkeypatch
 
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("e4", [False, True])
-def test_delta_rule_columns_a_subgroup_give_the_same_bits(device, hk, ws, rng, monkeypatch, fused, e4):
+def test_delta_rule_columns_a_subgroup_agree(device, hk, ws, rng, monkeypatch, fused, e4):
     """Caps.delta_cols: the row kernel's "_c2" / "_c4" variants (2 or 4
     columns of S a subgroup, the row's k and q loaded once for them) give the
-    one-column kernel's outputs, states and snapshots bit for bit, with the
-    gated norm fused or not (its counter taking a subgroup's columns at once),
-    in the 16- and 4-entry forms; a head whose columns do not divide takes one
-    column a subgroup."""
+    one-column kernel's outputs, states and snapshots, with the gated norm
+    fused or not (its counter taking a subgroup's columns at once), in the
+    16- and 4-entry forms; a head whose columns do not divide takes one column
+    a subgroup. Bit for bit on CPUs (lavapipe); within rounding on GPUs, whose
+    compilers schedule the forms' sums differently (the H100: 146 of 864
+    outputs apart by at most 7.5e-9, explicit fma() notwithstanding; notes.md
+    run 54). A model takes one form for every step, so a row's bits still do
+    not depend on what else a step runs."""
     from vkengine.kernels import delta_rule as dr
 
     from .conftest import with_caps
@@ -349,7 +353,10 @@ def test_delta_rule_columns_a_subgroup_give_the_same_bits(device, hk, ws, rng, m
                 assert not ws.read(c.sync, np.uint32).any()
         for other in out[1:]:
             for a, b in zip(out[0], other):
-                np.testing.assert_array_equal(a, b)
+                if device.info.type == "cpu":
+                    np.testing.assert_array_equal(a, b)
+                else:
+                    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("tiled,nk,nv,dk,dv,long", [(False, 2, 4, 16, 12, False), (True, 1, 2, 128, 40, False),

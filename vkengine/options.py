@@ -133,10 +133,11 @@ class Options:
                                   # H100, 8B decode at depth 0 / 4k / 16k: 303.1 / 262.2 / 212.3 against 297.0 /
                                   # 252.5 / 199.2 tok/s; notes.md run 53)
     attn_vb: int = 0              # ... V rows a lane loads ahead (VB; 0: 32 / the words a lane owns, at least 8)
-    attn_vwide: bool = False      # ... (f16 V) V rows read in uvec4s, 8 dims a lane, several rows a load instruction
+    attn_vwide: bool = True       # ... (f16 V) V rows read in uvec4s, 8 dims a lane, several rows a load instruction
                                   # and the lane groups' sums added at the end (VW) rather than an f16 pair a lane
-                                  # of every row; the same arithmetic within a lane group, other rounding. Opt-in
-                                  # until measured on a GPU
+                                  # of every row (other rounding; H100, 8B tg64 at depth 0 / 4k / 16k / 32k: 302.4 /
+                                  # 262.0 / 218.6 / 184.9 tok/s against 304.3 / 262.3 / 214.5 / 175.8; qwen35 0.8B
+                                  # 851.2 / 780.8 / 687.2 / 608.4 against 844.0 / 777.0 / 681.7 / 607.8; run 54)
     delta_chunk: int = -1         # steps of at least this many rows take the chunked delta rule (delta_chunk/
                                   # delta_scan.comp); 0: never; -1: the device's default (64 on GPUs, never on CPUs)
     cn_rows: bool = True          # the combined expert matvec's RMSNorm by each row's last workgroup, rows side by
@@ -145,10 +146,12 @@ class Options:
     conv_pre: bool = True         # the conv1d after a linear layer's input projection (mul_mvk.comp CONV): every
                                   # column's slot window loaded before the first column's conv (CONV_PRE; H100,
                                   # 35B-A3B, 4 / 16 rows: 5.80 / 15.26 ms against 5.89 / 15.35; run 53)
-    delta_cols: int = 1           # the row-at-a-time delta rule's columns of S a subgroup (delta_rule.comp COLS: 1,
-                                  # 2 or 4; the same bits; H100, 35B-A3B, 1 / 4 / 16 rows: 2: 316.5 tok/s, 5.74 /
-                                  # 14.61 ms, 4: 312.9, 5.83 / 14.48, 1: 314.4, 5.89 / 15.35; run 53). Opt-in until
-                                  # the GPU passes its same-bits test (failed there before its sums were pinned)
+    delta_cols: int = 2           # the row-at-a-time delta rule's columns of S a subgroup (delta_rule.comp COLS: 1,
+                                  # 2 or 4; the same bits on lavapipe, within rounding on the H100; H100, 35B-A3B,
+                                  # 1 / 4 / 16 rows: 2: 316.5 tok/s, 5.74 / 14.61 ms, 4: 312.9, 5.83 / 14.48, 1:
+                                  # 314.4, 5.89 / 15.35, run 53; with the rows-by-rows norm, the conv1d's windows
+                                  # first and 8 gate|up rows a workgroup: 2: 5.48-5.52 / 13.54-13.56 ms, 1: 5.61 /
+                                  # 14.24, run 54)
     tiled_from: int = 0           # steps of at least this many rows take the tiled matmuls (and a MoE's experts
                                   # expert-major); 0: the device's default (64 on GPUs; CPUs never). Fewer: a hybrid
                                   # model's short prompts (no pad rows: its recurrent state) and batched decode of
@@ -177,11 +180,14 @@ class Options:
                                   # 858 vs 737; 30B-A3B tg 210.7 vs 182.0; notes.md run 45)
     mvid_glu_wg: int = 0          # ... the split-K gate|up's workgroup size (0: the device's; a 2048-wide Q4_0
                                   # expert row is 256 units of 8 columns: 2 rounds of a 128-lane workgroup)
-    mvid_glu_rows: int = 0        # ... its weight rows a workgroup (8 or 16; 0: shaders/variants.py MVID_ROWS's): a
+    mvid_glu_rows: int = 8        # ... its weight rows a workgroup (8 or 16; 0: shaders/variants.py MVID_ROWS's): a
                                   # lane's x loads shared by more rows, fewer workgroups (each reads all of its
-                                  # row's x: 8 KB a workgroup of the 35B-A3B's gate|up, against 4.6 KB of weights)
+                                  # row's x: 8 KB a workgroup of the 35B-A3B's gate|up, against 4.6 KB of weights;
+                                  # H100, 35B-A3B, 4 / 16 rows: 5.60-5.61 / 14.23-14.24 ms a step against 5.66-5.68 /
+                                  # 14.59-14.63, one row the same; 16 slower: run 54)
     mvid_combine_rows: int = 0    # ... the split-K down projection's (8 or 16; 0: MVID_ROWS's; the 35B-A3B's moves its
-                                  # bytes at 0.35 TB/s in a 1-row step, 0.63 at 4 rows: run 52's ablation)
+                                  # bytes at 0.35 TB/s in a 1-row step, 0.63 at 4 rows: run 52's ablation; 8 measured
+                                  # slower on an H100: tg64 273.5 against 314.8 tok/s, 4 rows 5.90 against 5.68 ms)
     memory_mib: int = 0           # MiB of a device's memory an engine (or a split model's part) may fill (0: all):
                                   # a GPU shared with other work, or one standing in for a smaller card
     mtp_block_ahead: bool = True  # speculative turns: the MTP block submitted behind a verify step ahead, over all
