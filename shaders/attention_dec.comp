@@ -66,7 +66,7 @@ layout(constant_id = 8) const uint VPRE = 0;
 // uvec4 a lane: one memory latency a tile rather than, where the compiler keeps the passes' loads behind the
 // butterflies before them, one a pass); the same arithmetic (Caps.attn_khoist)
 layout(constant_id = 9) const uint KH = 0;
-// (f16 V) 1: V rows read in uvec4s (8 dims a lane, 16-byte loads): a row's HD / 8 uvec4 over LR = min(HD / 8,
+// (f16 V, HD / 8 a power of two) V rows read in uvec4s (8 dims a lane, 16-byte loads): a row's HD / 8 uvec4 over LR = min(HD / 8,
 // subgroup) lanes (NQ = HD / 8 / LR uvec4 each), S / LR rows a load instruction, VB uvec4 loads ahead a lane; each
 // lane group sums its own rows, the groups' sums added by butterflies after the last tile (Caps.attn_vwide); 0: an
 // f16 pair a lane (WPL words), every lane every row
@@ -224,7 +224,7 @@ void main() {
     vec2 acc[GQ][WPL];
     // (VW: the smallest subgroup the kernel runs with) vec2 of a V row a lane owns at most: 4 a uvec4
     const uint VWD = VW == 0u ? 1u : VW;
-    const uint NQW = VW != 0u ? (HD / 8u <= VWD ? 4u : 4u * (HD / 8u) / VWD) : 1u;
+    const uint NQW = VW != 0u ? (HD / 8u <= VWD ? 4u : 4u * (HD / 8u) / VWD) : 4u;   // (no array of size 0)
     vec2 accw[GQ][NQW];
     uint lr = min(HD / 8u, S);                   // (VW) lanes a V row
     uint nq = HD / 8u / lr;                      // ... uvec4 of it a lane

@@ -1191,10 +1191,12 @@ def test_attention_dec_takes_the_heads_gates(device, kernels, ws, rng, hd, n_hea
     # items of at most 2 query heads (Caps.attn_group): 20 heads as 10 items, 6 as 3, 5 as 2 + 2 + 1
     (128, 20, 1, 1024, "f16", False, True, 2), (256, 6, 3, 16, "f16", True, True, 2),
     (64, 10, 2, 1024, "kv", False, True, 2), (256, 16, 2, 1024, "f16", False, False, 1),
-    # V rows in uvec4s (Caps.attn_vwide): K f16 or q8_0, lanes a position or one, 1-8 heads an item
+    # V rows in uvec4s (Caps.attn_vwide): K f16 or q8_0, lanes a position or one, 1-8 heads an item; 96-wide heads
+    # keep an f16 pair a lane
     *[(hd, nh, nkv, items, kv, lp, False, group, True) for hd, nh, nkv, items, kv, lp, group in [
         (64, 8, 2, 1024, "f16", False, 8), (128, 8, 2, 1024, "f16", True, 2), (128, 8, 2, 16, "f16", True, 4),
-        (128, 20, 1, 1024, "k", False, 8), (256, 6, 3, 1024, "f16", True, 1), (256, 6, 3, 16, "k", False, 2)]]]])
+        (128, 20, 1, 1024, "k", False, 8), (256, 6, 3, 1024, "f16", True, 1), (256, 6, 3, 16, "k", False, 2),
+        (96, 8, 2, 1024, "f16", False, 4)]]]])
 def test_attention_decode_depth(device, kernels, rng, hd, n_head, n_kv, items, kv, lp, kpf, group, vw):
     """attention_dec at depth: decode rows of four slots at positions far below
     and near the context's end, on and beside part boundaries (parts of 32
@@ -1209,7 +1211,9 @@ def test_attention_decode_depth(device, kernels, rng, hd, n_head, n_kv, items, k
     V rows read in uvec4s by groups of lanes (Caps.attn_vwide)."""
     kernels = with_caps(kernels, split_attention=True, attention_dec=True, attn_items=items, attn_lp=hd if lp else 0,
                         attn_kpf=kpf, attn_group=group * hd, attn_khoist=lp, attn_vwide=vw)
-    assert kernels.dec_vwide(hd, KV_Q8.get(kv, KVTypes()).tag) == (kernels.min_subgroup() if vw else 0)
+    n4 = hd // 8   # (uvec4s a row: wide V rows where they are a power of two, Phi-3's 96-wide heads not)
+    assert kernels.dec_vwide(hd, KV_Q8.get(kv, KVTypes()).tag) == (kernels.min_subgroup() if vw and not n4 & (n4 - 1)
+                                                                   else 0)
     assert kernels.dec_kpf(hd, kernels.dec_lanes(hd), KV_Q8.get(kv, KVTypes()).tag) == (
         hd // 8 if kpf and not lp and hd <= 128 and kv in ("f16", "v") else 0)
     assert kernels.dec_lanes(hd) == (1 if not lp else min(hd // 16, 8 if not device.info.subgroups_fixed

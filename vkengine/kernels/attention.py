@@ -60,10 +60,13 @@ class AttentionKernels(KernelBase):
 
     def dec_vwide(self, head_dim: int, tag: str) -> int:
         """attention_dec's VW: V rows read in uvec4s (Caps.attn_vwide; f16 V,
-        heads of a multiple of 8 dims, V rows aligned to uvec4s: the cache's
-        offsets are, KVCache), as the smallest subgroup the kernel may run
-        with (its registers are sized for it); 0: an f16 pair a lane."""
-        if not self.caps.attn_vwide or "v" in tag or head_dim % 8 or self.dec_vpre:
+        heads whose uvec4s a row are a power of two, so that lane groups tile
+        a subgroup: 64, 128, 256 dims, not Phi-3's 96; V rows aligned to
+        uvec4s: the cache's offsets are, KVCache), as the smallest subgroup
+        the kernel may run with (its registers are sized for it); 0: an f16
+        pair a lane."""
+        n4 = head_dim // 8
+        if not self.caps.attn_vwide or "v" in tag or head_dim % 8 or n4 & (n4 - 1) or self.dec_vpre:
             return 0
         return self.min_subgroup()
 
