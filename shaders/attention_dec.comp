@@ -66,10 +66,10 @@ layout(constant_id = 8) const uint VPRE = 0;
 // uvec4 a lane: one memory latency a tile rather than, where the compiler keeps the passes' loads behind the
 // butterflies before them, one a pass); the same arithmetic (Caps.attn_khoist)
 layout(constant_id = 9) const uint KH = 0;
-// (f16 V, HD / 8 a power of two) V rows read in uvec4s (8 dims a lane, 16-byte loads): a row's HD / 8 uvec4 over LR = min(HD / 8,
-// subgroup) lanes (NQ = HD / 8 / LR uvec4 each), S / LR rows a load instruction, VB uvec4 loads ahead a lane; each
-// lane group sums its own rows, the groups' sums added by butterflies after the last tile (Caps.attn_vwide); 0: an
-// f16 pair a lane (WPL words), every lane every row
+// (f16 V, HD / 8 a power of two; VW: the smallest subgroup the kernel runs with) V rows read in uvec4s (8 dims a
+// lane, 16-byte loads): a row's HD / 8 uvec4 over LR = min(HD / 8, subgroup) lanes (NQ = HD / 8 / LR uvec4 each),
+// S / LR rows a load instruction, VB uvec4 loads ahead a lane; each lane group sums its own rows, the groups' sums
+// added by butterflies after the last tile (Caps.attn_vwide); 0: an f16 pair a lane (WPL words), every lane every row
 layout(constant_id = 10) const uint VW = 0;
 
 layout(push_constant) uniform P {
