@@ -24,11 +24,12 @@ each of -n slots (a decode step at depth D), for each --dec variant:
   slices  attention.comp's 64-position slices of each query head
   v1      attention_dec.comp as of 3b60573 (bench/shaders/attention_dec_v1.comp:
           a partial per part, no K prefetch), options as dec's
-  dec     attention_dec.comp as the engine runs it; dec:items=N+lp+nolp+nokpf+novpre+vb=N+parts=N+gq=N
+  dec     attention_dec.comp as the engine runs it; dec:items=N+lp+nolp+nokpf+vpre+vb=N+parts=N+gq=N
           change Caps.attn_items, attn_lp (lanes a position for the layout's heads, or
           none), attn_kpf, its V rows loaded ahead (before the scores or after), its most
           parts and the query heads an item takes (gq=N: N heads; default: Caps.attn_group's
-          dims)
+          dims); +kh / +nokh: Caps.attn_khoist, +vw / +novw: Caps.attn_vwide (vw: V after the
+          scores)
 Printed: a dispatch's time and the K/V bytes it reads a microsecond.
 
     here:   .venv/bin/python bench/attn_probe.py --compile-only
@@ -194,7 +195,7 @@ def decode(args) -> int:
         for spec in args.dec.split(","):
             kind, _, opts = spec.partition(":")
             over = dict(split_attention=True, attention_dec=kind in ("dec", "v1"), attn_kpf=True)
-            vb, max_parts, kn_vpre = 0, 0, 1
+            vb, max_parts, kn_vpre = 0, 0, 0   # (VPRE off, as the engine runs it; +vpre: on)
             for o in filter(None, opts.split("+")):
                 if o == "lp":
                     over["attn_lp"] = hd
@@ -206,12 +207,18 @@ def decode(args) -> int:
                     over["attn_items"] = int(o[6:])
                 elif o.startswith("vb="):
                     vb = int(o[3:])
-                elif o == "novpre":
-                    kn_vpre = 0
+                elif o in ("vpre", "novpre"):
+                    kn_vpre = int(o == "vpre")
                 elif o.startswith("parts="):
                     max_parts = int(o[6:])
                 elif o.startswith("gq="):
                     over["attn_group"] = int(o[3:]) * hd
+                elif o in ("kh", "nokh"):
+                    over["attn_khoist"] = o == "kh"
+                elif o in ("vw", "novw"):   # (the wide V rows load after the scores: no VPRE)
+                    over["attn_vwide"] = o == "vw"
+                    if o == "vw":
+                        kn_vpre = 0
             kn = Kernels(dev, dataclasses.replace(caps, **over))
             kn.dec_vb, kn.dec_vpre = vb, kn_vpre
             if max_parts:
