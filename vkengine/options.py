@@ -184,7 +184,8 @@ class Options:
                                   # lane's x loads shared by more rows, fewer workgroups (each reads all of its
                                   # row's x: 8 KB a workgroup of the 35B-A3B's gate|up, against 4.6 KB of weights;
                                   # H100, 35B-A3B, 4 / 16 rows: 5.60-5.61 / 14.23-14.24 ms a step against 5.66-5.68 /
-                                  # 14.59-14.63, one row the same; 16 slower: run 54)
+                                  # 14.59-14.63, one row the same; 16 with 16 down rows slower: run 54; only the
+                                  # 35B-A3B measured)
     mvid_combine_rows: int = 0    # ... the split-K down projection's (8 or 16; 0: MVID_ROWS's; the 35B-A3B's moves its
                                   # bytes at 0.35 TB/s in a 1-row step, 0.63 at 4 rows: run 52's ablation; 8 measured
                                   # slower on an H100: tg64 273.5 against 314.8 tok/s, 4 rows 5.90 against 5.68 ms)
