@@ -324,11 +324,9 @@ class AttentionKernels(KernelBase):
         push = self._push(name, **pc, n_parts=n_parts, min_chunk=self.DEC_MIN_CHUNK, part_off=split.off,
                           sync_off=sync.off)
         lp = self.dec_lanes(head_dim) if "k" not in tag else 1   # (f16 K only)
-        vb = self.dec_vb or c.attn_vb or vb
         kh = int(c.attn_khoist and lp > 1)
         vw = self.dec_vwide(head_dim, tag)
-        if vw:
-            vb = self.dec_vb or c.attn_vb or 8   # (uvec4 loads ahead a lane)
+        vb = self.dec_vb or c.attn_vb or (8 if vw else vb)   # (wide V rows: uvec4 loads ahead a lane)
         alg = self._alg_spec(name, [act, act, params, kv, sb], (c.wg, c.items, wpl, head_dim, vb, gq, lp,
                                                             self.dec_kpf(head_dim, lp, tag), self.dec_vpre, kh, vw),
                              push)
