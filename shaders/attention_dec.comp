@@ -71,6 +71,15 @@ layout(constant_id = 9) const uint KH = 0;
 // S / LR rows a load instruction, VB uvec4 loads ahead a lane; each lane group sums its own rows, the groups' sums
 // added by butterflies after the last tile (Caps.attn_vwide); 0: an f16 pair a lane (WPL words), every lane every row
 layout(constant_id = 10) const uint VW = 0;
+// bit 1: the workgroup's subgroups combined in one round (each writes its (max, sum, output) to its own shared slot,
+// one barrier, every invocation then adds its outputs' slots in subgroup order), not one subgroup after another with
+// a barrier each; bit 2: the last workgroup's merge by all its invocations, each taking outputs (of any head) and
+// reading their partials' words ahead, not a subgroup a head (Caps.attn_combine)
+layout(constant_id = 11) const uint CMB = 0;
+// 1: a KV head's groups of query heads take consecutive workgroups for the same parts (their K and V rows read
+// at the same time: the second read from L2), not each group all its parts before the next; the same arithmetic
+// (Caps.attn_gorder)
+layout(constant_id = 12) const uint GI = 0;
 
 layout(push_constant) uniform P {
     uint q_off, q_stride, o_off, o_stride;
@@ -166,7 +175,42 @@ void merge(uint r, uint h, uint used) {
     }
 }
 
+// (CMB bit 2) The outputs of heads h0 .. h0 + nh - 1 of row r from their `used` partials, by all the workgroup's
+// invocations, an output (head, dimension) each at a time: the partials' (max, sum) words are the same for a head's
+// outputs (one load a subgroup), its output words consecutive across lanes; the sum in part order as merge()'s terms.
+void merge_wg(uint r, uint h0, uint nh, uint used) {
+    uint stride = p.head_dim + 2u;
+    for (uint x = gl_LocalInvocationIndex; x < nh * HD; x += gl_WorkGroupSize.x) {
+        uint g = x / HD, d = x % HD;
+        uint base = p.part_off + (r * p.n_head + h0 + g) * p.n_parts * stride;
+        float M = -1.0 / 0.0;
+        for (uint q = 0u; q < used; q++) M = max(M, act[base + q * stride]);
+        float L = 0.0, o = 0.0;
+        for (uint q0 = 0u; q0 < used; q0 += 8u) {
+            float mq[8], lq[8], oq[8];
+            [[unroll]] for (uint j = 0u; j < 8u; j++) {
+                uint b = base + min(q0 + j, used - 1u) * stride;
+                mq[j] = act[b];
+                lq[j] = act[b + 1u];
+                oq[j] = act[b + 2u + d];
+            }
+            [[unroll]] for (uint j = 0u; j < 8u; j++) {
+                float c = q0 + j < used && mq[j] > -1.0 / 0.0 ? exp(mq[j] - M) : 0.0;
+                L += c * lq[j];
+                o += c * oq[j];
+            }
+        }
+        act[p.o_off + r * p.o_stride + (h0 + g) * p.head_dim + d] =
+            gated(o / (L + sink_weight(h0 + g, M)), r, h0 + g, d);
+    }
+}
+
 shared uint last_wg;
+// (CMB bit 1) each subgroup's (max, sum, output) per head, subgroup s's at s * GQ + g
+const uint CMB_SLOTS = (CMB & 1u) != 0u ? ITEMS_PER_WG * GQ : 1u;
+shared float sh_cm[CMB_SLOTS];
+shared float sh_cl[CMB_SLOTS];
+shared float sh_co[CMB_SLOTS * HD];
 shared float sh_m[GQ];
 shared float sh_l[GQ];
 shared float sh_o[GQ * HD];
@@ -177,8 +221,14 @@ void main() {
     uint wg_per = p.n_parts / ITEMS_PER_WG;      // workgroups per (row, KV head, group)
     uint wg = workgroup_linear();
     uint rg = wg / wg_per;                       // (row, KV head, group)
+    uint blk = wg % wg_per;
+    if (GI != 0u) {                              // (row, KV head, block of parts, group)
+        uint rk = wg / (wg_per * n_groups);
+        blk = (wg / n_groups) % wg_per;
+        rg = rk * n_groups + wg % n_groups;
+    }
     if (rg >= p.n_rows * p.n_kv * n_groups) return;
-    uint part0 = (wg % wg_per) * ITEMS_PER_WG;   // this workgroup's first part
+    uint part0 = blk * ITEMS_PER_WG;             // this workgroup's first part
     const uint hd2 = HD / 2u;
     const uint hd8 = HD / 8u;
     uint lane = gl_SubgroupInvocationID;
@@ -417,54 +467,104 @@ void main() {
             [[unroll]] for (uint i = 0; i < NQW; i++)
                 for (uint o = lr; o < S; o <<= 1u) accw[g][i] += subgroupShuffleXor(accw[g][i], o);
     }
-    // the workgroup's subgroups combined in shared memory, one at a time in
-    // subgroup order: sh_m, sh_l and sh_o hold (max, sum, output scaled to the max)
     uint nl = gl_WorkGroupSize.x;
-    for (uint x = gl_LocalInvocationIndex; x < GQ * HD; x += nl) sh_o[x] = 0.0;
-    if (gl_LocalInvocationIndex < GQ) { sh_m[gl_LocalInvocationIndex] = -1.0 / 0.0; sh_l[gl_LocalInvocationIndex] = 0.0; }
-    barrier();
-    for (uint sgi = 0u; sgi < gl_NumSubgroups; sgi++) {
-        if (gl_SubgroupID == sgi && pa < pb) {
+    uint wi = part0 / ITEMS_PER_WG;
+    uint stride = p.head_dim + 2u;
+    if ((CMB & 1u) != 0u) {
+        // one round: subgroups with positions (those below ITEMS_PER_WG: a subgroup takes a part at least) write
+        // their slots, those without write an empty one; each invocation then adds its outputs' slots in order
+        uint nsg = min(gl_NumSubgroups, ITEMS_PER_WG);
+        uint sg = gl_SubgroupID;
+        bool has = pa < pb;
+        if (sg < nsg) {
             [[unroll]] for (uint g = 0; g < GQ; g++) {
-                float mo = sh_m[g];
-                float mn = max(mo, m[g]);
-                float co = mo > -1.0 / 0.0 ? exp(mo - mn) : 0.0;
-                float cn = m[g] > -1.0 / 0.0 ? exp(m[g] - mn) : 0.0;
+                uint sl = sg * GQ + g;
+                if (lane == 0u) { sh_cm[sl] = has ? m[g] : -1.0 / 0.0; sh_cl[sl] = has ? l[g] : 0.0; }
                 if (VW != 0u) {
                     if (lane < lr) [[unroll]] for (uint i = 0; i < NQW; i++) {
-                        uint w = lane * nq * 4u + i;   // (the word of dims 2w, 2w + 1)
+                        uint w = lane * nq * 4u + i;
                         if (i < nq * 4u) {
-                            sh_o[g * HD + 2u * w] = sh_o[g * HD + 2u * w] * co + accw[g][i].x * cn;
-                            sh_o[g * HD + 2u * w + 1u] = sh_o[g * HD + 2u * w + 1u] * co + accw[g][i].y * cn;
+                            sh_co[sl * HD + 2u * w] = has ? accw[g][i].x : 0.0;
+                            sh_co[sl * HD + 2u * w + 1u] = has ? accw[g][i].y : 0.0;
                         }
                     }
                 } else [[unroll]] for (uint i = 0; i < WPL; i++) {
                     uint w = lane + i * S;
                     if (w < hd2) {
-                        sh_o[g * HD + 2u * w] = sh_o[g * HD + 2u * w] * co + acc[g][i].x * cn;
-                        sh_o[g * HD + 2u * w + 1u] = sh_o[g * HD + 2u * w + 1u] * co + acc[g][i].y * cn;
+                        sh_co[sl * HD + 2u * w] = has ? acc[g][i].x : 0.0;
+                        sh_co[sl * HD + 2u * w + 1u] = has ? acc[g][i].y : 0.0;
                     }
                 }
-                subgroupBarrier();
-                if (subgroupElect()) { sh_l[g] = sh_l[g] * co + l[g] * cn; sh_m[g] = mn; }
             }
         }
         barrier();
-    }
-    // one workgroup for the row's positions: the output at once; else this
-    // workgroup's (max, sum, unnormalized output) per head into slot wi
-    uint wi = part0 / ITEMS_PER_WG;
-    uint stride = p.head_dim + 2u;
-    for (uint x = gl_LocalInvocationIndex; x < nh * HD; x += nl) {
-        uint g = x / HD, d = x % HD;
-        if (n_wg == 1u) act[p.o_off + r * p.o_stride + (h0 + g) * p.head_dim + d] =
-            gated(sh_o[x] / (sh_l[g] + sink_weight(h0 + g, sh_m[g])), r, h0 + g, d);
-        else act[p.part_off + ((r * p.n_head + h0 + g) * p.n_parts + wi) * stride + 2u + d] = sh_o[x];
-    }
-    if (n_wg > 1u && gl_LocalInvocationIndex < nh) {
-        uint b = p.part_off + ((r * p.n_head + h0 + gl_LocalInvocationIndex) * p.n_parts + wi) * stride;
-        act[b] = sh_m[gl_LocalInvocationIndex];
-        act[b + 1u] = sh_l[gl_LocalInvocationIndex];
+        for (uint x = gl_LocalInvocationIndex; x < nh * HD; x += nl) {
+            uint g = x / HD, d = x % HD;
+            float M = -1.0 / 0.0;
+            for (uint s2 = 0u; s2 < nsg; s2++) M = max(M, sh_cm[s2 * GQ + g]);
+            float L = 0.0, o = 0.0;
+            for (uint s2 = 0u; s2 < nsg; s2++) {
+                float ms = sh_cm[s2 * GQ + g];
+                float c = ms > -1.0 / 0.0 ? exp(ms - M) : 0.0;
+                L += c * sh_cl[s2 * GQ + g];
+                o += c * sh_co[(s2 * GQ + g) * HD + d];
+            }
+            if (n_wg == 1u) {
+                act[p.o_off + r * p.o_stride + (h0 + g) * p.head_dim + d] =
+                    gated(o / (L + sink_weight(h0 + g, M)), r, h0 + g, d);
+            } else {
+                uint b = p.part_off + ((r * p.n_head + h0 + g) * p.n_parts + wi) * stride;
+                act[b + 2u + d] = o;
+                if (d == 0u) { act[b] = M; act[b + 1u] = L; }
+            }
+        }
+    } else {
+        // the workgroup's subgroups combined in shared memory, one at a time in
+        // subgroup order: sh_m, sh_l and sh_o hold (max, sum, output scaled to the max)
+        for (uint x = gl_LocalInvocationIndex; x < GQ * HD; x += nl) sh_o[x] = 0.0;
+        if (gl_LocalInvocationIndex < GQ) { sh_m[gl_LocalInvocationIndex] = -1.0 / 0.0; sh_l[gl_LocalInvocationIndex] = 0.0; }
+        barrier();
+        for (uint sgi = 0u; sgi < gl_NumSubgroups; sgi++) {
+            if (gl_SubgroupID == sgi && pa < pb) {
+                [[unroll]] for (uint g = 0; g < GQ; g++) {
+                    float mo = sh_m[g];
+                    float mn = max(mo, m[g]);
+                    float co = mo > -1.0 / 0.0 ? exp(mo - mn) : 0.0;
+                    float cn = m[g] > -1.0 / 0.0 ? exp(m[g] - mn) : 0.0;
+                    if (VW != 0u) {
+                        if (lane < lr) [[unroll]] for (uint i = 0; i < NQW; i++) {
+                            uint w = lane * nq * 4u + i;   // (the word of dims 2w, 2w + 1)
+                            if (i < nq * 4u) {
+                                sh_o[g * HD + 2u * w] = sh_o[g * HD + 2u * w] * co + accw[g][i].x * cn;
+                                sh_o[g * HD + 2u * w + 1u] = sh_o[g * HD + 2u * w + 1u] * co + accw[g][i].y * cn;
+                            }
+                        }
+                    } else [[unroll]] for (uint i = 0; i < WPL; i++) {
+                        uint w = lane + i * S;
+                        if (w < hd2) {
+                            sh_o[g * HD + 2u * w] = sh_o[g * HD + 2u * w] * co + acc[g][i].x * cn;
+                            sh_o[g * HD + 2u * w + 1u] = sh_o[g * HD + 2u * w + 1u] * co + acc[g][i].y * cn;
+                        }
+                    }
+                    subgroupBarrier();
+                    if (subgroupElect()) { sh_l[g] = sh_l[g] * co + l[g] * cn; sh_m[g] = mn; }
+                }
+            }
+            barrier();
+        }
+        // one workgroup for the row's positions: the output at once; else this
+        // workgroup's (max, sum, unnormalized output) per head into slot wi
+        for (uint x = gl_LocalInvocationIndex; x < nh * HD; x += nl) {
+            uint g = x / HD, d = x % HD;
+            if (n_wg == 1u) act[p.o_off + r * p.o_stride + (h0 + g) * p.head_dim + d] =
+                gated(sh_o[x] / (sh_l[g] + sink_weight(h0 + g, sh_m[g])), r, h0 + g, d);
+            else act[p.part_off + ((r * p.n_head + h0 + g) * p.n_parts + wi) * stride + 2u + d] = sh_o[x];
+        }
+        if (n_wg > 1u && gl_LocalInvocationIndex < nh) {
+            uint b = p.part_off + ((r * p.n_head + h0 + gl_LocalInvocationIndex) * p.n_parts + wi) * stride;
+            act[b] = sh_m[gl_LocalInvocationIndex];
+            act[b + 1u] = sh_l[gl_LocalInvocationIndex];
+        }
     }
     if (n_wg == 1u) return;                      // written at once (uniform: the row's position)
     // this workgroup's partial visible to the others before it counts itself;
@@ -478,5 +578,6 @@ void main() {
     barrier();
     if (last_wg == 0u) return;
     memoryBarrierBuffer();
-    for (uint g = gl_SubgroupID; g < nh; g += gl_NumSubgroups) merge(r, h0 + g, n_wg);
+    if ((CMB & 2u) != 0u) merge_wg(r, h0, nh, n_wg);
+    else for (uint g = gl_SubgroupID; g < nh; g += gl_NumSubgroups) merge(r, h0 + g, n_wg);
 }

@@ -1180,7 +1180,8 @@ def test_attention_dec_takes_the_heads_gates(device, kernels, ws, rng, hd, n_hea
     c.check(plain.reshape(-1).astype(np.float32), c.q, atol_scale=1e-4)
 
 
-@pytest.mark.parametrize("hd,n_head,n_kv,items,kv,lp,kpf,group,vw", [c + (False,) if len(c) == 8 else c for c in [
+@pytest.mark.parametrize("hd,n_head,n_kv,items,kv,lp,kpf,group,vw,cmb", [
+    (c + (False,) if len(c) == 8 else c) + (0,) if len(c) < 10 else c for c in [
     *[(hd, nh, nkv, items, "f16", False, True, 8) for hd, nh, nkv in [(64, 8, 2), (128, 20, 1), (256, 6, 3)]
       for items in (16, 1024)],
     (64, 8, 2, 1024, "kv", False, True, 8), (128, 20, 1, 1024, "k", False, True, 8),
@@ -1196,8 +1197,13 @@ def test_attention_dec_takes_the_heads_gates(device, kernels, ws, rng, hd, n_hea
     *[(hd, nh, nkv, items, kv, lp, False, group, True) for hd, nh, nkv, items, kv, lp, group in [
         (64, 8, 2, 1024, "f16", False, 8), (128, 8, 2, 1024, "f16", True, 2), (128, 8, 2, 16, "f16", True, 4),
         (128, 20, 1, 1024, "k", False, 8), (256, 6, 3, 1024, "f16", True, 1), (256, 6, 3, 16, "k", False, 2),
-        (96, 8, 2, 1024, "f16", False, 4)]]]])
-def test_attention_decode_depth(device, kernels, rng, hd, n_head, n_kv, items, kv, lp, kpf, group, vw):
+        (96, 8, 2, 1024, "f16", False, 4)]],
+    # the one-round combine (1), the merge by the whole workgroup (2), both (3) (Caps.attn_combine): wide V rows or
+    # narrow, q8_0 V, a KV head's heads in several items, items 16 (parts of several subgroups' positions)
+    (128, 8, 2, 1024, "f16", True, False, 2, True, 1), (128, 8, 2, 1024, "f16", True, False, 4, True, 3),
+    (64, 8, 2, 16, "v", False, True, 8, False, 3), (256, 6, 3, 1024, "f16", True, False, 1, True, 2),
+    (96, 8, 2, 16, "f16", False, True, 4, False, 3)]])
+def test_attention_decode_depth(device, kernels, rng, hd, n_head, n_kv, items, kv, lp, kpf, group, vw, cmb):
     """attention_dec at depth: decode rows of four slots at positions far below
     and near the context's end, on and beside part boundaries (parts of 32
     positions and more), in one step, against numpy; each row's output equals
@@ -1208,9 +1214,10 @@ def test_attention_decode_depth(device, kernels, rng, hd, n_head, n_kv, items, k
     (Caps.attn_lp). kpf: the next tile's K rows loaded during the tile before
     (Caps.attn_kpf; heads of up to 128, f16 K, a lane a position). group:
     the most query heads an item takes (Caps.attn_group: their dims). vw:
-    V rows read in uvec4s by groups of lanes (Caps.attn_vwide)."""
+    V rows read in uvec4s by groups of lanes (Caps.attn_vwide). cmb: how a
+    workgroup's subgroups and a row's workgroups are combined (Caps.attn_combine)."""
     kernels = with_caps(kernels, split_attention=True, attention_dec=True, attn_items=items, attn_lp=hd if lp else 0,
-                        attn_kpf=kpf, attn_group=group * hd, attn_khoist=lp, attn_vwide=vw)
+                        attn_kpf=kpf, attn_group=group * hd, attn_khoist=lp, attn_vwide=vw, attn_combine=cmb)
     n4 = hd // 8   # (uvec4s a row: wide V rows where they are a power of two, Phi-3's 96-wide heads not)
     assert kernels.dec_vwide(hd, KV_Q8.get(kv, KVTypes()).tag) == (kernels.min_subgroup() if vw and not n4 & (n4 - 1)
                                                                    else 0)
@@ -1254,7 +1261,8 @@ def test_attention_decode_depth(device, kernels, rng, hd, n_head, n_kv, items, k
 def test_attention_dec_k_hoist_and_v_rows_give_the_same_bits(device, kernels, rng, group):
     """Caps.attn_khoist (lanes a position: a tile's K segments for all passes
     loaded before its dot products, past the row's end its last row scored
-    and masked) and Caps.attn_vb (V rows a lane loads ahead) move loads, not
+    and masked), Caps.attn_vb (V rows a lane loads ahead) and Caps.attn_gorder
+    (a KV head's items in consecutive workgroups) move loads or work, not
     arithmetic: decode rows at depth give the default kernel's outputs bit for
     bit (and numpy's within rounding)."""
     hd, n_head, n_kv = 128, 8, 2
@@ -1265,9 +1273,9 @@ def test_attention_dec_k_hoist_and_v_rows_give_the_same_bits(device, kernels, rn
     rows = len(slots)
     c = _AttentionCase(ws, rng, 3, ctx, n_head, n_kv, hd, slots, pos, 20, KVTypes())
     outs = []
-    for kh, vb in ((False, 0), (True, 0), (True, 32), (False, 8)):
+    for kh, vb, go in ((False, 0, False), (True, 0, False), (True, 32, False), (False, 8, False), (True, 0, True)):
         kn = with_caps(kernels, split_attention=True, attention_dec=True, attn_items=256, attn_lp=hd,
-                       attn_group=group * hd, attn_khoist=kh, attn_vb=vb)
+                       attn_group=group * hd, attn_khoist=kh, attn_vb=vb, attn_gorder=go)
         assert kn.dec_lanes(hd) > 1
         tmp = ws.act_region(kn.attention_tmp_words(rows, n_head, n_kv, hd, ctx))
         n_sync = kn.attention_sync_words(rows, n_head)
