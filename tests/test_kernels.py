@@ -1180,8 +1180,7 @@ def test_attention_dec_takes_the_heads_gates(device, kernels, ws, rng, hd, n_hea
     c.check(plain.reshape(-1).astype(np.float32), c.q, atol_scale=1e-4)
 
 
-@pytest.mark.parametrize("hd,n_head,n_kv,items,kv,lp,kpf,group,vw,cmb", [
-    (c + (False,) if len(c) == 8 else c) + (0,) if len(c) < 10 else c for c in [
+@pytest.mark.parametrize("hd,n_head,n_kv,items,kv,lp,kpf,group,vw,cmb", [c + (False, 0)[len(c) - 8:] for c in [
     *[(hd, nh, nkv, items, "f16", False, True, 8) for hd, nh, nkv in [(64, 8, 2), (128, 20, 1), (256, 6, 3)]
       for items in (16, 1024)],
     (64, 8, 2, 1024, "kv", False, True, 8), (128, 20, 1, 1024, "k", False, True, 8),
