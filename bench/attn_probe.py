@@ -29,8 +29,8 @@ each of -n slots (a decode step at depth D), for each --dec variant:
           none), attn_kpf, its V rows loaded ahead (before the scores or after), its most
           parts and the query heads an item takes (gq=N: N heads; default: Caps.attn_group's
           dims); +kh / +nokh: Caps.attn_khoist, +vw / +novw: Caps.attn_vwide (vw: V after the
-          scores), +cmb=N: Caps.attn_combine (1: one-round combine, 2: the merge by the
-          whole workgroup, 3: both), +go / +nogo: Caps.attn_gorder
+          scores), +cmb / +nocmb: Caps.attn_combine (a workgroup's subgroups combined in
+          one round)
 Printed: a dispatch's time and the K/V bytes it reads a microsecond.
 
     here:   .venv/bin/python bench/attn_probe.py --compile-only
@@ -216,10 +216,8 @@ def decode(args) -> int:
                     over["attn_group"] = int(o[3:]) * hd
                 elif o in ("kh", "nokh"):
                     over["attn_khoist"] = o == "kh"
-                elif o in ("go", "nogo"):
-                    over["attn_gorder"] = o == "go"
-                elif o.startswith("cmb="):
-                    over["attn_combine"] = int(o[4:])
+                elif o in ("cmb", "nocmb"):
+                    over["attn_combine"] = o == "cmb"
                 elif o in ("vw", "novw"):   # (the wide V rows load after the scores: no VPRE)
                     over["attn_vwide"] = o == "vw"
                     if o == "vw":

@@ -22,12 +22,13 @@
 // broadcast), the online-softmax update is two subgroup reductions per head,
 // then the lanes own f16 pairs of the head dimension and accumulate the tile's
 // V rows for all GQ heads, each position's weights taken from its lane with
-// shuffles. The workgroup's subgroups then combine in shared memory, one after
-// another; a row whose positions are all in one workgroup writes its output at
-// once; otherwise each workgroup writes (max, sum, unnormalized output) per
-// head, counts itself on one word per (row, KV head, group), and the last to
-// count resets the counter and merges the workgroups' partials (in order), its
-// subgroups taking a head each: one dispatch. (A partial per workgroup rather
+// shuffles. The workgroup's subgroups then combine in shared memory (CMB: in
+// one round, from a slot each); a row whose positions are all in one
+// workgroup writes its output at once; otherwise each workgroup writes (max,
+// sum, unnormalized output) per head, counts itself on one word per (row, KV
+// head, group), and the last to count resets the counter and merges the
+// workgroups' partials (in order), its subgroups taking a head each: one
+// dispatch. (A partial per workgroup rather
 // than per part: the merge reads ITEMS_PER_WG times fewer; with 72 registers
 // a lane against 128, H200 notes.md run 29.)
 // K and V are f16 or q8_0 each (kv.glsl: KV_K_Q8, KV_V_Q8), read as
@@ -71,15 +72,11 @@ layout(constant_id = 9) const uint KH = 0;
 // S / LR rows a load instruction, VB uvec4 loads ahead a lane; each lane group sums its own rows, the groups' sums
 // added by butterflies after the last tile (Caps.attn_vwide); 0: an f16 pair a lane (WPL words), every lane every row
 layout(constant_id = 10) const uint VW = 0;
-// bit 1: the workgroup's subgroups combined in one round (each writes its (max, sum, output) to its own shared slot,
-// one barrier, every invocation then adds its outputs' slots in subgroup order), not one subgroup after another with
-// a barrier each; bit 2: the last workgroup's merge by all its invocations, each taking outputs (of any head) and
-// reading their partials' words ahead, not a subgroup a head (Caps.attn_combine)
+// 1: the workgroup's subgroups combined in one round (each writes its (max, sum, output) to its own shared slots,
+// one barrier, every invocation then adds its outputs' slots in subgroup order); 0: one subgroup after another with
+// a barrier each (ITEMS_PER_WG x GQ x (HD + 2) floats of slots against GQ x (HD + 2): the host takes 0 where the
+// slots would not fit the device's shared memory; Caps.attn_combine, Kernels.dec_combine)
 layout(constant_id = 11) const uint CMB = 0;
-// 1: a KV head's groups of query heads take consecutive workgroups for the same parts (their K and V rows read
-// at the same time: the second read from L2), not each group all its parts before the next; the same arithmetic
-// (Caps.attn_gorder)
-layout(constant_id = 12) const uint GI = 0;
 
 layout(push_constant) uniform P {
     uint q_off, q_stride, o_off, o_stride;
@@ -175,45 +172,17 @@ void merge(uint r, uint h, uint used) {
     }
 }
 
-// (CMB bit 2) The outputs of heads h0 .. h0 + nh - 1 of row r from their `used` partials, by all the workgroup's
-// invocations, an output (head, dimension) each at a time: the partials' (max, sum) words are the same for a head's
-// outputs (one load a subgroup), its output words consecutive across lanes; the sum in part order as merge()'s terms.
-void merge_wg(uint r, uint h0, uint nh, uint used) {
-    uint stride = p.head_dim + 2u;
-    for (uint x = gl_LocalInvocationIndex; x < nh * HD; x += gl_WorkGroupSize.x) {
-        uint g = x / HD, d = x % HD;
-        uint base = p.part_off + (r * p.n_head + h0 + g) * p.n_parts * stride;
-        float M = -1.0 / 0.0;
-        for (uint q = 0u; q < used; q++) M = max(M, act[base + q * stride]);
-        float L = 0.0, o = 0.0;
-        for (uint q0 = 0u; q0 < used; q0 += 8u) {
-            float mq[8], lq[8], oq[8];
-            [[unroll]] for (uint j = 0u; j < 8u; j++) {
-                uint b = base + min(q0 + j, used - 1u) * stride;
-                mq[j] = act[b];
-                lq[j] = act[b + 1u];
-                oq[j] = act[b + 2u + d];
-            }
-            [[unroll]] for (uint j = 0u; j < 8u; j++) {
-                float c = q0 + j < used && mq[j] > -1.0 / 0.0 ? exp(mq[j] - M) : 0.0;
-                L += c * lq[j];
-                o += c * oq[j];
-            }
-        }
-        act[p.o_off + r * p.o_stride + (h0 + g) * p.head_dim + d] =
-            gated(o / (L + sink_weight(h0 + g, M)), r, h0 + g, d);
-    }
-}
-
 shared uint last_wg;
-// (CMB bit 1) each subgroup's (max, sum, output) per head, subgroup s's at s * GQ + g
-const uint CMB_SLOTS = (CMB & 1u) != 0u ? ITEMS_PER_WG * GQ : 1u;
+// (CMB) each subgroup's (max, sum, output) per head, subgroup s's at s * GQ + g; (no CMB) the running (max, sum,
+// output scaled to the max) per head
+const uint CMB_SLOTS = CMB != 0u ? ITEMS_PER_WG * GQ : 1u;
+const uint SER_SLOTS = CMB != 0u ? 1u : GQ;
 shared float sh_cm[CMB_SLOTS];
 shared float sh_cl[CMB_SLOTS];
 shared float sh_co[CMB_SLOTS * HD];
-shared float sh_m[GQ];
-shared float sh_l[GQ];
-shared float sh_o[GQ * HD];
+shared float sh_m[SER_SLOTS];
+shared float sh_l[SER_SLOTS];
+shared float sh_o[SER_SLOTS * HD];
 
 void main() {
     uint group = p.n_head / p.n_kv;              // query heads per KV head
@@ -222,11 +191,6 @@ void main() {
     uint wg = workgroup_linear();
     uint rg = wg / wg_per;                       // (row, KV head, group)
     uint blk = wg % wg_per;
-    if (GI != 0u) {                              // (row, KV head, block of parts, group)
-        uint rk = wg / (wg_per * n_groups);
-        blk = (wg / n_groups) % wg_per;
-        rg = rk * n_groups + wg % n_groups;
-    }
     if (rg >= p.n_rows * p.n_kv * n_groups) return;
     uint part0 = blk * ITEMS_PER_WG;             // this workgroup's first part
     const uint hd2 = HD / 2u;
@@ -470,7 +434,7 @@ void main() {
     uint nl = gl_WorkGroupSize.x;
     uint wi = part0 / ITEMS_PER_WG;
     uint stride = p.head_dim + 2u;
-    if ((CMB & 1u) != 0u) {
+    if (CMB != 0u) {
         // one round: subgroups with positions (those below ITEMS_PER_WG: a subgroup takes a part at least) write
         // their slots, those without write an empty one; each invocation then adds its outputs' slots in order
         uint nsg = min(gl_NumSubgroups, ITEMS_PER_WG);
@@ -578,6 +542,5 @@ void main() {
     barrier();
     if (last_wg == 0u) return;
     memoryBarrierBuffer();
-    if ((CMB & 2u) != 0u) merge_wg(r, h0, nh, n_wg);
-    else for (uint g = gl_SubgroupID; g < nh; g += gl_NumSubgroups) merge(r, h0 + g, n_wg);
+    for (uint g = gl_SubgroupID; g < nh; g += gl_NumSubgroups) merge(r, h0 + g, n_wg);
 }

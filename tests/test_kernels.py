@@ -1180,7 +1180,7 @@ def test_attention_dec_takes_the_heads_gates(device, kernels, ws, rng, hd, n_hea
     c.check(plain.reshape(-1).astype(np.float32), c.q, atol_scale=1e-4)
 
 
-@pytest.mark.parametrize("hd,n_head,n_kv,items,kv,lp,kpf,group,vw,cmb", [c + (False, 0)[len(c) - 8:] for c in [
+@pytest.mark.parametrize("hd,n_head,n_kv,items,kv,lp,kpf,group,vw,cmb", [c + (False, True)[len(c) - 8:] for c in [
     *[(hd, nh, nkv, items, "f16", False, True, 8) for hd, nh, nkv in [(64, 8, 2), (128, 20, 1), (256, 6, 3)]
       for items in (16, 1024)],
     (64, 8, 2, 1024, "kv", False, True, 8), (128, 20, 1, 1024, "k", False, True, 8),
@@ -1197,11 +1197,13 @@ def test_attention_dec_takes_the_heads_gates(device, kernels, ws, rng, hd, n_hea
         (64, 8, 2, 1024, "f16", False, 8), (128, 8, 2, 1024, "f16", True, 2), (128, 8, 2, 16, "f16", True, 4),
         (128, 20, 1, 1024, "k", False, 8), (256, 6, 3, 1024, "f16", True, 1), (256, 6, 3, 16, "k", False, 2),
         (96, 8, 2, 1024, "f16", False, 4)]],
-    # the one-round combine (1), the merge by the whole workgroup (2), both (3) (Caps.attn_combine): wide V rows or
-    # narrow, q8_0 V, a KV head's heads in several items, items 16 (parts of several subgroups' positions)
-    (128, 8, 2, 1024, "f16", True, False, 2, True, 1), (128, 8, 2, 1024, "f16", True, False, 4, True, 3),
-    (64, 8, 2, 16, "v", False, True, 8, False, 3), (256, 6, 3, 1024, "f16", True, False, 1, True, 2),
-    (96, 8, 2, 16, "f16", False, True, 4, False, 3)]])
+    # a workgroup's subgroups one after another (Caps.attn_combine off; the cases above combine them in one round):
+    # wide V rows or narrow, q8_0 V, a KV head's heads in several items, items 16 (parts of several subgroups'
+    # positions); 16 heads of 128 an item: one round's slots (33 KB) past lavapipe's 32 KB of shared memory, the
+    # serial combine there, one round on NVIDIA's 48 KB
+    (128, 8, 2, 1024, "f16", True, False, 2, True, False), (64, 8, 2, 16, "v", False, True, 8, False, False),
+    (256, 6, 3, 1024, "f16", True, False, 1, True, False), (96, 8, 2, 16, "f16", False, True, 4, False, False),
+    (128, 16, 1, 1024, "f16", False, False, 16)]])
 def test_attention_decode_depth(device, kernels, rng, hd, n_head, n_kv, items, kv, lp, kpf, group, vw, cmb):
     """attention_dec at depth: decode rows of four slots at positions far below
     and near the context's end, on and beside part boundaries (parts of 32
@@ -1213,10 +1215,14 @@ def test_attention_decode_depth(device, kernels, rng, hd, n_head, n_kv, items, k
     (Caps.attn_lp). kpf: the next tile's K rows loaded during the tile before
     (Caps.attn_kpf; heads of up to 128, f16 K, a lane a position). group:
     the most query heads an item takes (Caps.attn_group: their dims). vw:
-    V rows read in uvec4s by groups of lanes (Caps.attn_vwide). cmb: how a
-    workgroup's subgroups and a row's workgroups are combined (Caps.attn_combine)."""
+    V rows read in uvec4s by groups of lanes (Caps.attn_vwide). cmb: a
+    workgroup's subgroups combined in one round where their slots fit the
+    device's shared memory (Caps.attn_combine), else one after another."""
     kernels = with_caps(kernels, split_attention=True, attention_dec=True, attn_items=items, attn_lp=hd if lp else 0,
                         attn_kpf=kpf, attn_group=group * hd, attn_khoist=lp, attn_vwide=vw, attn_combine=cmb)
+    gq = kernels.dec_layout(n_head, n_kv, hd)[0]
+    slots = (kernels.caps.items * gq * (hd + 2) + hd + 3) * 4
+    assert kernels.dec_combine(gq, hd) == int(cmb and slots <= device.info.max_shared_memory)
     n4 = hd // 8   # (uvec4s a row: wide V rows where they are a power of two, Phi-3's 96-wide heads not)
     assert kernels.dec_vwide(hd, KV_Q8.get(kv, KVTypes()).tag) == (kernels.min_subgroup() if vw and not n4 & (n4 - 1)
                                                                    else 0)
@@ -1260,8 +1266,7 @@ def test_attention_decode_depth(device, kernels, rng, hd, n_head, n_kv, items, k
 def test_attention_dec_k_hoist_and_v_rows_give_the_same_bits(device, kernels, rng, group):
     """Caps.attn_khoist (lanes a position: a tile's K segments for all passes
     loaded before its dot products, past the row's end its last row scored
-    and masked), Caps.attn_vb (V rows a lane loads ahead) and Caps.attn_gorder
-    (a KV head's items in consecutive workgroups) move loads or work, not
+    and masked) and Caps.attn_vb (V rows a lane loads ahead) move loads, not
     arithmetic: decode rows at depth give the default kernel's outputs bit for
     bit (and numpy's within rounding)."""
     hd, n_head, n_kv = 128, 8, 2
@@ -1272,9 +1277,9 @@ def test_attention_dec_k_hoist_and_v_rows_give_the_same_bits(device, kernels, rn
     rows = len(slots)
     c = _AttentionCase(ws, rng, 3, ctx, n_head, n_kv, hd, slots, pos, 20, KVTypes())
     outs = []
-    for kh, vb, go in ((False, 0, False), (True, 0, False), (True, 32, False), (False, 8, False), (True, 0, True)):
+    for kh, vb in ((False, 0), (True, 0), (True, 32), (False, 8)):
         kn = with_caps(kernels, split_attention=True, attention_dec=True, attn_items=256, attn_lp=hd,
-                       attn_group=group * hd, attn_khoist=kh, attn_vb=vb, attn_gorder=go)
+                       attn_group=group * hd, attn_khoist=kh, attn_vb=vb)
         assert kn.dec_lanes(hd) > 1
         tmp = ws.act_region(kn.attention_tmp_words(rows, n_head, n_kv, hd, ctx))
         n_sync = kn.attention_sync_words(rows, n_head)

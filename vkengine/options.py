@@ -138,10 +138,12 @@ class Options:
                                   # of every row (other rounding; H100, 8B tg64 at depth 0 / 4k / 16k / 32k: 302.4 /
                                   # 262.0 / 218.6 / 184.9 tok/s against 304.3 / 262.3 / 214.5 / 175.8; qwen35 0.8B
                                   # 851.2 / 780.8 / 687.2 / 608.4 against 844.0 / 777.0 / 681.7 / 607.8; run 54)
-    attn_combine: int = 0         # ... bit 1: a workgroup's subgroups combined in one round (CMB); bit 2: the last
-                                  # workgroup's merge by all its invocations (other rounding; not measured yet)
-    attn_gorder: bool = False     # ... a KV head's items for the same parts in consecutive workgroups (GI; the same
-                                  # bits; not measured yet)
+    attn_combine: bool = False    # ... a workgroup's subgroups combined in one round, a shared slot each (CMB), not one
+                                  # subgroup after another with a barrier each, where the slots fit the device's
+                                  # shared memory (other rounding; H100, 8B tg64 at depth 0 / 4k / 16k: 303.4 / 265.7
+                                  # / 220.3 and 303.7 / 265.8 / 219.4 tok/s against 301.6 / 261.1 / 216.9 and 300.4 /
+                                  # 260.8 / 217.0; notes.md run 56). Off until the model tests and the real SmolLM2's
+                                  # parity have run with it on a GPU (its kernel tests passed on the H100)
     delta_chunk: int = -1         # steps of at least this many rows take the chunked delta rule (delta_chunk/
                                   # delta_scan.comp); 0: never; -1: the device's default (64 on GPUs, never on CPUs)
     cn_rows: bool = True          # the combined expert matvec's RMSNorm by each row's last workgroup, rows side by

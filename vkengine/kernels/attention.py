@@ -70,6 +70,14 @@ class AttentionKernels(KernelBase):
             return 0
         return self.min_subgroup()
 
+    def dec_combine(self, gq: int, head_dim: int) -> int:
+        """attention_dec's CMB: a workgroup's subgroups combined in one round
+        (Caps.attn_combine) where its slots, (head_dim + 2) floats for each of
+        the workgroup's subgroups and its item's gq heads, fit the device's
+        shared memory beside the rest; 0: one subgroup after another."""
+        words = self.caps.items * gq * (head_dim + 2) + head_dim + 3
+        return int(self.caps.attn_combine and words * 4 <= self.device.info.max_shared_memory)
+
     def _attention_mc_split(self, prog: Program, pc: dict, reads: list, out: list, n_rows: int, n_head: int,
                             n_kv: int, head_dim: int, n_parts: int, grid: tuple[int, int], act: Buffer,
                             kv: Buffer, params: Buffer, sb: Buffer, sinks: Region | None, label: str,
@@ -329,7 +337,7 @@ class AttentionKernels(KernelBase):
         vb = self.dec_vb or c.attn_vb or (8 if vw else vb)   # (wide V rows: uvec4 loads ahead a lane)
         alg = self._alg_spec(name, [act, act, params, kv, sb], (c.wg, c.items, wpl, head_dim, vb, gq, lp,
                                                             self.dec_kpf(head_dim, lp, tag), self.dec_vpre, kh, vw,
-                                                            c.attn_combine, int(c.attn_gorder)),
+                                                            self.dec_combine(gq, head_dim)),
                              push)
         tmp = (split.buf, split.off * 4, (split.off + tmp_words) * 4)
         prog.dispatch(alg, push, self._grid(n_rows * n_kv * n_groups * (n_parts // c.items)),

@@ -117,8 +117,7 @@ class Caps:
     attn_khoist: bool = False      # Options.attn_khoist (attention_dec KH)
     attn_vb: int = 0               # Options.attn_vb (attention_dec VB; 0: the kernel's default)
     attn_vwide: bool = False       # Options.attn_vwide (attention_dec VW)
-    attn_combine: int = 0          # Options.attn_combine (attention_dec CMB)
-    attn_gorder: bool = False      # Options.attn_gorder (attention_dec GI)
+    attn_combine: bool = False     # Options.attn_combine (attention_dec CMB where its slots fit)
 
     # steps of at least this many rows run the gated delta rule in chunks
     # (delta_chunk.comp + delta_scan.comp) instead of a row at a time; 0: never
@@ -160,9 +159,6 @@ class Caps:
                 raise VkEngineError(f"VKENGINE_{name.upper()}={getattr(options, name)}: 0 or one of {MVID_MORE_ROWS}")
         if options.delta_cols not in (1, 2, 4):
             raise VkEngineError(f"VKENGINE_DELTA_COLS={options.delta_cols}: 1, 2 or 4")
-        if options.attn_combine not in (0, 1, 2, 3):
-            raise VkEngineError(f"VKENGINE_ATTN_COMBINE={options.attn_combine}: 0-3 (bit 1: the one-round combine, "
-                                "bit 2: the merge by the whole workgroup)")
         if tiled_from == -1:
             if options.tiled_from < 0 or options.tiled_from == 1:
                 raise VkEngineError(f"VKENGINE_TILED_FROM={options.tiled_from}: 0 (the default) or at least 2 rows")
@@ -179,7 +175,6 @@ class Caps:
             attn_items=options.attn_items, attn_group=options.attn_group, attn_lp=options.attn_lp,
             attn_kpf=options.attn_kpf, attn_khoist=options.attn_khoist, attn_vb=options.attn_vb,
             attn_vwide=options.attn_vwide, attn_combine=options.attn_combine,
-            attn_gorder=options.attn_gorder,
             multi_column_from=2 if gpu else 8, split_k=gpu,
             bfly=info.subgroups_fixed and sg >= MV_BFLY_LANES, small_tiles_below=256,
             coopmat=coopmat, coopmat2=coopmat and options.coopmat2 and device_has_coopmat2(device),
