@@ -77,6 +77,12 @@ layout(constant_id = 10) const uint VW = 0;
 // a barrier each (ITEMS_PER_WG x GQ x (HD + 2) floats of slots against GQ x (HD + 2): the host takes 0 where the
 // slots would not fit the device's shared memory; Caps.attn_combine, Kernels.dec_combine)
 layout(constant_id = 11) const uint CMB = 0;
+// the last workgroup's merge of the row's partials: 0, in two passes (the partials' maxima first, then their sums and
+// outputs scaled to the largest, 8 partials' words loaded a round); MB > 0, in one pass of rounds of MB partials, each
+// round's maxima, sums and words loaded together and the running sums rescaled to the round's new max (flash
+// attention's update; fewer dependent loads: ceil(used / MB) rounds against 2 + ceil(used / 8); other rounding)
+// (Caps.attn_merge)
+layout(constant_id = 12) const uint MB = 0;
 
 layout(push_constant) uniform P {
     uint q_off, q_stride, o_off, o_stride;
@@ -131,6 +137,49 @@ void merge(uint r, uint h, uint used) {
     uint S = gl_SubgroupSize;
     uint stride = p.head_dim + 2u;
     uint base = p.part_off + (r * p.n_head + h) * p.n_parts * stride;
+    if (MB > 0u) {
+        // (MB) one pass: every lane takes each round's maxima and sums (the same words for all lanes) and its words
+        // of the partials' outputs, all loaded before the round's arithmetic; o and L follow the running max M
+        const uint MB1 = MB > 0u ? MB : 1u;
+        float M1 = -1.0 / 0.0, L1 = 0.0;
+        vec2 o1[WPL];
+        [[unroll]] for (uint i = 0; i < WPL; i++) o1[i] = vec2(0.0);
+        for (uint q0 = 0u; q0 < used; q0 += MB1) {
+            float mq[MB1], lq[MB1];
+            vec2 a[MB1][WPL];
+            [[unroll]] for (uint jj = 0; jj < MB1; jj++) {
+                uint b = base + (q0 + jj) * stride;
+                bool ok = q0 + jj < used;
+                mq[jj] = ok ? act[b] : -1.0 / 0.0;
+                lq[jj] = ok ? act[b + 1u] : 0.0;
+                [[unroll]] for (uint i = 0; i < WPL; i++) {
+                    uint w = lane + i * S;
+                    a[jj][i] = (ok && w < hd2) ? vec2(act[b + 2u + 2u * w], act[b + 3u + 2u * w]) : vec2(0.0);
+                }
+            }
+            float mn = M1;
+            [[unroll]] for (uint jj = 0; jj < MB1; jj++) mn = max(mn, mq[jj]);
+            float corr = M1 > -1.0 / 0.0 ? exp(M1 - mn) : 0.0;
+            L1 *= corr;
+            [[unroll]] for (uint i = 0; i < WPL; i++) o1[i] *= corr;
+            [[unroll]] for (uint jj = 0; jj < MB1; jj++) {
+                float c = mq[jj] > -1.0 / 0.0 ? exp(mq[jj] - mn) : 0.0;
+                L1 += c * lq[jj];
+                [[unroll]] for (uint i = 0; i < WPL; i++) o1[i] += c * a[jj][i];
+            }
+            M1 = mn;
+        }
+        L1 += sink_weight(h, M1);
+        uint ob1 = p.o_off + r * p.o_stride + h * p.head_dim;
+        [[unroll]] for (uint i = 0; i < WPL; i++) {
+            uint w = lane + i * S;
+            if (w < hd2) {
+                act[ob1 + 2u * w] = gated(o1[i].x / L1, r, h, 2u * w);
+                act[ob1 + 2u * w + 1u] = gated(o1[i].y / L1, r, h, 2u * w + 1u);
+            }
+        }
+        return;
+    }
     float M = -1.0 / 0.0;
     for (uint q = lane; q < used; q += S) M = max(M, act[base + q * stride]);
     M = subgroupMax(M);

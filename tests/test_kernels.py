@@ -1262,6 +1262,20 @@ def test_attention_decode_depth(device, kernels, rng, hd, n_head, n_kv, items, k
     ws.close()
 
 
+@pytest.mark.parametrize("hd,n_head,n_kv,items,kv,lp,group,vw,cmb,mb", [
+    (128, 8, 2, 1024, "f16", True, 2, True, True, 8), (64, 8, 2, 1024, "kv", False, 8, False, False, 3),
+    (256, 6, 3, 1024, "f16", True, 1, True, True, 16), (128, 20, 1, 16, "v", False, 8, False, True, 8)])
+def test_attention_decode_depth_merge_in_one_pass(device, kernels, rng, hd, n_head, n_kv, items, kv, lp, group, vw,
+                                                  cmb, mb):
+    """Caps.attn_merge: the last workgroup merges a row's partials in one pass
+    of rounds of mb partials (the sums rescaled to the running max), the
+    depth test's checks (numpy; a row alone equals the row batched, bit for
+    bit): rows of many partials (items 1024: parts of 32 positions up to 2,600)
+    and of few (items 16), rounds that split them unevenly (3)."""
+    test_attention_decode_depth(device, with_caps(kernels, attn_merge=mb), rng, hd, n_head, n_kv, items, kv, lp,
+                                False, group, vw, cmb)
+
+
 @pytest.mark.parametrize("group", [2, 4])
 def test_attention_dec_k_hoist_and_v_rows_give_the_same_bits(device, kernels, rng, group):
     """Caps.attn_khoist (lanes a position: a tile's K segments for all passes

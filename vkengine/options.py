@@ -144,6 +144,10 @@ class Options:
                                   # / 220.3 and 303.7 / 265.8 / 219.4 tok/s against 301.6 / 261.1 / 216.9 and 300.4 /
                                   # 260.8 / 217.0; notes.md run 56). Off until the model tests and the real SmolLM2's
                                   # parity have run with it on a GPU (its kernel tests passed on the H100)
+    attn_merge: int = 0           # ... the last workgroup's merge of a row's partials in one pass of rounds of this
+                                  # many partials (MB: each round's maxima, sums and output words loaded together,
+                                  # the sums rescaled to the running max) rather than two passes (the maxima first,
+                                  # then 8 partials' words a round); other rounding
     delta_chunk: int = -1         # steps of at least this many rows take the chunked delta rule (delta_chunk/
                                   # delta_scan.comp); 0: never; -1: the device's default (64 on GPUs, never on CPUs)
     cn_rows: bool = True          # the combined expert matvec's RMSNorm by each row's last workgroup, rows side by

@@ -337,7 +337,7 @@ class AttentionKernels(KernelBase):
         vb = self.dec_vb or c.attn_vb or (8 if vw else vb)   # (wide V rows: uvec4 loads ahead a lane)
         alg = self._alg_spec(name, [act, act, params, kv, sb], (c.wg, c.items, wpl, head_dim, vb, gq, lp,
                                                             self.dec_kpf(head_dim, lp, tag), self.dec_vpre, kh, vw,
-                                                            self.dec_combine(gq, head_dim)),
+                                                            self.dec_combine(gq, head_dim), c.attn_merge),
                              push)
         tmp = (split.buf, split.off * 4, (split.off + tmp_words) * 4)
         prog.dispatch(alg, push, self._grid(n_rows * n_kv * n_groups * (n_parts // c.items)),

@@ -118,6 +118,7 @@ class Caps:
     attn_vb: int = 0               # Options.attn_vb (attention_dec VB; 0: the kernel's default)
     attn_vwide: bool = False       # Options.attn_vwide (attention_dec VW)
     attn_combine: bool = False     # Options.attn_combine (attention_dec CMB where its slots fit)
+    attn_merge: int = 0            # Options.attn_merge (attention_dec MB)
 
     # steps of at least this many rows run the gated delta rule in chunks
     # (delta_chunk.comp + delta_scan.comp) instead of a row at a time; 0: never
@@ -174,7 +175,7 @@ class Caps:
             tiled_from=tiled_from, split_attention=gpu, attention_dec=gpu and options.attn_dec,
             attn_items=options.attn_items, attn_group=options.attn_group, attn_lp=options.attn_lp,
             attn_kpf=options.attn_kpf, attn_khoist=options.attn_khoist, attn_vb=options.attn_vb,
-            attn_vwide=options.attn_vwide, attn_combine=options.attn_combine,
+            attn_vwide=options.attn_vwide, attn_combine=options.attn_combine, attn_merge=options.attn_merge,
             multi_column_from=2 if gpu else 8, split_k=gpu,
             bfly=info.subgroups_fixed and sg >= MV_BFLY_LANES, small_tiles_below=256,
             coopmat=coopmat, coopmat2=coopmat and options.coopmat2 and device_has_coopmat2(device),
