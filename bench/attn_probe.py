@@ -30,7 +30,8 @@ each of -n slots (a decode step at depth D), for each --dec variant:
           parts and the query heads an item takes (gq=N: N heads; default: Caps.attn_group's
           dims); +kh / +nokh: Caps.attn_khoist, +vw / +novw: Caps.attn_vwide (vw: V after the
           scores), +cmb / +nocmb: Caps.attn_combine (a workgroup's subgroups combined in
-          one round), +om=N: Caps.attn_merge (the partials merged in one pass, N a round; 0: two)
+          one round), +om=N: Caps.attn_merge (the partials merged in one pass, N a round; 0: two),
+          +pd / +nopd: Caps.attn_parts_down (parts rounded down to whole tiles, twice the grid)
 Printed: a dispatch's time and the K/V bytes it reads a microsecond.
 
     here:   .venv/bin/python bench/attn_probe.py --compile-only
@@ -220,6 +221,8 @@ def decode(args) -> int:
                     over["attn_combine"] = o == "cmb"
                 elif o.startswith("om="):
                     over["attn_merge"] = int(o[3:])
+                elif o in ("pd", "nopd"):
+                    over["attn_parts_down"] = o == "pd"
                 elif o in ("vw", "novw"):   # (the wide V rows load after the scores: no VPRE)
                     over["attn_vwide"] = o == "vw"
                     if o == "vw":

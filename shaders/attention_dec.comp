@@ -83,6 +83,11 @@ layout(constant_id = 11) const uint CMB = 0;
 // attention's update; fewer dependent loads: ceil(used / MB) rounds against 2 + ceil(used / 8); other rounding)
 // (Caps.attn_merge)
 layout(constant_id = 12) const uint MB = 0;
+// 1: a part's positions the row's position over half the grid's parts, rounded DOWN to a multiple of min_chunk (at
+// least min_chunk), so that a row uses between half the parts and all of them (0: over all the parts, rounded up:
+// a row just past n_parts x min_chunk x k positions uses about k / (k + 1) of them, at 4,097 positions half)
+// (Caps.attn_parts_down; the host plans twice the parts)
+layout(constant_id = 13) const uint PD = 0;
 
 layout(push_constant) uniform P {
     uint q_off, q_stride, o_off, o_stride;
@@ -260,8 +265,13 @@ void main() {
     uint slot = params[p.slot_off + r];
     uint lo = p.window != 0u && pos >= p.window ? pos + 1u - p.window : 0u;   // the row's first position
     uint total = pos + 1u - lo;
-    uint chunk = (total + p.n_parts - 1u) / p.n_parts;
-    chunk = (chunk + p.min_chunk - 1u) / p.min_chunk * p.min_chunk;
+    uint chunk;
+    if (PD != 0u) {
+        chunk = max(1u, total / (p.min_chunk * (p.n_parts / 2u))) * p.min_chunk;
+    } else {
+        chunk = (total + p.n_parts - 1u) / p.n_parts;
+        chunk = (chunk + p.min_chunk - 1u) / p.min_chunk * p.min_chunk;
+    }
     uint used = (total + chunk - 1u) / chunk;
     if (part0 >= used) return;                   // the whole workgroup past the row's position
     KvSlot sl = kv_slot(p.slot_stride, p.n_kv, HD);

@@ -1262,18 +1262,23 @@ def test_attention_decode_depth(device, kernels, rng, hd, n_head, n_kv, items, k
     ws.close()
 
 
-@pytest.mark.parametrize("hd,n_head,n_kv,items,kv,lp,group,vw,cmb,mb", [
-    (128, 8, 2, 1024, "f16", True, 2, True, True, 8), (64, 8, 2, 1024, "kv", False, 8, False, False, 3),
-    (256, 6, 3, 1024, "f16", True, 1, True, True, 16), (128, 20, 1, 16, "v", False, 8, False, True, 8)])
-def test_attention_decode_depth_merge_in_one_pass(device, kernels, rng, hd, n_head, n_kv, items, kv, lp, group, vw,
-                                                  cmb, mb):
-    """Caps.attn_merge: the last workgroup merges a row's partials in one pass
-    of rounds of mb partials (the sums rescaled to the running max), the
-    depth test's checks (numpy; a row alone equals the row batched, bit for
-    bit): rows of many partials (items 1024: parts of 32 positions up to 2,600)
-    and of few (items 16), rounds that split them unevenly (3)."""
-    test_attention_decode_depth(device, with_caps(kernels, attn_merge=mb), rng, hd, n_head, n_kv, items, kv, lp,
-                                False, group, vw, cmb)
+@pytest.mark.parametrize("hd,n_head,n_kv,items,kv,lp,group,vw,cmb,mb,pd", [
+    (128, 8, 2, 1024, "f16", True, 2, True, True, 8, False), (64, 8, 2, 1024, "kv", False, 8, False, False, 3, False),
+    (256, 6, 3, 1024, "f16", True, 1, True, True, 16, False), (128, 20, 1, 16, "v", False, 8, False, True, 8, False),
+    (128, 8, 2, 16, "f16", True, 2, True, True, 0, True), (64, 8, 2, 16, "k", False, 8, False, False, 8, True),
+    (128, 8, 2, 1024, "f16", True, 2, True, True, 8, True)])
+def test_attention_decode_depth_merge_and_parts(device, kernels, rng, hd, n_head, n_kv, items, kv, lp, group, vw,
+                                                cmb, mb, pd):
+    """The depth test's checks (numpy; a row alone equals the row batched,
+    bit for bit) with Caps.attn_merge (mb > 0: the last workgroup merges a
+    row's partials in one pass of rounds of mb, the sums rescaled to the
+    running max; rows of many partials with items 1024, parts of 32 positions
+    up to 2,600, and of few with items 16; rounds of 3 split them unevenly)
+    and Caps.attn_parts_down (pd: parts of whole tiles rounded down on a grid
+    of twice the parts; items 16: 16 parts, a row at 2,600 positions in 9 of
+    320)."""
+    test_attention_decode_depth(device, with_caps(kernels, attn_merge=mb, attn_parts_down=pd), rng, hd, n_head, n_kv,
+                                items, kv, lp, False, group, vw, cmb)
 
 
 @pytest.mark.parametrize("group", [2, 4])

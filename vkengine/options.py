@@ -148,6 +148,9 @@ class Options:
                                   # many partials (MB: each round's maxima, sums and output words loaded together,
                                   # the sums rescaled to the running max) rather than two passes (the maxima first,
                                   # then 8 partials' words a round); other rounding
+    attn_parts_down: bool = False  # ... a row's positions cut into parts of whole tiles rounded down from its position
+                                  # over attn_items' parts, on a grid of twice those (PD: 4,097 positions in 129
+                                  # parts of 32 rather than 65 of 64)
     delta_chunk: int = -1         # steps of at least this many rows take the chunked delta rule (delta_chunk/
                                   # delta_scan.comp); 0: never; -1: the device's default (64 on GPUs, never on CPUs)
     cn_rows: bool = True          # the combined expert matvec's RMSNorm by each row's last workgroup, rows side by

@@ -38,6 +38,8 @@ class AttentionKernels(KernelBase):
         gq = max(1, min(group, self.caps.attn_group // head_dim))
         n_groups = -(-group // gq)
         parts = min(self.DEC_MAX_PARTS, max(8, -(-self.caps.attn_items // (n_kv * n_groups))))
+        if self.caps.attn_parts_down:   # (a row uses half the grid's parts to all of them: PD)
+            parts = min(self.DEC_MAX_PARTS, 2 * parts)
         items = self.caps.items   # a workgroup takes this many consecutive parts
         return gq, n_groups, -(-parts // items) * items
 
@@ -337,7 +339,8 @@ class AttentionKernels(KernelBase):
         vb = self.dec_vb or c.attn_vb or (8 if vw else vb)   # (wide V rows: uvec4 loads ahead a lane)
         alg = self._alg_spec(name, [act, act, params, kv, sb], (c.wg, c.items, wpl, head_dim, vb, gq, lp,
                                                             self.dec_kpf(head_dim, lp, tag), self.dec_vpre, kh, vw,
-                                                            self.dec_combine(gq, head_dim), c.attn_merge),
+                                                            self.dec_combine(gq, head_dim), c.attn_merge,
+                                                            int(c.attn_parts_down)),
                              push)
         tmp = (split.buf, split.off * 4, (split.off + tmp_words) * 4)
         prog.dispatch(alg, push, self._grid(n_rows * n_kv * n_groups * (n_parts // c.items)),
