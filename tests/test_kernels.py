@@ -1264,7 +1264,7 @@ def test_attention_decode_depth(device, kernels, rng, hd, n_head, n_kv, items, k
 
 @pytest.mark.parametrize("hd,n_head,n_kv,items,kv,lp,group,vw,cmb,mb,pd", [
     (128, 8, 2, 1024, "f16", True, 2, True, True, 8, False), (64, 8, 2, 1024, "kv", False, 8, False, False, 3, False),
-    (256, 6, 3, 1024, "f16", True, 1, True, True, 16, False), (128, 20, 1, 16, "v", False, 8, False, True, 8, False),
+    (256, 6, 3, 1024, "f16", True, 1, True, True, 16, False), (128, 20, 1, 16, "v", False, 8, False, True, 0, False),
     (128, 8, 2, 16, "f16", True, 2, True, True, 0, True), (64, 8, 2, 16, "k", False, 8, False, False, 8, True),
     (128, 8, 2, 1024, "f16", True, 2, True, True, 8, True)])
 def test_attention_decode_depth_merge_and_parts(device, kernels, rng, hd, n_head, n_kv, items, kv, lp, group, vw,
@@ -1273,7 +1273,8 @@ def test_attention_decode_depth_merge_and_parts(device, kernels, rng, hd, n_head
     bit for bit) with Caps.attn_merge (mb > 0: the last workgroup merges a
     row's partials in one pass of rounds of mb, the sums rescaled to the
     running max; rows of many partials with items 1024, parts of 32 positions
-    up to 2,600, and of few with items 16; rounds of 3 split them unevenly)
+    up to 2,600, and of few with items 16; rounds of 3 split them unevenly;
+    0: in two passes, the maxima first)
     and Caps.attn_parts_down (pd: parts of whole tiles rounded down on a grid
     of twice the parts; items 16: 16 parts, a row at 2,600 positions in 9 of
     320)."""
@@ -1298,7 +1299,7 @@ def test_attention_dec_k_hoist_and_v_rows_give_the_same_bits(device, kernels, rn
     outs = []
     for kh, vb in ((False, 0), (True, 0), (True, 32), (False, 8)):
         kn = with_caps(kernels, split_attention=True, attention_dec=True, attn_items=256, attn_lp=hd,
-                       attn_group=group * hd, attn_khoist=kh, attn_vb=vb)
+                       attn_group=group * hd, attn_khoist=kh, attn_vb=vb, attn_combine=False)
         assert kn.dec_lanes(hd) > 1
         tmp = ws.act_region(kn.attention_tmp_words(rows, n_head, n_kv, hd, ctx))
         n_sync = kn.attention_sync_words(rows, n_head)

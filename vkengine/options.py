@@ -138,19 +138,21 @@ class Options:
                                   # of every row (other rounding; H100, 8B tg64 at depth 0 / 4k / 16k / 32k: 302.4 /
                                   # 262.0 / 218.6 / 184.9 tok/s against 304.3 / 262.3 / 214.5 / 175.8; qwen35 0.8B
                                   # 851.2 / 780.8 / 687.2 / 608.4 against 844.0 / 777.0 / 681.7 / 607.8; run 54)
-    attn_combine: bool = False    # ... a workgroup's subgroups combined in one round, a shared slot each (CMB), not one
+    attn_combine: bool = True     # ... a workgroup's subgroups combined in one round, a shared slot each (CMB), not one
                                   # subgroup after another with a barrier each, where the slots fit the device's
                                   # shared memory (other rounding; H100, 8B tg64 at depth 0 / 4k / 16k: 303.4 / 265.7
                                   # / 220.3 and 303.7 / 265.8 / 219.4 tok/s against 301.6 / 261.1 / 216.9 and 300.4 /
-                                  # 260.8 / 217.0; notes.md run 56). Off until the model tests and the real SmolLM2's
-                                  # parity have run with it on a GPU (its kernel tests passed on the H100)
-    attn_merge: int = 0           # ... the last workgroup's merge of a row's partials in one pass of rounds of this
+                                  # 260.8 / 217.0; notes.md run 56)
+    attn_merge: int = 8           # ... the last workgroup's merge of a row's partials in one pass of rounds of this
                                   # many partials (MB: each round's maxima, sums and output words loaded together,
-                                  # the sums rescaled to the running max) rather than two passes (the maxima first,
-                                  # then 8 partials' words a round); other rounding
-    attn_parts_down: bool = False  # ... a row's positions cut into parts of whole tiles rounded down from its position
+                                  # the sums rescaled to the running max) rather than two passes (0: the maxima
+                                  # first, then 8 partials' words a round; other rounding; H100, 8B with the parts
+                                  # below, decode attention alone at 16k: 48.9 against 49.9 us; notes.md run 57)
+    attn_parts_down: bool = True  # ... a row's positions cut into parts of whole tiles rounded down from its position
                                   # over attn_items' parts, on a grid of twice those (PD: 4,097 positions in 129
-                                  # parts of 32 rather than 65 of 64)
+                                  # parts of 32 rather than 65 of 64; H100, 8B tg64 at depth 0 / 4k / 16k with the
+                                  # one-pass merge: 304.3 / 272.3 / 228.6 tok/s against 305.6 / 267.6 / 220.0;
+                                  # notes.md run 57)
     delta_chunk: int = -1         # steps of at least this many rows take the chunked delta rule (delta_chunk/
                                   # delta_scan.comp); 0: never; -1: the device's default (64 on GPUs, never on CPUs)
     cn_rows: bool = True          # the combined expert matvec's RMSNorm by each row's last workgroup, rows side by
