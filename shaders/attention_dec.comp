@@ -10,10 +10,11 @@
 // all GQ heads (grouped-query attention: the n_head / n_kv query heads of a KV
 // head share its rows), so K/V are read once per KV head, not once per query head.
 //
-// The positions 0..pos are cut into n_parts parts of `chunk` positions, chunk
-// following the row's own position (ceil((pos + 1) / n_parts) rounded up to a
-// multiple of min_chunk): every part does the same work at any depth, and the
-// grid (rows x KV heads x groups x n_parts) does not grow with the context.
+// The positions 0..pos are cut into parts of `chunk` positions, chunk
+// following the row's own position (PD: (pos + 1) / (n_parts / 2) rounded down
+// to a multiple of min_chunk, at least min_chunk; else ceil((pos + 1) /
+// n_parts) rounded up to one): every part does the same work at any depth, and
+// the grid (rows x KV heads x groups x n_parts) does not grow with the context.
 // Parts past the row's position do nothing. The chunk depends only on the
 // row's position, so a row's arithmetic is the same alone or batched.
 //

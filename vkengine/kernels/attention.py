@@ -33,7 +33,8 @@ class AttentionKernels(KernelBase):
     def dec_layout(self, n_head: int, n_kv: int, head_dim: int) -> tuple[int, int, int]:
         """attention_dec's (query heads an item takes, items per KV head and
         part, parts): from the model's heads, Caps.attn_group and
-        Caps.attn_items only."""
+        Caps.attn_items only (twice the parts with Caps.attn_parts_down: a
+        row then uses between half of them and all)."""
         group = n_head // n_kv
         gq = max(1, min(group, self.caps.attn_group // head_dim))
         n_groups = -(-group // gq)
