@@ -97,9 +97,10 @@ layout(push_constant) uniform P {
     uint pos_off, slot_off;
     float scale;
     // parts per (row, KV head, group); a part's positions are a multiple of
-    // min_chunk; partial results at part_off + ((row * n_head + head) * n_parts
-    // + part) * (head_dim + 2); counters (zero between dispatches) at sync_off +
-    // (row * n_kv + kv head) * groups + group
+    // min_chunk; partial results, one a workgroup, at part_off + ((row * n_head
+    // + head) * (n_parts / ITEMS_PER_WG) + workgroup) * (head_dim + 2);
+    // counters (zero between dispatches) at sync_off + (row * n_kv + kv head) *
+    // groups + group
     uint n_parts, min_chunk, part_off, sync_off;
     // sliding-window layers: a row at position pos sees pos - window + 1 .. pos
     // (0: all of 0..pos), the parts cut from those; softcap > 0: scores become
@@ -142,7 +143,7 @@ void merge(uint r, uint h, uint used) {
     uint lane = gl_SubgroupInvocationID;
     uint S = gl_SubgroupSize;
     uint stride = p.head_dim + 2u;
-    uint base = p.part_off + (r * p.n_head + h) * p.n_parts * stride;
+    uint base = p.part_off + (r * p.n_head + h) * (p.n_parts / ITEMS_PER_WG) * stride;
     if (MB > 0u) {
         // (MB) one pass: every lane takes each round's maxima and sums (the same words for all lanes) and its words
         // of the partials' outputs, all loaded before the round's arithmetic; o and L follow the running max M
@@ -537,7 +538,7 @@ void main() {
                 act[p.o_off + r * p.o_stride + (h0 + g) * p.head_dim + d] =
                     gated(o / (L + sink_weight(h0 + g, M)), r, h0 + g, d);
             } else {
-                uint b = p.part_off + ((r * p.n_head + h0 + g) * p.n_parts + wi) * stride;
+                uint b = p.part_off + ((r * p.n_head + h0 + g) * wg_per + wi) * stride;
                 act[b + 2u + d] = o;
                 if (d == 0u) { act[b] = M; act[b + 1u] = L; }
             }
@@ -582,10 +583,10 @@ void main() {
             uint g = x / HD, d = x % HD;
             if (n_wg == 1u) act[p.o_off + r * p.o_stride + (h0 + g) * p.head_dim + d] =
                 gated(sh_o[x] / (sh_l[g] + sink_weight(h0 + g, sh_m[g])), r, h0 + g, d);
-            else act[p.part_off + ((r * p.n_head + h0 + g) * p.n_parts + wi) * stride + 2u + d] = sh_o[x];
+            else act[p.part_off + ((r * p.n_head + h0 + g) * wg_per + wi) * stride + 2u + d] = sh_o[x];
         }
         if (n_wg > 1u && gl_LocalInvocationIndex < nh) {
-            uint b = p.part_off + ((r * p.n_head + h0 + gl_LocalInvocationIndex) * p.n_parts + wi) * stride;
+            uint b = p.part_off + ((r * p.n_head + h0 + gl_LocalInvocationIndex) * wg_per + wi) * stride;
             act[b] = sh_m[gl_LocalInvocationIndex];
             act[b + 1u] = sh_l[gl_LocalInvocationIndex];
         }

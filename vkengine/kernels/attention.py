@@ -118,8 +118,12 @@ class AttentionKernels(KernelBase):
         return -(-n_ctx // self.ATTN_CHUNK)
 
     def attention_tmp_words(self, n_rows: int, n_head: int, n_kv: int, head_dim: int, n_ctx: int) -> int:
-        """Scratch words of split decode attention's partial results."""
-        return n_rows * n_head * self.attention_parts(n_ctx, n_head, n_kv, head_dim) * (head_dim + 2)
+        """Scratch words of split decode attention's partial results (attention_dec: one a workgroup of
+        Caps.items parts; attention.comp: one a part)."""
+        parts = self.attention_parts(n_ctx, n_head, n_kv, head_dim)
+        if self.caps.attention_dec:
+            parts //= self.caps.items
+        return n_rows * n_head * parts * (head_dim + 2)
 
     @staticmethod
     def attention_sync_words(n_rows: int, n_head: int) -> int:
