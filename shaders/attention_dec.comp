@@ -29,9 +29,9 @@
 // sum, unnormalized output) per head, counts itself on one word per (row, KV
 // head, group), and the last to count resets the counter and merges the
 // workgroups' partials (in order), its subgroups taking a head each: one
-// dispatch. (A partial per workgroup rather
-// than per part: the merge reads ITEMS_PER_WG times fewer; with 72 registers
-// a lane against 128, H200 notes.md run 29.)
+// dispatch. (A partial per workgroup rather than per part: the merge reads
+// ITEMS_PER_WG times fewer; with 72 registers a lane against 128, H200
+// notes.md run 29.)
 // K and V are f16 or q8_0 each (kv.glsl: KV_K_Q8, KV_V_Q8), read as
 // attention.comp reads them.
 #include "common.glsl"
@@ -134,23 +134,25 @@ float sink_weight(uint h, float m) {
 // `ring` positions (position t at row t % ring); 0: no wrap
 uint kv_at(uint t) { return p.ring != 0u && t >= p.ring ? t % p.ring : t; }
 
-// The output of (row r, head h) from its `used` parts, in part order:
-// o = sum_q e^(m_q - M) acc_q / sum_q e^(m_q - M) l_q, M = max_q m_q. Lane j
-// holds the weight of part q0 + j; a lane owns the V row's words of the main
-// loop, and loads 8 parts' words before it adds them (the loads overlap).
+// The output of (row r, head h) from its `used` partials (a workgroup's each), in order:
+// o = sum_q e^(m_q - M) acc_q / sum_q e^(m_q - M) l_q, M = max_q m_q; a lane owns
+// the V row's words of the main loop. MB > 0: in one pass of rounds of MB
+// partials, o and L following the running max; MB = 0: M first, then lane j
+// holds the weight of partial q0 + j and each lane loads 8 partials' words
+// before it adds them (the loads overlap).
 void merge(uint r, uint h, uint used) {
     const uint hd2 = HD / 2u;
     uint lane = gl_SubgroupInvocationID;
     uint S = gl_SubgroupSize;
     uint stride = p.head_dim + 2u;
     uint base = p.part_off + (r * p.n_head + h) * (p.n_parts / ITEMS_PER_WG) * stride;
+    float M = -1.0 / 0.0, L = 0.0;
+    vec2 o[WPL];
+    [[unroll]] for (uint i = 0; i < WPL; i++) o[i] = vec2(0.0);
     if (MB > 0u) {
         // (MB) one pass: every lane takes each round's maxima and sums (the same words for all lanes) and its words
-        // of the partials' outputs, all loaded before the round's arithmetic; o and L follow the running max M
-        const uint MB1 = MB > 0u ? MB : 1u;
-        float M1 = -1.0 / 0.0, L1 = 0.0;
-        vec2 o1[WPL];
-        [[unroll]] for (uint i = 0; i < WPL; i++) o1[i] = vec2(0.0);
+        // of the partials' outputs, all loaded before the round's arithmetic
+        const uint MB1 = MB > 0u ? MB : 1u;   // (no array of size 0)
         for (uint q0 = 0u; q0 < used; q0 += MB1) {
             float mq[MB1], lq[MB1];
             vec2 a[MB1][WPL];
@@ -164,60 +166,48 @@ void merge(uint r, uint h, uint used) {
                     a[jj][i] = (ok && w < hd2) ? vec2(act[b + 2u + 2u * w], act[b + 3u + 2u * w]) : vec2(0.0);
                 }
             }
-            float mn = M1;
+            float mn = M;
             [[unroll]] for (uint jj = 0; jj < MB1; jj++) mn = max(mn, mq[jj]);
-            float corr = M1 > -1.0 / 0.0 ? exp(M1 - mn) : 0.0;
-            L1 *= corr;
-            [[unroll]] for (uint i = 0; i < WPL; i++) o1[i] *= corr;
+            float corr = M > -1.0 / 0.0 ? exp(M - mn) : 0.0;
+            L *= corr;
+            [[unroll]] for (uint i = 0; i < WPL; i++) o[i] *= corr;
             [[unroll]] for (uint jj = 0; jj < MB1; jj++) {
                 float c = mq[jj] > -1.0 / 0.0 ? exp(mq[jj] - mn) : 0.0;
-                L1 += c * lq[jj];
-                [[unroll]] for (uint i = 0; i < WPL; i++) o1[i] += c * a[jj][i];
+                L += c * lq[jj];
+                [[unroll]] for (uint i = 0; i < WPL; i++) o[i] += c * a[jj][i];
             }
-            M1 = mn;
+            M = mn;
         }
-        L1 += sink_weight(h, M1);
-        uint ob1 = p.o_off + r * p.o_stride + h * p.head_dim;
-        [[unroll]] for (uint i = 0; i < WPL; i++) {
-            uint w = lane + i * S;
-            if (w < hd2) {
-                act[ob1 + 2u * w] = gated(o1[i].x / L1, r, h, 2u * w);
-                act[ob1 + 2u * w + 1u] = gated(o1[i].y / L1, r, h, 2u * w + 1u);
+    } else {
+        for (uint q = lane; q < used; q += S) M = max(M, act[base + q * stride]);
+        M = subgroupMax(M);
+        for (uint q0 = 0u; q0 < used; q0 += S) {
+            uint q = q0 + lane;
+            float c = 0.0;
+            if (q < used) {
+                float mq = act[base + q * stride];
+                c = mq > -1.0 / 0.0 ? exp(mq - M) : 0.0;
+                L += c * act[base + q * stride + 1u];
             }
-        }
-        return;
-    }
-    float M = -1.0 / 0.0;
-    for (uint q = lane; q < used; q += S) M = max(M, act[base + q * stride]);
-    M = subgroupMax(M);
-    float L = 0.0;
-    vec2 o[WPL];
-    [[unroll]] for (uint i = 0; i < WPL; i++) o[i] = vec2(0.0);
-    for (uint q0 = 0u; q0 < used; q0 += S) {
-        uint q = q0 + lane;
-        float c = 0.0;
-        if (q < used) {
-            float mq = act[base + q * stride];
-            c = mq > -1.0 / 0.0 ? exp(mq - M) : 0.0;
-            L += c * act[base + q * stride + 1u];
-        }
-        uint n = min(S, used - q0);
-        for (uint j0 = 0u; j0 < n; j0 += 8u) {
-            vec2 a[8][WPL];
-            [[unroll]] for (uint jj = 0; jj < 8u; jj++) {
-                uint b = base + (q0 + j0 + jj) * stride + 2u;
-                [[unroll]] for (uint i = 0; i < WPL; i++) {
-                    uint w = lane + i * S;
-                    a[jj][i] = (j0 + jj < n && w < hd2) ? vec2(act[b + 2u * w], act[b + 2u * w + 1u]) : vec2(0.0);
+            uint n = min(S, used - q0);
+            for (uint j0 = 0u; j0 < n; j0 += 8u) {
+                vec2 a[8][WPL];
+                [[unroll]] for (uint jj = 0; jj < 8u; jj++) {
+                    uint b = base + (q0 + j0 + jj) * stride + 2u;
+                    [[unroll]] for (uint i = 0; i < WPL; i++) {
+                        uint w = lane + i * S;
+                        a[jj][i] = (j0 + jj < n && w < hd2) ? vec2(act[b + 2u * w], act[b + 2u * w + 1u]) : vec2(0.0);
+                    }
+                }
+                [[unroll]] for (uint jj = 0; jj < 8u; jj++) {
+                    float cj = subgroupShuffle(c, min(j0 + jj, S - 1u));
+                    [[unroll]] for (uint i = 0; i < WPL; i++) o[i] += cj * a[jj][i];
                 }
             }
-            [[unroll]] for (uint jj = 0; jj < 8u; jj++) {
-                float cj = subgroupShuffle(c, min(j0 + jj, S - 1u));
-                [[unroll]] for (uint i = 0; i < WPL; i++) o[i] += cj * a[jj][i];
-            }
         }
+        L = subgroupAdd(L);
     }
-    L = subgroupAdd(L) + sink_weight(h, M);
+    L += sink_weight(h, M);
     uint ob = p.o_off + r * p.o_stride + h * p.head_dim;
     [[unroll]] for (uint i = 0; i < WPL; i++) {
         uint w = lane + i * S;
