@@ -133,34 +133,6 @@ def test_gpu_decode_path(device, qwen35_loaded, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHES)
-def test_decode_prefetch(device, qwen35_loaded, arch):
-    """Options.prefetch on the hybrid: a decode step reads the output projection's and the FFN's first weights
-    into the cache beside every mixer (delta rule or attention), no barrier between them; the logits stay the
-    same bit for bit."""
-    from vkengine.kernels import Caps
-
-    from .test_models import GPU_DECODE
-    caps = dataclasses.replace(Caps.detect(device), **GPU_DECODE, split_attention=True, attention_dec=True,
-                               attn_items=16, xq8_in=False)
-    m = qwen35_loaded(arch)
-    cfg = EngineConfig(n_slots=2, n_ctx=128, max_batch=64, max_out=64, options=Options(expert_tiles=False))
-    ids = m.tokenizer.encode(PROMPT)[:10]
-    got = []
-    for c in (caps, dataclasses.replace(caps, prefetch=64 << 10)):
-        eng = Engine(m, device, cfg, caps=c)
-        got.append(np.stack([eng.step([t], [p], [1], [0], Readback.LOGITS)[0] for p, t in enumerate(ids)]))
-        ops = [(op.kind, op.label) for prog in eng._programs.values() for op in prog.ops]
-        at = [i for i, (_, lb) in enumerate(ops) if lb == "prefetch"]
-        # (a dispatch for four ranges of a buffer: one or more a layer, each after the mixer or another)
-        mixers = [i for i, (_, lb) in enumerate(ops) if lb.startswith(("attention", "delta_rule"))]
-        assert {i - 1 for i in at} - set(at) == (set(mixers) if c.prefetch else set()), ops
-        for i in at:
-            assert ops[i - 1][0] == "dispatch" and ops[i - 1][1].startswith(("attention", "delta_rule", "prefetch"))
-        eng.close()
-    np.testing.assert_array_equal(got[1], got[0])
-
-
-@pytest.mark.parametrize("arch", ARCHES)
 def test_chunked_prefill_equals_single_prefill(device, qwen35_loaded, arch):
     """The recurrent and conv states carry over between chunks of odd size."""
     m, eng = _engine(device, qwen35_loaded(arch, "gguf"), max_batch=5)

@@ -136,14 +136,6 @@ def _block(g: Graph, a: Qwen35Args, L: Layer, layer: int, w: Qwen35Weights, moe_
         w_out, mixed = _linear_attn(g, a, L.mixer, layer)
     else:
         w_out, mixed = _full_attn(g, a, L.mixer, layer, w)
-    # (decode steps, Options.prefetch: the output projection's weights and the FFN's first read into the cache
-    # while the mixer runs)
-    if isinstance(L.ffn, MoeFfn):
-        ffn_first = [*([L.ffn.router] if L.ffn.router is not None else []), *(m for m, _ in L.ffn.sh_gate_up),
-                     L.ffn.sh_gate, L.ffn.sh_down]
-    else:
-        ffn_first = [m for m, _ in L.ffn.gate_up]
-    g.prefetch([w_out, *ffn_first])
     g.matmul_norm(w_out, mixed, "x", L.post_norm, "h")
     if isinstance(L.ffn, MoeFfn):
         return _moe(g, a, L.ffn, moe_index * a.n_expert_used if a.fixed_experts else None, next_norm)
