@@ -261,7 +261,7 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
                                                                           EXT_DEFINE: 1, "O_F16": 1, "NARROW": 1, **d})
     t["attention_merge"] = ("attention_merge.comp", {})
     for op in ("rms_norm", "rope_kv", "attention", "swiglu", "add", "add_bias", "softmax", "argmax_part", "argmax",
-               "copy", "prefetch", "topk_part", "sample", "softcap", "mask_logits",
+               "copy", "topk_part", "sample", "softcap", "mask_logits",
                "to_f16", "reduce_k"):
         t[op] = (f"{op}.comp", {})
     t["quantize_q8"] = ("quantize_q8.comp", {})   # x for the XQ8 matvecs

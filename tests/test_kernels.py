@@ -1508,36 +1508,6 @@ def test_copy(device, kernels, rng):
     device.free(b)
 
 
-def test_prefetch(device, kernels, rng):
-    """prefetch.comp reads a word of every 32-byte sector of its ranges (four a dispatch, of one buffer; a range's
-    end not on a sector): the XOR of the words it read lands in the sink words, as numpy's over the same words."""
-    n = 40000
-    a = device.buffer(n * 4, "device", "pf_a")
-    b = device.buffer(n * 4, "device", "pf_b")
-    da = rng.integers(0, 2**32, n, dtype=np.uint32)
-    db = rng.integers(0, 2**32, n, dtype=np.uint32)
-    device.upload(a, da)
-    device.upload(b, db)
-    ranges = [(a, 4 * 13, 4 * 9013), (a, 4 * 20000, 4 * 39999), (b, 4 * 8, 4 * 8 + 4), (b, 4 * 100, 4 * 40000),
-              (a, 4 * 9100, 4 * 9200), (a, 4 * 9300, 4 * 9301), (a, 0, 4 * 8), (b, 4 * 50, 4 * 60)]
-    want = np.uint32(0)
-    for buf, lo, hi in ranges:
-        words = (da if buf is a else db)[lo // 4:hi // 4]
-        want ^= np.bitwise_xor.reduce(words[::8])
-    prog = device.program()
-    kernels.prefetch(prog, [ranges[0]])   # (the sink buffer made, its words' state before)
-    prog.run()
-    before = np.bitwise_xor.reduce(device.download(kernels._sink[0], 0, None, np.uint32))
-    prog = device.program()
-    kernels.prefetch(prog, ranges)
-    prog.run()
-    assert sum(op.kind == "dispatch" for op in prog.ops) == 3 and prog.n_barriers == 0   # a's 5, b's 3
-    after = np.bitwise_xor.reduce(device.download(kernels._sink[0], 0, None, np.uint32))
-    assert after ^ before == want
-    device.free(a)
-    device.free(b)
-
-
 # -- sampling on the device (topk_part.comp + sample.comp) ------------------------
 
 def _sample_ref(x: np.ndarray, temp: float, top_k: int, top_p: float, min_p: float, u: float):

@@ -195,36 +195,6 @@ def test_split_decode_attention_at_depth(device, tiny_models, dec):
     assert_batched_equals_alone(eng, ids, (40, 90, 130))
 
 
-def test_decode_prefetch(device, tiny_models):
-    """Options.prefetch (Caps.prefetch bytes): decode steps read the first bytes of the o projection's and gate|up's
-    weights into the cache by a dispatch recorded right after the attention, with no barrier between them (they
-    run together), and the logits stay the same bit for bit; the prompt steps have none."""
-    caps = {**GPU_DECODE, "split_attention": True, "attention_dec": True, "attn_items": 16}
-    path = tiny_models["q8_0"]["gguf"]
-    m, eng = _engine(device, path, caps=caps)
-    _, pf = _engine(device, path, caps={**caps, "prefetch": 12 << 10})
-    ids = (m.tokenizer.encode(PROMPT) * 8)[:60]
-    got = []
-    for e in (eng, pf):
-        e.prefill(ids[:40], 1)
-        got.append(np.stack([e.step([ids[p]], [p], [1], [0], Readback.LOGITS)[0] for p in range(40, 60)]))
-    np.testing.assert_array_equal(got[1], got[0])
-    n_layer = len(pf.weights.layers)
-    for (n, *_), prog in pf._programs.items():
-        ops = [(op.kind, op.label) for op in prog.ops]
-        at = [i for i, (k, lb) in enumerate(ops) if lb == "prefetch"]
-        if n > 40:   # the prompt's step (its rows past max_out): none
-            assert not at, ops
-            continue
-        # 12 KB: o's 4 KB of q8_0 quants (64 x 64) and gate|up's first 8 KB, one dispatch a layer
-        assert len(at) == n_layer, ops
-        for i in at:
-            assert ops[i - 1][0] == "dispatch" and ops[i - 1][1].startswith("attention"), ops[i - 1]
-            assert ops[i + 1][0] == "barrier", ops[i + 1]
-    for e in (eng, pf):
-        e.close()
-
-
 def assert_batched_equals_alone(eng, ids, lens) -> None:
     """Sequences of ids[:n] for n in lens, one a slot: their last rows decoded
     in one step give each row's logits decoded alone, bit for bit."""

@@ -153,9 +153,6 @@ class Options:
                                   # parts of 32 rather than 65 of 64; H100, 8B tg64 at depth 0 / 4k / 16k with the
                                   # one-pass merge: 304.3 / 272.3 / 228.6 tok/s against 305.6 / 267.6 / 220.0;
                                   # notes.md run 57)
-    prefetch: int = 0             # decode steps: this many MB of the weights after the attention (its output
-                                  # projection's, then gate|up's) read into the device's cache during it, by a
-                                  # dispatch beside it (prefetch.comp; Graph.prefetch); 0: none
     delta_chunk: int = -1         # steps of at least this many rows take the chunked delta rule (delta_chunk/
                                   # delta_scan.comp); 0: never; -1: the device's default (64 on GPUs, never on CPUs)
     cn_rows: bool = True          # the combined expert matvec's RMSNorm by each row's last workgroup, rows side by

@@ -215,22 +215,6 @@ class DenseOps(GraphBase):
                                 self.kv.ctx, sync, kv_types=self.kv.types, window=window, softcap=softcap,
                                 ring=self.kv.ring(layer), sinks=sinks, gate=g)
 
-    def prefetch(self, matrices: list[Matrix]) -> None:
-        """Decode-sized steps (split attention): the first Caps.prefetch bytes of the matrices' weights, in order,
-        read into the device's cache by a dispatch recorded after the attention and before its readers, so that
-        they run together (Kernels.prefetch)."""
-        budget = self.k.caps.prefetch
-        if not budget or not self.k.caps.split_attention or self.n > self.s.max_out:
-            return
-        ranges = []
-        for m in matrices:
-            for buf, a, b in m.regions:
-                take = min(b - a, budget)
-                if take > 0:
-                    ranges.append((buf, a, a + take))
-                    budget -= take
-        self.k.prefetch(self.p, ranges)
-
     def gate_up_swiglu(self, pieces: list[tuple[Matrix, int]], x: str, gu: str, out: str,
                        norm_in: NormIn | None = None, down: Matrix | None = None) -> Halves | None:
         """out[r] = silu(gate @ x[r]) * (up @ x[r]) for the gate|up matrix (or its

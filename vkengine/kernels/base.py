@@ -27,8 +27,6 @@ class KernelBase:
         self._xq: list[Buffer] = []
         self._dr: list[Buffer] = []    # the chunked delta rule's G, W, U and Aqk (delta_rule.py)
         self._amc: list[Buffer] = []   # attention_mc's parts (attention.py, its split form)
-        self._sink: list[Buffer] = []  # prefetch.comp's sink words (elementwise.py)
-        self._sink_next = 0
         # matmuls recorded on another kernel because theirs was still compiling (Device.is_slow): the
         # engine records those steps again once it is built
         self.substituted = 0
@@ -66,7 +64,7 @@ class KernelBase:
 
     def scratch_buffers(self) -> list[Buffer]:
         """The matmuls' scratch buffers allocated so far (the owner frees them)."""
-        return [*self._x16, *self._x16g, *self._parts, *self._xq, *self._dr, *self._amc, *self._sink]
+        return [*self._x16, *self._x16g, *self._parts, *self._xq, *self._dr, *self._amc]
 
     def _scratch(self, bufs: list[Buffer], words: int, name: str) -> Buffer:
         """The last of `bufs`, or a new device buffer of at least `words` words

@@ -121,8 +121,6 @@ class Caps:
     attn_merge: int = 0            # Options.attn_merge (attention_dec MB)
     attn_parts_down: bool = False  # Options.attn_parts_down (attention_dec PD)
 
-    prefetch: int = 0              # bytes of Options.prefetch (Graph.prefetch; 0: none)
-
     # steps of at least this many rows run the gated delta rule in chunks
     # (delta_chunk.comp + delta_scan.comp) instead of a row at a time; 0: never
     delta_chunk_from: int = 0
@@ -179,7 +177,7 @@ class Caps:
             attn_items=options.attn_items, attn_group=options.attn_group, attn_lp=options.attn_lp,
             attn_kpf=options.attn_kpf, attn_khoist=options.attn_khoist, attn_vb=options.attn_vb,
             attn_vwide=options.attn_vwide, attn_combine=options.attn_combine, attn_merge=options.attn_merge,
-            attn_parts_down=options.attn_parts_down, prefetch=options.prefetch << 20 if gpu else 0,
+            attn_parts_down=options.attn_parts_down,
             multi_column_from=2 if gpu else 8, split_k=gpu,
             bfly=info.subgroups_fixed and sg >= MV_BFLY_LANES, small_tiles_below=256,
             coopmat=coopmat, coopmat2=coopmat and options.coopmat2 and device_has_coopmat2(device),

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 from shaders.variants import UNIT_VALUES
 
 from ..device import Buffer, Program
@@ -98,39 +96,6 @@ class ElementwiseKernels(KernelBase):
         prog.dispatch(alg, push, self._grid(math.ceil(rows * n / self.caps.ew_wg)),
                       [rows_range(x, rows, x_stride, n), rows_range(g, rows, g_stride, gw)],
                       [rows_range(y, rows, y_stride, n)], label)
-
-    PREFETCH_WG = 256
-    PREFETCH_SINKS = 1024   # sink words, a dispatch's each in turn (prefetch dispatches between two barriers
-                            # write distinct words: no write-after-write hazard between them)
-
-    def prefetch(self, prog: Program, ranges: list[tuple[Buffer, int, int]], label: str = "prefetch") -> None:
-        """A word of every 32-byte sector of the byte ranges (buffer, start, end) read into the device's cache
-        (prefetch.comp): a dispatch per four ranges of one buffer, recorded with no barrier against the
-        dispatches before it that it does not depend on. The words read are XORed into a sink word of the
-        kernels' own (prefetch_sink)."""
-        by_buf: dict[int, list[tuple[Buffer, int, int]]] = {}
-        for r in ranges:
-            if r[2] > r[1]:
-                by_buf.setdefault(r[0].id, []).append(r)
-        if not self._sink:
-            self._sink.append(self.device.buffer(self.PREFETCH_SINKS * 4, "device", "prefetch_sink"))
-        sink = self._sink[0]
-        for rs in by_buf.values():
-            for i in range(0, len(rs), 4):
-                group = rs[i:i + 4]
-                words = [((a + 3) // 4, -(-(b - a) // 32)) for _, a, b in group] + [(0, 0)] * (4 - len(group))
-                k = self._sink_next
-                self._sink_next = (k + 1) % self.PREFETCH_SINKS
-                push = self._push("prefetch", **{f"{f}_{c}": v for c, w in zip("abcd", words)
-                                                 for f, v in zip(("off", "n"), w)}, sink_off=k)
-                alg = self._alg("prefetch", [group[0][0], sink], push, self.PREFETCH_WG, 1)
-                per_wg = self.PREFETCH_WG * 8
-                prog.dispatch(alg, push, self._grid(math.ceil(sum(n for _, n in words) / per_wg)), list(group),
-                              [(sink, k * 4, k * 4 + 4)], label)
-
-    def prefetch_sink(self, k: int) -> int:
-        """(tests) the XOR of the words read by the dispatches that used sink word k."""
-        return int(self.device.download(self._sink[0], k * 4, 4, np.uint32)[0]) if self._sink else 0
 
     def copy(self, prog: Program, src: Region, dst: Region, label: str = "copy") -> None:
         """dst = src (word counts a multiple of 4, 16-byte aligned), by a shader."""

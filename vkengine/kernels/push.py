@@ -99,7 +99,6 @@ LAYOUTS: dict[str, tuple[Push, tuple[tuple[str, Push], ...]]] = {
     "topk_part.comp": (Push("uint x_off, x_stride, n, rows, tmp_off, k, samp_off"), ()),
     "sample.comp": (Push("uint tmp_off, n_cand, rows, samp_off, out_off"), ()),
     "copy.comp": (Push("uint src_off, dst_off, n"), ()),
-    "prefetch.comp": (Push("uint off_a, n_a, off_b, n_b, off_c, n_c, off_d, n_d, sink_off"), ()),
     "conv1d.comp": (Push("""uint x_off, x_stride, y_off, y_stride, w_off, C, K, n_rows, state_off, slot_stride,
                             snap_off, snap_rows, pos_off, slot_off"""), ()),
     "conv1d_rows.comp": (Push("""uint x_off, x_stride, y_off, y_stride, w_off, C, K, n_rows, state_off, slot_stride,

@@ -308,7 +308,6 @@ def _forward(g: Graph, a: LlamaArgs, w: LlamaWeights) -> None:
             g.qkv_rope(i, L.qkv, "h", "qkv", "q", a.n_head, a.n_head_kv, a.head_dim, a.n_rot, a.rope_neox,
                        norm_in=att_in)
         g.attention(i, "q", "att", a.n_head, a.n_head_kv, a.head_dim, 1.0 / math.sqrt(a.head_dim))
-        g.prefetch([L.wo] + ([m for m, _ in L.gate_up] if L.down is not None else []))
         nxt = _next(w, i, run)
         if L.experts is not None:
             # the router and the expert products take the normalized h
