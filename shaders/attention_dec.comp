@@ -134,6 +134,12 @@ float sink_weight(uint h, float m) {
 // `ring` positions (position t at row t % ring); 0: no wrap
 uint kv_at(uint t) { return p.ring != 0u && t >= p.ring ? t % p.ring : t; }
 
+// the first word of the partial (max, sum, unnormalized output) of (row r, head h) written by the row's
+// workgroup wi (of n_parts / ITEMS_PER_WG): the layout the push constants' part_off describes
+uint partial_at(uint r, uint h, uint wi) {
+    return p.part_off + ((r * p.n_head + h) * (p.n_parts / ITEMS_PER_WG) + wi) * (p.head_dim + 2u);
+}
+
 // The output of (row r, head h) from its `used` partials (a workgroup's each), in order:
 // o = sum_q e^(m_q - M) acc_q / sum_q e^(m_q - M) l_q, M = max_q m_q; a lane owns
 // the V row's words of the main loop. MB > 0: in one pass of rounds of MB
@@ -145,7 +151,7 @@ void merge(uint r, uint h, uint used) {
     uint lane = gl_SubgroupInvocationID;
     uint S = gl_SubgroupSize;
     uint stride = p.head_dim + 2u;
-    uint base = p.part_off + (r * p.n_head + h) * (p.n_parts / ITEMS_PER_WG) * stride;
+    uint base = partial_at(r, h, 0u);
     float M = -1.0 / 0.0, L = 0.0;
     vec2 o[WPL];
     [[unroll]] for (uint i = 0; i < WPL; i++) o[i] = vec2(0.0);
@@ -483,8 +489,6 @@ void main() {
                 for (uint o = lr; o < S; o <<= 1u) accw[g][i] += subgroupShuffleXor(accw[g][i], o);
     }
     uint nl = gl_WorkGroupSize.x;
-    uint wi = part0 / ITEMS_PER_WG;
-    uint stride = p.head_dim + 2u;
     if (CMB != 0u) {
         // one round: subgroups with positions (those below ITEMS_PER_WG: a subgroup takes a part at least) write
         // their slots, those without write an empty one; each invocation then adds its outputs' slots in order
@@ -528,7 +532,7 @@ void main() {
                 act[p.o_off + r * p.o_stride + (h0 + g) * p.head_dim + d] =
                     gated(o / (L + sink_weight(h0 + g, M)), r, h0 + g, d);
             } else {
-                uint b = p.part_off + ((r * p.n_head + h0 + g) * wg_per + wi) * stride;
+                uint b = partial_at(r, h0 + g, blk);
                 act[b + 2u + d] = o;
                 if (d == 0u) { act[b] = M; act[b + 1u] = L; }
             }
@@ -568,15 +572,15 @@ void main() {
             barrier();
         }
         // one workgroup for the row's positions: the output at once; else this
-        // workgroup's (max, sum, unnormalized output) per head into slot wi
+        // workgroup's (max, sum, unnormalized output) per head into slot blk
         for (uint x = gl_LocalInvocationIndex; x < nh * HD; x += nl) {
             uint g = x / HD, d = x % HD;
             if (n_wg == 1u) act[p.o_off + r * p.o_stride + (h0 + g) * p.head_dim + d] =
                 gated(sh_o[x] / (sh_l[g] + sink_weight(h0 + g, sh_m[g])), r, h0 + g, d);
-            else act[p.part_off + ((r * p.n_head + h0 + g) * wg_per + wi) * stride + 2u + d] = sh_o[x];
+            else act[partial_at(r, h0 + g, blk) + 2u + d] = sh_o[x];
         }
         if (n_wg > 1u && gl_LocalInvocationIndex < nh) {
-            uint b = p.part_off + ((r * p.n_head + h0 + gl_LocalInvocationIndex) * wg_per + wi) * stride;
+            uint b = partial_at(r, h0 + gl_LocalInvocationIndex, blk);
             act[b] = sh_m[gl_LocalInvocationIndex];
             act[b + 1u] = sh_l[gl_LocalInvocationIndex];
         }
