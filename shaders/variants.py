@@ -121,6 +121,10 @@ MC2_TYPES = ("f16", "q4_0", "q4_1", "q8_0")
 # so a 256 x 256 tile fits) and their chunks, by the rows they start from
 # (notes.md run 13; "From code comments": MC2H_TILES)
 MC2H_TILES = ((16384, (256, 256)), (6144, (128, 256)), (0, (64, 256)))
+# Prompt steps of at least Options.mc2_big_from rows: matrices of 4096+ rows on 256 x 256 tiles too (the 8B's
+# qkv, o and down projections; with 4,096-row steps H100, 8B Q4_0: pp4096 / pp16384 / pp32768 +9% / +8% / +6%,
+# notes.md run 59); a smaller step keeps MC2H_TILES, whose narrower tiles make enough workgroups of its rows.
+MC2H_BIG_TILES = ((4096, (256, 256)), (0, (64, 256)))
 MC2H_UNROLL = {(256, 256): 4, (128, 256): 4, (128, 128): 8, (64, 256): 4,
                # narrower token tiles for prompt steps of few rows (MC2H_SMALL_BN)
                (256, 64): 4, (256, 128): 4, (128, 64): 8, (64, 64): 8, (64, 128): 8}

@@ -260,6 +260,42 @@ def test_mc2_small_token_tiles(kernels):
     assert with_caps(kn, mc2_f16acc=False).mc2_variant(w, 32)[1] == 128   # (fp32 sums: MC2_TILES' 128 x 128)
 
 
+def test_mc2_big_steps_take_the_big_tiles(kernels):
+    """Caps.mc2_big_from: a prompt step of at least that many rows takes
+    MC2H_BIG_TILES (matrices of 4096+ rows on 256 x 256 tiles: the 8B's qkv, o
+    and down projections), a smaller one the table (MC2H_TILES: 128 x 256, 64 x
+    256 with 64-deep slices); 0 never; fp32 sums keep MC2_TILES; the tiles are
+    compiled variants, and a big step's gate|up and down still meet for the
+    GLU epilogue (a GLU tile, the same token width). Options.mc2_tiles
+    (opt-in) replaces the table and says what is wrong with a bad one."""
+    import types
+
+    from shaders.variants import MC2H_BIG_TILES, VARIANTS
+    from vkengine.errors import VkEngineError
+    from vkengine.kernels.caps import mc2_tiles
+    kn = with_caps(kernels, coopmat2=True, mc2_f16acc=True, mc2h_tiles=MC2H_TILES, mc2_k64=True, mc2_unroll=0,
+                   mc2_small=True, mc2_big_from=2048)
+    w = {r: types.SimpleNamespace(rows=r, cols=4096, type="q4_0") for r in (28672, 6144, 4096, 2048)}
+    assert [kn.mc2_variant(w[r], 2048)[2] for r in w] == ["mul_mc2h_256x256_q4_0"] * 3 + ["mul_mc2hk64_64x256_q4_0"]
+    assert [kn.mc2_variant(w[r], 2047)[2] for r in w] == ["mul_mc2h_256x256_q4_0", "mul_mc2h_128x256_q4_0",
+                                                          "mul_mc2hk64_64x256_q4_0", "mul_mc2hk64_64x256_q4_0"]
+    assert kn.mc2_variant(w[4096], None)[2] == "mul_mc2hk64_64x256_q4_0"
+    assert with_caps(kn, mc2_big_from=0).mc2_variant(w[4096], 4096)[2] == "mul_mc2hk64_64x256_q4_0"
+    assert with_caps(kn, mc2_f16acc=False).mc2_variant(w[4096], 4096)[:2] == (128, 128)
+    assert all((tile in MC2H_UNROLL and f"mul_mc2h_{tile[0]}x{tile[1]}_q4_0" in VARIANTS) for _, tile in MC2H_BIG_TILES)
+    gu = kn._glu_variant(w[28672], 4096)
+    assert gu[:2] in MC2_GLU_TILES and gu[1] == kn.mc2_variant(types.SimpleNamespace(rows=4096, cols=14336,
+                                                                                       type="q4_0"), 4096)[1]
+    from vkengine.options import Options
+    env = Options.from_env({"VKENGINE_MC2_TILES": "4096:256x256,0:64x256", "VKENGINE_MC2_BIG_FROM": "0"})
+    assert (env.mc2_tiles, env.mc2_big_from, Options().mc2_big_from) == ("4096:256x256,0:64x256", 0, 2048)
+    assert mc2_tiles("") == MC2H_TILES
+    assert mc2_tiles("4096:256x256,0:64x256") == ((4096, (256, 256)), (0, (64, 256)))
+    for bad in ("0:32x32", "4096:256x256", "x", "0:64x256,100:128x256"):
+        with pytest.raises(VkEngineError, match="VKENGINE_MC2_TILES"):
+            mc2_tiles(bad)
+
+
 @pytest.mark.parametrize("wt", MC2_GLU_TYPES)
 @pytest.mark.parametrize("tile", MC2_GLU_TILES)
 @pytest.mark.parametrize("n,F,K", [(3, 224, 96), (130, 288, 2304)])

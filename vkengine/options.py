@@ -105,6 +105,12 @@ class Options:
                                   # straight into the down projection's x (no gate|up floats, swiglu or to_f16;
                                   # shaders/mul_mc2.comp GLU; H100, 8B: pp4096 9,667 / 9,614 against 9,416 /
                                   # 9,375 tok/s, pp512 step 57.8 / 57.4 against 58.9 / 59.0 ms; notes.md run 50)
+    mc2_tiles: str = ""           # mul_mc2's tiles with fp16 sums by matrix rows, "ROWS:BMxBN,..." widest first, the
+                                  # last from 0 (opt-in, to measure; "": shaders/variants.py MC2H_TILES)
+    mc2_big_from: int = 2048      # prompt steps of at least this many rows on shaders/variants.py MC2H_BIG_TILES
+                                  # (0: never; H100, 8B Q4_0: pp2048 / pp4096 11,178 / 11,174 against 10,397-10,436 /
+                                  # 10,132-10,239 tok/s, pp16384 / pp32768 9,289 / 7,556 against 8,627-8,642 /
+                                  # 7,090-7,104; from 1,024 rows pp1024 loses 12%: notes.md run 59)
     mc2_small: bool = True        # steps of at most 64 / 128 rows on mul_mc2's 64- / 128-token tiles rather than its
                                   # 256-token ones (shaders/variants.py MC2H_SMALL_BN; H100, 8B Q4_0: pp64 2,126 /
                                   # 2,106 against 1,545 / 1,529 tok/s, pp128 3,537 / 3,555 against 3,006 / 3,030;
@@ -226,7 +232,7 @@ class Options:
             if v is None or v == "":
                 continue
             try:
-                kw[f.name] = v != "0" if f.type == "bool" else int(v)
+                kw[f.name] = v != "0" if f.type == "bool" else v if f.type == "str" else int(v)
             except ValueError:
                 raise VkEngineError(f"VKENGINE_{f.name.upper()}={v!r} is not a number") from None
         return cls(**kw)

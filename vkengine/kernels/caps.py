@@ -12,6 +12,7 @@ from shaders.variants import (
     MC2_F32_FROM_ROWS,
     MC2_FROM_ROWS,
     MC2H_TILES,
+    MC2H_UNROLL,
     MV_BFLY_LANES,
     MVID_MORE_ROWS,
     attn_mc_shared_bytes,
@@ -31,6 +32,27 @@ def device_has_coopmat2(device: Device) -> bool:
     """Whether the device was created with everything mul_mc2 needs (whatever
     the options say: tests and probes ask the device)."""
     return COOPMAT2_FEATURES <= set(device.features)
+
+
+def mc2_tiles(spec: str) -> tuple[tuple[int, tuple[int, int]], ...]:
+    """Options.mc2_tiles ("ROWS:BMxBN,...", widest first, the last from 0 rows;
+    each tile one MC2H_UNROLL has a variant for) as Caps.mc2h_tiles; "":
+    MC2H_TILES."""
+    if not spec:
+        return MC2H_TILES
+    out: list[tuple[int, tuple[int, int]]] = []
+    try:
+        for part in spec.split(","):
+            rows, _, tile = part.partition(":")
+            bm, _, bn = tile.partition("x")
+            out.append((int(rows), (int(bm), int(bn))))
+    except ValueError:
+        raise VkEngineError(f"VKENGINE_MC2_TILES={spec!r}: ROWS:BMxBN,... (e.g. 16384:256x256,0:64x256)") from None
+    bad = [t for _, t in out if t not in MC2H_UNROLL]
+    if bad or not out or out[-1][0] != 0 or [r for r, _ in out] != sorted((r for r, _ in out), reverse=True):
+        raise VkEngineError(f"VKENGINE_MC2_TILES={spec!r}: row floors in decreasing order down to 0, tiles among "
+                            f"{sorted(MC2H_UNROLL)}")
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -69,6 +91,7 @@ class Caps:
     mc2_k64: bool                  # mul_mc2's 64-deep slices where they measured faster (MC2_K64)
     mc2_unroll: int                # Q4_0 on mul_mc2h: scales as halves in chunks of this many slices (0: pairs)
     mc2h_tiles: tuple[tuple[int, tuple[int, int]], ...]   # (from rows, tile), widest first
+    mc2_big_from: int              # steps of at least this many rows on MC2H_BIG_TILES (Options.mc2_big_from; 0: never)
     # split K of tiled matmuls whose tile grid has fewer workgroups than this
     # (a GPU runs ~100+ at once), parts of at least split_k_min columns; 0: off
     split_k_wgs: int
@@ -186,7 +209,8 @@ class Caps:
                            else MC2_FROM_ROWS if options.mc2_f16acc else MC2_F32_FROM_ROWS),
             mc2_k64=options.mc2_bk == 64, mc2_unroll=options.mc2_unroll, mc2_glu=options.mc2_glu,
             mc2_small=options.mc2_small,
-            mc2h_tiles=MC2H_TILES, split_k_wgs=options.splitk_wgs, split_k_min=options.splitk_min,
+            mc2h_tiles=mc2_tiles(options.mc2_tiles), mc2_big_from=options.mc2_big_from,
+            split_k_wgs=options.splitk_wgs, split_k_min=options.splitk_min,
             xq8=gpu and int_dot and options.xq8, norm_in=norm_in, xq8_in=norm_in and int_dot and options.xq8_in,
             delta_chunk_from=(options.delta_chunk if options.delta_chunk >= 0 else 64 if gpu else 0)
             if info.max_workgroup_invocations >= 128 and info.max_shared_memory >= 32 * 1024 else 0,

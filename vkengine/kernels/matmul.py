@@ -15,6 +15,7 @@ from shaders.variants import (
     MC2_SC_F16_UNROLLS,
     MC2_TILES,
     MC2_TYPES,
+    MC2H_BIG_TILES,
     MC2H_SMALL_BN,
     MC2H_UNROLL,
     MC_TILE,
@@ -197,6 +198,8 @@ class MatmulKernels(KernelBase):
         Caps.mc2_small and fp16 sums: the narrowest of MC2H_SMALL_BN's token
         tiles that holds them, where narrower than the table's."""
         tiles, tag = (self.caps.mc2h_tiles, "h") if self.caps.mc2_f16acc else (MC2_TILES, "")
+        if tag and n is not None and self.caps.mc2_big_from and n >= self.caps.mc2_big_from:
+            tiles = MC2H_BIG_TILES
         bm, bn = next(t for rows, t in tiles if w.rows >= rows)
         if tag and n is not None and self.caps.mc2_small:
             small = next((b for b in MC2H_SMALL_BN if n <= b), bn)
