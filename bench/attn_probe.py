@@ -28,8 +28,9 @@ each of -n slots (a decode step at depth D), for each --dec variant:
           change Caps.attn_items, attn_lp (lanes a position for the layout's heads, or
           none), attn_kpf, its V rows loaded ahead (before the scores or after), its most
           parts and the query heads an item takes (gq=N: N heads; default: Caps.attn_group's
-          dims); +kh / +nokh: Caps.attn_khoist, +vw / +novw: Caps.attn_vwide (vw: V after the
-          scores), +cmb / +nocmb: Caps.attn_combine (a workgroup's subgroups combined in
+          dims); +kh / +nokh: Caps.attn_khoist, +vw / +novw: Caps.attn_vwide (+vpre with wide V
+          rows: the tile's first round of wide loads before the scores), +qsh: Caps.attn_qsh
+          (q in shared memory), +cmb / +nocmb: Caps.attn_combine (a workgroup's subgroups combined in
           one round), +om=N: Caps.attn_merge (the partials merged in one pass, N a round; 0: two),
           +pd / +nopd: Caps.attn_parts_down (parts rounded down to whole tiles, twice the grid)
 Printed: a dispatch's time and the K/V bytes it reads a microsecond.
@@ -223,10 +224,10 @@ def decode(args) -> int:
                     over["attn_merge"] = int(o[3:])
                 elif o in ("pd", "nopd"):
                     over["attn_parts_down"] = o == "pd"
-                elif o in ("vw", "novw"):   # (the wide V rows load after the scores: no VPRE)
+                elif o in ("vw", "novw"):
                     over["attn_vwide"] = o == "vw"
-                    if o == "vw":
-                        kn_vpre = 0
+                elif o == "qsh":
+                    over["attn_qsh"] = True
             kn = Kernels(dev, dataclasses.replace(caps, **over))
             kn.dec_vb, kn.dec_vpre = vb, kn_vpre
             if max_parts:

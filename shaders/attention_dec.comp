@@ -62,7 +62,8 @@ layout(constant_id = 6) const uint LP = 1;
 // registers against 72 on the H200, slower: notes.md run 29)
 layout(constant_id = 7) const uint KPF = 0;
 // 1: a tile's first VB V rows loaded before its scores (they do not depend on them); 0: after
-// (1: 96 registers against 72, not faster on the H200: notes.md run 29)
+// (1: 96 registers against 72, not faster on the H200: notes.md run 29); with VW, the tile's first round of wide
+// loads (VB uvec4 a lane: VB x S / lr rows) before the scores (Caps.attn_vpre; alone slower on the H100, run 59)
 layout(constant_id = 8) const uint VPRE = 0;
 // (LP > 1) 1: a tile's K row segments for all LP passes loaded before any of its dot products (LP x HD / LP / 8
 // uvec4 a lane: one memory latency a tile rather than, where the compiler keeps the passes' loads behind the
@@ -89,6 +90,10 @@ layout(constant_id = 12) const uint MB = 0;
 // a row just past n_parts x min_chunk x k positions uses about k / (k + 1) of them, at 4,097 positions half)
 // (Caps.attn_parts_down; the host plans twice the parts)
 layout(constant_id = 13) const uint PD = 0;
+// (LP > 1) 1: the item's query heads' q in shared memory, loaded once by the workgroup (all its subgroups take the
+// same row and heads), each pass reading a lane's dims from there; 0: in registers (DL4 vec4 a head a lane), 32 a lane
+// for two heads of 128: what VPRE's V rows cost (Caps.attn_qsh)
+layout(constant_id = 14) const uint QSH = 0;
 
 layout(push_constant) uniform P {
     uint q_off, q_stride, o_off, o_stride;
@@ -225,6 +230,7 @@ void merge(uint r, uint h, uint used) {
 }
 
 shared uint last_wg;
+shared vec4 sh_q4[QSH != 0u ? GQ * HD / 4u : 1u];   // (QSH) the item's heads' q
 // (CMB) each subgroup's (max, sum, output) per head, subgroup s's at s * GQ + g; (no CMB) the running (max, sum,
 // output scaled to the max) per head
 const uint CMB_SLOTS = CMB != 0u ? ITEMS_PER_WG * GQ : 1u;
@@ -283,9 +289,14 @@ void main() {
     const uint DL4 = HD / LP / 4u;               // (LP > 1) vec4 of q a lane keeps: its dims of each head
     uint ld = (lane % LP) * (HD / LP);           // ... from this dim
     vec4 qr[GQ][DL4];
-    if (LP > 1u) {
+    if (LP > 1u && QSH == 0u) {
         [[unroll]] for (uint g = 0; g < GQ; g++)
             [[unroll]] for (uint i = 0; i < DL4; i++) qr[g][i] = act4[qb4[g] + ld / 4u + i];
+    }
+    if (LP > 1u && QSH != 0u) {   // (uniform: the workgroup's row and heads)
+        for (uint x = gl_LocalInvocationIndex; x < GQ * HD / 4u; x += gl_WorkGroupSize.x)
+            sh_q4[x] = act4[qb4[x / (HD / 4u)] + x % (HD / 4u)];
+        barrier();
     }
     // this subgroup's positions: ppg consecutive parts of the workgroup's, one range
     uint n_wg = (used + ITEMS_PER_WG - 1u) / ITEMS_PER_WG;   // the row's workgroups with positions
@@ -322,7 +333,7 @@ void main() {
             uint n_valid = min(S, last + 1u - t0);
             // (VPRE) the tile's first VB V rows, loaded before the scores
             uint vw[VB][WPL];
-            if (VPRE != 0u) [[unroll]] for (uint jj = 0; jj < VB; jj++) {
+            if (VPRE != 0u && VW == 0u) [[unroll]] for (uint jj = 0; jj < VB; jj++) {
                 uint vrow = vb + kv_at(t0 + jj) * v_row;
 #if KV_V_Q8
                 uint vsrow = vsb + kv_at(t0 + jj) * s_row;
@@ -336,6 +347,19 @@ void main() {
 #endif
                 }
             }
+#if !KV_V_Q8
+            // (VPRE, VW) the tile's first VB x S / lr V rows (its first round of wide loads), before the scores
+            uvec4 vpw[VW != 0u && VPRE != 0u ? VB : 1u][NQW / 4u];
+            if (VW != 0u && VPRE != 0u) {
+                uint R = S / lr, sub = lane / lr, q0 = lane % lr;
+                [[unroll]] for (uint jj = 0; jj < VB; jj++) {
+                    uint j = jj * R + sub;
+                    uint v4 = (vb + kv_at(t0 + min(j, n_valid - 1u)) * v_row) / 4u + q0 * nq;
+                    [[unroll]] for (uint u = 0; u < NQW / 4u; u++)
+                        vpw[jj][u] = (j < n_valid && u < nq) ? kv4[v4 + u] : uvec4(0u);
+                }
+            }
+#endif
             float s[GQ];
             [[unroll]] for (uint g = 0; g < GQ; g++) s[g] = 0.0;
             if (t <= last) {
@@ -398,8 +422,14 @@ void main() {
                             uvec4 kw = KH != 0u ? kh[ps][i] : kv4[k4 + i];
                             vec4 ka = vec4(unpackHalf2x16(kw.x), unpackHalf2x16(kw.y));
                             vec4 kc = vec4(unpackHalf2x16(kw.z), unpackHalf2x16(kw.w));
-                            [[unroll]] for (uint g = 0; g < GQ; g++)
-                                d[g] += dot(qr[g][2u * i], ka) + dot(qr[g][2u * i + 1u], kc);
+                            [[unroll]] for (uint g = 0; g < GQ; g++) {
+                                if (QSH != 0u) {
+                                    uint qx = g * (HD / 4u) + ld / 4u + 2u * i;
+                                    d[g] += dot(sh_q4[qx], ka) + dot(sh_q4[qx + 1u], kc);
+                                } else {
+                                    d[g] += dot(qr[g][2u * i], ka) + dot(qr[g][2u * i + 1u], kc);
+                                }
+                            }
                         }
                     }
                     [[unroll]] for (uint g = 0; g < GQ; g++) {
@@ -428,7 +458,11 @@ void main() {
                 uint R = S / lr, sub = lane / lr, q0 = lane % lr;
                 for (uint j0 = 0u; j0 < n_valid; j0 += VB * R) {
                     uvec4 vv[VB][NQW / 4u];
-                    [[unroll]] for (uint jj = 0; jj < VB; jj++) {
+                    if (VPRE != 0u && j0 == 0u) {
+                        [[unroll]] for (uint jj = 0; jj < VB; jj++)
+                            [[unroll]] for (uint u = 0; u < NQW / 4u; u++)
+                                vv[jj][u] = vpw[min(jj, VPRE != 0u ? VB - 1u : 0u)][u];
+                    } else [[unroll]] for (uint jj = 0; jj < VB; jj++) {
                         uint j = j0 + jj * R + sub;
                         uint v4 = (vb + kv_at(t0 + min(j, n_valid - 1u)) * v_row) / 4u + q0 * nq;
                         [[unroll]] for (uint u = 0; u < NQW / 4u; u++)

@@ -1322,9 +1322,12 @@ def test_attention_decode_depth_merge_and_parts(device, kernels, rng, hd, n_head
 def test_attention_dec_k_hoist_and_v_rows_give_the_same_bits(device, kernels, rng, group):
     """Caps.attn_khoist (lanes a position: a tile's K segments for all passes
     loaded before its dot products, past the row's end its last row scored
-    and masked) and Caps.attn_vb (V rows a lane loads ahead) move loads, not
-    arithmetic: decode rows at depth give the default kernel's outputs bit for
-    bit (and numpy's within rounding)."""
+    and masked), Caps.attn_vb (V rows a lane loads ahead), Caps.attn_vpre (a
+    tile's first V loads before its scores; wide V rows or an f16 pair a lane)
+    and Caps.attn_qsh (q read from shared memory, not a lane's registers) move
+    loads, not arithmetic: decode rows at depth give the default kernel's
+    outputs bit for bit (and numpy's within rounding; the f16-pair forms, whose
+    sums are in another order, each other's)."""
     hd, n_head, n_kv = 128, 8, 2
     ws = Workspace(device, act_words=12 << 20)
     ctx = 1100
@@ -1332,11 +1335,16 @@ def test_attention_dec_k_hoist_and_v_rows_give_the_same_bits(device, kernels, rn
     pos = np.array([1099, 31, 517, 40], np.uint32)
     rows = len(slots)
     c = _AttentionCase(ws, rng, 3, ctx, n_head, n_kv, hd, slots, pos, 20, KVTypes())
-    outs = []
-    for kh, vb in ((False, 0), (True, 0), (True, 32), (False, 8)):
+    outs, wide = [], []
+    for kh, vb, vpre, qsh, vw in ((False, 0, False, False, True), (True, 0, False, False, True),
+                                  (True, 32, False, False, True), (False, 8, False, False, True),
+                                  (True, 0, True, False, True), (True, 0, True, True, True),
+                                  (True, 0, False, False, False), (True, 0, True, True, False)):
         kn = with_caps(kernels, split_attention=True, attention_dec=True, attn_items=256, attn_lp=hd,
-                       attn_group=group * hd, attn_khoist=kh, attn_vb=vb, attn_combine=False)
+                       attn_group=group * hd, attn_khoist=kh, attn_vb=vb, attn_combine=False, attn_vpre=vpre,
+                       attn_qsh=qsh, attn_vwide=vw)
         assert kn.dec_lanes(hd) > 1
+        wide.append(bool(kn.dec_vwide(hd, "")))
         tmp = ws.act_region(kn.attention_tmp_words(rows, n_head, n_kv, hd, ctx))
         n_sync = kn.attention_sync_words(rows, n_head)
         sync = ws.act_region(n_sync, np.zeros(n_sync, np.uint32))
@@ -1348,8 +1356,10 @@ def test_attention_dec_k_hoist_and_v_rows_give_the_same_bits(device, kernels, rn
         outs.append(ws.read(c.orr).copy())
         assert (ws.read(sync, np.uint32) == 0).all()
     c.check(outs[0], c.q, atol_scale=1e-5)
-    for o in outs[1:]:
-        np.testing.assert_array_equal(o, outs[0])
+    c.check(outs[-1], c.q, atol_scale=1e-5)
+    assert wide == [True] * 6 + [False] * 2
+    for o, w in zip(outs[1:], wide[1:]):
+        np.testing.assert_array_equal(o, outs[0] if w else outs[-2])
     ws.close()
 
 

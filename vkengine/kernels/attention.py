@@ -69,7 +69,7 @@ class AttentionKernels(KernelBase):
         the kernel may run with (its registers are sized for it); 0: an f16
         pair a lane."""
         n4 = head_dim // 8
-        if not self.caps.attn_vwide or "v" in tag or head_dim % 8 or n4 & (n4 - 1) or self.dec_vpre:
+        if not self.caps.attn_vwide or "v" in tag or head_dim % 8 or n4 & (n4 - 1):
             return 0
         return self.min_subgroup()
 
@@ -78,7 +78,7 @@ class AttentionKernels(KernelBase):
         (Caps.attn_combine) where its slots, (head_dim + 2) floats for each of
         the workgroup's subgroups and its item's gq heads, fit the device's
         shared memory beside the rest; 0: one subgroup after another."""
-        words = self.caps.items * gq * (head_dim + 2) + head_dim + 3
+        words = self.caps.items * gq * (head_dim + 2) + head_dim + 3 + (gq * head_dim if self.caps.attn_qsh else 0)
         return int(self.caps.attn_combine and words * 4 <= self.device.info.max_shared_memory)
 
     def _attention_mc_split(self, prog: Program, pc: dict, reads: list, out: list, n_rows: int, n_head: int,
@@ -343,9 +343,10 @@ class AttentionKernels(KernelBase):
         vw = self.dec_vwide(head_dim, tag)
         vb = self.dec_vb or c.attn_vb or (8 if vw else vb)   # (wide V rows: uvec4 loads ahead a lane)
         alg = self._alg_spec(name, [act, act, params, kv, sb], (c.wg, c.items, wpl, head_dim, vb, gq, lp,
-                                                            self.dec_kpf(head_dim, lp, tag), self.dec_vpre, kh, vw,
+                                                            self.dec_kpf(head_dim, lp, tag),
+                                                            int(bool(self.dec_vpre or c.attn_vpre)), kh, vw,
                                                             self.dec_combine(gq, head_dim), c.attn_merge,
-                                                            int(c.attn_parts_down)),
+                                                            int(c.attn_parts_down), int(c.attn_qsh and lp > 1)),
                              push)
         tmp = (split.buf, split.off * 4, (split.off + tmp_words) * 4)
         prog.dispatch(alg, push, self._grid(n_rows * n_kv * n_groups * (n_parts // c.items)),

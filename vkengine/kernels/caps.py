@@ -139,6 +139,8 @@ class Caps:
     attn_kpf: bool = False
     attn_khoist: bool = False      # Options.attn_khoist (attention_dec KH)
     attn_vb: int = 0               # Options.attn_vb (attention_dec VB; 0: the kernel's default)
+    attn_vpre: bool = False        # Options.attn_vpre (attention_dec VPRE)
+    attn_qsh: bool = False         # Options.attn_qsh (attention_dec QSH)
     attn_vwide: bool = False       # Options.attn_vwide (attention_dec VW)
     attn_combine: bool = False     # Options.attn_combine (attention_dec CMB where its slots fit)
     attn_merge: int = 0            # Options.attn_merge (attention_dec MB)
@@ -199,6 +201,7 @@ class Caps:
             tiled_from=tiled_from, split_attention=gpu, attention_dec=gpu and options.attn_dec,
             attn_items=options.attn_items, attn_group=options.attn_group, attn_lp=options.attn_lp,
             attn_kpf=options.attn_kpf, attn_khoist=options.attn_khoist, attn_vb=options.attn_vb,
+            attn_vpre=options.attn_vpre, attn_qsh=options.attn_qsh,
             attn_vwide=options.attn_vwide, attn_combine=options.attn_combine, attn_merge=options.attn_merge,
             attn_parts_down=options.attn_parts_down,
             multi_column_from=2 if gpu else 8, split_k=gpu,
