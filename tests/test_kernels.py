@@ -290,6 +290,9 @@ def test_mc2_big_steps_take_the_big_tiles(kernels):
     env = Options.from_env({"VKENGINE_MC2_TILES": "4096:256x256,0:64x256", "VKENGINE_MC2_BIG_FROM": "0"})
     assert (env.mc2_tiles, env.mc2_big_from, Options().mc2_big_from) == ("4096:256x256,0:64x256", 0, 2048)
     assert mc2_tiles("") == MC2H_TILES
+    # (the widest token tile a step's rows are padded to counts the big steps' tiles too)
+    assert with_caps(kn, mc2h_tiles=mc2_tiles("0:128x128")).prompt_granule == 256
+    assert with_caps(kn, mc2h_tiles=mc2_tiles("0:128x128"), mc2_big_from=0).prompt_granule == 128
     assert mc2_tiles("4096:256x256,0:64x256") == ((4096, (256, 256)), (0, (64, 256)))
     for bad in ("0:32x32", "4096:256x256", "x", "0:64x256,100:128x256"):
         with pytest.raises(VkEngineError, match="VKENGINE_MC2_TILES"):

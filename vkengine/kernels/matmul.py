@@ -185,7 +185,8 @@ class MatmulKernels(KernelBase):
         (mul_mc2's, mul_mc's or mul_mt's, whichever the device runs)."""
         c = self.caps
         if c.coopmat2:
-            return max(bn for _rows, (_bm, bn) in (c.mc2h_tiles if c.mc2_f16acc else MC2_TILES))
+            tiles = (c.mc2h_tiles + (MC2H_BIG_TILES if c.mc2_big_from else ())) if c.mc2_f16acc else MC2_TILES
+            return max(bn for _rows, (_bm, bn) in tiles)
         if c.coopmat:
             return MC_TILE[1]
         return 16 * TILE[1]
