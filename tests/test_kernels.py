@@ -106,6 +106,43 @@ def test_dependent_dispatch_chain_is_ordered(device, kernels, ws, rng):
     assert (ws.read(b) == 400).all()
 
 
+def test_fence_spin_waits_for_the_whole_program(device, kernels, ws, monkeypatch):
+    """VKENGINE_FENCE_SPIN_US (patches/kp 0003): run() and submit() + wait()
+    poll the fence for that long, then wait as before: a program longer than
+    the spin (a dependent chain on lavapipe) and one within it both finish
+    before their results are read; a bad value names the variable."""
+    from vkengine.device import fence_spin_ns
+    from vkengine.errors import VkEngineError
+    monkeypatch.setenv("VKENGINE_FENCE_SPIN_US", "250")
+    assert fence_spin_ns() == 250_000
+    for bad in ("-5", "1.5", "x"):
+        monkeypatch.setenv("VKENGINE_FENCE_SPIN_US", bad)
+        with pytest.raises(VkEngineError, match="VKENGINE_FENCE_SPIN_US"):
+            fence_spin_ns()
+    monkeypatch.delenv("VKENGINE_FENCE_SPIN_US")
+    assert fence_spin_ns() == 0
+    if not hasattr(device._kp, "VKENGINE_FENCE_SPIN"):
+        pytest.fail("kp lacks patches/kp/0003-fence-spin.patch: run scripts/setup.sh")
+    n = 1 << 18
+    a = ws.act_region(n, np.zeros(n, np.float32))
+    b = ws.act_region(n, np.zeros(n, np.float32))
+    c = ws.act_region(n, np.ones(n, np.float32))
+    prog = device.program()
+    for _ in range(20):
+        kernels.add(prog, b, n, c, n, a, n, n, 1)
+        kernels.add(prog, a, n, c, n, b, n, n, 1)
+    saved = device.fence_spin_ns
+    try:
+        for spin in (1_000, 10_000_000_000):   # 1 us (the chain outlasts it) and 10 s (it ends within)
+            device.fence_spin_ns = spin
+            prog.run()
+            prog.submit()
+            prog.wait()
+    finally:
+        device.fence_spin_ns = saved
+    assert (ws.read(b) == 160).all()   # four runs of 40 additions
+
+
 def test_independent_dispatches_get_no_barrier(device, kernels, ws):
     n = 1000
     x = ws.act_region(n, np.ones(n, np.float32))

@@ -294,6 +294,10 @@ class Program:
     def run(self) -> None:
         """Submit the program and wait for it (records it on first use)."""
         self._ready()
+        if self.device.fence_spin_ns:
+            self._seq.eval_async()
+            self._seq.eval_await_spin(self.device.fence_spin_ns)
+            return
         self._seq.eval()
 
     def submit(self) -> None:
@@ -306,7 +310,10 @@ class Program:
         """Wait for the last submit() to finish (the GIL is released meanwhile).
         A failure of the device under it raises DeviceFault."""
         try:
-            self._seq.eval_await()
+            if self.device.fence_spin_ns:
+                self._seq.eval_await_spin(self.device.fence_spin_ns)
+            else:
+                self._seq.eval_await()
         except Exception as e:      # (kp raises what vk::Result it got as a RuntimeError)
             raise DeviceFault(f"the GPU failed: {e}") from e
         self.device.count_wait()
@@ -363,6 +370,21 @@ def pipeline_threads() -> int:
             raise VkEngineError(f"VKENGINE_PIPELINE_THREADS={raw!r}: expected a whole number >= 1")
         return int(raw)
     return max(1, min(16, os.cpu_count() or 1))
+
+
+def fence_spin_ns() -> int:
+    """How long a program's wait polls its fence before the driver's blocking
+    wait (VKENGINE_FENCE_SPIN_US, microseconds; default 0: the blocking wait
+    alone). A step that ends within it is seen at once rather than after the
+    driver wakes the thread (patches/kp 0003); the polling holds a core, not
+    the GIL. For the host's round trips a step: a split model's parts, MTP's
+    verify steps, constrained decoding's masks."""
+    raw = os.environ.get("VKENGINE_FENCE_SPIN_US", "")
+    if not raw:
+        return 0
+    if not raw.isdigit():
+        raise VkEngineError(f"VKENGINE_FENCE_SPIN_US={raw!r}: expected a whole number of microseconds >= 0")
+    return int(raw) * 1000
 
 
 def pipeline_cache_dir() -> Path | None:
@@ -426,6 +448,8 @@ class Device:
         self._fault_after = _fault_after(os.environ.get("VKENGINE_FAULT_INJECT", ""))
         self._waits = 0
         self._kp = _import_kp()
+        # (patches/kp 0003: a kp without it waits as before)
+        self.fence_spin_ns = fence_spin_ns() if hasattr(self._kp, "VKENGINE_FENCE_SPIN") else 0
         devices = list_devices()
         self.info = pick_device(devices, index)
         try:
