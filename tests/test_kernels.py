@@ -330,6 +330,15 @@ def test_mc2_big_steps_take_the_big_tiles(kernels):
     # (the widest token tile a step's rows are padded to counts the big steps' tiles too)
     assert with_caps(kn, mc2h_tiles=mc2_tiles("0:128x128")).prompt_granule == 256
     assert with_caps(kn, mc2h_tiles=mc2_tiles("0:128x128"), mc2_big_from=0).prompt_granule == 128
+    import types as _t
+
+    from vkengine.kernels import Caps
+    gpu = _t.SimpleNamespace(info=dataclasses.replace(kernels.device.info, type="discrete"),
+                             features=kernels.device.features)
+    with pytest.raises(VkEngineError, match="VKENGINE_MC2_BIG_FROM"):
+        Caps.detect(gpu, Options(mc2_big_from=-1))
+    with pytest.raises(VkEngineError, match="VKENGINE_MC2_TILES"):
+        Caps.detect(gpu, Options(mc2_tiles="0:3x3"))
     assert mc2_tiles("4096:256x256,0:64x256") == ((4096, (256, 256)), (0, (64, 256)))
     for bad in ("0:32x32", "4096:256x256", "x", "0:64x256,100:128x256"):
         with pytest.raises(VkEngineError, match="VKENGINE_MC2_TILES"):

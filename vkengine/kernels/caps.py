@@ -186,6 +186,8 @@ class Caps:
                 raise VkEngineError(f"VKENGINE_{name.upper()}={getattr(options, name)}: 0 or one of {MVID_MORE_ROWS}")
         if options.delta_cols not in (1, 2, 4):
             raise VkEngineError(f"VKENGINE_DELTA_COLS={options.delta_cols}: 1, 2 or 4")
+        if options.mc2_big_from < 0:
+            raise VkEngineError(f"VKENGINE_MC2_BIG_FROM={options.mc2_big_from}: 0 (never) or a number of rows")
         if tiled_from == -1:
             if options.tiled_from < 0 or options.tiled_from == 1:
                 raise VkEngineError(f"VKENGINE_TILED_FROM={options.tiled_from}: 0 (the default) or at least 2 rows")
