@@ -87,18 +87,25 @@ def test_upload_spans_staging_chunks(device, rng):
     device.free(b)
 
 
-def test_dependent_dispatch_chain_is_ordered(device, kernels, ws, rng):
-    """200 dispatches, each reading what the previous one wrote (ping-pong
-    a <- b + c, b <- a + c over 1M floats): exact only if every dependency is
-    ordered. The program must have recorded a barrier between each pair."""
-    n = 1 << 20
+def _ping_pong(device, kernels, ws, n: int, pairs: int):
+    """A program of 2 x pairs dependent dispatches over n floats from zeros
+    (b <- a + 1, then a <- b + 1, in turn): each run adds 2 x pairs to b.
+    Returns (program, b)."""
     a = ws.act_region(n, np.zeros(n, np.float32))
     b = ws.act_region(n, np.zeros(n, np.float32))
     c = ws.act_region(n, np.ones(n, np.float32))
     prog = device.program()
-    for i in range(100):
+    for _ in range(pairs):
         kernels.add(prog, b, n, c, n, a, n, n, 1)
         kernels.add(prog, a, n, c, n, b, n, n, 1)
+    return prog, b
+
+
+def test_dependent_dispatch_chain_is_ordered(device, kernels, ws, rng):
+    """200 dispatches, each reading what the previous one wrote (ping-pong
+    a <- b + c, b <- a + c over 1M floats): exact only if every dependency is
+    ordered. The program must have recorded a barrier between each pair."""
+    prog, b = _ping_pong(device, kernels, ws, 1 << 20, 100)
     assert prog.n_barriers == 199
     prog.run()
     assert (ws.read(b) == 200).all()
@@ -123,14 +130,7 @@ def test_fence_spin_waits_for_the_whole_program(device, kernels, ws, monkeypatch
     assert fence_spin_ns() == 0
     if not hasattr(device._kp, "VKENGINE_FENCE_SPIN"):
         pytest.fail("kp lacks patches/kp/0003-fence-spin.patch: run scripts/setup.sh")
-    n = 1 << 18
-    a = ws.act_region(n, np.zeros(n, np.float32))
-    b = ws.act_region(n, np.zeros(n, np.float32))
-    c = ws.act_region(n, np.ones(n, np.float32))
-    prog = device.program()
-    for _ in range(20):
-        kernels.add(prog, b, n, c, n, a, n, n, 1)
-        kernels.add(prog, a, n, c, n, b, n, n, 1)
+    prog, b = _ping_pong(device, kernels, ws, 1 << 18, 20)
     saved = device.fence_spin_ns
     try:
         for spin in (1_000, 10_000_000_000):   # 1 us (the chain outlasts it) and 10 s (it ends within)
@@ -309,7 +309,9 @@ def test_mc2_big_steps_take_the_big_tiles(kernels):
 
     from shaders.variants import MC2H_BIG_TILES, VARIANTS
     from vkengine.errors import VkEngineError
+    from vkengine.kernels import Caps
     from vkengine.kernels.caps import mc2_tiles
+    from vkengine.options import Options
     kn = with_caps(kernels, coopmat2=True, mc2_f16acc=True, mc2h_tiles=MC2H_TILES, mc2_k64=True, mc2_unroll=0,
                    mc2_small=True, mc2_big_from=2048)
     w = {r: types.SimpleNamespace(rows=r, cols=4096, type="q4_0") for r in (28672, 6144, 4096, 2048)}
@@ -323,17 +325,13 @@ def test_mc2_big_steps_take_the_big_tiles(kernels):
     gu = kn._glu_variant(w[28672], 4096)
     assert gu[:2] in MC2_GLU_TILES and gu[1] == kn.mc2_variant(types.SimpleNamespace(rows=4096, cols=14336,
                                                                                        type="q4_0"), 4096)[1]
-    from vkengine.options import Options
     env = Options.from_env({"VKENGINE_MC2_TILES": "4096:256x256,0:64x256", "VKENGINE_MC2_BIG_FROM": "0"})
     assert (env.mc2_tiles, env.mc2_big_from, Options().mc2_big_from) == ("4096:256x256,0:64x256", 0, 2048)
     assert mc2_tiles("") == MC2H_TILES
     # (the widest token tile a step's rows are padded to counts the big steps' tiles too)
     assert with_caps(kn, mc2h_tiles=mc2_tiles("0:128x128")).prompt_granule == 256
     assert with_caps(kn, mc2h_tiles=mc2_tiles("0:128x128"), mc2_big_from=0).prompt_granule == 128
-    import types as _t
-
-    from vkengine.kernels import Caps
-    gpu = _t.SimpleNamespace(info=dataclasses.replace(kernels.device.info, type="discrete"),
+    gpu = types.SimpleNamespace(info=dataclasses.replace(kernels.device.info, type="discrete"),
                              features=kernels.device.features)
     with pytest.raises(VkEngineError, match="VKENGINE_MC2_BIG_FROM"):
         Caps.detect(gpu, Options(mc2_big_from=-1))
