@@ -198,7 +198,7 @@ def decode(args) -> int:
         for spec in args.dec.split(","):
             kind, _, opts = spec.partition(":")
             over = dict(split_attention=True, attention_dec=kind in ("dec", "v1"), attn_kpf=True)
-            vb, max_parts, kn_vpre = 0, 0, 0   # (VPRE off, as the engine runs it; +vpre: on)
+            max_parts = 0
             for o in filter(None, opts.split("+")):
                 if o == "lp":
                     over["attn_lp"] = hd
@@ -209,9 +209,9 @@ def decode(args) -> int:
                 elif o.startswith("items="):
                     over["attn_items"] = int(o[6:])
                 elif o.startswith("vb="):
-                    vb = int(o[3:])
+                    over["attn_vb"] = int(o[3:])
                 elif o in ("vpre", "novpre"):
-                    kn_vpre = int(o == "vpre")
+                    over["attn_vpre"] = o == "vpre"
                 elif o.startswith("parts="):
                     max_parts = int(o[6:])
                 elif o.startswith("gq="):
@@ -229,7 +229,6 @@ def decode(args) -> int:
                 elif o == "qsh":
                     over["attn_qsh"] = True
             kn = Kernels(dev, dataclasses.replace(caps, **over))
-            kn.dec_vb, kn.dec_vpre = vb, kn_vpre
             if max_parts:
                 kn.DEC_MAX_PARTS = max_parts
             if kind == "v1":

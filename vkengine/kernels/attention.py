@@ -26,9 +26,7 @@ class AttentionKernels(KernelBase):
 
     DEC_MIN_CHUNK = 32  # attention_dec: a part's positions are a multiple of this
     DEC_MAX_PARTS = 256   # attention_dec: parts of a (row, KV head, group) at most
-    dec_vb = 0          # attention_dec's V rows a lane loads ahead (0: as attention.comp; bench/attn_probe.py)
     dec_variant = "attention_dec"   # (bench/attn_probe.py swaps in others)
-    dec_vpre = 0        # attention_dec loads a tile's first V rows before its scores (bench/attn_probe.py)
 
     def dec_layout(self, n_head: int, n_kv: int, head_dim: int) -> tuple[int, int, int]:
         """attention_dec's (query heads an item takes, items per KV head and
@@ -341,10 +339,10 @@ class AttentionKernels(KernelBase):
         lp = self.dec_lanes(head_dim) if "k" not in tag else 1   # (f16 K only)
         kh = int(c.attn_khoist and lp > 1)
         vw = self.dec_vwide(head_dim, tag)
-        vb = self.dec_vb or c.attn_vb or (8 if vw else vb)   # (wide V rows: uvec4 loads ahead a lane)
+        vb = c.attn_vb or (8 if vw else vb)   # (wide V rows: uvec4 loads ahead a lane)
         alg = self._alg_spec(name, [act, act, params, kv, sb], (c.wg, c.items, wpl, head_dim, vb, gq, lp,
                                                             self.dec_kpf(head_dim, lp, tag),
-                                                            int(bool(self.dec_vpre or c.attn_vpre)), kh, vw,
+                                                            int(c.attn_vpre), kh, vw,
                                                             self.dec_combine(gq, head_dim), c.attn_merge,
                                                             int(c.attn_parts_down), int(c.attn_qsh and lp > 1)),
                              push)
