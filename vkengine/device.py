@@ -293,11 +293,11 @@ class Program:
 
     def run(self) -> None:
         """Submit the program and wait for it (records it on first use)."""
-        self._ready()
         if self.device.fence_spin_ns:
-            self._seq.eval_async()
-            self._seq.eval_await_spin(self.device.fence_spin_ns)
+            self.submit()
+            self._await()
             return
+        self._ready()
         self._seq.eval()
 
     def submit(self) -> None:
@@ -310,13 +310,18 @@ class Program:
         """Wait for the last submit() to finish (the GIL is released meanwhile).
         A failure of the device under it raises DeviceFault."""
         try:
-            if self.device.fence_spin_ns:
-                self._seq.eval_await_spin(self.device.fence_spin_ns)
-            else:
-                self._seq.eval_await()
+            self._await()
         except Exception as e:      # (kp raises what vk::Result it got as a RuntimeError)
             raise DeviceFault(f"the GPU failed: {e}") from e
         self.device.count_wait()
+
+    def _await(self) -> None:
+        """The last submit's wait: the fence polled first where
+        Device.fence_spin_ns says so (patches/kp 0003), else the driver's."""
+        if self.device.fence_spin_ns:
+            self._seq.eval_await_spin(self.device.fence_spin_ns)
+        else:
+            self._seq.eval_await()
 
     def timings(self) -> list[tuple[str, float]]:
         """(label, microseconds) of every operation in the last run."""
@@ -364,12 +369,19 @@ def pipeline_threads() -> int:
     CPU's cores, at most 16). Drivers compile a pipeline when it is created, on
     the calling thread: a fresh NVIDIA driver spent 52.8 s of an 8B server's 62 s
     startup compiling one pipeline after another (docs/bench/notes.md run 37)."""
-    raw = os.environ.get("VKENGINE_PIPELINE_THREADS", "")
-    if raw:
-        if not raw.isdigit() or int(raw) < 1:
-            raise VkEngineError(f"VKENGINE_PIPELINE_THREADS={raw!r}: expected a whole number >= 1")
-        return int(raw)
-    return max(1, min(16, os.cpu_count() or 1))
+    n = _env_whole("VKENGINE_PIPELINE_THREADS", 1)
+    return n if n is not None else max(1, min(16, os.cpu_count() or 1))
+
+
+def _env_whole(name: str, least: int, unit: str = "") -> int | None:
+    """The environment variable `name` as a whole number (of `unit`) >= least,
+    None where it is unset or empty; anything else is refused with its name."""
+    raw = os.environ.get(name, "")
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < least:
+        raise VkEngineError(f"{name}={raw!r}: expected a whole number{' of ' + unit if unit else ''} >= {least}")
+    return int(raw)
 
 
 def fence_spin_ns() -> int:
@@ -379,12 +391,7 @@ def fence_spin_ns() -> int:
     driver wakes the thread (patches/kp 0003); the polling holds a core, not
     the GIL. For the host's round trips a step: a split model's parts, MTP's
     verify steps, constrained decoding's masks."""
-    raw = os.environ.get("VKENGINE_FENCE_SPIN_US", "")
-    if not raw:
-        return 0
-    if not raw.isdigit():
-        raise VkEngineError(f"VKENGINE_FENCE_SPIN_US={raw!r}: expected a whole number of microseconds >= 0")
-    return int(raw) * 1000
+    return (_env_whole("VKENGINE_FENCE_SPIN_US", 0, "microseconds") or 0) * 1000
 
 
 def pipeline_cache_dir() -> Path | None:
