@@ -36,7 +36,7 @@ def main() -> int:
     from vkengine.device import Device
     from vkengine.kernels import Kernels, Region
     dev = Device()
-    if not hasattr(dev._kp, "VKENGINE_FENCE_SPIN"):
+    if not dev.can_spin:
         print("kp lacks patches/kp/0003-fence-spin.patch", file=sys.stderr)
         return 1
     kn = Kernels(dev)

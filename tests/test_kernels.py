@@ -128,7 +128,7 @@ def test_fence_spin_waits_for_the_whole_program(device, kernels, ws, monkeypatch
             fence_spin_ns()
     monkeypatch.delenv("VKENGINE_FENCE_SPIN_US")
     assert fence_spin_ns() == 0
-    if not hasattr(device._kp, "VKENGINE_FENCE_SPIN"):
+    if not device.can_spin:
         pytest.fail("kp lacks patches/kp/0003-fence-spin.patch: run scripts/setup.sh")
     prog, b = _ping_pong(device, kernels, ws, 1 << 18, 20)
     saved = device.fence_spin_ns

@@ -456,7 +456,7 @@ class Device:
         self._waits = 0
         self._kp = _import_kp()
         # (patches/kp 0003: a kp without it waits as before)
-        self.fence_spin_ns = fence_spin_ns() if hasattr(self._kp, "VKENGINE_FENCE_SPIN") else 0
+        self.fence_spin_ns = fence_spin_ns() if self.can_spin else 0
         devices = list_devices()
         self.info = pick_device(devices, index)
         try:
@@ -549,6 +549,11 @@ class Device:
         if buf in self._buffers:
             self._buffers.remove(buf)
         buf.tensor.destroy()
+
+    @property
+    def can_spin(self) -> bool:
+        """Whether this kp polls fences itself (patches/kp 0003, Device.fence_spin_ns)."""
+        return hasattr(self._kp, "VKENGINE_FENCE_SPIN")
 
     @property
     def memory_bytes(self) -> int:
