@@ -16,8 +16,8 @@
 // walks that sequence's rows in order with the column in registers: a prefill
 // chunk costs one state load and one store per column (batched-sequential;
 // the chunked WY form is not needed for correctness). The walk is bound by
-// latency, not arithmetic: the run's last row is found once (a ballot over a
-// subgroup's width of rows), each row's inputs (k, q, v, the gate and beta)
+// latency, not arithmetic: the run's first and last rows are found at once (a
+// ballot over a subgroup's width of rows), each row's inputs (k, q, v, the gate and beta)
 // are loaded one row ahead, and a row's three dot products reduce together,
 // so a row waits for one reduction, not for memory (H200, qwen35 0.8B, 512
 // prompt rows: 1.15 ms a layer with a dependent load chain a row, notes.md
@@ -90,6 +90,9 @@ layout(push_constant) uniform P {
 #ifndef COLS
 #define COLS 1
 #endif
+#ifndef FIND_LOOP
+#define FIND_LOOP 0
+#endif
 
 float softplus(float x) { return x > 20.0 ? x : log(1.0 + exp(x)); }
 
@@ -103,8 +106,14 @@ void main() {
         uint grp = it / per_group;
         uint hv = (it % per_group) / dvc;
         uint j0 = (it % dvc) * COLS;             // the first of its columns
-        // first row of the grp-th run of equal slots
-        uint start = 0u;
+        // the grp-th run of equal slots, rows [start, end): boundaries are the rows r >= 1 whose slot differs
+        // from row r - 1's; run g starts at boundary g (run 0 at row 0) and ends at boundary g + 1 (or
+        // n_rows). One ballot a subgroup's width of rows finds both (a step of up to S + 1 rows: one round
+        // of loads), where a loop over the rows found the start one dependent load after another
+#if FIND_LOOP
+        // (Options.delta_find_loop: the search this replaced, for an A/B on a GPU: the start by a loop of a
+        // row at a time, then the end by a ballot)
+        uint start = 0u, end = p.n_rows;
         if (grp > 0u) {
             uint found = 0u;
             for (uint r = 1u; r < p.n_rows; r++) {
@@ -115,7 +124,36 @@ void main() {
             }
             if (found < grp) continue;
         }
-        if (start >= p.n_rows) continue;
+        if (start < p.n_rows) {
+            uint slot0 = params[p.slot_off + start];
+            for (uint r0 = start + 1u; r0 < p.n_rows; r0 += S) {
+                uint r = r0 + lane;
+                uvec4 other = subgroupBallot(r < p.n_rows && params[p.slot_off + r] != slot0);
+                if (other != uvec4(0u)) {
+                    end = r0 + subgroupBallotFindLSB(other);
+                    break;
+                }
+            }
+        }
+#else
+        uint start = grp == 0u ? 0u : ~0u, end = p.n_rows;
+        uint found = 0u;
+        for (uint r0 = 1u; r0 < p.n_rows; r0 += S) {
+            uint r = r0 + lane;
+            bool bnd = r < p.n_rows && params[p.slot_off + r] != params[p.slot_off + r - 1u];
+            uvec4 bal = subgroupBallot(bnd);
+            uint nth = found + subgroupBallotInclusiveBitCount(bal);   // boundaries up to this lane's row
+            uvec4 hs = subgroupBallot(bnd && nth == grp);
+            if (grp > 0u && hs != uvec4(0u)) start = r0 + subgroupBallotFindLSB(hs);
+            uvec4 he = subgroupBallot(bnd && nth == grp + 1u);
+            if (he != uvec4(0u)) {
+                end = r0 + subgroupBallotFindLSB(he);
+                break;
+            }
+            found += subgroupBallotBitCount(bal);
+        }
+#endif
+        if (start >= p.n_rows) continue;   // (fewer runs than groups; ~0u: not found)
         uint slot = params[p.slot_off + start];
         uint hk = p.tiled != 0u ? hv % p.nk : hv / (p.nv / p.nk);
         uint col0 = p.state_off + slot * p.slot_stride + (hv * p.dv + j0) * p.dk;   // column c at col0 + c * dk
@@ -128,16 +166,6 @@ void main() {
             }
         float A = wf[p.wa_off + hv];
         float dtb = wf[p.wdt_off + hv];
-        // the run: rows [start, end) (contiguous, consecutive positions)
-        uint end = p.n_rows;
-        for (uint r0 = start + 1u; r0 < p.n_rows; r0 += S) {
-            uint r = r0 + lane;
-            uvec4 other = subgroupBallot(r < p.n_rows && params[p.slot_off + r] != slot);
-            if (other != uvec4(0u)) {
-                end = r0 + subgroupBallotFindLSB(other);
-                break;
-            }
-        }
         // row inputs, loaded a row ahead of their use
         float kn[MAXE], qn[MAXE];
         float vn[COLS];

@@ -200,7 +200,9 @@ HUGE_POS = list(range(7, 607)) + list(range(500)) + list(range(30))
                          [(*c, raw) for c in DELTA_CASES + [(True, 2, 4, 128, 40, "chunky")] for raw in (False, True)]
                          + [(False, 1, 2, 16, 8, "huge", False)])
 def test_delta_rule(device, hk, ws, rng, tiled, nk, nv, dk, dv, long, chunked, raw):
-    """chunked: delta_chunk.comp + delta_scan.comp (no snapshots there).
+    """chunked: delta_chunk.comp + delta_scan.comp (no snapshots there). The
+    grid covers min(rows, slots) sequences, as the engine's (Graph.n_groups):
+    more than the step's runs, whose groups find none and do nothing.
     raw: q and k not normalized yet (qk_norm_eps: in the row kernel itself, by
     l2_norm before the chunked form)."""
     slots, positions = {"chunky": (CHUNKY_SLOTS, CHUNKY_POS), "huge": (HUGE_SLOTS, HUGE_POS),
@@ -228,7 +230,7 @@ def test_delta_rule(device, hk, ws, rng, tiled, nk, nv, dk, dv, long, chunked, r
     scale = dk ** -0.5
     prog = device.program()
     hk.delta_rule(prog, wr.at(0, nv), wr.at(nv, nv), cr, cr.at(nk * dk, 0), cr.at(2 * nk * dk, 0), cs,
-                  abr, abr.at(nv, 0), 2 * nv + 1, orr, os_, nk, nv, dk, dv, n, len(list(_groups(slots, positions))),
+                  abr, abr.at(nv, 0), 2 * nv + 1, orr, os_, nk, nv, dk, dv, n, min(n, n_slots),
                   st, snap, snap_rows,
                   ws.params, pos_off, slot_off, tiled, scale, chunked=chunked, qk_norm_eps=1e-6 if raw else None)
     prog.run()
@@ -357,6 +359,59 @@ def test_delta_rule_columns_a_subgroup_agree(device, hk, ws, rng, monkeypatch, f
                     np.testing.assert_array_equal(a, b)
                 else:
                     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("step", ["decode", "short", "long"])
+def test_delta_rule_run_search_forms_agree(device, hk, ws, rng, monkeypatch, step):
+    """The row kernel finds its group's run (first and last row) by ballots over
+    a subgroup's width of rows; Caps.delta_find_loop keeps the search it
+    replaced (the first row by a loop of a row at a time) in the decode steps'
+    variant, for an A/B on a GPU. Both give the same outputs, states and
+    snapshots, with the grid covering min(rows, slots) sequences as the
+    engine's: a decode step of 4 sequences a row each (one of them at position
+    0), 3 runs in 9 rows, 2 runs of 30 rows (the second starts past lavapipe's
+    subgroup of 8 rows)."""
+    from vkengine.kernels import delta_rule as dr
+
+    from .conftest import with_caps
+    monkeypatch.setattr(dr, "DELTA_E4", 4)
+    slots, positions = {"decode": ([3, 0, 2, 1], [17, 0, 5, 9]), "short": (STEP_SLOTS, STEP_POS),
+                        "long": ([1] * 20 + [3] * 10, list(range(5, 25)) + list(range(10)))}[step]
+    nk, nv, dk, dv = 2, 4, 4 * hk.min_subgroup(), 8
+    c = _gated_case(ws, rng, slots, positions, nk, nv, dk, dv)
+    n, snap_rows = c.n, 3
+    groups = min(n, 4)
+    c.sync = ws.act_region(groups * nv, np.zeros(groups * nv, np.float32))
+    out = []
+    for loop in (False, True):
+        kn = with_caps(hk, delta_cols=2, delta_find_loop=loop)
+        orr, st = ws.act_region(n * nv * dv), ws.act_region(c.S0.size, c.S0)
+        snap = ws.act_region(snap_rows * nv * dv * dk)
+        prog = device.program()
+        kn.delta_rule(prog, c.wr.at(0, nv), c.wr.at(nv, nv), c.cr, c.cr.at(nk * dk, 0), c.cr.at(2 * nk * dk, 0),
+                      c.cs, c.abr, c.abr.at(nv, 0), 2 * nv, orr, nv * dv, nk, nv, dk, dv, n, groups, st, snap,
+                      snap_rows, ws.params, c.pos_off, c.slot_off, False, dk ** -0.5, chunked=False,
+                      qk_norm_eps=1e-6, gnorm=c.gnorm())
+        assert any(k[0] == "delta_rule_gn_e4_c2" + ("_loop" if loop else "") for k in device._algorithms)
+        prog.run()
+        out.append([ws.read(r) for r in (orr, st, snap)])
+        assert not ws.read(c.sync, np.uint32).any()
+    for a, b in zip(*out):
+        if device.info.type == "cpu":
+            np.testing.assert_array_equal(a, b)
+        else:
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    # numpy: the delta rule's output, then the gated norm
+    qkn = rh.l2_norm(c.qk.astype(np.float64))
+    hm = rh.head_map(nv, nk, False)
+    g, beta = rh.gdn_gates(c.ab[:, :nv], c.ab[:, nv:], c.A, c.dt)
+    want_o = np.zeros((n, nv, dv))
+    for slot, p0, a, b in _groups(slots, positions):
+        s0 = np.zeros((nv, dk, dv)) if p0 == 0 else c.S0[slot].transpose(0, 2, 1)
+        want_o[a:b] = rh.delta_rule_recurrent(qkn[a:b, 0][:, hm], qkn[a:b, 1][:, hm], c.v[a:b], g[a:b], beta[a:b],
+                                              s0, dk ** -0.5)[0]
+    want = rh.gated_rms_norm(want_o, c.z[:, 5:].reshape(n, nv, dv), c.w, 1e-6)
+    _close(out[0][0].reshape(n, nv, dv), want, atol_scale=1e-4)
 
 
 @pytest.mark.parametrize("tiled,nk,nv,dk,dv,long", [(False, 2, 4, 16, 12, False), (True, 1, 2, 128, 40, False),
