@@ -93,6 +93,13 @@ layout(push_constant) uniform P {
 #ifndef FIND_LOOP
 #define FIND_LOOP 0
 #endif
+// NOPRE (Caps.delta_nopre, the "_np" decode variants): a row's inputs loaded at its turn, not a row ahead: a
+// decode step's runs are one row each, where the loads a row ahead only held registers (kn, qn beside kk,
+// qq), and fewer registers a lane keep more subgroups resident (a 4-sequence step of the 35B-A3B is
+// 4 x 32 heads x 64 two-column subgroups)
+#ifndef NOPRE
+#define NOPRE 0
+#endif
 
 float softplus(float x) { return x > 20.0 ? x : log(1.0 + exp(x)); }
 
@@ -180,15 +187,22 @@ void main() {
             [[unroll]] for (uint c = 0; c < COLS; c++) vn[c] = act[p.v_off + (r) * p.qkv_stride + hv * p.dv + j0 + c]; \
             an = act[p.a_off + (r) * p.ab_stride + hv]; \
             bn = act[p.b_off + (r) * p.ab_stride + hv]; }
+#if !NOPRE
         LOAD_ROW(start)
+#endif
         for (uint r = start; r < end; r++) {
+#if NOPRE
+            LOAD_ROW(r)
+#endif
             float kk[MAXE], qq[MAXE];
             [[unroll]] for (uint e = 0; e < MAXE; e++) { kk[e] = kn[e]; qq[e] = qn[e]; }
             float decay = exp(A * softplus(an + dtb));
             float beta = 1.0 / (1.0 + exp(-bn));
             float vr[COLS];
             [[unroll]] for (uint c = 0; c < COLS; c++) vr[c] = vn[c];
+#if !NOPRE
             if (r + 1u < end) LOAD_ROW(r + 1u)
+#endif
             // S^T k, S^T q (before the decay) and k.q: independent reductions at once, so a
             // row waits for one reduction's latency: with S' = decay S + k delta^T,
             // S'^T q = decay S^T q + (k.q) delta

@@ -362,15 +362,16 @@ def test_delta_rule_columns_a_subgroup_agree(device, hk, ws, rng, monkeypatch, f
 
 
 @pytest.mark.parametrize("step", ["decode", "short", "long"])
-def test_delta_rule_run_search_forms_agree(device, hk, ws, rng, monkeypatch, step):
+def test_delta_rule_decode_forms_agree(device, hk, ws, rng, monkeypatch, step):
     """The row kernel finds its group's run (first and last row) by ballots over
     a subgroup's width of rows; Caps.delta_find_loop keeps the search it
     replaced (the first row by a loop of a row at a time) in the decode steps'
-    variant, for an A/B on a GPU. Both give the same outputs, states and
-    snapshots, with the grid covering min(rows, slots) sequences as the
-    engine's: a decode step of 4 sequences a row each (one of them at position
-    0), 3 runs in 9 rows, 2 runs of 30 rows (the second starts past lavapipe's
-    subgroup of 8 rows)."""
+    variant, and Caps.delta_nopre loads each row's inputs at its turn rather
+    than a row ahead (1, 2 and 4 columns a subgroup), for A/Bs on a GPU. Each
+    gives the default's outputs, states and snapshots (and numpy's), with the
+    grid covering min(rows, slots) sequences as the engine's: a decode step of
+    4 sequences a row each (one of them at position 0), 3 runs in 9 rows, 2
+    runs of 30 rows (the second starts past lavapipe's subgroup of 8 rows)."""
     from vkengine.kernels import delta_rule as dr
 
     from .conftest import with_caps
@@ -382,9 +383,9 @@ def test_delta_rule_run_search_forms_agree(device, hk, ws, rng, monkeypatch, ste
     n, snap_rows = c.n, 3
     groups = min(n, 4)
     c.sync = ws.act_region(groups * nv, np.zeros(groups * nv, np.float32))
-    out = []
-    for loop in (False, True):
-        kn = with_caps(hk, delta_cols=2, delta_find_loop=loop)
+
+    def run(cols, **forms):
+        kn = with_caps(hk, delta_cols=cols, **forms)
         orr, st = ws.act_region(n * nv * dv), ws.act_region(c.S0.size, c.S0)
         snap = ws.act_region(snap_rows * nv * dv * dk)
         prog = device.program()
@@ -392,15 +393,23 @@ def test_delta_rule_run_search_forms_agree(device, hk, ws, rng, monkeypatch, ste
                       c.cs, c.abr, c.abr.at(nv, 0), 2 * nv, orr, nv * dv, nk, nv, dk, dv, n, groups, st, snap,
                       snap_rows, ws.params, c.pos_off, c.slot_off, False, dk ** -0.5, chunked=False,
                       qk_norm_eps=1e-6, gnorm=c.gnorm())
-        assert any(k[0] == "delta_rule_gn_e4_c2" + ("_loop" if loop else "") for k in device._algorithms)
+        tag = "_loop" if forms.get("delta_find_loop") else "_np" if forms.get("delta_nopre") else ""
+        name = "delta_rule_gn_e4" + (f"_c{cols}" if cols > 1 else "") + tag
+        assert any(k[0] == name for k in device._algorithms), name
         prog.run()
-        out.append([ws.read(r) for r in (orr, st, snap)])
         assert not ws.read(c.sync, np.uint32).any()
-    for a, b in zip(*out):
-        if device.info.type == "cpu":
-            np.testing.assert_array_equal(a, b)
-        else:
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+        return [ws.read(r) for r in (orr, st, snap)]
+
+    out = None
+    for cols in (1, 2, 4):
+        base = run(cols)
+        out = out if out is not None else base
+        for forms in ([dict(delta_find_loop=True)] if cols == 2 else []) + [dict(delta_nopre=True)]:
+            for a, b in zip(base, run(cols, **forms)):
+                if device.info.type == "cpu":
+                    np.testing.assert_array_equal(a, b)
+                else:
+                    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
     # numpy: the delta rule's output, then the gated norm
     qkn = rh.l2_norm(c.qk.astype(np.float64))
     hm = rh.head_map(nv, nk, False)
@@ -411,7 +420,7 @@ def test_delta_rule_run_search_forms_agree(device, hk, ws, rng, monkeypatch, ste
         want_o[a:b] = rh.delta_rule_recurrent(qkn[a:b, 0][:, hm], qkn[a:b, 1][:, hm], c.v[a:b], g[a:b], beta[a:b],
                                               s0, dk ** -0.5)[0]
     want = rh.gated_rms_norm(want_o, c.z[:, 5:].reshape(n, nv, dv), c.w, 1e-6)
-    _close(out[0][0].reshape(n, nv, dv), want, atol_scale=1e-4)
+    _close(out[0].reshape(n, nv, dv), want, atol_scale=1e-4)
 
 
 @pytest.mark.parametrize("tiled,nk,nv,dk,dv,long", [(False, 2, 4, 16, 12, False), (True, 1, 2, 128, 40, False),

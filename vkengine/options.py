@@ -180,6 +180,8 @@ class Options:
     delta_find_loop: bool = False  # the delta rule's decode form (gated norm, 4 entries a lane, 2 columns) finds
                                    # its run's first row by a loop of a row at a time, as before the ballot (an
                                    # A/B on a GPU; the same bits)
+    delta_nopre: bool = False     # the delta rule's decode form (gated norm, 4 entries a lane) loads a row's inputs
+                                  # at its turn, not a row ahead (delta_rule.comp NOPRE: fewer registers)
     tiled_from: int = 0           # steps of at least this many rows take the tiled matmuls (and a MoE's experts
                                   # expert-major); 0: the device's default (64 on GPUs; CPUs never). Fewer: a hybrid
                                   # model's short prompts (no pad rows: its recurrent state) and batched decode of

@@ -148,6 +148,8 @@ class DeltaRuleKernels(NormKernels):   # (its l2_norm before the chunked form)
             variant += f"_c{cols}"
         if c.delta_find_loop and variant + "_loop" in VARIANTS:   # (the A/B's one variant)
             variant += "_loop"
+        elif c.delta_nopre and variant + "_np" in VARIANTS:
+            variant += "_np"
         extra = {}
         if fused:
             assert gnorm is not None
