@@ -17,12 +17,12 @@
 // chunk costs one state load and one store per column (batched-sequential;
 // the chunked WY form is not needed for correctness). The walk is bound by
 // latency, not arithmetic: the run's first and last rows are found at once (a
-// ballot over a subgroup's width of rows), each row's inputs (k, q, v, the gate and beta)
-// are loaded one row ahead, and a row's three dot products reduce together,
-// so a row waits for one reduction, not for memory (H200, qwen35 0.8B, 512
-// prompt rows: 1.15 ms a layer with a dependent load chain a row, notes.md
-// run 27). Rows of a slot must be
-// contiguous and consecutive in position (the host checks); a sequence whose
+// ballot over a subgroup's width of rows), each row's inputs (k, q, v, the
+// gate and beta) are loaded one row ahead, and a row's three dot products
+// reduce together, so a row waits for one reduction, not for memory (H200,
+// qwen35 0.8B, 512 prompt rows: 1.15 ms a layer with a dependent load chain a
+// row, notes.md run 27). Rows of a slot must be contiguous and consecutive in
+// position (the host checks); a sequence whose
 // first row is at position 0 starts from S = 0. The grid has one group of
 // nv*dv subgroups per possible sequence in the step; group g takes the g-th
 // run of equal slots. Snapshots: with snap_rows > 0, S after row r < snap_rows
@@ -90,16 +90,6 @@ layout(push_constant) uniform P {
 #ifndef COLS
 #define COLS 1
 #endif
-#ifndef FIND_LOOP
-#define FIND_LOOP 0
-#endif
-// NOPRE (Caps.delta_nopre, the "_np" decode variants): a row's inputs loaded at its turn, not a row ahead: a
-// decode step's runs are one row each, where the loads a row ahead only held registers (kn, qn beside kk,
-// qq), and fewer registers a lane keep more subgroups resident (a 4-sequence step of the 35B-A3B is
-// 4 x 32 heads x 64 two-column subgroups)
-#ifndef NOPRE
-#define NOPRE 0
-#endif
 
 float softplus(float x) { return x > 20.0 ? x : log(1.0 + exp(x)); }
 
@@ -117,32 +107,6 @@ void main() {
         // from row r - 1's; run g starts at boundary g (run 0 at row 0) and ends at boundary g + 1 (or
         // n_rows). One ballot a subgroup's width of rows finds both (a step of up to S + 1 rows: one round
         // of loads), where a loop over the rows found the start one dependent load after another
-#if FIND_LOOP
-        // (Options.delta_find_loop: the search this replaced, for an A/B on a GPU: the start by a loop of a
-        // row at a time, then the end by a ballot)
-        uint start = 0u, end = p.n_rows;
-        if (grp > 0u) {
-            uint found = 0u;
-            for (uint r = 1u; r < p.n_rows; r++) {
-                if (params[p.slot_off + r] != params[p.slot_off + r - 1u]) {
-                    found++;
-                    if (found == grp) { start = r; break; }
-                }
-            }
-            if (found < grp) continue;
-        }
-        if (start < p.n_rows) {
-            uint slot0 = params[p.slot_off + start];
-            for (uint r0 = start + 1u; r0 < p.n_rows; r0 += S) {
-                uint r = r0 + lane;
-                uvec4 other = subgroupBallot(r < p.n_rows && params[p.slot_off + r] != slot0);
-                if (other != uvec4(0u)) {
-                    end = r0 + subgroupBallotFindLSB(other);
-                    break;
-                }
-            }
-        }
-#else
         uint start = grp == 0u ? 0u : ~0u, end = p.n_rows;
         uint found = 0u;
         for (uint r0 = 1u; r0 < p.n_rows; r0 += S) {
@@ -159,7 +123,6 @@ void main() {
             }
             found += subgroupBallotBitCount(bal);
         }
-#endif
         if (start >= p.n_rows) continue;   // (fewer runs than groups; ~0u: not found)
         uint slot = params[p.slot_off + start];
         uint hk = p.tiled != 0u ? hv % p.nk : hv / (p.nv / p.nk);
@@ -187,22 +150,15 @@ void main() {
             [[unroll]] for (uint c = 0; c < COLS; c++) vn[c] = act[p.v_off + (r) * p.qkv_stride + hv * p.dv + j0 + c]; \
             an = act[p.a_off + (r) * p.ab_stride + hv]; \
             bn = act[p.b_off + (r) * p.ab_stride + hv]; }
-#if !NOPRE
         LOAD_ROW(start)
-#endif
         for (uint r = start; r < end; r++) {
-#if NOPRE
-            LOAD_ROW(r)
-#endif
             float kk[MAXE], qq[MAXE];
             [[unroll]] for (uint e = 0; e < MAXE; e++) { kk[e] = kn[e]; qq[e] = qn[e]; }
             float decay = exp(A * softplus(an + dtb));
             float beta = 1.0 / (1.0 + exp(-bn));
             float vr[COLS];
             [[unroll]] for (uint c = 0; c < COLS; c++) vr[c] = vn[c];
-#if !NOPRE
             if (r + 1u < end) LOAD_ROW(r + 1u)
-#endif
             // S^T k, S^T q (before the decay) and k.q: independent reductions at once, so a
             // row waits for one reduction's latency: with S' = decay S + k delta^T,
             // S'^T q = decay S^T q + (k.q) delta

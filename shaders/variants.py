@@ -338,11 +338,6 @@ def _hybrid_table() -> dict[str, tuple[str, dict[str, int]]]:
     for name in ("delta_rule", "delta_rule_gn", "delta_rule_e4", "delta_rule_gn_e4"):   # Caps.delta_cols
         for cols in (2, 4):
             t[f"{name}_c{cols}"] = ("delta_rule.comp", {**t[name][1], "COLS": cols})
-    # the run search by a loop of a row at a time (Caps.delta_find_loop: an A/B of the decode steps' form)
-    t["delta_rule_gn_e4_c2_loop"] = ("delta_rule.comp", {**t["delta_rule_gn_e4_c2"][1], "FIND_LOOP": 1})
-    # rows' inputs not loaded a row ahead (Caps.delta_nopre: decode steps' registers)
-    for name in ("delta_rule_gn_e4", "delta_rule_gn_e4_c2", "delta_rule_gn_e4_c4"):
-        t[name + "_np"] = ("delta_rule.comp", {**t[name][1], "NOPRE": 1})
     t["conv1d_rows"] = ("conv1d_rows.comp", {})
     t["conv1d_rows_state"] = ("conv1d_rows.comp", {"STATE": 1})
     t["moe_router"] = ("moe_router.comp", {"FIXED": 0})

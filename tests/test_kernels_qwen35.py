@@ -326,7 +326,7 @@ def test_delta_rule_columns_a_subgroup_agree(device, hk, ws, rng, monkeypatch, f
     a subgroup. Bit for bit on CPUs (lavapipe); within rounding on GPUs, whose
     compilers schedule the forms' sums differently (the H100: 146 of 864
     outputs apart by at most 7.5e-9, explicit fma() notwithstanding; notes.md
-    run 54). A model takes one form for every step, so a row's bits still do
+    run 54; run 60: one of 864 2.6e-7 apart). A model takes one form for every step, so a row's bits still do
     not depend on what else a step runs."""
     from vkengine.kernels import delta_rule as dr
 
@@ -357,21 +357,19 @@ def test_delta_rule_columns_a_subgroup_agree(device, hk, ws, rng, monkeypatch, f
             for a, b in zip(out[0], other):
                 if device.info.type == "cpu":
                     np.testing.assert_array_equal(a, b)
-                else:
-                    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+                else:   # (outputs of order 1: the H100 once put one of 864 2.6e-7 apart, 2.1e-5 of it)
+                    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("step", ["decode", "short", "long"])
-def test_delta_rule_decode_forms_agree(device, hk, ws, rng, monkeypatch, step):
-    """The row kernel finds its group's run (first and last row) by ballots over
-    a subgroup's width of rows; Caps.delta_find_loop keeps the search it
-    replaced (the first row by a loop of a row at a time) in the decode steps'
-    variant, and Caps.delta_nopre loads each row's inputs at its turn rather
-    than a row ahead (1, 2 and 4 columns a subgroup), for A/Bs on a GPU. Each
-    gives the default's outputs, states and snapshots (and numpy's), with the
-    grid covering min(rows, slots) sequences as the engine's: a decode step of
-    4 sequences a row each (one of them at position 0), 3 runs in 9 rows, 2
-    runs of 30 rows (the second starts past lavapipe's subgroup of 8 rows)."""
+def test_delta_rule_decode_form_finds_its_runs(device, hk, ws, rng, monkeypatch, step):
+    """The row kernel's decode form (gated norm, 4 entries a lane, 2 columns a
+    subgroup) finds its group's run, first and last row, by ballots over a
+    subgroup's width of rows, with the grid covering min(rows, slots)
+    sequences as the engine's (groups past the step's runs do nothing): a
+    decode step of 4 sequences a row each (one at position 0), 3 runs in 9
+    rows, 2 runs of 30 rows (the second starts past lavapipe's subgroup of 8
+    rows). Against numpy; its counters left zero."""
     from vkengine.kernels import delta_rule as dr
 
     from .conftest import with_caps
@@ -380,47 +378,32 @@ def test_delta_rule_decode_forms_agree(device, hk, ws, rng, monkeypatch, step):
                         "long": ([1] * 20 + [3] * 10, list(range(5, 25)) + list(range(10)))}[step]
     nk, nv, dk, dv = 2, 4, 4 * hk.min_subgroup(), 8
     c = _gated_case(ws, rng, slots, positions, nk, nv, dk, dv)
-    n, snap_rows = c.n, 3
-    groups = min(n, 4)
+    n, groups = c.n, min(c.n, 4)
     c.sync = ws.act_region(groups * nv, np.zeros(groups * nv, np.float32))
-
-    def run(cols, **forms):
-        kn = with_caps(hk, delta_cols=cols, **forms)
-        orr, st = ws.act_region(n * nv * dv), ws.act_region(c.S0.size, c.S0)
-        snap = ws.act_region(snap_rows * nv * dv * dk)
-        prog = device.program()
-        kn.delta_rule(prog, c.wr.at(0, nv), c.wr.at(nv, nv), c.cr, c.cr.at(nk * dk, 0), c.cr.at(2 * nk * dk, 0),
-                      c.cs, c.abr, c.abr.at(nv, 0), 2 * nv, orr, nv * dv, nk, nv, dk, dv, n, groups, st, snap,
-                      snap_rows, ws.params, c.pos_off, c.slot_off, False, dk ** -0.5, chunked=False,
-                      qk_norm_eps=1e-6, gnorm=c.gnorm())
-        tag = "_loop" if forms.get("delta_find_loop") else "_np" if forms.get("delta_nopre") else ""
-        name = "delta_rule_gn_e4" + (f"_c{cols}" if cols > 1 else "") + tag
-        assert any(k[0] == name for k in device._algorithms), name
-        prog.run()
-        assert not ws.read(c.sync, np.uint32).any()
-        return [ws.read(r) for r in (orr, st, snap)]
-
-    out = None
-    for cols in (1, 2, 4):
-        base = run(cols)
-        out = out if out is not None else base
-        for forms in ([dict(delta_find_loop=True)] if cols == 2 else []) + [dict(delta_nopre=True)]:
-            for a, b in zip(base, run(cols, **forms)):
-                if device.info.type == "cpu":
-                    np.testing.assert_array_equal(a, b)
-                else:
-                    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    kn = with_caps(hk, delta_cols=2)
+    orr, st = ws.act_region(n * nv * dv), ws.act_region(c.S0.size, c.S0)
+    prog = device.program()
+    assert kn.delta_rule(prog, c.wr.at(0, nv), c.wr.at(nv, nv), c.cr, c.cr.at(nk * dk, 0), c.cr.at(2 * nk * dk, 0),
+                         c.cs, c.abr, c.abr.at(nv, 0), 2 * nv, orr, nv * dv, nk, nv, dk, dv, n, groups, st, None, 0,
+                         ws.params, c.pos_off, c.slot_off, False, dk ** -0.5, chunked=False, qk_norm_eps=1e-6,
+                         gnorm=c.gnorm())
+    assert any(k[0] == "delta_rule_gn_e4_c2" for k in device._algorithms)
+    prog.run()
+    assert not ws.read(c.sync, np.uint32).any()
+    got = ws.read(orr)
     # numpy: the delta rule's output, then the gated norm
     qkn = rh.l2_norm(c.qk.astype(np.float64))
     hm = rh.head_map(nv, nk, False)
     g, beta = rh.gdn_gates(c.ab[:, :nv], c.ab[:, nv:], c.A, c.dt)
-    want_o = np.zeros((n, nv, dv))
+    want_o, want_S = np.zeros((n, nv, dv)), c.S0.astype(np.float64)
     for slot, p0, a, b in _groups(slots, positions):
         s0 = np.zeros((nv, dk, dv)) if p0 == 0 else c.S0[slot].transpose(0, 2, 1)
-        want_o[a:b] = rh.delta_rule_recurrent(qkn[a:b, 0][:, hm], qkn[a:b, 1][:, hm], c.v[a:b], g[a:b], beta[a:b],
-                                              s0, dk ** -0.5)[0]
+        want_o[a:b], s1, _ = rh.delta_rule_recurrent(qkn[a:b, 0][:, hm], qkn[a:b, 1][:, hm], c.v[a:b], g[a:b],
+                                                     beta[a:b], s0, dk ** -0.5)
+        want_S[slot] = s1.transpose(0, 2, 1)
     want = rh.gated_rms_norm(want_o, c.z[:, 5:].reshape(n, nv, dv), c.w, 1e-6)
-    _close(out[0].reshape(n, nv, dv), want, atol_scale=1e-4)
+    _close(got.reshape(n, nv, dv), want, atol_scale=1e-4)
+    _close(ws.read(st).reshape(c.S0.shape), want_S, atol_scale=1e-5)   # (slot 0's state from zero: position 0)
 
 
 @pytest.mark.parametrize("tiled,nk,nv,dk,dv,long", [(False, 2, 4, 16, 12, False), (True, 1, 2, 128, 40, False),

@@ -177,11 +177,6 @@ class Options:
                                   # 314.4, 5.89 / 15.35, run 53; with the rows-by-rows norm, the conv1d's windows
                                   # first and 8 gate|up rows a workgroup: 2: 5.48-5.52 / 13.54-13.56 ms, 1: 5.61 /
                                   # 14.24, run 54)
-    delta_find_loop: bool = False  # the delta rule's decode form (gated norm, 4 entries a lane, 2 columns) finds
-                                   # its run's first row by a loop of a row at a time, as before the ballot (an
-                                   # A/B on a GPU; the same bits)
-    delta_nopre: bool = False     # the delta rule's decode form (gated norm, 4 entries a lane) loads a row's inputs
-                                  # at its turn, not a row ahead (delta_rule.comp NOPRE: fewer registers)
     tiled_from: int = 0           # steps of at least this many rows take the tiled matmuls (and a MoE's experts
                                   # expert-major); 0: the device's default (64 on GPUs; CPUs never). Fewer: a hybrid
                                   # model's short prompts (no pad rows: its recurrent state) and batched decode of

@@ -153,8 +153,6 @@ class Caps:
     conv_pre: bool = False         # Options.conv_pre
     # the row-at-a-time delta rule's columns a subgroup (Options.delta_cols; its "_c2" / "_c4" variants)
     delta_cols: int = 1
-    delta_find_loop: bool = False  # Options.delta_find_loop ("_loop" variant)
-    delta_nopre: bool = False      # Options.delta_nopre ("_np" variants)
     # prompt steps' expert matmuls in tiles over moe_sort's work list (mul_mc_id /
     # mul_mt_id, MoeKernels.expert_tile) instead of mul_mm_id
     expert_tiles: bool = False
@@ -221,8 +219,7 @@ class Caps:
             xq8=gpu and int_dot and options.xq8, norm_in=norm_in, xq8_in=norm_in and int_dot and options.xq8_in,
             delta_chunk_from=(options.delta_chunk if options.delta_chunk >= 0 else 64 if gpu else 0)
             if info.max_workgroup_invocations >= 128 and info.max_shared_memory >= 32 * 1024 else 0,
-            delta_cols=options.delta_cols, delta_find_loop=options.delta_find_loop, cn_rows=options.cn_rows,
-            conv_pre=options.conv_pre, delta_nopre=options.delta_nopre,
+            delta_cols=options.delta_cols, cn_rows=options.cn_rows, conv_pre=options.conv_pre,
             attn_mc_split=options.attn_mc_split, expert_tiles=tiled_from is not None and options.expert_tiles,
             expert_union=options.expert_union, mvid_unroll=options.mvid_unroll,
             mvid_glu_wg=options.mvid_glu_wg, mvid_glu_rows=options.mvid_glu_rows,

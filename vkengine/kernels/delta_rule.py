@@ -8,8 +8,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from shaders.variants import VARIANTS
-
 from ..device import Buffer, Program
 from ..errors import VkEngineError
 from .norm import NormKernels
@@ -146,10 +144,6 @@ class DeltaRuleKernels(NormKernels):   # (its l2_norm before the chunked form)
         cols = c.delta_cols if dv % c.delta_cols == 0 else 1   # columns a subgroup (the same bits)
         if cols > 1:
             variant += f"_c{cols}"
-        if c.delta_find_loop and variant + "_loop" in VARIANTS:   # (the A/B's one variant)
-            variant += "_loop"
-        elif c.delta_nopre and variant + "_np" in VARIANTS:
-            variant += "_np"
         extra = {}
         if fused:
             assert gnorm is not None
