@@ -142,7 +142,9 @@ class Options:
     attn_vpre: bool = False       # ... a tile's first V loads issued with its K loads, before the scores (VPRE; with
                                   # the wide V rows alone slower on the H100: 256.6 against 270.1 tok/s at depth 4k,
                                   # notes.md run 59)
-    attn_qsh: bool = False        # ... (lanes a position) the item's q in shared memory, not a lane's registers (QSH)
+    attn_qsh: bool = False        # ... (lanes a position) the item's q in shared memory, not a lane's registers (QSH;
+                                  # slower on the H100: 268.4 / 268.7 against 271.5 / 271.8 tok/s at depth 4k,
+                                  # notes.md run 60)
     attn_vwide: bool = True       # ... (f16 V) V rows read in uvec4s, 8 dims a lane, several rows a load instruction
                                   # and the lane groups' sums added at the end (VW) rather than an f16 pair a lane
                                   # of every row (other rounding; H100, 8B tg64 at depth 0 / 4k / 16k / 32k: 302.4 /
