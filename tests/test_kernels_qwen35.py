@@ -284,6 +284,22 @@ def _gated_case(ws, rng, slots, positions, nk, nv, dk, dv):
     return c
 
 
+def _gated_want(c, slots, positions, nk, nv, dk, dv, tiled):
+    """numpy's (gated norm of the delta rule's output [n][nv][dv], the slots'
+    states after the step [slot][nv][dv][dk]) for a _gated_case."""
+    n = c.n
+    qkn = rh.l2_norm(c.qk.astype(np.float64))
+    hm = rh.head_map(nv, nk, tiled)
+    g, beta = rh.gdn_gates(c.ab[:, :nv], c.ab[:, nv:], c.A, c.dt)
+    want_o, want_S = np.zeros((n, nv, dv)), c.S0.astype(np.float64)
+    for slot, p0, a, b in _groups(slots, positions):
+        s0 = np.zeros((nv, dk, dv)) if p0 == 0 else c.S0[slot].transpose(0, 2, 1)
+        want_o[a:b], s1, _ = rh.delta_rule_recurrent(qkn[a:b, 0][:, hm], qkn[a:b, 1][:, hm], c.v[a:b], g[a:b],
+                                                     beta[a:b], s0, dk ** -0.5)
+        want_S[slot] = s1.transpose(0, 2, 1)
+    return rh.gated_rms_norm(want_o, c.z[:, 5:].reshape(n, nv, dv), c.w, 1e-6), want_S
+
+
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("short", [0, 8])
 def test_delta_rule_e4_equals_the_16_entry_form(device, hk, ws, rng, monkeypatch, fused, short):
@@ -391,17 +407,7 @@ def test_delta_rule_decode_form_finds_its_runs(device, hk, ws, rng, monkeypatch,
     prog.run()
     assert not ws.read(c.sync, np.uint32).any()
     got = ws.read(orr)
-    # numpy: the delta rule's output, then the gated norm
-    qkn = rh.l2_norm(c.qk.astype(np.float64))
-    hm = rh.head_map(nv, nk, False)
-    g, beta = rh.gdn_gates(c.ab[:, :nv], c.ab[:, nv:], c.A, c.dt)
-    want_o, want_S = np.zeros((n, nv, dv)), c.S0.astype(np.float64)
-    for slot, p0, a, b in _groups(slots, positions):
-        s0 = np.zeros((nv, dk, dv)) if p0 == 0 else c.S0[slot].transpose(0, 2, 1)
-        want_o[a:b], s1, _ = rh.delta_rule_recurrent(qkn[a:b, 0][:, hm], qkn[a:b, 1][:, hm], c.v[a:b], g[a:b],
-                                                     beta[a:b], s0, dk ** -0.5)
-        want_S[slot] = s1.transpose(0, 2, 1)
-    want = rh.gated_rms_norm(want_o, c.z[:, 5:].reshape(n, nv, dv), c.w, 1e-6)
+    want, want_S = _gated_want(c, slots, positions, nk, nv, dk, dv, False)
     _close(got.reshape(n, nv, dv), want, atol_scale=1e-4)
     _close(ws.read(st).reshape(c.S0.shape), want_S, atol_scale=1e-5)   # (slot 0's state from zero: position 0)
 
@@ -419,7 +425,7 @@ def test_delta_rule_takes_the_gated_norm(device, hk, ws, rng, tiled, nk, nv, dk,
     slots, positions = ([1] * 20 + [3] * 10, list(range(5, 25)) + list(range(10))) if long else (STEP_SLOTS, STEP_POS)
     c = _gated_case(ws, rng, slots, positions, nk, nv, dk, dv)
     n, snap_rows, groups, cs = c.n, 6, c.groups, c.cs
-    qk, v, ab, z, A, dt, w, S0 = c.qk, c.v, c.ab, c.z, c.A, c.dt, c.w, c.S0
+    z, w, S0 = c.z, c.w, c.S0
     wr, cr, abr, zr, sync, pos_off, slot_off = c.wr, c.cr, c.abr, c.zr, c.sync, c.pos_off, c.slot_off
     os_ = nv * dv + 2
     outs, states, snaps = [], [], []
@@ -447,16 +453,7 @@ def test_delta_rule_takes_the_gated_norm(device, hk, ws, rng, tiled, nk, nv, dk,
         np.testing.assert_array_equal(outs[i], outs[0])
         np.testing.assert_array_equal(states[i], states[0])
         np.testing.assert_array_equal(snaps[i], snaps[0])
-    # numpy: the delta rule's output, then the gated norm
-    qkn = rh.l2_norm(qk.astype(np.float64))
-    hm = rh.head_map(nv, nk, tiled)
-    g, beta = rh.gdn_gates(ab[:, :nv], ab[:, nv:], A, dt)
-    want_o = np.zeros((n, nv, dv))
-    for slot, p0, a, b in _groups(slots, positions):
-        s0 = np.zeros((nv, dk, dv)) if p0 == 0 else S0[slot].transpose(0, 2, 1)
-        want_o[a:b] = rh.delta_rule_recurrent(qkn[a:b, 0][:, hm], qkn[a:b, 1][:, hm], v[a:b], g[a:b], beta[a:b],
-                                              s0, dk ** -0.5)[0]
-    want = rh.gated_rms_norm(want_o, z[:, 5:].reshape(n, nv, dv), w, 1e-6)
+    want = _gated_want(c, slots, positions, nk, nv, dk, dv, tiled)[0]
     _close(outs[1].reshape(n, nv, dv), want, atol_scale=1e-4)
     # a weight in another buffer: not fused
     other = GatedNorm(ws.act_region(dv, w), zr.at(5, z.size - 5), nv * dv + 5, 1e-6, sync)
