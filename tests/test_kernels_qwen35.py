@@ -625,7 +625,8 @@ def test_matvec_takes_the_conv1d(device, mvk, ws, rng, wt, slots, pos):
     causal conv1d + SiLU with each slot's window (rows of one slot in order,
     fresh at position 0) and snapshots; bit for bit what the matvec then
     conv1d.comp give (outputs, windows, snapshots); the other rows as the
-    matvec writes them."""
+    matvec writes them. With Caps.mv_cols 2 the step's columns stay in one
+    workgroup's group (a slot's run of 3 rows would cross 2-column groups)."""
     from vkengine.kernels import ConvOut
 
     n, n_slots, C, extra, K, D = len(slots), 4, 24, 10, 4, 64
@@ -638,8 +639,8 @@ def test_matvec_takes_the_conv1d(device, mvk, ws, rng, wt, slots, pos):
     pos_off, slot_off = _rows_params(ws, slots, pos)
     from .conftest import with_caps
     outs = []
-    for fused, pre in ((False, False), (True, False), (True, True)):   # pre: Caps.conv_pre (windows loaded first)
-        kn = with_caps(mvk, conv_pre=pre)
+    for fused, pre, cols in ((False, False, 8), (True, False, 8), (True, True, 8), (True, True, 2)):
+        kn = with_caps(mvk, conv_pre=pre, mv_cols=cols)   # pre: Caps.conv_pre (windows loaded first)
         lin, cout = ws.act_region(n * (M + 2)), ws.act_region(n * (C + 3))
         st, snap = ws.act_region(st0.size, st0), ws.act_region(n * (K - 1) * C)
         cv = ConvOut(cw, C, K, cout, C + 3, st, snap, n, ws.params, pos_off, slot_off)

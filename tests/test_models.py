@@ -159,9 +159,10 @@ def test_split_k_decode_path(device, tiny_models):
     """The GPUs' decode path (split-K matvecs taking the SwiGLU and the
     RMSNorms, 2..8-column variants for batches) on whatever device runs the
     tests: decode steps match the numpy reference, and four sequences batched
-    give bit for bit the logits each gives alone."""
-    for quant, norm_in in (("q4_1", True), ("q8_0", True), ("q8_0", False)):
-        m, eng = _engine(device, tiny_models[quant]["gguf"], caps={**GPU_DECODE, "norm_in": norm_in})
+    give bit for bit the logits each gives alone (mv_cols 2: the four in two
+    column groups of the 2-column variants, epilogues and all)."""
+    for quant, norm_in, cols in (("q4_1", True, 8), ("q8_0", True, 8), ("q8_0", False, 8), ("q8_0", True, 2)):
+        m, eng = _engine(device, tiny_models[quant]["gguf"], caps={**GPU_DECODE, "norm_in": norm_in, "mv_cols": cols})
         ids = m.tokenizer.encode(PROMPT)[:12]
         want = RefLlama(m.file, m.args).logits(ids)
         steps = np.stack([eng.step([t], [p], [1], [0], Readback.LOGITS)[0] for p, t in enumerate(ids)])

@@ -118,6 +118,17 @@ def test_gpu_decode_path(device, qwen35_loaded, arch):
     both = engines[1].step([p[-1] for p in prompts], [len(p) - 1 for p in prompts], range(6), range(6),
                            Readback.LOGITS)
     np.testing.assert_array_equal(both, alone)
+    # four sequences on matvecs of 2 columns a workgroup (Options.mv_cols): two column groups a dispatch, each
+    # workgroup's epilogue (the conv1d, the router's choice, the norms) over its group's columns only
+    two = Engine(m, device, cfg, caps=dataclasses.replace(caps, mv_cols=2))
+    engines.append(two)
+    for s, p in enumerate(prompts[:4]):
+        two.prefill(p[:-1], s)
+    four = two.step([p[-1] for p in prompts[:4]], [len(p) - 1 for p in prompts[:4]], range(4), range(4),
+                    Readback.LOGITS)
+    np.testing.assert_array_equal(four, alone[:4])
+    assert any(op.label == "mul_mat lin<-h+conv1d" for key, prog in two._programs.items() if key[0] == 4
+               for op in prog.ops)
     # (the decode steps' programs: keys start with their rows; the prompts' took the separate ops)
     labels = {op.label for key, prog in eng._programs.items() if key[0] <= 4 for op in prog.ops
               if op.kind == "dispatch"}

@@ -184,6 +184,8 @@ class Options:
                                   # model's short prompts (no pad rows: its recurrent state) and batched decode of
                                   # that many sequences leave the matvecs (H100, 35B-A3B, 16: its 28-token prompt
                                   # and 16 sequences' decode slower; notes.md run 51)
+    mv_cols: int = 8              # the widest split-K matvec variant a decode step takes (2, 4 or 8 columns of x a
+                                  # workgroup; a step of more rows runs it over several column groups, grid z)
     splitk_wgs: int = 256         # split K of tiled matmuls whose grid has fewer workgroups (0: off)
     splitk_min: int = 512         # the fewest K columns a part of split K takes
     xq8: bool = False             # Q8_0 matvecs on integer dot products, x quantized first (opt-in)

@@ -13,6 +13,7 @@ from shaders.variants import (
     MC2_FROM_ROWS,
     MC2H_TILES,
     MC2H_UNROLL,
+    MM_GPU_COLS,
     MV_BFLY_LANES,
     MVID_MORE_ROWS,
     attn_mc_shared_bytes,
@@ -150,6 +151,7 @@ class Caps:
     # (delta_chunk.comp + delta_scan.comp) instead of a row at a time; 0: never
     delta_chunk_from: int = 0
     cn_rows: bool = False          # Options.cn_rows
+    mv_cols: int = 8               # Options.mv_cols: the widest split-K matvec (variants.py MM_GPU_COLS)
     conv_pre: bool = False         # Options.conv_pre
     # the row-at-a-time delta rule's columns a subgroup (Options.delta_cols; its "_c2" / "_c4" variants)
     delta_cols: int = 1
@@ -184,6 +186,8 @@ class Caps:
         for name in ("mvid_glu_rows", "mvid_combine_rows"):
             if getattr(options, name) not in (0, *MVID_MORE_ROWS):
                 raise VkEngineError(f"VKENGINE_{name.upper()}={getattr(options, name)}: 0 or one of {MVID_MORE_ROWS}")
+        if options.mv_cols not in MM_GPU_COLS:
+            raise VkEngineError(f"VKENGINE_MV_COLS={options.mv_cols}: one of {MM_GPU_COLS}")
         if options.delta_cols not in (1, 2, 4):
             raise VkEngineError(f"VKENGINE_DELTA_COLS={options.delta_cols}: 1, 2 or 4")
         if options.mc2_big_from < 0:
@@ -219,7 +223,7 @@ class Caps:
             xq8=gpu and int_dot and options.xq8, norm_in=norm_in, xq8_in=norm_in and int_dot and options.xq8_in,
             delta_chunk_from=(options.delta_chunk if options.delta_chunk >= 0 else 64 if gpu else 0)
             if info.max_workgroup_invocations >= 128 and info.max_shared_memory >= 32 * 1024 else 0,
-            delta_cols=options.delta_cols, cn_rows=options.cn_rows, conv_pre=options.conv_pre,
+            delta_cols=options.delta_cols, cn_rows=options.cn_rows, conv_pre=options.conv_pre, mv_cols=options.mv_cols,
             attn_mc_split=options.attn_mc_split, expert_tiles=tiled_from is not None and options.expert_tiles,
             expert_union=options.expert_union, mvid_unroll=options.mvid_unroll,
             mvid_glu_wg=options.mvid_glu_wg, mvid_glu_rows=options.mvid_glu_rows,

@@ -67,9 +67,16 @@ class MatmulKernels(KernelBase):
         tf = self.caps.tiled_from
         return tf is not None and n >= tf and w.cols % 32 == 0
 
-    def split_k_columns(self, n: int) -> int:
-        """Columns of the split-K variant that takes a step of n rows (mul_mvk: 1)."""
-        return 1 if n < self.caps.multi_column_from else next((c for c in MM_GPU_COLS if c >= n), MM_GPU_COLS[-1])
+    def split_k_columns(self, n: int, conv: bool = False) -> int:
+        """Columns of the split-K variant that takes a step of n rows (mul_mvk: 1):
+        at most Caps.mv_cols, the step's rows then in several column groups (grid
+        z), except for conv (the "c" variants: a slot's run of rows is one
+        invocation's, in order, so all n rows in one group)."""
+        if n < self.caps.multi_column_from:
+            return 1
+        if not conv:
+            n = min(n, self.caps.mv_cols)
+        return next((c for c in MM_GPU_COLS if c >= n), MM_GPU_COLS[-1])
 
     def fuses_glu(self, w: Matrix, n: int) -> bool:
         """Whether mul_mat(glu=True) can multiply n rows by this gate|up matrix
@@ -460,7 +467,7 @@ class MatmulKernels(KernelBase):
             writes = [rows_range(r.q_out, n, r.q_stride, r.n_head * r.head_dim), r.k_cache.range, r.v_cache.range]
         single = n < c.multi_column_from
         if c.split_k:
-            ncols = self.split_k_columns(n)
+            ncols = self.split_k_columns(n, conv is not None)
             tag = "b" if c.bfly else ""
             variant = f"mul_mvk{tag}_{w.type}" if single else f"mul_mm{tag}{ncols}_{w.type}"
             rows_per_wg = mv_gpu_config(w.type, ncols)[0]   # the workgroup shares its rows' K
