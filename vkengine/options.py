@@ -185,7 +185,11 @@ class Options:
                                   # that many sequences leave the matvecs (H100, 35B-A3B, 16: its 28-token prompt
                                   # and 16 sequences' decode slower; notes.md run 51)
     mv_cols: int = 8              # the widest split-K matvec variant a decode step takes (2, 4 or 8 columns of x a
-                                  # workgroup; a step of more rows runs it over several column groups, grid z)
+                                  # workgroup; a step of more rows runs it over several column groups, grid z; the
+                                  # conv1d's variant keeps a step's columns together). 2: H100, 35B-A3B 4 rows 5.33
+                                  # against 5.43-5.47 ms (the conv1d's too); H200 (conv1d's whole): 4 rows 5.22 ms
+                                  # either way, 16 rows 14.40 against 13.14, llama 8B 4 rows 6.69 against 5.47
+                                  # (notes.md run 61)
     splitk_wgs: int = 256         # split K of tiled matmuls whose grid has fewer workgroups (0: off)
     splitk_min: int = 512         # the fewest K columns a part of split K takes
     xq8: bool = False             # Q8_0 matvecs on integer dot products, x quantized first (opt-in)
