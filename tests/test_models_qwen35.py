@@ -110,23 +110,23 @@ def test_gpu_decode_path(device, qwen35_loaded, arch):
     # (six: past the matvecs' epilogue variants of up to 4 columns, which must round as they do)
     prompts = [m.tokenizer.encode(t) for t in ("Hello there", "Once upon a time", "def f(x):", "1, 2, 3,",
                                                "The cat", "Why is the sky")]
-    engines = [eng, Engine(m, device, cfg, caps=caps)]
-    for e in engines:
-        for s, p in enumerate(prompts):
+
+    def last_rows_together(e, ps):
+        """Prompt s but its last token prefilled in slot s, then every last token in one step."""
+        for s, p in enumerate(ps):
             e.prefill(p[:-1], s)
+        return e.step([p[-1] for p in ps], [len(p) - 1 for p in ps], range(len(ps)), range(len(ps)), Readback.LOGITS)
+
+    for s, p in enumerate(prompts):
+        eng.prefill(p[:-1], s)
     alone = np.stack([eng.step([p[-1]], [len(p) - 1], [s], [0], Readback.LOGITS)[0] for s, p in enumerate(prompts)])
-    both = engines[1].step([p[-1] for p in prompts], [len(p) - 1 for p in prompts], range(6), range(6),
-                           Readback.LOGITS)
-    np.testing.assert_array_equal(both, alone)
+    engines = [eng, Engine(m, device, cfg, caps=caps)]
+    np.testing.assert_array_equal(last_rows_together(engines[1], prompts), alone)
     # four sequences on matvecs of 2 columns a workgroup (Options.mv_cols): two column groups a dispatch, each
     # workgroup's epilogue (the conv1d, the router's choice, the norms) over its group's columns only
     two = Engine(m, device, cfg, caps=dataclasses.replace(caps, mv_cols=2))
     engines.append(two)
-    for s, p in enumerate(prompts[:4]):
-        two.prefill(p[:-1], s)
-    four = two.step([p[-1] for p in prompts[:4]], [len(p) - 1 for p in prompts[:4]], range(4), range(4),
-                    Readback.LOGITS)
-    np.testing.assert_array_equal(four, alone[:4])
+    np.testing.assert_array_equal(last_rows_together(two, prompts[:4]), alone[:4])
     assert any(op.label == "mul_mat lin<-h+conv1d" for key, prog in two._programs.items() if key[0] == 4
                for op in prog.ops)
     # (the decode steps' programs: keys start with their rows; the prompts' took the separate ops)
