@@ -22,10 +22,9 @@
 // reduce together, so a row waits for one reduction, not for memory (H200,
 // qwen35 0.8B, 512 prompt rows: 1.15 ms a layer with a dependent load chain a
 // row, notes.md run 27). Rows of a slot must be contiguous and consecutive in
-// position (the host checks); a sequence whose
-// first row is at position 0 starts from S = 0. The grid has one group of
-// nv*dv subgroups per possible sequence in the step; group g takes the g-th
-// run of equal slots. Snapshots: with snap_rows > 0, S after row r < snap_rows
+// position (the host checks); a sequence whose first row is at position 0
+// starts from S = 0. The grid has one group of nv*dv subgroups per possible
+// sequence in the step; group g takes the g-th run of equal slots. Snapshots: with snap_rows > 0, S after row r < snap_rows
 // is also written to snapshot r (speculative decoding rolls back to it).
 // qk_norm != 0: q and k arrive raw and are L2-normalized here (as l2_norm.comp:
 // x / sqrt(|x|^2 + qk_eps)), their squared norms reduced beside the row's dot
