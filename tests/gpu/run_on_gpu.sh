@@ -77,6 +77,19 @@ if ! python3 -c 'import kp; assert kp.list_devices_info()' >/dev/null 2>&1; then
   export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
 fi
 python3 -m vkengine.cli devices | tee "$OUT/devices.txt"
+# The device has no glslc: a .spv/ built before any shader source changed (every variant's key hashes all the
+# sources) fails each engine start. Say so at once, before the stages spend the call.
+python3 - <<'PY' || exit 1
+import sys
+from vkengine import spirv
+from shaders.variants import VARIANTS
+d = spirv.default_cache_dir()
+miss = [n for n in VARIANTS if not (d / f"{spirv.variant_key(n)}.spv").exists()]
+if miss:
+    sys.exit(f"{len(miss)} of {len(VARIANTS)} shader variants are not in {d} (e.g. {miss[0]}): the cache is older "
+             "than the shader sources; rebuild it here with `rm -rf .spv && VKENGINE_SPIRV_CACHE=$PWD/.spv "
+             "vkengine build-shaders` and carry it again")
+PY
 
 build_llama() {
   if [ -x /tmp/llb/bin/llama-bench ]; then return 0; fi
