@@ -81,9 +81,14 @@ def variant_key(name: str) -> str:
     return f"{name}-{h.hexdigest()[:16]}"
 
 
+def cached_path(name: str, cache_dir: Path | None = None) -> Path:
+    """Where a variant's SPIR-V sits in the cache (whether or not it is there yet)."""
+    return (cache_dir or default_cache_dir()) / f"{variant_key(name)}.spv"
+
+
 def compile_variant(name: str, cache_dir: Path | None = None) -> Path:
     cache_dir = cache_dir or default_cache_dir()
-    out = cache_dir / f"{variant_key(name)}.spv"
+    out = cached_path(name, cache_dir)
     if out.exists():
         return out
     ext = needs_ext(name)

@@ -83,11 +83,10 @@ python3 - <<'PY' || exit 1
 import sys
 from vkengine import spirv
 from shaders.variants import VARIANTS
-d = spirv.default_cache_dir()
-miss = [n for n in VARIANTS if not (d / f"{spirv.variant_key(n)}.spv").exists()]
+miss = [n for n in VARIANTS if not spirv.cached_path(n).exists()]
 if miss:
-    sys.exit(f"{len(miss)} of {len(VARIANTS)} shader variants are not in {d} (e.g. {miss[0]}): the cache is older "
-             "than the shader sources; rebuild it here with `rm -rf .spv && VKENGINE_SPIRV_CACHE=$PWD/.spv "
+    sys.exit(f"{len(miss)} of {len(VARIANTS)} shader variants are not in {spirv.default_cache_dir()} "
+             f"(e.g. {miss[0]}): the cache is older than the shader sources; rebuild it here with `rm -rf .spv && VKENGINE_SPIRV_CACHE=$PWD/.spv "
              "vkengine build-shaders` and carry it again")
 PY
 
