@@ -24,8 +24,9 @@
 // row, notes.md run 27). Rows of a slot must be contiguous and consecutive in
 // position (the host checks); a sequence whose first row is at position 0
 // starts from S = 0. The grid has one group of nv*dv subgroups per possible
-// sequence in the step; group g takes the g-th run of equal slots. Snapshots: with snap_rows > 0, S after row r < snap_rows
-// is also written to snapshot r (speculative decoding rolls back to it).
+// sequence in the step; group g takes the g-th run of equal slots.
+// Snapshots: with snap_rows > 0, S after row r < snap_rows is also written to
+// snapshot r (speculative decoding rolls back to it).
 // qk_norm != 0: q and k arrive raw and are L2-normalized here (as l2_norm.comp:
 // x / sqrt(|x|^2 + qk_eps)), their squared norms reduced beside the row's dot
 // products, which are scaled instead of the vectors: one dispatch and barrier
