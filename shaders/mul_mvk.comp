@@ -107,7 +107,7 @@ layout(binding = 3) readonly restrict buffer NW { vec4 nw4[]; };
 layout(binding = 3) readonly restrict buffer NWs { float nws[]; };
 #endif
 #ifdef XQ8
-// XQ8 (Q8_0 weights, split-K variants; Kernels.xq8): x comes as 8-bit blocks
+// XQ8 (Q8_0 and Q4_0 weights, split-K variants; Kernels.xq8): x comes as 8-bit blocks
 // (quantize_q8.comp: per column, K / 4 words of int8 from word xq_off, then
 // K / 32 block scales from xd_off) and a lane's 16 weights of a row meet a
 // column's 16 values in four integer dot products; the block scales multiply
@@ -306,7 +306,8 @@ void main() {
 #ifdef XQ8
         // 16 values a lane (half a block: one uvec4 of weights and of each
         // column's x), not the float path's 8-value units of Q8_0 (H200 probe:
-        // 16 beat 8 by 4-11% at 4 columns)
+        // 16 beat 8 by 4-11% at 4 columns); Q4_0: the block's 16 bytes, whose
+        // low or high nibbles are the half's values
         {
             uint nb = p.K / 32u, halves = p.K / 16u;
             for (uint u = LANE; u < halves; u += S) {
@@ -316,7 +317,13 @@ void main() {
                 [[unroll]] for (uint rr = 0; rr < RPS; rr++) {
                     if (!pok[rr]) { wv[rr] = uvec4(0u); dw[rr] = 0.0; continue; }
                     uint blk = prow[rr] * nb + b;
+#if defined(WT_Q4_0)
+                    // the block's 16 bytes: this half's 16 values are their low nibbles (u even: values 0-15)
+                    // or their high ones (16-31), each the value's q + 8 as a byte
+                    wv[rr] = (wq4[p.w_off / 4u + blk] >> ((u & 1u) * 4u)) & 0x0F0F0F0Fu;
+#else
                     wv[rr] = wq4[p.w_off / 4u + blk * 2u + (u & 1u)];
+#endif
                     dw[rr] = half_sel(wq[p.w_off2 + (blk >> 1)], blk);
                 }
                 // every column's x before the first product (as XFIRST does)
@@ -336,14 +343,30 @@ void main() {
                 [[unroll]] for (uint c = 0; c < NCOLS; c++) {
                     uvec4 xv = xa[c];
                     float dx = da[c];
+#if defined(WT_Q4_0)
+                    // the sum of the column's 16 values (per plane), once for the RPS rows: a row's sum is
+                    // sum (q + 8) x - 8 sum x, exact in integers
+                    const int ONES = 0x01010101;
+                    int xs8 = 8 * (dotPacked4x8EXT(ONES, int(xv.x)) + dotPacked4x8EXT(ONES, int(xv.y))
+                                   + dotPacked4x8EXT(ONES, int(xv.z)) + dotPacked4x8EXT(ONES, int(xv.w)));
+#ifdef XQ2
+                    int xs8b = 8 * (dotPacked4x8EXT(ONES, int(xa2[c].x)) + dotPacked4x8EXT(ONES, int(xa2[c].y))
+                                    + dotPacked4x8EXT(ONES, int(xa2[c].z)) + dotPacked4x8EXT(ONES, int(xa2[c].w)));
+#endif
+#define XQ8_LESS(v) - (v)
+#else
+#define XQ8_LESS(v)
+#endif
                     [[unroll]] for (uint rr = 0; rr < RPS; rr++) {
                         int s = dotPacked4x8EXT(int(wv[rr].x), int(xv.x)) + dotPacked4x8EXT(int(wv[rr].y), int(xv.y))
-                              + dotPacked4x8EXT(int(wv[rr].z), int(xv.z)) + dotPacked4x8EXT(int(wv[rr].w), int(xv.w));
+                              + dotPacked4x8EXT(int(wv[rr].z), int(xv.z)) + dotPacked4x8EXT(int(wv[rr].w), int(xv.w))
+                              XQ8_LESS(xs8);
 #ifdef XQ2
                         // the second plane, in steps of dx / 254: 254 s + s2 (at most 16 x 127 x 127 x 255 < 2^31)
                         uvec4 x2 = xa2[c];
                         int s2 = dotPacked4x8EXT(int(wv[rr].x), int(x2.x)) + dotPacked4x8EXT(int(wv[rr].y), int(x2.y))
-                               + dotPacked4x8EXT(int(wv[rr].z), int(x2.z)) + dotPacked4x8EXT(int(wv[rr].w), int(x2.w));
+                               + dotPacked4x8EXT(int(wv[rr].z), int(x2.z)) + dotPacked4x8EXT(int(wv[rr].w), int(x2.w))
+                               XQ8_LESS(xs8b);
                         acc[rr][c] += float(s * 254 + s2) * (dw[rr] * (dx * (1.0 / 254.0)));
 #else
                         acc[rr][c] += float(s) * (dw[rr] * dx);

@@ -101,7 +101,10 @@ ROUTE_TYPES = ("f32", "f16", "bf16", "q8_0", "mxfp4")
 # products; GL_EXT_integer_dot_product needs the newer glslc too). They have
 # no epilogues but the SwiGLU (NO_EPI), so only matrices that never take a norm
 # or RoPE use them (MatmulKernels.mul_mat)
-XQ8_TYPES = ("q8_0",)
+# Q4_0 (its nibbles are q + 8 as bytes, less 8 times x's sum a half-block): the gate|up with the SwiGLU reading
+# the "pq" producer's blocks (Caps.xq8_in), where the float kernel's nibble decoding bounds the 8B's largest
+# matvec (H100, 28672 x 4096: 41 us, 1.6 TB/s at every rows / units / workgroup choice; notes.md run 63)
+XQ8_TYPES = ("q8_0", "q4_0")
 # mul_mc's tile: BM weight rows x BN tokens, its 8 subgroups in an SGM x SGN grid
 # (the fastest layout measured; notes.md, "From code comments": MC_TILE).
 MC_TILE = (64, 128, 1, 8)

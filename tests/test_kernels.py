@@ -546,31 +546,32 @@ def _run_xq8(device, kn, mat, xr, K, yr, ys, n, **kw):
     prog = device.program()
     kn.mul_mat(prog, mat, xr, K, yr, ys, n, **kw)
     labels = [op.label for op in prog.ops if op.kind == "dispatch"]
-    assert labels[0] == "quantize_q8" and labels[1].endswith("x_q8_0"), labels
+    assert labels[0] == "quantize_q8" and labels[1].endswith(f"x_{mat.type}"), labels
     prog.run()
 
 
 @pytest.mark.parametrize("reduce", ["subgroupAdd", "butterfly"])
+@pytest.mark.parametrize("wt", ["q8_0", "q4_0"])
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8, 13])
-def test_mul_mat_xq8(device, xq8_kernels, ws, rng, n, reduce):
-    """The XQ8 matvecs (Q8_0 weights, x quantized by quantize_q8; matrices
+def test_mul_mat_xq8(device, xq8_kernels, ws, rng, wt, n, reduce):
+    """The XQ8 matvecs (Q8_0 or Q4_0 weights, x quantized by quantize_q8; matrices
     marked no_epilogues): within the 8-bit rounding of x of the float product
     (every value off by at most 1.5 steps of its block), and each column of the
     2/4/8-column variants bit for bit what the 1-column one gives that row
     alone. An unmarked matrix (it may take a norm or RoPE at some step size)
     stays on the float kernel."""
-    kn, n = _split_k_rows(device, xq8_kernels, "q8_0", n, reduce)
+    kn, n = _split_k_rows(device, xq8_kernels, wt, n, reduce)
     M, K = 37, 256
-    raw, w = random_quantized("q8_0", M, K, rng)
-    mat = upload_matrix(ws, "q8_0", raw, M, K)
+    raw, w = random_quantized(wt, M, K, rng)
+    mat = upload_matrix(ws, wt, raw, M, K)
     x = rng.standard_normal((n, K)).astype(np.float32)
     xr = ws.act_region(n * K, x)
     yr = ws.act_region(n * M)
     prog = device.program()
     kn.mul_mat(prog, mat, xr, K, yr, M, n)
-    assert [op.label for op in prog.ops if op.kind == "dispatch"] == [f"mul_mvk{'b' * kn.caps.bfly}_q8_0" if n == 1
+    assert [op.label for op in prog.ops if op.kind == "dispatch"] == [f"mul_mvk{'b' * kn.caps.bfly}_{wt}" if n == 1
                                                                      else f"mul_mm{'b' * kn.caps.bfly}"
-                                                                     f"{kn.split_k_columns(n)}_q8_0"]
+                                                                     f"{kn.split_k_columns(n)}_{wt}"]
     _run_xq8(device, kn, mat, xr, K, yr, M, n, no_epilogues=True)
     got = ws.read(yr).reshape(n, M)
     _, d = ref.quantize_q8(x)
@@ -582,14 +583,15 @@ def test_mul_mat_xq8(device, xq8_kernels, ws, rng, n, reduce):
 
 
 @pytest.mark.parametrize("reduce", ["subgroupAdd", "butterfly"])
+@pytest.mark.parametrize("wt", ["q8_0", "q4_0"])
 @pytest.mark.parametrize("n", [1, 3, 4, 8])
-def test_mul_mat_xq8_glu(device, xq8_kernels, ws, rng, n, reduce):
+def test_mul_mat_xq8_glu(device, xq8_kernels, ws, rng, wt, n, reduce):
     """gate|up with the fused SwiGLU takes the XQ8 variants: silu(gate) * up of
     x rounded to 8-bit blocks, each column bit for bit the row alone."""
-    kn, n = _split_k_rows(device, xq8_kernels, "q8_0", n, reduce)
+    kn, n = _split_k_rows(device, xq8_kernels, wt, n, reduce)
     F, K = 37, 256
-    raw, w = random_quantized("q8_0", 2 * F, K, rng)
-    mat = upload_matrix(ws, "q8_0", raw, 2 * F, K)
+    raw, w = random_quantized(wt, 2 * F, K, rng)
+    mat = upload_matrix(ws, wt, raw, 2 * F, K)
     x = rng.standard_normal((n, K)).astype(np.float32)
     xr, yr = ws.act_region(n * K, x), ws.act_region(n * F)
     _run_xq8(device, kn, mat, xr, K, yr, F, n, glu=True)
@@ -701,29 +703,30 @@ def test_mul_mat_norm_split(device, column_kernels, ws, rng, wp, wt, n, reduce):
 @pytest.fixture(scope="module")
 def xq8_in_kernels(device):
     """column_kernels with the split norm's 8-bit blocks (Kernels.xq8_in): a
-    "pq" producer writes h' as blocks, a Q8_0 gate|up reads them ("nx")."""
+    "pq" producer writes h' as blocks, a Q8_0 or Q4_0 gate|up reads them ("nx")."""
     assert "shaderIntegerDotProduct" in device.features, "the XQ8 tests need integer dot products"
-    return kernels_for(device, tiled_from=None, multi_column_from=2, split_k=True, norm_in=True, xq8_in=True)
+    return kernels_for(device, tiled_from=None, multi_column_from=2, split_k=True, norm_in=True, xq8_in=True,
+                       xq8_q4=True)
 
 
 @pytest.mark.parametrize("reduce", ["subgroupAdd", "butterfly"])
-@pytest.mark.parametrize("wp", ["q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("wp,wc", [("q8_0", "q8_0"), ("q4_0", "q8_0"), ("q4_1", "q8_0"), ("q8_0", "q4_0")])
 @pytest.mark.parametrize("n", [1, 3, 4, 8, 13])
-def test_mul_mat_norm_split_q8(device, xq8_in_kernels, ws, rng, wp, n, reduce):
+def test_mul_mat_norm_split_q8(device, xq8_in_kernels, ws, rng, wp, wc, n, reduce):
     """The split norm with h' as 8-bit blocks: the "pq" producer (weight type
     wp) writes what the "p" variant writes and h' as blocks bit for bit what
     quantize_q8 makes of that h', twice in a row (its counters are left
-    zero); a Q8_0 gate|up ("nx": the fused SwiGLU on integer dot products)
-    gives silu(gate) * up of the blocks times the norm's scale, each column
-    bit for bit what it gives that column alone."""
+    zero); a gate|up of type wc (Q8_0 or Q4_0; "nx": the fused SwiGLU on
+    integer dot products) gives silu(gate) * up of the blocks times the norm's
+    scale, each column bit for bit what it gives that column alone."""
     from vkengine.kernels import NormIn, NormParts, Q8Out
     kn, n1 = _split_k_rows(device, xq8_in_kernels, wp, n, reduce)
-    n = min(n1, _split_k_rows(device, xq8_in_kernels, "q8_0", n, reduce)[1])
+    n = min(n1, _split_k_rows(device, xq8_in_kernels, wc, n, reduce)[1])
     D, Kp, F, eps = 512, _cols(wp), 37, 1e-5
     rawp, wpm = random_quantized(wp, D, Kp, rng)
     pm = upload_matrix(ws, wp, rawp, D, Kp)
-    raw, w = random_quantized("q8_0", 2 * F, D, rng)
-    mat = upload_matrix(ws, "q8_0", raw, 2 * F, D)
+    raw, w = random_quantized(wc, 2 * F, D, rng)
+    mat = upload_matrix(ws, wc, raw, 2 * F, D)
     xp = rng.standard_normal((n, Kp)).astype(np.float32)
     y0 = (rng.standard_normal((n, D)) * rng.uniform(0.1, 10.0, (n, 1))).astype(np.float32)
     nwv = rng.uniform(0.5, 1.5, D).astype(np.float32)
@@ -791,12 +794,13 @@ def test_mul_mat_norm_split_q8(device, xq8_in_kernels, ws, rng, wp, n, reduce):
                   blk_sums.off + c0 * D // 32, sync)
         norm = NormIn(sr.at(c0 * D // 4, cols * D // 4), eps, q)
         assert kn.takes_q8_in(mat, cols)
+        assert with_caps(kn, xq8_q4=False).takes_q8_in(mat, cols) == (wc == "q8_0")   # Q4_0's: opt-in
         out = ws.act_region(cols * ys)
         prog = device.program()
         kn.mul_mat(prog, mat, ws.act_region(cols * D), D, out, ys, cols, glu=True, norm_in=norm)
         tag = "b" * kn.caps.bfly
         assert [op.label for op in prog.ops if op.kind == "dispatch"] == [
-            f"mul_mvk{tag}nx_q8_0" if cols == 1 else f"mul_mm{tag}{kn.split_k_columns(cols)}nx_q8_0"]
+            f"mul_mvk{tag}nx_{wc}" if cols == 1 else f"mul_mm{tag}{kn.split_k_columns(cols)}nx_{wc}"]
         prog.run()
         return ws.read(out).reshape(cols, ys)
 

@@ -24,11 +24,11 @@ PROMPT = "The quick brown fox jumps over the lazy dog. 1234567, and then"
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory, tokenizer_source):
-    """Synthetic llama models (GGUF + HF copy) in four weight types."""
+    """Synthetic llama models (GGUF + HF copy) in five weight types."""
     out = tmp_path_factory.mktemp("synth")
     cfg = SynthConfig(n_embd=64, n_layer=2, n_head=4, n_head_kv=2, n_ff=160, n_ctx=256)
     return {q: synth_llama(cfg, q, seed=7, out_dir=out, name="tiny", workers=1,
-                          tokenizer_from=tokenizer_source) for q in ("q8_0", "q4_1", "f16", "mxfp4")}
+                          tokenizer_from=tokenizer_source) for q in ("q8_0", "q4_0", "q4_1", "f16", "mxfp4")}
 
 
 def _engine(device, path, xq8_in: bool = False, caps: dict | None = None, **kw):
@@ -227,14 +227,16 @@ def test_xq8_decode_path(device, tiny_models):
     np.testing.assert_array_equal(both, alone)
 
 
-def test_xq8_in_decode_path(device, tiny_models):
+@pytest.mark.parametrize("quant", ["q8_0", "q4_0"])
+def test_xq8_in_decode_path(device, tiny_models, quant):
     """The GPUs' decode path with the split RMSNorm's 8-bit blocks (Kernels.
     xq8_in): every layer's attention-output add ("pq") writes h' as 8-bit
-    blocks and gate|up (Q8_0, the fused SwiGLU) takes them on integer dot
+    blocks and gate|up (Q8_0 or Q4_0, the fused SwiGLU) takes them on integer dot
     products. Decode steps match the numpy reference that rounds gate|up's
     input so, and four sequences batched give bit for bit the logits each
     gives alone."""
-    m, eng = _engine(device, tiny_models["q8_0"]["gguf"], xq8_in=True, caps={**GPU_DECODE, "xq8_in": True})
+    m, eng = _engine(device, tiny_models[quant]["gguf"], xq8_in=True,
+                     caps={**GPU_DECODE, "xq8_in": True, "xq8_q4": True})
     ids = m.tokenizer.encode(PROMPT)[:12]
     want = RefLlama(m.file, m.args).logits(ids, ffn_q8_parts=True)
     steps = np.stack([eng.step([t], [p], [1], [0], Readback.LOGITS)[0] for p, t in enumerate(ids)])

@@ -195,6 +195,8 @@ class Options:
     xq8: bool = False             # Q8_0 matvecs on integer dot products, x quantized first (opt-in)
     norm_in: bool = True          # decode steps' RMSNorm split between the residual add and its readers
     xq8_in: bool = True           # ... with h' also as 8-bit blocks for a Q8_0 gate|up
+    xq8_q4: bool = False          # ... and a Q4_0 one (its nibbles on integer dot products; the float kernel's
+                                  # 28672 x 4096 runs at 1.6 TB/s on the H100 whatever its shape: notes.md run 63)
     step_buckets: bool = True     # steps of more than 8 rows padded to a few shapes (GPUs)
     tiled_prompts: bool = True    # prompt steps padded to the tiled matmuls' rows (GPUs)
     expert_tiles: bool = True     # prompt steps' expert matmuls in tiles (mul_mc_id on cooperative matrices,

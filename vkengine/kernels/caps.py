@@ -115,6 +115,8 @@ class Caps:
     # prompt attention of f16 caches that do not wrap on NVIDIA's workgroup-scope
     # matrices (attention_mc2.comp) where the device has them (coopmat2)
     attention_mc2: bool = False
+    # (with xq8_in) a Q4_0 gate|up reads those blocks too (Options.xq8_q4)
+    xq8_q4: bool = False
     attn_mc2_of16: bool = True       # attention_mc2's O in halves (the "_of16" variants; Options.attn_mc2_of16)
     attn_mc2_narrow: bool = True     # ... with each row's m and l over 16 columns ("_of16nr"; Options.attn_mc2_narrow)
     # prompt rows at depth on attention_mc: steps whose row blocks make fewer
@@ -221,6 +223,7 @@ class Caps:
             mc2h_tiles=mc2_tiles(options.mc2_tiles), mc2_big_from=options.mc2_big_from,
             split_k_wgs=options.splitk_wgs, split_k_min=options.splitk_min,
             xq8=gpu and int_dot and options.xq8, norm_in=norm_in, xq8_in=norm_in and int_dot and options.xq8_in,
+            xq8_q4=options.xq8_q4,
             delta_chunk_from=(options.delta_chunk if options.delta_chunk >= 0 else 64 if gpu else 0)
             if info.max_workgroup_invocations >= 128 and info.max_shared_memory >= 32 * 1024 else 0,
             delta_cols=options.delta_cols, cn_rows=options.cn_rows, conv_pre=options.conv_pre, mv_cols=options.mv_cols,

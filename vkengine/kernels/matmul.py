@@ -158,8 +158,9 @@ class MatmulKernels(KernelBase):
     def takes_q8_in(self, w: Matrix, n: int) -> bool:
         """Whether a gate|up with the SwiGLU (fuses_glu) reading h' can take it
         as a "pq" producer's 8-bit blocks (the XQ8 "nx" variants: Q8_0
-        weights, 16-byte aligned rows)."""
-        return (self.caps.xq8_in and w.type in XQ8_TYPES and w.data is not None and w.data.off % 4 == 0
+        weights, or Q4_0 with Caps.xq8_q4; 16-byte aligned rows)."""
+        return (self.caps.xq8_in and w.type in XQ8_TYPES and (w.type != "q4_0" or self.caps.xq8_q4)
+                and w.data is not None and w.data.off % 4 == 0
                 and w.cols % 32 == 0 and self.fuses_glu(w, n) and not self.tiled(w, n))
 
     def fuses_rope(self, w: Matrix, n: int, rope: RopeOut) -> bool:
