@@ -16,7 +16,7 @@ Kernels (mul_mvk.comp, workgroup 128, butterfly reduction):
           instruction), lanes taking 8, 16 or 32 values at a time (reported as
           "unroll"); checked against x so quantized, and its distance from
           the float x's result reported as qerr
-  xq8     the engine's XQ8 variant of mul_mvk.comp (Q8_0 only; Caps.xq8):
+  xq8     the engine's XQ8 variant of mul_mvk.comp (Q8_0, Q4_0; Caps.xq8):
           mvq's x blocks and arithmetic inside the engine's kernel
   xq8_nb, xq8_ne, xq8_wg, xq8_all, base_nb, base_ne, base_wg: xq8 and base
           with one difference from mvq removed (KNOBS below), or all of them
@@ -45,7 +45,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from shaders.variants import VARIANTS, mv_gpu_config  # noqa: E402
+from shaders.variants import VARIANTS, XQ8_TYPES, mv_gpu_config  # noqa: E402
 
 SHAPES = {"q4_0": ["28672x4096", "4096x14336", "6144x4096", "16384x2048", "2048x8192"],
           "q8_0": ["16384x2048", "2048x8192", "3072x2048", "49152x2048"]}
@@ -76,7 +76,7 @@ def configs(wt: str, cols: list[int], rows: list[int] | None = None, kinds: list
             continue
         if "DQ_MAGIC" in extra and "HOIST" not in extra and wt not in ("q4_0", "q4_1"):
             continue
-        if kind in XQ_KINDS and wt != "q8_0":
+        if kind == "mvq" and wt != "q8_0" or kind in XQ_KINDS and wt not in XQ8_TYPES:
             continue
         for nc in cols:
             if kind.startswith("base"):   # base and base_*: the engine's configuration
