@@ -100,8 +100,8 @@ def variant(wt: str, kind: str, nc: int, rps: int, un: int) -> str:
     name = f"probe_mv_{wt}_{kind}_c{nc}_r{rps}_u{un}"
     extra = {**(mv_gpu_config(wt, nc)[2] if kind.startswith("base") else {}), **KINDS[kind]}
     if kind in XQ_KINDS:
-        from shaders.variants import EXT_DEFINE
-        extra = {**extra, EXT_DEFINE: 1}
+        from shaders.variants import EXT_DEFINE, EXT_V12_DEFINE
+        extra = {**extra, EXT_DEFINE: 1, EXT_V12_DEFINE: 1}
     # the butterfly reduction needs a lane per sum (32-lane subgroups)
     VARIANTS.setdefault(name, ("mul_mvk.comp", {f"WT_{wt.upper()}": 1, "NCOLS": nc, "UNROLL": un, "RPS": rps,
                                                 "BFLY": int(rps * nc <= 32), **extra}))

@@ -92,6 +92,11 @@ TILE_SMALL = (4, 4)
 # this define: the cooperative-matrix kernels (mul_mc.comp, attention_mc.comp),
 # run where Caps.coopmat says the device can.
 EXT_DEFINE = "GLSLC_EXT"
+# ... of which these (also marked by this define) target Vulkan 1.2 (SPIR-V 1.5) like the others, not 1.3: the
+# integer-dot-product kernels (XQ8), which need the newer glslc only for GL_EXT_integer_dot_product. SPIR-V 1.6
+# gives a workgroup size from a specialization constant as LocalSizeId, which needs the maintenance4 feature that
+# the device is not created with (the validation layer's VUID-RuntimeSpirv-LocalSizeId-06434).
+EXT_V12_DEFINE = "GLSLC_EXT_V12"
 # Weight types of MoE routers (llama.cpp keeps them unquantized; mxfp4: gpt-oss files that are not) whose split-K
 # matvecs of up to 4 columns have ROUTE variants (mul_mvk{b}r_*, mul_mm{b}{2,4}r_*)
 ROUTE_TYPES = ("f32", "f16", "bf16", "q8_0", "mxfp4")
@@ -219,11 +224,12 @@ def _table() -> dict[str, tuple[str, dict[str, int]]]:
                                                                                "PARTS_Q8": 1})
                 if wt in XQ8_TYPES:   # x as 8-bit blocks, integer dot products (Caps.xq8)
                     t[name.replace(f"_{wt}", f"x_{wt}")] = ("mul_mvk.comp", {**t[name][1], "XQ8": 1, "NO_EPI": 1,
-                                                                              EXT_DEFINE: 1})
+                                                                              EXT_DEFINE: 1, EXT_V12_DEFINE: 1})
                     # the same reading a "pq" producer's blocks of h' and its sums of squares
                     t[name.replace(f"_{wt}", f"nx_{wt}")] = ("mul_mvk.comp", {**t[name][1], "XQ8": 1, "NO_EPI": 1,
                                                                                "NORM_IN": 1, "NORM_IN_BLK": 1,
-                                                                               "XQ2": 1, EXT_DEFINE: 1})
+                                                                               "XQ2": 1, EXT_DEFINE: 1,
+                                                                               EXT_V12_DEFINE: 1})
         t[f"mul_mt_{wt}"] = ("mul_mt.comp", {**d, "TM": TILE[0], "TN": TILE[1]})
         t[f"mul_mt64_{wt}"] = ("mul_mt.comp", {**d, "TM": TILE_SMALL[0], "TN": TILE_SMALL[1]})
         bm, bn, sgm, sgn = MC_TILE

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import cache, lru_cache
 from pathlib import Path
 
-from shaders.variants import EXT_DEFINE, VARIANTS
+from shaders.variants import EXT_DEFINE, EXT_V12_DEFINE, VARIANTS
 
 from .errors import VkEngineError
 
@@ -38,8 +38,10 @@ def needs_ext(name: str) -> bool:
 
 
 def glslc_flags(name: str) -> tuple[str, ...]:
-    """The compiler flags of a variant (part of its cache key)."""
-    return GLSLC_EXT_FLAGS if needs_ext(name) else GLSLC_FLAGS
+    """The compiler flags of a variant (part of its cache key): Vulkan 1.3's
+    SPIR-V for the newer glslc's variants but those marked EXT_V12_DEFINE."""
+    ext = needs_ext(name) and not VARIANTS[name][1].get(EXT_V12_DEFINE)
+    return GLSLC_EXT_FLAGS if ext else GLSLC_FLAGS
 
 
 def glslc_ext() -> str | None:
