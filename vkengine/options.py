@@ -192,7 +192,7 @@ class Options:
                                   # (notes.md run 61)
     splitk_wgs: int = 256         # split K of tiled matmuls whose grid has fewer workgroups (0: off)
     splitk_min: int = 512         # the fewest K columns a part of split K takes
-    xq8: bool = False             # Q8_0 matvecs on integer dot products, x quantized first (opt-in)
+    xq8: bool = False             # Q8_0 and Q4_0 matvecs on integer dot products, x quantized first (opt-in)
     norm_in: bool = True          # decode steps' RMSNorm split between the residual add and its readers
     xq8_in: bool = True           # ... with h' also as 8-bit blocks for a Q8_0 gate|up
     xq8_q4: bool = False          # ... and a Q4_0 one (its nibbles on integer dot products; the float kernel's

@@ -97,7 +97,7 @@ class Caps:
     # (a GPU runs ~100+ at once), parts of at least split_k_min columns; 0: off
     split_k_wgs: int
     split_k_min: int
-    # XQ8: Q8_0 matvecs on integer dot products, x quantized to 8-bit blocks
+    # XQ8: Q8_0 and Q4_0 matvecs on integer dot products, x quantized to 8-bit blocks
     # first (a dispatch); only matrices that never fuse a norm or RoPE take it
     xq8: bool
     # the RMSNorm after a residual add split between the add's matvec and the
