@@ -121,6 +121,18 @@ layout(binding = 7) readonly restrict buffer XQD { float xqd[]; };
 #ifdef XQ2
 #define XQ2_OFF p.rope_row0
 #endif
+#if defined(WT_Q4_0)
+// (Q4_0) 8 x the sum of x's 16 int8 values in a uvec4: what a row's nibbles (q + 8 as bytes) take off their dot
+// product with them, so that it is sum (q + 8) x - 8 sum x = sum q x, exact in integers
+int xq8_sum8(uvec4 x) {
+    const int ONES = 0x01010101;
+    return 8 * (dotPacked4x8EXT(ONES, int(x.x)) + dotPacked4x8EXT(ONES, int(x.y))
+                + dotPacked4x8EXT(ONES, int(x.z)) + dotPacked4x8EXT(ONES, int(x.w)));
+}
+#define XQ8_LESS(v) - (v)
+#else
+#define XQ8_LESS(v)
+#endif
 #endif
 // ROUTE (the "r" variants, a MoE router's logits; NORM_CODE, no other
 // epilogue): then, by the workgroup that finishes last (counted as NORM's),
@@ -344,18 +356,11 @@ void main() {
                     uvec4 xv = xa[c];
                     float dx = da[c];
 #if defined(WT_Q4_0)
-                    // the sum of the column's 16 values (per plane), once for the RPS rows: a row's sum is
-                    // sum (q + 8) x - 8 sum x, exact in integers
-                    const int ONES = 0x01010101;
-                    int xs8 = 8 * (dotPacked4x8EXT(ONES, int(xv.x)) + dotPacked4x8EXT(ONES, int(xv.y))
-                                   + dotPacked4x8EXT(ONES, int(xv.z)) + dotPacked4x8EXT(ONES, int(xv.w)));
+                    // the column's sums (per plane), once for the RPS rows (XQ8_LESS)
+                    int xs8 = xq8_sum8(xv);
 #ifdef XQ2
-                    int xs8b = 8 * (dotPacked4x8EXT(ONES, int(xa2[c].x)) + dotPacked4x8EXT(ONES, int(xa2[c].y))
-                                    + dotPacked4x8EXT(ONES, int(xa2[c].z)) + dotPacked4x8EXT(ONES, int(xa2[c].w)));
+                    int xs8b = xq8_sum8(xa2[c]);
 #endif
-#define XQ8_LESS(v) - (v)
-#else
-#define XQ8_LESS(v)
 #endif
                     [[unroll]] for (uint rr = 0; rr < RPS; rr++) {
                         int s = dotPacked4x8EXT(int(wv[rr].x), int(xv.x)) + dotPacked4x8EXT(int(wv[rr].y), int(xv.y))
