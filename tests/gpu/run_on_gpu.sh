@@ -86,8 +86,8 @@ from shaders.variants import VARIANTS
 miss = [n for n in VARIANTS if not spirv.cached_path(n).exists()]
 if miss:
     sys.exit(f"{len(miss)} of {len(VARIANTS)} shader variants are not in {spirv.default_cache_dir()} "
-             f"(e.g. {miss[0]}): the cache is older than the shader sources; rebuild it here with `rm -rf .spv && VKENGINE_SPIRV_CACHE=$PWD/.spv "
-             "vkengine build-shaders` and carry it again")
+             f"(e.g. {miss[0]}): the cache is older than the shader sources; rebuild it here with "
+             "`rm -rf .spv && VKENGINE_SPIRV_CACHE=$PWD/.spv vkengine build-shaders` and carry it again")
 PY
 
 build_llama() {
